@@ -1,0 +1,275 @@
+"""Structured config schema: one dataclass per config group.
+
+These dataclasses are registered with Hydra's ConfigStore (see ``store.py``) so that
+an unknown key or a value of the wrong type is rejected at composition time.
+Cross-field rules (degrees vs world size, divisibility, batch arithmetic...) live in
+``validate.py``; this module only declares the shape and the defaults.
+
+Nothing here imports torch: the planner and ``action=plan`` must stay instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """Model shape. Defined once per model in conf/model/*.yaml; read by planner and builder."""
+
+    name: str = MISSING
+    n_layers: int = MISSING
+    dim: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: int = MISSING
+    ffn_dim: int = MISSING
+    vocab_size: int = MISSING
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    # Mixture of experts (n_experts == 0 means dense).
+    n_experts: int = 0
+    top_k: int = 0
+    n_shared_experts: int = 0
+    moe_ffn_dim: int = 0
+    # The first n_dense_layers blocks use a dense FFN of ffn_dim even in an MoE model
+    # (DeepSeek-V3 keeps its first 3 layers dense).
+    n_dense_layers: int = 0
+    # Tokens each expert may take = capacity_factor * tokens * top_k / n_experts;
+    # overflow tokens are dropped (their expert output is zero, the residual passes).
+    # <= 0 means dropless.
+    capacity_factor: float = 0.0
+    # Weight of the Switch-style load-balancing loss added to the LM loss.
+    aux_loss_coef: float = 0.01
+    init_std: float = 0.02
+
+
+@dataclass
+class Fp8Config:
+    recipe: str = "tensorwise"  # tensorwise | rowwise
+    # Allow FP8 on hardware without FP8 tensor cores (CPU, A100): numerics only, slow.
+    emulate: bool = False
+    # FSDP2 all-gathers weights in float8 (tensorwise recipe only).
+    all_gather: bool = True
+    # Linear layers whose in/out features are not multiples of 16 or smaller than this stay bf16.
+    min_features: int = 16
+    # Module name fragments kept in bf16 (output layer, MoE router).
+    exclude: List[str] = field(default_factory=lambda: ["output", "router"])
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "bf16"  # fp32 | bf16 | fp8
+    # Dtype of gradient reduction across data-parallel ranks.
+    reduce_dtype: str = "fp32"
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: infer from world size
+    tp: int = 1
+    sp: bool = False  # sequence parallel (with tp > 1)
+    pp: int = 1
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv
+    pp_virtual_stages: int = 1  # model chunks per pipeline rank
+    # Explicit layers per stage (length pp * pp_virtual_stages); empty = even split.
+    pp_layers: List[int] = field(default_factory=list)
+    microbatches: int = -1  # -1: grad-accumulation steps (or pp when pp > 1)
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 3  # 0-3
+
+
+@dataclass
+class OffloadConfig:
+    optimizer: str = "none"  # none | cpu | nvme
+    params: str = "none"  # none | cpu | nvme
+    nvme_path: str = ""
+    pin_memory: bool = False
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    mode: str = "none"  # none | selective | full
+    # selective: "op" saves matmul outputs and recomputes the cheap ops;
+    # an integer string N checkpoints every N-th block fully.
+    selective: str = "op"
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    interval: int = 100  # steps; 0 disables periodic saving
+    keep: int = 3
+    resume: str = "auto"  # auto | none | <path to a checkpoint folder>
+    dir: str = ""  # default: <run_dir>/checkpoints
+    # Verify file checksums (crc32) before resuming; sizes are always checked.
+    verify_checksums: bool = True
+    save_final: bool = True
+    async_save: bool = False
+    export: str = "none"  # none | fp32 | safetensors: consolidated export at the end
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | linear | constant
+
+
+@dataclass
+class DataConfig:
+    # embedded: a text corpus generated in-package (no download);
+    # tokens: memory-mapped token shards at `path`; text: raw text at `path` + `tokenizer`.
+    source: str = "embedded"
+    path: str = ""
+    dtype: str = "uint16"  # uint16 | uint32 (token shards)
+    tokenizer: str = ""  # path to a local HF tokenizer.json (source=text); "" = bytes
+    embedded_tokens: int = 2_000_000
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    grad_clip: float = 1.0
+    seed: int = 1234
+    log_every: int = 1
+    compile: bool = False
+    # Record measured peak memory per category (slow on CPU: a few tracked steps).
+    track_memory: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+    deterministic: bool = False
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"  # auto (online if an API key is configured, else offline) | online | offline | disabled
+    project: str = "launcher"
+    entity: str = ""
+    name: str = ""
+    group: str = ""
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress: bool = True  # rich progress bar on rank 0
+    level: str = "INFO"
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"  # local | slurm
+    nodes: int = 1
+    gpus_per_node: int = 1  # local: number of ranks on this machine
+    # SLURM only.
+    cpus_per_task: int = 0
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time: str = ""
+    constraint: str = ""
+    exclusive: bool = False
+    mem: str = ""
+    job_name: str = ""
+    env: Dict[str, str] = field(default_factory=dict)
+    # Names of environment variables forwarded to the job without writing their values.
+    secret_env: List[str] = field(default_factory=lambda: ["WANDB_API_KEY", "HF_TOKEN"])
+    setup: List[str] = field(default_factory=list)
+    container: str = ""
+    sbatch_args: List[str] = field(default_factory=list)
+    signal_seconds: int = 120
+    max_requeues: int = 3
+    after: List[str] = field(default_factory=list)
+    template: str = ""  # path to a user Jinja2 template; "" = slurm/sbatch.sh.j2
+    dry_run: bool = False
+    python: str = ""  # interpreter on the compute nodes; "" = the one running `train`
+    rdzv_port: int = 29500
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "h100_sxm"
+    memory_gb: float = 80.0
+    # Dense peak FLOP/s (no sparsity).
+    bf16_tflops: float = 989.0
+    fp8_tflops: float = 1979.0
+    fp8_supported: bool = True
+    hbm_gbps: float = 3350.0
+    nvlink_gbps: float = 450.0  # per GPU, one direction
+    network_gbps: float = 50.0  # per GPU inter-node, one direction (400 Gb/s IB)
+    gpus_per_node: int = 8
+    # Fraction of peak a well-tuned dense matmul workload reaches (planner's compute time).
+    achievable_fraction: float = 0.55
+    # Fraction of link bandwidth a collective reaches.
+    comm_efficiency: float = 0.75
+
+
+@dataclass
+class BackendConfig:
+    """`backend=auto|native|deepspeed` picks the default; per-feature keys override it."""
+
+    default: str = "auto"
+    sharding: str = ""  # data-parallel sharding / ZeRO
+    offload: str = ""
+    tp: str = ""
+    pp: str = ""
+    ep: str = ""
+    cp: str = ""
+    precision: str = ""
+    activation_checkpointing: str = ""
+    checkpoint: str = ""
+    # DeepSpeed-only options.
+    zeropp_quantized_weights: bool = False
+    zeropp_quantized_gradients: bool = False
+    zeropp_hierarchical_partition: int = 0  # hpZ secondary partition size (0 = off)
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    fp8_impl: str = "auto"  # auto | torchao | transformer_engine
+
+
+@dataclass
+class PlanConfig:
+    format: str = "text"  # text | json
+    plots: bool = True
+    top_k: int = 10  # action=search: how many layouts to print
+
+
+@dataclass
+class JobConfig:
+    """The whole job, as composed by Hydra from conf/train.yaml."""
+
+    action: str = "run"  # run | plan | search
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    run_name: str = ""

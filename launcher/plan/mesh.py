@@ -1,0 +1,96 @@
+"""Parallel degrees and rank layout. Pure Python (no torch): used by the planner and the runtime.
+
+Rank order, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp. TP is the
+fastest-varying dimension so a TP group is a set of consecutive ranks, i.e. inside one
+node on NVLink; PP is outermost so its point-to-point traffic is what crosses nodes.
+Expert parallelism does not add a dimension: the ep ranks are taken from dp_shard * cp
+(the experts of one MoE layer are spread over ep ranks, and each expert is sharded by
+FSDP over the remaining dp_shard * cp / ep ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Tuple
+
+MESH_DIM_NAMES: Tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """The degrees the runtime builds its DeviceMesh from."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches are processed at once."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks that shard parameters (FSDP / ZeRO): dp_shard * cp."""
+        return self.dp_shard * self.cp
+
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(getattr(self, name) for name in MESH_DIM_NAMES)
+
+    def to_dict(self) -> Dict[str, int]:
+        return asdict(self)
+
+    def coordinates(self, rank: int) -> Dict[str, int]:
+        """Position of a global rank along each named mesh dimension."""
+        coords: Dict[str, int] = {}
+        rest = rank
+        for name in reversed(MESH_DIM_NAMES):
+            size = getattr(self, name)
+            coords[name] = rest % size
+            rest //= size
+        return coords
+
+    def groups(self, dim: str) -> List[List[int]]:
+        """All process groups along one dimension (lists of global ranks)."""
+        if dim not in MESH_DIM_NAMES:
+            raise ValueError(f"unknown mesh dimension {dim!r}; expected one of {MESH_DIM_NAMES}")
+        buckets: Dict[Tuple[int, ...], List[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coordinates(rank)
+            key = tuple(c[n] for n in MESH_DIM_NAMES if n != dim)
+            buckets.setdefault(key, []).append(rank)
+        return list(buckets.values())
+
+
+def resolve_mesh(
+    world_size: int,
+    *,
+    pp: int = 1,
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    cp: int = 1,
+    tp: int = 1,
+    ep: int = 1,
+) -> MeshPlan:
+    """Fill in dp_shard=-1 from the world size. Raises ValueError if the degrees cannot fit.
+
+    Validation (``launcher.config.validate``) reports the same problems with fixes; this
+    function is the single place where the inference is done.
+    """
+    fixed = pp * dp_replicate * cp * tp
+    if fixed <= 0:
+        raise ValueError("parallel degrees must be positive")
+    if dp_shard == -1:
+        if world_size % fixed:
+            raise ValueError(
+                f"world size {world_size} is not divisible by pp*dp_replicate*cp*tp = {fixed}"
+            )
+        dp_shard = world_size // fixed
+    return MeshPlan(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
