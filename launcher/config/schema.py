@@ -112,7 +112,6 @@ class CheckpointConfig:
     # Verify file checksums (crc32) before resuming; sizes are always checked.
     verify_checksums: bool = True
     save_final: bool = True
-    async_save: bool = False
     export: str = "none"  # none | fp32 | safetensors: consolidated export at the end
 
 
@@ -219,6 +218,10 @@ class HardwareConfig:
     achievable_fraction: float = 0.55
     # Fraction of link bandwidth a collective reaches.
     comm_efficiency: float = 0.75
+    # GPU memory outside PyTorch's allocator: CUDA context, NCCL buffers, cuBLAS workspaces.
+    reserved_gb: float = 2.0
+    # Host <-> GPU bandwidth per GPU (PCIe), one direction; used for offload time.
+    pcie_gbps: float = 25.0
 
 
 @dataclass

@@ -1,0 +1,35 @@
+# Two commands on a fresh machine:
+#   make demo   create .venv, install, train the debug recipe (2 local ranks on CPU)
+#   make test   install test needs (incl. a local SLURM cluster) and run the whole suite
+#
+# CPU machines install torch==2.13.0 from requirements-cpu.txt. On a GPU machine keep your
+# CUDA torch:  make demo TORCH_REQUIREMENTS=
+VENV ?= .venv
+PYTHON ?= python3
+TORCH_REQUIREMENTS ?= requirements-cpu.txt
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# DeepSpeed JIT-compiled ops and torch.compile caches stay inside the work tree.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml $(TORCH_REQUIREMENTS)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(TORCH_REQUIREMENTS),$(PY) -m pip install --quiet -r $(TORCH_REQUIREMENTS))
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/train +recipe=debug
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+clean:
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,146 @@
+"""The `train` command: compose -> validate -> plan -> (print | launch locally | submit to SLURM).
+
+    train +recipe=llama70b parallel.tp=8
+    train +recipe=llama70b cluster=slurm cluster.nodes=16
+    train +recipe=llama405b action=plan cluster.nodes=64 plan.format=json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+from typing import List
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from launcher.config.loader import compose_spec, save_spec, to_spec, user_overrides
+from launcher.config.schema import JobConfig
+from launcher.config.store import available_recipes, register_configs
+from launcher.config.validate import validate
+from launcher.paths import config_dir
+
+log = logging.getLogger("launcher")
+
+EXIT_INVALID_CONFIG = 2
+
+
+def _fail_config(problems: List[str]) -> None:
+    n = len(problems)
+    sys.stderr.write(f"Invalid configuration ({n} problem{'s' if n > 1 else ''}):\n")
+    for p in problems:
+        sys.stderr.write(f"  - {p}\n")
+    sys.stderr.flush()
+    sys.exit(EXIT_INVALID_CONFIG)
+
+
+def _composition_problem(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    msg = " ".join(line.strip() for line in text if line.strip())
+    cause = err.__cause__
+    if cause is not None and str(cause).strip():
+        msg += f" ({str(cause).strip().splitlines()[0]})"
+    if "recipe" in msg and "not found" in msg.lower():
+        msg += f". Available recipes: {', '.join(available_recipes())}"
+    return msg + ". Fix: check the key name and type against conf/ (`train --cfg job` prints the composed config)."
+
+
+def _precheck(argv: List[str]) -> None:
+    """Compose once before Hydra runs so a bad key or type exits 2 with one clean line, no traceback."""
+    if any(a in ("-m", "--multirun", "-h", "--help", "--hydra-help", "--info", "-c", "--cfg", "-i") for a in argv):
+        return
+    try:
+        compose_spec(user_overrides(argv))
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
+        _fail_config([_composition_problem(err)])
+
+
+def _resolve_local_device(spec: JobConfig) -> JobConfig:
+    """For local runs, decide `trainer.device=auto` here (the ranks run on this machine)."""
+    if spec.cluster.name != "local" or spec.trainer.device != "auto":
+        return spec
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= spec.cluster.gpus_per_node else "cpu"
+    return dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, device=device))
+
+
+def _run(spec: JobConfig, run_dir: Path) -> int:
+    from launcher.plan.plan import build_plan
+
+    spec = _resolve_local_device(spec)
+    problems = validate(spec)
+    if problems:
+        _fail_config(problems)
+    plan = build_plan(spec)
+    for warning in plan.warnings:
+        log.warning("%s", warning)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_spec(spec, run_dir)
+    plan.save(run_dir)
+    if spec.cluster.name == "slurm":
+        from launcher.launch.slurm import submit
+
+        return submit(spec, plan, run_dir)
+    from launcher.launch.local import launch_local
+
+    code = launch_local(spec, plan, run_dir)
+    if code != 0:
+        sys.stderr.write(f"training failed (exit code {code}); rank logs: {run_dir / 'logs'}\n")
+    return code
+
+
+def _plan(spec: JobConfig, run_dir: Path) -> int:
+    from launcher.plan.plan import build_plan
+    from launcher.plan.report import render_plan
+
+    plan = build_plan(spec)
+    print(render_plan(plan, spec, spec.plan.format))
+    if spec.plan.plots:
+        from launcher.plan.plots import save_plan_plots
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        plan.save(run_dir)
+        save_plan_plots(plan, spec, run_dir)
+    return 0
+
+
+def _search(spec: JobConfig) -> int:
+    from launcher.plan.report import render_search
+    from launcher.plan.search import search_layouts
+
+    candidates = search_layouts(spec)
+    print(render_search(candidates, spec, spec.plan.format, spec.plan.top_k))
+    return 0
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
+def hydra_main(cfg: DictConfig) -> None:
+    spec = to_spec(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if spec.action == "run":
+        code = _run(spec, run_dir)
+        print(f"run directory: {run_dir}")
+    else:
+        problems = validate(spec)
+        if problems:
+            _fail_config(problems)
+        code = _plan(spec, run_dir) if spec.action == "plan" else _search(spec)
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    """Console entry point of `train`."""
+    register_configs()
+    _precheck(sys.argv[1:])
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Cross-field validation: every problem at once, one line each, naming keys, numbers and a fix.
+
+`validate(spec)` returns the list of problems (empty means valid). It is pure Python so that
+`action=plan` and `action=search` can call it for thousands of candidate layouts.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Sequence
+
+from launcher.config.errors import ConfigError
+from launcher.config.schema import JobConfig
+
+CHOICES = {
+    "action": ("run", "plan", "search"),
+    "precision.name": ("fp32", "bf16", "fp8"),
+    "precision.reduce_dtype": ("fp32", "bf16"),
+    "precision.fp8.recipe": ("tensorwise", "rowwise"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
+    "offload.optimizer": ("none", "cpu", "nvme"),
+    "offload.params": ("none", "cpu", "nvme"),
+    "activation_checkpointing.mode": ("none", "selective", "full"),
+    "optim.name": ("adamw",),
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "data.source": ("embedded", "tokens", "text"),
+    "data.dtype": ("uint16", "uint32"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
+    "cluster.name": ("local", "slurm"),
+    "backend.default": ("auto", "native", "deepspeed"),
+    "checkpoint.export": ("none", "fp32", "safetensors"),
+}
+
+# Schedules that run several model chunks per pipeline rank.
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
+
+
+def _get(spec: JobConfig, dotted: str):
+    obj = spec
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt_choices(values: Sequence[int], limit: int = 8) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return "{" + shown + (", ..." if len(values) > limit else "") + "}"
+
+
+def _check_choices(spec: JobConfig, problems: List[str]) -> None:
+    for key, allowed in CHOICES.items():
+        value = _get(spec, key)
+        if value not in allowed:
+            problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}. Fix: set {key} to one of them.")
+
+
+def _check_positive(spec: JobConfig, problems: List[str]) -> None:
+    keys = (
+        "model.n_layers", "model.dim", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
+        "model.vocab_size", "model.max_seq_len",
+        "trainer.steps", "trainer.global_batch_size", "trainer.micro_batch_size", "trainer.seq_len",
+        "trainer.log_every", "cluster.nodes", "cluster.gpus_per_node",
+        "parallel.dp_replicate", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
+        "parallel.pp_virtual_stages", "checkpoint.keep",
+    )
+    for key in keys:
+        value = _get(spec, key)
+        if value < 1:
+            problems.append(f"{key}={value} must be at least 1. Fix: set {key} to a positive integer.")
+    if spec.parallel.dp_shard != -1 and spec.parallel.dp_shard < 1:
+        problems.append(
+            f"parallel.dp_shard={spec.parallel.dp_shard} must be -1 (infer from the world size) or at least 1. Fix: parallel.dp_shard=-1."
+        )
+    if spec.optim.lr <= 0:
+        problems.append(f"optim.lr={spec.optim.lr} must be positive. Fix: e.g. optim.lr=3e-4.")
+    if not 0 <= spec.optim.min_lr_ratio <= 1:
+        problems.append(f"optim.min_lr_ratio={spec.optim.min_lr_ratio} must be within [0, 1]. Fix: e.g. optim.min_lr_ratio=0.1.")
+    if spec.optim.warmup_steps < 0:
+        problems.append(f"optim.warmup_steps={spec.optim.warmup_steps} must be >= 0. Fix: optim.warmup_steps=0 for no warm-up.")
+    if spec.checkpoint.interval < 0:
+        problems.append(f"checkpoint.interval={spec.checkpoint.interval} must be >= 0. Fix: a step count, or 0 to disable periodic saves.")
+    if spec.trainer.grad_clip < 0:
+        problems.append(f"trainer.grad_clip={spec.trainer.grad_clip} must be >= 0. Fix: e.g. trainer.grad_clip=1.0, or 0 to disable clipping.")
+
+
+def _check_world_size(spec: JobConfig, problems: List[str]) -> None:
+    p, c = spec.parallel, spec.cluster
+    world = c.nodes * c.gpus_per_node
+    fixed = p.pp * p.dp_replicate * p.cp * p.tp
+    if min(fixed, world) < 1:
+        return
+    where = f"world size {world} (cluster.nodes={c.nodes} x cluster.gpus_per_node={c.gpus_per_node})"
+    if p.dp_shard == -1:
+        if world % fixed:
+            problems.append(
+                f"parallel: pp*dp_replicate*cp*tp = {p.pp}*{p.dp_replicate}*{p.cp}*{p.tp} = {fixed} does not divide "
+                f"the {where}. Fix: choose degrees whose product divides {world}, or change cluster.nodes/gpus_per_node."
+            )
+    else:
+        total = fixed * p.dp_shard
+        if total != world:
+            problems.append(
+                f"parallel: pp*dp_replicate*dp_shard*cp*tp = {p.pp}*{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {total} "
+                f"!= {where}. Fix: set parallel.dp_shard=-1 to infer it, or make the product equal {world}."
+            )
+
+
+def _dp_size(spec: JobConfig) -> int:
+    p, c = spec.parallel, spec.cluster
+    if p.dp_shard != -1:
+        return p.dp_replicate * p.dp_shard
+    fixed = p.pp * p.dp_replicate * p.cp * p.tp
+    world = c.nodes * c.gpus_per_node
+    return p.dp_replicate * max(1, world // max(1, fixed))
+
+
+def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
+    m, p = spec.model, spec.parallel
+    if p.tp > 1:
+        if m.n_heads % p.tp:
+            problems.append(
+                f"parallel.tp={p.tp}: model.n_heads={m.n_heads} is not divisible by {p.tp}. "
+                f"Fix: choose parallel.tp in {_fmt_choices(_divisors(m.n_heads))}."
+            )
+        if m.n_kv_heads % p.tp:
+            problems.append(
+                f"parallel.tp={p.tp}: model.n_kv_heads={m.n_kv_heads} is not divisible by {p.tp} "
+                f"(grouped-query attention shards whole KV heads). "
+                f"Fix: choose parallel.tp in {_fmt_choices(_divisors(m.n_kv_heads))}."
+            )
+        ffn_dims = [("model.ffn_dim", m.ffn_dim)]
+        if m.n_experts:
+            ffn_dims.append(("model.moe_ffn_dim", m.moe_ffn_dim))
+        for key, value in ffn_dims:
+            if value % p.tp:
+                problems.append(
+                    f"parallel.tp={p.tp}: {key}={value} is not divisible by {p.tp}. "
+                    f"Fix: choose parallel.tp in {_fmt_choices(_divisors(value))}."
+                )
+    if m.dim % m.n_heads:
+        problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}. Fix: choose n_heads dividing dim.")
+    elif (m.dim // m.n_heads) % 2:
+        problems.append(f"model head_dim = dim/n_heads = {m.dim // m.n_heads} must be even for RoPE. Fix: change model.dim or model.n_heads.")
+    if m.n_heads % m.n_kv_heads:
+        problems.append(
+            f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}. "
+            f"Fix: n_kv_heads must divide n_heads."
+        )
+    if p.sp and p.tp == 1:
+        problems.append("parallel.sp=true needs parallel.tp > 1 (sequence parallel shards along the TP group). Fix: set parallel.tp or parallel.sp=false.")
+
+    chunks = p.pp * p.pp_virtual_stages
+    if p.pp_layers:
+        if len(p.pp_layers) != chunks:
+            problems.append(
+                f"parallel.pp_layers has {len(p.pp_layers)} entries but pp*pp_virtual_stages = {p.pp}*{p.pp_virtual_stages} = {chunks}. "
+                f"Fix: give one layer count per stage chunk, or parallel.pp_layers=[] for an even split."
+            )
+        elif sum(p.pp_layers) != m.n_layers or min(p.pp_layers) < 1:
+            problems.append(
+                f"parallel.pp_layers={list(p.pp_layers)} sums to {sum(p.pp_layers)} but model.n_layers={m.n_layers} "
+                f"(and every stage needs >= 1 layer). Fix: make the counts positive and sum to {m.n_layers}."
+            )
+    elif chunks > 1 and m.n_layers < chunks:
+        problems.append(
+            f"parallel: pp*pp_virtual_stages = {chunks} stage chunks but model.n_layers={m.n_layers}. "
+            f"Fix: use at most {m.n_layers} chunks (lower parallel.pp or parallel.pp_virtual_stages)."
+        )
+    if p.pp > 1 and m.tie_embeddings:
+        problems.append(
+            "model.tie_embeddings=true with parallel.pp > 1: the embedding and the output layer live on different "
+            "pipeline stages. Fix: parallel.pp=1 or model.tie_embeddings=false."
+        )
+    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and p.pp_virtual_stages < 2:
+        problems.append(
+            f"parallel.pp_schedule={p.pp_schedule} runs several model chunks per rank but parallel.pp_virtual_stages="
+            f"{p.pp_virtual_stages}. Fix: set parallel.pp_virtual_stages=2 (or more), or use pp_schedule=1f1b."
+        )
+    if p.pp_schedule == "zbv" and p.pp_virtual_stages != 2:
+        problems.append(f"parallel.pp_schedule=zbv needs exactly 2 virtual stages, got {p.pp_virtual_stages}. Fix: parallel.pp_virtual_stages=2.")
+    if p.pp_schedule in ("gpipe", "1f1b") and p.pp_virtual_stages != 1:
+        problems.append(
+            f"parallel.pp_schedule={p.pp_schedule} runs one chunk per rank but parallel.pp_virtual_stages={p.pp_virtual_stages}. "
+            f"Fix: parallel.pp_schedule=interleaved_1f1b, or parallel.pp_virtual_stages=1."
+        )
+    if p.pp == 1 and p.pp_virtual_stages != 1:
+        problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp > 1. Fix: set parallel.pp or pp_virtual_stages=1.")
+
+    if p.ep > 1:
+        if m.n_experts == 0:
+            problems.append(f"parallel.ep={p.ep} but model {m.name!r} is dense (n_experts=0). Fix: parallel.ep=1 or an MoE model (e.g. model=debug_moe).")
+        elif m.n_experts % p.ep:
+            problems.append(
+                f"parallel.ep={p.ep}: model.n_experts={m.n_experts} is not divisible by {p.ep}. "
+                f"Fix: choose parallel.ep in {_fmt_choices(_divisors(m.n_experts))}."
+            )
+        shard_ranks = (p.dp_shard if p.dp_shard != -1 else _dp_size(spec) // p.dp_replicate) * p.cp
+        if shard_ranks % p.ep:
+            problems.append(
+                f"parallel.ep={p.ep} must divide dp_shard*cp = {shard_ranks} (expert-parallel ranks are taken from "
+                f"the sharded data-parallel ranks). Fix: choose parallel.ep in {_fmt_choices(_divisors(shard_ranks))}."
+            )
+    if m.n_experts:
+        if not 1 <= m.top_k <= m.n_experts:
+            problems.append(f"model.top_k={m.top_k} must be within [1, n_experts={m.n_experts}]. Fix: e.g. model.top_k=2.")
+        if m.moe_ffn_dim < 1:
+            problems.append("model.moe_ffn_dim must be set for an MoE model (n_experts > 0). Fix: model.moe_ffn_dim=<expert hidden size>.")
+        if m.n_dense_layers >= m.n_layers:
+            problems.append(f"model.n_dense_layers={m.n_dense_layers} leaves no MoE layer of n_layers={m.n_layers}. Fix: lower model.n_dense_layers.")
+
+
+def _check_batch_and_sequence(spec: JobConfig, problems: List[str]) -> None:
+    t, p = spec.trainer, spec.parallel
+    dp = _dp_size(spec)
+    per_step = t.micro_batch_size * dp
+    if per_step >= 1 and t.global_batch_size % per_step:
+        good = [g for g in range(per_step, per_step * 4 + 1, per_step)]
+        problems.append(
+            f"trainer.global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size*dp = "
+            f"{t.micro_batch_size}*{dp} = {per_step} (global = micro x grad-accumulation x data-parallel size). "
+            f"Fix: set trainer.global_batch_size to one of {good[:3]}, or change trainer.micro_batch_size."
+        )
+    elif per_step >= 1:
+        accum = t.global_batch_size // per_step
+        if p.microbatches != -1 and p.microbatches != accum:
+            problems.append(
+                f"parallel.microbatches={p.microbatches} but global_batch_size/(micro_batch_size*dp) = "
+                f"{t.global_batch_size}/({t.micro_batch_size}*{dp}) = {accum} micro-batches per step. "
+                f"Fix: parallel.microbatches=-1, or trainer.global_batch_size={p.microbatches * per_step}."
+            )
+    if p.tp > 1 and p.sp and t.seq_len % p.tp:
+        problems.append(
+            f"trainer.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallel splits the "
+            f"sequence over TP ranks). Fix: seq_len a multiple of {p.tp}."
+        )
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        problems.append(
+            f"trainer.seq_len={t.seq_len} is not divisible by 2*parallel.cp = {2 * p.cp} (load-balanced context "
+            f"parallel splits the sequence into 2*cp chunks). Fix: seq_len a multiple of {2 * p.cp}."
+        )
+    if t.seq_len > spec.model.max_seq_len:
+        problems.append(
+            f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={spec.model.max_seq_len}. "
+            f"Fix: lower trainer.seq_len or raise model.max_seq_len."
+        )
+
+
+def _check_zero_and_offload(spec: JobConfig, problems: List[str]) -> None:
+    p, o = spec.parallel, spec.offload
+    if not 0 <= p.zero_stage <= 3:
+        problems.append(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3. Fix: parallel.zero_stage=3 (shard everything) or 2.")
+    if "nvme" in (o.optimizer, o.params) and not o.nvme_path:
+        problems.append("offload to nvme needs offload.nvme_path (a local NVMe folder). Fix: set offload.nvme_path=/path/on/nvme.")
+    if o.params != "none" and p.zero_stage != 3:
+        problems.append(
+            f"offload.params={o.params} needs parallel.zero_stage=3 (only sharded parameters can be offloaded); "
+            f"got zero_stage={p.zero_stage}. Fix: parallel.zero_stage=3 or offload.params=none."
+        )
+    if o.optimizer != "none" and p.zero_stage == 0:
+        problems.append(
+            f"offload.optimizer={o.optimizer} needs parallel.zero_stage >= 1. Fix: parallel.zero_stage=2 (or 3)."
+        )
+
+
+def _check_device(spec: JobConfig, problems: List[str]) -> None:
+    t, p = spec.trainer, spec.parallel
+    on_cpu = t.device == "cpu"
+    if on_cpu and p.cp > 1:
+        problems.append(
+            f"parallel.cp={p.cp} with trainer.device=cpu: context parallelism needs GPU attention kernels "
+            f"(no CPU kernel has a sharding rule). Fix: parallel.cp=1 on CPU, or run on GPUs."
+        )
+    if spec.precision.name == "fp8" and not spec.precision.fp8.emulate:
+        if on_cpu:
+            problems.append(
+                "precision=fp8 with trainer.device=cpu: the CPU has no FP8 tensor cores. "
+                "Fix: precision.fp8.emulate=true to check numerics (slow), or precision=bf16."
+            )
+        elif not spec.hardware.fp8_supported:
+            problems.append(
+                f"precision=fp8 on hardware={spec.hardware.name}, which has no FP8 tensor cores (needs compute "
+                f"capability >= 8.9: H100, H200, B200, L40S). Fix: precision=bf16, or precision.fp8.emulate=true."
+            )
+    if spec.action == "run" and spec.data.source in ("tokens", "text") and not spec.data.path:
+        problems.append(f"data.source={spec.data.source} needs data.path. Fix: data.path=/path/to/data.")
+    if spec.data.source == "embedded" and spec.model.vocab_size < 256:
+        problems.append(
+            f"data.source=embedded uses byte tokens (256 ids) but model.vocab_size={spec.model.vocab_size}. "
+            f"Fix: model.vocab_size >= 256."
+        )
+
+
+RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
+    _check_choices,
+    _check_positive,
+    _check_world_size,
+    _check_model_vs_parallel,
+    _check_batch_and_sequence,
+    _check_zero_and_offload,
+    _check_device,
+)
+
+
+def validate(spec: JobConfig) -> List[str]:
+    """Return every problem with `spec` (empty list: valid). Includes backend conflicts."""
+    problems: List[str] = []
+    for rule in RULES:
+        rule(spec, problems)
+    if not problems:
+        # The resolver only makes sense once the basic shape is valid.
+        from launcher.plan.backends import resolve_backends
+
+        try:
+            resolve_backends(spec)
+        except ConfigError as err:
+            problems.extend(err.problems)
+    return problems
+
+
+def check(spec: JobConfig) -> None:
+    """Raise ConfigError with every problem, if any."""
+    problems = validate(spec)
+    if problems:
+        raise ConfigError(problems)

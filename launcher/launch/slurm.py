@@ -1,0 +1,412 @@
+"""Submit a planned job to SLURM: render the sbatch script into the run directory, call sbatch.
+
+The script comes from a Jinja2 template (slurm/sbatch.sh.j2, or cluster.template). It starts
+one torch elastic launcher per node with srun; the c10d rendezvous is hosted on the first
+node of the allocation. It traps the preemption / time-limit warning (USR1) and SIGTERM,
+turns them into a stop request for the ranks (the file <run_dir>/control/stop), and
+requeues itself when the ranks report a clean stop (<run_dir>/control/stopped).
+
+Quoting: every value reaches the script through a filter, `q` (shlex.quote) for shell text
+and `sbatch_q` for #SBATCH lines, which sbatch parses itself (double quotes, backslash
+escapes; a bare `#` starts a comment). Secrets (cluster.secret_env) are forwarded by name
+through the submitting environment and never written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import jinja2
+
+from launcher.config.schema import ClusterConfig, JobConfig
+from launcher.launch.torchrun import torchrun_argv
+from launcher.paths import slurm_dir
+from launcher.plan.plan import Plan
+
+DEFAULT_TEMPLATE = "sbatch.sh.j2"
+SCRIPT_NAME = "job.sbatch"
+JOB_INFO_NAME = "slurm_job.json"
+SBATCH_TIMEOUT_S = 120
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
+_JOB_NAME_BAD = re.compile(r"[^A-Za-z0-9._-]+")
+_RDZV_FLAGS = ("--rdzv_endpoint=", "--rdzv-endpoint=", "--rdzv_id=", "--rdzv-id=")
+
+
+class SlurmConfigError(ValueError):
+    """cluster.* values that cannot become a valid sbatch script; one line per problem."""
+
+    def __init__(self, problems: List[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+# --- quoting ------------------------------------------------------------------------------
+
+
+def sbatch_quote(value: Any) -> str:
+    """Quote one value for an `#SBATCH` line as sbatch's own parser reads it.
+
+    sbatch (not the shell) parses these lines: inside double quotes whitespace and `#` are
+    literal, and a backslash escapes the next character. Shell syntax ($, `, ;) means
+    nothing there. A newline cannot be represented and is refused.
+    """
+    text = str(value)
+    if "\n" in text or "\r" in text:
+        raise SlurmConfigError([f"a #SBATCH value may not contain a newline: {text!r}"])
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def shell_quote(value: Any) -> str:
+    """Quote one value for the shell (shlex.quote of its string form)."""
+    return shlex.quote(str(value))
+
+
+def sanitize_job_name(name: str, fallback: str = "train") -> str:
+    """A job name made of [A-Za-z0-9._-] only, at most 64 characters (squeue-friendly)."""
+    clean = _JOB_NAME_BAD.sub("-", name).strip("-.")[:64].strip("-.")
+    return clean or fallback
+
+
+# --- validation ---------------------------------------------------------------------------
+
+
+def check_cluster_config(cluster: ClusterConfig) -> List[str]:
+    """Every problem in the SLURM keys, each naming the key, the value and a fix.
+
+    Cross-field rules of the whole job live in launcher/config/validate.py; these are the
+    ones only the SLURM launcher needs, checked before anything is written or submitted.
+    """
+    problems: List[str] = []
+    if cluster.nodes < 1:
+        problems.append(f"cluster.nodes={cluster.nodes}: need at least 1 node; set cluster.nodes=1 or more")
+    if cluster.gpus_per_node < 1:
+        problems.append(
+            f"cluster.gpus_per_node={cluster.gpus_per_node}: need at least 1 rank per node "
+            "(on a CPU cluster it is the number of ranks per node); set cluster.gpus_per_node=1 or more"
+        )
+    if cluster.max_requeues < 0:
+        problems.append(f"cluster.max_requeues={cluster.max_requeues}: must be >= 0 (0 disables requeueing)")
+    if cluster.signal_seconds < 0:
+        problems.append(
+            f"cluster.signal_seconds={cluster.signal_seconds}: must be >= 0 (0 asks for no warning signal)"
+        )
+    if cluster.cpus_per_task < 0:
+        problems.append(f"cluster.cpus_per_task={cluster.cpus_per_task}: must be >= 0 (0 leaves it to SLURM)")
+    for name in cluster.env:
+        if not _ENV_NAME.match(str(name)):
+            problems.append(
+                f"cluster.env key {name!r} is not a valid environment variable name; "
+                "use letters, digits and _ (not starting with a digit)"
+            )
+        if name in cluster.secret_env:
+            problems.append(
+                f"cluster.env.{name} would write a secret's value into the job script; remove it and "
+                f"`export {name}=...` in the shell that runs `train` (cluster.secret_env forwards it by name)"
+            )
+    for name in cluster.secret_env:
+        if not _ENV_NAME.match(str(name)):
+            problems.append(f"cluster.secret_env entry {name!r} is not a valid environment variable name")
+    for i, job in enumerate(cluster.after):
+        if not _JOB_ID.match(str(job).strip()):
+            problems.append(
+                f"cluster.after[{i}]={job!r} is not a SLURM job id; use numeric ids, e.g. cluster.after=[12345]"
+            )
+    for i, arg in enumerate(cluster.sbatch_args):
+        text = str(arg)
+        if not text.startswith("-"):
+            problems.append(
+                f"cluster.sbatch_args[{i}]={text!r} is not an sbatch option; write one option per entry, "
+                "e.g. '--reservation=big'"
+            )
+        if "\n" in text or "\r" in text:
+            problems.append(f"cluster.sbatch_args[{i}] contains a newline; write one option per entry")
+    for key in ("partition", "account", "qos", "time", "constraint", "mem", "job_name", "container"):
+        value = str(getattr(cluster, key))
+        if "\n" in value or "\r" in value:
+            problems.append(f"cluster.{key} contains a newline: {value!r}")
+    if not 0 <= cluster.rdzv_port <= 65535:
+        problems.append(
+            f"cluster.rdzv_port={cluster.rdzv_port}: must be a TCP port (1-65535), "
+            "or 0 to derive one from the job id"
+        )
+    if cluster.template:
+        path = Path(cluster.template).expanduser()
+        if not path.is_file():
+            problems.append(
+                f"cluster.template={cluster.template!r}: no such file (looked at {path.resolve()}); "
+                "give the path of a Jinja2 sbatch template, or leave it empty for the built-in one"
+            )
+    return problems
+
+
+# --- rendering ----------------------------------------------------------------------------
+
+
+@dataclass
+class SlurmPaths:
+    """Where a submission puts its files (all absolute)."""
+
+    run_dir: Path
+    script: Path
+    logs_dir: Path
+    stdout: str  # sbatch pattern, %j = job id
+    stderr: str
+    template: Path
+
+    def log_paths(self, job_id: str) -> List[Path]:
+        return [Path(p.replace("%j", job_id)) for p in (self.stdout, self.stderr)]
+
+
+def template_path(cluster: ClusterConfig) -> Path:
+    """The template used: cluster.template when set, else the built-in slurm/sbatch.sh.j2."""
+    if cluster.template:
+        return Path(cluster.template).expanduser().resolve()
+    return slurm_dir() / DEFAULT_TEMPLATE
+
+
+def slurm_paths(cluster: ClusterConfig, run_dir: Path) -> SlurmPaths:
+    run_dir = Path(run_dir).resolve()
+    logs = run_dir / "logs"
+    return SlurmPaths(
+        run_dir=run_dir,
+        script=run_dir / SCRIPT_NAME,
+        logs_dir=logs,
+        stdout=str(logs / "slurm-%j.out"),
+        stderr=str(logs / "slurm-%j.err"),
+        template=template_path(cluster),
+    )
+
+
+def _uses_gpus(spec: JobConfig) -> bool:
+    # On a CPU cluster gpus_per_node is the number of ranks per node: request no GPUs.
+    return spec.trainer.device != "cpu" and spec.cluster.gpus_per_node > 0
+
+
+def sbatch_options(spec: JobConfig, paths: SlurmPaths, cwd: Path) -> List[Dict[str, Optional[str]]]:
+    """The #SBATCH options as (name, value) pairs; value None is a bare flag."""
+    c = spec.cluster
+    name = sanitize_job_name(c.job_name or spec.run_name or f"train-{spec.model.name}")
+    opts: List[tuple] = [
+        ("job-name", name),
+        ("nodes", c.nodes),
+        ("ntasks-per-node", 1),
+    ]
+    if _uses_gpus(spec):
+        opts.append(("gpus-per-node", c.gpus_per_node))
+    if c.cpus_per_task > 0:
+        opts.append(("cpus-per-task", c.cpus_per_task))
+    for key in ("partition", "account", "qos", "time", "constraint", "mem"):
+        value = getattr(c, key)
+        if value:
+            opts.append((key, value))
+    if c.exclusive:
+        opts.append(("exclusive", None))
+    opts += [
+        ("chdir", str(cwd)),
+        ("output", paths.stdout),
+        ("error", paths.stderr),
+        # Requeued runs of the job append to its logs instead of truncating them.
+        ("open-mode", "append"),
+        ("export", "ALL"),
+    ]
+    if c.signal_seconds > 0:
+        opts.append(("signal", f"B:USR1@{c.signal_seconds}"))
+    opts.append(("requeue", None) if c.max_requeues > 0 else ("no-requeue", None))
+    if c.after:
+        opts.append(("dependency", "afterok:" + ":".join(str(j).strip() for j in c.after)))
+    return [{"name": k, "value": None if v is None else str(v)} for k, v in opts]
+
+
+def srun_argv(spec: JobConfig, cwd: Path, run_dir: Path) -> List[str]:
+    """srun options: one launcher task per node; a node's failure stops the others."""
+    c = spec.cluster
+    argv = [
+        "srun",
+        f"--nodes={c.nodes}",
+        f"--ntasks={c.nodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+    ]
+    if c.cpus_per_task > 0:
+        argv.append(f"--cpus-per-task={c.cpus_per_task}")
+    if c.container:
+        mounts = sorted({str(run_dir), str(cwd)})
+        argv += [
+            f"--container-image={c.container}",
+            "--container-mounts=" + ",".join(f"{m}:{m}" for m in mounts),
+            f"--container-workdir={cwd}",
+        ]
+    return argv
+
+
+def launch_argv(spec: JobConfig, plan: Plan, run_dir: Path) -> List[str]:
+    """The per-node torchrun command, from torchrun_argv.
+
+    The rendezvous endpoint and id are known only inside the job (first node, job id), so
+    the script exports them as PET_RDZV_ENDPOINT / PET_RDZV_ID, which torchrun reads when
+    the flags are absent; the flags torchrun_argv adds for them are dropped here.
+    """
+    c = spec.cluster
+    python = c.python or ("python" if c.container else sys.executable)
+    argv = torchrun_argv(
+        run_dir,
+        nproc_per_node=plan.gpus_per_node,
+        nnodes=plan.nodes,
+        rdzv_endpoint="set-by-job-script:0",
+        rdzv_id="set-by-job-script",
+        python=python,
+    )
+    kept = [a for a in argv if not a.startswith(_RDZV_FLAGS)]
+    if len(argv) - len(kept) != 2:
+        raise RuntimeError(
+            "torchrun_argv no longer emits --rdzv_endpoint=/--rdzv_id= as single arguments; "
+            f"update launcher/launch/slurm.py:launch_argv (got {argv})"
+        )
+    return kept
+
+
+def template_context(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[Path] = None) -> Dict[str, Any]:
+    """Everything a template sees. Values are raw: the template quotes them with filters."""
+    c = spec.cluster
+    cwd = Path(cwd or os.getcwd()).resolve()
+    paths = slurm_paths(c, run_dir)
+    return {
+        "spec": spec,
+        "plan": plan,
+        "cluster": c,
+        "run_dir": str(paths.run_dir),
+        "logs_dir": str(paths.logs_dir),
+        "script_path": str(paths.script),
+        "template_path": str(paths.template),
+        "sbatch_options": sbatch_options(spec, paths, cwd),
+        "sbatch_args": [str(a) for a in c.sbatch_args],
+        "env": {str(k): str(v) for k, v in c.env.items()},
+        "secret_env": [str(s) for s in c.secret_env],
+        "setup": [str(s) for s in c.setup],
+        "srun_argv": srun_argv(spec, cwd, paths.run_dir),
+        "launch_argv": launch_argv(spec, plan, paths.run_dir),
+        "nproc_per_node": plan.gpus_per_node,
+        "rdzv_port": int(c.rdzv_port),
+        "max_requeues": int(c.max_requeues),
+    }
+
+
+def _jinja_env(template_dir: Path) -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir)),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["q"] = shell_quote
+    env.filters["sbatch_q"] = sbatch_quote
+    return env
+
+
+def render_script(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[Path] = None) -> str:
+    """The sbatch script text. Raises SlurmConfigError listing every bad cluster.* value."""
+    problems = check_cluster_config(spec.cluster)
+    if problems:
+        raise SlurmConfigError(problems)
+    path = template_path(spec.cluster)
+    template = _jinja_env(path.parent).get_template(path.name)
+    return template.render(**template_context(spec, plan, run_dir, cwd))
+
+
+def write_script(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[Path] = None) -> Path:
+    """Render the script to <run_dir>/job.sbatch (and create <run_dir>/logs)."""
+    paths = slurm_paths(spec.cluster, run_dir)
+    text = render_script(spec, plan, run_dir, cwd)
+    paths.logs_dir.mkdir(parents=True, exist_ok=True)
+    (paths.run_dir / "control").mkdir(parents=True, exist_ok=True)
+    tmp = paths.script.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    tmp.replace(paths.script)
+    return paths.script
+
+
+# --- submission ---------------------------------------------------------------------------
+
+
+def parse_job_id(sbatch_stdout: str) -> str:
+    """The job id from `sbatch --parsable` output ("123" or "123;cluster")."""
+    line = sbatch_stdout.strip().splitlines()[-1] if sbatch_stdout.strip() else ""
+    job_id = line.split(";")[0].strip()
+    if not job_id.isdigit():
+        raise RuntimeError(f"could not read a job id from sbatch's output: {sbatch_stdout!r}")
+    return job_id
+
+
+def run_sbatch(script: Path, cwd: Path) -> str:
+    """Submit `script`; returns the job id. Raises RuntimeError with sbatch's message."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise RuntimeError(
+            "sbatch not found on PATH: run `train` on a SLURM login node, or start the development "
+            "cluster with `slurm/dev-cluster.sh up`; cluster.dry_run=true renders without submitting"
+        )
+    proc = subprocess.run(
+        [sbatch, "--parsable", str(script)],
+        cwd=str(cwd),
+        capture_output=True,
+        text=True,
+        timeout=SBATCH_TIMEOUT_S,
+    )
+    if proc.returncode != 0:
+        msg = (proc.stderr or proc.stdout).strip()
+        raise RuntimeError(f"sbatch rejected {script} (exit {proc.returncode}): {msg}")
+    return parse_job_id(proc.stdout)
+
+
+def submit(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
+    """Render <run_dir>/job.sbatch and submit it (unless cluster.dry_run). Returns an exit code.
+
+    0: submitted (or rendered, with dry_run); 1: sbatch failed; 2: invalid cluster.* values.
+    """
+    cwd = Path(os.getcwd()).resolve()
+    try:
+        script = write_script(spec, plan, run_dir, cwd)
+    except SlurmConfigError as err:
+        for line in err.problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    paths = slurm_paths(spec.cluster, run_dir)
+    if spec.cluster.dry_run:
+        print(f"dry run: sbatch script rendered to {script} (not submitted)")
+        print(script.read_text(), end="")
+        return 0
+    try:
+        job_id = run_sbatch(script, cwd)
+    except (RuntimeError, subprocess.TimeoutExpired, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    logs = paths.log_paths(job_id)
+    info = {
+        "job_id": job_id,
+        "script": str(script),
+        "stdout": str(logs[0]),
+        "stderr": str(logs[1]),
+        "rank_logs": str(paths.logs_dir / "rank_*.log"),
+    }
+    (paths.run_dir / JOB_INFO_NAME).write_text(json.dumps(info, indent=2) + "\n")
+    print(f"submitted SLURM job {job_id}")
+    print(f"  script:    {script}")
+    print(f"  log:       {logs[0]}")
+    print(f"  errors:    {logs[1]}")
+    print(f"  rank logs: {info['rank_logs']}")
+    print(f"  follow:    squeue -j {job_id}; tail -f {shlex.quote(str(logs[0]))}")
+    return 0

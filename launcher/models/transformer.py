@@ -1,0 +1,87 @@
+"""Llama-style decoder (dense or MoE), defined once from ``ModelConfig``.
+
+Module names follow torchtitan so checkpoints read naturally and load across layouts:
+``tok_embeddings``, ``layers`` (a ModuleDict keyed "0".."L-1": pipeline stages delete
+entries but keep the others' names), ``norm``, ``output``. Every block has
+``attention_norm``, ``attention``, ``ffn_norm`` and either ``feed_forward`` (dense) or
+``moe``. The model knows nothing about parallelism; launcher/parallel/ rewrites it.
+
+A pipeline stage holds a subset of these modules (missing ones are None): the first stage
+takes tokens, later ones take the previous stage's hidden state.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from launcher.models.layers import Attention, FeedForward, RMSNorm, rope_table
+from launcher.models.moe import MoE
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.is_moe = cfg.n_experts > 0 and layer_id >= cfg.n_dense_layers
+        if self.is_moe:
+            self.moe = MoE(cfg.dim, cfg.moe_ffn_dim or cfg.ffn_dim, cfg.n_experts, cfg.top_k,
+                           cfg.n_shared_experts, cfg.capacity_factor, cfg.aux_loss_coef)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        ffn = self.moe if self.is_moe else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: forward(tokens int64 [b, s]) -> logits [b, s, vocab]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.dim % cfg.n_heads:
+            raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
+        self.cfg = cfg
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.norm: Optional[RMSNorm] = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: Optional[nn.Linear] = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: recomputed by init_weights, never checkpointed. Context parallelism
+        # shards this buffer along the sequence together with the tokens.
+        self.register_buffer(
+            "rope", rope_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta), persistent=False
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for block in self.layers.values():
+            h = block(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def init_weights(self, seed: int = 0, buffer_device: Optional[torch.device] = None) -> None:
+        """Deterministic, layout-independent initialisation (see launcher.models.init)."""
+        from launcher.models.init import init_model_weights
+
+        init_model_weights(self, seed, buffer_device)
+
+    def moe_layers(self):
+        return [b.moe for b in self.layers.values() if getattr(b, "is_moe", False)]
+
+    def latest_aux_loss(self) -> float:
+        """Sum over this module's MoE layers of the last forward's load-balancing loss."""
+        vals = [m.last_aux_loss for m in self.moe_layers() if m.last_aux_loss is not None]
+        return float(sum(float(v) for v in vals)) if vals else 0.0
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        for m in self.moe_layers():
+            m.aux_loss_scale = scale

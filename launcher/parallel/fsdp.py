@@ -1,0 +1,89 @@
+"""FSDP2 (``fully_shard``) and HSDP for the decoder: one unit per block plus the root.
+
+ZeRO mapping on the native path: zero_stage=3 reshards parameters after forward (params,
+grads and optimizer states sharded); zero_stage=2 keeps the block's parameters gathered
+between forward and backward (grads and optimizer states sharded, one all-gather per step).
+ZeRO-1 and 0 are not native: the backend resolver routes them to DeepSpeed
+(``backend.sharding=deepspeed``).
+
+Gradients are SUMMED across data-parallel ranks (divide factor 1): the engine scales each
+rank's loss by 1 / (tokens in the global batch), so the sum is the gradient of the mean
+loss over the global batch, also for expert weights, which receive the tokens of every
+expert-parallel rank through all-to-all.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+
+
+def check_zero_stage(zero_stage: int) -> None:
+    """Refuse ZeRO stages the native FSDP2 path does not implement."""
+    if zero_stage not in (2, 3):
+        raise ValueError(
+            f"parallel.zero_stage={zero_stage} is not served by native FSDP2, which implements "
+            f"ZeRO-2 (parallel.zero_stage=2) and ZeRO-3 (parallel.zero_stage=3); for ZeRO-0/1 "
+            f"set backend.sharding=deepspeed, or choose parallel.zero_stage=2"
+        )
+
+
+def mixed_precision_policy(precision: str, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
+    """bf16 (and fp8, whose non-fp8 parts run in bf16): bf16 params + reduce in reduce_dtype."""
+    if precision in ("bf16", "fp8"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=_DTYPES[reduce_dtype])
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    zero_stage: int,
+    mp_policy: MixedPrecisionPolicy,
+    cpu_offload: bool = False,
+    pin_memory: bool = False,
+    expert_dp_mesh: Optional[DeviceMesh] = None,
+) -> nn.Module:
+    """Shard each block, then the root (embeddings, final norm, output), over ``dp_mesh``.
+
+    ``dp_mesh``: 1-D dp_shard_cp mesh (FSDP) or 2-D (dp_replicate, dp_shard_cp) (HSDP).
+    ``expert_dp_mesh``: with expert parallelism, the mesh the (already ep-sharded) routed
+    experts are FSDP-sharded over; they form their own unit inside their block.
+    """
+    check_zero_stage(zero_stage)
+    reshard = zero_stage == 3
+    kw = dict(mp_policy=mp_policy, reshard_after_forward=reshard)
+    if cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+    n_blocks = 0
+    for block in model.layers.values():
+        moe = getattr(block, "moe", None)
+        if expert_dp_mesh is not None and moe is not None:
+            fully_shard(moe.experts, mesh=expert_dp_mesh, **kw)
+        fully_shard(block, mesh=dp_mesh, **kw)
+        n_blocks += 1
+    fully_shard(model, mesh=dp_mesh, **kw)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            # Sum, do not average: the loss is already normalised by the global token count.
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    log.info(
+        "applied FSDP2 to %d blocks + root on mesh %s (%s), reshard_after_forward=%s, "
+        "param_dtype=%s, reduce_dtype=%s%s%s",
+        n_blocks, dict(zip(dp_mesh.mesh_dim_names, dp_mesh.shape)),
+        "HSDP" if dp_mesh.ndim == 2 else "FSDP", reshard, mp_policy.param_dtype,
+        mp_policy.reduce_dtype, ", CPU offload" if cpu_offload else "",
+        ", experts on their own mesh" if expert_dp_mesh is not None else "",
+    )
+    return model

@@ -1,0 +1,66 @@
+"""The DeviceMesh every native parallelism is applied on, built from the plan's MeshPlan.
+
+Rank order (row-major, outermost to innermost), as in launcher/plan/mesh.py:
+
+    pp  ×  dp_replicate  ×  dp_shard  ×  cp  ×  tp
+
+TP is innermost: a TP group is consecutive ranks, i.e. inside one node on NVLink. Then CP,
+FSDP (dp_shard), the HSDP replicas, and PP outermost, whose point-to-point traffic is the
+one that crosses nodes. Example with pp=2, dp_shard=2, tp=2 (8 ranks): tp groups {0,1}
+{2,3}..., dp_shard groups {0,2} {1,3} {4,6} {5,7}, pp groups {0,4} {1,5} {2,6} {3,7}.
+
+All five dimensions are kept, size-1 ones included, so ``mesh["tp"]`` always exists. The
+flattened views the techniques need are registered on the same root mesh:
+
+- ``dp``          = dp_replicate × dp_shard: ranks that see different data (data loader).
+- ``dp_cp``       = dp_replicate × dp_shard × cp: ranks over which the loss is averaged.
+- ``dp_shard_cp`` = dp_shard × cp: the FSDP sharding group (CP ranks shard parameters too).
+
+Expert parallelism adds no dimension: ``expert_meshes`` splits dp_shard_cp into
+(dp_shard_mod_ep, ep) with ep innermost, so the experts of one MoE layer are spread over
+ep nearby ranks and each expert shard is FSDP-sharded over the remaining ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Tuple
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from launcher.plan.mesh import MESH_DIM_NAMES, MeshPlan
+
+log = logging.getLogger(__name__)
+
+
+def build_device_mesh(mesh: MeshPlan, device_type: str) -> DeviceMesh:
+    """World DeviceMesh with named dims (pp, dp_replicate, dp_shard, cp, tp) + flattened views.
+
+    The process group must already be initialised with world size == mesh.world_size.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != mesh.world_size:
+        raise ValueError(
+            f"the plan's mesh {mesh.to_dict()} needs {mesh.world_size} ranks but this job has "
+            f"{world}; re-plan for this world size or start {mesh.world_size} ranks"
+        )
+    dm = init_device_mesh(device_type, mesh.shape(), mesh_dim_names=MESH_DIM_NAMES)
+    dm["dp_replicate", "dp_shard"]._flatten("dp")
+    dm["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    dm["dp_shard", "cp"]._flatten("dp_shard_cp")
+    log.info("built device mesh %s on %s", dict(zip(MESH_DIM_NAMES, mesh.shape())), device_type)
+    return dm
+
+
+def expert_meshes(world: DeviceMesh, ep: int) -> Tuple[DeviceMesh, DeviceMesh]:
+    """(ep mesh, dp_shard_mod_ep mesh): experts are sharded over the first, FSDP over the second."""
+    fsdp = world["dp_shard_cp"]
+    if fsdp.size() % ep:
+        raise ValueError(
+            f"parallel.ep={ep} must divide dp_shard*cp={fsdp.size()}: expert-parallel ranks are "
+            f"taken from the FSDP ranks; choose ep among the divisors of {fsdp.size()}"
+        )
+    split = fsdp._unflatten(0, (fsdp.size() // ep, ep), ("dp_shard_mod_ep", "ep"))
+    return split["ep"], split["dp_shard_mod_ep"]

@@ -1,0 +1,98 @@
+"""AdamW, the LR schedule, and gradient-norm clipping that is correct for sharded grads."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def build_adamw(module: nn.Module, cfg) -> torch.optim.AdamW:
+    """AdamW from an ``OptimConfig``; no weight decay on 1-D parameters (norm gains)."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=False: parameters may be DTensors on different meshes (experts vs the rest),
+    # which the multi-tensor kernels cannot batch together.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             foreach=False)
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str,
+              min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr at 0-based optimizer step ``step``.
+
+    Linear warm-up from lr/warmup to lr over ``warmup_steps``, then decay to
+    ``min_lr_ratio * lr`` at ``total_steps`` (cosine or linear), or constant.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if schedule == "cosine":
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return 1.0 - (1 - min_lr_ratio) * progress
+    raise ValueError(f"optim.schedule={schedule!r} is not one of cosine|linear|constant")
+
+
+def build_scheduler(opt: torch.optim.Optimizer, cfg, total_steps: int):
+    from functools import partial
+
+    fn = partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
+                 schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(opt, fn)
+
+
+def _sq_norm_local_view(grads: List[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared entries, counting every element of every full tensor once."""
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: Dict[Tuple, List[torch.Tensor]] = {}
+    plain: List[torch.Tensor] = []
+    for g in grads:
+        if isinstance(g, DTensor):
+            by_mesh.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
+        else:
+            plain.append(g)
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for gs in by_mesh.values():
+        # The DTensor norm knows its placements: Shard dims are summed across ranks,
+        # Replicate dims are counted once. full_tensor() does that reduction.
+        n = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in gs]))
+        n = n.full_tensor() if isinstance(n, DTensor) else n
+        total = total + n.to(device) ** 2
+    for g in plain:
+        total = total + torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+    return total
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
+                   pp_group: Optional[dist.ProcessGroup] = None) -> float:
+    """Clip to a global L2 norm over all shards and pipeline stages; return the norm before.
+
+    Parameters replicated across tensor-parallel ranks (plain tensors or Replicate DTensors)
+    count once; pipeline stages hold disjoint parameters, so their squared norms are summed
+    over ``pp_group``. ``max_norm <= 0`` only measures.
+    """
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    sq = _sq_norm_local_view(grads)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(sq, group=pp_group)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return float(norm)

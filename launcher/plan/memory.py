@@ -1,0 +1,294 @@
+"""Per-GPU memory: model states (params, grads, optimizer), activations, working buffers.
+
+Pure Python. Every number is bytes on one GPU of one pipeline rank; `estimate_memory`
+returns one entry per pipeline rank and the planner reports the most loaded one.
+
+Model states (Ψ = parameters this rank holds after TP, PP and EP divided the model):
+- native FSDP2: the sharded parameters are the fp32 master (4 B), gradients are sharded fp32
+  (4 B), AdamW keeps m and v in fp32 (8 B); all three are divided by the shard degree
+  (dp_shard * cp; dp_replicate replicates: HSDP). With bf16 mixed precision the unsharded
+  bf16 copy of the units being computed is extra working memory: two units at ZeRO-3
+  (the current one and the prefetched next), every unit of the stage at ZeRO-1/2
+  (`reshard_after_forward=False` keeps them from forward to backward).
+- DeepSpeed: bf16 params (2 B) + bf16 grads (2 B) + fp32 master, m, v (12 B) = 16 B/param
+  (DESIGN.md); ZeRO-1 divides the 12 B, ZeRO-2 also the grads, ZeRO-3 everything, over all
+  data-parallel ranks. Its reduce / all-gather buckets are working memory.
+- Offload moves the optimizer states (DeepSpeed: with the fp32 grads its CPU Adam reads)
+  or, for parameter offload and FSDP2's CPUOffloadPolicy, all model states to the host.
+
+Activations follow Korthikanti et al. 2022 (count every tensor autograd saves for the
+backward pass) applied to the Llama block that launcher/models builds; see
+`layer_activation_bytes` for the list and what TP, SP, CP and recomputation divide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+from launcher.plan.layout import Layout
+from launcher.plan.params import ModelShape, StageParams, stage_params
+
+GiB = 1024**3
+CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+
+
+@dataclass
+class StageMemory:
+    """Bytes on one GPU of one pipeline rank at its peak (start of the first backward)."""
+
+    rank: int
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    other: int = 0  # unsharded working copies, buckets, backward temporaries, CUDA/NCCL reserve
+    host: int = 0  # offloaded to CPU RAM / NVMe (not counted against the GPU)
+    detail: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    def as_dict(self) -> Dict[str, int]:
+        return {c: int(getattr(self, c)) for c in CATEGORIES} | {"total": int(self.total)}
+
+
+# ----------------------------------------------------------------------------- model states
+
+
+def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
+    """Bytes per parameter kept for the whole step: {params, grads, optimizer}, before sharding."""
+    if lay.sharding_backend == "deepspeed" and lay.precision != "fp32":
+        return {"params": 2.0, "grads": 2.0, "optimizer": 12.0}  # bf16 p/g + fp32 master, m, v
+    return {"params": 4.0, "grads": 4.0, "optimizer": 8.0}  # fp32 p/g (FSDP2 master), m, v
+
+
+def _sharded(lay: Layout) -> tuple:
+    """Which states ZeRO divides by the shard degree. FSDP2 shards all three at any stage >= 1
+    (its stages 1/2 differ from 3 only in resharding after forward)."""
+    if lay.sharding_backend == "deepspeed":
+        return ((), ("optimizer",), ("grads", "optimizer"), ("params", "grads", "optimizer"))[lay.zero_stage]
+    return () if lay.zero_stage == 0 else ("params", "grads", "optimizer")
+
+
+def _offloaded(lay: Layout) -> tuple:
+    """States that live on the host instead of the GPU."""
+    if lay.offload_params != "none" or (lay.offload_optimizer != "none" and lay.offload_backend == "native"):
+        # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together;
+        # DeepSpeed parameter offload is used with optimizer offload in practice.
+        return ("params", "grads", "optimizer")
+    if lay.offload_optimizer != "none":
+        return ("grads", "optimizer")  # ZeRO-Offload: fp32 grads + master + m + v on the host
+    return ()
+
+
+def working_dtype_bytes(lay: Layout) -> float:
+    """Bytes per element of the unsharded parameters the forward/backward compute with."""
+    if lay.precision == "fp32":
+        return 4.0
+    if lay.precision == "fp8" and lay.fp8_all_gather and lay.sharding_backend == "native":
+        return 1.0
+    return 2.0
+
+
+def model_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
+    """params / grads / optimizer on the GPU, the offloaded bytes, and the working copies."""
+    shared = stage.shared / lay.tp
+    routed = stage.routed / (lay.tp * lay.ep)
+    per_param = state_bytes_per_param(lay)
+    sharded, offloaded = _sharded(lay), _offloaded(lay)
+    out: Dict[str, int] = {}
+    host = 0.0
+    for cat, nbytes in per_param.items():
+        if cat in sharded:
+            b = nbytes * (shared / lay.fsdp_degree + routed / lay.expert_fsdp_degree)
+        else:
+            b = nbytes * (shared + routed)
+        if cat in offloaded:
+            host += b
+            b = 0.0
+        out[cat] = int(b)
+    out["host"] = int(host)
+    out.update(working_state_memory(stage, lay))
+    return out
+
+
+def working_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
+    """Unsharded parameter / gradient copies and communication buckets alive at the peak."""
+    unit = stage.largest_unit / lay.tp  # experts of a unit are also split by ep, bound from above
+    local = stage.shared / lay.tp + stage.routed / (lay.tp * lay.ep)
+    wb = working_dtype_bytes(lay)
+    grad_wb = 4.0 if lay.precision == "fp32" else 2.0
+    out: Dict[str, int] = {}
+    if lay.sharding_backend == "native":
+        if lay.zero_stage in (1, 2):
+            out["unsharded_params"] = int(local * wb)  # kept from forward to backward
+        elif lay.precision != "fp32" or lay.zero_stage == 3:
+            out["unsharded_params"] = int(2 * unit * wb)  # current + prefetched unit
+        # The unit being reduced: its unsharded grads, plus an fp32 copy when reducing in fp32.
+        extra = 4.0 if (lay.reduce_dtype == "fp32" and grad_wb != 4.0) else 0.0
+        out["unsharded_grads"] = int(unit * (grad_wb + extra)) if lay.zero_stage else 0
+    else:
+        if lay.zero_stage == 3:
+            out["unsharded_params"] = int(2 * unit * wb)
+            if lay.zeropp_hierarchical_partition > 1:
+                # hpZ keeps a secondary copy of the params sharded within the node.
+                out["hpz_secondary"] = int(local * wb / lay.zeropp_hierarchical_partition)
+        if lay.zero_stage >= 1:
+            # Double-buffered reduce bucket and one all-gather bucket, bounded by the model size.
+            out["reduce_buckets"] = int(2 * min(lay.reduce_bucket_size, local) * grad_wb)
+            out["allgather_bucket"] = int(min(lay.allgather_bucket_size, local) * wb) if lay.zero_stage < 3 else 0
+    return out
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str) -> float:
+    """Bytes autograd saves for one block and one micro-batch on one GPU.
+
+    Saved tensors of the Llama block (per token; a = activation bytes, h = dim, f = ffn):
+      two RMSNorms computed in fp32 save their fp32 input and normalised output: 2 x 8h;
+      their outputs are the inputs of wq/wk/wv and w1/w3: 2 x a*h;
+      attention: rotated q (a*h), k and v (a*kv_dim each, a*h when GQA repeats them to all heads
+      before SDPA), the SDPA output (a*h, flash attention keeps no s x s scores), the
+      contiguous copy fed to wo (a*h);
+      SwiGLU: w1 and w3 outputs, silu output, their product: 4 x a*f;
+      MoE: fp32 router logits and probabilities (8 * n_experts), and per routed copy of a token
+      (top_k, padded by the capacity factor) the dispatched input, the expert's SwiGLU
+      tensors and its output; shared experts like a dense SwiGLU of moe_ffn_dim.
+    TP divides everything between the norms' outputs and the block output (heads, ffn
+    columns). Without SP the norms run on the full sequence on every TP rank; with SP they
+    are split over TP, but DTensor's column-parallel linears save their all-gathered input,
+    so the 2 x a*h linear inputs stay whole. CP divides the sequence.
+
+    mode: "none" (keep all), "full" (keep the block input only), "op" (selective: keep the
+    outputs of matmuls and attention, recompute norms and elementwise ops).
+    """
+    a, h, t = lay.act_bytes, shape.dim, lay.tp
+    tokens = lay.micro_batch_size * lay.seq_len / lay.cp
+    sp_div = t if lay.sp else 1
+    if mode == "full":
+        return tokens * a * h / sp_div
+    hq = shape.n_heads * shape.head_dim
+    kv_saved = hq if shape.n_kv_heads != shape.n_heads else shape.kv_dim
+    if moe:
+        cap = shape.capacity_factor if shape.capacity_factor > 0 else 1.0  # padding when dropping
+        k, fe = shape.top_k, shape.moe_ffn_dim
+        router = 8.0 * shape.n_experts
+        if mode == "op":  # dispatched input + w1/w3 outputs + expert output
+            routed = cap * k * (a * h + 2 * a * fe + a * h) / t
+            shared_e = shape.n_shared_experts * 2 * a * fe / t
+        else:
+            routed = cap * k * (a * h + 4 * a * fe + a * h) / t
+            shared_e = shape.n_shared_experts * 4 * a * fe / t
+        ffn = router + routed + shared_e
+    else:
+        ffn = (2 if mode == "op" else 4) * a * shape.ffn_dim / t
+    if mode == "op":
+        # block input + q, k, v + SDPA output + wo output + w2 output (norms, silu, mul recomputed)
+        attn = a * (hq + 2 * shape.kv_dim + hq) / t
+        kept = a * h / sp_div * 3  # block input, wo output, w2 output (residual-stream sized)
+        return tokens * (attn + kept + ffn)
+    norms = 16.0 * h / sp_div
+    linear_inputs = 2.0 * a * h
+    attn = a * (hq + 2 * kv_saved + hq + hq) / t
+    return tokens * (norms + linear_inputs + attn + ffn)
+
+
+def layer_modes(n_layers: int, lay: Layout) -> List[str]:
+    """The recomputation mode of each block of a stage."""
+    if lay.ac_mode == "full":
+        return ["full"] * n_layers
+    if lay.ac_mode == "selective":
+        if lay.ac_selective.isdigit() and int(lay.ac_selective) > 0:
+            every = int(lay.ac_selective)
+            return ["full" if i % every == 0 else "none" for i in range(n_layers)]
+        return ["op"] * n_layers
+    return ["none"] * n_layers
+
+
+def inflight_microbatches(lay: Layout, rank: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak (all its chunks).
+
+    GPipe runs every forward before any backward: m. 1F1B: rank r holds p - r (at most m).
+    Interleaved 1F1B with v chunks: rank 0 holds (1 + (p-1)/(p v)) times 1F1B's p
+    (Narayanan et al. 2021); zbv (V-shape, 2 chunks) balances to about p on every rank.
+    """
+    p, m, v = lay.pp, lay.microbatches, lay.vpp
+    if p == 1:
+        return 1.0
+    if lay.schedule == "gpipe":
+        return float(m)
+    if lay.schedule == "zbv":
+        return float(min(m, p))
+    if v > 1:
+        return float(min(m, (p - rank) + (p - 1 - rank) / v))
+    return float(min(m, p - rank))
+
+
+def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) -> Dict[str, int]:
+    """Saved activations of a pipeline rank at its peak, plus the backward working set."""
+    modes = layer_modes(stage.n_layers, lay)
+    per_mb = 0.0
+    worst_layer = 0.0
+    for mode, idx in zip(modes, stage.layers):
+        moe = shape.is_moe_layer(idx)
+        per_mb += layer_activation_bytes(shape, lay, moe, mode)
+        worst_layer = max(worst_layer, layer_activation_bytes(shape, lay, moe, "none"))
+    inflight = inflight_microbatches(lay, stage.rank)
+    tokens = lay.micro_batch_size * lay.seq_len / lay.cp
+    a, t = lay.act_bytes, lay.tp
+    out = {"layers": int(per_mb * inflight)}
+    if stage.has_output:
+        # Final norm (fp32) + output-layer input, per micro-batch in flight; log-softmax output (fp32)
+        # is saved per in-flight micro-batch, the bf16 logits and their fp32 copy exist once.
+        last_inflight = inflight if lay.schedule == "gpipe" else 1.0
+        v = shape.vocab_size
+        head = tokens * (8.0 * shape.dim / (t if lay.sp else 1) + a * shape.dim)
+        saved_logits = tokens * 4.0 * v / t
+        out["head"] = int(head * inflight + saved_logits * last_inflight)
+        out["logits_transient"] = int(tokens * (a + (4.0 if a != 4 else 0.0)) * v / t)
+    # Backward working set: gradients of one block's saved tensors; with recomputation the
+    # recomputed block's activations exist at the same time.
+    recompute = any(m != "none" for m in modes)
+    out["backward_workspace"] = int(worst_layer * (2 if recompute else 1))
+    return out
+
+
+# ----------------------------------------------------------------------------- per stage
+
+
+def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0) -> List[StageMemory]:
+    """Memory of every pipeline rank (the index is the pipeline rank)."""
+    stages = stage_params(shape, lay.pp, lay.vpp, lay.schedule, lay.pp_layers)
+    result: List[StageMemory] = []
+    for st in stages:
+        states = model_state_memory(st, lay)
+        acts = stage_activation_memory(shape, st, lay)
+        working = {k: v for k, v in states.items() if k not in ("params", "grads", "optimizer", "host")}
+        mem = StageMemory(
+            rank=st.rank,
+            params=states["params"],
+            grads=states["grads"],
+            optimizer=states["optimizer"],
+            activations=acts["layers"] + acts.get("head", 0),
+            host=states["host"],
+        )
+        temporaries = acts.get("logits_transient", 0) + acts["backward_workspace"]
+        mem.other = sum(working.values()) + temporaries + reserved_bytes
+        mem.detail = {
+            **working,
+            "activations_layers": acts["layers"],
+            "activations_head": acts.get("head", 0),
+            "logits_transient": acts.get("logits_transient", 0),
+            "backward_workspace": acts["backward_workspace"],
+            "reserved": reserved_bytes,
+        }
+        result.append(mem)
+    return result
+
+
+def most_loaded(stages: List[StageMemory]) -> StageMemory:
+    return max(stages, key=lambda s: s.total)

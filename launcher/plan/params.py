@@ -1,0 +1,201 @@
+"""Parameter counts from a model shape, broken down the way the planner needs them.
+
+Pure Python (no torch). The totals agree with `launcher.plan.flops.param_counts` (the FLOPs
+module) and with `sum(p.numel())` of the model that `launcher.models` builds; the tests
+check both. The breakdown separates what tensor, pipeline and expert parallelism divide
+differently: the embedding table lives on the first pipeline stage, the output layer on the
+last; routed experts are spread over the expert-parallel ranks; everything else is per block.
+
+Layout of the Llama-style blocks (see launcher/models/): two RMSNorm weights, attention
+wq/wo (dim x dim) and wk/wv (dim x n_kv_heads*head_dim), no biases; a SwiGLU FFN with three
+matrices; MoE blocks (from `n_dense_layers` on, when n_experts > 0) replace the FFN with a
+router (dim x n_experts), n_experts routed and n_shared_experts shared SwiGLU experts of
+width moe_ffn_dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Tuple
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Per-component parameter counts (elements, not bytes)."""
+
+    n_layers: int
+    n_dense_layers: int  # blocks with a dense FFN (all of them in a dense model)
+    n_moe_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    moe_ffn_dim: int
+    vocab_size: int
+    n_experts: int
+    top_k: int
+    n_shared_experts: int
+    tie_embeddings: bool
+    capacity_factor: float  # <= 0: dropless
+    # Parameter counts per component.
+    attention: int  # wq + wk + wv + wo of one block
+    block_norms: int  # the two RMSNorm weights of one block
+    dense_ffn: int  # one dense SwiGLU FFN
+    router: int  # one MoE router
+    expert: int  # one routed (or shared) SwiGLU expert
+    embedding: int  # input table
+    output: int  # output projection (0 when tied)
+    final_norm: int
+
+    @property
+    def dense_block(self) -> int:
+        return self.attention + self.block_norms + self.dense_ffn
+
+    @property
+    def moe_block_shared(self) -> int:
+        """Parameters of an MoE block that every expert-parallel rank holds (all but routed experts)."""
+        return self.attention + self.block_norms + self.router + self.n_shared_experts * self.expert
+
+    @property
+    def moe_block_routed(self) -> int:
+        return self.n_experts * self.expert
+
+    @property
+    def total(self) -> int:
+        return (
+            self.n_dense_layers * self.dense_block
+            + self.n_moe_layers * (self.moe_block_shared + self.moe_block_routed)
+            + self.embedding
+            + self.output
+            + self.final_norm
+        )
+
+    @property
+    def active(self) -> int:
+        """Parameters one token touches: top-k routed experts instead of all of them."""
+        return (
+            self.n_dense_layers * self.dense_block
+            + self.n_moe_layers * (self.moe_block_shared + self.top_k * self.expert)
+            + self.embedding
+            + self.output
+            + self.final_norm
+        )
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.n_experts > 0 and index >= self.n_dense_layers
+
+
+def model_shape(model: Any) -> ModelShape:
+    """Build the breakdown from a ModelConfig (or anything with its field names)."""
+    dim, layers = int(model.dim), int(model.n_layers)
+    n_heads, n_kv = int(model.n_heads), int(model.n_kv_heads)
+    head_dim = dim // n_heads
+    n_experts = int(getattr(model, "n_experts", 0) or 0)
+    n_dense = layers if n_experts == 0 else min(layers, int(getattr(model, "n_dense_layers", 0) or 0))
+    moe_ffn = int(getattr(model, "moe_ffn_dim", 0) or 0) if n_experts else 0
+    vocab = int(model.vocab_size)
+    tied = bool(getattr(model, "tie_embeddings", False))
+    return ModelShape(
+        n_layers=layers,
+        n_dense_layers=n_dense,
+        n_moe_layers=layers - n_dense,
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        ffn_dim=int(model.ffn_dim),
+        moe_ffn_dim=moe_ffn,
+        vocab_size=vocab,
+        n_experts=n_experts,
+        top_k=int(getattr(model, "top_k", 0) or 0) if n_experts else 0,
+        n_shared_experts=int(getattr(model, "n_shared_experts", 0) or 0) if n_experts else 0,
+        tie_embeddings=tied,
+        capacity_factor=float(getattr(model, "capacity_factor", 0.0) or 0.0),
+        attention=2 * dim * n_heads * head_dim + 2 * dim * n_kv * head_dim,
+        block_norms=2 * dim,
+        dense_ffn=3 * dim * int(model.ffn_dim),
+        router=dim * n_experts,
+        expert=3 * dim * moe_ffn,
+        embedding=vocab * dim,
+        output=0 if tied else vocab * dim,
+        final_norm=dim,
+    )
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """What one pipeline rank holds (all its model chunks), before TP/EP/ZeRO division."""
+
+    rank: int
+    layers: Tuple[int, ...]  # global block indices
+    shared: int  # parameters every expert-parallel rank holds (attention, norms, dense FFN, tables...)
+    routed: int  # routed-expert parameters of these blocks (divided by ep)
+    largest_unit: int  # largest FSDP unit (a block, or the tables) before division, shared + routed
+    has_embedding: bool
+    has_output: bool
+
+    n_moe_layers: int  # how many of `layers` are MoE blocks
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+
+def chunk_layer_counts(n_layers: int, chunks: int, explicit: Tuple[int, ...] = ()) -> List[int]:
+    """Blocks per model chunk: the explicit list, or an even split (earlier chunks take the remainder)."""
+    if explicit:
+        return list(explicit)
+    base, rem = divmod(n_layers, chunks)
+    return [base + (1 if i < rem else 0) for i in range(chunks)]
+
+
+def chunks_of_rank(rank: int, pp: int, vpp: int, schedule: str) -> List[int]:
+    """Model chunks a pipeline rank runs: looped (r, r+pp, ...) or V-shaped for zbv (r, 2pp-1-r)."""
+    if schedule == "zbv" and vpp == 2:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + i * pp for i in range(vpp)]
+
+
+def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b",
+                 pp_layers: Tuple[int, ...] = ()) -> List[StageParams]:
+    """Parameters per pipeline rank. The first chunk holds the embedding, the last the output layer.
+
+    With tied embeddings and pp > 1 both ends would hold the table; the validator refuses
+    that combination, but the count here stays correct (each end holds a copy).
+    """
+    chunks = pp * vpp
+    counts = chunk_layer_counts(shape.n_layers, chunks, pp_layers)
+    starts = [sum(counts[:i]) for i in range(chunks)]
+    out: List[StageParams] = []
+    for rank in range(pp):
+        layers: List[int] = []
+        has_emb = has_out = False
+        for c in chunks_of_rank(rank, pp, vpp, schedule):
+            layers.extend(range(starts[c], starts[c] + counts[c]))
+            has_emb |= c == 0
+            has_out |= c == chunks - 1
+        shared = routed = largest = 0
+        for i in layers:  # per block, because MoE and dense blocks differ
+            if shape.is_moe_layer(i):
+                s, r = shape.moe_block_shared, shape.moe_block_routed
+            else:
+                s, r = shape.dense_block, 0
+            shared += s
+            routed += r
+            largest = max(largest, s + r)
+        if has_emb:
+            shared += shape.embedding
+            largest = max(largest, shape.embedding)
+        if has_out:
+            # Tied: the last stage needs the table too (only reachable with pp == 1).
+            extra = shape.output if not shape.tie_embeddings else (shape.embedding if not has_emb else 0)
+            shared += extra + shape.final_norm
+            largest = max(largest, extra + shape.final_norm)
+        n_moe = sum(1 for i in layers if shape.is_moe_layer(i))
+        out.append(StageParams(rank, tuple(layers), shared, routed, largest, has_emb, has_out, n_moe))
+    return out

@@ -1,0 +1,62 @@
+"""Process-group set-up and tear-down for one rank."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def resolve_device_type(requested: str) -> str:
+    """trainer.device: auto picks cuda when this node has a GPU, else cpu."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible on this node. Fix: trainer.device=cpu or auto.")
+    return requested
+
+
+def init_distributed(device_type: str, timeout_s: int = 1800) -> RankInfo:
+    """Join the process group torchrun prepared (gloo on CPU, nccl on GPU)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device_type == "cuda" else None,
+        )
+    return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def shutdown_distributed() -> None:
+    """Leave cleanly. The barrier + destroy + gc + short sleep avoids gloo's abort at interpreter exit
+    ("terminate called without an active exception"), seen on 2 of 6 plain runs without it."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    gc.collect()
+    time.sleep(0.1)

@@ -1,0 +1,183 @@
+"""Rank entry point: `python -m launcher.runtime.entry --run-dir DIR`, started by torchrun.
+
+Reads the resolved config and plan.json the launcher wrote, then: dist init -> engine
+(model on meta, parallelisms per the plan) -> resume -> train loop -> final checkpoint ->
+export -> clean shutdown. The plan's decisions are obeyed, never re-made here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from launcher.config.loader import load_spec
+from launcher.config.schema import JobConfig
+from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
+from launcher.plan.plan import Plan
+from launcher.runtime.checkpoint import CheckpointManager
+from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
+from launcher.runtime.engine import Engine
+from launcher.runtime.metrics import MetricsLogger
+from launcher.runtime.signals import StopWatcher
+from launcher.runtime.trainer import LoopConfig, Trainer
+
+log = logging.getLogger("launcher")
+
+
+def setup_logging(run_dir: Path, rank: int, level: str) -> None:
+    """Every rank logs to logs/rank_<r>.log; rank 0 also to the console."""
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    root = logging.getLogger()
+    root.handlers.clear()
+    root.setLevel(level)
+    file_handler = logging.FileHandler(logs / f"rank_{rank}.log")
+    file_handler.setFormatter(fmt)
+    root.addHandler(file_handler)
+    if rank == 0:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(fmt)
+        root.addHandler(console)
+
+
+def build_engine(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path) -> Engine:
+    """The backend the plan chose for model-state sharding drives the whole step."""
+    if plan.backend("sharding") == "deepspeed":
+        from launcher.deepspeed.engine import build_deepspeed_engine
+
+        return build_deepspeed_engine(spec, plan, device=rank.device, run_dir=run_dir)
+    from launcher.runtime.native_engine import build_native_engine
+
+    return build_native_engine(spec, plan, device=rank.device)
+
+
+def data_parallel_rank(plan: Plan, rank: int) -> int:
+    coords = plan.mesh.coordinates(rank)
+    return coords["dp_replicate"] * plan.mesh.dp_shard + coords["dp_shard"]
+
+
+def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> StepBatches:
+    arrays = load_token_arrays(spec.data, spec.trainer.seed, cache_dir=Path(run_dir) / "data_cache")
+    check_vocab(arrays, spec.model.vocab_size)
+    windows = TokenWindows(arrays, spec.trainer.seq_len)
+    part = BatchSlice(
+        dp_rank=data_parallel_rank(plan, rank),
+        dp_size=plan.mesh.dp,
+        micro_batch_size=plan.batch.micro_batch_size,
+        grad_accum_steps=plan.batch.grad_accum_steps,
+    )
+    return StepBatches(windows, spec.trainer.seed, plan.batch.global_batch_size, part)
+
+
+def checkpoint_root(spec: JobConfig, run_dir: Path) -> Path:
+    return Path(spec.checkpoint.dir) if spec.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
+def run(run_dir: Path) -> int:
+    spec = load_spec(run_dir)
+    plan = Plan.load(run_dir)
+    device_type = resolve_device_type(spec.trainer.device)
+    rank = init_distributed(device_type)
+    setup_logging(run_dir, rank.rank, spec.logging.level)
+    if rank.world_size != plan.world_size:
+        raise RuntimeError(
+            f"started with {rank.world_size} ranks but the plan is for {plan.world_size}. "
+            f"Fix: launch with cluster.nodes * cluster.gpus_per_node = {plan.world_size} ranks."
+        )
+    if spec.trainer.deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(spec.trainer.seed)
+    log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
+
+    engine = build_engine(spec, plan, rank, run_dir)
+    batches = build_batches(spec, plan, rank.rank, run_dir)
+    checkpoints = CheckpointManager(
+        checkpoint_root(spec, run_dir),
+        keep=spec.checkpoint.keep,
+        verify_checksums=spec.checkpoint.verify_checksums,
+        rank=rank.rank,
+        world_size=rank.world_size,
+    )
+    start_step = 0
+    resume = spec.checkpoint.resume
+    if resume != "none":
+        path = checkpoints.latest_valid() if resume == "auto" else Path(resume)
+        if path is not None:
+            resumed = checkpoints.load(path, engine, spec.trainer.seed)
+            start_step = resumed.state["step"]
+            log.info("resumed from %s at step %d", path, start_step)
+        elif rank.rank == 0:
+            log.info("no checkpoint to resume from in %s: starting at step 0", checkpoints.root)
+
+    metrics = MetricsLogger(
+        run_dir,
+        enabled=rank.rank == 0,
+        wandb_cfg=spec.logging.wandb,
+        config=asdict(spec),
+        total_steps=spec.trainer.steps,
+        progress=spec.logging.progress,
+        resume_step=start_step,
+    )
+    if rank.rank == 0 and plan.memory:
+        metrics.summary({"predicted": {"memory": plan.memory, "time": plan.time}})
+    stop = StopWatcher(run_dir, rank.device).install()
+    loop_cfg = LoopConfig(
+        steps=spec.trainer.steps,
+        log_every=spec.trainer.log_every,
+        checkpoint_interval=spec.checkpoint.interval,
+        checkpoint_enabled=spec.checkpoint.enabled,
+        save_final=spec.checkpoint.save_final,
+        tokens_per_step=plan.batch.tokens_per_step,
+        samples_per_step=plan.batch.global_batch_size,
+        world_size=rank.world_size,
+        seed=spec.trainer.seed,
+        mesh=plan.mesh.to_dict(),
+    )
+    trainer = Trainer(
+        loop_cfg, run_dir=run_dir, rank=rank.rank, engine=engine, batches=batches,
+        checkpoints=checkpoints, metrics=metrics, stop=stop, start_step=start_step,
+    )
+    try:
+        result = trainer.fit()
+        if not result.stopped_early and spec.checkpoint.export != "none":
+            out = Path(run_dir) / "export"
+            engine.export(out, spec.checkpoint.export)
+            log.info("exported the consolidated model to %s (%s)", out, spec.checkpoint.export)
+    finally:
+        stop.uninstall()
+        metrics.close()
+    if result.stopped_early:
+        log.info("stopped at step %d (%s); resume with the same run dir", result.last_step, result.stop_reason)
+    else:
+        log.info("finished %d steps", result.last_step)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="launcher rank runtime (started by torchrun)")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    try:
+        code = run(args.run_dir)
+    except Exception:
+        # Surface the failing rank's error in its log and on stderr (the main log), then fail.
+        rank = os.environ.get("RANK", "?")
+        text = traceback.format_exc()
+        logging.getLogger("launcher").error("rank %s failed:\n%s", rank, text)
+        sys.stderr.write(f"[rank{rank}] FAILED:\n{text}")
+        sys.stderr.flush()
+        os._exit(1)  # skip gloo teardown that can hang when peers are gone
+    shutdown_distributed()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

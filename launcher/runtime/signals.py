@@ -1,0 +1,76 @@
+"""Graceful stop: preemption, the SLURM time-limit warning, or an operator's request.
+
+A stop is requested by SIGUSR1 or SIGTERM reaching a rank, or by the file
+<run_dir>/control/stop existing (the sbatch script's USR1 trap creates it). The ranks agree
+at the end of a step (one tiny all-reduce), save a checkpoint, rank 0 writes
+<run_dir>/control/stopped as JSON {"step", "reason"}, and every process exits 0 so the batch
+script can requeue the job. A second SIGTERM/SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+STOP_FILE = "stop"
+STOPPED_FILE = "stopped"
+
+
+def control_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "control"
+
+
+class StopWatcher:
+    """Collects stop requests on this rank and agrees on them across ranks."""
+
+    def __init__(self, run_dir: Path, device: torch.device):
+        self.stop_file = control_dir(run_dir) / STOP_FILE
+        self.device = device
+        self.reason: Optional[str] = None
+        self._previous = {}
+
+    def install(self) -> "StopWatcher":
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.reason is not None and signum == signal.SIGTERM:
+            raise SystemExit(128 + signum)  # second request: stop now
+        self.reason = f"signal {name}"
+        log.warning("received %s: will checkpoint and stop after this step", name)
+
+    def local_request(self) -> Optional[str]:
+        if self.reason is None and self.stop_file.exists():
+            self.reason = f"stop file {self.stop_file}"
+        return self.reason
+
+    def should_stop(self) -> bool:
+        """True on every rank if any rank has a stop request (collective)."""
+        flag = torch.tensor([1.0 if self.local_request() else 0.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+
+def write_stopped(run_dir: Path, step: int, reason: str) -> Path:
+    path = control_dir(run_dir) / STOPPED_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"step": step, "reason": reason}))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,121 @@
+"""The training loop: data -> engine step -> metrics -> checkpoints -> stop requests.
+
+The loop knows nothing about how a step is computed (that is the Engine's job) and nothing
+about the parallel layout beyond which slice of the global batch this rank loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from launcher.data.dataset import StepBatches
+from launcher.runtime.checkpoint import CheckpointManager
+from launcher.runtime.engine import Engine
+from launcher.runtime.metrics import MetricsLogger
+from launcher.runtime.signals import StopWatcher, write_stopped
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopConfig:
+    """The narrow view of the job the loop needs."""
+
+    steps: int
+    log_every: int
+    checkpoint_interval: int  # 0: no periodic saves
+    checkpoint_enabled: bool
+    save_final: bool
+    tokens_per_step: int
+    samples_per_step: int
+    world_size: int
+    seed: int
+    mesh: Dict[str, int]
+
+
+@dataclass
+class LoopResult:
+    last_step: int
+    stopped_early: bool
+    stop_reason: Optional[str] = None
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: LoopConfig,
+        *,
+        run_dir: Path,
+        rank: int,
+        engine: Engine,
+        batches: StepBatches,
+        checkpoints: CheckpointManager,
+        metrics: MetricsLogger,
+        stop: StopWatcher,
+        start_step: int = 0,
+    ):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.engine = engine
+        self.batches = batches
+        self.checkpoints = checkpoints
+        self.metrics = metrics
+        self.stop = stop
+        self.start_step = start_step
+
+    def _trainer_state(self, step: int) -> Dict[str, Any]:
+        return {
+            "step": step,
+            "samples_consumed": step * self.cfg.samples_per_step,
+            "tokens_seen": step * self.cfg.tokens_per_step,
+            "world_size": self.cfg.world_size,
+            "mesh": self.cfg.mesh,
+        }
+
+    def _save(self, step: int) -> None:
+        if self.cfg.checkpoint_enabled:
+            self.checkpoints.save(step, self.engine, self._trainer_state(step))
+
+    def fit(self) -> LoopResult:
+        cfg = self.cfg
+        step = self.start_step
+        last_saved = self.start_step
+        if step >= cfg.steps:
+            log.info("nothing to do: resumed at step %d of %d", step, cfg.steps)
+            return LoopResult(last_step=step, stopped_early=False)
+        for step in range(self.start_step + 1, cfg.steps + 1):
+            microbatches = self.batches.for_step(step)
+            t0 = time.perf_counter()
+            stats = self.engine.train_step(microbatches)
+            elapsed = time.perf_counter() - t0
+            if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
+                record = {
+                    "step": step,
+                    "loss": stats.loss,
+                    "lr": stats.lr,
+                    "grad_norm": stats.grad_norm,
+                    "tokens_per_s": cfg.tokens_per_step / elapsed,
+                    "step_time_s": elapsed,
+                    "tokens_seen": step * cfg.tokens_per_step,
+                }
+                record.update(stats.extra)
+                self.metrics.log(record)
+            if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0:
+                self._save(step)
+                last_saved = step
+            if step < cfg.steps and self.stop.should_stop():
+                reason = self.stop.local_request() or "stop requested on another rank"
+                log.warning("stopping at step %d (%s): saving a checkpoint", step, reason)
+                if last_saved != step:
+                    self._save(step)
+                if self.rank == 0:
+                    write_stopped(self.run_dir, step, reason)
+                return LoopResult(last_step=step, stopped_early=True, stop_reason=reason)
+        if cfg.save_final and last_saved != step:
+            self._save(step)
+        return LoopResult(last_step=step, stopped_early=False)

@@ -1,0 +1,54 @@
+"""Shared helpers: run the real `train` command in a temporary run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(Path(sys.executable).with_name("train"))
+
+
+def train_env(tmp_path: Path) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        WANDB_MODE="offline",
+        WANDB_DIR=str(tmp_path),
+        WANDB_CACHE_DIR=str(tmp_path / ".wandb_cache"),
+        WANDB_DATA_DIR=str(tmp_path / ".wandb_data"),
+        WANDB_SILENT="true",
+        HYDRA_FULL_ERROR="0",
+    )
+    env.pop("WANDB_API_KEY", None)
+    return env
+
+
+def run_train(args: Sequence[str], run_dir: Path, timeout: int = 300, check: bool = False) -> subprocess.CompletedProcess:
+    """Run `train ARGS hydra.run.dir=RUN_DIR` and return the finished process."""
+    cmd = [TRAIN, *args, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(
+        cmd, cwd=run_dir.parent, env=train_env(run_dir.parent), capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> List[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def losses_by_step(run_dir: Path) -> Dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"
