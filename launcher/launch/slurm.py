@@ -74,7 +74,7 @@ def shell_quote(value: Any) -> str:
 
 def sanitize_job_name(name: str, fallback: str = "train") -> str:
     """A job name made of [A-Za-z0-9._-] only, at most 64 characters (squeue-friendly)."""
-    clean = _JOB_NAME_BAD.sub("-", name).strip("-.")[:64].strip("-.")
+    clean = re.sub(r"-{2,}", "-", _JOB_NAME_BAD.sub("-", name)).strip("-.")[:64].strip("-.")
     return clean or fallback
 
 

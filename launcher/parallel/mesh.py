@@ -47,16 +47,35 @@ def build_device_mesh(mesh: MeshPlan, device_type: str) -> DeviceMesh:
             f"{world}; re-plan for this world size or start {mesh.world_size} ranks"
         )
     dm = init_device_mesh(device_type, mesh.shape(), mesh_dim_names=MESH_DIM_NAMES)
-    dm["dp_replicate", "dp_shard"]._flatten("dp")
-    dm["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-    dm["dp_shard", "cp"]._flatten("dp_shard_cp")
+    # torch wants flattened meshes kept by the caller rather than sliced from the root
+    # later: keep them on the root object, read them back with ``submesh``.
+    views = {
+        "dp": dm["dp_replicate", "dp_shard"]._flatten("dp"),
+        "dp_cp": dm["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        "dp_shard_cp": dm["dp_shard", "cp"]._flatten("dp_shard_cp"),
+    }
+    # HSDP: 2-D (replicate, shard) mesh over the same ranks as dp_cp.
+    views["hsdp"] = views["dp_cp"]._unflatten(
+        0, (mesh.dp_replicate, mesh.dp_shard * mesh.cp), ("dp_replicate", "dp_shard_cp"))
+    dm._launcher_views = views  # type: ignore[attr-defined]
     log.info("built device mesh %s on %s", dict(zip(MESH_DIM_NAMES, mesh.shape())), device_type)
     return dm
 
 
+def submesh(world: DeviceMesh, name: str) -> DeviceMesh:
+    """A named dimension (pp, dp_replicate, dp_shard, cp, tp) or view (dp, dp_cp, dp_shard_cp,
+    hsdp = 2-D (dp_replicate, dp_shard_cp)) of a mesh made by ``build_device_mesh``."""
+    views = getattr(world, "_launcher_views", {})
+    if name in views:
+        return views[name]
+    if name in MESH_DIM_NAMES:
+        return world[name]
+    raise KeyError(f"unknown mesh view {name!r}; expected one of {MESH_DIM_NAMES + tuple(views)}")
+
+
 def expert_meshes(world: DeviceMesh, ep: int) -> Tuple[DeviceMesh, DeviceMesh]:
     """(ep mesh, dp_shard_mod_ep mesh): experts are sharded over the first, FSDP over the second."""
-    fsdp = world["dp_shard_cp"]
+    fsdp = submesh(world, "dp_shard_cp")
     if fsdp.size() % ep:
         raise ValueError(
             f"parallel.ep={ep} must divide dp_shard*cp={fsdp.size()}: expert-parallel ranks are "

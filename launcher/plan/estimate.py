@@ -1,8 +1,117 @@
-"""Fills the Plan's estimates (memory, communication, pipeline, time)."""
+"""Fills a Plan's estimates: parameter counts, memory, communication, pipeline, time.
+
+`fill(plan, spec)` is called by `build_plan`. It writes plain dicts (bytes, seconds) so that
+plan.json stays a stable, readable schema; docs/planner.md lists the keys.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Dict, List
+
+from launcher.plan.flops import training_flops_per_token
+from launcher.plan.layout import Layout, layout_from_plan
+from launcher.plan.memory import GiB, StageMemory, estimate_memory, inflight_microbatches, most_loaded
+from launcher.plan.params import ModelShape, chunk_layer_counts, model_shape
+from launcher.plan.perf import bubble_fraction, estimate_time
+
+
+def capacity_bytes(hw: Any) -> int:
+    """GPU memory as the allocator sees it: memory_gb is GiB, as nvidia-smi reports it."""
+    return int(hw.memory_gb * GiB)
+
+
+def reserved_bytes(hw: Any) -> int:
+    return int(hw.reserved_gb * GiB)
+
+
+def memory_summary(stages: List[StageMemory], hw: Any) -> Dict[str, Any]:
+    """The `plan.memory` dict: the most loaded rank's categories, capacity, verdict and margin."""
+    top = most_loaded(stages)
+    cap = capacity_bytes(hw)
+    d: Dict[str, Any] = top.as_dict()
+    d.update(
+        capacity=cap,
+        fits=top.total <= cap,
+        margin=cap - top.total,
+        most_loaded_pp_rank=top.rank,
+        host=top.host,
+        detail=dict(top.detail),
+        per_pp_rank=[s.as_dict() | {"pp_rank": s.rank, "host": s.host} for s in stages],
+    )
+    return d
+
 
 def fill(plan, spec) -> None:
-    """Foundation version: no estimates yet (the planner issue builds memory.py / perf.py)."""
-    return None
+    """Compute every estimate for `plan` (mesh, batch and backends already decided)."""
+    shape = model_shape(spec.model)
+    lay = layout_from_plan(plan, spec)
+    fill_from_layout(plan, spec, shape, lay)
+
+
+def fill_from_layout(plan, spec, shape: ModelShape, lay: Layout) -> None:
+    hw = spec.hardware
+    plan.params_total = shape.total
+    plan.params_active = shape.active
+    stages = estimate_memory(shape, lay, reserved_bytes(hw))
+    plan.memory = memory_summary(stages, hw)
+
+    flops_per_token = training_flops_per_token(spec.model, lay.seq_len)
+    t = estimate_time(shape, lay, hw, flops_per_token, plan.batch.tokens_per_step)
+    comm = t.pop("comm")
+    plan.comm = {
+        "collectives": [c.as_dict() for c in comm],
+        "bytes_per_step": sum(c.bytes_per_step for c in comm),
+        "intra_node_bytes": sum(c.bytes_per_step for c in comm if c.where == "intra"),
+        "inter_node_bytes": sum(c.bytes_per_step for c in comm if c.where == "inter"),
+        "exposed_s": sum(c.exposed_s for c in comm),
+        "pp_rank": t["slowest_stage"],
+    }
+    counts = chunk_layer_counts(shape.n_layers, lay.pp * lay.vpp, lay.pp_layers)
+    plan.pipeline = {
+        "pp": lay.pp,
+        "schedule": lay.schedule if lay.pp > 1 else "none",
+        "virtual_stages": lay.vpp,
+        "microbatches": lay.microbatches,
+        "bubble_fraction": bubble_fraction(lay),
+        "layers_per_chunk": counts,
+        "inflight_microbatches": [inflight_microbatches(lay, r) for r in range(lay.pp)],
+    }
+    t["model_flops_per_token"] = flops_per_token
+    plan.time = t
+    plan.warnings = list(plan.warnings) + warnings_for(plan, spec, lay)
+
+
+def warnings_for(plan, spec, lay: Layout) -> List[str]:
+    """Actionable warnings: memory that does not fit, a large bubble, TP across nodes."""
+    out: List[str] = []
+    mem = plan.memory
+    gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
+    if not mem["fits"]:
+        fixes = []
+        if lay.ac_mode != "full":
+            fixes.append("activation_checkpointing=full")
+        if lay.zero_stage != 3:
+            fixes.append("parallel.zero_stage=3")
+        if lay.micro_batch_size > 1:
+            fixes.append(f"trainer.micro_batch_size={lay.micro_batch_size // 2}")
+        fixes.append("a larger parallel.tp / parallel.pp, or more nodes")
+        fixes.append("`action=search` to list layouts that fit")
+        out.append(
+            f"does not fit: pipeline rank {mem['most_loaded_pp_rank']} needs {gib(mem['total'])} per GPU "
+            f"(params {gib(mem['params'])}, grads {gib(mem['grads'])}, optimizer {gib(mem['optimizer'])}, "
+            f"activations {gib(mem['activations'])}, other {gib(mem['other'])}) but {spec.hardware.name} has "
+            f"{gib(mem['capacity'])}. Fix: " + "; ".join(fixes) + "."
+        )
+    bubble = plan.pipeline["bubble_fraction"]
+    if lay.pp > 1 and bubble > 0.25:
+        out.append(
+            f"pipeline bubble is {bubble:.0%} of compute (pp={lay.pp}, {lay.microbatches} micro-batches, "
+            f"schedule {lay.schedule}). Fix: more micro-batches (trainer.global_batch_size or a smaller "
+            f"trainer.micro_batch_size), parallel.pp_schedule=interleaved_1f1b with pp_virtual_stages=2, or a lower pp."
+        )
+    if lay.tp > lay.gpus_per_node:
+        out.append(
+            f"parallel.tp={lay.tp} spans more than one node ({lay.gpus_per_node} GPUs per node): every block's "
+            f"TP collectives cross the network. Fix: parallel.tp <= {lay.gpus_per_node} and use pp or dp_shard instead."
+        )
+    return out

@@ -131,7 +131,9 @@ def layout_from_plan(plan: Any, spec: Any) -> Layout:
         offload_optimizer=spec.offload.optimizer,
         offload_params=spec.offload.params,
         sharding_backend=backend_of("sharding"),
-        offload_backend=backend_of("offload", backend_of("sharding")),
+        offload_backend=backend_of(
+            "offload_optimizer" if spec.offload.optimizer != "none" else "offload_params", backend_of("sharding")
+        ),
         pp_backend=backend_of("pp"),
         reduce_bucket_size=int(spec.backend.reduce_bucket_size),
         allgather_bucket_size=int(spec.backend.allgather_bucket_size),

@@ -121,7 +121,12 @@ def working_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
     wb = working_dtype_bytes(lay)
     grad_wb = 4.0 if lay.precision == "fp32" else 2.0
     out: Dict[str, int] = {}
-    if lay.sharding_backend == "native":
+    if lay.sharding_backend == "native" and lay.pp > 1 and lay.zero_stage:
+        # torch's pipeline schedules keep FSDP2 units unsharded, and their gradients unreduced,
+        # from the first micro-batch to the last backward of the step.
+        out["unsharded_params"] = int(local * wb)
+        out["unsharded_grads"] = int(local * grad_wb)
+    elif lay.sharding_backend == "native":
         if lay.zero_stage in (1, 2):
             out["unsharded_params"] = int(local * wb)  # kept from forward to backward
         elif lay.precision != "fp32" or lay.zero_stage == 3:
@@ -231,12 +236,13 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
 def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) -> Dict[str, int]:
     """Saved activations of a pipeline rank at its peak, plus the backward working set."""
     modes = layer_modes(stage.n_layers, lay)
-    per_mb = 0.0
-    worst_layer = 0.0
+    # Count blocks per (is MoE, mode) so a 126-block stage costs a handful of formula calls.
+    kinds: Dict[tuple, int] = {}
     for mode, idx in zip(modes, stage.layers):
-        moe = shape.is_moe_layer(idx)
-        per_mb += layer_activation_bytes(shape, lay, moe, mode)
-        worst_layer = max(worst_layer, layer_activation_bytes(shape, lay, moe, "none"))
+        key = (shape.is_moe_layer(idx), mode)
+        kinds[key] = kinds.get(key, 0) + 1
+    per_mb = sum(n * layer_activation_bytes(shape, lay, moe, mode) for (moe, mode), n in kinds.items())
+    worst_layer = max((layer_activation_bytes(shape, lay, moe, "none") for moe, _ in kinds), default=0.0)
     inflight = inflight_microbatches(lay, stage.rank)
     tokens = lay.micro_batch_size * lay.seq_len / lay.cp
     a, t = lay.act_bytes, lay.tp

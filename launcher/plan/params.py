@@ -16,6 +16,7 @@ width moe_ffn_dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, List, Tuple
 
 
@@ -161,12 +162,14 @@ def chunks_of_rank(rank: int, pp: int, vpp: int, schedule: str) -> List[int]:
     return [rank + i * pp for i in range(vpp)]
 
 
+@lru_cache(maxsize=4096)
 def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b",
-                 pp_layers: Tuple[int, ...] = ()) -> List[StageParams]:
+                 pp_layers: Tuple[int, ...] = ()) -> Tuple[StageParams, ...]:
     """Parameters per pipeline rank. The first chunk holds the embedding, the last the output layer.
 
     With tied embeddings and pp > 1 both ends would hold the table; the validator refuses
     that combination, but the count here stays correct (each end holds a copy).
+    Cached: the search asks for the same split thousands of times. Returns a tuple.
     """
     chunks = pp * vpp
     counts = chunk_layer_counts(shape.n_layers, chunks, pp_layers)
@@ -198,4 +201,4 @@ def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b
             largest = max(largest, extra + shape.final_norm)
         n_moe = sum(1 for i in layers if shape.is_moe_layer(i))
         out.append(StageParams(rank, tuple(layers), shared, routed, largest, has_emb, has_out, n_moe))
-    return out
+    return tuple(out)

@@ -56,7 +56,20 @@ def build_engine(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path) -> 
         return build_deepspeed_engine(spec, plan, device=rank.device, run_dir=run_dir)
     from launcher.runtime.native_engine import build_native_engine
 
-    return build_native_engine(spec, plan, device=rank.device)
+    return build_native_engine(
+        spec.model,
+        plan,
+        parallel=spec.parallel,
+        precision=spec.precision,
+        optim=spec.optim,
+        ac=spec.activation_checkpointing,
+        total_steps=spec.trainer.steps,
+        grad_clip=spec.trainer.grad_clip,
+        seed=spec.trainer.seed,
+        compile=spec.trainer.compile,
+        offload=spec.offload,
+        device=rank.device,
+    )
 
 
 def data_parallel_rank(plan: Plan, rank: int) -> int:

@@ -1,0 +1,145 @@
+"""Generate the DeepSpeed JSON from the validated spec and the plan.
+
+Nobody writes a DeepSpeed config by hand: every key comes from the launcher's own config
+(batch from the plan, stage / offload / ZeRO++ from the spec, precision and activation
+checkpointing from the resolver's decision), it is written into the run directory as
+``deepspeed_config.json`` and checked with DeepSpeed's own config classes.
+
+Importing this module does not import deepspeed (only ``validate_deepspeed_config`` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+CONFIG_FILENAME = "deepspeed_config.json"
+# Bucket sizes for ZeRO-3 prefetch / persistence: DeepSpeed's defaults, made explicit.
+STAGE3_PREFETCH_BUCKET = 50_000_000
+STAGE3_PARAM_PERSISTENCE = 100_000
+
+
+def _offload_section(device: str, offload) -> Dict[str, Any]:
+    section: Dict[str, Any] = {"device": device, "pin_memory": bool(offload.pin_memory)}
+    if device == "nvme":
+        section["nvme_path"] = str(offload.nvme_path)
+    return section
+
+
+def data_parallel_size(plan) -> int:
+    """DeepSpeed's data-parallel size: every rank that is not a pipeline stage of the same replica."""
+    m = plan.mesh
+    return m.dp_replicate * m.dp_shard * m.cp * m.tp
+
+
+def build_deepspeed_config(spec, plan) -> Dict[str, Any]:
+    """The DeepSpeed config dict for this job (plan.backend("sharding") must be "deepspeed").
+
+    Raises ValueError when the batch arithmetic does not close (global = micro x accum x dp).
+    """
+    b, t, p = plan.batch, spec.trainer, spec.parallel
+    dp = data_parallel_size(plan)
+    if b.global_batch_size != b.micro_batch_size * b.grad_accum_steps * dp:
+        raise ValueError(
+            f"trainer.global_batch_size={b.global_batch_size} != micro_batch_size {b.micro_batch_size} x "
+            f"gradient accumulation {b.grad_accum_steps} x data-parallel size {dp}. "
+            f"Fix: trainer.global_batch_size={b.micro_batch_size * max(1, b.grad_accum_steps) * dp}."
+        )
+    bf16 = spec.precision.name == "bf16"
+    zero = int(p.zero_stage)
+    be = spec.backend
+    zo: Dict[str, Any] = {
+        "stage": zero,
+        "contiguous_gradients": True,
+        "overlap_comm": False,
+        "reduce_scatter": True,
+        "reduce_bucket_size": int(be.reduce_bucket_size),
+        "allgather_bucket_size": int(be.allgather_bucket_size),
+    }
+    if zero == 3:
+        zo["stage3_prefetch_bucket_size"] = STAGE3_PREFETCH_BUCKET
+        zo["stage3_param_persistence_threshold"] = STAGE3_PARAM_PERSISTENCE
+        zo["zero_quantized_weights"] = bool(be.zeropp_quantized_weights)
+        zo["zero_quantized_gradients"] = bool(be.zeropp_quantized_gradients)
+        hpz = int(be.zeropp_hierarchical_partition)
+        if hpz == 0 and p.dp_replicate > 1:
+            hpz = plan.mesh.dp_shard  # HSDP-style groups map to ZeRO++ hpZ (see the resolver)
+        zo["zero_hpz_partition_size"] = max(1, hpz)
+    o = spec.offload
+    if o.optimizer != "none":
+        zo["offload_optimizer"] = _offload_section(o.optimizer, o)
+    if o.params != "none":
+        zo["offload_param"] = _offload_section(o.params, o)
+
+    cfg: Dict[str, Any] = {
+        "train_batch_size": b.global_batch_size,
+        "train_micro_batch_size_per_gpu": b.micro_batch_size,
+        "gradient_accumulation_steps": b.grad_accum_steps,
+        "gradient_clipping": float(t.grad_clip),
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "zero_optimization": zo,
+        # We pass a torch.optim.AdamW (or DeepSpeedCPUAdam when offloading): same maths and
+        # parameter groups as the native path, and no JIT build of DeepSpeed's fused Adam.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1_000_000_000,
+        "wall_clock_breakdown": False,
+        "seed": int(t.seed),
+    }
+    if bf16:
+        cfg["communication_data_type"] = "fp32" if spec.precision.reduce_dtype == "fp32" else "bf16"
+        if zero == 1 and o.optimizer == "none":
+            # BF16 optimizer with fp32 gradient accumulation (stage 0 has no master weights).
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    ac = plan.backends.get("activation_checkpointing")
+    if ac is not None and ac.backend == "deepspeed" and ac.impl != "off":
+        cfg["activation_checkpointing"] = {
+            "partition_activations": False,
+            "cpu_checkpointing": False,
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": None,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        }
+    return cfg
+
+
+def write_deepspeed_config(cfg: Dict[str, Any], run_dir: Path) -> Path:
+    """Write ``cfg`` to <run_dir>/deepspeed_config.json atomically and return the path."""
+    path = Path(run_dir) / CONFIG_FILENAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def validate_deepspeed_config(cfg: Dict[str, Any], dp_size: int):
+    """Check ``cfg`` with DeepSpeed's own ``DeepSpeedConfig`` (pydantic ZeRO/offload models,
+    batch assertion, sanity checks). Returns the DeepSpeedConfig.
+
+    DeepSpeedConfig takes its world size from torch.distributed (1 when it is not
+    initialised), so the batch keys are checked here for ``dp_size`` and handed to
+    DeepSpeed rescaled to the world size it sees.
+    """
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    micro, accum, total = (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"],
+                           cfg["train_batch_size"])
+    if total != micro * accum * dp_size:
+        raise ValueError(f"train_batch_size {total} != {micro} x {accum} x dp {dp_size}")
+    seen = _deepspeed_world_size()
+    checked = copy.deepcopy(cfg)
+    checked["train_batch_size"] = micro * accum * seen
+    ds = DeepSpeedConfig(checked)
+    if ds.zero_optimization_stage != cfg["zero_optimization"]["stage"]:
+        raise ValueError(f"DeepSpeed read stage {ds.zero_optimization_stage}, expected {cfg['zero_optimization']['stage']}")
+    return ds
+
+
+def _deepspeed_world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,97 @@
+"""Expert parallelism: the routed experts of each MoE layer are split over ``ep`` ranks.
+
+The expert weights [n_experts, ...] become DTensors sharded along the expert dim on the ep
+mesh (rank j holds experts j*E/ep .. (j+1)*E/ep - 1), so checkpoints reshard freely between
+ep layouts. The MoE layer itself is unchanged: it routes its own tokens, sorts them by
+expert and calls ``experts(x_sorted, counts)``. Hooks around that call do the dispatch:
+
+1. exchange per-expert counts with an all-to-all (each rank learns how many tokens it will
+   receive for each of its experts from each peer);
+2. all-to-all the token rows (variable splits, autograd-aware: backward sends the
+   gradients back the same way);
+3. regroup the received rows by local expert, run the local experts, undo the regrouping;
+4. all-to-all the results back; the MoE layer combines them with the routing weights.
+
+The ep ranks are carved out of dp_shard*cp (``launcher.parallel.mesh.expert_meshes``); the
+experts are FSDP-sharded over the remaining dp_shard*cp/ep ranks. Expert gradients collect
+every ep rank's tokens through step 2's backward, which is why data-parallel gradients are
+summed (not averaged) in launcher/parallel/fsdp.py.
+Capacity dropping happens before dispatch, on each rank's own tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+log = logging.getLogger(__name__)
+
+
+def _all_to_all_rows(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(x, out_splits, in_splits, group))
+
+
+class _Dispatch:
+    """Input/output functions for one experts module (state lives between the two calls)."""
+
+    def __init__(self, ep_mesh: DeviceMesh, n_experts: int):
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+        self.local = n_experts // self.ep
+        self.state = None
+
+    def partition(self, name, module, mesh):
+        for pname, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+
+    def dispatch(self, module, inputs, mesh):
+        x, counts = inputs
+        counts = counts.to(torch.int64)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        send_splits = counts.view(self.ep, self.local).sum(1).tolist()
+        recv_matrix = recv_counts.view(self.ep, self.local)  # [source rank, local expert]
+        recv_splits = recv_matrix.sum(1).tolist()
+        rows = _all_to_all_rows(x, recv_splits, send_splits, self.group)
+        # Received rows are ordered (source, expert); the experts want (expert, source).
+        seg = torch.arange(self.ep * self.local, device=x.device).view(self.ep, self.local)
+        seg_of_row = torch.repeat_interleave(seg.reshape(-1), recv_matrix.reshape(-1))
+        expert_of_seg = seg % self.local
+        perm = torch.argsort(expert_of_seg.reshape(-1)[seg_of_row], stable=True)
+        self.state = (perm, send_splits, recv_splits)
+        return rows[perm], recv_matrix.sum(0)
+
+    def combine(self, module, out, mesh):
+        perm, send_splits, recv_splits = self.state
+        self.state = None
+        unperm = torch.empty_like(out)
+        unperm = unperm.index_copy(0, perm, out)
+        return _all_to_all_rows(unperm, send_splits, recv_splits, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
+    """Shard the routed experts of every MoE block over ``ep_mesh`` and install the dispatch."""
+    n = 0
+    for block in model.layers.values():
+        moe = getattr(block, "moe", None)
+        if moe is None:
+            continue
+        if moe.n_experts % ep_mesh.size():
+            raise ValueError(
+                f"model.n_experts={moe.n_experts} is not divisible by parallel.ep={ep_mesh.size()}; "
+                f"choose ep among the divisors of {moe.n_experts}"
+            )
+        d = _Dispatch(ep_mesh, moe.n_experts)
+        distribute_module(moe.experts, ep_mesh, partition_fn=d.partition,
+                          input_fn=d.dispatch, output_fn=d.combine)
+        n += 1
+    log.info("applied expert parallelism (ep=%d) to %d MoE blocks: experts sharded on dim 0, "
+             "all-to-all token dispatch", ep_mesh.size(), n)
+    return model

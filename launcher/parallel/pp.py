@@ -1,0 +1,136 @@
+"""Pipeline parallelism with torch.distributed.pipelining.
+
+The decoder is cut into ``pp * pp_virtual_stages`` stages of whole blocks. Each stage is a
+copy of the (meta) model with the other blocks deleted; the first stage keeps the
+embedding, the last one the final norm and output layer, so parameter names stay those of
+the full model and checkpoints move between pipeline layouts.
+
+Stage placement: single-stage schedules (gpipe, 1f1b) give rank r stage r; looped
+schedules (interleaved_1f1b, zero_bubble) give rank r stages r, r+pp, r+2pp...; zbv
+(V-shape, exactly 2 stages per rank) gives rank r stages r and 2pp-1-r.
+
+Layers per stage: ``parallel.pp_layers`` (one entry per stage, summing to n_layers), else an
+even split with the remainder going to the earliest stages. Each schedule step splits the
+rank's batch into ``microbatches`` chunks along the batch dimension; gradients are not
+rescaled by the schedule (the engine's loss is already normalised by the global token
+count).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+_SINGLE = ("gpipe", "1f1b")
+
+
+def layers_per_stage(n_layers: int, n_stages: int, explicit: Sequence[int] = ()) -> List[int]:
+    """Number of blocks in each stage: ``explicit`` if given (checked), else an even split."""
+    if explicit:
+        explicit = list(explicit)
+        if len(explicit) != n_stages or sum(explicit) != n_layers or min(explicit) < 0:
+            raise ValueError(
+                f"parallel.pp_layers={explicit} must list {n_stages} non-negative counts "
+                f"(pp * pp_virtual_stages) summing to model.n_layers={n_layers}; "
+                f"got {len(explicit)} entries summing to {sum(explicit)}"
+            )
+        return explicit
+    if n_layers < n_stages:
+        raise ValueError(
+            f"model.n_layers={n_layers} cannot fill {n_stages} pipeline stages "
+            f"(pp * pp_virtual_stages); lower parallel.pp or parallel.pp_virtual_stages"
+        )
+    base, rem = divmod(n_layers, n_stages)
+    return [base + (1 if i < rem else 0) for i in range(n_stages)]
+
+
+def stage_ids_for_rank(rank: int, pp: int, virtual: int, schedule: str) -> List[int]:
+    """Global stage indices held by pipeline rank ``rank``."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={schedule!r} is not one of {'|'.join(SCHEDULES)}")
+    if schedule in _SINGLE:
+        if virtual != 1:
+            raise ValueError(
+                f"parallel.pp_schedule={schedule} runs one stage per rank but "
+                f"parallel.pp_virtual_stages={virtual}; use pp_schedule=interleaved_1f1b (or "
+                f"zero_bubble) for virtual stages, or set pp_virtual_stages=1"
+            )
+        return [rank]
+    if schedule == "zbv":
+        if virtual != 2:
+            raise ValueError(
+                f"parallel.pp_schedule=zbv needs exactly 2 stages per rank; set "
+                f"parallel.pp_virtual_stages=2 (got {virtual})"
+            )
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + i * pp for i in range(virtual)]
+
+
+def build_stage_module(whole: nn.Module, stage: int, counts: Sequence[int]) -> nn.Module:
+    """A copy of ``whole`` (meta) holding only the blocks of ``stage``."""
+    first, last = stage == 0, stage == len(counts) - 1
+    lo = sum(counts[:stage])
+    keep = {str(i) for i in range(lo, lo + counts[stage])}
+    part = copy.deepcopy(whole)
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    if not first:
+        part.tok_embeddings = None
+    if not last:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def split_into_stages(whole: nn.Module, parallel, pp_mesh: DeviceMesh) -> Tuple[List[nn.Module], List[int]]:
+    """This rank's stage modules and their global stage indices."""
+    pp, v = pp_mesh.size(), parallel.pp_virtual_stages
+    if whole.cfg.tie_embeddings:
+        raise ValueError("model.tie_embeddings=true cannot be pipelined (embedding and output live "
+                         "on different stages); untie the embeddings or use parallel.pp=1")
+    counts = layers_per_stage(whole.cfg.n_layers, pp * v, parallel.pp_layers)
+    ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp, v, parallel.pp_schedule)
+    parts = [build_stage_module(whole, s, counts) for s in ids]
+    log.info("pipeline: %d stages over pp=%d (%s), layers per stage %s; this rank holds stages %s",
+             pp * v, pp, parallel.pp_schedule, counts, ids)
+    return parts, ids
+
+
+def build_schedule(parts: List[nn.Module], stage_ids: List[int], parallel, pp_mesh: DeviceMesh,
+                   device: torch.device, loss_fn: Callable, n_microbatches: int):
+    """(schedule, has_first_stage, has_last_stage) for this rank's materialised stage modules."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as S
+
+    pp, v = pp_mesh.size(), parallel.pp_virtual_stages
+    n_stages = pp * v
+    if n_microbatches < pp:
+        msg = (f"parallel.microbatches={n_microbatches} < pipeline stages per step ({pp}): most "
+               f"ranks idle (bubble fraction ~ (p-1)/m = {(pp - 1) / n_microbatches:.2f}); use "
+               f"at least {pp} micro-batches, ideally several times more")
+        warnings.warn(msg)
+        log.warning(msg)
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(part, sid, n_stages, device, group=group) for part, sid in zip(parts, stage_ids)]
+    cls = {
+        "gpipe": S.ScheduleGPipe,
+        "1f1b": S.Schedule1F1B,
+        "interleaved_1f1b": S.ScheduleInterleaved1F1B,
+        "zero_bubble": S.ScheduleInterleavedZeroBubble,
+        "zbv": S.ScheduleZBVZeroBubble,
+    }[parallel.pp_schedule]
+    target = stages[0] if parallel.pp_schedule in _SINGLE else stages
+    schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    log.info("applied pipeline schedule %s: %d micro-batches, %d stage(s) on this rank",
+             cls.__name__, n_microbatches, len(stages))
+    return schedule, 0 in stage_ids, n_stages - 1 in stage_ids

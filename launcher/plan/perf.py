@@ -1,0 +1,313 @@
+"""Communication volume, pipeline bubble, step time, tokens/s and MFU. Pure Python.
+
+Assumptions (printed by `action=plan`, documented in docs/planner.md):
+- Collectives are rings: all-reduce moves 2(N-1)/N x bytes per rank, reduce-scatter and
+  all-gather (N-1)/N x bytes, all-to-all (N-1)/N x bytes sent; point-to-point sends its bytes.
+- A group runs on NVLink when all its ranks sit in one node (ranks are ordered pp,
+  dp_replicate, dp_shard, cp, tp with tp innermost), otherwise on the per-GPU network link;
+  a collective reaches `comm_efficiency` of the link's one-direction bandwidth.
+- Compute runs at `achievable_fraction` of the dense peak (FP8 peak for the block matmuls
+  under precision=fp8; attention and the output layer stay BF16).
+- Overlap: FSDP/ZeRO all-gathers and reduce-scatters overlap the compute of other units
+  (only the part longer than the compute, plus the first gather and last reduce of a
+  micro-batch, is exposed); DDP's all-reduce overlaps the last backward; context-parallel
+  ring exchange overlaps its attention; TP and EP collectives are exposed (no async TP);
+  pipeline sends are exposed during warm-up and cool-down only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Any, Dict, List, Tuple
+
+from launcher.plan.flops import attention_flops_per_token
+from launcher.plan.layout import Layout
+from launcher.plan.params import ModelShape, StageParams, stage_params
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+# Host-side AdamW throughput per GPU process when the optimizer is offloaded (parameters/s);
+# DeepSpeedCPUAdam reaches a few 1e9 params/s on a full multi-core host shared by 8 GPUs.
+HOST_ADAM_PARAMS_PER_S = 5e8
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def ring_factor(collective: str, n: int) -> float:
+    """Bytes each rank sends per byte of the (full) buffer, for a ring over n ranks."""
+    if n <= 1:
+        return 0.0
+    if collective == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if collective in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    if collective == "p2p":
+        return 1.0
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def group_span(lay: Layout, dims: Tuple[str, ...]) -> int:
+    """How many consecutive global ranks one group along `dims` (adjacent mesh dims) spans."""
+    # The group's ranks are strided by the product of the dims inside it, so it spans from
+    # its outermost dim down to tp.
+    outer = min(MESH_ORDER.index(d) for d in dims)
+    span = 1
+    for d in MESH_ORDER[outer:]:
+        span *= getattr(lay, d)
+    return span
+
+
+def placement(lay: Layout, dims: Tuple[str, ...], span: int = 0) -> str:
+    """'intra' when a group along `dims` (or of an explicit rank span) fits in one node, else 'inter'."""
+    return "intra" if (span or group_span(lay, dims)) <= lay.gpus_per_node else "inter"
+
+
+def link_bandwidth(hw: Any, where: str) -> float:
+    """Bytes/s a collective reaches on the link (one direction, per GPU)."""
+    gbps = hw.nvlink_gbps if where == "intra" else hw.network_gbps
+    return gbps * 1e9 * hw.comm_efficiency
+
+
+@dataclass
+class Collective:
+    name: str  # what it is for, e.g. "fsdp all-gather (params, fwd)"
+    collective: str  # all_reduce | reduce_scatter | all_gather | all_to_all | p2p
+    group: str  # mesh dims, e.g. "dp_shard*cp"
+    group_size: int
+    where: str  # intra | inter
+    bytes_per_step: float  # sent by one rank per optimizer step
+    time_s: float  # at link bandwidth, not counting overlap
+    exposed_s: float = 0.0  # what it adds to the step after overlap
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def _coll(name, kind, dims, size, lay, hw, buffer_bytes, count, span=0) -> Collective:
+    where = placement(lay, dims, span)
+    nbytes = ring_factor(kind, size) * buffer_bytes * count
+    return Collective(name, kind, "*".join(dims), size, where, nbytes, nbytes / link_bandwidth(hw, where))
+
+
+# ----------------------------------------------------------------------------- compute
+
+
+@lru_cache(maxsize=65536)
+def stage_matmul_params(shape: ModelShape, st: StageParams) -> Tuple[float, float]:
+    """(block matmul params per token, output-layer params) one token touches on a rank."""
+    block = 0.0
+    for i in st.layers:
+        if shape.is_moe_layer(i):
+            block += shape.attention + shape.router + (shape.top_k + shape.n_shared_experts) * shape.expert
+        else:
+            block += shape.attention + shape.dense_ffn
+    head = shape.vocab_size * shape.dim if st.has_output else 0.0
+    return block, head
+
+
+def recompute_fraction(lay: Layout) -> float:
+    """Share of the blocks whose forward is run twice (full recomputation)."""
+    if lay.ac_mode == "full":
+        return 1.0
+    if lay.ac_mode == "selective" and lay.ac_selective.isdigit() and int(lay.ac_selective) > 0:
+        return 1.0 / int(lay.ac_selective)
+    return 0.0  # op-level selective recomputes elementwise ops only: no matmul FLOPs
+
+
+def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> float:
+    """Forward + backward of one micro-batch on one GPU of a pipeline rank."""
+    tokens = lay.micro_batch_size * lay.seq_len
+    block, head = stage_matmul_params(shape, st)
+    attn = attention_flops_per_token(st.n_layers, shape.dim, lay.seq_len)
+    rf = recompute_fraction(lay)
+    # Recomputing a forward costs a third of forward+backward.
+    block_flops = 6.0 * block * (1 + rf / 3) * tokens
+    attn_flops = attn * (1 + rf / 3) * tokens
+    head_flops = 6.0 * head * tokens
+    split = lay.tp * lay.cp  # each GPU of the TP x CP group computes its share
+    bf16 = hw.bf16_tflops * 1e12 * hw.achievable_fraction
+    block_peak = hw.fp8_tflops * 1e12 * hw.achievable_fraction if lay.precision == "fp8" else bf16
+    if lay.precision == "fp32":
+        block_peak = bf16  # TF32 tensor cores are half of BF16 peak on H100, but planning fp32 runs on GPUs is rare
+    return (block_flops / block_peak + (attn_flops + head_flops) / bf16) / split
+
+
+def bubble_slots(lay: Layout) -> float:
+    """Idle micro-batch slots of the pipeline per step (bubble = slots / m).
+
+    GPipe and 1F1B: p-1; interleaved 1F1B with v chunks: (p-1)/v; the zero-bubble schedules
+    fill about two thirds of it by deferring weight gradients (ZB-H1; zbv: V-shape, 2 chunks).
+    """
+    p, v = lay.pp, lay.vpp
+    if p <= 1:
+        return 0.0
+    if lay.schedule in ("gpipe", "1f1b"):
+        return float(p - 1)
+    if lay.schedule == "interleaved_1f1b":
+        return (p - 1) / v
+    return (p - 1) / (3.0 * v)  # zero_bubble, zbv
+
+
+def bubble_fraction(lay: Layout) -> float:
+    return bubble_slots(lay) / max(1, lay.microbatches)
+
+
+# ----------------------------------------------------------------------------- communication
+
+
+def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> List[Collective]:
+    """Per-step communication of one GPU on pipeline rank `st` (the busiest one)."""
+    out: List[Collective] = []
+    m, a = lay.microbatches, lay.act_bytes
+    tokens = lay.micro_batch_size * lay.seq_len / lay.cp
+    shared = st.shared / lay.tp
+    routed = st.routed / (lay.tp * lay.ep)
+    wb = 4.0 if lay.precision == "fp32" else (1.0 if lay.precision == "fp8" and lay.fp8_all_gather else 2.0)
+    rb = 4.0 if (lay.reduce_dtype == "fp32" or lay.precision == "fp32") else 2.0
+    ds = lay.sharding_backend == "deepspeed"
+    if ds:
+        wb = 4.0 if lay.precision == "fp32" else 2.0
+        rb = wb
+    shard_dims: Tuple[str, ...] = ("dp_replicate", "dp_shard", "cp") if ds else ("dp_shard", "cp")
+    n_shard = lay.fsdp_degree
+    # Expert parameters shard over the ranks left after ep (innermost part of dp_shard*cp).
+    families = [("", shared, n_shard)]
+    if routed:
+        families.append((" experts", routed, lay.expert_fsdp_degree))
+    z = lay.zero_stage
+    dp_all = lay.dp_replicate * lay.dp_shard * lay.cp
+    for tag, psize, n in families:
+        if z == 0 or n == 1:
+            if dp_all > 1:
+                dims = ("dp_replicate", "dp_shard", "cp")
+                out.append(_coll(f"grad all-reduce{tag}", "all_reduce", dims, dp_all, lay, hw, psize * rb, 1))
+            continue
+        # How often the sharded states are gathered/reduced per step. FSDP2 under torch's pipeline
+        # schedules skips the reduce and the reshard on all but the last backward: once per step.
+        if ds:
+            per_mb = m if z >= 2 else 1
+        else:
+            per_mb = 1 if lay.pp > 1 else m
+        ag_w = 0.5 if (ds and lay.zeropp_quantized_weights) else 1.0
+        rs_w = 0.25 if (ds and lay.zeropp_quantized_gradients) else 1.0
+        if z == 3 and not (lay.pp > 1 and not ds):
+            out.append(_coll(f"param all-gather fwd{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb * ag_w, per_mb))
+            # hpZ gathers the backward copy from its secondary partition inside the node.
+            hpz = ds and lay.zeropp_hierarchical_partition > 1
+            out.append(_coll(f"param all-gather bwd{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb * ag_w, per_mb,
+                             span=lay.gpus_per_node if hpz else 0))
+        else:
+            # ZeRO-1/2: parameters are gathered once (DeepSpeed: after the step) or per micro-batch (FSDP2).
+            out.append(_coll(f"param all-gather{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb, 1 if ds else per_mb))
+        out.append(_coll(f"grad reduce-scatter{tag}", "reduce_scatter", shard_dims, n, lay, hw, psize * rb * rs_w, per_mb))
+        if not ds and lay.dp_replicate > 1:
+            out.append(_coll(f"HSDP grad all-reduce{tag}", "all_reduce", ("dp_replicate",), lay.dp_replicate,
+                             lay, hw, psize / n * rb, per_mb))
+    n_layers = st.n_layers
+    rf = recompute_fraction(lay)
+    if lay.tp > 1:
+        x = tokens * shape.dim * a
+        # 2 collectives per block forward (attention, FFN) and 2 backward; recompute repeats the forward ones.
+        count = n_layers * m * (4 + 2 * rf)
+        if lay.sp:
+            out.append(_coll("TP all-gather (SP)", "all_gather", ("tp",), lay.tp, lay, hw, x, count))
+            out.append(_coll("TP reduce-scatter (SP)", "reduce_scatter", ("tp",), lay.tp, lay, hw, x, count))
+        else:
+            out.append(_coll("TP all-reduce", "all_reduce", ("tp",), lay.tp, lay, hw, x, count))
+    if lay.cp > 1:
+        # Ring attention: every K/V shard visits every rank in forward; backward passes K/V and dK/dV.
+        kv = 2 * lay.micro_batch_size * lay.seq_len * shape.kv_dim * a / lay.tp
+        out.append(_coll("CP K/V ring", "all_gather", ("cp",), lay.cp, lay, hw, kv, n_layers * m * (3 + rf)))
+    n_moe = st.n_moe_layers
+    if lay.ep > 1 and n_moe:
+        x = tokens * shape.top_k * shape.dim * a / (lay.tp if lay.sp else 1)
+        # dispatch + combine, forward and backward
+        # EP ranks are the innermost ep of dp_shard*cp, strided by tp.
+        out.append(_coll("EP all-to-all", "all_to_all", ("dp_shard", "cp"), lay.ep, lay, hw, x, n_moe * m * (4 + 2 * rf),
+                         span=lay.ep * lay.tp))
+    if lay.pp > 1:
+        x = tokens * shape.dim * a / (lay.tp if lay.sp else 1)
+        out.append(_coll("PP send/recv", "p2p", ("pp",), lay.pp, lay, hw, x, 2 * m * lay.vpp))
+    return out
+
+
+# ----------------------------------------------------------------------------- step time
+
+
+def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token: float,
+                  tokens_per_step: int) -> Dict[str, Any]:
+    """Step time, throughput and MFU; also returns the comm list of the busiest rank."""
+    stages = stage_params(shape, lay.pp, lay.vpp, lay.schedule, lay.pp_layers)
+    t_mb = [microbatch_compute_s(shape, st, lay, hw) for st in stages]
+    slowest = max(range(len(stages)), key=lambda i: t_mb[i])
+    st = stages[slowest]
+    m = lay.microbatches
+    slots = bubble_slots(lay)
+    compute_s = t_mb[slowest] * m
+    bubble_s = t_mb[slowest] * slots
+    comm = estimate_comm(shape, lay, hw, st)
+    _apply_overlap(comm, lay, compute_s, st)
+    optimizer_s = optimizer_step_s(st, lay, hw)
+    exposed = sum(c.exposed_s for c in comm)
+    step_s = compute_s + bubble_s + exposed + optimizer_s
+    world = lay.world_size
+    tokens_per_s_per_gpu = tokens_per_step / step_s / world
+    flops_per_s_per_gpu = tokens_per_s_per_gpu * model_flops_per_token
+    peak = (hw.fp8_tflops if lay.precision == "fp8" else hw.bf16_tflops) * 1e12
+    return {
+        "step_s": step_s,
+        "compute_s": compute_s,
+        "bubble_s": bubble_s,
+        "exposed_comm_s": exposed,
+        "optimizer_s": optimizer_s,
+        "microbatch_s": t_mb[slowest],
+        "slowest_stage": slowest,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step / step_s,
+        "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
+        "model_tflops_per_s_per_gpu": flops_per_s_per_gpu / 1e12,
+        "mfu": flops_per_s_per_gpu / peak,
+        "mfu_vs_bf16_peak": flops_per_s_per_gpu / (hw.bf16_tflops * 1e12),
+        "peak_tflops": peak / 1e12,
+        "comm": comm,
+    }
+
+
+def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: StageParams) -> None:
+    """Set each collective's exposed time per the overlap assumptions in the module docstring."""
+    units = max(1, st.n_layers + (1 if st.has_embedding or st.has_output else 0))
+    fsdp = [c for c in comm if "param all-gather" in c.name or "grad reduce-scatter" in c.name or "HSDP" in c.name]
+    fsdp_s = sum(c.time_s for c in fsdp)
+    if fsdp:
+        # The first all-gather and last reduce-scatter of each micro-batch cannot hide behind compute.
+        tail = fsdp_s * 2.0 / units
+        hidden_budget = compute_s
+        excess = max(0.0, fsdp_s - hidden_budget)
+        for c in fsdp:
+            c.exposed_s = (excess + tail) * (c.time_s / fsdp_s) if fsdp_s else 0.0
+    for c in comm:
+        if c.name.startswith("grad all-reduce"):
+            # DDP buckets overlap the last micro-batch's backward (2/3 of its compute).
+            c.exposed_s = max(0.0, c.time_s - compute_s / max(1, lay.microbatches) * 2 / 3) + c.time_s / units
+        elif c.name.startswith("TP") or c.name.startswith("EP"):
+            c.exposed_s = c.time_s
+        elif c.name.startswith("CP"):
+            c.exposed_s = max(0.0, c.time_s - 0.5 * compute_s)  # overlaps the attention part of compute
+        elif c.name.startswith("PP"):
+            per_send = c.time_s / max(1, 2 * lay.microbatches * lay.vpp)
+            c.exposed_s = 2 * (lay.pp - 1) * per_send
+
+
+def optimizer_step_s(st: StageParams, lay: Layout, hw: Any) -> float:
+    """AdamW over the local shard: memory-bound on the GPU, or on the host when offloaded."""
+    shared = st.shared / lay.tp
+    routed = st.routed / (lay.tp * lay.ep)
+    n = lay.fsdp_degree if lay.zero_stage >= 1 else 1
+    local = shared / n + routed / (lay.expert_fsdp_degree if lay.zero_stage >= 1 else 1)
+    if lay.offload_optimizer != "none" or lay.offload_params != "none":
+        pcie = hw.pcie_gbps * 1e9
+        return local / HOST_ADAM_PARAMS_PER_S + local * (4 + 2) / pcie  # grads down, params up
+    # Read p, g, m, v (16 B) and write p, m, v (12 B) in fp32.
+    return local * 28.0 / (hw.hbm_gbps * 1e9 * 0.7)

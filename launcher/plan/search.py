@@ -1,0 +1,308 @@
+"""`action=search`: enumerate parallel layouts, keep the valid ones that fit, rank by throughput.
+
+Enumerated per cluster and model: tp (divides the heads, KV heads and FFN widths, at most
+one node), cp (sequence divisible by 2*cp; GPU only), pp (divides what is left, at most
+one block per stage) with its schedule and virtual stages, dp_replicate x dp_shard (HSDP)
+for the rest, ep (MoE: divides the experts and dp_shard*cp), zero_stage, activation
+checkpointing, micro-batch size (the global batch stays fixed).
+
+Speed: llama405b on 2,048 GPUs has ~10^5 combinations. The estimators are cheap but not
+free, so the search works in three passes:
+1. model states depend only on the mesh and ZeRO stage: a layout whose states alone exceed
+   the GPU is dropped before any activation or time is computed;
+2. for each (mesh, ZeRO, micro-batch) only the cheapest recomputation that fits is timed:
+   none < selective < full trade memory for compute monotonically, so the others are dominated;
+3. the ranked survivors are checked with the real validator (`launcher.config.validate`)
+   in order until `limit` valid ones are found; every returned layout passed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from launcher.config.errors import ConfigError
+from launcher.plan.estimate import capacity_bytes, reserved_bytes
+from launcher.plan.flops import training_flops_per_token
+from launcher.plan.layout import Layout
+from launcher.plan.memory import estimate_memory, model_state_memory, most_loaded
+from launcher.plan.params import ModelShape, model_shape, stage_params
+from launcher.plan.perf import estimate_time
+
+AC_MODES = ("none", "selective", "full")
+MAX_MICRO_BATCH = 16
+
+
+@dataclass
+class Candidate:
+    """One valid layout that fits, with its estimates and the overrides that select it."""
+
+    layout: Layout
+    overrides: Dict[str, Any]
+    memory: Dict[str, int]  # most loaded GPU: params, grads, optimizer, activations, other, total
+    capacity: int
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    backends: Dict[str, str] = field(default_factory=dict)  # feature -> backend (features in use)
+
+    @property
+    def train_overrides(self) -> str:
+        """The command-line overrides, e.g. "parallel.tp=8 parallel.pp=4 ..."."""
+        return " ".join(f"{k}={_fmt(v)}" for k, v in self.overrides.items())
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {
+            "overrides": self.train_overrides,
+            "mesh": {k: getattr(self.layout, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")},
+            "zero_stage": self.layout.zero_stage,
+            "activation_checkpointing": self.layout.ac_mode,
+            "micro_batch_size": self.layout.micro_batch_size,
+            "pp_schedule": self.layout.schedule,
+            "pp_virtual_stages": self.layout.vpp,
+            "memory": dict(self.memory),
+            "capacity": self.capacity,
+            "step_s": self.step_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "bubble_fraction": self.bubble_fraction,
+            "backends": dict(self.backends),
+        }
+
+
+def _fmt(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ----------------------------------------------------------------------------- enumeration
+
+
+def tp_options(spec) -> List[int]:
+    m, gpn = spec.model, spec.cluster.gpus_per_node
+    widths = [m.n_heads, m.n_kv_heads, m.ffn_dim] + ([m.moe_ffn_dim] if m.n_experts else [])
+    return [t for t in _divisors(gpn) if all(w % t == 0 for w in widths) and spec.trainer.seq_len % t == 0]
+
+
+def cp_options(spec) -> List[int]:
+    if spec.trainer.device == "cpu":
+        return [1]  # no CPU attention kernel has a context-parallel sharding rule
+    s = spec.trainer.seq_len
+    return [c for c in (1, 2, 4, 8, 16) if s % (2 * c) == 0 or c == 1]
+
+
+def schedule_options(pp: int, n_layers: int) -> List[Tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1)]
+    for v in (2, 4):
+        if pp * v <= n_layers:
+            out.append(("interleaved_1f1b", v))
+    if 2 * pp <= n_layers:
+        out.append(("zbv", 2))
+    return out
+
+
+def mesh_options(spec) -> Iterator[Tuple[int, int, int, int, int, int, str, int]]:
+    """(tp, cp, pp, dp_replicate, dp_shard, ep, schedule, vpp) for every compatible mesh."""
+    m = spec.model
+    world = spec.cluster.nodes * spec.cluster.gpus_per_node
+    for tp in tp_options(spec):
+        for cp in cp_options(spec):
+            if world % (tp * cp):
+                continue
+            rest = world // (tp * cp)
+            for pp in _divisors(rest):
+                if pp > m.n_layers or (pp > 1 and m.tie_embeddings):
+                    continue
+                dp = rest // pp
+                for sched, vpp in schedule_options(pp, m.n_layers):
+                    for dp_rep in _divisors(dp):
+                        dp_shard = dp // dp_rep
+                        eps = [1]
+                        if m.n_experts:
+                            eps = [e for e in _divisors(m.n_experts) if (dp_shard * cp) % e == 0]
+                        for ep in eps:
+                            yield tp, cp, pp, dp_rep, dp_shard, ep, sched, vpp
+
+
+def micro_batch_options(gbs: int, dp: int) -> List[int]:
+    if gbs % dp:
+        return []
+    per_rank = gbs // dp
+    return [b for b in _divisors(per_rank) if b <= MAX_MICRO_BATCH]
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+class _BackendCache:
+    """Resolve backends once per combination of the switches the resolver looks at."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.cache: Dict[tuple, Optional[Dict[str, Any]]] = {}
+
+    def get(self, lay: Layout) -> Optional[Dict[str, Any]]:
+        key = (lay.zero_stage, lay.pp > 1, lay.tp > 1, lay.sp, lay.cp > 1, lay.ep > 1, lay.ac_mode,
+               lay.dp_replicate > 1, lay.schedule if lay.pp > 1 else "", lay.vpp)
+        if key not in self.cache:
+            from launcher.plan.backends import resolve_backends
+
+            try:
+                self.cache[key] = resolve_backends(candidate_spec(self.spec, lay))
+            except ConfigError:
+                self.cache[key] = None
+            except Exception:  # noqa: BLE001 - an unexpected resolver error must not kill the search
+                self.cache[key] = None
+        return self.cache[key]
+
+
+def candidate_spec(spec, lay: Layout):
+    """The JobConfig that selects `lay` (the user's spec with the layout's keys replaced)."""
+    p = dataclasses.replace(
+        spec.parallel,
+        dp_replicate=lay.dp_replicate,
+        dp_shard=lay.dp_shard,
+        tp=lay.tp,
+        sp=lay.sp,
+        pp=lay.pp,
+        pp_schedule=lay.schedule,
+        pp_virtual_stages=lay.vpp,
+        pp_layers=[],
+        microbatches=-1,
+        cp=lay.cp,
+        ep=lay.ep,
+        zero_stage=lay.zero_stage,
+    )
+    ac = dataclasses.replace(spec.activation_checkpointing, mode=lay.ac_mode)
+    tr = dataclasses.replace(spec.trainer, micro_batch_size=lay.micro_batch_size)
+    return dataclasses.replace(spec, parallel=p, activation_checkpointing=ac, trainer=tr, action="run")
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def _base_layout(spec) -> Layout:
+    pr, b = spec.precision, spec.backend
+    return Layout(
+        seq_len=spec.trainer.seq_len,
+        precision=pr.name,
+        reduce_dtype=pr.reduce_dtype,
+        fp8_all_gather=bool(pr.fp8.all_gather),
+        offload_optimizer=spec.offload.optimizer,
+        offload_params=spec.offload.params,
+        ac_selective=str(spec.activation_checkpointing.selective),
+        reduce_bucket_size=int(b.reduce_bucket_size),
+        allgather_bucket_size=int(b.allgather_bucket_size),
+        zeropp_quantized_weights=bool(b.zeropp_quantized_weights),
+        zeropp_quantized_gradients=bool(b.zeropp_quantized_gradients),
+        zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
+        gpus_per_node=int(spec.cluster.gpus_per_node),
+    )
+
+
+def _with_backends(lay: Layout, choices: Dict[str, Any], spec) -> Layout:
+    def be(feature: str, default: str = "native") -> str:
+        c = choices.get(feature)
+        return c.backend if c is not None else default
+
+    off = "offload_optimizer" if spec.offload.optimizer != "none" else "offload_params"
+    return dataclasses.replace(lay, sharding_backend=be("sharding"), pp_backend=be("pp"),
+                               offload_backend=be(off, be("sharding")))
+
+
+def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
+    """Every fitting layout with its estimates, best first (not yet validated)."""
+    shape: ModelShape = model_shape(spec.model)
+    hw = spec.hardware
+    cap = capacity_bytes(hw)
+    reserve = reserved_bytes(hw)
+    gbs, seq = spec.trainer.global_batch_size, spec.trainer.seq_len
+    flops_tok = training_flops_per_token(spec.model, seq)
+    tokens_per_step = gbs * seq
+    base = _base_layout(spec)
+    backends = _BackendCache(spec)
+    stats = {"meshes": 0, "layouts": 0, "states_too_big": 0, "timed": 0, "no_backend": 0}
+    out: List[Candidate] = []
+    zeros = [spec.parallel.zero_stage] if spec.offload.optimizer != "none" or spec.offload.params != "none" else [0, 1, 2, 3]
+    for tp, cp, pp, dp_rep, dp_shard, ep, sched, vpp in mesh_options(spec):
+        stats["meshes"] += 1
+        dp = dp_rep * dp_shard
+        mbs_opts = micro_batch_options(gbs, dp)
+        if not mbs_opts:
+            continue
+        for zero in zeros:
+            if zero < 2 and dp_rep > 1:
+                continue  # replicate groups only matter when states are sharded (HSDP)
+            lay0 = dataclasses.replace(base, pp=pp, dp_replicate=dp_rep, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep,
+                                       sp=tp > 1, vpp=vpp, schedule=sched, zero_stage=zero)
+            choices = backends.get(dataclasses.replace(lay0, ac_mode="none"))
+            if choices is None:
+                stats["no_backend"] += 1
+                continue
+            lay0 = _with_backends(lay0, choices, spec)
+            # Pass 1: model states of the heaviest stage, before any activation.
+            stages = stage_params(shape, pp, vpp, sched, ())
+            states = max(sum(v for k, v in model_state_memory(st, lay0).items() if k != "host") for st in stages)
+            if states + reserve > cap:
+                stats["states_too_big"] += 1
+                continue
+            for mbs in mbs_opts:
+                m = gbs // (mbs * dp)
+                if pp > 1 and m < pp:
+                    continue  # the schedule needs at least pp micro-batches to fill the pipeline
+                for ac in AC_MODES:
+                    stats["layouts"] += 1
+                    lay = dataclasses.replace(lay0, micro_batch_size=mbs, microbatches=m, ac_mode=ac)
+                    mem = most_loaded(estimate_memory(shape, lay, reserve))
+                    if mem.total > cap:
+                        continue
+                    # Pass 2: the first AC mode that fits dominates the heavier-recompute ones.
+                    stats["timed"] += 1
+                    t = estimate_time(shape, lay, hw, flops_tok, tokens_per_step)
+                    out.append(Candidate(
+                        layout=lay,
+                        overrides={**lay.overrides(), "parallel.pp_virtual_stages": vpp},
+                        memory=mem.as_dict(),
+                        capacity=cap,
+                        step_s=t["step_s"],
+                        tokens_per_s_per_gpu=t["tokens_per_s_per_gpu"],
+                        mfu=t["mfu"],
+                        bubble_fraction=(t["bubble_s"] / t["compute_s"]) if t["compute_s"] else 0.0,
+                        backends={k: c.backend for k, c in choices.items() if getattr(c, "impl", "") != "off"},
+                    ))
+                    break
+    out.sort(key=lambda c: (-c.tokens_per_s_per_gpu, c.memory["total"]))
+    return out, stats
+
+
+def search_layouts(spec, limit: Optional[int] = None, stats: Optional[Dict[str, int]] = None) -> List[Candidate]:
+    """Valid, fitting layouts ranked by estimated throughput (tokens/s per GPU), best first.
+
+    Returns at most `limit` candidates (default: max(plan.top_k, 20)); each passed
+    `launcher.config.validate.validate` with its overrides applied to `spec`.
+    """
+    from launcher.config.validate import validate
+
+    limit = limit if limit is not None else max(int(spec.plan.top_k), 20)
+    ranked, st = evaluate_layouts(spec)
+    valid: List[Candidate] = []
+    st["validated"] = st["rejected_by_validator"] = 0
+    for cand in ranked:
+        if len(valid) >= limit:
+            break
+        st["validated"] += 1
+        if validate(candidate_spec(spec, cand.layout)):
+            st["rejected_by_validator"] += 1
+            continue
+        valid.append(cand)
+    st["fitting"] = len(ranked)
+    if stats is not None:
+        stats.update(st)
+    return valid

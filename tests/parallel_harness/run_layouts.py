@@ -1,0 +1,136 @@
+"""Train the debug models in several parallel layouts, one after another, in one process group.
+
+Usage (N ranks; every layout in the file must use N ranks):
+    python -m torch.distributed.run --standalone --nproc_per_node=N \
+        tests/parallel_harness/run_layouts.py LAYOUTS.json RESULTS.json
+or, for 1-rank layouts, plain ``python tests/parallel_harness/run_layouts.py ...`` (no
+process group). Rank 0 writes {name: {"losses": [...], "grad_norms": [...], "aux": [...]}}.
+A layout that raises is recorded as {"error": "..."} and the next one still runs.
+
+Layout keys: name, model (debug | debug_moe), mesh {pp, dp_replicate, dp_shard, cp, tp, ep},
+sp, pp_schedule, pp_virtual_stages, pp_layers, microbatches, ac, ac_selective, compile,
+zero_stage, precision, steps, save_dir + save_after (save after that many steps),
+load_dir + start_step (resume, then run steps start_step..steps-1).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[2]
+GLOBAL_BATCH, MICRO_BATCH, SEQ = 4, 1, 16
+
+
+def model_config(name: str):
+    from launcher.config.schema import ModelConfig
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
+    return OmegaConf.to_object(cfg)
+
+
+def step_batch(step: int, vocab: int):
+    """The global batch of optimizer step `step`: learnable progressions, same for all layouts."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, vocab, (GLOBAL_BATCH, 1), generator=g)
+    stride = torch.randint(1, 5, (GLOBAL_BATCH, 1), generator=g)
+    seq = (start + stride * torch.arange(SEQ + 1)) % vocab
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def rank_microbatches(step: int, vocab: int, dp_rank: int, dp: int):
+    x, y = step_batch(step, vocab)
+    per = GLOBAL_BATCH // dp
+    x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+    return [(x[i:i + MICRO_BATCH], y[i:i + MICRO_BATCH]) for i in range(0, per, MICRO_BATCH)]
+
+
+def run_layout(spec: dict) -> dict:
+    from launcher.config.schema import ActivationCheckpointingConfig, OptimConfig, ParallelConfig, PrecisionConfig
+    from launcher.plan.mesh import MeshPlan
+    from launcher.plan.plan import BatchPlan, Plan
+    from launcher.runtime.native_engine import build_native_engine
+
+    mcfg = model_config(spec.get("model", "debug"))
+    mesh = MeshPlan(**{k: 1 for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")} | spec.get("mesh", {}))
+    dp = mesh.dp
+    batch = BatchPlan(GLOBAL_BATCH, MICRO_BATCH, GLOBAL_BATCH // (MICRO_BATCH * dp), SEQ, GLOBAL_BATCH * SEQ)
+    plan = Plan(world_size=mesh.world_size, nodes=1, gpus_per_node=mesh.world_size, mesh=mesh,
+                batch=batch, backends={})
+    parallel = ParallelConfig(
+        dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=mesh.tp, sp=spec.get("sp", False),
+        pp=mesh.pp, pp_schedule=spec.get("pp_schedule", "1f1b"),
+        pp_virtual_stages=spec.get("pp_virtual_stages", 1), pp_layers=spec.get("pp_layers", []),
+        microbatches=spec.get("microbatches", -1), cp=mesh.cp, ep=mesh.ep,
+        zero_stage=spec.get("zero_stage", 3))
+    steps = spec.get("steps", 3)
+    optim = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1)
+    engine = build_native_engine(
+        mcfg, plan, parallel=parallel, precision=PrecisionConfig(name=spec.get("precision", "fp32")),
+        optim=optim, ac=ActivationCheckpointingConfig(mode=spec.get("ac", "none"),
+                                                      selective=spec.get("ac_selective", "op")),
+        total_steps=10, grad_clip=1.0, seed=7, compile=spec.get("compile", False),
+        device=torch.device("cpu"))
+    if dist.is_initialized():
+        c = mesh.coordinates(dist.get_rank())
+        dp_rank = c["dp_replicate"] * mesh.dp_shard + c["dp_shard"]
+    else:
+        dp_rank = 0
+    out = {"losses": [], "grad_norms": [], "aux": [], "lr": []}
+    start = spec.get("start_step", 0)
+    if spec.get("load_dir"):
+        engine.load(Path(spec["load_dir"]))
+    t0 = time.time()
+    for step in range(start, steps):
+        stats = engine.train_step(rank_microbatches(step, mcfg.vocab_size, dp_rank, dp))
+        out["losses"].append(stats.loss)
+        out["grad_norms"].append(stats.grad_norm)
+        out["lr"].append(stats.lr)
+        out["aux"].append(stats.extra.get("moe_aux_loss", 0.0))
+        if spec.get("save_dir") and step + 1 == spec.get("save_after"):
+            engine.save(Path(spec["save_dir"]))
+        if spec.get("export") and step + 1 == steps:
+            engine.export(Path(spec["export"]), "fp32")
+    out["seconds"] = time.time() - t0
+    return out
+
+
+def main() -> int:
+    layouts = json.loads(Path(sys.argv[1]).read_text())
+    results = {}
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for spec in layouts:
+        try:
+            results[spec["name"]] = run_layout(spec)
+        except Exception as e:  # record, keep going: one broken layout must not hide the rest
+            results[spec["name"]] = {"error": f"{type(e).__name__}: {e}",
+                                     "traceback": traceback.format_exc()[-3000:]}
+            if rank == 0:
+                traceback.print_exc()
+        gc.collect()
+        if dist.is_initialized():
+            dist.barrier()
+    if rank == 0:
+        Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
+    time.sleep(0.1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

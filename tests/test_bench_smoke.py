@@ -1,0 +1,83 @@
+"""bench/gpu_throughput.py in --smoke mode (CPU, debug model) so the GPU harness never rots,
+and the FLOPs-per-token formula it reports MFU with."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.config.loader import compose_spec
+from launcher.plan.flops import achieved_tflops, mfu, param_counts, training_flops_per_token
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_flops_per_token_by_hand():
+    # llama_1b (tied embeddings): the table is the output matmul, so N = all 1,235,814,400 params.
+    m = compose_spec(["model=llama_1b"]).model
+    assert param_counts(m).total == 1_235_814_400
+    assert training_flops_per_token(m, 4096) == 6 * 1_235_814_400 + 12 * 16 * 2048 * 4096  # 9.0255e9
+    # 50k tokens/s on one H100 (989 TFLOP/s dense bf16) -> 451.3 TFLOP/s -> 45.6 % MFU.
+    assert achieved_tflops(50_000, 9_025_499_136) == pytest.approx(451.27, abs=0.01)
+    assert mfu(50_000, 9_025_499_136, 989.0) == pytest.approx(0.4563, abs=1e-4)
+    # Untied (debug): the input table is only looked up, not multiplied.
+    d = compose_spec(["model=debug"]).model
+    pc = param_counts(d)
+    assert pc.matmul_active == pc.total - 256 * 64
+    with pytest.raises(ValueError, match="peak_tflops"):
+        mfu(1.0, 1.0, 0.0)
+
+
+def test_moe_flops_count_active_experts_only():
+    m = compose_spec(["model=mixtral_8x7b"]).model
+    pc = param_counts(m)
+    assert pc.total > 3 * pc.active  # 46.7 B total, 12.9 B active
+    assert training_flops_per_token(m, 4096) == 6 * pc.matmul_active + 12 * 32 * 4096 * 4096
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_throughput.py"), "--smoke",
+         "--json", str(out / "r.json"), "--append", str(out / "benchmarks.md")],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    return proc, out
+
+
+def test_smoke_runs_every_variant(smoke):
+    proc, out = smoke
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads((out / "r.json").read_text())
+    by = {r["variant"]: r for r in data["results"]}
+    assert list(by) == ["reference bf16 + compile", "launcher bf16", "launcher bf16 + compile",
+                        "launcher fp8 + compile"]
+    ref = by["reference bf16 + compile"]
+    assert ref["status"] == "ok" and ref["tokens_per_s"] > 0 and ref["tflops"] > 0
+    assert ref["mfu"] is None  # a GPU peak means nothing on CPU
+    steps = data["settings"]["warmup"] + data["settings"]["steps"]
+    assert len(ref["losses"]) == steps and all(math.isfinite(x) for x in ref["losses"])
+    for name in ("launcher bf16", "launcher bf16 + compile", "launcher fp8 + compile"):
+        assert by[name]["status"] == "ok", f"{name}: {by[name]['status']}"
+        assert by[name]["tokens_per_s"] > 0
+    # Same model, init, data and optimizer: the reference really is the launcher's loop, by hand.
+    for a, b in zip(ref["losses"], by["launcher bf16"]["losses"]):
+        assert abs(a - b) < 1e-2, (ref["losses"], by["launcher bf16"]["losses"])
+    for a, b in zip(by["launcher bf16"]["losses"], by["launcher fp8 + compile"]["losses"]):
+        assert abs(a - b) < 5e-2
+    assert data["ratios"]["launcher_over_reference"] > 0
+
+
+def test_smoke_prints_and_appends_the_record(smoke):
+    proc, out = smoke
+    table_header = "| variant | compile | tokens/s | step ms | TFLOP/s | MFU | peak mem GiB | planner GiB | status |"
+    assert table_header in proc.stdout
+    assert "launcher / reference step time" in proc.stdout
+    record = (out / "benchmarks.md").read_text()
+    assert table_header in record and "torchao" in record and "smoke" in record

@@ -1,0 +1,136 @@
+"""The development cluster and the rendered script on it, with real jobs.
+
+These jobs do not train: cluster.python points at a small program (/bin/true, /bin/false,
+or a shell stand-in that follows the rank side of the stop contract), so they take seconds.
+Training end to end on SLURM is in test_slurm_train.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.config.loader import compose_spec
+from launcher.launch import slurm
+from launcher.plan.plan import build_plan
+from slurm_cluster import DEV_CLUSTER, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slurm
+
+SECRET = "s3cr3t-VALUE-9c41"
+
+
+def submit_job(tmp_path: Path, monkeypatch, *overrides: str, **cluster_fields) -> tuple:
+    """Render and submit the debug recipe as a SLURM job from tmp_path; returns (job_id, run_dir)."""
+    spec = compose_spec(["+recipe=debug", "cluster=slurm", "cluster.exclusive=false", "cluster.rdzv_port=0", *overrides])
+    if cluster_fields:
+        spec = dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, **cluster_fields))
+    run_dir = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    assert slurm.submit(spec, build_plan(spec), run_dir) == 0
+    info = (run_dir / slurm.JOB_INFO_NAME).read_text()
+    job_id = info.split('"job_id": "')[1].split('"')[0]
+    return job_id, run_dir
+
+
+def main_log(run_dir: Path, job_id: str) -> str:
+    return (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+
+
+def test_dev_cluster_up_is_idempotent_and_runs_a_job(slurm_cluster: SlurmCluster, tmp_path):
+    t0 = time.monotonic()
+    up = subprocess.run(["bash", str(DEV_CLUSTER), "up"], capture_output=True, text=True, timeout=60)
+    assert up.returncode == 0 and "already up" in up.stderr, up.stderr
+    assert time.monotonic() - t0 < 5
+    status = subprocess.run(["bash", str(DEV_CLUSTER), "status"], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stdout
+    for daemon in ("munged", "slurmctld", "slurmd"):
+        assert f"{daemon}" in status.stdout and "stopped" not in status.stdout
+    out = tmp_path / "hello.out"
+    job_id = slurm_cluster.sbatch_wrap("echo hello from $SLURM_JOB_ID", f"--output={out}")
+    info = slurm_cluster.wait(job_id, timeout=60)
+    assert info.state == "COMPLETED" and info.rc == 0
+    assert out.read_text().strip() == f"hello from {job_id}"
+
+
+def test_metacharacters_and_secrets_in_a_real_job(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    value = f"x $(touch {marker}); `touch {marker}` 'single' \"double\" ; echo # end"
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    job_name = f"name $(touch {marker}); 'q'"
+    job_id, run_dir = submit_job(
+        tmp_path, monkeypatch, "cluster.python=/bin/true",
+        job_name=job_name,
+        env={"NASTY": value},
+        sbatch_args=[f"--comment=c $(touch {marker}) \"q\" #x"],
+        setup=['printf %s "$NASTY" > "$RUN_DIR/nasty.txt"', 'printf %s "${#WANDB_API_KEY}" > "$RUN_DIR/secret_len.txt"'],
+    )
+    info = slurm_cluster.wait(job_id, timeout=90)
+    assert info.state == "COMPLETED", main_log(run_dir, job_id)
+    assert (run_dir / "nasty.txt").read_text() == value
+    assert not marker.exists()
+    name = slurm_cluster.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%j|%k"]).stdout.strip()
+    assert name == f"{slurm.sanitize_job_name(job_name)}|c $(touch {marker}) \"q\" #x"
+    assert name.startswith("name-touch-")
+    # The secret reached the job (its length) but no file of the run holds its value.
+    assert (run_dir / "secret_len.txt").read_text() == str(len(SECRET))
+    assert "secret WANDB_API_KEY is set (value not shown)" in main_log(run_dir, job_id)
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert SECRET not in path.read_text(errors="replace"), path
+
+
+def test_failing_ranks_fail_the_job_and_their_error_is_in_the_main_log(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):
+    job_id, run_dir = submit_job(
+        tmp_path, monkeypatch, "cluster.python=/bin/false",
+        # What a crashing rank leaves behind, written after the job started.
+        setup=['printf "step 3\\nTraceback (most recent call last):\\nRuntimeError: rank 1 exploded\\n" > "$LOG_DIR/rank_1.log"',
+               'printf "step 3 ok\\n" > "$LOG_DIR/rank_0.log"'],
+    )
+    info = slurm_cluster.wait(job_id, timeout=90)
+    log = main_log(run_dir, job_id)
+    assert info.state == "FAILED" and info.rc == 1, (info, log)
+    assert "the ranks failed (srun exit 1)" in log
+    assert "rank_1.log (last 30 lines)" in log and "RuntimeError: rank 1 exploded" in log
+    assert "rank_0.log" not in log  # the healthy rank is not shown when a failing one is found
+
+
+# Follows the rank side of the stop contract (launcher/runtime/signals.py) without training:
+# "trains" until control/stop appears, then writes control/stopped and exits 0; a requeued
+# run (SLURM_RESTART_COUNT=1) records that it ran and finishes.
+STAND_IN_RANKS = r"""#!/bin/bash
+run_dir="${@: -1}"
+echo "run ${SLURM_RESTART_COUNT:-0}" >> "$run_dir/runs.txt"
+if [[ "${SLURM_RESTART_COUNT:-0}" -ge 1 ]]; then exit 0; fi
+for i in $(seq 1 600); do
+  if [[ -e "$run_dir/control/stop" ]]; then
+    printf '{"step": %d, "reason": "stop file"}' "$i" > "$run_dir/control/stopped"
+    exit 0
+  fi
+  sleep 0.1
+done
+exit 7
+"""
+
+
+def test_usr1_requeues_the_job_and_the_rerun_starts_clean(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):
+    ranks = tmp_path / "ranks.sh"
+    ranks.write_text(STAND_IN_RANKS)
+    ranks.chmod(0o755)
+    job_id, run_dir = submit_job(tmp_path, monkeypatch, f"cluster.python={ranks}", "cluster.max_requeues=1")
+    deadline = time.monotonic() + 60
+    while not (run_dir / "runs.txt").exists():
+        assert time.monotonic() < deadline, f"job {job_id} never started: {slurm_cluster.job(job_id)}"
+        time.sleep(0.2)
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
+    info = slurm_cluster.wait(job_id, timeout=120, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    log = main_log(run_dir, job_id)
+    assert info.state == "COMPLETED" and info.restarts == 1, (info, log)
+    assert "received SIGUSR1" in log and "requeueing job" in log
+    assert "job %s restart 1 (max 1)" % job_id in log
+    assert (run_dir / "runs.txt").read_text() == "run 0\nrun 1\n"
+    assert not (run_dir / "control" / "stop").exists() and not (run_dir / "control" / "stopped").exists()

@@ -1,0 +1,178 @@
+"""The sbatch script as rendered: quoting, secrets, options. No cluster needed (bash only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launcher.config.loader import compose_spec
+from launcher.launch import slurm
+from launcher.plan.plan import build_plan
+
+SECRET = "s3cr3t-VALUE-7f2a"
+
+
+def make_spec(*overrides: str, **cluster_fields):
+    spec = compose_spec(["+recipe=debug", "cluster=slurm", *overrides])
+    if cluster_fields:
+        spec = dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, **cluster_fields))
+    return spec
+
+
+def render(spec, run_dir: Path) -> str:
+    return slurm.render_script(spec, build_plan(spec), run_dir)
+
+
+def nasty(tmp_path: Path) -> str:
+    """A value that runs `touch` if any shell ever evaluates it, plus quotes and `;`."""
+    marker = tmp_path / "pwned"
+    return f"x $(touch {marker}); `touch {marker}` 'single' \"double\" ; echo done \\ $HOME #end"
+
+
+def sbatch_lines(script: str) -> dict:
+    out = {}
+    for line in script.splitlines():
+        m = re.match(r"^#SBATCH --([\w-]+)(?:=(.*))?$", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def test_env_value_and_run_dir_with_metacharacters_round_trip_through_bash(tmp_path):
+    value = nasty(tmp_path)
+    run_dir = tmp_path / "run $(touch pwned2); 'q'"
+    spec = make_spec(env={"NASTY": value, "PLAIN": "1"})
+    script = render(spec, run_dir)
+    exports = [line for line in script.splitlines() if line.startswith("export NASTY=") or line.startswith("RUN_DIR=")]
+    assert len(exports) == 2, script
+    probe = "\n".join(exports) + '\nprintf "%s\\n%s" "$NASTY" "$RUN_DIR"'
+    proc = subprocess.run(["bash", "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert proc.stdout == f"{value}\n{run_dir.resolve()}"
+    assert not (tmp_path / "pwned").exists()
+    assert not (tmp_path / "pwned2").exists()
+
+
+def test_job_name_is_sanitised(tmp_path):
+    spec = make_spec(job_name=nasty(tmp_path))
+    name = sbatch_lines(render(spec, tmp_path / "run"))["job-name"]
+    assert re.fullmatch(r'"[A-Za-z0-9._-]{1,64}"', name), name
+    assert slurm.sanitize_job_name("llama 70b; rm -rf /") == "llama-70b-rm-rf"
+    assert slurm.sanitize_job_name("$();'\"") == "train"
+
+
+def test_whole_script_is_valid_bash(tmp_path):
+    spec = make_spec(
+        env={"A": nasty(tmp_path)},
+        setup=["echo setup-line"],
+        after=["11", "12"],
+        sbatch_args=["--comment=a b"],
+        job_name=nasty(tmp_path),
+    )
+    path = tmp_path / "job.sbatch"
+    path.write_text(render(spec, tmp_path / "run dir"))
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_sbatch_quote_escapes_for_sbatchs_parser():
+    assert slurm.sbatch_quote('a "b" #c \\d') == '"a \\"b\\" #c \\\\d"'
+    with pytest.raises(slurm.SlurmConfigError):
+        slurm.sbatch_quote("two\nlines")
+
+
+def test_script_holds_no_secret_value(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    monkeypatch.setenv("MY_TOKEN", SECRET + "-2")
+    spec = make_spec(secret_env=["WANDB_API_KEY", "MY_TOKEN"], env={"VISIBLE": "ok"})
+    script = render(spec, tmp_path / "run")
+    assert SECRET not in script
+    assert "WANDB_API_KEY" in script and "MY_TOKEN" in script  # forwarded by name
+    assert sbatch_lines(script)["export"] == '"ALL"'
+
+
+def test_secret_in_cluster_env_is_refused(tmp_path):
+    spec = make_spec(env={"WANDB_API_KEY": SECRET})
+    with pytest.raises(slurm.SlurmConfigError) as err:
+        render(spec, tmp_path / "run")
+    assert "cluster.env.WANDB_API_KEY" in str(err.value)
+    assert SECRET not in str(err.value)
+
+
+def test_every_bad_cluster_value_is_reported_before_anything_is_written(tmp_path, capsys):
+    spec = make_spec(
+        after=["12", "not-a-job"],
+        sbatch_args=["reservation=big"],
+        env={"1BAD": "x"},
+        max_requeues=-1,
+        rdzv_port=70000,
+        template=str(tmp_path / "missing.j2"),
+    )
+    code = slurm.submit(spec, build_plan(spec), tmp_path / "run")
+    err = capsys.readouterr().err
+    assert code == 2
+    for key in ("cluster.after[1]", "cluster.sbatch_args[0]", "'1BAD'", "cluster.max_requeues=-1",
+                "cluster.rdzv_port=70000", "cluster.template"):
+        assert key in err, err
+    assert not (tmp_path / "run" / "job.sbatch").exists()
+
+
+def test_options_cpu_cluster(tmp_path):
+    spec = make_spec(
+        "cluster.gpus_per_node=2", "cluster.partition=debug", "cluster.exclusive=false",
+        "cluster.signal_seconds=45", "cluster.after=[101,102]", "cluster.max_requeues=2",
+    )
+    assert spec.trainer.device == "cpu"
+    opts = sbatch_lines(render(spec, tmp_path / "run"))
+    assert "gpus-per-node" not in opts  # CPU: gpus_per_node is ranks per node, no GPUs requested
+    assert "exclusive" not in opts
+    assert opts["ntasks-per-node"] == '"1"'
+    assert opts["signal"] == '"B:USR1@45"'
+    assert opts["dependency"] == '"afterok:101:102"'
+    assert "requeue" in opts and opts["open-mode"] == '"append"'
+    assert opts["output"] == f'"{(tmp_path / "run").resolve()}/logs/slurm-%j.out"'
+
+
+def test_options_gpu_cluster_and_container(tmp_path):
+    spec = make_spec(
+        "trainer.device=cuda", "cluster.gpus_per_node=8", "cluster.nodes=2", "cluster.cpus_per_task=16",
+        "cluster.max_requeues=0", "cluster.container=nvcr.io/nvidia/pytorch:24.05-py3", "parallel.dp_shard=-1",
+    )
+    script = render(spec, tmp_path / "run")
+    opts = sbatch_lines(script)
+    assert opts["gpus-per-node"] == '"8"' and opts["nodes"] == '"2"' and opts["cpus-per-task"] == '"16"'
+    assert "no-requeue" in opts and "requeue" not in opts
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "--ntasks=2" in srun and "--cpus-per-task=16" in srun
+    assert "--container-image=nvcr.io/nvidia/pytorch:24.05-py3" in srun
+
+
+def test_launch_uses_torchrun_with_c10d_on_first_node(tmp_path):
+    spec = make_spec("cluster.gpus_per_node=2", "cluster.rdzv_port=29611")
+    script = render(spec, tmp_path / "run")
+    launch = next(line.strip() for line in script.splitlines() if "torch.distributed.run" in line)
+    assert "--rdzv_backend=c10d" in launch and "--nproc_per_node=2" in launch and "--nnodes=1" in launch
+    assert "--rdzv_endpoint" not in launch  # comes from PET_RDZV_ENDPOINT, set inside the job
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
+    assert "RDZV_PORT=29611" in script
+    assert 'export PET_RDZV_ID="${SLURM_JOB_ID}"' in script
+
+
+def test_dry_run_prints_script_and_submits_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no sbatch reachable: a submission would fail
+    spec = make_spec("cluster.dry_run=true")
+    code = slurm.submit(spec, build_plan(spec), tmp_path / "run")
+    out = capsys.readouterr().out
+    assert code == 0
+    assert str((tmp_path / "run" / "job.sbatch").resolve()) in out
+    assert "#SBATCH --job-name=" in out
+    assert not (tmp_path / "run" / slurm.JOB_INFO_NAME).exists()
+
+
+def test_user_template_gets_the_same_filters(tmp_path):
+    tpl = tmp_path / "mine.j2"
+    tpl.write_text("#!/bin/bash\necho {{ run_dir|q }}\n{% for k, v in env.items() %}export {{ k }}={{ v|q }}\n{% endfor %}")
+    spec = make_spec(template=str(tpl), env={"X": "a'b"})
+    assert render(spec, tmp_path / "r un") == f"#!/bin/bash\necho '{(tmp_path / 'r un').resolve()}'\nexport X='a'\"'\"'b'\n"

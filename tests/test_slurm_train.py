@@ -1,0 +1,136 @@
+"""`train ... cluster=slurm` end to end on the development cluster: the real CLI, real jobs.
+
+(b) a malformed config never reaches the queue; (c) the debug recipe trains as a SLURM job
+with falling loss; (d) a job sent USR1 mid-run checkpoints, requeues, resumes and ends with
+the same per-step losses as the uninterrupted run; Hydra multirun submits one job per point.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
+from slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slurm
+
+STEPS = 24
+JOB_TIMEOUT_S = 420
+# Small and fast: 2 CPU ranks, a checkpoint every 4 steps, a metrics row every step.
+COMMON = [
+    "+recipe=debug",
+    "cluster=slurm",
+    "cluster.gpus_per_node=2",
+    "cluster.exclusive=false",
+    "cluster.rdzv_port=0",
+    f"trainer.steps={STEPS}",
+    "trainer.log_every=1",
+    "checkpoint.interval=4",
+    "logging.progress=false",
+]
+
+
+def submit_train(run_dir: Path, *extra: str) -> str:
+    """Run `train COMMON EXTRA` (which submits and returns); the job id it submitted."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    proc = run_train([*COMMON, *extra], run_dir, timeout=180)
+    assert proc.returncode == 0, f"train exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    info_path = run_dir / "slurm_job.json"
+    assert info_path.exists(), f"train did not submit a SLURM job (cluster.name ignored?):\n{proc.stdout[-2000:]}"
+    job_id = json.loads(info_path.read_text())["job_id"]
+    assert f"submitted SLURM job {job_id}" in proc.stdout
+    assert str(run_dir / "job.sbatch") in proc.stdout
+    return job_id
+
+
+def job_logs(run_dir: Path, job_id: str) -> str:
+    logs = run_dir / "logs"
+    parts = []
+    for path in [logs / f"slurm-{job_id}.out", logs / f"slurm-{job_id}.err", *sorted(logs.glob("rank_*.log"))]:
+        if path.exists():
+            parts.append(f"----- {path.name}\n{path.read_text()[-3000:]}")
+    return "\n".join(parts)
+
+
+def wait_done(cluster: SlurmCluster, job_id: str, run_dir: Path):
+    info = cluster.wait(job_id, timeout=JOB_TIMEOUT_S)
+    assert info.state == "COMPLETED" and info.rc == 0, f"{info.state} {info.exit_code}\n{job_logs(run_dir, job_id)}"
+    return info
+
+
+@pytest.fixture(scope="module")
+def reference_run(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[int, float]:
+    """The uninterrupted run: per-step losses."""
+    run_dir = tmp_path_factory.mktemp("slurm_ref") / "run"
+    job_id = submit_train(run_dir)
+    t0 = time.monotonic()
+    info = wait_done(slurm_cluster, job_id, run_dir)
+    print(f"reference job {job_id}: {time.monotonic() - t0:.1f} s, restarts={info.restarts}")
+    assert info.restarts == 0
+    return losses_by_step(run_dir)
+
+
+def test_malformed_config_fails_before_sbatch(slurm_cluster: SlurmCluster, tmp_path):
+    before = set(slurm_cluster.job_ids())
+    run_dir = tmp_path / "bad"
+    proc = run_train(["+recipe=debug", "cluster=slurm", "parallel.tp=3"], run_dir, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "parallel.tp" in proc.stderr and "Traceback" not in proc.stderr
+    assert set(slurm_cluster.job_ids()) == before
+    assert not (run_dir / "job.sbatch").exists()
+
+
+def test_debug_recipe_trains_as_a_slurm_job(reference_run: Dict[int, float]):
+    steps = sorted(reference_run)
+    assert steps == list(range(1, STEPS + 1)), steps
+    losses = [reference_run[s] for s in steps]
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.1, f"loss did not fall: first steps {losses[:3]}, last steps {losses[-3:]}"
+
+
+def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(
+    slurm_cluster: SlurmCluster, reference_run: Dict[int, float], tmp_path
+):
+    run_dir = tmp_path / "run"
+    job_id = submit_train(run_dir)
+    # Signal once training is under way, well before its last step.
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    rows: List[dict] = []
+    while len(rows) < 3:
+        state = slurm_cluster.job(job_id).state
+        assert state in ("PENDING", "RUNNING"), f"job {job_id} {state} before it was signalled\n{job_logs(run_dir, job_id)}"
+        assert time.monotonic() < deadline, f"job {job_id} logged no steps in {JOB_TIMEOUT_S} s"
+        time.sleep(0.2)
+        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    signalled_at = rows[-1]["step"]
+    assert signalled_at < STEPS - 4, f"training reached step {signalled_at} of {STEPS} before the signal: raise STEPS"
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
+    info = wait_done(slurm_cluster, job_id, run_dir)
+    log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert info.restarts == 1, f"job was not requeued (restarts={info.restarts})\n{job_logs(run_dir, job_id)}"
+    assert "received SIGUSR1" in log and "requeueing job" in log, log
+    stopped = json.loads(log.split("the ranks checkpointed and stopped: ", 1)[1].splitlines()[0])
+    assert signalled_at <= stopped["step"] < STEPS, stopped
+    resumed = losses_by_step(run_dir)
+    assert sorted(resumed) == sorted(reference_run)
+    diffs = {s: abs(resumed[s] - reference_run[s]) for s in reference_run}
+    assert max(diffs.values()) == 0.0, f"losses differ after resume from step {stopped['step']}: {diffs}"
+
+
+def test_multirun_submits_one_job_per_point(slurm_cluster: SlurmCluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    cmd = [TRAIN, "-m", *COMMON, "cluster.python=/bin/true", "trainer.seed=1,2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    infos = [json.loads((sweep / str(i) / "slurm_job.json").read_text()) for i in (0, 1)]
+    assert infos[0]["job_id"] != infos[1]["job_id"]
+    for i, info in enumerate(infos):
+        done = slurm_cluster.wait(info["job_id"], timeout=120)
+        assert done.state == "COMPLETED", done
+        assert info["script"] == str(sweep / str(i) / "job.sbatch")

@@ -1,0 +1,112 @@
+"""Real 2-rank training runs through `train`: loss falls, crash + resume is exact, bad checkpoints are skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
+
+pytestmark = pytest.mark.multiprocess
+
+# fp32 on CPU: resuming must reproduce the uninterrupted losses bit for bit.
+BASE = ["+recipe=debug", "trainer.steps=12", "trainer.log_every=1", "checkpoint.interval=4", "checkpoint.keep=3"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    proc = run_train(BASE, run_dir, check=True)
+    assert proc.stdout.strip().splitlines()[-1] == f"run directory: {run_dir}"
+    return run_dir
+
+
+def test_debug_run_trains_and_writes_its_run_dir(reference_run):
+    records = read_metrics(reference_run)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+        assert all(key in r for r in records), key
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0, [r["loss"] for r in records]
+    for name in ("config.yaml", "plan.json", "logs/rank_0.log", "logs/rank_1.log"):
+        assert (reference_run / name).is_file(), name
+    plan = json.loads((reference_run / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["mesh"]["dp_shard"] == 2
+    ckpts = sorted(p.name for p in (reference_run / "checkpoints").iterdir())
+    assert ckpts == ["step_00000004", "step_00000008", "step_00000012"]
+
+
+def _start(args, run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [TRAIN, *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=train_env(run_dir.parent),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"train exited early ({proc.returncode}):\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting")
+
+
+def test_kill_then_resume_reproduces_uninterrupted_losses(reference_run, run_dir):
+    run_dir.mkdir(parents=True)
+    proc = _start(BASE, run_dir)
+    _wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").is_dir(), 240, proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # a crash: no chance to clean up
+    proc.wait()
+    steps_before = max(losses_by_step(run_dir))
+    assert steps_before < 12
+
+    run_train(BASE, run_dir, check=True)
+    log = (run_dir / "logs" / "rank_0.log").read_text()
+    assert "resumed from" in log
+    assert losses_by_step(run_dir) == losses_by_step(reference_run)
+
+
+def test_corrupted_or_half_written_newest_checkpoint_is_skipped(reference_run, run_dir):
+    shutil.copytree(reference_run / "checkpoints", run_dir / "checkpoints")
+    newest = run_dir / "checkpoints" / "step_00000012"
+    shard = next(p for p in sorted((newest / "engine").rglob("*")) if p.is_file() and p.stat().st_size > 100)
+    with open(shard, "r+b") as f:  # same size, flipped bytes: only the checksum can tell
+        f.seek(50)
+        f.write(b"\x00garbage\x00")
+    (run_dir / "checkpoints" / "step_00000008" / "manifest.json").unlink()  # a save that never finished
+    (run_dir / "checkpoints" / ".incomplete_step_00000016").mkdir()
+
+    run_train(BASE, run_dir, check=True)
+    log = (run_dir / "logs" / "rank_0.log").read_text()
+    assert "skipping checkpoint" in log and "step_00000012" in log and "crc32" in log
+    assert "step_00000008: no manifest.json" in log
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004'}" in log
+    ref = losses_by_step(reference_run)
+    assert losses_by_step(run_dir) == {s: ref[s] for s in range(5, 13)}
+
+
+def test_a_failing_rank_stops_all_ranks(run_dir):
+    run_dir.mkdir(parents=True)
+    proc = _start(["+recipe=debug", "trainer.steps=400", "checkpoint.interval=0"], run_dir)
+    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size > 0, 240, proc)
+    agent = subprocess.run(["pgrep", "-f", f"torch.distributed.run .*{run_dir}"], capture_output=True, text=True)
+    assert len(agent.stdout.split()) == 1, agent.stdout
+    ranks = subprocess.run(["pgrep", "-P", agent.stdout.strip()], capture_output=True, text=True)
+    pids = [int(p) for p in ranks.stdout.split()]
+    assert len(pids) == 2, ranks.stdout
+    os.kill(pids[1], signal.SIGKILL)
+    code = proc.wait(timeout=120)
+    assert code != 0
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", f"launcher.runtime.entry --run-dir {run_dir}"], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
+    assert "training failed" in proc.stdout.read()
