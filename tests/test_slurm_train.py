@@ -23,9 +23,12 @@ pytestmark = pytest.mark.slurm
 STEPS = 24
 JOB_TIMEOUT_S = 420
 # Small and fast: 2 CPU ranks, a checkpoint every 4 steps, a metrics row every step.
+# cluster.name=slurm is spelled out so that these tests exercise SLURM even while a recipe
+# pins cluster.name; test_recipe_with_cluster_slurm_composes_to_slurm checks the short form.
 COMMON = [
     "+recipe=debug",
     "cluster=slurm",
+    "cluster.name=slurm",
     "cluster.gpus_per_node=2",
     "cluster.exclusive=false",
     "cluster.rdzv_port=0",
@@ -76,10 +79,20 @@ def reference_run(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[int, fl
     return losses_by_step(run_dir)
 
 
+def test_recipe_with_cluster_slurm_composes_to_slurm():
+    from launcher.config.loader import compose_spec
+
+    spec = compose_spec(["+recipe=debug", "cluster=slurm"])
+    assert spec.cluster.name == "slurm", (
+        "`train +recipe=debug cluster=slurm` would run locally: the recipe sets cluster.name, which "
+        "overrides the cluster group chosen on the command line; remove `cluster.name` from the recipe"
+    )
+
+
 def test_malformed_config_fails_before_sbatch(slurm_cluster: SlurmCluster, tmp_path):
     before = set(slurm_cluster.job_ids())
     run_dir = tmp_path / "bad"
-    proc = run_train(["+recipe=debug", "cluster=slurm", "parallel.tp=3"], run_dir, timeout=120)
+    proc = run_train(["+recipe=debug", "cluster=slurm", "cluster.name=slurm", "parallel.tp=3"], run_dir, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "parallel.tp" in proc.stderr and "Traceback" not in proc.stderr
     assert set(slurm_cluster.job_ids()) == before
@@ -128,7 +141,9 @@ def test_multirun_submits_one_job_per_point(slurm_cluster: SlurmCluster, tmp_pat
     cmd = [TRAIN, "-m", *COMMON, "cluster.python=/bin/true", "trainer.seed=1,2", f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    infos = [json.loads((sweep / str(i) / "slurm_job.json").read_text()) for i in (0, 1)]
+    paths = [sweep / str(i) / "slurm_job.json" for i in (0, 1)]
+    assert all(p.exists() for p in paths), f"no SLURM job submitted per sweep point:\n{proc.stdout[-2000:]}"
+    infos = [json.loads(p.read_text()) for p in paths]
     assert infos[0]["job_id"] != infos[1]["job_id"]
     for i, info in enumerate(infos):
         done = slurm_cluster.wait(info["job_id"], timeout=120)

@@ -24,7 +24,8 @@ backward pass) applied to the Llama block that launcher/models builds; see
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from functools import lru_cache
+from typing import Dict, List, Optional, Sequence
 
 from launcher.plan.layout import Layout
 from launcher.plan.params import ModelShape, StageParams, stage_params
@@ -233,14 +234,21 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
     return float(min(m, p - rank))
 
 
-def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) -> Dict[str, int]:
-    """Saved activations of a pipeline rank at its peak, plus the backward working set."""
-    modes = layer_modes(stage.n_layers, lay)
-    # Count blocks per (is MoE, mode) so a 126-block stage costs a handful of formula calls.
+@lru_cache(maxsize=65536)
+def _layer_kinds(shape: ModelShape, stage: StageParams, ac_mode: str, ac_selective: str) -> Dict[tuple, int]:
+    """Blocks of a stage counted per (is MoE, recompute mode): a 126-block stage costs a few formula calls."""
+    modes = layer_modes(stage.n_layers, Layout(ac_mode=ac_mode, ac_selective=ac_selective))
     kinds: Dict[tuple, int] = {}
     for mode, idx in zip(modes, stage.layers):
         key = (shape.is_moe_layer(idx), mode)
         kinds[key] = kinds.get(key, 0) + 1
+    return kinds
+
+
+def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) -> Dict[str, int]:
+    """Saved activations of a pipeline rank at its peak, plus the backward working set."""
+    kinds = _layer_kinds(shape, stage, lay.ac_mode, lay.ac_selective)
+    recompute = any(mode != "none" for _, mode in kinds)
     per_mb = sum(n * layer_activation_bytes(shape, lay, moe, mode) for (moe, mode), n in kinds.items())
     worst_layer = max((layer_activation_bytes(shape, lay, moe, "none") for moe, _ in kinds), default=0.0)
     inflight = inflight_microbatches(lay, stage.rank)
@@ -258,7 +266,6 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
         out["logits_transient"] = int(tokens * (a + (4.0 if a != 4 else 0.0)) * v / t)
     # Backward working set: gradients of one block's saved tensors; with recomputation the
     # recomputed block's activations exist at the same time.
-    recompute = any(m != "none" for m in modes)
     out["backward_workspace"] = int(worst_layer * (2 if recompute else 1))
     return out
 
@@ -266,9 +273,16 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
 # ----------------------------------------------------------------------------- per stage
 
 
-def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0) -> List[StageMemory]:
-    """Memory of every pipeline rank (the index is the pipeline rank)."""
+def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
+                    ranks: Optional[Sequence[int]] = None) -> List[StageMemory]:
+    """Memory of the pipeline ranks in `ranks` (default: all), in rank order.
+
+    The search passes (0, pp-1): the first rank holds the embedding and the most in-flight
+    micro-batches, the last the output layer and logits; middle ranks are never heavier.
+    """
     stages = stage_params(shape, lay.pp, lay.vpp, lay.schedule, lay.pp_layers)
+    if ranks is not None:
+        stages = [stages[r] for r in sorted(set(ranks))]
     result: List[StageMemory] = []
     for st in stages:
         states = model_state_memory(st, lay)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from launcher.plan.flops import attention_flops_per_token
 from launcher.plan.layout import Layout
@@ -107,6 +107,20 @@ def stage_matmul_params(shape: ModelShape, st: StageParams) -> Tuple[float, floa
     return block, head
 
 
+# Small matrix multiplications reach less of the peak: a heuristic knee (rows, columns) below
+# which efficiency halves. Splitting a micro-batch's tokens over cp ranks or the FFN columns
+# over tp ranks shrinks the GEMMs, which is why more TP/CP is not free even on NVLink.
+TOKEN_KNEE = 512
+WIDTH_KNEE = 512
+
+
+def gemm_efficiency(shape: ModelShape, lay: Layout) -> float:
+    """Fraction of `achievable_fraction` this layout's per-GPU matmuls reach (1.0 for large ones)."""
+    rows = lay.micro_batch_size * lay.seq_len / lay.cp
+    width = (shape.moe_ffn_dim if shape.n_experts else shape.ffn_dim) / lay.tp
+    return rows / (rows + TOKEN_KNEE) * width / (width + WIDTH_KNEE)
+
+
 def recompute_fraction(lay: Layout) -> float:
     """Share of the blocks whose forward is run twice (full recomputation)."""
     if lay.ac_mode == "full":
@@ -127,8 +141,8 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     attn_flops = attn * (1 + rf / 3) * tokens
     head_flops = 6.0 * head * tokens
     split = lay.tp * lay.cp  # each GPU of the TP x CP group computes its share
-    bf16 = hw.bf16_tflops * 1e12 * hw.achievable_fraction
-    block_peak = hw.fp8_tflops * 1e12 * hw.achievable_fraction if lay.precision == "fp8" else bf16
+    bf16 = hw.bf16_tflops * 1e12 * hw.achievable_fraction * gemm_efficiency(shape, lay)
+    block_peak = hw.fp8_tflops * 1e12 * hw.achievable_fraction * gemm_efficiency(shape, lay) if lay.precision == "fp8" else bf16
     if lay.precision == "fp32":
         block_peak = bf16  # TF32 tensor cores are half of BF16 peak on H100, but planning fp32 runs on GPUs is rare
     return (block_flops / block_peak + (attn_flops + head_flops) / bf16) / split
@@ -237,16 +251,22 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
 
 
 def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token: float,
-                  tokens_per_step: int) -> Dict[str, Any]:
-    """Step time, throughput and MFU; also returns the comm list of the busiest rank."""
+                  tokens_per_step: int, ranks: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+    """Step time, throughput and MFU; also returns the comm list of the slowest pipeline rank.
+
+    `ranks` limits the pipeline ranks considered (the search passes the two ends).
+    """
     stages = stage_params(shape, lay.pp, lay.vpp, lay.schedule, lay.pp_layers)
+    if ranks is not None:
+        stages = [stages[r] for r in sorted(set(ranks))]
     t_mb = [microbatch_compute_s(shape, st, lay, hw) for st in stages]
-    slowest = max(range(len(stages)), key=lambda i: t_mb[i])
-    st = stages[slowest]
+    slowest_i = max(range(len(stages)), key=lambda i: t_mb[i])
+    st = stages[slowest_i]
+    slowest = st.rank
     m = lay.microbatches
     slots = bubble_slots(lay)
-    compute_s = t_mb[slowest] * m
-    bubble_s = t_mb[slowest] * slots
+    compute_s = t_mb[slowest_i] * m
+    bubble_s = t_mb[slowest_i] * slots
     comm = estimate_comm(shape, lay, hw, st)
     _apply_overlap(comm, lay, compute_s, st)
     optimizer_s = optimizer_step_s(st, lay, hw)
@@ -262,7 +282,7 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
         "bubble_s": bubble_s,
         "exposed_comm_s": exposed,
         "optimizer_s": optimizer_s,
-        "microbatch_s": t_mb[slowest],
+        "microbatch_s": t_mb[slowest_i],
         "slowest_stage": slowest,
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / step_s,

@@ -249,7 +249,8 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
             lay0 = _with_backends(lay0, choices, spec)
             # Pass 1: model states of the heaviest stage, before any activation.
             stages = stage_params(shape, pp, vpp, sched, ())
-            states = max(sum(v for k, v in model_state_memory(st, lay0).items() if k != "host") for st in stages)
+            ends = (stages[0], stages[-1])
+            states = max(sum(v for k, v in model_state_memory(st, lay0).items() if k != "host") for st in ends)
             if states + reserve > cap:
                 stats["states_too_big"] += 1
                 continue
@@ -260,12 +261,12 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
                 for ac in AC_MODES:
                     stats["layouts"] += 1
                     lay = dataclasses.replace(lay0, micro_batch_size=mbs, microbatches=m, ac_mode=ac)
-                    mem = most_loaded(estimate_memory(shape, lay, reserve))
+                    mem = most_loaded(estimate_memory(shape, lay, reserve, ranks=(0, pp - 1)))
                     if mem.total > cap:
                         continue
                     # Pass 2: the first AC mode that fits dominates the heavier-recompute ones.
                     stats["timed"] += 1
-                    t = estimate_time(shape, lay, hw, flops_tok, tokens_per_step)
+                    t = estimate_time(shape, lay, hw, flops_tok, tokens_per_step, ranks=(0, pp - 1))
                     out.append(Candidate(
                         layout=lay,
                         overrides={**lay.overrides(), "parallel.pp_virtual_stages": vpp},
@@ -278,8 +279,32 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
                         backends={k: c.backend for k, c in choices.items() if getattr(c, "impl", "") != "off"},
                     ))
                     break
-    out.sort(key=lambda c: (-c.tokens_per_s_per_gpu, c.memory["total"]))
-    return out, stats
+    out.sort(key=_rank_key)
+    return _dedupe(out), stats
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Throughput first (to 0.1%: closer than that is noise in the model), then the simpler
+    layout (fewer CP / pipeline / TP ranks), then the lower memory."""
+    lay = c.layout
+    return (-float(f"{c.tokens_per_s_per_gpu:.3g}"), lay.cp, lay.pp * lay.vpp, lay.tp, lay.ep,
+            lay.dp_replicate, c.memory["total"])
+
+
+def _dedupe(cands: List[Candidate]) -> List[Candidate]:
+    """Drop layouts whose estimates equal an earlier one with the same mesh (e.g. ZeRO-2 and -3
+    under a native pipeline, which keeps units unsharded either way)."""
+    seen = set()
+    out = []
+    for c in cands:
+        lay = c.layout
+        key = (lay.pp, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp, lay.ep, lay.schedule, lay.vpp,
+               lay.micro_batch_size, lay.ac_mode, round(c.step_s, 6), c.memory["total"])
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(c)
+    return out
 
 
 def search_layouts(spec, limit: Optional[int] = None, stats: Optional[Dict[str, int]] = None) -> List[Candidate]:

@@ -20,6 +20,7 @@ import torch
 from launcher.config.loader import load_spec
 from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
+from launcher.plan.flops import training_flops_per_token
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
@@ -90,6 +91,12 @@ def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> Step
     return StepBatches(windows, spec.trainer.seed, plan.batch.global_batch_size, part)
 
 
+def peak_tflops(spec: JobConfig) -> float:
+    """Dense peak of the configured GPU type for the precision in use (MFU's denominator)."""
+    hw = spec.hardware
+    return hw.fp8_tflops if spec.precision.name == "fp8" else hw.bf16_tflops
+
+
 def checkpoint_root(spec: JobConfig, run_dir: Path) -> Path:
     return Path(spec.checkpoint.dir) if spec.checkpoint.dir else Path(run_dir) / "checkpoints"
 
@@ -153,6 +160,8 @@ def run(run_dir: Path) -> int:
         world_size=rank.world_size,
         seed=spec.trainer.seed,
         mesh=plan.mesh.to_dict(),
+        flops_per_token=training_flops_per_token(spec.model, spec.trainer.seq_len),
+        peak_tflops_per_gpu=peak_tflops(spec) if rank.device.type == "cuda" else 0.0,
     )
     trainer = Trainer(
         loop_cfg, run_dir=run_dir, rank=rank.rank, engine=engine, batches=batches,

@@ -118,7 +118,8 @@ class NativeEngine:
                 from launcher.parallel.fp8 import convert_to_float8
             except ImportError as e:  # the fp8 module is optional until it lands
                 raise RuntimeError("precision=fp8 needs launcher/parallel/fp8.py (convert_to_float8)") from e
-            convert_to_float8(part, self.precision.fp8)
+            convert_to_float8(part, self.precision.fp8, device_type=self.device.type,
+                              fsdp_enabled=m.dp_replicate * m.dp_shard * m.cp > 1)
         if m.tp > 1:
             from launcher.parallel.tp import apply_tensor_parallel
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from launcher.data.dataset import StepBatches
+from launcher.plan.flops import achieved_tflops, mfu
 from launcher.runtime.checkpoint import CheckpointManager
 from launcher.runtime.engine import Engine
 from launcher.runtime.metrics import MetricsLogger
@@ -35,6 +36,8 @@ class LoopConfig:
     world_size: int
     seed: int
     mesh: Dict[str, int]
+    flops_per_token: float = 0.0  # model FLOPs (launcher.plan.flops) for TFLOP/s and MFU
+    peak_tflops_per_gpu: float = 0.0  # 0: no MFU (e.g. on CPU, where no peak is meaningful)
 
 
 @dataclass
@@ -103,6 +106,11 @@ class Trainer:
                     "step_time_s": elapsed,
                     "tokens_seen": step * cfg.tokens_per_step,
                 }
+                if cfg.flops_per_token:
+                    per_gpu = record["tokens_per_s"] / cfg.world_size
+                    record["tflops_per_gpu"] = achieved_tflops(per_gpu, cfg.flops_per_token)
+                    if cfg.peak_tflops_per_gpu:
+                        record["mfu"] = mfu(per_gpu, cfg.flops_per_token, cfg.peak_tflops_per_gpu)
                 record.update(stats.extra)
                 self.metrics.log(record)
             if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0:
