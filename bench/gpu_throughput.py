@@ -19,7 +19,7 @@ measured in the same run. FLOPs per token come from launcher.plan.flops (6N + 12
 one place that formula lives); MFU is against the dense BF16 peak of the GPU's
 conf/hardware entry (also for fp8, so rows compare: fp8 shows up as a higher MFU). Peak
 memory is torch.cuda.max_memory_allocated per variant next to the planner's prediction
-(Plan.memory["total"]) when the planner fills it.
+(Plan.memory["total"] minus its fixed "reserved" share, which the allocator does not see).
 
 Each variant runs `--warmup` untimed steps (compilation happens there), then `--steps` timed
 steps; the step time is the median, with a device synchronisation each step (both loops
@@ -75,6 +75,7 @@ class Settings:
     steps: int
     hardware: str
     compile: bool  # False: every variant runs eager (smoke mode)
+    tied: bool = False  # the model's tie_embeddings, filled once composed
     seed: int = 1234
 
 
@@ -87,6 +88,7 @@ class Result:
     tokens_per_s: Optional[float] = None
     tflops: Optional[float] = None
     mfu: Optional[float] = None
+    params: Optional[int] = None  # parameters the variant's model holds
     peak_mem_bytes: Optional[int] = None
     predicted_mem_bytes: Optional[int] = None
     losses: List[float] = field(default_factory=list)
@@ -257,7 +259,7 @@ def reference_step_fn(spec, device) -> Callable:
 
     with torch.device("meta"):
         model = build_model(spec.model)
-    model.to_empty(device=device)
+    model.to_empty(device=device)  # Transformer.to_empty keeps tied embeddings tied
     model.init_weights(seed=spec.trainer.seed, buffer_device=device)
     model.train()
     if spec.trainer.compile:
@@ -284,7 +286,19 @@ def reference_step_fn(spec, device) -> Callable:
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
+    step.params = _unique_params([model])  # type: ignore[attr-defined]
     return step
+
+
+def _unique_params(parts) -> int:
+    """Parameters the model really holds (shared tensors once; DTensors at their global size)."""
+    seen, total = set(), 0
+    for part in parts:
+        for p in part.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total
 
 
 def launcher_step_fn(spec, device, run_dir: Path) -> Callable:
@@ -302,6 +316,8 @@ def launcher_step_fn(spec, device, run_dir: Path) -> Callable:
         return engine.train_step([batch]).loss
 
     step.engine = engine  # type: ignore[attr-defined]  # keeps it alive while timing
+    parts = getattr(engine, "model_parts", None)
+    step.params = _unique_params(parts) if parts else None  # type: ignore[attr-defined]
     return step
 
 
@@ -316,15 +332,23 @@ def launcher_wired() -> Optional[str]:
 
 
 def predicted_peak_bytes(spec) -> Optional[int]:
-    """The planner's per-GPU total for this job, when it fills Plan.memory."""
+    """The planner's per-GPU peak for this job as the caching allocator sees it.
+
+    Plan.memory["total"] minus its fixed `reserved` share (CUDA context, NCCL buffers), which
+    torch.cuda.max_memory_allocated does not count; None when the planner gives no total.
+    """
     try:
         from launcher.plan.plan import build_plan
 
-        total = build_plan(spec).memory.get("total")
+        memory = build_plan(spec).memory
     except Exception as err:  # a planner gap must not hide the measurement
         print(f"warning: planner memory estimate unavailable: {err}", file=sys.stderr)
         return None
-    return int(total) if total else None
+    total = memory.get("total")
+    if not total:
+        return None
+    reserved = (memory.get("detail") or {}).get("reserved", 0) or 0
+    return int(total) - int(reserved)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -376,6 +400,7 @@ def run_variant(v: Variant, s: Settings, batches, flops_per_token: float, peak_t
                 step = reference_step_fn(spec, device)
             else:
                 step = launcher_step_fn(spec, device, Path(run_dir))
+            res.params = getattr(step, "params", None)
             times, res.losses = time_steps(step, batches, s.warmup, device)
     except Exception as err:  # one failing variant (OOM, no fp8 support) must not lose the others
         traceback.print_exc(file=sys.stderr)
@@ -465,6 +490,10 @@ def render_markdown(s: Settings, env: Dict[str, str], hw, params: int, flops_per
             f"{_fmt(None if r.mfu is None else 100 * r.mfu, '.1f')}{'%' if r.mfu is not None else ''} | "
             f"{_gib(r.peak_mem_bytes)} | {_gib(r.predicted_mem_bytes)} | {r.status} |"
         )
+    for r in results:
+        if r.params is not None and r.params != params:
+            lines.append(f"\n**warning**: {r.variant} trains {_count(r.params)} parameters; the model shape "
+                         f"has {_count(params)} (tie_embeddings={s.tied}): its numbers are not comparable.")
     rt = ratios(results)
     lines += [
         "",
@@ -487,6 +516,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from launcher.plan.flops import param_counts, training_flops_per_token
 
     base = compose_job(s, "bf16", False)
+    s.tied = bool(base.model.tie_embeddings)
     flops_per_token = training_flops_per_token(base.model, s.seq_len)
     params = param_counts(base.model).total
     batches = make_batches(s, base.model.vocab_size, s.warmup + s.steps)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -57,13 +58,18 @@ def _check_outcome(overrides, choices, problems):
         explicit = [k for k, v in overrides.items() if k.startswith("backend.") and v == "deepspeed"]
         assert get("backend.default", "auto") != "native" or explicit, overrides
     else:
-        assert zero != 1, f"{overrides}: ZeRO-1 served natively"
+        assert zero >= 2 or _single_dp(overrides), f"{overrides}: ZeRO-{zero} served natively"
         assert "nvme" not in (get("offload.optimizer", "none"), get("offload.params", "none"))
         assert not get("backend.zeropp_quantized_weights", False)
         explicit = [k for k, v in overrides.items() if k.startswith("backend.") and v == "native"]
         assert get("backend.default", "auto") != "deepspeed" or explicit, overrides
     if "nvme" in (get("offload.optimizer", "none"), get("offload.params", "none")):
         assert owner == "deepspeed" and zero == 3
+
+
+def _single_dp(overrides) -> bool:
+    degrees = [overrides.get(f"parallel.{d}", 1) for d in ("tp", "pp", "dp_replicate", "cp")]
+    return 8 // math.prod(degrees) * overrides.get("parallel.dp_replicate", 1) * overrides.get("parallel.cp", 1) == 1
 
 
 MODEL_STATE_SWITCHES = {
@@ -110,8 +116,12 @@ def test_auto_prefers_native_where_it_serves():
     c = resolve_backends(example_spec({}))
     assert c["sharding"].backend == "native" and "FSDP2" in c["sharding"].impl
     assert c["checkpoint"].impl.startswith("torch.distributed.checkpoint")
+    # Native implements FSDP2 (ZeRO-2/3) only: plain data parallel runs on DeepSpeed ...
     c = resolve_backends(example_spec({"parallel.zero_stage": 0}))
-    assert c["sharding"].backend == "native" and "plain data parallel" in c["sharding"].impl
+    assert c["sharding"].backend == "deepspeed" and "ZeRO-0" in c["sharding"].reason
+    # ... unless there is a single data-parallel rank (nothing to shard, e.g. TP only).
+    c = resolve_backends(example_spec({"parallel.zero_stage": 0, "parallel.tp": 8}))
+    assert c["sharding"].backend == "native" and c["tp"].backend == "native"
 
 
 def test_zero1_routes_to_deepspeed_and_native_force_conflicts():

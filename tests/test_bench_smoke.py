@@ -61,11 +61,14 @@ def test_smoke_runs_every_variant(smoke):
     ref = by["reference bf16 + compile"]
     assert ref["status"] == "ok" and ref["tokens_per_s"] > 0 and ref["tflops"] > 0
     assert ref["mfu"] is None  # a GPU peak means nothing on CPU
+    assert ref["params"] == param_counts(compose_spec(["model=debug"]).model).total
+    assert ref["predicted_mem_bytes"] > 0  # the planner's estimate sits next to each row
     steps = data["settings"]["warmup"] + data["settings"]["steps"]
     assert len(ref["losses"]) == steps and all(math.isfinite(x) for x in ref["losses"])
     for name in ("launcher bf16", "launcher bf16 + compile", "launcher fp8 + compile"):
         assert by[name]["status"] == "ok", f"{name}: {by[name]['status']}"
         assert by[name]["tokens_per_s"] > 0
+        assert by[name]["params"] == ref["params"]  # the same model in every variant
     # Same model, init, data and optimizer: the reference really is the launcher's loop, by hand.
     for a, b in zip(ref["losses"], by["launcher bf16"]["losses"]):
         assert abs(a - b) < 1e-2, (ref["losses"], by["launcher bf16"]["losses"])

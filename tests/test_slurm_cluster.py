@@ -134,3 +134,45 @@ def test_usr1_requeues_the_job_and_the_rerun_starts_clean(slurm_cluster: SlurmCl
     assert "job %s restart 1 (max 1)" % job_id in log
     assert (run_dir / "runs.txt").read_text() == "run 0\nrun 1\n"
     assert not (run_dir / "control" / "stop").exists() and not (run_dir / "control" / "stopped").exists()
+
+
+def test_no_requeue_left_exits_3_and_says_how_to_resume(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):
+    ranks = tmp_path / "ranks.sh"
+    ranks.write_text(STAND_IN_RANKS)
+    ranks.chmod(0o755)
+    job_id, run_dir = submit_job(tmp_path, monkeypatch, f"cluster.python={ranks}", "cluster.max_requeues=0")
+    deadline = time.monotonic() + 60
+    while not (run_dir / "runs.txt").exists():
+        assert time.monotonic() < deadline, f"job {job_id} never started: {slurm_cluster.job(job_id)}"
+        time.sleep(0.2)
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
+    info = slurm_cluster.wait(job_id, timeout=60)
+    log = main_log(run_dir, job_id)
+    assert info.state == "FAILED" and info.rc == 3 and info.restarts == 0, (info, log)
+    assert "not requeued: cluster.max_requeues=0 reached" in log
+    assert f"Resume with: sbatch {run_dir / 'job.sbatch'}" in log
+
+
+def test_failing_setup_line_fails_the_job(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):
+    job_id, run_dir = submit_job(tmp_path, monkeypatch, "cluster.python=/bin/true", setup=["true", "false", "touch ran-on"])
+    info = slurm_cluster.wait(job_id, timeout=60)
+    log = main_log(run_dir, job_id)
+    assert info.state == "FAILED" and info.rc == 1, (info, log)
+    assert "a cluster.setup line failed (exit 1)" in log
+    assert not (tmp_path / "ran-on").exists() and "srun exited" not in log
+
+
+def test_time_limit_warning_signal_requeues_the_job(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):
+    # --signal=B:USR1@58 with a 1-minute limit: SLURM warns the batch script within ~2-30 s.
+    ranks = tmp_path / "ranks.sh"
+    ranks.write_text(STAND_IN_RANKS)
+    ranks.chmod(0o755)
+    job_id, run_dir = submit_job(
+        tmp_path, monkeypatch, f"cluster.python={ranks}", "cluster.max_requeues=1",
+        "cluster.time=00:01:00", "cluster.signal_seconds=58",
+    )
+    info = slurm_cluster.wait(job_id, timeout=150, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    log = main_log(run_dir, job_id)
+    assert info.state == "COMPLETED" and info.restarts == 1, (info, log)
+    assert "received SIGUSR1" in log and "requeueing job" in log
+    assert (run_dir / "runs.txt").read_text() == "run 0\nrun 1\n"

@@ -8,6 +8,7 @@ the same per-step losses as the uninterrupted run; Hydra multirun submits one jo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -67,15 +68,31 @@ def wait_done(cluster: SlurmCluster, job_id: str, run_dir: Path):
     return info
 
 
+SECRET = "hf_s3cr3t-VALUE-51d0"
+
+
 @pytest.fixture(scope="module")
 def reference_run(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[int, float]:
-    """The uninterrupted run: per-step losses."""
+    """The uninterrupted run, submitted with a secret in the environment: per-step losses."""
     run_dir = tmp_path_factory.mktemp("slurm_ref") / "run"
-    job_id = submit_train(run_dir)
+    previous = os.environ.get("HF_TOKEN")
+    os.environ["HF_TOKEN"] = SECRET  # in cluster.secret_env: forwarded by name
+    try:
+        job_id = submit_train(run_dir)
+    finally:
+        if previous is None:
+            os.environ.pop("HF_TOKEN")
+        else:
+            os.environ["HF_TOKEN"] = previous
     t0 = time.monotonic()
     info = wait_done(slurm_cluster, job_id, run_dir)
     print(f"reference job {job_id}: {time.monotonic() - t0:.1f} s, restarts={info.restarts}")
     assert info.restarts == 0
+    assert "secret HF_TOKEN is set (value not shown)" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    # Script, resolved config, plan, logs, metrics, W&B files: none holds the value.
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), f"secret value written to {path}"
     return losses_by_step(run_dir)
 
 
@@ -134,6 +151,26 @@ def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(
     assert sorted(resumed) == sorted(reference_run)
     diffs = {s: abs(resumed[s] - reference_run[s]) for s in reference_run}
     assert max(diffs.values()) == 0.0, f"losses differ after resume from step {stopped['step']}: {diffs}"
+
+
+def test_crashing_rank_fails_the_job_with_its_error_in_the_main_log(slurm_cluster: SlurmCluster, tmp_path):
+    # Passes validation, fails inside the ranks when they open the data.
+    run_dir = tmp_path / "run"
+    job_id = submit_train(run_dir, "data.source=tokens", f"data.path={tmp_path}/no-such-shards")
+    info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT_S)
+    log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert info.state == "FAILED" and info.rc != 0, (info, log)
+    assert "the ranks failed" in log
+    assert f"FileNotFoundError: data.path={tmp_path}/no-such-shards" in log, log
+
+
+def test_sbatch_rejection_is_reported_with_a_fix(slurm_cluster: SlurmCluster, tmp_path):
+    # The dev cluster has no GPUs (no gres): asking for them is refused at submit time.
+    before = set(slurm_cluster.job_ids())
+    proc = run_train([*COMMON, "trainer.device=cuda"], tmp_path / "run", timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "sbatch rejected" in proc.stderr and "trainer.device=cpu" in proc.stderr, proc.stderr
+    assert set(slurm_cluster.job_ids()) == before
 
 
 def test_multirun_submits_one_job_per_point(slurm_cluster: SlurmCluster, tmp_path):

@@ -110,3 +110,16 @@ def test_a_failing_rank_stops_all_ranks(run_dir):
     left = subprocess.run(["pgrep", "-f", f"launcher.runtime.entry --run-dir {run_dir}"], capture_output=True, text=True)
     assert left.stdout.strip() == ""
     assert "training failed" in proc.stdout.read()
+
+
+def test_ctrl_c_stops_all_ranks(run_dir):
+    run_dir.mkdir(parents=True)
+    proc = _start(["+recipe=debug", "trainer.steps=400", "checkpoint.interval=0"], run_dir)
+    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size > 0, 240, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground process group
+    code = proc.wait(timeout=120)
+    assert code != 0
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", f"--run-dir {run_dir}"], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
+    assert max(losses_by_step(run_dir)) < 400

@@ -252,6 +252,9 @@ class PlanConfig:
     format: str = "text"  # text | json
     plots: bool = True
     top_k: int = 10  # action=search: how many layouts to print
+    # action=search keeps only layouts whose estimate leaves this fraction of GPU memory free
+    # (allocator fragmentation, what the model does not see).
+    search_headroom: float = 0.05
 
 
 @dataclass

@@ -351,6 +351,25 @@ def parse_job_id(sbatch_stdout: str) -> str:
     return job_id
 
 
+_SBATCH_HINTS = (
+    ("gres", "the cluster offers no GPUs of that kind; on a CPU cluster set trainer.device=cpu "
+             "(gpus_per_node then means ranks per node, and no GPUs are requested)"),
+    ("partition", "check cluster.partition against `sinfo -s`"),
+    ("account", "check cluster.account / cluster.qos against `sacctmgr show assoc user=$USER`"),
+    ("time limit", "lower cluster.time to the partition's limit (`sinfo -o '%P %l'`)"),
+    ("node count", "lower cluster.nodes or choose a bigger partition (`sinfo -s`)"),
+    ("dependency", "check the job ids in cluster.after with `squeue -j ID`"),
+)
+
+
+def _sbatch_hint(message: str) -> str:
+    lower = message.lower()
+    for needle, hint in _SBATCH_HINTS:
+        if needle in lower:
+            return hint
+    return "compare the #SBATCH lines of the script with your cluster (`sinfo -s`); cluster.dry_run=true prints them"
+
+
 def run_sbatch(script: Path, cwd: Path) -> str:
     """Submit `script`; returns the job id. Raises RuntimeError with sbatch's message."""
     sbatch = shutil.which("sbatch")
@@ -368,7 +387,7 @@ def run_sbatch(script: Path, cwd: Path) -> str:
     )
     if proc.returncode != 0:
         msg = (proc.stderr or proc.stdout).strip()
-        raise RuntimeError(f"sbatch rejected {script} (exit {proc.returncode}): {msg}")
+        raise RuntimeError(f"sbatch rejected {script} (exit {proc.returncode}): {msg}. Fix: {_sbatch_hint(msg)}")
     return parse_job_id(proc.stdout)
 
 

@@ -68,6 +68,14 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
+    def to_empty(self, *, device, recurse: bool = True):
+        """Materialise (see nn.Module.to_empty), keeping tied embeddings tied."""
+        super().to_empty(device=device, recurse=recurse)
+        # to_empty allocates one new tensor per module, which silently unties the output.
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
     def init_weights(self, seed: int = 0, buffer_device: Optional[torch.device] = None) -> None:
         """Deterministic, layout-independent initialisation (see launcher.models.init)."""
         from launcher.models.init import init_model_weights

@@ -124,6 +124,7 @@ class Float8ConversionReport:
     kept: Dict[str, str] = field(default_factory=dict)
     all_gather: bool = False
     emulated: bool = False
+    already_float8: int = 0  # Float8Linear layers found (converted by an earlier call)
 
     @property
     def total(self) -> int:
@@ -178,10 +179,14 @@ def float8_skip_reason(module: "nn.Module", fqn: str, cfg: Fp8Config) -> Optiona
 def plan_float8_conversion(model: "nn.Module", cfg: Fp8Config) -> Float8ConversionReport:
     """Decide, without changing the model, which Linear layers `convert_to_float8` converts."""
     import torch.nn as nn
+    from torchao.float8.float8_linear import Float8Linear
 
     report = Float8ConversionReport(recipe=cfg.recipe)
     for fqn, module in model.named_modules():
-        if type(module) is not nn.Linear:  # already-converted Float8Linear subclasses are skipped
+        if isinstance(module, Float8Linear):
+            report.already_float8 += 1  # from an earlier conversion
+            continue
+        if type(module) is not nn.Linear:
             continue
         reason = float8_skip_reason(module, fqn, cfg)
         if reason is None:
@@ -196,7 +201,8 @@ def float8_module_filter(cfg: Fp8Config) -> Callable[["nn.Module", str], bool]:
     import torch.nn as nn
 
     def keep_float8(module: "nn.Module", fqn: str) -> bool:
-        return isinstance(module, nn.Linear) and float8_skip_reason(module, fqn, cfg) is None
+        # Exact type: a Float8Linear (an nn.Linear subclass) must not be converted twice.
+        return type(module) is nn.Linear and float8_skip_reason(module, fqn, cfg) is None
 
     return keep_float8
 
@@ -264,7 +270,9 @@ def convert_to_float8(
             "precision.fp8.all_gather=true is ignored with recipe=%s: float8 all-gather needs the "
             "tensorwise recipe, so FSDP all-gathers bf16 weights", cfg.recipe,
         )
-    if not report.converted:
+    if not report.converted and report.already_float8:
+        log.info("model already has %d float8 Linear layers; nothing more to convert", report.already_float8)
+    elif not report.converted:
         log.warning(
             "precision=fp8 converted no Linear layer (%d kept in bf16): %s. The model trains in bf16; "
             "check precision.fp8.exclude / min_features.", report.total, report.summary(),

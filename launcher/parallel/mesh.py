@@ -74,12 +74,24 @@ def submesh(world: DeviceMesh, name: str) -> DeviceMesh:
 
 
 def expert_meshes(world: DeviceMesh, ep: int) -> Tuple[DeviceMesh, DeviceMesh]:
-    """(ep mesh, dp_shard_mod_ep mesh): experts are sharded over the first, FSDP over the second."""
-    fsdp = submesh(world, "dp_shard_cp")
-    if fsdp.size() % ep:
-        raise ValueError(
-            f"parallel.ep={ep} must divide dp_shard*cp={fsdp.size()}: expert-parallel ranks are "
-            f"taken from the FSDP ranks; choose ep among the divisors of {fsdp.size()}"
-        )
-    split = fsdp._unflatten(0, (fsdp.size() // ep, ep), ("dp_shard_mod_ep", "ep"))
-    return split["ep"], split["dp_shard_mod_ep"]
+    """(ep mesh, expert data-parallel mesh) for expert parallelism.
+
+    The dp_cp ranks are viewed as (dp_replicate, dp_shard_mod_ep, ep), ep innermost: the
+    routed experts are sharded over ``ep`` and FSDP-sharded over dp_shard_mod_ep (HSDP with
+    dp_replicate when that is > 1, in which case the second mesh is 2-D).
+    """
+    views = world._launcher_views  # type: ignore[attr-defined]
+    key = f"ep{ep}"
+    if key not in views:
+        fsdp = views["dp_shard_cp"].size()
+        if fsdp % ep:
+            raise ValueError(
+                f"parallel.ep={ep} must divide dp_shard*cp={fsdp}: expert-parallel ranks are "
+                f"taken from the FSDP ranks; choose ep among the divisors of {fsdp}"
+            )
+        rep = world["dp_replicate"].size()
+        split = views["dp_cp"]._unflatten(
+            0, (rep, fsdp // ep, ep), ("dp_replicate", "dp_shard_mod_ep", "ep"))
+        dp = split["dp_replicate", "dp_shard_mod_ep"] if rep > 1 else split["dp_shard_mod_ep"]
+        views[key] = (split["ep"], dp)
+    return views[key]

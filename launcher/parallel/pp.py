@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from launcher.plan.params import chunk_layer_counts, chunks_of_rank
+
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
@@ -49,8 +51,8 @@ def layers_per_stage(n_layers: int, n_stages: int, explicit: Sequence[int] = ())
             f"model.n_layers={n_layers} cannot fill {n_stages} pipeline stages "
             f"(pp * pp_virtual_stages); lower parallel.pp or parallel.pp_virtual_stages"
         )
-    base, rem = divmod(n_layers, n_stages)
-    return [base + (1 if i < rem else 0) for i in range(n_stages)]
+    # The planner's split, so predicted and real stage sizes are the same by construction.
+    return chunk_layer_counts(n_layers, n_stages)
 
 
 def stage_ids_for_rank(rank: int, pp: int, virtual: int, schedule: str) -> List[int]:
@@ -71,8 +73,7 @@ def stage_ids_for_rank(rank: int, pp: int, virtual: int, schedule: str) -> List[
                 f"parallel.pp_schedule=zbv needs exactly 2 stages per rank; set "
                 f"parallel.pp_virtual_stages=2 (got {virtual})"
             )
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + i * pp for i in range(virtual)]
+    return chunks_of_rank(rank, pp, virtual, schedule)
 
 
 def build_stage_module(whole: nn.Module, stage: int, counts: Sequence[int]) -> nn.Module:

@@ -60,11 +60,12 @@ class Feature:
 FEATURES: Tuple[Feature, ...] = (
     Feature(
         "sharding", "Data-parallel sharding (ZeRO 0-3)", "parallel.zero_stage", "sharding",
-        "stage 0: plain data parallel (every rank keeps full states, gradients all-reduced); "
         "stage 2: FSDP2 `fully_shard(reshard_after_forward=False)`; stage 3: FSDP2 `fully_shard` "
-        "(reshard after forward). No ZeRO-1: FSDP2 always shards gradients too",
+        "(reshard after forward)",
         "`zero_optimization.stage` 0-3 in `deepspeed.initialize`",
-        "ZeRO-1 (optimizer states only) exists only in DeepSpeed",
+        "ZeRO-1 (optimizer states only) exists only in DeepSpeed; ZeRO-0 (plain data parallel) runs on "
+        "DeepSpeed because the native path implements FSDP2 only (parallel.zero_stage=2 is the closest native "
+        "choice); with a single data-parallel rank every stage is served natively",
     ),
     Feature(
         "hsdp", "HSDP / hierarchical partitioning", "parallel.dp_replicate > 1", "sharding",
@@ -270,8 +271,12 @@ def _needs(s: _Switches) -> List[_Need]:
 
     # Sharding is always active: someone owns the model states.
     sharding = _Need("sharding", f"parallel.zero_stage={z}")
-    if z == 1:
-        sharding.blocked[NATIVE] = "ZeRO-1 (optimizer-state sharding only) exists only in DeepSpeed; FSDP2 always shards gradients too"
+    shards = s.dp is None or s.dp * s.cp > 1  # with one data-parallel rank every stage is the same
+    if z in (0, 1) and shards:
+        sharding.blocked[NATIVE] = (
+            "ZeRO-1 (optimizer-state sharding only) exists only in DeepSpeed; FSDP2 always shards gradients too"
+            if z == 1 else
+            "the native path implements FSDP2 (ZeRO-2/3) only; plain data parallel (ZeRO-0) runs on DeepSpeed")
         sharding.fixes = ["parallel.zero_stage=2 (FSDP2, params kept unsharded between forward and backward)"]
         sharding.unblock[NATIVE] = sharding.fixes
     needs.append(sharding)
@@ -551,8 +556,8 @@ def _choices(s: _Switches, needs: List[_Need], owner: str, why: str) -> Dict[str
     z = s.zero
     if ds:
         impl = f"DeepSpeed ZeRO-{z}"
-    elif z == 0:
-        impl = "native plain data parallel (replicated states, gradient all-reduce)"
+    elif z in (0, 1):
+        impl = "none (one data-parallel rank: nothing to shard)"
     else:
         impl = f"FSDP2 fully_shard (zero_stage={z}, reshard_after_forward={z == 3})"
     out["sharding"] = BackendChoice(owner, impl, why)
@@ -675,6 +680,7 @@ def format_choices(choices: Dict[str, BackendChoice]) -> str:
 EXAMPLES: Tuple[Tuple[str, Dict[str, object]], ...] = (
     ("defaults (zero_stage=3, bf16)", {}),
     ("parallel.zero_stage=1", {"parallel.zero_stage": 1}),
+    ("parallel.zero_stage=0 precision=bf16", {"parallel.zero_stage": 0}),
     ("offload.optimizer=cpu", {"offload.optimizer": "cpu"}),
     ("offload.optimizer=cpu backend.offload=deepspeed", {"offload.optimizer": "cpu", "backend.offload": "deepspeed"}),
     ("offload.optimizer=nvme offload.nvme_path=/nvme", {"offload.optimizer": "nvme", "offload.nvme_path": "/nvme"}),

@@ -163,7 +163,8 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
       SwiGLU: w1 and w3 outputs, silu output, their product: 4 x a*f;
       MoE: fp32 router logits and probabilities (8 * n_experts), and per routed copy of a token
       (top_k, padded by the capacity factor) the dispatched input, the expert's SwiGLU
-      tensors and its output; shared experts like a dense SwiGLU of moe_ffn_dim.
+      tensors and its fp32 output (weighted by the gate); shared experts like a dense
+      SwiGLU of n_shared_experts * moe_ffn_dim.
     TP divides everything between the norms' outputs and the block output (heads, ffn
     columns). Without SP the norms run on the full sequence on every TP rank; with SP they
     are split over TP, but DTensor's column-parallel linears save their all-gathered input,
@@ -187,7 +188,8 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
             routed = cap * k * (a * h + 2 * a * fe + a * h) / t
             shared_e = shape.n_shared_experts * 2 * a * fe / t
         else:
-            routed = cap * k * (a * h + 4 * a * fe + a * h) / t
+            # dispatched input, SwiGLU tensors, fp32 expert output kept for the gate weighting
+            routed = cap * k * (a * h + 4 * a * fe + 4 * h) / t
             shared_e = shape.n_shared_experts * 4 * a * fe / t
         ffn = router + routed + shared_e
     else:
@@ -264,9 +266,12 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
         saved_logits = tokens * 4.0 * v / t
         out["head"] = int(head * inflight + saved_logits * last_inflight)
         out["logits_transient"] = int(tokens * (a + (4.0 if a != 4 else 0.0)) * v / t)
-    # Backward working set: gradients of one block's saved tensors; with recomputation the
-    # recomputed block's activations exist at the same time.
-    out["backward_workspace"] = int(worst_layer * (2 if recompute else 1))
+    # Backward working set: the gradients live inside one block's backward (about three
+    # FFN-wide and two residual-wide tensors); with recomputation the recomputed block's
+    # activations exist at the same time.
+    width = (shape.moe_ffn_dim * max(1, shape.top_k) if shape.n_moe_layers else shape.ffn_dim) / t
+    grads = tokens * a * (3 * width + 2 * shape.dim)
+    out["backward_workspace"] = int(grads + (worst_layer if recompute else 0))
     return out
 
 

@@ -98,7 +98,8 @@ def model_shape(model: Any) -> ModelShape:
     head_dim = dim // n_heads
     n_experts = int(getattr(model, "n_experts", 0) or 0)
     n_dense = layers if n_experts == 0 else min(layers, int(getattr(model, "n_dense_layers", 0) or 0))
-    moe_ffn = int(getattr(model, "moe_ffn_dim", 0) or 0) if n_experts else 0
+    # The builder falls back to ffn_dim when moe_ffn_dim is unset.
+    moe_ffn = (int(getattr(model, "moe_ffn_dim", 0) or 0) or int(model.ffn_dim)) if n_experts else 0
     vocab = int(model.vocab_size)
     tied = bool(getattr(model, "tie_embeddings", False))
     return ModelShape(

@@ -182,7 +182,7 @@ def candidate_spec(spec, lay: Layout):
     )
     ac = dataclasses.replace(spec.activation_checkpointing, mode=lay.ac_mode)
     tr = dataclasses.replace(spec.trainer, micro_batch_size=lay.micro_batch_size)
-    return dataclasses.replace(spec, parallel=p, activation_checkpointing=ac, trainer=tr, action="run")
+    return dataclasses.replace(spec, parallel=p, activation_checkpointing=ac, trainer=tr)
 
 
 # ----------------------------------------------------------------------------- search
@@ -221,7 +221,8 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
     """Every fitting layout with its estimates, best first (not yet validated)."""
     shape: ModelShape = model_shape(spec.model)
     hw = spec.hardware
-    cap = capacity_bytes(hw)
+    # Leave headroom for allocator fragmentation and what the model does not see.
+    cap = int(capacity_bytes(hw) * (1.0 - float(spec.plan.search_headroom)))
     reserve = reserved_bytes(hw)
     gbs, seq = spec.trainer.global_batch_size, spec.trainer.seq_len
     flops_tok = training_flops_per_token(spec.model, seq)
@@ -284,10 +285,10 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
 
 
 def _rank_key(c: Candidate) -> tuple:
-    """Throughput first (to 0.1%: closer than that is noise in the model), then the simpler
-    layout (fewer CP / pipeline / TP ranks), then the lower memory."""
+    """Throughput first, then (for equal estimates) the simpler layout (fewer CP / pipeline / TP
+    ranks), then the lower memory."""
     lay = c.layout
-    return (-float(f"{c.tokens_per_s_per_gpu:.3g}"), lay.cp, lay.pp * lay.vpp, lay.tp, lay.ep,
+    return (-float(f"{c.tokens_per_s_per_gpu:.6g}"), lay.cp, lay.pp * lay.vpp, lay.tp, lay.ep,
             lay.dp_replicate, c.memory["total"])
 
 
@@ -311,7 +312,8 @@ def search_layouts(spec, limit: Optional[int] = None, stats: Optional[Dict[str, 
     """Valid, fitting layouts ranked by estimated throughput (tokens/s per GPU), best first.
 
     Returns at most `limit` candidates (default: max(plan.top_k, 20)); each passed
-    `launcher.config.validate.validate` with its overrides applied to `spec`.
+    `launcher.config.validate.validate` with its overrides applied to `spec`. Raises
+    ConfigError when the 50 best layouts all share a problem that no layout can fix.
     """
     from launcher.config.validate import validate
 
@@ -319,12 +321,18 @@ def search_layouts(spec, limit: Optional[int] = None, stats: Optional[Dict[str, 
     ranked, st = evaluate_layouts(spec)
     valid: List[Candidate] = []
     st["validated"] = st["rejected_by_validator"] = 0
+    common: Optional[set] = None  # problems every rejected layout shares
     for cand in ranked:
         if len(valid) >= limit:
             break
         st["validated"] += 1
-        if validate(candidate_spec(spec, cand.layout)):
+        problems = validate(candidate_spec(spec, cand.layout))
+        if problems:
             st["rejected_by_validator"] += 1
+            common = set(problems) if common is None else common & set(problems)
+            if not valid and st["rejected_by_validator"] >= 50 and common:
+                # A problem outside the layout (data path, model shape...): no layout can fix it.
+                raise ConfigError(sorted(common))
             continue
         valid.append(cand)
     st["fitting"] = len(ranked)

@@ -75,6 +75,16 @@ class NativeEngine:
             self.world = build_device_mesh(m, self.device.type)
         self.tp_rank = self.world["tp"].get_local_rank() if self.world is not None else 0
 
+        if m.cp > 1:
+            from launcher.parallel.cp import context_parallel_unsupported_reason
+
+            reason = context_parallel_unsupported_reason(self.device.type)
+            if reason:
+                raise RuntimeError(reason)
+            if m.pp > 1:
+                raise ValueError(
+                    f"parallel.cp={m.cp} with parallel.pp={m.pp} is not supported by the native "
+                    f"engine yet; use one of the two (e.g. put the pp ranks in dp_shard)")
         with torch.device("meta"):
             whole = build_model(model_cfg)
         self.is_moe = model_cfg.n_experts > 0
@@ -106,7 +116,7 @@ class NativeEngine:
         self.optimizers = [build_adamw(p, optim) for p in self.parts]
         self.schedulers = [build_scheduler(o, optim, total_steps) for o in self.optimizers]
         self._token_norm = 1.0
-        n_params = sum(p.numel() for part in self.parts for p in part.parameters())
+        n_params = sum(_local_numel(p) for part in self.parts for p in part.parameters())
         log.info("native engine ready: %d parameters on this rank (local view), %d model part(s)",
                  n_params, len(self.parts))
 
@@ -132,8 +142,6 @@ class NativeEngine:
 
             ep_mesh, expert_dp_mesh = expert_meshes(w, m.ep)
             apply_expert_parallel(part, ep_mesh)
-            if m.dp_replicate > 1:
-                expert_dp_mesh = _hsdp_expert_mesh(w, m.ep)
         if ac is not None and ac.mode != "none":
             from launcher.parallel.ac import apply_activation_checkpointing
 
@@ -147,6 +155,10 @@ class NativeEngine:
             from launcher.parallel.fsdp import apply_fsdp, mixed_precision_policy
 
             dp_mesh = submesh(w, "hsdp" if m.dp_replicate > 1 else "dp_shard_cp")
+            if offload is not None and "nvme" in (offload.params, offload.optimizer):
+                raise ValueError(
+                    "offload to nvme is DeepSpeed ZeRO-Infinity's; the native FSDP2 path offloads "
+                    "to cpu only: set offload.params/optimizer=cpu, or backend.offload=deepspeed")
             off = offload is not None and "cpu" in (offload.params, offload.optimizer)
             apply_fsdp(part, dp_mesh, zero_stage=self.parallel.zero_stage,
                        mp_policy=mixed_precision_policy(self.precision.name, self.precision.reduce_dtype),
@@ -154,14 +166,27 @@ class NativeEngine:
                        expert_dp_mesh=expert_dp_mesh)
 
     def _pp_microbatches(self, grad_accum: int) -> int:
+        """parallel.microbatches, or (-1) max(grad-accumulation steps, pp) when that divides
+        this rank's sequences per step, else the grad-accumulation steps."""
         n = self.parallel.microbatches
-        return n if n and n > 0 else max(grad_accum, 1)
+        if n and n > 0:
+            return n
+        rows = grad_accum * self.plan.batch.micro_batch_size
+        want = max(grad_accum, self.mesh_plan.pp)
+        return want if rows % want == 0 else max(grad_accum, 1)
 
     # ---------------------------------------------------------------- training
     def _autocast(self):
         # Without FSDP there is no MixedPrecisionPolicy; autocast gives the same bf16 compute.
         if self.precision.name in ("bf16", "fp8") and not self.fsdp:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _context_parallel(self, model, inputs, labels):
+        if self.mesh_plan.cp > 1:
+            from launcher.parallel.cp import context_parallel_region
+
+            return context_parallel_region(model, self.world["cp"], inputs, labels)
         return nullcontext()
 
     def _loss_parallel(self):
@@ -180,8 +205,9 @@ class NativeEngine:
     def _count_tokens(self, microbatches: List[Microbatch]) -> float:
         local = sum(int((lab != IGNORE_INDEX).sum()) for _, lab in microbatches)
         t = torch.tensor(float(local), dtype=torch.float64, device=self.device)
-        if self.world is not None and submesh(self.world, "dp_cp").size() > 1:
-            dist.all_reduce(t, group=submesh(self.world, "dp_cp").get_group())
+        # Over "dp", not "dp_cp": CP ranks receive the same full sequences.
+        if self.world is not None and submesh(self.world, "dp").size() > 1:
+            dist.all_reduce(t, group=submesh(self.world, "dp").get_group())
         return max(float(t), 1.0)
 
     def _set_aux_scale(self, n_micro: int) -> None:
@@ -201,7 +227,7 @@ class NativeEngine:
             model = self.parts[0]
             for inputs, labels in microbatches:
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
-                with self._loss_parallel():
+                with self._context_parallel(model, inputs, labels), self._loss_parallel():
                     with self._autocast():
                         logits = model(inputs)
                     loss = self._loss_fn(logits, labels)
@@ -211,6 +237,12 @@ class NativeEngine:
             inputs = torch.cat([x for x, _ in microbatches]).to(self.device)
             labels = torch.cat([y for _, y in microbatches]).to(self.device)
             n_micro = self.pp_schedule._n_microbatches
+            if inputs.shape[0] % n_micro:
+                raise ValueError(
+                    f"the pipeline splits this rank's {inputs.shape[0]} sequences per step into "
+                    f"parallel.microbatches={n_micro} micro-batches, which does not divide; set "
+                    f"parallel.microbatches to a divisor of {inputs.shape[0]} (or -1 for the "
+                    f"gradient-accumulation steps)")
             self._set_aux_scale(n_micro)
             losses: list = []
             kwargs = {}
@@ -299,11 +331,8 @@ class NativeEngine:
         return self.parts
 
 
-def _hsdp_expert_mesh(world, ep: int):
-    raise NotImplementedError(
-        f"expert parallelism (parallel.ep={ep}) with parallel.dp_replicate>1 is not supported "
-        f"natively yet; use parallel.dp_replicate=1 (put those ranks in dp_shard)"
-    )
+def _local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
 def build_native_engine(model_cfg, plan, **kwargs) -> NativeEngine:

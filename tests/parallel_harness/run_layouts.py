@@ -55,13 +55,35 @@ def rank_microbatches(step: int, vocab: int, dp_rank: int, dp: int):
     return [(x[i:i + MICRO_BATCH], y[i:i + MICRO_BATCH]) for i in range(0, per, MICRO_BATCH)]
 
 
+def check_cp_sharding(spec: dict) -> dict:
+    """Shard position buffers with torch's context_parallel on this world (works on CPU: the
+    sharding itself needs no attention kernel) and return what this rank kept."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    cp, seq = dist.get_world_size(), spec["seq"]
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    tokens = torch.arange(seq).repeat(2, 1)  # [b, s]
+    table = torch.arange(seq * 3).view(seq, 3)  # like the RoPE table: sequence on dim 0
+    with context_parallel(mesh, buffers=[tokens, table], buffer_seq_dims=[1, 0],
+                          no_restore_buffers={tokens}):
+        kept_table = table.clone()
+    gathered = [None] * cp
+    dist.all_gather_object(gathered, {"tokens": tokens[0].tolist(), "table": kept_table[:, 0].div(3).tolist()})
+    return {"per_rank": gathered}
+
+
 def run_layout(spec: dict) -> dict:
+    if spec.get("kind") == "cp_shard":
+        return check_cp_sharding(spec)
     from launcher.config.schema import ActivationCheckpointingConfig, OptimConfig, ParallelConfig, PrecisionConfig
     from launcher.plan.mesh import MeshPlan
     from launcher.plan.plan import BatchPlan, Plan
     from launcher.runtime.native_engine import build_native_engine
 
     mcfg = model_config(spec.get("model", "debug"))
+    if spec.get("tie"):
+        mcfg = replace(mcfg, tie_embeddings=True)
     mesh = MeshPlan(**{k: 1 for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")} | spec.get("mesh", {}))
     dp = mesh.dp
     batch = BatchPlan(GLOBAL_BATCH, MICRO_BATCH, GLOBAL_BATCH // (MICRO_BATCH * dp), SEQ, GLOBAL_BATCH * SEQ)
@@ -112,6 +134,8 @@ def main() -> int:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     for spec in layouts:
+        if "expect_error" in spec and rank == 0:
+            print(f"[harness] {spec['name']}: an error is expected here", flush=True)
         try:
             results[spec["name"]] = run_layout(spec)
         except Exception as e:  # record, keep going: one broken layout must not hide the rest

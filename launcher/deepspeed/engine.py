@@ -1,0 +1,378 @@
+"""The DeepSpeed Engine: same model, data, LR schedule and StepStats as the native path.
+
+Constructor (what the rank runtime calls when ``plan.backend("sharding") == "deepspeed"``):
+
+    build_deepspeed_engine(spec, plan, *, device, run_dir) -> DeepSpeedEngine
+
+- the process group must already exist (launcher.runtime.dist.init_distributed): DeepSpeed
+  reuses it (``deepspeed.init_distributed`` with gloo on CPU, nccl on GPU);
+- the DeepSpeed JSON is generated from the spec + plan (launcher.deepspeed.config), written to
+  ``<run_dir>/deepspeed_config.json`` and handed to ``deepspeed.initialize``;
+- the model is ``launcher.models.build_model`` built on meta and materialised with the same
+  layout-independent ``init_weights(seed)`` as the native path; the optimizer is the native
+  path's AdamW (same parameter groups), or DeepSpeedCPUAdam when the optimizer is offloaded;
+  the LR schedule is ``launcher.parallel.optim.lr_factor`` (the one formula both paths use);
+- ``parallel.pp > 1`` builds a DeepSpeed ``PipelineModule`` (ZeRO <= 1, checked by the resolver).
+
+Loss convention (as native): the reported loss is the mean over every counted token of the
+global batch. DeepSpeed averages gradients over data-parallel ranks and (pipeline) divides by
+the accumulation steps, so each micro-batch's backward loss is rescaled to make the gradient
+exactly that of the global-mean loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from launcher.deepspeed.config import build_deepspeed_config, data_parallel_size, write_deepspeed_config
+from launcher.runtime.engine import Microbatch, StepStats
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+CHECKPOINT_TAG = "state"  # DeepSpeed's sub-folder inside the directory the trainer gives us
+_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def prepare_deepspeed_environment(device_type: str) -> None:
+    """Set what DeepSpeed reads at import time; call before the first `import deepspeed`.
+
+    On CPU: DS_ACCELERATOR=cpu (else DeepSpeed probes for CUDA). TORCH_EXTENSIONS_DIR is left to
+    the user or CI (default ~/.cache/torch_extensions): the JIT-built ops are cached there.
+    """
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def init_deepspeed_distributed(device_type: str) -> None:
+    """Join (or reuse) the process group through deepspeed.comm: gloo on CPU, nccl on GPU."""
+    prepare_deepspeed_environment(device_type)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo" if device_type == "cpu" else "nccl",
+                               dist_init_required=not dist.is_initialized())
+
+
+# ----------------------------------------------------------------------------- model pieces
+
+
+def _param_groups(module: nn.Module, weight_decay: float) -> List[Dict]:
+    """Same grouping as launcher.parallel.optim.build_adamw: no decay on 1-D parameters."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(module: nn.Module, optim, offload_optimizer: str) -> torch.optim.Optimizer:
+    """torch AdamW (as native); DeepSpeedCPUAdam (JIT-built once) when the optimizer is offloaded."""
+    if offload_optimizer == "none":
+        from launcher.parallel.optim import build_adamw
+
+        return build_adamw(module, optim)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(_param_groups(module, optim.weight_decay), lr=optim.lr,
+                            betas=(optim.beta1, optim.beta2), eps=optim.eps, adamw_mode=True)
+
+
+def _apply_deepspeed_checkpointing(model: nn.Module, mode: str, selective: str) -> int:
+    """Recompute blocks with deepspeed.checkpointing (full, or every N-th block)."""
+    import deepspeed
+
+    every = 1 if mode == "full" else int(selective)
+    wrapped = 0
+    for name, block in model.layers.items():
+        if int(name) % every:
+            continue
+        inner = block.forward
+
+        def forward(x, rope, _inner=inner):
+            return deepspeed.checkpointing.checkpoint(_inner, x, rope)
+
+        block.forward = forward
+        wrapped += 1
+    return wrapped
+
+
+def apply_checkpointing(model: nn.Module, plan, ac_cfg) -> None:
+    """Activation checkpointing with the implementation the resolver chose."""
+    choice = plan.backends.get("activation_checkpointing")
+    if choice is None or choice.impl == "off" or ac_cfg.mode == "none":
+        return
+    if choice.backend == "deepspeed":
+        n = _apply_deepspeed_checkpointing(model, ac_cfg.mode, ac_cfg.selective)
+        log.info("applied DeepSpeed activation checkpointing to %d of %d blocks", n, len(model.layers))
+    else:
+        from launcher.parallel.ac import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, ac_cfg.mode, ac_cfg.selective)
+
+
+def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
+    """build_model on meta, then the native path's layout-independent initialisation."""
+    from launcher.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed, buffer_device=device)
+    model.train()
+    return model
+
+
+def canonical_state_dict(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """fp32 CPU tensors under the model's own names (activation-checkpoint wrappers removed)."""
+    return {k.replace(_WRAPPED, ""): v.detach().to("cpu", torch.float32) for k, v in sd.items()}
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+class _EmbedStage(nn.Module):
+    def __init__(self, emb: nn.Embedding):
+        super().__init__()
+        self.tok_embeddings = emb
+
+    def forward(self, tokens):
+        return self.tok_embeddings(tokens)
+
+
+class _BlockStage(nn.Module):
+    def __init__(self, block: nn.Module, rope: torch.Tensor):
+        super().__init__()
+        self.block = block
+        self.register_buffer("rope", rope.clone(), persistent=False)
+
+    def forward(self, h):
+        return self.block(h, self.rope)
+
+
+class _HeadStage(nn.Module):
+    def __init__(self, norm: nn.Module, output: nn.Module):
+        super().__init__()
+        self.norm, self.output = norm, output
+
+    def forward(self, h):
+        return self.output(self.norm(h))
+
+
+def pipeline_layers(model: nn.Module) -> List[nn.Module]:
+    """The Transformer as a flat layer list for PipelineModule, and the names each layer's
+    parameters have in the unsplit model (for export)."""
+    if model.cfg.tie_embeddings:
+        raise ValueError(
+            "DeepSpeed's pipeline engine needs TiedLayerSpec for tied embeddings, which this launcher does not "
+            "build. Fix: model.tie_embeddings=false, or backend.pp=native (torch pipelining)."
+        )
+    return ([_EmbedStage(model.tok_embeddings)]
+            + [_BlockStage(b, model.rope) for b in model.layers.values()]
+            + [_HeadStage(model.norm, model.output)])
+
+
+def _pipeline_name(local_name: str, layer_offset: int, n_blocks: int) -> str:
+    """PipelineModule names its layers by global index: map back to Transformer names."""
+    idx, rest = local_name.split(".", 1)
+    i = int(idx)
+    if i == 0:
+        return rest  # tok_embeddings.weight
+    if i <= n_blocks:
+        return f"layers.{i - 1}." + rest.removeprefix("block.")
+    return rest  # norm.weight / output.weight
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+class DeepSpeedEngine:
+    """Implements launcher.runtime.engine.Engine on top of deepspeed.initialize."""
+
+    def __init__(self, spec, plan, *, device: torch.device, run_dir: Path):
+        device = torch.device(device)
+        init_deepspeed_distributed(device.type)
+        import deepspeed
+
+        self.spec, self.plan, self.device = spec, plan, device
+        self.dp = data_parallel_size(plan)
+        self.pp = plan.mesh.pp
+        self.gas = plan.batch.grad_accum_steps
+        self.config = build_deepspeed_config(spec, plan)
+        self.config_path = write_deepspeed_config(self.config, run_dir) if dist.get_rank() == 0 else None
+        if spec.offload.optimizer == "nvme" or spec.offload.params == "nvme":
+            Path(spec.offload.nvme_path).mkdir(parents=True, exist_ok=True)
+
+        torch.manual_seed(spec.trainer.seed)
+        model = materialise_model(spec.model, device, spec.trainer.seed)
+        self.is_moe = spec.model.n_experts > 0
+        self.n_blocks = len(model.layers)
+        if self.pp > 1:
+            from deepspeed.pipe import PipelineModule
+
+            ac = spec.activation_checkpointing
+            interval = 0
+            if ac.mode != "none":
+                if plan.backends["activation_checkpointing"].backend != "deepspeed":
+                    raise ValueError("the DeepSpeed pipeline engine checkpoints activations itself; "
+                                     "Fix: drop backend.activation_checkpointing=native")
+                interval = 1 if ac.mode == "full" else int(ac.selective)
+            module = PipelineModule(layers=pipeline_layers(model), num_stages=self.pp, loss_fn=self._pipe_loss,
+                                    partition_method="type:_BlockStage", activation_checkpoint_interval=interval)
+        else:
+            apply_checkpointing(model, plan, spec.activation_checkpointing)
+            module = model
+        self._model_ref = module
+        optimizer = build_optimizer(module, spec.optim, spec.offload.optimizer)
+        from launcher.parallel.optim import build_scheduler
+
+        self.scheduler = build_scheduler(optimizer, spec.optim, spec.trainer.steps)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=self.scheduler, config=self.config,
+            dist_init_required=False,
+        )
+        self._token_norm = 1.0
+        self._pipe_losses: List[float] = []
+        n_params = sum(p.numel() for p in module.parameters())
+        log.info("DeepSpeed engine ready: ZeRO-%d, %d parameters held by this rank's module, pp=%d, dp=%d, "
+                 "config %s", spec.parallel.zero_stage, n_params, self.pp, self.dp,
+                 self.config_path or "(written by rank 0)")
+
+    # ------------------------------------------------------------------ step
+    def _ce_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+    def _pipe_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self._ce_sum(logits, labels) / self._token_norm
+        self._pipe_losses.append(float(loss.detach()))
+        # The pipeline engine averages over dp and divides by the accumulation steps.
+        return loss * (self.dp * self.gas)
+
+    def _count_tokens(self, microbatches: List[Microbatch]) -> float:
+        local = sum(int((lab != IGNORE_INDEX).sum()) for _, lab in microbatches)
+        t = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return max(float(t) / self.pp, 1.0)  # every stage of a replica holds the same batch
+
+    def _set_aux_scale(self, n_micro: int) -> None:
+        if self.is_moe and self.pp == 1:
+            # DeepSpeed averages over dp itself, so only the micro-batch count is divided out.
+            self._model_ref.set_aux_loss_scale(1.0 / n_micro)
+
+    def train_step(self, microbatches: List[Microbatch]) -> StepStats:
+        """One optimizer step over this data-parallel rank's micro-batches (collective)."""
+        if len(microbatches) != self.gas:
+            raise ValueError(
+                f"got {len(microbatches)} micro-batches but the DeepSpeed config has gradient_accumulation_steps="
+                f"{self.gas} (global {self.plan.batch.global_batch_size} = micro {self.plan.batch.micro_batch_size}"
+                f" x {self.gas} x dp {self.dp}); pass exactly that many"
+            )
+        self._token_norm = self._count_tokens(microbatches)
+        lr = self.scheduler.get_last_lr()[0]
+        local_loss = 0.0
+        aux_total = 0.0
+        contributes = True
+        if self.pp > 1:
+            self._pipe_losses = []
+            batches = [(x.to(self.device), y.to(self.device)) for x, y in microbatches]
+            self.engine.train_batch(data_iter=iter(batches))
+            local_loss = sum(self._pipe_losses)
+            contributes = self.engine.is_last_stage()
+        else:
+            self._set_aux_scale(len(microbatches))
+            for inputs, labels in microbatches:
+                logits = self.engine(inputs.to(self.device))
+                loss = self._ce_sum(logits, labels.to(self.device)) / self._token_norm
+                # DeepSpeed averages gradients over dp ranks: scale up so they are summed.
+                self.engine.backward(loss * self.dp, scale_wrt_gas=False)
+                self.engine.step()
+                local_loss += float(loss.detach())
+                if self.is_moe:
+                    aux_total += self._model_ref.latest_aux_loss()
+        stats = torch.tensor([local_loss if contributes else 0.0, aux_total / len(microbatches)], dtype=torch.float64,
+                             device=self.device)
+        dist.all_reduce(stats)
+        norm = self.engine.get_global_grad_norm()
+        extra = {"moe_aux_loss": float(stats[1]) / dist.get_world_size()} if self.is_moe else {}
+        return StepStats(loss=float(stats[0]), grad_norm=float(norm) if norm is not None else float("nan"),
+                         lr=lr, extra=extra)
+
+    # ------------------------------------------------------------------ state
+    def save(self, directory: Path) -> None:
+        """engine.save_checkpoint: model, ZeRO-partitioned optimizer and LR schedule (collective)."""
+        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        """engine.load_checkpoint of what `save` wrote (collective); same world size and stage."""
+        path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(
+                f"DeepSpeed found no checkpoint under {directory}/{CHECKPOINT_TAG}. DeepSpeed checkpoints load at the "
+                f"world size and ZeRO stage that wrote them (this run: {dist.get_world_size()} ranks, ZeRO-"
+                f"{self.spec.parallel.zero_stage}). Fix: resume with the saving layout, or checkpoint.resume=none."
+            )
+
+    def export(self, path: Path, fmt: str) -> None:
+        """Consolidated fp32 model on rank 0: torch.save (fp32) or safetensors (collective)."""
+        from launcher.parallel.export import write_state_dict
+
+        full = self.consolidated_state_dict(Path(path).parent / ".deepspeed_export")
+        if full is not None:
+            write_state_dict(full, Path(path), fmt)
+        dist.barrier()
+
+    def consolidated_state_dict(self, scratch: Path) -> Optional[Dict[str, torch.Tensor]]:
+        """Full fp32 weights under the model's names on rank 0, None elsewhere (collective).
+
+        ZeRO 1-3: a checkpoint in `scratch`, consolidated with deepspeed.utils.zero_to_fp32
+        (the fp32 master weights). Stage 0 and the pipeline engine: the module's own weights.
+        """
+        if self.pp > 1:
+            return self._gather_pipeline_state()
+        if self.spec.parallel.zero_stage == 0:
+            return canonical_state_dict(self.engine.module.state_dict()) if dist.get_rank() == 0 else None
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        self.engine.save_checkpoint(str(scratch), tag=CHECKPOINT_TAG, save_latest=False)
+        dist.barrier()
+        full = None
+        if dist.get_rank() == 0:
+            full = canonical_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(scratch), tag=CHECKPOINT_TAG))
+            shutil.rmtree(scratch, ignore_errors=True)
+        dist.barrier()
+        return full
+
+    def _gather_pipeline_state(self) -> Optional[Dict[str, torch.Tensor]]:
+        module = self.engine.module
+        local: Dict[str, torch.Tensor] = {}
+        if self.engine.grid.get_data_parallel_rank() == 0:
+            for name, t in module.state_dict().items():
+                local[_pipeline_name(name, 0, self.n_blocks)] = t
+        local = canonical_state_dict(local)
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(local, gathered, dst=0)
+        if gathered is None:
+            return None
+        full: Dict[str, torch.Tensor] = {}
+        for part in gathered:
+            full.update(part)
+        return full
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+
+def build_deepspeed_engine(spec, plan, *, device, run_dir: Path) -> DeepSpeedEngine:
+    """The Engine for plans whose sharding backend is DeepSpeed (see the module docstring)."""
+    return DeepSpeedEngine(spec, plan, device=device, run_dir=Path(run_dir))

@@ -1,0 +1,224 @@
+"""Render a Plan (`action=plan`) or search results (`action=search`) as text tables or JSON.
+
+Pure Python: the CLI prints what these return; nothing here computes an estimate.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Sequence
+
+from launcher.plan.memory import GiB
+from launcher.plan.mesh import MESH_DIM_NAMES
+
+ASSUMPTIONS = (
+    "Assumptions: ring collectives at hardware.comm_efficiency of NVLink (group inside a node) or of "
+    "the per-GPU network link; compute at hardware.achievable_fraction of dense peak, less for small GEMMs; "
+    "FSDP/ZeRO gathers and reductions overlap compute, TP and EP collectives do not; activations per "
+    "Korthikanti et al. for this Llama block with flash attention (docs/planner.md)."
+)
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:.2f} GiB"
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:.2f} GB"
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.3f} M"
+
+
+def _table(headers: Sequence[str], rows: List[Sequence[Any]], align: str = "") -> str:
+    """A plain text table; `align` holds 'l' or 'r' per column (default: first left, rest right)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    align = align or ("l" + "r" * (len(headers) - 1))
+    lines = []
+    for n, r in enumerate(cells):
+        parts = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)]
+        lines.append("  " + "  ".join(parts).rstrip())
+        if n == 0:
+            lines.append("  " + "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- action=plan
+
+
+def plan_json(plan, spec) -> Dict[str, Any]:
+    """The plan as one JSON-serialisable dict (plan.json's content plus model and hardware)."""
+    d = plan.to_dict()
+    d["model"] = {"name": spec.model.name, "params_total": plan.params_total, "params_active": plan.params_active}
+    d["hardware"] = {"name": spec.hardware.name, "memory_gb": spec.hardware.memory_gb,
+                     "bf16_tflops": spec.hardware.bf16_tflops, "fp8_tflops": spec.hardware.fp8_tflops}
+    d["assumptions"] = ASSUMPTIONS
+    return d
+
+
+def render_plan(plan, spec, fmt: str = "text") -> str:
+    """`action=plan` output. fmt "json": one JSON object; "text": readable tables."""
+    if fmt == "json":
+        return json.dumps(plan_json(plan, spec), indent=2, default=float)
+    if fmt != "text":
+        raise ValueError(f"plan.format={fmt!r} is not one of text, json. Fix: plan.format=text or plan.format=json.")
+    sections = [
+        _header(plan, spec),
+        _mesh_section(plan),
+        _backends_section(plan),
+        _memory_section(plan, spec),
+        _comm_section(plan),
+        _time_section(plan, spec),
+        ASSUMPTIONS,
+    ]
+    if plan.warnings:
+        sections.append("Warnings\n" + "\n".join(f"  ! {w}" for w in plan.warnings))
+    return "\n\n".join(s for s in sections if s)
+
+
+def _header(plan, spec) -> str:
+    m, b = spec.model, plan.batch
+    moe = f", {m.n_experts} experts top-{m.top_k}" if m.n_experts else ""
+    return (
+        f"Plan: {m.name} on {plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world_size} "
+        f"ranks ({spec.hardware.name}, {spec.precision.name})\n"
+        f"  model: {_billions(plan.params_total)} parameters ({_billions(plan.params_active)} active), "
+        f"{m.n_layers} layers, dim {m.dim}, {m.n_heads} heads / {m.n_kv_heads} KV heads{moe}\n"
+        f"  batch: {b.global_batch_size} sequences x {b.seq_len} tokens = {b.tokens_per_step:,} tokens/step; "
+        f"micro-batch {b.micro_batch_size}, {b.grad_accum_steps} micro-batches per step per data-parallel rank"
+    )
+
+
+def _mesh_section(plan) -> str:
+    mesh = plan.mesh
+    rows = []
+    stride = 1
+    strides = {}
+    for name in reversed(MESH_DIM_NAMES):
+        strides[name] = stride
+        stride *= getattr(mesh, name)
+    for name in MESH_DIM_NAMES:
+        size = getattr(mesh, name)
+        span = strides[name] * size
+        where = "-" if size == 1 else ("intra-node" if span <= plan.gpus_per_node else "inter-node")
+        first = [strides[name] * i for i in range(min(size, 4))]
+        example = ", ".join(map(str, first)) + (", ..." if size > 4 else "")
+        rows.append((name, size, strides[name], where, f"[{example}]"))
+    rows.append(("ep", mesh.ep, strides["tp"], "taken from dp_shard*cp", ""))
+    return "Mesh (outermost to innermost; tp consecutive so it stays inside a node)\n" + _table(
+        ("dim", "size", "rank stride", "links", "group of rank 0"), rows, "lrrll"
+    )
+
+
+def _backends_section(plan) -> str:
+    used = [(f, c) for f, c in plan.backends.items() if c.impl != "off"]
+    off = [f for f, c in plan.backends.items() if c.impl == "off"]
+    rows = [(f, c.backend, c.impl) for f, c in used]
+    text = "Backends\n" + _table(("feature", "backend", "implementation"), rows, "lll")
+    text += "\n  why:\n" + "\n".join(f"    {f}: {c.reason}" for f, c in used)
+    if off:
+        text += "\n  not used: " + ", ".join(off)
+    return text
+
+
+def _memory_section(plan, spec) -> str:
+    mem = plan.memory
+    if not mem:
+        return ""
+    detail = mem.get("detail", {})
+    other_parts = ", ".join(f"{k} {_gib(v)}" for k, v in detail.items()
+                            if v and k not in ("activations_layers", "activations_head"))
+    rows = [
+        ("params", _gib(mem["params"]), ""),
+        ("grads", _gib(mem["grads"]), ""),
+        ("optimizer", _gib(mem["optimizer"]), ""),
+        ("activations", _gib(mem["activations"]),
+         f"blocks {_gib(detail.get('activations_layers', 0))}, head {_gib(detail.get('activations_head', 0))}"),
+        ("other", _gib(mem["other"]), other_parts),
+        ("total", _gib(mem["total"]), f"of {_gib(mem['capacity'])}"),
+    ]
+    if mem.get("host"):
+        rows.append(("offloaded", _gib(mem["host"]), "on the host (CPU RAM / NVMe), not on the GPU"))
+    margin = mem["margin"]
+    verdict = (f"FITS with {_gib(margin)} to spare ({margin / mem['capacity']:.0%})" if mem["fits"]
+               else f"DOES NOT FIT: {_gib(-margin)} over")
+    per_rank = mem.get("per_pp_rank", [])
+    spread = ""
+    if len(per_rank) > 1:
+        spread = "\n  per pipeline rank total: " + ", ".join(
+            f"{r['pp_rank']}: {r['total'] / GiB:.1f}" for r in per_rank[:8]) + (" ..." if len(per_rank) > 8 else "") + " GiB"
+    return (f"Memory per GPU (most loaded: pipeline rank {mem['most_loaded_pp_rank']})\n"
+            + _table(("category", "bytes", "notes"), rows, "lrl") + f"\n  verdict: {verdict}" + spread)
+
+
+def _comm_section(plan) -> str:
+    comm = plan.comm
+    if not comm or not comm.get("collectives"):
+        return "Communication: none (single rank)"
+    rows = [
+        (c["name"], c["collective"], f"{c['group']} ({c['group_size']})", c["where"], _gb(c["bytes_per_step"]),
+         f"{c['time_s'] * 1e3:.1f}", f"{c['exposed_s'] * 1e3:.1f}")
+        for c in comm["collectives"]
+    ]
+    return (f"Communication per step, one GPU of pipeline rank {comm.get('pp_rank', 0)}\n"
+            + _table(("what", "collective", "group", "where", "sent", "time ms", "exposed ms"), rows, "llllrrr")
+            + f"\n  total {_gb(comm['bytes_per_step'])}: intra-node {_gb(comm['intra_node_bytes'])}, "
+              f"inter-node {_gb(comm['inter_node_bytes'])}")
+
+
+def _time_section(plan, spec) -> str:
+    p, t = plan.pipeline, plan.time
+    if not t:
+        return ""
+    pipe = (f"Pipeline: pp={p['pp']}, schedule {p['schedule']}, {p['virtual_stages']} chunk(s) per rank, "
+            f"{p['microbatches']} micro-batches, bubble {p['bubble_fraction']:.1%} of compute"
+            if p.get("pp", 1) > 1 else "Pipeline: none (pp=1)")
+    rows = [
+        ("compute", f"{t['compute_s']:.3f}"),
+        ("pipeline bubble", f"{t['bubble_s']:.3f}"),
+        ("exposed communication", f"{t['exposed_comm_s']:.3f}"),
+        ("optimizer step", f"{t['optimizer_s']:.3f}"),
+        ("step", f"{t['step_s']:.3f}"),
+    ]
+    return (pipe + "\n\nTime per step (seconds)\n" + _table(("part", "s"), rows)
+            + f"\n  throughput: {t['tokens_per_s']:,.0f} tokens/s, {t['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU, "
+              f"{t['model_tflops_per_s_per_gpu']:.0f} model TFLOP/s per GPU"
+            + f"\n  MFU: {t['mfu']:.1%} of {t['peak_tflops']:.0f} TFLOP/s dense {spec.precision.name if spec.precision.name == 'fp8' else 'bf16'} peak")
+
+
+# ----------------------------------------------------------------------------- action=search
+
+
+def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
+    """`action=search` output: the best `top_k` layouts with the overrides that select each."""
+    world = spec.cluster.nodes * spec.cluster.gpus_per_node
+    best = list(candidates)[: max(0, int(top_k))]
+    if fmt == "json":
+        return json.dumps({
+            "model": spec.model.name,
+            "hardware": spec.hardware.name,
+            "world_size": world,
+            "global_batch_size": spec.trainer.global_batch_size,
+            "seq_len": spec.trainer.seq_len,
+            "candidates": [c.as_dict() for c in best],
+        }, indent=2)
+    if fmt != "text":
+        raise ValueError(f"plan.format={fmt!r} is not one of text, json. Fix: plan.format=text or plan.format=json.")
+    head = (f"Search: {spec.model.name} on {world} GPUs ({spec.hardware.name}), global batch "
+            f"{spec.trainer.global_batch_size} x {spec.trainer.seq_len} tokens")
+    if not best:
+        return (head + "\n  no valid layout fits. Fix: more nodes, offload (offload.optimizer=cpu), a shorter "
+                "trainer.seq_len, or a smaller trainer.global_batch_size; `action=plan` shows the memory of one layout.")
+    rows = []
+    for i, c in enumerate(best, 1):
+        lay = c.layout
+        pipe = f"{lay.pp}" + (f"x{lay.vpp} {lay.schedule}" if lay.pp > 1 else "")
+        rows.append((i, f"{c.tokens_per_s_per_gpu:,.0f}", f"{c.mfu:.1%}", f"{c.step_s:.2f}",
+                     f"{c.memory['total'] / GiB:.1f}", pipe, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp,
+                     lay.ep, lay.zero_stage, lay.ac_mode, lay.micro_batch_size, c.backends.get("sharding", "native")))
+    table = _table(("#", "tok/s/GPU", "MFU", "step s", "mem GiB", "pp", "dp_rep", "dp_shard", "cp", "tp", "ep",
+                    "zero", "AC", "mbs", "sharding"), rows, "rrrrrlrrrrrrlrl")
+    cmds = "\n".join(f"  {i}: train {c.train_overrides}" for i, c in enumerate(best, 1))
+    return f"{head}\n{table}\n\nOverrides that select each layout (add them to your command)\n{cmds}\n\n{ASSUMPTIONS}"

@@ -1,0 +1,213 @@
+"""Measured peak memory per category during training steps, to compare with the plan.
+
+    measured = track_step_memory(engine.model_parts, engine.optimizers, lambda: engine.train_step(mbs))
+    row = compare_with_plan(measured, plan.memory)   # predicted vs measured, per category
+
+Categories are the planner's (launcher/plan/memory.py): params, grads, optimizer,
+activations, other (buffers, unsharded FSDP copies, collective buffers, temporaries), total.
+Each category is reported at its own maximum over the step (what the planner predicts) and
+`total` is the peak of the sum (what decides an OOM), with the breakdown at that peak; measured
+with torch's MemTracker (FSDPMemTracker for an FSDP2 root): it works on CPU, so the
+planner's numbers can be checked without a GPU. On CUDA, torch.cuda.max_memory_allocated
+is reported too (`cuda_max_allocated`): it sees every allocation, including ones the
+dispatch-level tracker cannot (NCCL, cuBLAS workspaces go through the allocator or not).
+
+The first step runs untracked: AdamW creates its states lazily in the first `step()`, so
+the tracked step is a steady-state step with every state already allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+log = logging.getLogger("launcher")
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+
+# MemTracker / FSDPMemTracker reference types -> planner categories.
+_CATEGORY_OF = {
+    "Parameter": "params",
+    "Sharded Param": "params",
+    "Gradient": "grads",
+    "Sharded Grad": "grads",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Inputs": "activations",
+    # Working copies and temporaries: the planner's "other".
+    "Unsharded Param": "other",
+    "Unsharded Grad": "other",
+    "All Gather": "other",
+    "Reduce Scatter": "other",
+    "Buffer": "other",
+    "Temp": "other",
+    "Other": "other",
+}
+
+
+def _as_list(x) -> List[Any]:
+    if x is None:
+        return []
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    return [x]
+
+
+def _torch_optimizers(optimizers: Iterable[Any]) -> List[torch.optim.Optimizer]:
+    """torch optimizers to track; a wrapper (e.g. DeepSpeed's ZeRO optimizer) is unwrapped once."""
+    out = []
+    for opt in optimizers:
+        if isinstance(opt, torch.optim.Optimizer):
+            out.append(opt)
+        elif isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
+            out.append(opt.optimizer)
+        else:
+            log.warning("memtrack: cannot track optimizer of type %s; its states count as untracked",
+                        type(opt).__name__)
+    return out
+
+
+def _make_tracker(modules: List[nn.Module], optimizers: List[torch.optim.Optimizer]):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch
+        FSDPModule = ()  # type: ignore[assignment]
+    if len(modules) == 1 and len(optimizers) <= 1 and FSDPModule and isinstance(modules[0], FSDPModule):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(modules[0], optimizers[0] if optimizers else None)
+    tracker = MemTracker()
+    tracker.track_external(*modules, *optimizers)
+    return tracker
+
+
+def _categorise(snapshot: Dict[Any, Dict[str, int]]) -> Dict[str, int]:
+    """Sum a tracker snapshot ({device: {ref type: bytes}}) into the planner's categories."""
+    out = {c: 0 for c in CATEGORIES}
+    for per_device in snapshot.values():
+        for ref, nbytes in per_device.items():
+            if ref == "Total":
+                continue
+            out[_CATEGORY_OF.get(str(getattr(ref, "value", ref)), "other")] += int(nbytes)
+    out["total"] = sum(out[c] for c in CATEGORIES)
+    return out
+
+
+def _record_category_maxima(tracker) -> Dict[str, int]:
+    """Keep each category's own maximum over the step, not only its share at the total peak.
+
+    The planner predicts each category at its largest (gradients complete, activations of
+    every in-flight micro-batch); at the moment of the total peak some of them are not all
+    alive (e.g. no gradients yet at the end of the first forward). MemTracker updates its
+    peak after every op; this wraps that update. Private torch API: if it moves, only the
+    at-peak breakdown is reported.
+    """
+    maxima: Dict[str, int] = {}
+    original = getattr(tracker, "_update_peak_stats", None)
+    current = getattr(tracker, "_curr_mem_snap", None)
+    if original is None or current is None:
+        return maxima
+
+    def update(peak_state):
+        original(peak_state)
+        sums: Dict[str, int] = {}
+        for per_device in tracker._curr_mem_snap.values():
+            for ref, nbytes in per_device.items():
+                if ref == "Total":
+                    continue
+                cat = _CATEGORY_OF.get(str(getattr(ref, "value", ref)), "other")
+                sums[cat] = sums.get(cat, 0) + int(nbytes)
+        for cat, v in sums.items():
+            if v > maxima.get(cat, 0):
+                maxima[cat] = v
+
+    tracker._update_peak_stats = update
+    return maxima
+
+
+def track_step_memory(
+    modules: Union[nn.Module, Sequence[nn.Module]],
+    optimizers: Union[Any, Sequence[Any], None],
+    run_one_step: Callable[[], Any],
+    *,
+    warmup_steps: int = 1,
+    tracked_steps: int = 1,
+) -> Dict[str, int]:
+    """Run `warmup_steps` untracked and `tracked_steps` tracked steps; return peak bytes per category.
+
+    modules: the model, or the model parts of this rank (pipeline stages); optimizers: one or
+    several (torch optimizers, or wrappers with a torch `.optimizer`); run_one_step: runs one
+    complete optimizer step (forward, backward, step, zero_grad) on this rank.
+    Returns bytes: {params, grads, optimizer, activations, other} each at its own maximum during
+    the tracked steps, `total` = the peak of their sum, `at_peak_<category>` = the breakdown at
+    that peak, plus `cuda_max_allocated` when the model is on a GPU. Collective on multi-rank runs when
+    run_one_step is (every rank must call it).
+    """
+    mods = _as_list(modules)
+    opts = _torch_optimizers(_as_list(optimizers))
+    for _ in range(max(0, warmup_steps)):
+        run_one_step()
+    on_cuda = any(p.is_cuda for m in mods for p in m.parameters())
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    tracker = _make_tracker(mods, opts)
+    maxima = _record_category_maxima(tracker)
+    with tracker:
+        for _ in range(max(1, tracked_steps)):
+            run_one_step()
+    at_peak = _categorise(tracker.get_tracker_snapshot("peak"))
+    after = _categorise(tracker.get_tracker_snapshot("current"))
+    result = {c: max(maxima.get(c, 0), at_peak[c]) for c in CATEGORIES}
+    # Optimizer: the persistent states (after the step); the step's own temporaries are
+    # reported apart, they are freed before the next forward.
+    result["optimizer_step_peak"] = result["optimizer"]
+    result["optimizer"] = after["optimizer"]
+    result["total"] = at_peak["total"]
+    result.update({f"at_peak_{c}": at_peak[c] for c in CATEGORIES})
+    if on_cuda:
+        torch.cuda.synchronize()
+        result["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated())
+    return result
+
+
+def compare_with_plan(measured: Dict[str, int], plan_memory: Dict[str, Any], device: str = "cpu") -> Dict[str, Any]:
+    """Predicted vs measured per category with the relative error, for metrics.jsonl and W&B.
+
+    On CPU the planner's CUDA-only reserve (context, NCCL) is left out of the prediction.
+    Keys: mem_<category>_predicted, mem_<category>_measured, mem_<category>_error (relative,
+    (measured - predicted) / predicted; absent when nothing was predicted).
+    """
+    detail = plan_memory.get("detail", {})
+    reserved = 0 if device == "cuda" else int(detail.get("reserved", 0))
+    row: Dict[str, Any] = {}
+    for cat in CATEGORIES + ("total",):
+        predicted = int(plan_memory.get(cat, 0))
+        if cat in ("other", "total"):
+            predicted -= reserved
+        got = int(measured.get(cat, 0))
+        row[f"mem_{cat}_predicted"] = predicted
+        row[f"mem_{cat}_measured"] = got
+        if predicted > 0:
+            row[f"mem_{cat}_error"] = (got - predicted) / predicted
+    if "cuda_max_allocated" in measured:
+        row["mem_cuda_max_allocated"] = measured["cuda_max_allocated"]
+    return row
+
+
+def process_peak_rss_bytes() -> Optional[int]:
+    """Peak resident set of this process (VmHWM), the whole-process cross-check on CPU."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,92 @@
+"""Shared by the DeepSpeed multi-process harness and the tests: specs, data, the torch reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+EXTENSIONS_DIR = REPO / ".cache" / "torch_extensions"
+
+# A tiny fp32 job on 2 ranks: 4 steps, 2 warm-up steps then cosine, clipping active.
+BASE = [
+    "+recipe=debug", "precision=fp32", "trainer.seq_len=32", "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=2", "trainer.steps=4", "optim.warmup_steps=2", "optim.lr=3e-3",
+    "trainer.grad_clip=0.5", "cluster.gpus_per_node=2", "checkpoint.interval=0",
+]
+
+# name -> overrides on top of BASE. Every case runs in the same torchrun, one after another.
+CASES: Dict[str, List[str]] = {
+    "zero1": ["parallel.zero_stage=1"],
+    "zero2": ["parallel.zero_stage=2", "backend=deepspeed"],
+    "zero3": ["parallel.zero_stage=3", "backend=deepspeed"],
+    "zero2_cpu_offload": ["parallel.zero_stage=2", "offload=cpu", "backend.offload=deepspeed"],
+}
+SLOW_CASES: Dict[str, List[str]] = {
+    "pipeline_zero1": ["parallel.zero_stage=1", "parallel.pp=2"],
+    "zero3_nvme": ["parallel.zero_stage=3", "offload=nvme", "offload.params=nvme", "offload.pin_memory=false"],
+}
+SAVE_AT = 2  # the resume case saves after this many steps
+
+
+def deepspeed_env(extra: Dict[str, str] = None) -> Dict[str, str]:
+    """Environment for DeepSpeed on CPU with the JIT cache inside the repository (git-ignored)."""
+    env = dict(os.environ)
+    env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR), OMP_NUM_THREADS="1")
+    env.update(extra or {})
+    return env
+
+
+def spec_for(overrides: Sequence[str], workdir: Path = None):
+    from launcher.config.loader import compose_spec
+
+    extra = list(overrides)
+    if workdir is not None and any("nvme" in o for o in overrides):
+        extra.append(f"offload.nvme_path={workdir / 'nvme'}")
+    return compose_spec([*BASE, *extra])
+
+
+def global_batch(step: int, spec):
+    """Deterministic tokens for one step: inputs, labels int64 [global_batch, seq_len]."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    t = spec.trainer
+    tokens = torch.randint(0, spec.model.vocab_size, (t.global_batch_size, t.seq_len + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def rank_microbatches(step: int, spec, plan, dp_rank: int):
+    """This data-parallel rank's micro-batches (its contiguous slice of the global batch)."""
+    inputs, labels = global_batch(step, spec)
+    per_rank = spec.trainer.global_batch_size // plan.mesh.dp
+    mb = spec.trainer.micro_batch_size
+    lo = dp_rank * per_rank
+    return [(inputs[i:i + mb], labels[i:i + mb]) for i in range(lo, lo + per_rank, mb)]
+
+
+def reference_run(spec, steps: int):
+    """Plain single-process torch: same model init, AdamW groups, schedule, clipping and loss."""
+    import torch
+    import torch.nn.functional as F
+
+    from launcher.deepspeed.engine import canonical_state_dict, materialise_model
+    from launcher.parallel.optim import build_adamw, build_scheduler
+
+    model = materialise_model(spec.model, torch.device("cpu"), spec.trainer.seed)
+    opt = build_adamw(model, spec.optim)
+    sched = build_scheduler(opt, spec.optim, spec.trainer.steps)
+    out = []
+    for step in range(steps):
+        inputs, labels = global_batch(step, spec)
+        lr = sched.get_last_lr()[0]
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="mean")
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        out.append({"loss": float(loss), "grad_norm": float(norm), "lr": lr})
+    return out, canonical_state_dict(model.state_dict())

@@ -1,0 +1,123 @@
+"""Run several DeepSpeed configurations in ONE torchrun (start-up and JIT paid once).
+
+    torchrun --standalone --nproc_per_node=2 tests/deepspeed_harness/run_cases.py \
+        --work DIR --cases zero1,zero2,... [--resume zero3] [--native]
+
+For each case: build the real DeepSpeedEngine from the composed spec and its plan, train
+`trainer.steps` steps, export the consolidated fp32 model; with --resume CASE also save after
+SAVE_AT steps, rebuild a fresh engine, load and continue; with --native also run the native
+engine (FSDP2 ZeRO-3) on the same data. Rank 0 writes DIR/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from common import CASES, SAVE_AT, SLOW_CASES, rank_microbatches, spec_for  # noqa: E402
+
+
+def dp_rank_of(plan, rank: int) -> int:
+    c = plan.mesh.coordinates(rank)
+    return c["dp_replicate"] * plan.mesh.dp_shard + c["dp_shard"]
+
+
+def run_engine(engine, spec, plan, steps, start=0):
+    out = []
+    for step in range(start, steps):
+        stats = engine.train_step(rank_microbatches(step, spec, plan, dp_rank_of(plan, dist.get_rank())))
+        out.append({"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr})
+    return out
+
+
+def run_case(name, overrides, work: Path, resume: bool):
+    from launcher.config.validate import validate
+    from launcher.deepspeed.engine import build_deepspeed_engine
+    from launcher.plan.plan import build_plan
+
+    run_dir = work / name
+    spec = spec_for(overrides, run_dir)
+    problems = validate(spec)
+    assert not problems, problems
+    plan = build_plan(spec)
+    assert plan.backend("sharding") == "deepspeed", plan.backends["sharding"]
+    t0 = time.time()
+    engine = build_deepspeed_engine(spec, plan, device=torch.device("cpu"), run_dir=run_dir)
+    result = {"build_s": time.time() - t0, "backends": {k: v.impl for k, v in plan.backends.items()}}
+    steps = spec.trainer.steps
+    if resume:
+        result["steps"] = run_engine(engine, spec, plan, SAVE_AT)
+        engine.save(run_dir / "ckpt")
+        result["steps"] += run_engine(engine, spec, plan, steps, SAVE_AT)
+    else:
+        result["steps"] = run_engine(engine, spec, plan, steps)
+    engine.export(run_dir / "export" / "model.pt", "fp32")
+    result["export"] = str(run_dir / "export" / "model.pt")
+    result["step_s"] = (time.time() - t0 - result["build_s"]) / steps
+    del engine
+    gc.collect()
+    if resume:
+        fresh = build_deepspeed_engine(spec, plan, device=torch.device("cpu"), run_dir=run_dir)
+        fresh.load(run_dir / "ckpt")
+        result["resumed"] = run_engine(fresh, spec, plan, steps, SAVE_AT)
+        del fresh
+        gc.collect()
+    return result
+
+
+def run_native(work: Path):
+    from launcher.plan.plan import build_plan
+    from launcher.runtime.native_engine import build_native_engine
+
+    spec = spec_for(["parallel.zero_stage=3", "backend=native"])
+    plan = build_plan(spec)
+    engine = build_native_engine(
+        spec.model, plan, parallel=spec.parallel, precision=spec.precision, optim=spec.optim,
+        ac=spec.activation_checkpointing, total_steps=spec.trainer.steps, grad_clip=spec.trainer.grad_clip,
+        seed=spec.trainer.seed, device=torch.device("cpu"),
+    )
+    steps = run_engine(engine, spec, plan, spec.trainer.steps)
+    del engine
+    gc.collect()
+    return {"steps": steps}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--resume", default="")
+    parser.add_argument("--native", action="store_true")
+    args = parser.parse_args()
+    from launcher.deepspeed.engine import init_deepspeed_distributed
+
+    init_deepspeed_distributed("cpu")
+    results = {}
+    everything = {**CASES, **SLOW_CASES}
+    for name in [c for c in args.cases.split(",") if c]:
+        results[name] = run_case(name, everything[name], args.work, resume=name == args.resume)
+        dist.barrier()
+    if args.native:
+        results["native_zero3"] = run_native(args.work)
+    if dist.get_rank() == 0:
+        (args.work / "results.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    time.sleep(0.1)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    sys.exit(main())

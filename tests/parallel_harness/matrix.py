@@ -1,0 +1,92 @@
+"""The layout-equivalence matrix: which layouts run in which torchrun launch.
+
+One launch per world size (start-up costs 4-5 s each); launches run in the order
+4 -> 2 -> 1 ranks so that a checkpoint saved by a bigger world can be resumed by a smaller
+one. ``REFERENCE[name]`` names the 1-rank layout each layout must reproduce.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+MODELS = ("debug", "debug_moe")
+SCHEDULES = {  # pp_schedule -> pp_virtual_stages
+    "gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zbv": 2,
+}
+
+
+def _short(model: str) -> str:
+    return "moe" if model == "debug_moe" else "dense"
+
+
+def layouts(ckpt_dir: str) -> Dict[int, List[dict]]:
+    """{world size: [layout, ...]} for the whole matrix."""
+    four, two, one = [], [], []
+    for model in MODELS:
+        m = _short(model)
+        one.append({"name": f"ref_{m}", "model": model})
+    one.append({"name": "ref_tied", "model": "debug", "tie": True})
+    two.append({"name": "fsdp2_tied", "model": "debug", "tie": True, "mesh": {"dp_shard": 2}})
+    for model in MODELS:
+        m = _short(model)
+        four += [
+            {"name": f"fsdp2_tp2_{m}", "model": model, "mesh": {"dp_shard": 2, "tp": 2}, "sp": True},
+            {"name": f"pp2_tp2_{m}", "model": model, "mesh": {"pp": 2, "tp": 2}, "pp_schedule": "1f1b"},
+            {"name": f"hsdp2x2_{m}", "model": model, "mesh": {"dp_replicate": 2, "dp_shard": 2}},
+        ]
+        two += [
+            {"name": f"fsdp2_{m}", "model": model, "mesh": {"dp_shard": 2}},
+            {"name": f"tp2_{m}", "model": model, "mesh": {"tp": 2}},
+            {"name": f"tp2_sp_{m}", "model": model, "mesh": {"tp": 2}, "sp": True},
+        ]
+        for sched, v in SCHEDULES.items():
+            two.append({"name": f"pp2_{sched}_{m}", "model": model, "mesh": {"pp": 2},
+                        "pp_schedule": sched, "pp_virtual_stages": v})
+    four += [
+        {"name": "ep2_fsdp2_tp2_moe", "model": "debug_moe",
+         "mesh": {"dp_shard": 2, "tp": 2, "ep": 2}, "sp": True},
+        {"name": "ep2_hsdp2x2_moe", "model": "debug_moe",
+         "mesh": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}},
+    ]
+    two += [
+        {"name": "ep2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "ep": 2}},
+        {"name": "zero2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "zero_stage": 2},
+        {"name": "ac_full_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "ac": "full"},
+        {"name": "ac_op_fsdp2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2}, "ac": "selective"},
+        {"name": "ac_every2_tp2_dense", "model": "debug", "mesh": {"tp": 2}, "ac": "selective",
+         "ac_selective": "2"},
+        {"name": "pp2_uneven_layers_dense", "model": "debug", "mesh": {"pp": 2}, "pp_layers": [1, 3]},
+        # Context parallelism: CPU runs are refused; torch's sequence sharding is checked.
+        {"name": "cp_shard_check", "kind": "cp_shard", "seq": 16},
+        {"name": "cp2_refused_on_cpu", "model": "debug", "mesh": {"cp": 2},
+         "expect_error": "needs a GPU"},
+        {"name": "compile_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "compile": True},
+    ]
+    # Checkpoints across layouts: save after step 2 of 3, resume step 3 elsewhere.
+    four.append({"name": "save_fsdp2_tp2_dense", "model": "debug", "mesh": {"dp_shard": 2, "tp": 2},
+                 "save_dir": f"{ckpt_dir}/w4_dense", "save_after": 2})
+    two += [
+        {"name": "save_tp2_dense", "model": "debug", "mesh": {"tp": 2},
+         "save_dir": f"{ckpt_dir}/tp2_dense", "save_after": 2},
+        {"name": "resume_tp2_as_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2},
+         "load_dir": f"{ckpt_dir}/tp2_dense", "start_step": 2},
+        {"name": "resume_w4_as_pp2_dense", "model": "debug", "mesh": {"pp": 2},
+         "load_dir": f"{ckpt_dir}/w4_dense", "start_step": 2},
+        {"name": "save_ep2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "ep": 2},
+         "save_dir": f"{ckpt_dir}/ep2_moe", "save_after": 2},
+        {"name": "resume_ep2_as_tp2_moe", "model": "debug_moe", "mesh": {"tp": 2},
+         "load_dir": f"{ckpt_dir}/ep2_moe", "start_step": 2},
+    ]
+    one += [
+        {"name": "resume_tp2_as_1rank_dense", "model": "debug",
+         "load_dir": f"{ckpt_dir}/tp2_dense", "start_step": 2},
+        {"name": "resume_ep2_as_1rank_moe", "model": "debug_moe",
+         "load_dir": f"{ckpt_dir}/ep2_moe", "start_step": 2},
+    ]
+    return {4: four, 2: two, 1: one}
+
+
+def reference_of(name: str) -> str:
+    if name.endswith("_tied"):
+        return "ref_tied"
+    return "ref_moe" if name.endswith("_moe") else "ref_dense"

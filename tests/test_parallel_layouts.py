@@ -1,0 +1,107 @@
+"""Layout equivalence: every parallel layout trains the debug models to the single-rank losses.
+
+Real multi-process runs (torchrun, gloo, CPU). One launch per world size runs many layouts
+in sequence (tests/parallel_harness/run_layouts.py); this file compares the JSON results.
+Tolerance: 1e-5 relative on every step's loss (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.parallel_harness.matrix import layouts, reference_of
+
+REPO = Path(__file__).resolve().parents[1]
+HARNESS = REPO / "tests" / "parallel_harness" / "run_layouts.py"
+RTOL = 1e-5
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _launch(world: int, specs, workdir: Path) -> dict:
+    lay, out = workdir / f"layouts_{world}.json", workdir / f"results_{world}.json"
+    lay.write_text(json.dumps(specs))
+    env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".cache" / "torchinductor"))
+    env["TMPDIR"] = str(workdir)  # torchrun's torchelastic_* folders land here
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if world == 1:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun sets it for the other launches
+        cmd = [sys.executable, str(HARNESS), str(lay), str(out)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world}", str(HARNESS), str(lay), str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"{world}-rank launch failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("layouts")
+    matrix = layouts(str(work / "ckpt"))
+    merged = {}
+    for world in (4, 2, 1):  # bigger worlds first: they save checkpoints smaller ones resume
+        merged.update(_launch(world, matrix[world], work))
+    return merged
+
+
+SPECS = {spec["name"]: spec for specs in layouts("x").values() for spec in specs}
+COMPARED = [n for n, s in SPECS.items()
+            if not n.startswith("ref_") and "kind" not in s and "expect_error" not in s]
+
+
+def _check(results: dict, name: str, ref_name: str) -> None:
+    got, ref = results[name], results[ref_name]
+    assert "error" not in got, f"{name} failed:\n{got.get('traceback', got.get('error'))}"
+    assert "error" not in ref, f"reference {ref_name} failed:\n{ref.get('traceback')}"
+    start = len(ref["losses"]) - len(got["losses"])  # resumed runs cover the last steps only
+    for i, loss in enumerate(got["losses"]):
+        want = ref["losses"][start + i]
+        assert loss == pytest.approx(want, rel=RTOL), (
+            f"{name}: step {start + i} loss {loss!r} differs from the 1-rank {ref_name} {want!r} "
+            f"(relative {abs(loss - want) / abs(want):.2e} > {RTOL:g}); losses {got['losses']} vs {ref['losses']}"
+        )
+        gn, want_gn = got["grad_norms"][i], ref["grad_norms"][start + i]
+        assert gn == pytest.approx(want_gn, rel=1e-4), f"{name}: step {start + i} grad norm {gn} vs {want_gn}"
+        assert got["lr"][i] == pytest.approx(ref["lr"][start + i], rel=1e-9), f"{name}: lr schedule differs"
+
+
+def test_reference_loss_falls(results):
+    for ref in ("ref_dense", "ref_moe"):
+        losses = results[ref]["losses"]
+        assert losses[-1] < losses[0], f"{ref}: loss did not fall over 3 steps: {losses}"
+    assert results["ref_moe"]["aux"][0] > 0, "debug_moe reports no load-balancing loss"
+
+
+@pytest.mark.parametrize("name", COMPARED)
+def test_layout_matches_single_rank(results, name):
+    _check(results, name, reference_of(name))
+
+
+def test_context_parallel_refused_on_cpu(results):
+    got = results["cp2_refused_on_cpu"]
+    assert "needs a GPU" in got.get("error", ""), f"cp=2 on CPU was not refused clearly: {got}"
+    assert "parallel.cp=1" in got["error"], "the refusal must name the fix"
+
+
+def test_context_parallel_sequence_sharding(results):
+    """torch's context_parallel keeps on each cp rank the positions shard_positions predicts."""
+    from launcher.parallel.cp import shard_positions
+
+    per_rank = results["cp_shard_check"]["per_rank"]
+    seq = SPECS["cp_shard_check"]["seq"]
+    for rank, kept in enumerate(per_rank):
+        want = shard_positions(seq, len(per_rank), rank)
+        assert kept["tokens"] == want, f"cp rank {rank} kept token positions {kept['tokens']}, expected {want}"
+        assert [int(v) for v in kept["table"]] == want, f"cp rank {rank}: RoPE-table rows {kept['table']} != {want}"
+    covered = sorted(p for kept in per_rank for p in kept["tokens"])
+    assert covered == list(range(seq)), "cp shards must cover the sequence exactly once"

@@ -1,0 +1,139 @@
+"""Memory model: the seed cases computed by hand (DESIGN.md), per backend, ZeRO stage and offload,
+and the activation formulas' behaviour under TP, SP, CP, recomputation and pipeline schedules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from launcher.config.loader import compose_spec
+from launcher.plan.layout import Layout
+from launcher.plan.memory import (
+    estimate_memory,
+    inflight_microbatches,
+    layer_activation_bytes,
+    model_state_memory,
+)
+from launcher.plan.params import StageParams, model_shape
+
+
+def _states(psi, **lay):
+    st = StageParams(rank=0, layers=(), shared=int(psi), routed=0, largest_unit=0,
+                     has_embedding=False, has_output=False, n_moe_layers=0)
+    s = model_state_memory(st, Layout(**lay))
+    return s["params"] + s["grads"] + s["optimizer"], s
+
+
+@pytest.mark.parametrize("backend", ["native", "deepspeed"])
+def test_seed_7_5b_on_64_gpus(backend):
+    # 16 bytes/param: 7.5e9 * 16 = 120 GB on every GPU without ZeRO, 120/64 = 1.875 GB with ZeRO-3.
+    psi = 7.5e9
+    no_zero, _ = _states(psi, dp_shard=64, zero_stage=0, sharding_backend=backend)
+    zero3, _ = _states(psi, dp_shard=64, zero_stage=3, sharding_backend=backend)
+    assert no_zero == pytest.approx(120e9, rel=1e-6)
+    assert zero3 == pytest.approx(1.875e9, rel=1e-6)
+
+
+def test_seed_1t_params_zero3_on_1024_gpus():
+    psi = 1e12
+    total, _ = _states(psi, dp_shard=1, zero_stage=0, sharding_backend="deepspeed")
+    assert total == pytest.approx(16e12, rel=1e-6)  # 16 TB of states
+    per_gpu, _ = _states(psi, dp_shard=1024, zero_stage=3, sharding_backend="deepspeed")
+    # "16 GB per GPU" (ZeRO paper): exactly 16 TB / 1024 = 15.625 GB.
+    assert per_gpu == pytest.approx(16e12 / 1024, rel=1e-6)
+    assert per_gpu == pytest.approx(16e9, rel=0.03)
+
+
+def test_deepspeed_zero_stages_follow_the_design_formulas():
+    psi, n = 1e9, 8
+    z1, s1 = _states(psi, dp_shard=n, zero_stage=1, sharding_backend="deepspeed")
+    z2, s2 = _states(psi, dp_shard=n, zero_stage=2, sharding_backend="deepspeed")
+    assert z1 == pytest.approx(4 * psi + 12 * psi / n)  # ZeRO-1: 4Ψ + 12Ψ/N
+    assert z2 == pytest.approx(2 * psi + 14 * psi / n)  # ZeRO-2: 2Ψ + 14Ψ/N
+    assert s1["params"] == pytest.approx(2 * psi) and s2["grads"] == pytest.approx(2 * psi / n)
+    # DeepSpeed partitions over every data-parallel rank, dp_replicate included.
+    z3, _ = _states(psi, dp_replicate=2, dp_shard=4, zero_stage=3, sharding_backend="deepspeed")
+    assert z3 == pytest.approx(16 * psi / 8)
+
+
+def test_fsdp2_keeps_fp32_shards_and_replicates_over_dp_replicate():
+    psi = 1e9
+    total, s = _states(psi, dp_replicate=2, dp_shard=4, zero_stage=3, sharding_backend="native")
+    assert s["params"] == pytest.approx(4 * psi / 4)  # fp32 master shard, HSDP shards over dp_shard only
+    assert s["grads"] == pytest.approx(4 * psi / 4)
+    assert s["optimizer"] == pytest.approx(8 * psi / 4)
+    # bf16 and fp32 runs keep the same states; only the unsharded working copy differs.
+    _, s32 = _states(psi, dp_shard=4, zero_stage=3, precision="fp32")
+    assert s32["params"] == s["params"]
+
+
+def test_tp_and_ep_divide_before_zero():
+    st = StageParams(rank=0, layers=(), shared=8_000_000, routed=64_000_000, largest_unit=0,
+                     has_embedding=False, has_output=False, n_moe_layers=0)
+    s = model_state_memory(st, Layout(tp=2, ep=8, dp_shard=16, zero_stage=3))
+    # shared: /tp /16 ranks; routed experts: /tp /ep, then sharded over the 16/8 = 2 remaining ranks.
+    assert s["params"] == pytest.approx(4 * (8e6 / 2 / 16 + 64e6 / 2 / 8 / 2))
+
+
+def test_offload_moves_states_to_the_host():
+    psi = 1e9
+    _, ds = _states(psi, dp_shard=8, zero_stage=2, sharding_backend="deepspeed",
+                    offload_optimizer="cpu", offload_backend="deepspeed")
+    assert ds["optimizer"] == 0 and ds["grads"] == 0 and ds["params"] == pytest.approx(2 * psi)
+    assert ds["host"] == pytest.approx(12 * psi / 8 + 2 * psi / 8)
+    _, nat = _states(psi, dp_shard=8, zero_stage=3, offload_optimizer="cpu", offload_backend="native")
+    assert nat["params"] == nat["grads"] == nat["optimizer"] == 0  # CPUOffloadPolicy moves all three
+    assert nat["host"] == pytest.approx(16 * psi / 8)
+
+
+# ----------------------------------------------------------------------------- activations
+
+SHAPE = model_shape(compose_spec(["model=llama3_8b"]).model)  # 32 heads, 8 KV heads, h 4096, f 14336
+
+
+def test_layer_activations_by_hand():
+    lay = Layout(seq_len=4096, micro_batch_size=1)
+    h, f, tokens = 4096, 14336, 4096
+    # fp32 norms 16h, linear inputs 2*2h, q/k/v/o/wo-input with KV repeated to all heads 5*2h, SwiGLU 4*2f.
+    expected = tokens * (16 * h + 4 * h + 10 * h + 8 * f)
+    assert layer_activation_bytes(SHAPE, lay, False, "none") == pytest.approx(expected)
+    # Full recomputation keeps the block input only: 2 bytes * s * b * h.
+    assert layer_activation_bytes(SHAPE, lay, False, "full") == pytest.approx(2 * tokens * h)
+
+
+def test_tp_sp_cp_and_selective_shrink_activations():
+    base = Layout(seq_len=8192, micro_batch_size=2)
+    none = layer_activation_bytes(SHAPE, base, False, "none")
+    tp = layer_activation_bytes(SHAPE, dataclasses.replace(base, tp=8), False, "none")
+    sp = layer_activation_bytes(SHAPE, dataclasses.replace(base, tp=8, sp=True), False, "none")
+    cp = layer_activation_bytes(SHAPE, dataclasses.replace(base, cp=2), False, "none")
+    sel = layer_activation_bytes(SHAPE, base, False, "op")
+    assert none > tp > sp  # TP splits heads/FFN; SP also splits the norms
+    assert tp > none / 8  # without SP the norm region stays whole on every TP rank
+    assert cp == pytest.approx(none / 2)
+    assert sel < none
+    # mbs doubles the tokens: activations double.
+    mbs1 = layer_activation_bytes(SHAPE, dataclasses.replace(base, micro_batch_size=1), False, "none")
+    assert none == pytest.approx(2 * mbs1)
+
+
+def test_inflight_microbatches_per_schedule():
+    assert inflight_microbatches(Layout(pp=4, microbatches=16, schedule="1f1b"), 0) == 4  # p on the first stage
+    assert inflight_microbatches(Layout(pp=4, microbatches=16, schedule="1f1b"), 3) == 1
+    assert inflight_microbatches(Layout(pp=4, microbatches=16, schedule="gpipe"), 2) == 16  # GPipe keeps m
+    assert inflight_microbatches(Layout(pp=4, microbatches=2, schedule="1f1b"), 0) == 2  # never more than m
+    inter = inflight_microbatches(Layout(pp=4, vpp=2, microbatches=16, schedule="interleaved_1f1b"), 0)
+    assert inter == pytest.approx(4 * (1 + 3 / 8))  # p (1 + (p-1)/(p v))
+
+
+def test_first_stage_is_most_loaded_under_1f1b_and_memory_grows_with_mbs():
+    lay = Layout(pp=4, dp_shard=8, tp=2, sp=True, microbatches=8, seq_len=4096, zero_stage=3)
+    stages = estimate_memory(SHAPE, lay)
+    assert len(stages) == 4
+    assert max(stages, key=lambda s: s.total).rank == 0
+    assert stages[0].activations > stages[3].activations
+    bigger = estimate_memory(SHAPE, dataclasses.replace(lay, micro_batch_size=2))
+    assert bigger[0].activations == pytest.approx(2 * stages[0].activations, rel=1e-6)
+    full = estimate_memory(SHAPE, dataclasses.replace(lay, ac_mode="full"))
+    assert full[0].activations < stages[0].activations / 5

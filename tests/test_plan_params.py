@@ -1,0 +1,78 @@
+"""Parameter counts from the model shape match the real model and the FLOPs module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.config.loader import compose_spec
+from launcher.plan.flops import param_counts
+from launcher.plan.params import model_shape, stage_params
+
+MODELS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_param_count_matches_meta_model(name):
+    torch = pytest.importorskip("torch")
+    from launcher.models import build_model
+
+    cfg = compose_spec([f"model={name}"]).model
+    with torch.device("meta"):
+        model = build_model(cfg)
+    real = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    shape = model_shape(cfg)
+    assert shape.total == real, f"{name}: planner counts {shape.total:,}, model has {real:,}"
+    assert shape.total == param_counts(cfg).total
+    assert shape.active == param_counts(cfg).active
+
+
+def test_published_sizes():
+    # Llama 3 8B / 70B / 405B and Mixtral 8x7B (46.7 B total, 12.9 B active) by their shapes.
+    got = {n: model_shape(compose_spec([f"model={n}"]).model) for n in
+           ("llama3_8b", "llama3_70b", "llama3_405b", "mixtral_8x7b")}
+    assert got["llama3_8b"].total == 8_030_261_248
+    assert got["llama3_70b"].total == 70_553_706_496
+    assert got["llama3_405b"].total == 405_853_388_800
+    assert got["mixtral_8x7b"].total == 46_702_792_704
+    assert got["mixtral_8x7b"].active == 12_879_925_248
+
+
+def test_gqa_and_tied_embeddings_by_hand():
+    m = compose_spec(["model=debug", "model.tie_embeddings=true"]).model
+    s = model_shape(m)
+    # dim 64, 4 heads (head_dim 16), 2 KV heads: wq, wo 64x64; wk, wv 64x32.
+    assert s.attention == 2 * 64 * 64 + 2 * 64 * 32
+    assert s.dense_ffn == 3 * 64 * 192
+    assert s.output == 0 and s.embedding == 256 * 64
+    assert s.total == 4 * (s.attention + 128 + s.dense_ffn) + 256 * 64 + 64
+
+
+def test_moe_counts_by_hand():
+    m = compose_spec(["model=debug_moe"]).model
+    s = model_shape(m)
+    # 4 layers, the first dense; MoE blocks: router 64x4, 4 routed + 1 shared experts of 3*64*96.
+    expert = 3 * 64 * 96
+    assert s.n_dense_layers == 1 and s.n_moe_layers == 3
+    assert s.router == 64 * 4
+    moe_block = s.attention + 128 + 64 * 4 + 5 * expert
+    assert s.total == s.dense_block + 3 * moe_block + 2 * 256 * 64 + 64
+    assert s.active == s.dense_block + 3 * (moe_block - 2 * expert) + 2 * 256 * 64 + 64
+
+
+def test_stage_split_first_holds_embedding_last_holds_output():
+    s = model_shape(compose_spec(["model=llama3_8b"]).model)
+    stages = stage_params(s, pp=4)
+    assert [st.n_layers for st in stages] == [8, 8, 8, 8]
+    assert stages[0].has_embedding and not stages[0].has_output
+    assert stages[-1].has_output and not stages[-1].has_embedding
+    assert sum(st.shared + st.routed for st in stages) == s.total
+    # Interleaved: rank 0 runs chunks 0 and 4 of 8; zbv (V shape): chunks 0 and 7.
+    inter = stage_params(s, pp=4, vpp=2, schedule="interleaved_1f1b")
+    assert inter[0].layers == tuple(range(0, 4)) + tuple(range(16, 20))
+    zbv = stage_params(s, pp=4, vpp=2, schedule="zbv")
+    assert zbv[0].has_embedding and zbv[0].has_output
+    assert zbv[0].layers == tuple(range(0, 4)) + tuple(range(28, 32))
+    # Uneven split: earlier stages take the remainder.
+    assert [st.n_layers for st in stage_params(s, pp=5)] == [7, 7, 6, 6, 6]

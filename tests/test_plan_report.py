@@ -1,0 +1,116 @@
+"""`action=plan` output: the JSON schema, the text tables, the plots, and the real command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.config.loader import compose_spec
+from launcher.plan.plan import Plan, build_plan
+from launcher.plan.report import render_plan
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(Path(sys.executable).with_name("train"))
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "other", "total", "capacity", "fits")
+
+
+@pytest.fixture(scope="module")
+def planned():
+    spec = compose_spec(["+recipe=llama70b", "cluster.nodes=16"])
+    return build_plan(spec), spec
+
+
+def test_json_schema(planned):
+    plan, spec = planned
+    d = json.loads(render_plan(plan, spec, "json"))
+    assert d["world_size"] == 128
+    assert set(d["mesh"]) >= {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"}
+    assert d["mesh"]["tp"] == 8 and d["mesh"]["dp_shard"] == 16
+    assert d["params_total"] == 70_553_706_496
+    for feature, choice in d["backends"].items():
+        assert set(choice) >= {"backend", "impl", "reason"}, feature
+    for key in MEMORY_KEYS:
+        assert key in d["memory"], key
+    assert isinstance(d["memory"]["fits"], bool)
+    parts = sum(d["memory"][k] for k in ("params", "grads", "optimizer", "activations", "other"))
+    assert d["memory"]["total"] == parts
+    assert d["memory"]["capacity"] == 80 * 1024**3
+    assert 0 <= d["pipeline"]["bubble_fraction"] < 1
+    t = d["time"]
+    assert t["step_s"] > 0 and t["tokens_per_s_per_gpu"] > 0 and 0 < t["mfu"] < 1
+    # plan.json round-trips through Plan.from_dict (the runtime reads it back).
+    again = Plan.from_dict(json.loads(plan.to_json()))
+    assert again.memory["total"] == plan.memory["total"]
+
+
+def test_text_has_every_section(planned):
+    plan, spec = planned
+    text = render_plan(plan, spec, "text")
+    for needle in ("Mesh", "Backends", "Memory per GPU", "verdict: FITS", "Communication per step",
+                   "intra-node", "Time per step", "tokens/s per GPU", "MFU"):
+        assert needle in text, needle
+    with pytest.raises(ValueError, match="plan.format"):
+        render_plan(plan, spec, "yaml")
+
+
+def test_does_not_fit_is_reported_with_fixes():
+    spec = compose_spec(["+recipe=llama70b", "cluster.nodes=1", "parallel.zero_stage=0",
+                         "trainer.global_batch_size=8", "activation_checkpointing=none"])
+    plan = build_plan(spec)
+    assert plan.memory["fits"] is False and plan.memory["margin"] < 0
+    assert any("does not fit" in w and "Fix:" in w for w in plan.warnings)
+    assert "DOES NOT FIT" in render_plan(plan, spec, "text")
+
+
+def test_more_gpus_less_memory_per_gpu():
+    small = build_plan(compose_spec(["+recipe=llama70b", "cluster.nodes=4", "trainer.global_batch_size=256"]))
+    large = build_plan(compose_spec(["+recipe=llama70b", "cluster.nodes=32", "trainer.global_batch_size=256"]))
+    assert large.memory["params"] < small.memory["params"]
+    assert large.memory["optimizer"] == pytest.approx(small.memory["optimizer"] / 8, rel=1e-3)
+
+
+def test_plots_are_pngs(planned, tmp_path):
+    from launcher.plan.plots import save_plan_plots
+
+    plan, spec = planned
+    paths = save_plan_plots(plan, spec, tmp_path)
+    assert [p.name for p in paths] == ["plan_memory.png", "plan_pipeline.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pipeline_schedule_blocks_show_the_bubble():
+    from launcher.plan.plots import schedule_blocks
+
+    p, m = 4, 8
+    blocks = schedule_blocks(p, m, "1f1b")
+    assert [len(r) for r in blocks] == [2 * m] * p  # every stage runs m forwards and m backwards
+    end = max(s + (1 if k == "F" else 2) for r in blocks for k, _, _, s in r)
+    assert (end - 3 * m) / (3 * m) == pytest.approx((p - 1) / m)  # (p-1)/m bubble
+    first = blocks[0]
+    assert [k for k, *_ in first[:4]] == ["F"] * 4  # warm-up on the first stage
+
+
+def test_train_action_plan_json_command(tmp_path):
+    proc = subprocess.run(
+        [TRAIN, "+recipe=llama405b", "action=plan", "cluster.nodes=1024", "plan.format=json", "plan.plots=false",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = json.loads(proc.stdout)
+    assert d["world_size"] == 8192 and d["params_total"] == 405_853_388_800
+
+
+def test_planner_never_imports_torch():
+    code = ("import sys; from launcher.config.loader import compose_spec; from launcher.plan.plan import build_plan; "
+            "from launcher.plan.report import render_plan; from launcher.plan.search import search_layouts; "
+            "s = compose_spec(['+recipe=llama405b', 'cluster.nodes=1024']); render_plan(build_plan(s), s, 'json'); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
