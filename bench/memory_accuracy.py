@@ -80,7 +80,7 @@ def worker(run_dir: Path) -> None:
     rank = init_distributed(resolve_device_type(spec.trainer.device))
     engine = build_engine(spec, plan, rank, run_dir)
     batches = build_batches(spec, plan, rank.rank, run_dir)
-    step = {"i": 0}
+    step = {"i": 1}  # StepBatches.for_step is 1-based
 
     def one_step():
         engine.train_step(batches.for_step(step["i"]))

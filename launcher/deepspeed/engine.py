@@ -131,6 +131,43 @@ def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
     return model
 
 
+def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, seed: int, offload) -> nn.Module:
+    """ZeRO-3: parameters are partitioned as each module is constructed (deepspeed.zero.Init), so no
+    rank ever holds the whole model; then each parameter gets the native path's layout-independent
+    initial value, one full parameter at a time (GatheredParameters, written by rank 0)."""
+    import deepspeed
+
+    from launcher.models import build_model
+    from launcher.models.init import _full_value, canonical_name
+    from launcher.models.layers import rope_table
+
+    remote = offload.params if offload.params != "none" else None
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote, pin_memory=bool(offload.pin_memory)):
+        with torch.device(device):
+            model = build_model(model_cfg)
+    rank = dist.get_rank()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if rank == 0:
+                    full = _full_value(canonical_name(name), tuple(param.shape), model_cfg, seed)
+                    param.copy_(full.to(param.device, param.dtype))
+    model.rope = rope_table(model_cfg.dim // model_cfg.n_heads, model_cfg.max_seq_len, model_cfg.rope_theta,
+                            device=device)
+    model.train()
+    return model
+
+
+def restore_fp32_rope(module: nn.Module, model_cfg, device: torch.device) -> None:
+    """DeepSpeed's bf16 mode casts buffers too; the RoPE table stays fp32 (as on the native path)."""
+    from launcher.models.layers import rope_table
+
+    table = rope_table(model_cfg.dim // model_cfg.n_heads, model_cfg.max_seq_len, model_cfg.rope_theta, device=device)
+    for m in module.modules():
+        if "rope" in m._buffers:
+            m.rope = table.clone()
+
+
 def canonical_state_dict(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """fp32 CPU tensors under the model's own names (activation-checkpoint wrappers removed)."""
     return {k.replace(_WRAPPED, ""): v.detach().to("cpu", torch.float32) for k, v in sd.items()}
@@ -212,7 +249,10 @@ class DeepSpeedEngine:
             Path(spec.offload.nvme_path).mkdir(parents=True, exist_ok=True)
 
         torch.manual_seed(spec.trainer.seed)
-        model = materialise_model(spec.model, device, spec.trainer.seed)
+        if spec.parallel.zero_stage == 3 and self.pp == 1:
+            model = build_partitioned_model(spec.model, self.config, device, spec.trainer.seed, spec.offload)
+        else:
+            model = materialise_model(spec.model, device, spec.trainer.seed)
         self.is_moe = spec.model.n_experts > 0
         self.n_blocks = len(model.layers)
         if self.pp > 1:
@@ -239,10 +279,12 @@ class DeepSpeedEngine:
             model=module, optimizer=optimizer, lr_scheduler=self.scheduler, config=self.config,
             dist_init_required=False,
         )
+        if self.config["bf16"]["enabled"]:
+            restore_fp32_rope(self.engine.module, spec.model, device)
         self._token_norm = 1.0
         self._pipe_losses: List[float] = []
-        n_params = sum(p.numel() for p in module.parameters())
-        log.info("DeepSpeed engine ready: ZeRO-%d, %d parameters held by this rank's module, pp=%d, dp=%d, "
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+        log.info("DeepSpeed engine ready: ZeRO-%d, %d parameters in this rank's stage, pp=%d, dp=%d, "
                  "config %s", spec.parallel.zero_stage, n_params, self.pp, self.dp,
                  self.config_path or "(written by rank 0)")
 

@@ -24,6 +24,9 @@ class StepStats:
 
 
 class Engine(Protocol):
+    """Engines also expose `model_parts` (list of modules) and `optimizers` (list), which the
+    memory tracker (launcher/runtime/memtrack.py) reads when trainer.track_memory=true."""
+
     def train_step(self, microbatches: List[Microbatch]) -> StepStats:
         """One optimizer step over this data-parallel rank's micro-batches (collective)."""
 

@@ -162,6 +162,9 @@ def run(run_dir: Path) -> int:
         mesh=plan.mesh.to_dict(),
         flops_per_token=training_flops_per_token(spec.model, spec.trainer.seq_len),
         peak_tflops_per_gpu=peak_tflops(spec) if rank.device.type == "cuda" else 0.0,
+        track_memory=spec.trainer.track_memory,
+        predicted_memory=plan.memory,
+        device_type=rank.device.type,
     )
     trainer = Trainer(
         loop_cfg, run_dir=run_dir, rank=rank.rank, engine=engine, batches=batches,

@@ -38,6 +38,11 @@ class LoopConfig:
     mesh: Dict[str, int]
     flops_per_token: float = 0.0  # model FLOPs (launcher.plan.flops) for TFLOP/s and MFU
     peak_tflops_per_gpu: float = 0.0  # 0: no MFU (e.g. on CPU, where no peak is meaningful)
+    # Measure peak memory per category on the second step of this run (the first allocates
+    # optimizer states) and record it next to the plan's prediction.
+    track_memory: bool = False
+    predicted_memory: Optional[Dict[str, Any]] = None
+    device_type: str = "cpu"
 
 
 @dataclass
@@ -84,6 +89,28 @@ class Trainer:
         if self.cfg.checkpoint_enabled:
             self.checkpoints.save(step, self.engine, self._trainer_state(step))
 
+    def _tracked_step(self, microbatches):
+        """One training step under the memory tracker; returns its stats and predicted-vs-measured."""
+        from launcher.runtime.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
+
+        result = {}
+        measured = track_step_memory(
+            getattr(self.engine, "model_parts", []),
+            getattr(self.engine, "optimizers", []),
+            lambda: result.setdefault("stats", self.engine.train_step(microbatches)),
+            warmup_steps=0,
+        )
+        row = compare_with_plan(measured, self.cfg.predicted_memory or {}, self.cfg.device_type)
+        rss = process_peak_rss_bytes()
+        if rss is not None:
+            row["mem_process_peak_rss"] = rss
+        log.info(
+            "memory (rank %d): measured total %.1f MiB vs predicted %.1f MiB",
+            self.rank, row["mem_total_measured"] / 2**20, row["mem_total_predicted"] / 2**20,
+        )
+        self.metrics.summary({"memory_measured_vs_predicted": row})
+        return result["stats"], row
+
     def fit(self) -> LoopResult:
         cfg = self.cfg
         step = self.start_step
@@ -93,8 +120,12 @@ class Trainer:
             return LoopResult(last_step=step, stopped_early=False)
         for step in range(self.start_step + 1, cfg.steps + 1):
             microbatches = self.batches.for_step(step)
+            memory_row: Dict[str, Any] = {}
             t0 = time.perf_counter()
-            stats = self.engine.train_step(microbatches)
+            if cfg.track_memory and step == self.start_step + 2:
+                stats, memory_row = self._tracked_step(microbatches)
+            else:
+                stats = self.engine.train_step(microbatches)
             elapsed = time.perf_counter() - t0
             if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
                 record = {
@@ -112,7 +143,10 @@ class Trainer:
                     if cfg.peak_tflops_per_gpu:
                         record["mfu"] = mfu(per_gpu, cfg.flops_per_token, cfg.peak_tflops_per_gpu)
                 record.update(stats.extra)
+                record.update(memory_row)
                 self.metrics.log(record)
+            elif memory_row:
+                self.metrics.log(dict(memory_row, step=step), console=False)
             if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0:
                 self._save(step)
                 last_saved = step
