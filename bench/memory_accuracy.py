@@ -86,9 +86,11 @@ def worker(run_dir: Path) -> None:
         engine.train_step(batches.for_step(step["i"]))
         step["i"] += 1
 
-    parts = getattr(engine, "model_parts", None) or [getattr(engine, "module", None) or engine.model]
-    optimizers = getattr(engine, "optimizers", None) or [getattr(engine, "optimizer", None)]
-    measured = track_step_memory(parts, optimizers, one_step)
+    if hasattr(engine, "model_parts"):  # native engine
+        parts, optimizers = engine.model_parts, engine.optimizers
+    else:  # DeepSpeed engine wrapper: the DeepSpeedEngine module and its ZeRO optimizer
+        parts, optimizers = [engine.engine.module], [engine.optimizer]
+    measured = track_step_memory(parts, optimizers, one_step, warmup_steps=int(os.environ.get("MEMACC_WARMUP", "1")))
     measured["rss_peak"] = process_peak_rss_bytes() or 0
     (run_dir / f"measured_{rank.rank}.json").write_text(json.dumps(measured))
     shutdown_distributed()
@@ -107,8 +109,9 @@ def run_one(name: str, world: int, overrides, device: str, out_dir: Path, timeou
     proc = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True, timeout=timeout)
     files = sorted(run_dir.glob("measured_*.json"))
     if len(files) < world:
-        tail = (proc.stdout + proc.stderr)[-1500:]
-        return name, None, f"failed (exit {proc.returncode}): {tail}"
+        # The first rank's exception line says what went wrong; torchrun's own trace does not.
+        lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.startswith("[rank") and "Error" in l]
+        return name, None, f"failed (exit {proc.returncode}): {lines[-1] if lines else (proc.stderr or proc.stdout)[-800:]}"
     per_rank = [json.loads(f.read_text()) for f in files]
     measured = max(per_rank, key=lambda m: m["total"])
     plan = Plan.load(run_dir)

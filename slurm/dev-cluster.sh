@@ -194,8 +194,9 @@ start_munged() {
     chmod 0400 /etc/munge/munge.key
   fi
   rm -f "$MUNGE_DIR/munged.pid"
+  # 9>&-: daemons must not inherit (and hold forever) the lock of take_lock.
   runuser -u munge -- /usr/sbin/munged --force \
-    --pid-file="$MUNGE_DIR/munged.pid" --log-file="$MUNGE_DIR/munged.log" \
+    --pid-file="$MUNGE_DIR/munged.pid" --log-file="$MUNGE_DIR/munged.log" 9>&- \
     || die "munged failed to start: see $MUNGE_DIR/munged.log"
   local i
   for ((i = 0; i < 100; i++)); do
@@ -209,13 +210,13 @@ start_slurmctld() {
   daemon_running slurmctld "$RUN_DIR/slurmctld.pid" && return 0
   rm -f "$RUN_DIR/slurmctld.pid"
   # -i: a state file written by another SLURM version or config is skipped, not fatal.
-  slurmctld -i -f "$CONF" || die "slurmctld failed to start: see $LOG_DIR/slurmctld.log"
+  slurmctld -i -f "$CONF" 9>&- || die "slurmctld failed to start: see $LOG_DIR/slurmctld.log"
 }
 
 start_slurmd() {
   daemon_running slurmd "$RUN_DIR/slurmd.pid" && return 0
   rm -f "$RUN_DIR/slurmd.pid"
-  slurmd -f "$CONF" || die "slurmd failed to start: see $LOG_DIR/slurmd.log"
+  slurmd -f "$CONF" 9>&- || die "slurmd failed to start: see $LOG_DIR/slurmd.log"
 }
 
 node_state() { # prints e.g. idle, mixed, allocated, down*, drained (empty when unreachable)
@@ -246,6 +247,12 @@ all_up() {
 
 # --- commands -----------------------------------------------------------------------------
 
+# Two `up`s at once (two test sessions) must not start two sets of daemons.
+take_lock() {
+  exec 9>"$STATE_DIR/.lock"
+  flock -w 300 9 || die "could not lock $STATE_DIR/.lock within 300 s (another dev-cluster.sh up running?)"
+}
+
 cmd_up() {
   if all_up; then
     log "already up (node $(node_name), config $CONF)"
@@ -254,6 +261,11 @@ cmd_up() {
   require_root up
   local t0=$SECONDS
   mkdir -p "$STATE_DIR" "$RUN_DIR" "$LOG_DIR" "$STATE_DIR/ctld" "$STATE_DIR/spool"
+  take_lock
+  if all_up; then # another `up` finished while we waited for the lock
+    log "already up (node $(node_name), config $CONF)"
+    return 0
+  fi
   install_packages
   local new
   new=$(render_conf)

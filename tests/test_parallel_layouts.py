@@ -20,6 +20,8 @@ from tests.parallel_harness.matrix import layouts, reference_of
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO / "tests" / "parallel_harness" / "run_layouts.py"
 RTOL = 1e-5
+# HARNESS_DEVICE=cuda runs the matrix on GPUs (needs 4) and adds the cp=2 layouts.
+DEVICE = os.environ.get("HARNESS_DEVICE", "cpu")
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,14 +49,15 @@ def _launch(world: int, specs, workdir: Path) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("layouts")
-    matrix = layouts(str(work / "ckpt"))
+    matrix = layouts(str(work / "ckpt"), DEVICE)
     merged = {}
     for world in (4, 2, 1):  # bigger worlds first: they save checkpoints smaller ones resume
         merged.update(_launch(world, matrix[world], work))
+    merged["__ckpt_dir"] = str(work / "ckpt")
     return merged
 
 
-SPECS = {spec["name"]: spec for specs in layouts("x").values() for spec in specs}
+SPECS = {spec["name"]: spec for specs in layouts("x", DEVICE).values() for spec in specs}
 COMPARED = [n for n, s in SPECS.items()
             if not n.startswith("ref_") and "kind" not in s and "expect_error" not in s]
 
@@ -64,14 +67,15 @@ def _check(results: dict, name: str, ref_name: str) -> None:
     assert "error" not in got, f"{name} failed:\n{got.get('traceback', got.get('error'))}"
     assert "error" not in ref, f"reference {ref_name} failed:\n{ref.get('traceback')}"
     start = len(ref["losses"]) - len(got["losses"])  # resumed runs cover the last steps only
+    rtol = SPECS[name].get("rtol", RTOL)
     for i, loss in enumerate(got["losses"]):
         want = ref["losses"][start + i]
-        assert loss == pytest.approx(want, rel=RTOL), (
+        assert loss == pytest.approx(want, rel=rtol), (
             f"{name}: step {start + i} loss {loss!r} differs from the 1-rank {ref_name} {want!r} "
-            f"(relative {abs(loss - want) / abs(want):.2e} > {RTOL:g}); losses {got['losses']} vs {ref['losses']}"
+            f"(relative {abs(loss - want) / abs(want):.2e} > {rtol:g}); losses {got['losses']} vs {ref['losses']}"
         )
         gn, want_gn = got["grad_norms"][i], ref["grad_norms"][start + i]
-        assert gn == pytest.approx(want_gn, rel=1e-4), f"{name}: step {start + i} grad norm {gn} vs {want_gn}"
+        assert gn == pytest.approx(want_gn, rel=SPECS[name].get("gn_rtol", 1e-4)), f"{name}: step {start + i} grad norm {gn} vs {want_gn}"
         assert got["lr"][i] == pytest.approx(ref["lr"][start + i], rel=1e-9), f"{name}: lr schedule differs"
 
 
@@ -87,12 +91,14 @@ def test_layout_matches_single_rank(results, name):
     _check(results, name, reference_of(name))
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the refusal is CPU-only")
 def test_context_parallel_refused_on_cpu(results):
     got = results["cp2_refused_on_cpu"]
     assert "needs a GPU" in got.get("error", ""), f"cp=2 on CPU was not refused clearly: {got}"
     assert "parallel.cp=1" in got["error"], "the refusal must name the fix"
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="checked on CPU; GPUs run cp=2 end to end")
 def test_context_parallel_sequence_sharding(results):
     """torch's context_parallel keeps on each cp rank the positions shard_positions predicts."""
     from launcher.parallel.cp import shard_positions
@@ -105,3 +111,22 @@ def test_context_parallel_sequence_sharding(results):
         assert [int(v) for v in kept["table"]] == want, f"cp rank {rank}: RoPE-table rows {kept['table']} != {want}"
     covered = sorted(p for kept in per_rank for p in kept["tokens"])
     assert covered == list(range(seq)), "cp shards must cover the sequence exactly once"
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_consolidated_export_is_layout_independent(results, model):
+    """pp=2 x tp=2 exports the same fp32 weights as the 1-rank run after the same steps."""
+    import torch
+
+    ckpt = Path(results["__ckpt_dir"])
+    ref = torch.load(ckpt / f"export_ref_{model}.pt")
+    got = torch.load(ckpt / f"export_pp2_tp2_{model}.pt")
+    assert sorted(got) == sorted(ref), f"exported names differ: {set(got) ^ set(ref)}"
+    for name, want in ref.items():
+        assert got[name].shape == want.shape, f"{name}: shape {tuple(got[name].shape)} vs {tuple(want.shape)}"
+        # Adam normalises each update by the gradient's own scale, so an element whose gradient
+        # is ~0 can move by up to lr on rounding noise alone: allow rare small outliers, but
+        # a mis-assembled shard (wrong rows, transposed, another layer's) moves everything.
+        torch.testing.assert_close(got[name], want, rtol=1e-3, atol=1e-3, msg=lambda m: f"{name}: {m}")
+        mean_diff = (got[name] - want).abs().mean().item()
+        assert mean_diff < 1e-6, f"{name}: mean |difference| {mean_diff:.2e} >= 1e-6"

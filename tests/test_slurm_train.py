@@ -11,13 +11,14 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
 
 from conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
-from slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
+from slurm_cluster import JobInfo, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slurm
 
@@ -71,29 +72,58 @@ def wait_done(cluster: SlurmCluster, job_id: str, run_dir: Path):
 SECRET = "hf_s3cr3t-VALUE-51d0"
 
 
+@dataclass
+class TrainJob:
+    job_id: str
+    run_dir: Path
+    info: JobInfo
+    signalled_at: int = 0  # last logged step when USR1 was sent (0: not signalled)
+
+    @property
+    def main_log(self) -> str:
+        return (self.run_dir / "logs" / f"slurm-{self.job_id}.out").read_text()
+
+
+def signal_mid_run(cluster: SlurmCluster, job_id: str, run_dir: Path) -> int:
+    """Send USR1 to the batch script once 3 steps are logged; returns the last logged step."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    rows: List[dict] = []
+    while len(rows) < 3:
+        state = cluster.job(job_id).state
+        assert state in ("PENDING", "RUNNING"), f"job {job_id} {state} before it was signalled\n{job_logs(run_dir, job_id)}"
+        assert time.monotonic() < deadline, f"job {job_id} logged no steps in {JOB_TIMEOUT_S} s"
+        time.sleep(0.2)
+        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
+    return rows[-1]["step"]
+
+
 @pytest.fixture(scope="module")
-def reference_run(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[int, float]:
-    """The uninterrupted run, submitted with a secret in the environment: per-step losses."""
-    run_dir = tmp_path_factory.mktemp("slurm_ref") / "run"
+def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, TrainJob]:
+    """Two identical debug runs submitted together (they share the queue's idle time):
+    "reference" runs uninterrupted; "preempted" gets USR1 after its third step.
+
+    Both are submitted with a secret in the environment (HF_TOKEN, in cluster.secret_env).
+    """
+    base = tmp_path_factory.mktemp("slurm_train")
+    dirs = {"reference": base / "reference" / "run", "preempted": base / "preempted" / "run"}
     previous = os.environ.get("HF_TOKEN")
-    os.environ["HF_TOKEN"] = SECRET  # in cluster.secret_env: forwarded by name
+    os.environ["HF_TOKEN"] = SECRET
     try:
-        job_id = submit_train(run_dir)
+        ids = {name: submit_train(run_dir) for name, run_dir in dirs.items()}
     finally:
         if previous is None:
             os.environ.pop("HF_TOKEN")
         else:
             os.environ["HF_TOKEN"] = previous
     t0 = time.monotonic()
-    info = wait_done(slurm_cluster, job_id, run_dir)
-    print(f"reference job {job_id}: {time.monotonic() - t0:.1f} s, restarts={info.restarts}")
-    assert info.restarts == 0
-    assert "secret HF_TOKEN is set (value not shown)" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
-    # Script, resolved config, plan, logs, metrics, W&B files: none holds the value.
-    for path in run_dir.rglob("*"):
-        if path.is_file():
-            assert SECRET.encode() not in path.read_bytes(), f"secret value written to {path}"
-    return losses_by_step(run_dir)
+    signalled_at = signal_mid_run(slurm_cluster, ids["preempted"], dirs["preempted"])
+    jobs = {}
+    for name in dirs:
+        info = wait_done(slurm_cluster, ids[name], dirs[name])
+        jobs[name] = TrainJob(ids[name], dirs[name], info, signalled_at if name == "preempted" else 0)
+        print(f"{name} job {ids[name]}: done after {time.monotonic() - t0:.1f} s, restarts={info.restarts}")
+    return jobs
 
 
 def test_recipe_with_cluster_slurm_composes_to_slurm():
@@ -116,40 +146,37 @@ def test_malformed_config_fails_before_sbatch(slurm_cluster: SlurmCluster, tmp_p
     assert not (run_dir / "job.sbatch").exists()
 
 
-def test_debug_recipe_trains_as_a_slurm_job(reference_run: Dict[int, float]):
-    steps = sorted(reference_run)
-    assert steps == list(range(1, STEPS + 1)), steps
-    losses = [reference_run[s] for s in steps]
+def test_debug_recipe_trains_as_a_slurm_job(train_jobs: Dict[str, TrainJob]):
+    ref = train_jobs["reference"]
+    assert ref.info.restarts == 0
+    losses_at = losses_by_step(ref.run_dir)
+    assert sorted(losses_at) == list(range(1, STEPS + 1)), sorted(losses_at)
+    losses = [losses_at[s] for s in sorted(losses_at)]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 0.1, f"loss did not fall: first steps {losses[:3]}, last steps {losses[-3:]}"
+    assert "launcher: training finished" in ref.main_log
 
 
-def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(
-    slurm_cluster: SlurmCluster, reference_run: Dict[int, float], tmp_path
-):
-    run_dir = tmp_path / "run"
-    job_id = submit_train(run_dir)
-    # Signal once training is under way, well before its last step.
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    rows: List[dict] = []
-    while len(rows) < 3:
-        state = slurm_cluster.job(job_id).state
-        assert state in ("PENDING", "RUNNING"), f"job {job_id} {state} before it was signalled\n{job_logs(run_dir, job_id)}"
-        assert time.monotonic() < deadline, f"job {job_id} logged no steps in {JOB_TIMEOUT_S} s"
-        time.sleep(0.2)
-        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    signalled_at = rows[-1]["step"]
-    assert signalled_at < STEPS - 4, f"training reached step {signalled_at} of {STEPS} before the signal: raise STEPS"
-    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
-    info = wait_done(slurm_cluster, job_id, run_dir)
-    log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
-    assert info.restarts == 1, f"job was not requeued (restarts={info.restarts})\n{job_logs(run_dir, job_id)}"
+def test_secret_reaches_the_job_but_no_file_of_the_run(train_jobs: Dict[str, TrainJob]):
+    for job in train_jobs.values():
+        assert "secret HF_TOKEN is set (value not shown)" in job.main_log
+        # Script, resolved config, plan, logs, metrics, checkpoints, W&B files.
+        for path in job.run_dir.rglob("*"):
+            if path.is_file():
+                assert SECRET.encode() not in path.read_bytes(), f"secret value written to {path}"
+
+
+def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(train_jobs: Dict[str, TrainJob]):
+    job, ref = train_jobs["preempted"], train_jobs["reference"]
+    log = job.main_log
+    assert job.signalled_at < STEPS - 4, f"training reached step {job.signalled_at} of {STEPS} before the signal: raise STEPS"
+    assert job.info.restarts == 1, f"job was not requeued (restarts={job.info.restarts})\n{job_logs(job.run_dir, job.job_id)}"
     assert "received SIGUSR1" in log and "requeueing job" in log, log
     stopped = json.loads(log.split("the ranks checkpointed and stopped: ", 1)[1].splitlines()[0])
-    assert signalled_at <= stopped["step"] < STEPS, stopped
-    resumed = losses_by_step(run_dir)
-    assert sorted(resumed) == sorted(reference_run)
-    diffs = {s: abs(resumed[s] - reference_run[s]) for s in reference_run}
+    assert job.signalled_at <= stopped["step"] < STEPS, stopped
+    resumed, reference = losses_by_step(job.run_dir), losses_by_step(ref.run_dir)
+    assert sorted(resumed) == sorted(reference)
+    diffs = {s: abs(resumed[s] - reference[s]) for s in reference}
     assert max(diffs.values()) == 0.0, f"losses differ after resume from step {stopped['step']}: {diffs}"
 
 

@@ -294,6 +294,13 @@ def _check_device(spec: JobConfig, problems: List[str]) -> None:
         )
 
 
+def _check_cluster(spec: JobConfig, problems: List[str]) -> None:
+    if spec.cluster.name == "slurm":
+        from launcher.launch.slurm import check_cluster_config
+
+        problems.extend(check_cluster_config(spec.cluster))
+
+
 RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_choices,
     _check_positive,
@@ -302,6 +309,7 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_batch_and_sequence,
     _check_zero_and_offload,
     _check_device,
+    _check_cluster,
 )
 
 

@@ -40,7 +40,6 @@ SBATCH_TIMEOUT_S = 120
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
 _JOB_NAME_BAD = re.compile(r"[^A-Za-z0-9._-]+")
-_RDZV_FLAGS = ("--rdzv_endpoint=", "--rdzv-endpoint=", "--rdzv_id=", "--rdzv-id=")
 
 
 class SlurmConfigError(ValueError):
@@ -254,26 +253,17 @@ def launch_argv(spec: JobConfig, plan: Plan, run_dir: Path) -> List[str]:
     """The per-node torchrun command, from torchrun_argv.
 
     The rendezvous endpoint and id are known only inside the job (first node, job id), so
-    the script exports them as PET_RDZV_ENDPOINT / PET_RDZV_ID, which torchrun reads when
-    the flags are absent; the flags torchrun_argv adds for them are dropped here.
+    the script exports them as PET_RDZV_ENDPOINT / PET_RDZV_ID, which torchrun reads.
     """
     c = spec.cluster
     python = c.python or ("python" if c.container else sys.executable)
-    argv = torchrun_argv(
+    return torchrun_argv(
         run_dir,
         nproc_per_node=plan.gpus_per_node,
         nnodes=plan.nodes,
-        rdzv_endpoint="set-by-job-script:0",
-        rdzv_id="set-by-job-script",
+        rdzv_from_env=True,
         python=python,
     )
-    kept = [a for a in argv if not a.startswith(_RDZV_FLAGS)]
-    if len(argv) - len(kept) != 2:
-        raise RuntimeError(
-            "torchrun_argv no longer emits --rdzv_endpoint=/--rdzv_id= as single arguments; "
-            f"update launcher/launch/slurm.py:launch_argv (got {argv})"
-        )
-    return kept
 
 
 def template_context(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[Path] = None) -> Dict[str, Any]:

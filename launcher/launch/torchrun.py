@@ -14,24 +14,24 @@ def torchrun_argv(
     nnodes: int = 1,
     rdzv_endpoint: Optional[str] = None,
     rdzv_id: str = "launcher",
+    rdzv_from_env: bool = False,
     python: str = "",
     max_restarts: int = 0,
 ) -> List[str]:
     """argv that starts `nproc_per_node` ranks of the rank runtime for `run_dir`.
 
-    With rdzv_endpoint=None the launcher runs standalone (one node, loopback rendezvous);
-    otherwise every node joins a c10d rendezvous at `host:port`.
+    Standalone (one node, loopback rendezvous) unless `rdzv_endpoint` is given or
+    `rdzv_from_env` is set; then every node joins a c10d rendezvous at `host:port`. With
+    `rdzv_from_env` the endpoint and id are left to PET_RDZV_ENDPOINT / PET_RDZV_ID, which a
+    job script exports once it knows its first node and job id.
     """
     argv = [python or sys.executable, "-m", "torch.distributed.run"]
-    if rdzv_endpoint is None:
+    if rdzv_endpoint is None and not rdzv_from_env:
         argv += ["--standalone", "--nnodes=1"]
     else:
-        argv += [
-            f"--nnodes={nnodes}",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint={rdzv_endpoint}",
-            f"--rdzv_id={rdzv_id}",
-        ]
+        argv += [f"--nnodes={nnodes}", "--rdzv_backend=c10d"]
+        if not rdzv_from_env:
+            argv += [f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id}"]
     argv += [
         f"--nproc_per_node={nproc_per_node}",
         f"--max_restarts={max_restarts}",

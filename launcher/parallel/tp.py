@@ -58,10 +58,38 @@ def check_tensor_parallel(cfg, tp: int) -> None:
         raise ValueError("tensor parallelism cannot split this model:\n  " + "\n  ".join(problems))
 
 
+def _styles(module: nn.Module, float8_comms: bool):
+    """(colwise, rowwise) style classes for a linear: torchao's float8 ones for Float8Linear,
+    so the fp8 casts happen on the local shards (and SP all-gathers move fp8 data).
+
+    gloo has no float8 collectives ("Invalid scalar type"), so on CPU a Float8Linear keeps
+    the plain styles: it still computes in (emulated) fp8, its communication stays bf16/fp32.
+    """
+    if float8_comms and type(module).__name__ == "Float8Linear":
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        return Float8ColwiseParallel, Float8RowwiseParallel
+    return ColwiseParallel, RowwiseParallel
+
+
+def _col(block: nn.Module, path: str, fp8: bool, **kw):
+    return _styles(block.get_submodule(path), fp8)[0](**kw)
+
+
+def _row(block: nn.Module, path: str, fp8: bool, **kw):
+    return _styles(block.get_submodule(path), fp8)[1](**kw)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
                           loss_parallel: bool = True) -> nn.Module:
-    """Shard ``model`` (a whole model or one pipeline stage) over ``tp_mesh`` in place."""
+    """Shard ``model`` (a whole model or one pipeline stage) over ``tp_mesh`` in place.
+
+    Linears already converted to float8 (launcher.parallel.fp8, applied before TP) get
+    torchao's float8 column/row-wise styles; the embedding and output layer stay high
+    precision.
+    """
     check_tensor_parallel(model.cfg, tp_mesh.size())
+    fp8 = tp_mesh.device_type != "cpu"
     seq = Shard(1) if sequence_parallel else Replicate()
     top = {}
     if model.tok_embeddings is not None:
@@ -79,10 +107,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
 
     for block in model.layers.values():
         plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "attention.wq": _col(block, "attention.wq", fp8),
+            "attention.wk": _col(block, "attention.wk", fp8),
+            "attention.wv": _col(block, "attention.wv", fp8),
+            "attention.wo": _row(block, "attention.wo", fp8, output_layouts=seq),
         }
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
@@ -98,9 +126,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
                     desired_output_layouts=(Shard(1),), use_local_output=True)
         else:
             plan.update({
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+                "feed_forward.w1": _col(block, "feed_forward.w1", fp8),
+                "feed_forward.w3": _col(block, "feed_forward.w3", fp8),
+                "feed_forward.w2": _row(block, "feed_forward.w2", fp8, output_layouts=seq),
             })
             if sequence_parallel:
                 plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),

@@ -60,8 +60,12 @@ class StageMemory:
 
 def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
     """Bytes per parameter kept for the whole step: {params, grads, optimizer}, before sharding."""
-    if lay.sharding_backend == "deepspeed" and lay.precision != "fp32":
-        return {"params": 2.0, "grads": 2.0, "optimizer": 12.0}  # bf16 p/g + fp32 master, m, v
+    if lay.sharding_backend == "deepspeed":
+        if lay.precision != "fp32":
+            return {"params": 2.0, "grads": 2.0, "optimizer": 12.0}  # bf16 p/g + fp32 master, m, v
+        if lay.zero_stage >= 1:
+            # ZeRO's optimizer steps a flat fp32 copy of its partition even in fp32 training.
+            return {"params": 4.0, "grads": 4.0, "optimizer": 12.0}
     return {"params": 4.0, "grads": 4.0, "optimizer": 8.0}  # fp32 p/g (FSDP2 master), m, v
 
 
@@ -141,10 +145,11 @@ def working_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
             if lay.zeropp_hierarchical_partition > 1:
                 # hpZ keeps a secondary copy of the params sharded within the node.
                 out["hpz_secondary"] = int(local * wb / lay.zeropp_hierarchical_partition)
-        if lay.zero_stage >= 1:
-            # Double-buffered reduce bucket and one all-gather bucket, bounded by the model size.
-            out["reduce_buckets"] = int(2 * min(lay.reduce_bucket_size, local) * grad_wb)
-            out["allgather_bucket"] = int(min(lay.allgather_bucket_size, local) * wb) if lay.zero_stage < 3 else 0
+        if lay.zero_stage in (1, 2):
+            # Measured on CPU (bench/memory_accuracy.py): ZeRO-1/2 allocate the reduce bucket at its
+            # full configured size whatever the model size, and ZeRO-2 a second buffer of that size
+            # for contiguous gradients.
+            out["reduce_buckets"] = int(lay.zero_stage * lay.reduce_bucket_size * grad_wb)
     return out
 
 
@@ -270,8 +275,10 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     # FFN-wide and two residual-wide tensors); with recomputation the recomputed block's
     # activations exist at the same time.
     width = (shape.moe_ffn_dim * max(1, shape.top_k) if shape.n_moe_layers else shape.ffn_dim) / t
-    grads = tokens * a * (3 * width + 2 * shape.dim)
-    out["backward_workspace"] = int(grads + (worst_layer if recompute else 0))
+    out["backward_workspace"] = int(tokens * a * (3 * width + 2 * shape.dim))
+    # The block being recomputed holds its full activations again during its backward; like
+    # torch's MemTracker, count it with the backward temporaries ("other").
+    out["recomputed_block"] = int(worst_layer) if recompute else 0
     return out
 
 
@@ -301,7 +308,7 @@ def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
             activations=acts["layers"] + acts.get("head", 0),
             host=states["host"],
         )
-        temporaries = acts.get("logits_transient", 0) + acts["backward_workspace"]
+        temporaries = acts.get("logits_transient", 0) + acts["backward_workspace"] + acts["recomputed_block"]
         mem.other = sum(working.values()) + temporaries + reserved_bytes
         mem.detail = {
             **working,
@@ -309,6 +316,7 @@ def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
             "activations_head": acts.get("head", 0),
             "logits_transient": acts.get("logits_transient", 0),
             "backward_workspace": acts["backward_workspace"],
+            "recomputed_block": acts["recomputed_block"],
             "reserved": reserved_bytes,
         }
         result.append(mem)

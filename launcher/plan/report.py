@@ -129,7 +129,7 @@ def _memory_section(plan, spec) -> str:
         return ""
     detail = mem.get("detail", {})
     other_parts = ", ".join(f"{k} {_gib(v)}" for k, v in detail.items()
-                            if v and k not in ("activations_layers", "activations_head"))
+                            if v and not k.startswith("activations_"))
     rows = [
         ("params", _gib(mem["params"]), ""),
         ("grads", _gib(mem["grads"]), ""),

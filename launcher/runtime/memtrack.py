@@ -84,7 +84,21 @@ def _make_tracker(modules: List[nn.Module], optimizers: List[torch.optim.Optimiz
         return FSDPMemTracker(modules[0], optimizers[0] if optimizers else None)
     tracker = MemTracker()
     tracker.track_external(*modules, *optimizers)
+    _track_master_weights(tracker, modules, optimizers)
     return tracker
+
+
+def _track_master_weights(tracker, modules: List[nn.Module], optimizers: List[torch.optim.Optimizer]) -> None:
+    """DeepSpeed's inner optimizer steps fp32 master copies that are not module parameters:
+    count them as optimizer memory (the planner's 12 bytes/param include them)."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    own = {id(p) for m in modules for p in m.parameters()}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for t in group["params"]:
+                if id(t) not in own and hasattr(tracker, "_update_and_maybe_create_winfos"):
+                    tracker._update_and_maybe_create_winfos(t, _MemRefType.OPT)
 
 
 def _categorise(snapshot: Dict[Any, Dict[str, int]]) -> Dict[str, int]:
@@ -131,6 +145,26 @@ def _record_category_maxima(tracker) -> Dict[str, int]:
     return maxima
 
 
+def _allow_repeated_root_forward(tracker, mods: List[nn.Module]):
+    """MemTracker and FSDPMemTracker refuse a second forward of a root module in one tracked
+    region (gradient accumulation and pipeline schedules run several). Their per-module
+    statistics are not used here, only the peaks, so they are cleared before each root
+    forward. A global pre-hook runs before the module's own hooks (FSDP's included)."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    del mods  # the outermost module called may be a wrapper (DeepSpeedEngine, replicate)
+    parents = getattr(getattr(tracker, "_mod_tracker", None), "parents", None)
+    if parents is None:
+        return None
+
+    def hook(module, args):
+        top_level = tracker._mod_tracker.parents == {"Global"}
+        if top_level and module in tracker.memory_tracking:
+            tracker.reset_mod_stats()
+
+    return register_module_forward_pre_hook(hook)
+
+
 def track_step_memory(
     modules: Union[nn.Module, Sequence[nn.Module]],
     optimizers: Union[Any, Sequence[Any], None],
@@ -159,9 +193,14 @@ def track_step_memory(
         torch.cuda.reset_peak_memory_stats()
     tracker = _make_tracker(mods, opts)
     maxima = _record_category_maxima(tracker)
-    with tracker:
-        for _ in range(max(1, tracked_steps)):
-            run_one_step()
+    handle = _allow_repeated_root_forward(tracker, mods)
+    try:
+        with tracker:
+            for _ in range(max(1, tracked_steps)):
+                run_one_step()
+    finally:
+        if handle is not None:
+            handle.remove()
     at_peak = _categorise(tracker.get_tracker_snapshot("peak"))
     after = _categorise(tracker.get_tracker_snapshot("current"))
     result = {c: max(maxima.get(c, 0), at_peak[c]) for c in CATEGORIES}

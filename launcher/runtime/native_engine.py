@@ -75,6 +75,10 @@ class NativeEngine:
             self.world = build_device_mesh(m, self.device.type)
         self.tp_rank = self.world["tp"].get_local_rank() if self.world is not None else 0
 
+        if m.dp_replicate * m.dp_shard * m.cp > 1:
+            from launcher.parallel.fsdp import check_zero_stage
+
+            check_zero_stage(parallel.zero_stage)  # before any model is built
         if m.cp > 1:
             from launcher.parallel.cp import context_parallel_unsupported_reason
 
@@ -106,9 +110,10 @@ class NativeEngine:
         if m.pp > 1:
             from launcher.parallel.pp import build_schedule
 
+            self.pp_microbatches = self._pp_microbatches(plan.batch.grad_accum_steps)
             self.pp_schedule, self.has_first, self.has_last = build_schedule(
                 self.parts, self.stage_ids, parallel, self.world["pp"], self.device, self._loss_fn,
-                n_microbatches=self._pp_microbatches(plan.batch.grad_accum_steps),
+                n_microbatches=self.pp_microbatches,
             )
         else:
             self.has_first = self.has_last = True
@@ -116,6 +121,11 @@ class NativeEngine:
         self.optimizers = [build_adamw(p, optim) for p in self.parts]
         self.schedulers = [build_scheduler(o, optim, total_steps) for o in self.optimizers]
         self._token_norm = 1.0
+        self._fp8_all_gather = False
+        if precision.name == "fp8":
+            from launcher.parallel.fp8 import float8_all_gather_enabled
+
+            self._fp8_all_gather = float8_all_gather_enabled(precision.fp8, self.fsdp)
         n_params = sum(_local_numel(p) for part in self.parts for p in part.parameters())
         log.info("native engine ready: %d parameters on this rank (local view), %d model part(s)",
                  n_params, len(self.parts))
@@ -221,7 +231,8 @@ class NativeEngine:
         """One optimizer step over this data-parallel rank's micro-batches (collective)."""
         self._token_norm = self._count_tokens(microbatches)
         lr = self.schedulers[0].get_last_lr()[0]
-        local_loss = torch.zeros((), dtype=torch.float64)
+        # Accumulated on the device: no host sync per micro-batch.
+        local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.pp_schedule is None:
             self._set_aux_scale(len(microbatches))
             model = self.parts[0]
@@ -232,11 +243,11 @@ class NativeEngine:
                         logits = model(inputs)
                     loss = self._loss_fn(logits, labels)
                     loss.backward()
-                local_loss += float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
+                local_loss += _plain(loss.detach())
         else:
             inputs = torch.cat([x for x, _ in microbatches]).to(self.device)
             labels = torch.cat([y for _, y in microbatches]).to(self.device)
-            n_micro = self.pp_schedule._n_microbatches
+            n_micro = self.pp_microbatches
             if inputs.shape[0] % n_micro:
                 raise ValueError(
                     f"the pipeline splits this rank's {inputs.shape[0]} sequences per step into "
@@ -252,8 +263,8 @@ class NativeEngine:
             with self._loss_parallel(), self._autocast():
                 self.pp_schedule.step(*args, **kwargs)
             if self.has_last:
-                for l in losses:
-                    local_loss += float(l.detach().full_tensor() if hasattr(l, "full_tensor") else l.detach())
+                for mb_loss in losses:
+                    local_loss += _plain(mb_loss.detach())
 
         # Global loss: each data-parallel sample counted once (tp rank 0, last pp stage).
         # MoE aux loss for logging: last micro-batch, summed over layers (and stages),
@@ -272,6 +283,11 @@ class NativeEngine:
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if self._fp8_all_gather:
+            from launcher.parallel.fp8 import precompute_float8_scales
+
+            for part in self.parts:
+                precompute_float8_scales(part)
         for s in self.schedulers:
             s.step()
         extra = {}
@@ -329,6 +345,11 @@ class NativeEngine:
     @property
     def model_parts(self) -> List[nn.Module]:
         return self.parts
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain fp64 tensor (loss parallel returns a replicated DTensor)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).double()
 
 
 def _local_numel(p: torch.Tensor) -> int:

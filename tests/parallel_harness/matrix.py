@@ -19,19 +19,25 @@ def _short(model: str) -> str:
     return "moe" if model == "debug_moe" else "dense"
 
 
-def layouts(ckpt_dir: str) -> Dict[int, List[dict]]:
-    """{world size: [layout, ...]} for the whole matrix."""
+def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
+    """{world size: [layout, ...]} for the whole matrix (``device="cuda"`` adds cp=2)."""
     four, two, one = [], [], []
+    if device == "cuda":
+        for model in MODELS:
+            m = _short(model)
+            two.append({"name": f"cp2_{m}", "model": model, "mesh": {"cp": 2}})
+            four.append({"name": f"cp2_fsdp2_{m}", "model": model, "mesh": {"dp_shard": 2, "cp": 2}})
     for model in MODELS:
         m = _short(model)
-        one.append({"name": f"ref_{m}", "model": model})
+        one.append({"name": f"ref_{m}", "model": model, "export": f"{ckpt_dir}/export_ref_{m}.pt"})
     one.append({"name": "ref_tied", "model": "debug", "tie": True})
     two.append({"name": "fsdp2_tied", "model": "debug", "tie": True, "mesh": {"dp_shard": 2}})
     for model in MODELS:
         m = _short(model)
         four += [
             {"name": f"fsdp2_tp2_{m}", "model": model, "mesh": {"dp_shard": 2, "tp": 2}, "sp": True},
-            {"name": f"pp2_tp2_{m}", "model": model, "mesh": {"pp": 2, "tp": 2}, "pp_schedule": "1f1b"},
+            {"name": f"pp2_tp2_{m}", "model": model, "mesh": {"pp": 2, "tp": 2}, "pp_schedule": "1f1b",
+             "export": f"{ckpt_dir}/export_pp2_tp2_{m}.pt"},
             {"name": f"hsdp2x2_{m}", "model": model, "mesh": {"dp_replicate": 2, "dp_shard": 2}},
         ]
         two += [
@@ -47,21 +53,34 @@ def layouts(ckpt_dir: str) -> Dict[int, List[dict]]:
          "mesh": {"dp_shard": 2, "tp": 2, "ep": 2}, "sp": True},
         {"name": "ep2_hsdp2x2_moe", "model": "debug_moe",
          "mesh": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}},
+        {"name": "pp2_ep2_moe", "model": "debug_moe", "mesh": {"pp": 2, "dp_shard": 2, "ep": 2},
+         "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "ac": "full"},
     ]
     two += [
         {"name": "ep2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "ep": 2}},
+        # bf16 mixed precision: compared with the fp32 reference at a bf16 tolerance.
+        {"name": "bf16_tp2_dense", "model": "debug", "mesh": {"tp": 2},
+         "precision": "bf16", "rtol": 2e-2, "gn_rtol": 0.1},
+        {"name": "bf16_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2},
+         "precision": "bf16", "rtol": 2e-2, "gn_rtol": 0.1},
+        # fp8 (torchao, emulated on CPU) under TP+SP: fp8 numerics, so a loose tolerance.
+        {"name": "fp8_tp2_sp_dense", "model": "debug", "mesh": {"tp": 2}, "sp": True,
+         "precision": "fp8", "rtol": 1e-2, "gn_rtol": 0.3},
         {"name": "zero2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "zero_stage": 2},
         {"name": "ac_full_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "ac": "full"},
         {"name": "ac_op_fsdp2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2}, "ac": "selective"},
         {"name": "ac_every2_tp2_dense", "model": "debug", "mesh": {"tp": 2}, "ac": "selective",
          "ac_selective": "2"},
         {"name": "pp2_uneven_layers_dense", "model": "debug", "mesh": {"pp": 2}, "pp_layers": [1, 3]},
-        # Context parallelism: CPU runs are refused; torch's sequence sharding is checked.
-        {"name": "cp_shard_check", "kind": "cp_shard", "seq": 16},
-        {"name": "cp2_refused_on_cpu", "model": "debug", "mesh": {"cp": 2},
-         "expect_error": "needs a GPU"},
         {"name": "compile_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "compile": True},
     ]
+    if device == "cpu":
+        # Context parallelism: CPU runs are refused; torch's sequence sharding is checked.
+        two += [
+            {"name": "cp_shard_check", "kind": "cp_shard", "seq": 16},
+            {"name": "cp2_refused_on_cpu", "model": "debug", "mesh": {"cp": 2},
+             "expect_error": "needs a GPU"},
+        ]
     # Checkpoints across layouts: save after step 2 of 3, resume step 3 elsewhere.
     four.append({"name": "save_fsdp2_tp2_dense", "model": "debug", "mesh": {"dp_shard": 2, "tp": 2},
                  "save_dir": f"{ckpt_dir}/w4_dense", "save_after": 2})

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[2]
+# HARNESS_DEVICE=cuda runs the same layouts on GPUs (nccl, one GPU per rank).
+DEVICE = torch.device(os.environ.get("HARNESS_DEVICE", "cpu"))
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 4, 1, 16
 
 
@@ -76,7 +78,8 @@ def check_cp_sharding(spec: dict) -> dict:
 def run_layout(spec: dict) -> dict:
     if spec.get("kind") == "cp_shard":
         return check_cp_sharding(spec)
-    from launcher.config.schema import ActivationCheckpointingConfig, OptimConfig, ParallelConfig, PrecisionConfig
+    from launcher.config.schema import (ActivationCheckpointingConfig, Fp8Config, OptimConfig,
+                                        ParallelConfig, PrecisionConfig)
     from launcher.plan.mesh import MeshPlan
     from launcher.plan.plan import BatchPlan, Plan
     from launcher.runtime.native_engine import build_native_engine
@@ -98,11 +101,12 @@ def run_layout(spec: dict) -> dict:
     steps = spec.get("steps", 3)
     optim = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1)
     engine = build_native_engine(
-        mcfg, plan, parallel=parallel, precision=PrecisionConfig(name=spec.get("precision", "fp32")),
+        mcfg, plan, parallel=parallel, precision=PrecisionConfig(name=spec.get("precision", "fp32"),
+                                               fp8=Fp8Config(emulate=True)),
         optim=optim, ac=ActivationCheckpointingConfig(mode=spec.get("ac", "none"),
                                                       selective=spec.get("ac_selective", "op")),
         total_steps=10, grad_clip=1.0, seed=7, compile=spec.get("compile", False),
-        device=torch.device("cpu"))
+        device=torch.device("cuda", torch.cuda.current_device()) if DEVICE.type == "cuda" else DEVICE)
     if dist.is_initialized():
         c = mesh.coordinates(dist.get_rank())
         dp_rank = c["dp_replicate"] * mesh.dp_shard + c["dp_shard"]
@@ -131,7 +135,9 @@ def main() -> int:
     layouts = json.loads(Path(sys.argv[1]).read_text())
     results = {}
     if "RANK" in os.environ:
-        dist.init_process_group("gloo")
+        if DEVICE.type == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     for spec in layouts:
         if "expect_error" in spec and rank == 0:
