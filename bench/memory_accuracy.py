@@ -30,6 +30,9 @@ sys.path.insert(0, str(REPO))
 # name, world size, overrides (on top of the debug recipe, CPU, fp32 unless stated).
 BASE = ["+recipe=debug", "trainer.seq_len=256", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
         "logging.wandb.mode=disabled", "logging.progress=false", "checkpoint.enabled=false"]
+# DeepSpeed allocates its reduce bucket at the configured size (default 5e8 elements = 2 GB in
+# fp32), which would hide the tiny model's states: use buckets of 2e5 elements (800 KB).
+DS_SMALL_BUCKETS = ["backend.reduce_bucket_size=200000", "backend.allgather_bucket_size=200000"]
 MATRIX = [
     ("dense_zero3_2r", 2, ["parallel.zero_stage=3"]),
     ("dense_zero2_2r", 2, ["parallel.zero_stage=2"]),
@@ -41,11 +44,11 @@ MATRIX = [
     ("dense_pp2_1f1b_2r", 2, ["parallel.pp=2", "parallel.zero_stage=3"]),
     ("moe_zero3_2r", 2, ["model=debug_moe", "parallel.zero_stage=3"]),
     ("moe_ep2_2r", 2, ["model=debug_moe", "parallel.ep=2", "parallel.zero_stage=3"]),
-    ("ds_zero1_2r", 2, ["backend=deepspeed", "parallel.zero_stage=1"]),
-    ("ds_zero2_2r", 2, ["backend=deepspeed", "parallel.zero_stage=2"]),
-    ("ds_zero3_2r", 2, ["backend=deepspeed", "parallel.zero_stage=3"]),
+    ("ds_zero1_2r", 2, ["backend=deepspeed", "parallel.zero_stage=1"] + DS_SMALL_BUCKETS),
+    ("ds_zero2_2r", 2, ["backend=deepspeed", "parallel.zero_stage=2"] + DS_SMALL_BUCKETS),
+    ("ds_zero3_2r", 2, ["backend=deepspeed", "parallel.zero_stage=3"] + DS_SMALL_BUCKETS),
 ]
-CATS = ("params", "grads", "optimizer", "activations", "other", "total")
+CATS = ("params", "grads", "optimizer", "activations", "other", "activations_other", "total")
 
 
 def prepare(name: str, world: int, overrides, device: str, out_dir: Path) -> Path:

@@ -79,6 +79,10 @@ RULES = [
     (["trainer.seq_len=512"], ["seq_len=512", "max_seq_len=256"]),
     (["model.tie_embeddings=true", "parallel.pp=2", "parallel.dp_shard=1", "trainer.global_batch_size=4"], ["tie_embeddings", "pipeline"]),
     (["data.source=tokens"], ["data.source=tokens", "data.path"]),
+    (["parallel.tp=2", "parallel.dp_shard=1", "model.vocab_size=257", "trainer.global_batch_size=4"], ["vocab_size=257", "pad", "258"]),
+    (["parallel.tp=2", "parallel.dp_shard=1", "model.tie_embeddings=true", "trainer.global_batch_size=4"], ["tie_embeddings", "parallel.tp=2"]),
+    (["parallel.cp=2", "parallel.pp=2", "cluster.gpus_per_node=4", "trainer.device=cuda", "trainer.global_batch_size=4"], ["parallel.cp=2", "parallel.pp=2"]),
+    (["parallel.pp=2", "parallel.dp_shard=1", "trainer.global_batch_size=2"], ["1f1b", "at least 2 micro-batches", "= 1"]),
 ]
 
 

@@ -111,9 +111,9 @@ def _aio_buildable() -> bool:
 
 def test_pipeline_engine_and_nvme_offload(tmp_path, reference):
     """DeepSpeed's pipeline engine (pp=2, ZeRO-1) and ZeRO-3 with params + optimizer on NVMe (a local folder)."""
-    cases = ["pipeline_zero1"]
-    if _aio_buildable():
-        cases.append("zero3_nvme")
+    # The pipeline case runs last: DeepSpeed keeps its pipeline topology in process-global state,
+    # which a later non-pipeline engine in the same process would pick up.
+    cases = (["zero3_nvme"] if _aio_buildable() else []) + ["pipeline_zero1"]
     res = _torchrun(tmp_path, "--cases", ",".join(cases))
     ref_steps, ref_weights = reference
     for case in cases:
@@ -121,7 +121,6 @@ def test_pipeline_engine_and_nvme_offload(tmp_path, reference):
         _assert_weights_match(res[case]["export"], ref_weights, case)
     assert res["pipeline_zero1"]["backends"]["pp"] == "DeepSpeed PipelineModule (2 stages, 1F1B)"
     if "zero3_nvme" in res:
-        swapped = [f for f in (tmp_path / "zero3_nvme" / "nvme").rglob("*") if f.is_file() and f.stat().st_size]
-        assert swapped, "nothing was swapped to the NVMe folder"
+        assert res["zero3_nvme"]["nvme_bytes"] > 0, "nothing was swapped to the NVMe folder"
     else:
         pytest.skip("pipeline checked; NVMe offload needs DeepSpeed's async_io op: apt-get install libaio-dev")

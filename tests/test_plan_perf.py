@@ -75,3 +75,21 @@ def test_step_time_and_mfu_are_consistent():
     # Full recomputation adds a forward: slower.
     slow = estimate_time(SHAPE, dataclasses.replace(lay, ac_mode="full"), HW, flops_tok, tokens)
     assert slow["compute_s"] == pytest.approx(t["compute_s"] * 4 / 3, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["h100_sxm", "h200", "a100_80gb", "b200"])
+def test_hardware_catalogue(name):
+    hw = compose_spec([f"hardware={name}"]).hardware
+    assert hw.name == name
+    assert hw.memory_gb >= 80 and hw.bf16_tflops > 0 and hw.hbm_gbps > 0
+    assert hw.nvlink_gbps > hw.network_gbps > 0
+    assert hw.fp8_supported == (name != "a100_80gb")  # A100 has no FP8 tensor cores
+
+
+def test_faster_gpu_gives_a_faster_step():
+    lay = Layout(dp_shard=8, tp=1, microbatches=4, seq_len=4096, gpus_per_node=8)
+    times = {}
+    for name in ("a100_80gb", "h100_sxm", "b200"):
+        hw = compose_spec([f"hardware={name}"]).hardware
+        times[name] = estimate_time(SHAPE, lay, hw, 6 * SHAPE.total, 8 * 4 * 4096)["step_s"]
+    assert times["a100_80gb"] > times["h100_sxm"] > times["b200"]

@@ -132,6 +132,17 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
                 f"(grouped-query attention shards whole KV heads). "
                 f"Fix: choose parallel.tp in {_fmt_choices(_divisors(m.n_kv_heads))}."
             )
+        if m.vocab_size % p.tp:
+            problems.append(
+                f"parallel.tp={p.tp}: model.vocab_size={m.vocab_size} is not divisible by {p.tp} (the output layer "
+                f"and loss are sharded over the vocabulary). Fix: pad model.vocab_size to "
+                f"{-(-m.vocab_size // p.tp) * p.tp}, or choose another parallel.tp."
+            )
+        if m.tie_embeddings:
+            problems.append(
+                f"model.tie_embeddings=true with parallel.tp={p.tp}: the tied table cannot be both row-sharded "
+                f"(embedding) and column-sharded (output). Fix: model.tie_embeddings=false or parallel.tp=1."
+            )
         ffn_dims = [("model.ffn_dim", m.ffn_dim)]
         if m.n_experts:
             ffn_dims.append(("model.moe_ffn_dim", m.moe_ffn_dim))
@@ -187,6 +198,11 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
             f"parallel.pp_schedule={p.pp_schedule} runs one chunk per rank but parallel.pp_virtual_stages={p.pp_virtual_stages}. "
             f"Fix: parallel.pp_schedule=interleaved_1f1b, or parallel.pp_virtual_stages=1."
         )
+    if p.cp > 1 and p.pp > 1:
+        problems.append(
+            f"parallel.cp={p.cp} with parallel.pp={p.pp}: context parallelism is not combined with pipelining "
+            f"on the native path. Fix: parallel.pp=1 (use tp/dp for the rest), or parallel.cp=1."
+        )
     if p.pp == 1 and p.pp_virtual_stages != 1:
         problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp > 1. Fix: set parallel.pp or pp_virtual_stages=1.")
 
@@ -226,6 +242,13 @@ def _check_batch_and_sequence(spec: JobConfig, problems: List[str]) -> None:
         )
     elif per_step >= 1:
         accum = t.global_batch_size // per_step
+        if p.pp > 1 and p.pp_schedule != "gpipe" and accum < p.pp:
+            problems.append(
+                f"parallel.pp_schedule={p.pp_schedule} with parallel.pp={p.pp} needs at least {p.pp} micro-batches per "
+                f"step, but global_batch_size/(micro_batch_size*dp) = {t.global_batch_size}/({t.micro_batch_size}*{dp}) "
+                f"= {accum}. Fix: trainer.global_batch_size={p.pp * per_step} (or more), or a smaller "
+                f"trainer.micro_batch_size."
+            )
         if p.microbatches != -1 and p.microbatches != accum:
             problems.append(
                 f"parallel.microbatches={p.microbatches} but global_batch_size/(micro_batch_size*dp) = "

@@ -66,23 +66,31 @@ def init_deepspeed_distributed(device_type: str) -> None:
 
 
 def _param_groups(module: nn.Module, weight_decay: float) -> List[Dict]:
-    """Same grouping as launcher.parallel.optim.build_adamw: no decay on 1-D parameters."""
+    """Same grouping as launcher.parallel.optim.build_adamw: no decay on 1-D parameters.
+
+    Uses the full shape (``ds_shape``) of ZeRO-3 parameters, which are empty 1-D shards after
+    deepspeed.zero.Init; empty groups are dropped (DeepSpeed drops them too, and the LR
+    scheduler must see the same number of groups as the optimizer).
+    """
     decay, no_decay = [], []
     for p in module.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            ndim = len(getattr(p, "ds_shape", p.shape))
+            (decay if ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(module: nn.Module, optim, offload_optimizer: str) -> torch.optim.Optimizer:
     """torch AdamW (as native); DeepSpeedCPUAdam (JIT-built once) when the optimizer is offloaded."""
+    groups = _param_groups(module, optim.weight_decay)
     if offload_optimizer == "none":
-        from launcher.parallel.optim import build_adamw
-
-        return build_adamw(module, optim)
+        # foreach=False as in launcher.parallel.optim.build_adamw: bit-identical updates.
+        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                                 foreach=False)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    return DeepSpeedCPUAdam(_param_groups(module, optim.weight_decay), lr=optim.lr,
+    return DeepSpeedCPUAdam(groups, lr=optim.lr,
                             betas=(optim.beta1, optim.beta2), eps=optim.eps, adamw_mode=True)
 
 
@@ -150,7 +158,8 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
         for name, param in model.named_parameters():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if rank == 0:
-                    full = _full_value(canonical_name(name), tuple(param.shape), model_cfg, seed)
+                    # Values drawn on the training device, as init_model_weights(buffer_device=device) does.
+                    full = _full_value(canonical_name(name), tuple(param.shape), model_cfg, seed, device)
                     param.copy_(full.to(param.device, param.dtype))
     model.rope = rope_table(model_cfg.dim // model_cfg.n_heads, model_cfg.max_seq_len, model_cfg.rope_theta,
                             device=device)

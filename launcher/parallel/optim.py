@@ -10,18 +10,27 @@ import torch.distributed as dist
 from torch import nn
 
 
+def _mesh_key(p: torch.Tensor):
+    mesh = getattr(p, "device_mesh", None)  # DTensor parameters carry their mesh
+    return None if mesh is None else (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+
+
 def build_adamw(module: nn.Module, cfg) -> torch.optim.AdamW:
-    """AdamW from an ``OptimConfig``; no weight decay on 1-D parameters (norm gains)."""
-    decay, no_decay = [], []
+    """AdamW from an ``OptimConfig``; no weight decay on 1-D parameters (norm gains).
+
+    Parameters are grouped by device mesh (experts live on a different mesh from the rest
+    under EP) so each group can use the multi-tensor (foreach) kernels on GPU, which cannot
+    batch DTensors of different meshes together. On CPU torch keeps the per-tensor path.
+    """
+    groups: Dict[Tuple, Dict] = {}
     for p in module.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=False: parameters may be DTensors on different meshes (experts vs the rest),
-    # which the multi-tensor kernels cannot batch together.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             foreach=False)
+        if not p.requires_grad:
+            continue
+        decay = p.ndim >= 2
+        key = (_mesh_key(p), decay)
+        group = groups.setdefault(key, {"params": [], "weight_decay": cfg.weight_decay if decay else 0.0})
+        group["params"].append(p)
+    return torch.optim.AdamW(list(groups.values()), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str,

@@ -115,6 +115,11 @@ def build_schedule(parts: List[nn.Module], stage_ids: List[int], parallel, pp_me
 
     pp, v = pp_mesh.size(), parallel.pp_virtual_stages
     n_stages = pp * v
+    if n_microbatches < pp and parallel.pp_schedule == "1f1b":
+        raise ValueError(
+            f"parallel.pp_schedule=1f1b needs at least as many micro-batches as stages: "
+            f"microbatches={n_microbatches} < pp={pp}; set parallel.microbatches >= {pp} (with "
+            f"a global batch that provides them) or use pp_schedule=gpipe")
     if n_microbatches < pp:
         msg = (f"parallel.microbatches={n_microbatches} < pipeline stages per step ({pp}): most "
                f"ranks idle (bubble fraction ~ (p-1)/m = {(pp - 1) / n_microbatches:.2f}); use "

@@ -114,9 +114,21 @@ def model_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
             host += b
             b = 0.0
         out[cat] = int(b)
+    fsdp_accumulates_shards = lay.sharding_backend == "native" and lay.zero_stage >= 1
+    if lay.microbatches > 1 and out["grads"] and not fsdp_accumulates_shards:
+        # Accumulating into existing gradients briefly holds a fresh gradient next to the old
+        # one: one tensor (the largest) at a time, as measured with torch's MemTracker.
+        # (FSDP2 adds its reduce-scatter output into the shard: counted with its buffers.)
+        n = lay.fsdp_degree if "grads" in sharded else 1
+        out["grads"] += int(per_param["grads"] * largest_tensor(stage, lay) / n)
     out["host"] = int(host)
     out.update(working_state_memory(stage, lay))
     return out
+
+
+def largest_tensor(stage: StageParams, lay: Layout) -> float:
+    """Elements of the largest single parameter tensor on this rank (after TP / EP)."""
+    return stage.largest_tensor / lay.tp
 
 
 def working_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
@@ -145,11 +157,11 @@ def working_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
             if lay.zeropp_hierarchical_partition > 1:
                 # hpZ keeps a secondary copy of the params sharded within the node.
                 out["hpz_secondary"] = int(local * wb / lay.zeropp_hierarchical_partition)
-        if lay.zero_stage in (1, 2):
-            # Measured on CPU (bench/memory_accuracy.py): ZeRO-1/2 allocate the reduce bucket at its
-            # full configured size whatever the model size, and ZeRO-2 a second buffer of that size
-            # for contiguous gradients.
-            out["reduce_buckets"] = int(lay.zero_stage * lay.reduce_bucket_size * grad_wb)
+        if lay.zero_stage >= 1:
+            # Measured on CPU (bench/memory_accuracy.py): ZeRO-1/2/3 allocate one buffer of the full
+            # configured reduce bucket size whatever the model size (ZeRO-2/3 fill it with the
+            # contiguous gradients, which torch's MemTracker then counts as gradients).
+            out["reduce_buckets"] = int(lay.reduce_bucket_size * grad_wb)
     return out
 
 

@@ -142,6 +142,7 @@ class StageParams:
     has_output: bool
 
     n_moe_layers: int  # how many of `layers` are MoE blocks
+    largest_tensor: int = 0  # elements of the largest parameter tensor (before TP)
 
     @property
     def n_layers(self) -> int:
@@ -201,5 +202,14 @@ def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b
             shared += extra + shape.final_norm
             largest = max(largest, extra + shape.final_norm)
         n_moe = sum(1 for i in layers if shape.is_moe_layer(i))
-        out.append(StageParams(rank, tuple(layers), shared, routed, largest, has_emb, has_out, n_moe))
+        tensors = [shape.dim * shape.n_heads * shape.head_dim] if layers else [0]
+        if n_moe < len(layers):
+            tensors.append(shape.dim * shape.ffn_dim)
+        if n_moe:
+            # Routed experts are stored batched: one [n_experts, moe_ffn, dim] tensor per matrix.
+            tensors.append(shape.n_experts * shape.moe_ffn_dim * shape.dim)
+        if has_emb or has_out:
+            tensors.append(shape.vocab_size * shape.dim)
+        out.append(StageParams(rank, tuple(layers), shared, routed, largest, has_emb, has_out, n_moe,
+                               max(tensors)))
     return tuple(out)

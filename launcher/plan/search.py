@@ -120,6 +120,10 @@ def mesh_options(spec) -> Iterator[Tuple[int, int, int, int, int, int, str, int]
             for pp in _divisors(rest):
                 if pp > m.n_layers or (pp > 1 and m.tie_embeddings):
                     continue
+                if pp > 1 and cp > 1:
+                    # The native engine refuses cp with pp (launcher/runtime/native_engine.py),
+                    # though the validator lets it through; DeepSpeed has no CP at all.
+                    continue
                 dp = rest // pp
                 for sched, vpp in schedule_options(pp, m.n_layers):
                     for dp_rep in _divisors(dp):
@@ -231,6 +235,12 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
     backends = _BackendCache(spec)
     stats = {"meshes": 0, "layouts": 0, "states_too_big": 0, "timed": 0, "no_backend": 0}
     out: List[Candidate] = []
+    # Keys candidate_spec resets: they must be in the overrides too, or the user's values clash.
+    resets: Dict[str, Any] = {}
+    if spec.parallel.microbatches != -1:
+        resets["parallel.microbatches"] = -1
+    if spec.parallel.pp_layers:
+        resets["parallel.pp_layers"] = "[]"
     zeros = [spec.parallel.zero_stage] if spec.offload.optimizer != "none" or spec.offload.params != "none" else [0, 1, 2, 3]
     for tp, cp, pp, dp_rep, dp_shard, ep, sched, vpp in mesh_options(spec):
         stats["meshes"] += 1
@@ -270,7 +280,7 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
                     t = estimate_time(shape, lay, hw, flops_tok, tokens_per_step, ranks=(0, pp - 1))
                     out.append(Candidate(
                         layout=lay,
-                        overrides={**lay.overrides(), "parallel.pp_virtual_stages": vpp},
+                        overrides={**lay.overrides(), **resets},
                         memory=mem.as_dict(),
                         capacity=cap,
                         step_s=t["step_s"],

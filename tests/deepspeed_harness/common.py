@@ -24,7 +24,7 @@ CASES: Dict[str, List[str]] = {
     "zero2_cpu_offload": ["parallel.zero_stage=2", "offload=cpu", "backend.offload=deepspeed"],
 }
 SLOW_CASES: Dict[str, List[str]] = {
-    "pipeline_zero1": ["parallel.zero_stage=1", "parallel.pp=2"],
+    "pipeline_zero1": ["parallel.zero_stage=1", "parallel.pp=2", "backend=deepspeed"],
     "zero3_nvme": ["parallel.zero_stage=3", "offload=nvme", "offload.params=nvme", "offload.pin_memory=false"],
 }
 SAVE_AT = 2  # the resume case saves after this many steps

@@ -61,6 +61,10 @@ def run_case(name, overrides, work: Path, resume: bool):
         result["steps"] += run_engine(engine, spec, plan, steps, SAVE_AT)
     else:
         result["steps"] = run_engine(engine, spec, plan, steps)
+    if spec.offload.nvme_path and "nvme" in (spec.offload.optimizer, spec.offload.params):
+        # Swap files exist while the engine lives (DeepSpeed removes them at teardown).
+        files = [f for f in Path(spec.offload.nvme_path).rglob("*") if f.is_file()]
+        result["nvme_bytes"] = sum(f.stat().st_size for f in files)
     engine.export(run_dir / "export" / "model.pt", "fp32")
     result["export"] = str(run_dir / "export" / "model.pt")
     result["step_s"] = (time.time() - t0 - result["build_s"]) / steps

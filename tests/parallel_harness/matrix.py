@@ -32,6 +32,10 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
         one.append({"name": f"ref_{m}", "model": model, "export": f"{ckpt_dir}/export_ref_{m}.pt"})
     one.append({"name": "ref_tied", "model": "debug", "tie": True})
     two.append({"name": "fsdp2_tied", "model": "debug", "tie": True, "mesh": {"dp_shard": 2}})
+    # Sizes that do not divide by 2: FSDP's uneven shards and layout-independent init.
+    odd = {"vocab_size": 251, "ffn_dim": 191, "moe_ffn_dim": 45, "n_experts": 3}
+    one.append({"name": "ref_odd", "model": "debug_moe", "model_overrides": odd})
+    two.append({"name": "fsdp2_odd", "model": "debug_moe", "model_overrides": odd, "mesh": {"dp_shard": 2}})
     for model in MODELS:
         m = _short(model)
         four += [
@@ -49,8 +53,12 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
             two.append({"name": f"pp2_{sched}_{m}", "model": model, "mesh": {"pp": 2},
                         "pp_schedule": sched, "pp_virtual_stages": v})
     four += [
+        {"name": "tp4_gqa_refused", "model": "debug", "mesh": {"tp": 4},
+         "expect_error": "model.n_kv_heads=2 is not a multiple of parallel.tp=4"},
         {"name": "ep2_fsdp2_tp2_moe", "model": "debug_moe",
          "mesh": {"dp_shard": 2, "tp": 2, "ep": 2}, "sp": True},
+        # ep=2 inside dp_shard=4: each expert shard is FSDP-sharded over the other 2 ranks.
+        {"name": "ep2_fsdp4_moe", "model": "debug_moe", "mesh": {"dp_shard": 4, "ep": 2}},
         {"name": "ep2_hsdp2x2_moe", "model": "debug_moe",
          "mesh": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}},
         {"name": "pp2_ep2_moe", "model": "debug_moe", "mesh": {"pp": 2, "dp_shard": 2, "ep": 2},
@@ -71,6 +79,12 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
         {"name": "ac_op_fsdp2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2}, "ac": "selective"},
         {"name": "ac_every2_tp2_dense", "model": "debug", "mesh": {"tp": 2}, "ac": "selective",
          "ac_selective": "2"},
+        {"name": "zero1_refused", "model": "debug", "mesh": {"dp_shard": 2}, "zero_stage": 1,
+         "expect_error": "backend.sharding=deepspeed"},
+        {"name": "pp2_1microbatch_dense", "model": "debug", "mesh": {"pp": 2}, "microbatches": 1,
+         "pp_schedule": "gpipe"},
+        {"name": "pp2_1f1b_1microbatch_refused", "model": "debug", "mesh": {"pp": 2},
+         "microbatches": 1, "expect_error": "needs at least as many micro-batches"},
         {"name": "pp2_uneven_layers_dense", "model": "debug", "mesh": {"pp": 2}, "pp_layers": [1, 3]},
         {"name": "compile_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "compile": True},
     ]
@@ -106,6 +120,7 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
 
 
 def reference_of(name: str) -> str:
-    if name.endswith("_tied"):
-        return "ref_tied"
+    for suffix in ("_tied", "_odd"):
+        if name.endswith(suffix):
+            return "ref" + suffix
     return "ref_moe" if name.endswith("_moe") else "ref_dense"

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -87,6 +88,8 @@ def run_layout(spec: dict) -> dict:
     mcfg = model_config(spec.get("model", "debug"))
     if spec.get("tie"):
         mcfg = replace(mcfg, tie_embeddings=True)
+    if spec.get("model_overrides"):
+        mcfg = replace(mcfg, **spec["model_overrides"])
     mesh = MeshPlan(**{k: 1 for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")} | spec.get("mesh", {}))
     dp = mesh.dp
     batch = BatchPlan(GLOBAL_BATCH, MICRO_BATCH, GLOBAL_BATCH // (MICRO_BATCH * dp), SEQ, GLOBAL_BATCH * SEQ)
@@ -99,6 +102,7 @@ def run_layout(spec: dict) -> dict:
         microbatches=spec.get("microbatches", -1), cp=mesh.cp, ep=mesh.ep,
         zero_stage=spec.get("zero_stage", 3))
     steps = spec.get("steps", 3)
+    t_build = time.time()
     optim = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1)
     engine = build_native_engine(
         mcfg, plan, parallel=parallel, precision=PrecisionConfig(name=spec.get("precision", "fp32"),
@@ -112,7 +116,7 @@ def run_layout(spec: dict) -> dict:
         dp_rank = c["dp_replicate"] * mesh.dp_shard + c["dp_shard"]
     else:
         dp_rank = 0
-    out = {"losses": [], "grad_norms": [], "aux": [], "lr": []}
+    out = {"losses": [], "grad_norms": [], "aux": [], "lr": [], "build_seconds": time.time() - t_build}
     start = spec.get("start_step", 0)
     if spec.get("load_dir"):
         engine.load(Path(spec["load_dir"]))
@@ -143,7 +147,11 @@ def main() -> int:
         if "expect_error" in spec and rank == 0:
             print(f"[harness] {spec['name']}: an error is expected here", flush=True)
         try:
-            results[spec["name"]] = run_layout(spec)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                results[spec["name"]] = run_layout(spec)
+            results[spec["name"]]["warnings"] = sorted({str(w.message) for w in caught
+                                                        if "launcher" in (w.filename or "")})
         except Exception as e:  # record, keep going: one broken layout must not hide the rest
             results[spec["name"]] = {"error": f"{type(e).__name__}: {e}",
                                      "traceback": traceback.format_exc()[-3000:]}

@@ -1,0 +1,93 @@
+"""How fast `action=plan` and `action=search` answer, measured through the real `train` command.
+
+    .venv/bin/python bench/planner_speed.py            # 3 repeats each, prints wall times
+    .venv/bin/python bench/planner_speed.py --repeat 5
+
+Targets (issue 6), wall time including interpreter start on our 2-core machines:
+  train +recipe=llama405b action=plan cluster.nodes=1024 plan.format=json   < 2 s
+  train +recipe=llama405b action=search cluster.nodes=256                   < 10 s
+Also times the planner alone (in-process build_plan and search_layouts, no Hydra, no
+interpreter start), which is what the search's budget mostly goes to.
+Not a test: timings depend on the machine's load; it prints numbers and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+TRAIN = str(Path(sys.executable).with_name("train"))
+
+COMMANDS = [
+    ("plan 405b, 8192 GPUs, json", ["+recipe=llama405b", "action=plan", "cluster.nodes=1024", "plan.format=json",
+                                    "plan.plots=false"]),
+    ("plan 405b, 8192 GPUs, text + plots", ["+recipe=llama405b", "action=plan", "cluster.nodes=1024"]),
+    ("search 405b, 2048 GPUs", ["+recipe=llama405b", "action=search", "cluster.nodes=256"]),
+    ("search 70b, 256 GPUs", ["+recipe=llama70b", "action=search", "cluster.nodes=32"]),
+    ("search mixtral, 64 GPUs", ["+recipe=mixtral8x7b", "action=search", "cluster.nodes=8"]),
+]
+
+
+def time_command(args, repeat: int):
+    times = []
+    with tempfile.TemporaryDirectory(prefix="planspeed_") as tmp:
+        for i in range(repeat):
+            t0 = time.perf_counter()
+            proc = subprocess.run([TRAIN, *args, f"hydra.run.dir={tmp}/r{i}"], cwd=tmp, capture_output=True, text=True)
+            times.append(time.perf_counter() - t0)
+            if proc.returncode != 0:
+                return None, proc.stderr[-1500:]
+    return times, ""
+
+
+def time_in_process(repeat: int):
+    from launcher.config.loader import compose_spec
+    from launcher.plan.plan import build_plan
+    from launcher.plan.search import search_layouts
+
+    rows = []
+    spec = compose_spec(["+recipe=llama405b", "cluster.nodes=1024", "action=plan"])
+    t = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        build_plan(spec)
+        t.append(time.perf_counter() - t0)
+    rows.append(("build_plan 405b, 8192 GPUs (in process)", t, ""))
+    spec = compose_spec(["+recipe=llama405b", "cluster.nodes=256", "action=search"])
+    t = []
+    stats = {}
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        search_layouts(spec, stats=stats)
+        t.append(time.perf_counter() - t0)
+    info = (f"{stats['meshes']} meshes, {stats['layouts']} layouts sized, {stats['states_too_big']} dropped on "
+            f"model states, {stats['timed']} timed, {stats['validated']} validated")
+    rows.append(("search_layouts 405b, 2048 GPUs (in process)", t, info))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args(argv)
+    print(f"{'what':<48} {'median s':>9} {'min s':>7} {'max s':>7}")
+    for name, cmd in COMMANDS:
+        times, err = time_command(cmd, args.repeat)
+        if times is None:
+            print(f"{name:<48} failed: {err}")
+            continue
+        print(f"{name:<48} {statistics.median(times):>9.2f} {min(times):>7.2f} {max(times):>7.2f}", flush=True)
+    for name, times, info in time_in_process(args.repeat):
+        print(f"{name:<48} {statistics.median(times):>9.3f} {min(times):>7.3f} {max(times):>7.3f}  {info}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
