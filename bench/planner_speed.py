@@ -4,7 +4,7 @@
     .venv/bin/python bench/planner_speed.py --repeat 5
 
 Targets (issue 6), wall time including interpreter start on our 2-core machines:
-  train +recipe=llama405b action=plan cluster.nodes=1024 plan.format=json   < 2 s
+  train +recipe=llama405b action=plan cluster.nodes=1024 trainer.global_batch_size=2048 plan.format=json  < 2 s
   train +recipe=llama405b action=search cluster.nodes=256                   < 10 s
 Also times the planner alone (in-process build_plan and search_layouts, no Hydra, no
 interpreter start), which is what the search's budget mostly goes to.
@@ -26,9 +26,11 @@ sys.path.insert(0, str(REPO))
 TRAIN = str(Path(sys.executable).with_name("train"))
 
 COMMANDS = [
-    ("plan 405b, 8192 GPUs, json", ["+recipe=llama405b", "action=plan", "cluster.nodes=1024", "plan.format=json",
-                                    "plan.plots=false"]),
-    ("plan 405b, 8192 GPUs, text + plots", ["+recipe=llama405b", "action=plan", "cluster.nodes=1024"]),
+    # 8,192 GPUs need a global batch of at least 2,048 for the recipe's 8-stage interleaved pipeline.
+    ("plan 405b, 8192 GPUs, json", ["+recipe=llama405b", "action=plan", "cluster.nodes=1024",
+                                    "trainer.global_batch_size=2048", "plan.format=json", "plan.plots=false"]),
+    ("plan 405b, 8192 GPUs, text + plots", ["+recipe=llama405b", "action=plan", "cluster.nodes=1024",
+                                            "trainer.global_batch_size=2048"]),
     ("search 405b, 2048 GPUs", ["+recipe=llama405b", "action=search", "cluster.nodes=256"]),
     ("search 70b, 256 GPUs", ["+recipe=llama70b", "action=search", "cluster.nodes=32"]),
     ("search mixtral, 64 GPUs", ["+recipe=mixtral8x7b", "action=search", "cluster.nodes=8"]),
@@ -53,7 +55,7 @@ def time_in_process(repeat: int):
     from launcher.plan.search import search_layouts
 
     rows = []
-    spec = compose_spec(["+recipe=llama405b", "cluster.nodes=1024", "action=plan"])
+    spec = compose_spec(["+recipe=llama405b", "cluster.nodes=1024", "trainer.global_batch_size=2048", "action=plan"])
     t = []
     for _ in range(repeat):
         t0 = time.perf_counter()

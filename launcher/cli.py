@@ -100,8 +100,9 @@ def _plan(spec: JobConfig, run_dir: Path) -> int:
     from launcher.plan.report import render_plan
 
     plan = build_plan(spec)
-    print(render_plan(plan, spec, spec.plan.format))
-    if spec.plan.plots:
+    print(render_plan(plan, spec, spec.plan.format), flush=True)
+    # JSON is for tools: keep it instant (matplotlib alone costs about a second).
+    if spec.plan.plots and spec.plan.format != "json":
         from launcher.plan.plots import save_plan_plots
 
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -60,13 +60,13 @@ def _assert_matches(steps, expected, what):
         assert math.isclose(got["lr"], want["lr"], rel_tol=1e-12), f"{what} step {i}: lr {got['lr']} vs {want['lr']}"
 
 
-def _assert_weights_match(export_path: str, expected: dict, what: str):
+def _assert_weights_match(export_path: str, expected: dict, what: str, atol: float = WEIGHT_ATOL):
     import torch
 
     got = torch.load(export_path)
     assert set(got) == set(expected), f"{what}: exported names differ: {sorted(set(got) ^ set(expected))[:5]}"
     worst = max(float((got[k] - expected[k]).abs().max()) for k in expected)
-    assert worst <= WEIGHT_ATOL, f"{what}: exported fp32 weights differ from the reference by up to {worst:.2e}"
+    assert worst <= atol, f"{what}: exported fp32 weights differ from the reference by up to {worst:.2e}"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -77,8 +77,11 @@ def test_deepspeed_matches_torch_reference(results, reference, case):
     _assert_weights_match(results[case]["export"], ref_weights, case)
 
 
-def test_cpu_offload_case_really_offloads(results):
+def test_cases_ran_what_they_claim(results):
     assert results["zero2_cpu_offload"]["backends"]["offload_optimizer"] == "DeepSpeed offload_optimizer device=cpu"
+    assert results["zero2_ac_full"]["backends"]["activation_checkpointing"].startswith("deepspeed.checkpointing")
+    assert results["zero1_ac_selective_op"]["backends"]["activation_checkpointing"] == (
+        "torch.utils.checkpoint per block (selective=op)")
 
 
 def test_deepspeed_matches_native_engine(results):
@@ -115,10 +118,13 @@ def test_pipeline_engine_and_nvme_offload(tmp_path, reference):
     # which a later non-pipeline engine in the same process would pick up.
     cases = (["zero3_nvme"] if _aio_buildable() else []) + ["pipeline_zero1"]
     res = _torchrun(tmp_path, "--cases", ",".join(cases))
-    ref_steps, ref_weights = reference
     for case in cases:
+        spec = spec_for(SLOW_CASES[case])
+        ref_steps, ref_weights = reference if spec.model.dim == 64 else reference_run(spec, spec.trainer.steps)
         _assert_matches(res[case]["steps"], ref_steps, case)
-        _assert_weights_match(res[case]["export"], ref_weights, case)
+        # 7M parameters through DeepSpeedCPUAdam (vectorised) vs torch AdamW: Adam's normalised
+        # update turns 1e-7 gradient differences into up to ~5e-5 where v is tiny (lr 3e-3).
+        _assert_weights_match(res[case]["export"], ref_weights, case, atol=2e-4 if case == "zero3_nvme" else WEIGHT_ATOL)
     assert res["pipeline_zero1"]["backends"]["pp"] == "DeepSpeed PipelineModule (2 stages, 1F1B)"
     if "zero3_nvme" in res:
         assert res["zero3_nvme"]["nvme_bytes"] > 0, "nothing was swapped to the NVMe folder"

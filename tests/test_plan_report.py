@@ -97,7 +97,8 @@ def test_pipeline_schedule_blocks_show_the_bubble():
 
 def test_train_action_plan_json_command(tmp_path):
     proc = subprocess.run(
-        [TRAIN, "+recipe=llama405b", "action=plan", "cluster.nodes=1024", "plan.format=json", "plan.plots=false",
+        [TRAIN, "+recipe=llama405b", "action=plan", "cluster.nodes=1024", "trainer.global_batch_size=2048",
+         "plan.format=json", "plan.plots=false",
          f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
@@ -109,7 +110,7 @@ def test_train_action_plan_json_command(tmp_path):
 def test_planner_never_imports_torch():
     code = ("import sys; from launcher.config.loader import compose_spec; from launcher.plan.plan import build_plan; "
             "from launcher.plan.report import render_plan; from launcher.plan.search import search_layouts; "
-            "s = compose_spec(['+recipe=llama405b', 'cluster.nodes=1024']); render_plan(build_plan(s), s, 'json'); "
+            "s = compose_spec(['+recipe=llama405b', 'cluster.nodes=1024', 'trainer.global_batch_size=2048']); render_plan(build_plan(s), s, 'json'); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

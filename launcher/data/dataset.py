@@ -97,6 +97,8 @@ class StepBatches:
 
     def for_step(self, step: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches for 1-based `step`: samples consumed before it = (step-1) * global batch."""
+        if step < 1:
+            raise ValueError(f"training steps are numbered from 1; got step={step}")
         p = self.part
         per_rank = self.global_batch_size // p.dp_size
         first = (step - 1) * self.global_batch_size + p.dp_rank * per_rank

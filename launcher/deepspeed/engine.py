@@ -26,7 +26,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from launcher.deepspeed.config import build_deepspeed_config, data_parallel_size, write_deepspeed_config
+from launcher.parallel.optim import build_adamw, param_groups
 from launcher.runtime.engine import Microbatch, StepStats
 
 log = logging.getLogger(__name__)
@@ -65,29 +66,11 @@ def init_deepspeed_distributed(device_type: str) -> None:
 # ----------------------------------------------------------------------------- model pieces
 
 
-def _param_groups(module: nn.Module, weight_decay: float) -> List[Dict]:
-    """Same grouping as launcher.parallel.optim.build_adamw: no decay on 1-D parameters.
-
-    Uses the full shape (``ds_shape``) of ZeRO-3 parameters, which are empty 1-D shards after
-    deepspeed.zero.Init; empty groups are dropped (DeepSpeed drops them too, and the LR
-    scheduler must see the same number of groups as the optimizer).
-    """
-    decay, no_decay = [], []
-    for p in module.parameters():
-        if p.requires_grad:
-            ndim = len(getattr(p, "ds_shape", p.shape))
-            (decay if ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
 def build_optimizer(module: nn.Module, optim, offload_optimizer: str) -> torch.optim.Optimizer:
     """torch AdamW (as native); DeepSpeedCPUAdam (JIT-built once) when the optimizer is offloaded."""
-    groups = _param_groups(module, optim.weight_decay)
     if offload_optimizer == "none":
-        # foreach=False as in launcher.parallel.optim.build_adamw: bit-identical updates.
-        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                                 foreach=False)
+        return build_adamw(module, optim)
+    groups = param_groups(module, optim.weight_decay)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     return DeepSpeedCPUAdam(groups, lr=optim.lr,
@@ -146,7 +129,7 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
     import deepspeed
 
     from launcher.models import build_model
-    from launcher.models.init import _full_value, canonical_name
+    from launcher.models.init import canonical_name, full_init_value
     from launcher.models.layers import rope_table
 
     remote = offload.params if offload.params != "none" else None
@@ -159,7 +142,7 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if rank == 0:
                     # Values drawn on the training device, as init_model_weights(buffer_device=device) does.
-                    full = _full_value(canonical_name(name), tuple(param.shape), model_cfg, seed, device)
+                    full = full_init_value(canonical_name(name), tuple(param.shape), model_cfg, seed, device)
                     param.copy_(full.to(param.device, param.dtype))
     model.rope = rope_table(model_cfg.dim // model_cfg.n_heads, model_cfg.max_seq_len, model_cfg.rope_theta,
                             device=device)
@@ -214,8 +197,7 @@ class _HeadStage(nn.Module):
 
 
 def pipeline_layers(model: nn.Module) -> List[nn.Module]:
-    """The Transformer as a flat layer list for PipelineModule, and the names each layer's
-    parameters have in the unsplit model (for export)."""
+    """The Transformer as a flat layer list for PipelineModule: embedding, blocks, norm + output."""
     if model.cfg.tie_embeddings:
         raise ValueError(
             "DeepSpeed's pipeline engine needs TiedLayerSpec for tied embeddings, which this launcher does not "
@@ -226,7 +208,7 @@ def pipeline_layers(model: nn.Module) -> List[nn.Module]:
             + [_HeadStage(model.norm, model.output)])
 
 
-def _pipeline_name(local_name: str, layer_offset: int, n_blocks: int) -> str:
+def _pipeline_name(local_name: str, n_blocks: int) -> str:
     """PipelineModule names its layers by global index: map back to Transformer names."""
     idx, rest = local_name.split(".", 1)
     i = int(idx)
@@ -392,6 +374,9 @@ class DeepSpeedEngine:
             return self._gather_pipeline_state()
         if self.spec.parallel.zero_stage == 0:
             return canonical_state_dict(self.engine.module.state_dict()) if dist.get_rank() == 0 else None
+        if self.spec.offload.optimizer == "nvme":
+            # zero_to_fp32 cannot read optimizer partitions that live in NVMe swap files.
+            return self._gather_zero3_params()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         self.engine.save_checkpoint(str(scratch), tag=CHECKPOINT_TAG, save_latest=False)
@@ -403,12 +388,23 @@ class DeepSpeedEngine:
         dist.barrier()
         return full
 
+    def _gather_zero3_params(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The live ZeRO-3 parameters, one full parameter at a time (the training dtype, as fp32)."""
+        import deepspeed
+
+        full: Dict[str, torch.Tensor] = {}
+        for name, param in self.engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                if dist.get_rank() == 0:
+                    full[name] = param.detach().clone()
+        return canonical_state_dict(full) if dist.get_rank() == 0 else None
+
     def _gather_pipeline_state(self) -> Optional[Dict[str, torch.Tensor]]:
         module = self.engine.module
         local: Dict[str, torch.Tensor] = {}
         if self.engine.grid.get_data_parallel_rank() == 0:
             for name, t in module.state_dict().items():
-                local[_pipeline_name(name, 0, self.n_blocks)] = t
+                local[_pipeline_name(name, self.n_blocks)] = t
         local = canonical_state_dict(local)
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(local, gathered, dst=0)

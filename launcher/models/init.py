@@ -32,7 +32,9 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def _full_value(name: str, shape, cfg, seed: int, device: torch.device) -> torch.Tensor:
+def full_init_value(name: str, shape, cfg, seed: int, device: torch.device) -> torch.Tensor:
+    """The full initial value of parameter `name` (canonical name): a function of the seed and
+    the name only, so every layout and backend starts from identical weights."""
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     t = torch.empty(shape, dtype=torch.float32, device=device)
@@ -77,7 +79,7 @@ def init_model_weights(model: nn.Module, seed: int, buffer_device: Optional[torc
         # The training device, not the parameter's: CPU-offloaded parameters must get the
         # same values as on-device ones.
         device = buffer_device or (param.device if param.device.type != "meta" else torch.device("cpu"))
-        _copy_into(param, _full_value(cname, tuple(param.shape), cfg, seed, device))
+        _copy_into(param, full_init_value(cname, tuple(param.shape), cfg, seed, device))
     if hasattr(model, "rope"):
         device = buffer_device or model.rope.device
         model.rope = rope_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=device)

@@ -15,22 +15,28 @@ def _mesh_key(p: torch.Tensor):
     return None if mesh is None else (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
 
 
-def build_adamw(module: nn.Module, cfg) -> torch.optim.AdamW:
-    """AdamW from an ``OptimConfig``; no weight decay on 1-D parameters (norm gains).
-
-    Parameters are grouped by device mesh (experts live on a different mesh from the rest
-    under EP) so each group can use the multi-tensor (foreach) kernels on GPU, which cannot
-    batch DTensors of different meshes together. On CPU torch keeps the per-tensor path.
+def param_groups(module: nn.Module, weight_decay: float) -> List[Dict]:
+    """AdamW parameter groups: no weight decay on 1-D parameters (norm gains), one group per
+    device mesh (experts live on a different mesh from the rest under EP) so each group can
+    use the multi-tensor (foreach) kernels on GPU, which cannot batch DTensors of different
+    meshes. The dimensionality is that of the full parameter (``ds_shape`` for DeepSpeed
+    ZeRO-3 shards, which are flat); empty groups are dropped.
     """
     groups: Dict[Tuple, Dict] = {}
     for p in module.parameters():
         if not p.requires_grad:
             continue
-        decay = p.ndim >= 2
+        decay = len(getattr(p, "ds_shape", p.shape)) >= 2
         key = (_mesh_key(p), decay)
-        group = groups.setdefault(key, {"params": [], "weight_decay": cfg.weight_decay if decay else 0.0})
+        group = groups.setdefault(key, {"params": [], "weight_decay": weight_decay if decay else 0.0})
         group["params"].append(p)
-    return torch.optim.AdamW(list(groups.values()), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return list(groups.values())
+
+
+def build_adamw(module: nn.Module, cfg) -> torch.optim.AdamW:
+    """AdamW from an ``OptimConfig`` over `param_groups` (torch picks foreach on GPU, per-tensor on CPU)."""
+    return torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps)
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str,

@@ -114,7 +114,8 @@ def model_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
             host += b
             b = 0.0
         out[cat] = int(b)
-    fsdp_accumulates_shards = lay.sharding_backend == "native" and lay.zero_stage >= 1
+    fsdp_accumulates_shards = (lay.sharding_backend == "native" and lay.zero_stage >= 1
+                               and lay.fsdp_degree > 1 and lay.pp == 1)
     if lay.microbatches > 1 and out["grads"] and not fsdp_accumulates_shards:
         # Accumulating into existing gradients briefly holds a fresh gradient next to the old
         # one: one tensor (the largest) at a time, as measured with torch's MemTracker.

@@ -101,6 +101,20 @@ def checkpoint_root(spec: JobConfig, run_dir: Path) -> Path:
     return Path(spec.checkpoint.dir) if spec.checkpoint.dir else Path(run_dir) / "checkpoints"
 
 
+def log_plan_plots(spec: JobConfig, plan: Plan, run_dir: Path, metrics: MetricsLogger) -> None:
+    """The plan's memory and pipeline charts, as PNGs in the run dir and images in W&B."""
+    if not spec.plan.plots:
+        return
+    from launcher.plan.plots import save_plan_plots
+
+    try:
+        paths = save_plan_plots(plan, spec, run_dir)
+    except Exception as err:  # a chart must never stop training
+        log.warning("could not draw the plan charts: %s", err)
+        return
+    metrics.log_images({f"plan/{Path(p).stem}": Path(p) for p in paths})
+
+
 def run(run_dir: Path) -> int:
     spec = load_spec(run_dir)
     plan = Plan.load(run_dir)
@@ -148,6 +162,7 @@ def run(run_dir: Path) -> int:
     )
     if rank.rank == 0 and plan.memory:
         metrics.summary({"predicted": {"memory": plan.memory, "time": plan.time}})
+        log_plan_plots(spec, plan, run_dir, metrics)
     stop = StopWatcher(run_dir, rank.device).install()
     loop_cfg = LoopConfig(
         steps=spec.trainer.steps,

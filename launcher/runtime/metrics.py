@@ -138,6 +138,14 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.summary.update(values)
 
+    def log_images(self, images: Dict[str, Path]) -> None:
+        """PNG files (e.g. the plan's memory and pipeline charts) into W&B."""
+        if not self.enabled or self._wandb is None:
+            return
+        import wandb
+
+        self._wandb.log({key: wandb.Image(str(path)) for key, path in images.items()}, commit=False)
+
     def close(self) -> None:
         if not self.enabled:
             return

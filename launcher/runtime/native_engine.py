@@ -160,7 +160,14 @@ class NativeEngine:
             from launcher.parallel.compile import apply_compile
 
             apply_compile(part)
-        self.fsdp = m.dp_replicate * m.dp_shard * m.cp > 1
+        wants_offload = offload is not None and "cpu" in (offload.params, offload.optimizer)
+        if wants_offload and w is None:
+            raise ValueError(
+                "offload.params/optimizer=cpu is done by FSDP2's CPUOffloadPolicy, which needs a process "
+                "group: launch through `train` (torchrun), or set offload.optimizer=none")
+        # FSDP also wraps a single data-parallel rank when offloading: it is what moves the
+        # parameters, gradients and optimizer states to the CPU.
+        self.fsdp = m.dp_replicate * m.dp_shard * m.cp > 1 or wants_offload
         if self.fsdp:
             from launcher.parallel.fsdp import apply_fsdp, mixed_precision_policy
 
@@ -169,10 +176,9 @@ class NativeEngine:
                 raise ValueError(
                     "offload to nvme is DeepSpeed ZeRO-Infinity's; the native FSDP2 path offloads "
                     "to cpu only: set offload.params/optimizer=cpu, or backend.offload=deepspeed")
-            off = offload is not None and "cpu" in (offload.params, offload.optimizer)
             apply_fsdp(part, dp_mesh, zero_stage=self.parallel.zero_stage,
                        mp_policy=mixed_precision_policy(self.precision.name, self.precision.reduce_dtype),
-                       cpu_offload=off, pin_memory=bool(offload and offload.pin_memory),
+                       cpu_offload=wants_offload, pin_memory=bool(offload and offload.pin_memory),
                        expert_dp_mesh=expert_dp_mesh)
 
     def _pp_microbatches(self, grad_accum: int) -> int:

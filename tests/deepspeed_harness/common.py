@@ -22,10 +22,16 @@ CASES: Dict[str, List[str]] = {
     "zero2": ["parallel.zero_stage=2", "backend=deepspeed"],
     "zero3": ["parallel.zero_stage=3", "backend=deepspeed"],
     "zero2_cpu_offload": ["parallel.zero_stage=2", "offload=cpu", "backend.offload=deepspeed"],
+    # Activation checkpointing inside the DeepSpeed engine: DeepSpeed's own, and torch's op-level selective.
+    "zero2_ac_full": ["parallel.zero_stage=2", "backend=deepspeed", "activation_checkpointing=full"],
+    "zero1_ac_selective_op": ["parallel.zero_stage=1", "activation_checkpointing=selective"],
 }
 SLOW_CASES: Dict[str, List[str]] = {
     "pipeline_zero1": ["parallel.zero_stage=1", "parallel.pp=2", "backend=deepspeed"],
-    "zero3_nvme": ["parallel.zero_stage=3", "offload=nvme", "offload.params=nvme", "offload.pin_memory=false"],
+    # DeepSpeed swaps only partitions of >= 1 MiB: a wider model so both parameters and
+    # optimizer states really go through the NVMe folder.
+    "zero3_nvme": ["parallel.zero_stage=3", "offload=nvme", "offload.params=nvme", "offload.pin_memory=false",
+                   "model.dim=256", "model.ffn_dim=2048"],
 }
 SAVE_AT = 2  # the resume case saves after this many steps
 
