@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean system-deps
 
 install: $(STAMP)
 
@@ -28,8 +28,13 @@ $(STAMP): pyproject.toml $(TORCH_REQUIREMENTS)
 demo: $(STAMP)
 	$(VENV)/bin/train +recipe=debug
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q -ra
+
+# Debian packages the tests use: libaio for DeepSpeed's NVMe offload (the SLURM packages are
+# installed by slurm/dev-cluster.sh up, which the SLURM tests call).
+system-deps:
+	@dpkg -s libaio-dev >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; }
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -20,7 +20,7 @@ from launcher.parallel.fp8 import (
     transformer_engine_available,
 )
 
-torchao_float8 = pytest.importorskip("torchao.float8")
+import torchao.float8 as torchao_float8  # noqa: E402
 from torchao.float8.config import ScalingGranularity  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 

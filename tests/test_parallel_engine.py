@@ -45,7 +45,6 @@ def test_export_fp32_loads_into_a_fresh_model(tmp_path):
 
 
 def test_export_safetensors(tmp_path):
-    pytest.importorskip("safetensors")
     from safetensors.torch import load_file
 
     _, eng = engine()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402
 
 from launcher.config.loader import compose_spec  # noqa: E402
 from launcher.models import build_model  # noqa: E402

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from launcher.config.loader import compose_spec
 from launcher.config.schema import Fp8Config
 
-pytest.importorskip("torchao.float8")
+import torchao.float8  # noqa: E402,F401  (a dependency: a missing install must fail, not skip)
 
 STEPS = 8
 BATCH, SEQ = 4, 64
