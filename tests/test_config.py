@@ -91,6 +91,13 @@ def test_validation_rule_message(overrides, fragments):
     _one(_problems(*overrides), *fragments)
 
 
+def test_backend_conflicts_reported_with_other_problems():
+    spec = compose_spec(["+recipe=llama8b", "backend=deepspeed", "parallel.tp=2"])
+    problems = validate(spec)
+    assert any("data.path" in p for p in problems)
+    assert any("parallel.tp=2" in p and "DeepSpeed" in p for p in problems), problems
+
+
 def test_all_problems_reported_at_once():
     problems = _problems("parallel.zero_stage=7", "trainer.global_batch_size=7", "offload.params=disk")
     assert len(problems) >= 3

@@ -176,3 +176,42 @@ def test_user_template_gets_the_same_filters(tmp_path):
     tpl.write_text("#!/bin/bash\necho {{ run_dir|q }}\n{% for k, v in env.items() %}export {{ k }}={{ v|q }}\n{% endfor %}")
     spec = make_spec(template=str(tpl), env={"X": "a'b"})
     assert render(spec, tmp_path / "r un") == f"#!/bin/bash\necho '{(tmp_path / 'r un').resolve()}'\nexport X='a'\"'\"'b'\n"
+
+
+STUB_SRUN = """#!/usr/bin/env bash
+# Stand-in for srun: the ranks "checkpoint and stop" (writes control/stopped) and exit 0.
+while (($#)); do
+  if [[ $1 == --run-dir ]]; then mkdir -p "$2/control"; echo '{"step": 1}' > "$2/control/stopped"; fi
+  shift
+done
+exit 0
+"""
+
+STUB_SCONTROL = """#!/usr/bin/env bash
+# Stand-in for scontrol: node names work, requeue is refused (as when SLURM already requeues the job).
+[[ $1 == show ]] && { echo localhost; exit 0; }
+exit 1
+"""
+
+
+@pytest.mark.parametrize("restart_count,expected_rc", [(0, 1), (5, 3)], ids=["requeue-refused", "no-requeues-left"])
+def test_whole_script_runs_with_a_hostile_run_dir_and_executes_nothing(tmp_path, restart_count, expected_rc):
+    """Run the rendered script end to end (stub srun/scontrol) through its resubmit messages."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    run_dir = tmp_path / "run $(touch pwned); `touch pwned2` 'q'"
+    run_dir.mkdir()
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(make_spec(), run_dir))
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1", "SLURM_RESTART_COUNT": str(restart_count),
+    }
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == expected_rc, proc.stdout + proc.stderr
+    assert "resume with: sbatch" in proc.stdout.lower()
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
+    assert not list(run_dir.rglob("pwned*"))

@@ -324,10 +324,13 @@ def _check_cluster(spec: JobConfig, problems: List[str]) -> None:
         problems.extend(check_cluster_config(spec.cluster))
 
 
-RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
+BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_choices,
     _check_positive,
     _check_world_size,
+)
+
+RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_model_vs_parallel,
     _check_batch_and_sequence,
     _check_zero_and_offload,
@@ -339,10 +342,14 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
 def validate(spec: JobConfig) -> List[str]:
     """Return every problem with `spec` (empty list: valid). Includes backend conflicts."""
     problems: List[str] = []
+    for rule in BASIC_RULES:
+        rule(spec, problems)
+    basic_ok = not problems
     for rule in RULES:
         rule(spec, problems)
-    if not problems:
-        # The resolver only makes sense once the basic shape is valid.
+    if basic_ok:
+        # The resolver needs valid enumerations, positive degrees and a mesh that fits the
+        # world size; given those, its conflicts are reported together with everything else.
         from launcher.plan.backends import resolve_backends
 
         try:

@@ -73,3 +73,8 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float) -> floa
     if peak_tflops <= 0:
         raise ValueError(f"peak_tflops must be > 0 to compute MFU, got {peak_tflops}")
     return achieved_tflops(tokens_per_s, flops_per_token) / peak_tflops
+
+
+def peak_tflops(hw: Any, precision: str) -> float:
+    """Dense peak TFLOP/s of a GPU type (HardwareConfig) for the precision in use: MFU's denominator."""
+    return float(hw.fp8_tflops if precision == "fp8" else hw.bf16_tflops)

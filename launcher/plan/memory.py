@@ -62,6 +62,11 @@ def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
     """Bytes per parameter kept for the whole step: {params, grads, optimizer}, before sharding."""
     if lay.sharding_backend == "deepspeed":
         if lay.precision != "fp32":
+            if lay.zero_stage == 1 and lay.offload_optimizer == "none":
+                # launcher/deepspeed/config.py accumulates gradients in fp32 at ZeRO-1, which makes
+                # DeepSpeed use its BF16_Optimizer: an unsharded fp32 gradient buffer (4 B/param)
+                # beside the bf16 gradients, i.e. 8 + 12/N bytes per parameter instead of 4 + 12/N.
+                return {"params": 2.0, "grads": 6.0, "optimizer": 12.0}
             return {"params": 2.0, "grads": 2.0, "optimizer": 12.0}  # bf16 p/g + fp32 master, m, v
         if lay.zero_stage >= 1:
             # ZeRO's optimizer steps a flat fp32 copy of its partition even in fp32 training.
@@ -239,8 +244,8 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
     """Micro-batches whose activations a pipeline rank holds at its peak (all its chunks).
 
     GPipe runs every forward before any backward: m. 1F1B: rank r holds p - r (at most m).
-    Interleaved 1F1B with v chunks: rank 0 holds (1 + (p-1)/(p v)) times 1F1B's p
-    (Narayanan et al. 2021); zbv (V-shape, 2 chunks) balances to about p on every rank.
+    Interleaved 1F1B with v chunks: rank r holds p + (p-1-2r)/v (rank 0: (1 + (p-1)/(p v)) times
+    1F1B's p, Narayanan et al. 2021); zbv (V-shape, 2 chunks) balances to about p on every rank.
     """
     p, m, v = lay.pp, lay.microbatches, lay.vpp
     if p == 1:
@@ -250,7 +255,9 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
     if lay.schedule == "zbv":
         return float(min(m, p))
     if v > 1:
-        return float(min(m, (p - rank) + (p - 1 - rank) / v))
+        # Warm-up forwards of rank r, in model chunks, are (v-1)p + 2(p-1-r) (torch's interleaved
+        # schedule, as Megatron): in micro-batches of all v chunks, p + (p-1-2r)/v.
+        return float(min(m, p + (p - 1 - 2 * rank) / v))
     return float(min(m, p - rank))
 
 

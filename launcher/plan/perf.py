@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from launcher.plan.flops import attention_flops_per_token
+from launcher.plan.flops import attention_flops_per_token, peak_tflops
 from launcher.plan.layout import Layout
 from launcher.plan.params import ModelShape, StageParams, stage_params
 
@@ -182,8 +182,9 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     rb = 4.0 if (lay.reduce_dtype == "fp32" or lay.precision == "fp32") else 2.0
     ds = lay.sharding_backend == "deepspeed"
     if ds:
+        # DeepSpeed gathers its bf16/fp32 working parameters; gradients travel in
+        # communication_data_type, which launcher/deepspeed/config.py takes from reduce_dtype.
         wb = 4.0 if lay.precision == "fp32" else 2.0
-        rb = wb
     shard_dims: Tuple[str, ...] = ("dp_replicate", "dp_shard", "cp") if ds else ("dp_shard", "cp")
     n_shard = lay.fsdp_degree
     # Expert parameters shard over the ranks left after ep (innermost part of dp_shard*cp).
@@ -275,7 +276,7 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
     world = lay.world_size
     tokens_per_s_per_gpu = tokens_per_step / step_s / world
     flops_per_s_per_gpu = tokens_per_s_per_gpu * model_flops_per_token
-    peak = (hw.fp8_tflops if lay.precision == "fp8" else hw.bf16_tflops) * 1e12
+    peak = peak_tflops(hw, lay.precision) * 1e12
     return {
         "step_s": step_s,
         "compute_s": compute_s,

@@ -6,9 +6,9 @@ Layout of one checkpoint, <root>/step_00000100/:
     trainer.json      step, samples consumed (the data position), tokens seen, layout
     manifest.json     every file with its size and crc32, written last
 
-Protocol: every rank writes into <root>/.incomplete_step_00000100/; after a barrier rank 0
-writes trainer.json and manifest.json (fsynced) and renames the folder to step_00000100 in one
-atomic rename. A folder without a manifest, or whose files disagree with it, is skipped on
+Protocol: every rank writes into <root>/.incomplete_step_00000100/; the ranks checksum the
+files between them; rank 0 writes manifest.json (everything fsynced) and renames the folder to
+step_00000100 in one atomic rename. A folder without a manifest, or whose files disagree with it, is skipped on
 resume with a warning, and the previous checkpoint is used.
 """
 
@@ -21,7 +21,6 @@ import random
 import re
 import shutil
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -69,13 +68,22 @@ def _files(folder: Path) -> List[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def write_manifest(folder: Path, step: int) -> None:
-    entries = {
-        str(p.relative_to(folder)): {"size": p.stat().st_size, "crc32": _crc32(p, fsync=True)} for p in _files(folder)
+def checksum_files(folder: Path, rank: int, world_size: int) -> Dict[str, Dict[str, int]]:
+    """Size and crc32 (after fsync) of this rank's share of the files: every world_size-th one.
+
+    All ranks share the work so that a multi-TB checkpoint is not read by rank 0 alone while
+    the others wait in a barrier.
+    """
+    return {
+        str(p.relative_to(folder)): {"size": p.stat().st_size, "crc32": _crc32(p, fsync=True)}
+        for p in _files(folder)[rank::world_size]
     }
+
+
+def write_manifest(folder: Path, step: int, entries: Dict[str, Dict[str, int]]) -> None:
     tmp = folder / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"step": step, "files": entries}, f, indent=1)
+        json.dump({"step": step, "files": dict(sorted(entries.items()))}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(folder / MANIFEST)
@@ -120,12 +128,6 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-@dataclass
-class Resumed:
-    path: Path
-    state: Dict[str, Any]  # trainer.json
-
-
 class CheckpointManager:
     """Saves, prunes, finds and loads checkpoints under one root folder."""
 
@@ -149,15 +151,35 @@ class CheckpointManager:
             problem = verify_checkpoint(path, self.verify_checksums)
             if problem is None:
                 return path
-            if self.rank == 0:
-                log.warning("skipping checkpoint %s: %s; trying the previous one", path, problem)
+            log.warning("skipping checkpoint %s: %s; trying the previous one", path, problem)
         return None
+
+    def select_resume(self, resume: str) -> Optional[Path]:
+        """The checkpoint to resume from (collective): rank 0 verifies, every rank gets its answer.
+
+        resume: "auto" (newest valid under the root, None if there is none) or a checkpoint path.
+        """
+        choice: List[Optional[str]] = [None]
+        if self.rank == 0:
+            if resume == "auto":
+                found = self.latest_valid()
+                choice[0] = str(found) if found is not None else None
+            else:
+                path = Path(resume)
+                problem = "not a folder" if not path.is_dir() else verify_checkpoint(path, self.verify_checksums)
+                choice[0] = f"!{path}: {problem}" if problem else str(path)
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        if choice[0] is not None and choice[0].startswith("!"):
+            raise ValueError(
+                f"checkpoint.resume={choice[0][1:]}. Fix: give a checkpoint folder such as "
+                f"{self.root / step_dir_name(100)}, or checkpoint.resume=auto."
+            )
+        return Path(choice[0]) if choice[0] is not None else None
 
     def save(self, step: int, engine: Engine, trainer_state: Dict[str, Any]) -> Path:
         """Write a checkpoint for `step` atomically (collective over all ranks)."""
         final = self.root / step_dir_name(step)
-        if final.exists() and verify_checkpoint(final, checksums=False) is None:
-            return final
         tmp = self.root / f".incomplete_{step_dir_name(step)}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -165,31 +187,55 @@ class CheckpointManager:
         _barrier()
         engine.save(tmp / "engine")
         torch.save(rng_state(), tmp / "rng" / f"rank_{self.rank:05d}.pt")
-        _barrier()
         if self.rank == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
-            write_manifest(tmp, step)
-            if final.exists():  # an invalid leftover of an earlier crash
+        _barrier()
+        entries = checksum_files(tmp, self.rank, self.world_size)
+        if dist.is_initialized():
+            gathered: List[Optional[Dict]] = [None] * self.world_size
+            dist.all_gather_object(gathered, entries)
+            entries = {k: v for part in gathered for k, v in (part or {}).items()}
+        if self.rank == 0:
+            write_manifest(tmp, step, entries)
+            for sub in [tmp, *[d for d in tmp.rglob("*") if d.is_dir()]]:
+                _fsync_dir(sub)
+            if final.exists():  # a leftover of an earlier attempt at this step (valid or not)
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(self.root)
-            self._prune()
+            self._prune(final, step)
             log.info("saved checkpoint %s", final)
         _barrier()
         return final
 
-    def _prune(self) -> None:
-        for old in self.checkpoints()[self.keep :]:
+    def _prune(self, newest: Path, step: int) -> None:
+        """Keep `newest` and the keep-1 newest valid checkpoints before it; never delete `newest`.
+
+        Folders of later steps belong to an abandoned timeline (this run resumed from an older
+        checkpoint): left in place, `resume=auto` would later jump back to them.
+        """
+        older_valid = []
+        for path in self.checkpoints():
+            if path == newest:
+                continue
+            if int(STEP_DIR.match(path.name).group(1)) > step:
+                log.warning("removing %s: it is later than step %d, from a run this one replaced", path, step)
+                shutil.rmtree(path, ignore_errors=True)
+            elif verify_checkpoint(path, checksums=False) is None:
+                older_valid.append(path)
+            else:
+                log.warning("removing unusable checkpoint %s", path)
+                shutil.rmtree(path, ignore_errors=True)
+        for old in older_valid[max(0, self.keep - 1) :]:
             shutil.rmtree(old, ignore_errors=True)
             log.info("removed old checkpoint %s (checkpoint.keep=%d)", old, self.keep)
         for leftover in self.root.glob(".incomplete_step_*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            if leftover.name != f".incomplete_{newest.name}":
+                shutil.rmtree(leftover, ignore_errors=True)
 
-    def load(self, path: Path, engine: Engine, seed: int) -> Resumed:
-        """Restore engine state and this rank's RNG from `path` (collective)."""
-        problem = verify_checkpoint(path, self.verify_checksums)
-        if problem is not None:
-            raise RuntimeError(f"checkpoint {path} is not usable: {problem}. Fix: checkpoint.resume=auto or another path.")
+    def load(self, path: Path, engine: Engine, seed: int) -> Dict[str, Any]:
+        """Restore engine state and this rank's RNG from a checkpoint chosen by `select_resume`
+        (collective); returns its trainer.json."""
         state = json.loads((path / TRAINER_STATE).read_text())
         engine.load(path / "engine")
         rng_file = path / "rng" / f"rank_{self.rank:05d}.pt"
@@ -203,4 +249,4 @@ class CheckpointManager:
                     "resuming with world size %d from a checkpoint written with %s: RNG streams reseeded",
                     self.world_size, state.get("world_size"),
                 )
-        return Resumed(path=path, state=state)
+        return state

@@ -20,7 +20,7 @@ import torch
 from launcher.config.loader import load_spec
 from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
-from launcher.plan.flops import training_flops_per_token
+from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
@@ -91,12 +91,6 @@ def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> Step
     return StepBatches(windows, spec.trainer.seed, plan.batch.global_batch_size, part)
 
 
-def peak_tflops(spec: JobConfig) -> float:
-    """Dense peak of the configured GPU type for the precision in use (MFU's denominator)."""
-    hw = spec.hardware
-    return hw.fp8_tflops if spec.precision.name == "fp8" else hw.bf16_tflops
-
-
 def checkpoint_root(spec: JobConfig, run_dir: Path) -> Path:
     return Path(spec.checkpoint.dir) if spec.checkpoint.dir else Path(run_dir) / "checkpoints"
 
@@ -113,6 +107,28 @@ def log_plan_plots(spec: JobConfig, plan: Plan, run_dir: Path, metrics: MetricsL
         log.warning("could not draw the plan charts: %s", err)
         return
     metrics.log_images({f"plan/{Path(p).stem}": Path(p) for p in paths})
+
+
+def check_same_data_position(state: dict, plan: Plan) -> None:
+    """The data position is step x global batch: a changed global batch would repeat or skip data."""
+    consumed = state.get("samples_consumed")
+    expected = state["step"] * plan.batch.global_batch_size
+    if consumed is not None and consumed != expected:
+        raise ValueError(
+            f"the checkpoint at step {state['step']} consumed {consumed} samples "
+            f"(global batch {consumed // max(1, state['step'])}) but this run uses trainer.global_batch_size="
+            f"{plan.batch.global_batch_size}, so resuming would repeat or skip data. Fix: resume with "
+            f"trainer.global_batch_size={consumed // max(1, state['step'])}, or start a new run directory."
+        )
+
+
+def config_for_logging(spec: JobConfig) -> dict:
+    """The resolved config for W&B, with values that may hold secrets (cluster.env, setup) redacted."""
+    config = asdict(spec)
+    cluster = config["cluster"]
+    cluster["env"] = {name: "<redacted>" for name in cluster["env"]}
+    cluster["setup"] = ["<redacted>" for _ in cluster["setup"]]
+    return config
 
 
 def run(run_dir: Path) -> int:
@@ -141,12 +157,12 @@ def run(run_dir: Path) -> int:
         world_size=rank.world_size,
     )
     start_step = 0
-    resume = spec.checkpoint.resume
-    if resume != "none":
-        path = checkpoints.latest_valid() if resume == "auto" else Path(resume)
+    if spec.checkpoint.resume != "none":
+        path = checkpoints.select_resume(spec.checkpoint.resume)
         if path is not None:
-            resumed = checkpoints.load(path, engine, spec.trainer.seed)
-            start_step = resumed.state["step"]
+            state = checkpoints.load(path, engine, spec.trainer.seed)
+            start_step = state["step"]
+            check_same_data_position(state, plan)
             log.info("resumed from %s at step %d", path, start_step)
         elif rank.rank == 0:
             log.info("no checkpoint to resume from in %s: starting at step 0", checkpoints.root)
@@ -155,7 +171,7 @@ def run(run_dir: Path) -> int:
         run_dir,
         enabled=rank.rank == 0,
         wandb_cfg=spec.logging.wandb,
-        config=asdict(spec),
+        config=config_for_logging(spec),
         total_steps=spec.trainer.steps,
         progress=spec.logging.progress,
         resume_step=start_step,
@@ -173,10 +189,9 @@ def run(run_dir: Path) -> int:
         tokens_per_step=plan.batch.tokens_per_step,
         samples_per_step=plan.batch.global_batch_size,
         world_size=rank.world_size,
-        seed=spec.trainer.seed,
         mesh=plan.mesh.to_dict(),
         flops_per_token=training_flops_per_token(spec.model, spec.trainer.seq_len),
-        peak_tflops_per_gpu=peak_tflops(spec) if rank.device.type == "cuda" else 0.0,
+        peak_tflops_per_gpu=peak_tflops(spec.hardware, spec.precision.name) if rank.device.type == "cuda" else 0.0,
         track_memory=spec.trainer.track_memory,
         predicted_memory=plan.memory,
         device_type=rank.device.type,
@@ -207,14 +222,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         code = run(args.run_dir)
-    except Exception:
-        # Surface the failing rank's error in its log and on stderr (the main log), then fail.
+    except Exception as err:
+        # Surface the failing rank's error on stderr (the main log) and in its rank log, then fail
+        # fast: gloo teardown can hang when peers are gone.
         rank = os.environ.get("RANK", "?")
         text = traceback.format_exc()
         logging.getLogger("launcher").error("rank %s failed:\n%s", rank, text)
-        sys.stderr.write(f"[rank{rank}] FAILED:\n{text}")
+        if isinstance(err, (ValueError, FileNotFoundError)) and "Fix:" in str(err):
+            sys.stderr.write(f"[rank{rank}] {err}\n")  # a user error: the message is the whole story
+        else:
+            sys.stderr.write(f"[rank{rank}] FAILED:\n{text}")
         sys.stderr.flush()
-        os._exit(1)  # skip gloo teardown that can hang when peers are gone
+        os._exit(1)
     shutdown_distributed()
     return code
 

@@ -107,6 +107,8 @@ class MetricsLogger:
             id=id_file.read_text().strip(),
             resume="allow",
         )
+        self._wandb.define_metric("trainer/step")
+        self._wandb.define_metric("*", step_metric="trainer/step")
         log.info("W&B run %s (mode=%s)", self._wandb.id, mode)
 
     def log(self, record: Dict[str, Any], console: bool = True) -> None:
@@ -114,8 +116,10 @@ class MetricsLogger:
             return
         self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-        if self._progress is not None:
+            # Our own step axis: W&B drops logs at or below its internal step, which would keep the
+            # pre-crash values of the steps a resumed run repeats.
+            self._wandb.log({("trainer/step" if k == "step" else k): v for k, v in record.items()})
+        if self._progress is not None and console:
             self._progress.update(
                 self._task, completed=record["step"],
                 info=f"loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s",
@@ -144,7 +148,7 @@ class MetricsLogger:
             return
         import wandb
 
-        self._wandb.log({key: wandb.Image(str(path)) for key, path in images.items()}, commit=False)
+        self._wandb.log({key: wandb.Image(str(path)) for key, path in images.items()})
 
     def close(self) -> None:
         if not self.enabled:

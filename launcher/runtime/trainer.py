@@ -34,7 +34,6 @@ class LoopConfig:
     tokens_per_step: int
     samples_per_step: int
     world_size: int
-    seed: int
     mesh: Dict[str, int]
     flops_per_token: float = 0.0  # model FLOPs (launcher.plan.flops) for TFLOP/s and MFU
     peak_tflops_per_gpu: float = 0.0  # 0: no MFU (e.g. on CPU, where no peak is meaningful)
@@ -152,6 +151,12 @@ class Trainer:
                 last_saved = step
             if step < cfg.steps and self.stop.should_stop():
                 reason = self.stop.local_request() or "stop requested on another rank"
+                if not cfg.checkpoint_enabled:
+                    # No checkpoint means no resume: do not ask for a requeue that restarts at 0.
+                    raise RuntimeError(
+                        f"stop requested at step {step} ({reason}) but checkpoint.enabled=false: the work "
+                        f"cannot be saved. Fix: enable checkpoints to survive preemption."
+                    )
                 log.warning("stopping at step %d (%s): saving a checkpoint", step, reason)
                 if last_saved != step:
                     self._save(step)
