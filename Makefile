@@ -18,23 +18,33 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml $(TORCH_REQUIREMENTS)
+$(STAMP): pyproject.toml $(TORCH_REQUIREMENTS) | system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(if $(TORCH_REQUIREMENTS),$(PY) -m pip install --quiet -r $(TORCH_REQUIREMENTS))
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(if $(TORCH_REQUIREMENTS),$(PY) -m pip install --quiet torch -c $(TORCH_REQUIREMENTS))
+	$(PY) -m pip install --quiet -e '.[test]' $(if $(TORCH_REQUIREMENTS),-c $(TORCH_REQUIREMENTS))
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/train +recipe=debug
 
-test: $(STAMP) system-deps
+test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
-# Debian packages the tests use: libaio for DeepSpeed's NVMe offload (the SLURM packages are
-# installed by slurm/dev-cluster.sh up, which the SLURM tests call).
+# Debian packages: venv support, a C++ compiler and Python headers (DeepSpeed's JIT-built ops,
+# torch.compile), libaio (DeepSpeed's NVMe offload). Installed only when missing (needs root
+# then). The SLURM packages are installed by slurm/dev-cluster.sh up, which the SLURM tests call.
+SYSTEM_PACKAGES := python3-venv python3-dev g++ libaio-dev
 system-deps:
-	@dpkg -s libaio-dev >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; }
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing system packages: $$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else \
+	    echo "warning: missing system packages: $$missing (install them as root: apt-get install $$missing)"; \
+	  fi; \
+	fi
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -66,7 +66,14 @@ def _resolve_local_device(spec: JobConfig) -> JobConfig:
         return spec
     import torch
 
-    device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= spec.cluster.gpus_per_node else "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cuda" if gpus >= spec.cluster.gpus_per_node else "cpu"
+    if 0 < gpus < spec.cluster.gpus_per_node:
+        log.warning(
+            "cluster.gpus_per_node=%d but this machine has %d GPU(s): running on CPU. Set "
+            "cluster.gpus_per_node=%d to use the GPUs, or trainer.device=cpu to silence this.",
+            spec.cluster.gpus_per_node, gpus, gpus,
+        )
     return dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, device=device))
 
 

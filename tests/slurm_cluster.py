@@ -24,7 +24,7 @@ import pytest
 from launcher.paths import slurm_dir
 
 DEV_CLUSTER = slurm_dir() / "dev-cluster.sh"
-UP_TIMEOUT_S = 600  # a fresh machine installs the packages first (about 15 s, more on a slow mirror)
+UP_TIMEOUT_S = 500  # a fresh machine installs the packages first (about 15 s, more on a slow mirror)
 FINAL_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",
 }

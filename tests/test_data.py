@@ -56,7 +56,7 @@ def test_epochs_wrap_with_a_new_order():
 def test_token_shards_from_a_folder(tmp_path):
     np.arange(0, 100, dtype=np.uint32).tofile(tmp_path / "a.bin")
     np.arange(1000, 1100, dtype=np.uint32).tofile(tmp_path / "b.bin")
-    arrays = load_token_arrays(DataConfig(source="tokens", path=str(tmp_path), dtype="uint32"), 0, tmp_path)
+    arrays = load_token_arrays(DataConfig(source="tokens", path=str(tmp_path), dtype="uint32"), tmp_path)
     windows = TokenWindows(arrays, 10)
     assert windows.n_windows == 18
     for i in range(windows.n_windows):
@@ -66,7 +66,7 @@ def test_token_shards_from_a_folder(tmp_path):
 
 def test_missing_shards_error_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.path"):
-        load_token_arrays(DataConfig(source="tokens", path=str(tmp_path / "nope")), 0, tmp_path)
+        load_token_arrays(DataConfig(source="tokens", path=str(tmp_path / "nope")), tmp_path)
 
 
 def test_text_with_a_local_tokenizer_json(tmp_path):
@@ -79,16 +79,24 @@ def test_text_with_a_local_tokenizer_json(tmp_path):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_text("the cat sat on the mat " * 50)
     cfg = DataConfig(source="text", path=str(tmp_path / "corpus"), tokenizer=str(tmp_path / "tokenizer.json"), dtype="uint16")
-    arrays = load_token_arrays(cfg, 0, tmp_path / "cache")
+    arrays = load_token_arrays(cfg, tmp_path / "cache")
     assert list(arrays[0][:6]) == [1, 2, 3, 4, 1, 5]
-    assert len(list((tmp_path / "cache").glob("*.bin"))) == 1  # tokenized once, cached
+    shards = list((tmp_path / "cache").glob("*.bin"))
+    assert len(shards) == 1
+    stamp = shards[0].stat().st_mtime_ns
+    load_token_arrays(cfg, tmp_path / "cache")  # tokenized once: the second load reuses the cache
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*.bin")] == [stamp]
     with pytest.raises(FileNotFoundError, match="never downloads"):
-        load_token_arrays(DataConfig(source="text", path=str(tmp_path / "corpus"), tokenizer="missing.json"), 0, tmp_path)
+        load_token_arrays(DataConfig(source="text", path=str(tmp_path / "corpus"), tokenizer="missing.json"), tmp_path)
 
 
 def test_vocab_check():
     with pytest.raises(ValueError, match="vocab_size=100"):
         check_vocab([np.array([5, 150], dtype=np.uint16)], 100)
+    big = np.zeros(5_000_000, dtype=np.uint16)
+    big[-10] = 150  # large arrays are sampled, not skipped: the tail is always read
+    with pytest.raises(ValueError, match="token id 150"):
+        check_vocab([big], 100, sample=1_000_000)
 
 
 def test_too_little_data_is_explained():

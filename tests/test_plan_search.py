@@ -43,11 +43,11 @@ def test_results_are_valid_fit_and_ranked(llama70b):
     assert len(cands) == 15
     assert stats["meshes"] > 100 and stats["states_too_big"] > 0  # it really enumerated and pruned
     tps = [c.tokens_per_s_per_gpu for c in cands]
-    assert tps[0] >= tps[-1]
+    assert tps == sorted(tps, reverse=True)
     for c in cands:
         chosen = _apply(spec, c.train_overrides)
         assert validate(chosen) == [], c.train_overrides
-        assert chosen == candidate_spec(spec, c.layout) or validate(candidate_spec(spec, c.layout)) == []
+        assert chosen == candidate_spec(spec, c.layout)
         assert c.memory["total"] <= c.capacity
         # The plan of the chosen layout agrees with the search's estimate.
         plan = build_plan(chosen)

@@ -146,13 +146,16 @@ def test_fp8_moe_keeps_router_in_bf16(one_rank_group):
     from launcher.models import build_model
     from launcher.parallel.fp8 import plan_float8_conversion
 
-    cfg = compose_spec(["model=debug_moe"]).model
+    # 16 experts: the router (64 -> 16) is fp8-eligible by shape, so only its name keeps it bf16.
+    cfg = compose_spec(["model=debug_moe", "model.n_experts=16"]).model
     with torch.device("meta"):
         model = build_model(cfg)
     report = plan_float8_conversion(model, Fp8Config())
     routers = [n for n in report.kept if n.endswith("router")]
     assert len(routers) == cfg.n_layers - cfg.n_dense_layers
     assert not any(n.endswith("router") for n in report.converted)
+    unfiltered = plan_float8_conversion(model, Fp8Config(exclude=["output"]))
+    assert sum(n.endswith("router") for n in unfiltered.converted) == cfg.n_layers - cfg.n_dense_layers
 
 
 def test_fp8_rowwise_tracks_bf16(runs):

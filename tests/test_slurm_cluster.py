@@ -45,7 +45,7 @@ def test_dev_cluster_up_is_idempotent_and_runs_a_job(slurm_cluster: SlurmCluster
     t0 = time.monotonic()
     up = subprocess.run(["bash", str(DEV_CLUSTER), "up"], capture_output=True, text=True, timeout=60)
     assert up.returncode == 0 and "already up" in up.stderr, up.stderr
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # already up: no install, no restart (about 0.1 s idle)
     status = subprocess.run(["bash", str(DEV_CLUSTER), "status"], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stdout
     for daemon in ("munged", "slurmctld", "slurmd"):

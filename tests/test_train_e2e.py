@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.runtime.checkpoint import verify_checkpoint
 from tests.conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
 
 pytestmark = pytest.mark.multiprocess
@@ -49,6 +50,16 @@ def _start(args, run_dir: Path) -> subprocess.Popen:
     )
 
 
+def _no_ranks_left(run_dir: Path, timeout: float = 30) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        left = subprocess.run(["pgrep", "-f", f"--run-dir {run_dir}"], capture_output=True, text=True)
+        if not left.stdout.strip():
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -72,6 +83,7 @@ def test_kill_then_resume_reproduces_uninterrupted_losses(reference_run, run_dir
     run_train(BASE, run_dir, check=True)
     log = (run_dir / "logs" / "rank_0.log").read_text()
     assert "resumed from" in log
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 13))  # no duplicated steps
     assert losses_by_step(run_dir) == losses_by_step(reference_run)
 
 
@@ -91,7 +103,11 @@ def test_corrupted_or_half_written_newest_checkpoint_is_skipped(reference_run, r
     assert "step_00000008: no manifest.json" in log
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004'}" in log
     ref = losses_by_step(reference_run)
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(5, 13))
     assert losses_by_step(run_dir) == {s: ref[s] for s in range(5, 13)}
+    # The resumed run wrote good checkpoints over the corrupt step 12 and the half-written step 8.
+    assert verify_checkpoint(newest) is None
+    assert verify_checkpoint(run_dir / "checkpoints" / "step_00000008") is None
 
 
 def test_a_failing_rank_stops_all_ranks(run_dir):
@@ -106,9 +122,7 @@ def test_a_failing_rank_stops_all_ranks(run_dir):
     os.kill(pids[1], signal.SIGKILL)
     code = proc.wait(timeout=120)
     assert code != 0
-    time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", f"launcher.runtime.entry --run-dir {run_dir}"], capture_output=True, text=True)
-    assert left.stdout.strip() == ""
+    assert _no_ranks_left(run_dir)
     assert "training failed" in proc.stdout.read()
 
 
@@ -119,7 +133,27 @@ def test_ctrl_c_stops_all_ranks(run_dir):
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground process group
     code = proc.wait(timeout=120)
     assert code != 0
-    time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", f"--run-dir {run_dir}"], capture_output=True, text=True)
-    assert left.stdout.strip() == ""
+    assert _no_ranks_left(run_dir)
     assert max(losses_by_step(run_dir)) < 400
+
+
+def test_stop_request_checkpoints_and_resume_continues_exactly(reference_run, run_dir):
+    """The preemption path without SLURM: control/stop -> checkpoint, `stopped`, exit 0 -> resume."""
+    run_dir.mkdir(parents=True)
+    args = [*BASE, "checkpoint.interval=0"]
+    proc = _start(args, run_dir)
+    _wait_for(lambda: len(_lines(run_dir / "metrics.jsonl")) >= 3, 240, proc)
+    (run_dir / "control").mkdir(exist_ok=True)
+    (run_dir / "control" / "stop").touch()
+    assert proc.wait(timeout=240) == 0
+    stopped = json.loads((run_dir / "control" / "stopped").read_text())
+    assert 3 <= stopped["step"] < 12 and "stop file" in stopped["reason"]
+    assert verify_checkpoint(run_dir / "checkpoints" / f"step_{stopped['step']:08d}") is None
+
+    run_train(args, run_dir, check=True)  # a new launch clears the old stop request and resumes
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 13))
+    assert losses_by_step(run_dir) == losses_by_step(reference_run)
+
+
+def _lines(path: Path) -> list:
+    return path.read_text().splitlines() if path.exists() else []

@@ -318,6 +318,11 @@ def _check_device(spec: JobConfig, problems: List[str]) -> None:
 
 
 def _check_cluster(spec: JobConfig, problems: List[str]) -> None:
+    if spec.action == "run" and spec.cluster.name == "local" and spec.cluster.nodes != 1:
+        problems.append(
+            f"cluster=local runs on this machine only, but cluster.nodes={spec.cluster.nodes}. "
+            f"Fix: cluster.nodes=1, or cluster=slurm for several nodes."
+        )
     if spec.cluster.name == "slurm":
         from launcher.launch.slurm import check_cluster_config
 

@@ -113,7 +113,7 @@ class StepBatches:
         return out
 
 
-def load_token_arrays(cfg: DataConfig, seed: int, cache_dir: Path) -> List[np.ndarray]:
+def load_token_arrays(cfg: DataConfig, cache_dir: Path) -> List[np.ndarray]:
     """The token arrays for data.source (embedded | tokens | text)."""
     if cfg.source == "embedded":
         from launcher.data.embedded import embedded_tokens
@@ -129,13 +129,22 @@ def load_token_arrays(cfg: DataConfig, seed: int, cache_dir: Path) -> List[np.nd
     raise ValueError(f"data.source={cfg.source!r} is not one of embedded, tokens, text")
 
 
-def check_vocab(arrays: Sequence[np.ndarray], vocab_size: int) -> None:
-    """Refuse token ids outside the model's vocabulary (cheap: samples the max of small arrays only)."""
+def check_vocab(arrays: Sequence[np.ndarray], vocab_size: int, sample: int = 20_000_000) -> None:
+    """Refuse token ids outside the model's vocabulary before they reach an embedding lookup.
+
+    Arrays up to `sample` tokens are checked whole; larger ones through a strided sample plus
+    their first and last million tokens (a full pass over terabytes would delay every start).
+    """
     for a in arrays:
-        if len(a) <= 50_000_000:
-            top = int(a.max()) if len(a) else 0
-            if top >= vocab_size:
-                raise ValueError(
-                    f"the data contains token id {top} but model.vocab_size={vocab_size}. "
-                    f"Fix: raise model.vocab_size to at least {top + 1}, or use matching data/tokenizer."
-                )
+        if len(a) == 0:
+            continue
+        if len(a) <= sample:
+            top = int(a.max())
+        else:
+            stride = len(a) // sample + 1
+            top = int(max(a[::stride].max(), a[:1_000_000].max(), a[-1_000_000:].max()))
+        if top >= vocab_size:
+            raise ValueError(
+                f"the data contains token id {top} but model.vocab_size={vocab_size}. "
+                f"Fix: raise model.vocab_size to at least {top + 1}, or use matching data/tokenizer."
+            )

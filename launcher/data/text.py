@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import os
+import uuid
 from pathlib import Path
 from typing import List
 
@@ -36,7 +36,7 @@ def _load_tokenizer(tokenizer_path: str):
 
 
 def tokenize_text(path: Path, tokenizer_path: str, dtype: str) -> np.ndarray:
-    """Tokenize all text under `path`; byte tokens when no tokenizer is given. Documents are joined by EOS/newline."""
+    """Tokenize all text under `path` (files concatenated in sorted order); byte tokens when no tokenizer is given."""
     tok = _load_tokenizer(tokenizer_path)
     chunks = []
     for f in text_files(path):
@@ -59,11 +59,12 @@ def cached_tokenization(path: Path, tokenizer_path: str, dtype: str, cache_dir: 
     for f in text_files(path):
         st = f.stat()
         key.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    key.update(f"{tokenizer_path}:{dtype}".encode())
+    tok_stamp = Path(tokenizer_path).stat().st_mtime_ns if tokenizer_path and Path(tokenizer_path).is_file() else 0
+    key.update(f"{tokenizer_path}:{tok_stamp}:{dtype}".encode())
     out = Path(cache_dir) / f"text-{key.hexdigest()[:16]}.{dtype}.bin"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        tmp = out.with_suffix(f".tmp-{uuid.uuid4().hex}")
         tokenize_text(path, tokenizer_path, dtype).tofile(tmp)
         tmp.replace(out)
     return out

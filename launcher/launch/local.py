@@ -11,6 +11,7 @@ from pathlib import Path
 from launcher.config.schema import JobConfig
 from launcher.launch.torchrun import torchrun_argv
 from launcher.plan.plan import Plan
+from launcher.runtime.signals import control_dir
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +33,23 @@ def rank_environment(run_dir: Path, device: str) -> dict:
 def launch_local(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
     """Start cluster.gpus_per_node ranks; returns the exit code (non-zero if any rank failed).
 
-    Ctrl-C reaches the ranks through the terminal's process group; torchrun tears down all
-    ranks when one fails.
+    torchrun runs in its own process group: Ctrl-C here is passed on to it (it stops every
+    rank), and if the ranks do not end within 30 s the whole group is killed, ranks included.
+    torchrun tears down all ranks when one fails.
     """
-    if spec.cluster.nodes != 1:
-        raise ValueError(
-            f"cluster=local runs on one machine but cluster.nodes={spec.cluster.nodes}. "
-            f"Fix: cluster.nodes=1, or cluster=slurm for several nodes."
-        )
+    for stale in ("stop", "stopped"):  # a stop request of an earlier run in this run dir
+        (control_dir(run_dir) / stale).unlink(missing_ok=True)
     argv = torchrun_argv(run_dir, nproc_per_node=spec.cluster.gpus_per_node)
     env = rank_environment(run_dir, spec.trainer.device)
     log.info("starting %d local ranks: %s", spec.cluster.gpus_per_node, " ".join(argv))
-    proc = subprocess.Popen(argv, env=env)
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
     try:
         return proc.wait()
     except KeyboardInterrupt:
         log.warning("interrupted: stopping all ranks")
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             return proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait()

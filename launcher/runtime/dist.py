@@ -29,15 +29,19 @@ def resolve_device_type(requested: str) -> str:
     return requested
 
 
-def init_distributed(device_type: str, timeout_s: int = 1800) -> RankInfo:
-    """Join the process group torchrun prepared (gloo on CPU, nccl on GPU)."""
+def init_distributed(device_type: str, timeout_s: int = 1800, cpu_collectives: bool = False) -> RankInfo:
+    """Join the process group torchrun prepared (gloo on CPU, nccl on GPU).
+
+    cpu_collectives: on GPU, also give the groups a gloo backend for CPU tensors (FSDP2's CPU
+    offload keeps gradient shards on the host, and clipping reduces their norms there).
+    """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        backend = "nccl"
+        backend = "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"

@@ -79,7 +79,14 @@ def data_parallel_rank(plan: Plan, rank: int) -> int:
 
 
 def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> StepBatches:
-    arrays = load_token_arrays(spec.data, spec.trainer.seed, cache_dir=Path(run_dir) / "data_cache")
+    cache_dir = Path(run_dir) / "data_cache"
+    if spec.data.source == "text":
+        # Tokenize once (rank 0) into the cache; the other ranks then map the same shard.
+        if rank == 0:
+            load_token_arrays(spec.data, cache_dir)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+    arrays = load_token_arrays(spec.data, cache_dir)
     check_vocab(arrays, spec.model.vocab_size)
     windows = TokenWindows(arrays, spec.trainer.seq_len)
     part = BatchSlice(
@@ -135,7 +142,8 @@ def run(run_dir: Path) -> int:
     spec = load_spec(run_dir)
     plan = Plan.load(run_dir)
     device_type = resolve_device_type(spec.trainer.device)
-    rank = init_distributed(device_type)
+    offload_to_cpu = "cpu" in (spec.offload.optimizer, spec.offload.params) and plan.backend("sharding") == "native"
+    rank = init_distributed(device_type, cpu_collectives=offload_to_cpu)
     setup_logging(run_dir, rank.rank, spec.logging.level)
     if rank.world_size != plan.world_size:
         raise RuntimeError(

@@ -4,7 +4,8 @@ A stop is requested by SIGUSR1 or SIGTERM reaching a rank, or by the file
 <run_dir>/control/stop existing (the sbatch script's USR1 trap creates it). The ranks agree
 at the end of a step (one tiny all-reduce), save a checkpoint, rank 0 writes
 <run_dir>/control/stopped as JSON {"step", "reason"}, and every process exits 0 so the batch
-script can requeue the job. A second SIGTERM/SIGINT exits at once.
+script can requeue the job. A second SIGTERM exits at once (SIGINT keeps Python's default:
+KeyboardInterrupt, which ends the rank).
 """
 
 from __future__ import annotations
