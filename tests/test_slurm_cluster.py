@@ -150,7 +150,8 @@ def test_no_requeue_left_exits_3_and_says_how_to_resume(slurm_cluster: SlurmClus
     log = main_log(run_dir, job_id)
     assert info.state == "FAILED" and info.rc == 3 and info.restarts == 0, (info, log)
     assert "not requeued: cluster.max_requeues=0 reached" in log
-    assert f"Resume with: sbatch {run_dir / 'job.sbatch'}" in log
+    # The path is printed shell-quoted (bash's ${VAR@Q}), so it can be pasted even with odd characters.
+    assert f"Resume with: sbatch '{run_dir / 'job.sbatch'}'" in log
 
 
 def test_failing_setup_line_fails_the_job(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):

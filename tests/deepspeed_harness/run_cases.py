@@ -26,6 +26,8 @@ import torch.distributed as dist  # noqa: E402
 
 from common import CASES, SAVE_AT, SLOW_CASES, rank_microbatches, spec_for  # noqa: E402
 
+from launcher.runtime.dist import shutdown_distributed  # noqa: E402
+
 
 def dp_rank_of(plan, rank: int) -> int:
     c = plan.mesh.coordinates(rank)
@@ -115,10 +117,7 @@ def main() -> int:
         results["native_zero3"] = run_native(args.work)
     if dist.get_rank() == 0:
         (args.work / "results.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
-    gc.collect()
-    time.sleep(0.1)
+    shutdown_distributed()
     return 0
 
 

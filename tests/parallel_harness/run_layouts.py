@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from launcher.runtime.dist import shutdown_distributed
+
 REPO = Path(__file__).resolve().parents[2]
 # HARNESS_DEVICE=cuda runs the same layouts on GPUs (nccl, one GPU per rank).
 DEVICE = torch.device(os.environ.get("HARNESS_DEVICE", "cpu"))
@@ -162,11 +164,7 @@ def main() -> int:
             dist.barrier()
     if rank == 0:
         Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    gc.collect()
-    time.sleep(0.1)
+    shutdown_distributed()
     return 0
 
 
