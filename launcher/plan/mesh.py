@@ -36,11 +36,6 @@ class MeshPlan:
         """Data-parallel degree: how many different batches are processed at once."""
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def fsdp(self) -> int:
-        """Ranks that shard parameters (FSDP / ZeRO): dp_shard * cp."""
-        return self.dp_shard * self.cp
-
     def shape(self) -> Tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIM_NAMES)
 
