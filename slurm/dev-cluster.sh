@@ -57,6 +57,15 @@ daemon_running() { # daemon_running NAME PIDFILE
   pid_running "$(pid_of "$2")" "$1"
 }
 
+gone_within() { # gone_within TENTHS PID NAME: true once PID no longer runs NAME, polling every 0.1 s
+  local i
+  for ((i = 0; i < $1; i++)); do
+    pid_running "$2" "$3" || return 0
+    sleep 0.1
+  done
+  return 1
+}
+
 stop_pid() { # stop_pid NAME PIDFILE: TERM, wait up to 15 s, then KILL
   local name="$1" pidfile="$2" pid i
   pid=$(pid_of "$pidfile")
@@ -66,16 +75,10 @@ stop_pid() { # stop_pid NAME PIDFILE: TERM, wait up to 15 s, then KILL
   fi
   log "stopping $name (pid $pid)"
   kill -TERM "$pid" 2>/dev/null || true
-  for ((i = 0; i < 150; i++)); do
-    pid_running "$pid" "$name" || { rm -f "$pidfile"; return 0; }
-    sleep 0.1
-  done
+  if gone_within 150 "$pid" "$name"; then rm -f "$pidfile"; return 0; fi
   log "$name (pid $pid) ignored SIGTERM for 15 s: sending SIGKILL"
   kill -KILL "$pid" 2>/dev/null || true
-  for ((i = 0; i < 50; i++)); do
-    pid_running "$pid" "$name" || { rm -f "$pidfile"; return 0; }
-    sleep 0.1
-  done
+  if gone_within 50 "$pid" "$name"; then rm -f "$pidfile"; return 0; fi
   die "$name (pid $pid) is still running after SIGKILL"
 }
 

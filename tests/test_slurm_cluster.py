@@ -117,15 +117,21 @@ exit 7
 """
 
 
-def test_usr1_requeues_the_job_and_the_rerun_starts_clean(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):
+def submit_stand_in(slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch, *overrides: str) -> tuple:
+    """Submit a job whose ranks are the stand-in script; wait until they run. Returns (job_id, run_dir)."""
     ranks = tmp_path / "ranks.sh"
     ranks.write_text(STAND_IN_RANKS)
     ranks.chmod(0o755)
-    job_id, run_dir = submit_job(tmp_path, monkeypatch, f"cluster.python={ranks}", "cluster.max_requeues=1")
+    job_id, run_dir = submit_job(tmp_path, monkeypatch, f"cluster.python={ranks}", *overrides)
     deadline = time.monotonic() + 60
     while not (run_dir / "runs.txt").exists():
         assert time.monotonic() < deadline, f"job {job_id} never started: {slurm_cluster.job(job_id)}"
         time.sleep(0.2)
+    return job_id, run_dir
+
+
+def test_usr1_requeues_the_job_and_the_rerun_starts_clean(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):
+    job_id, run_dir = submit_stand_in(slurm_cluster, tmp_path, monkeypatch, "cluster.max_requeues=1")
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
     info = slurm_cluster.wait(job_id, timeout=120, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     log = main_log(run_dir, job_id)
@@ -137,14 +143,7 @@ def test_usr1_requeues_the_job_and_the_rerun_starts_clean(slurm_cluster: SlurmCl
 
 
 def test_no_requeue_left_exits_3_and_says_how_to_resume(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):
-    ranks = tmp_path / "ranks.sh"
-    ranks.write_text(STAND_IN_RANKS)
-    ranks.chmod(0o755)
-    job_id, run_dir = submit_job(tmp_path, monkeypatch, f"cluster.python={ranks}", "cluster.max_requeues=0")
-    deadline = time.monotonic() + 60
-    while not (run_dir / "runs.txt").exists():
-        assert time.monotonic() < deadline, f"job {job_id} never started: {slurm_cluster.job(job_id)}"
-        time.sleep(0.2)
+    job_id, run_dir = submit_stand_in(slurm_cluster, tmp_path, monkeypatch, "cluster.max_requeues=0")
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
     info = slurm_cluster.wait(job_id, timeout=60)
     log = main_log(run_dir, job_id)
