@@ -19,10 +19,10 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec, save_spec, to_spec, user_overrides
 from launcher.config.schema import JobConfig
 from launcher.config.store import available_recipes, register_configs
-from launcher.config.validate import validate
 from launcher.paths import config_dir
 
 log = logging.getLogger("launcher")
@@ -77,14 +77,21 @@ def _resolve_local_device(spec: JobConfig) -> JobConfig:
     return dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, device=device))
 
 
+def _resolved(spec: JobConfig):
+    """The spec's Layout (every rule checked and every decision derived once); exit 2 otherwise."""
+    from launcher.plan.resolve import check
+
+    try:
+        return check(spec)
+    except ConfigError as err:
+        _fail_config(err.problems)
+
+
 def _run(spec: JobConfig, run_dir: Path) -> int:
     from launcher.plan.plan import build_plan
 
     spec = _resolve_local_device(spec)
-    problems = validate(spec)
-    if problems:
-        _fail_config(problems)
-    plan = build_plan(spec)
+    plan = build_plan(spec, _resolved(spec))
     for warning in plan.warnings:
         log.warning("%s", warning)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +113,7 @@ def _plan(spec: JobConfig, run_dir: Path) -> int:
     from launcher.plan.plan import build_plan
     from launcher.plan.report import render_plan
 
-    plan = build_plan(spec)
+    plan = build_plan(spec, _resolved(spec))
     print(render_plan(plan, spec, spec.plan.format), flush=True)
     # JSON is for tools: keep it instant (matplotlib alone costs about a second).
     if spec.plan.plots and spec.plan.format != "json":
@@ -122,6 +129,7 @@ def _search(spec: JobConfig) -> int:
     from launcher.plan.report import render_search
     from launcher.plan.search import search_layouts
 
+    _resolved(spec)
     candidates = search_layouts(spec)
     print(render_search(candidates, spec, spec.plan.format, spec.plan.top_k))
     return 0
@@ -135,9 +143,6 @@ def hydra_main(cfg: DictConfig) -> None:
         code = _run(spec, run_dir)
         print(f"run directory: {run_dir}")
     else:
-        problems = validate(spec)
-        if problems:
-            _fail_config(problems)
         code = _plan(spec, run_dir) if spec.action == "plan" else _search(spec)
     if code:
         sys.exit(code)

@@ -12,7 +12,7 @@ import pytest
 
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
-from launcher.config.validate import validate
+from launcher.plan.resolve import validate
 from launcher.plan.backends import (
     BACKENDS,
     FEATURES,
@@ -26,10 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 COUPLED = [f.name for f in FEATURES if f.coupled]
 
 
-def _resolve(overrides):
+def _resolve(overrides, world_size=8):
     """(choices, None) or (None, problems); any other exception fails the test."""
     try:
-        return resolve_backends(example_spec(overrides)), None
+        return resolve_backends(example_spec(overrides, world_size=world_size)), None
     except ConfigError as err:
         return None, err.problems
 
@@ -105,7 +105,9 @@ def test_every_combination_gives_a_plan_or_clear_errors(switches):
         overrides = dict(zip(keys, values))
         if "nvme" in (overrides.get("offload.optimizer"), overrides.get("offload.params")):
             overrides["offload.nvme_path"] = "/nvme"
-        choices, problems = _resolve(overrides)
+        # 16 ranks: every combination of the degrees (at most 2*2*2*2) fits the world, so each
+        # outcome is about backends, not about the mesh (which the resolver checks first).
+        choices, problems = _resolve(overrides, world_size=16)
         _check_outcome(overrides, choices, problems)
         outcomes["plan" if choices else "conflict"] += 1
     # Both outcomes occur in volume: the enumeration exercises the policy, not one branch.
@@ -185,10 +187,14 @@ def test_fp8_and_precision():
     assert problems and problems[0].startswith("sharding vs fp8:")
     c = resolve_backends(example_spec({"backend.default": "deepspeed", "parallel.zero_stage": 0}))
     assert "drifts" in c["precision"].reason
-    problems = _resolve({"precision.name": "fp8", "backend.fp8_impl": "transformer_engine"})[1]
-    from launcher.plan.backends import transformer_engine_available
-
-    assert (problems is None) == transformer_engine_available()
+    # The runtime implements torchao float8 only: Transformer Engine is refused whether or not it
+    # is installed, so the plan never shows a choice the engines would ignore.
+    for precision in ("fp8", "bf16"):
+        problems = _resolve({"precision.name": precision, "backend.fp8_impl": "transformer_engine"})[1]
+        assert problems == [
+            "fp8 vs backend.fp8_impl: backend.fp8_impl=transformer_engine is not wired into this launcher's runtime "
+            "(FP8 runs on torchao float8 only). Fix: backend.fp8_impl=torchao or backend.fp8_impl=auto."
+        ]
 
 
 def test_hsdp_and_zeropp():

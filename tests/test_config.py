@@ -8,7 +8,7 @@ import pytest
 
 from launcher.config.loader import compose_spec, user_overrides
 from launcher.config.store import RECIPES_ENV, available_recipes
-from launcher.config.validate import validate
+from launcher.plan.resolve import validate
 from tests.conftest import TRAIN, train_env
 
 RECIPES = ["debug", "llama8b", "llama70b", "llama405b", "mixtral8x7b"]

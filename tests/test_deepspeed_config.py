@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from launcher.config.errors import ConfigError  # noqa: E402
-from launcher.config.validate import validate  # noqa: E402
+from launcher.plan.resolve import validate  # noqa: E402
 from launcher.deepspeed.config import (  # noqa: E402
     build_deepspeed_config,
     validate_deepspeed_config,

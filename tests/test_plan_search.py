@@ -8,7 +8,7 @@ import json
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.config.validate import validate
+from launcher.plan.resolve import validate
 from launcher.plan.plan import build_plan
 from launcher.plan.report import render_search
 from launcher.plan.search import candidate_spec, search_layouts

@@ -1,15 +1,20 @@
-"""Cross-field validation: every problem at once, one line each, naming keys, numbers and a fix.
+"""Config-level validation: every problem at once, one line each, naming keys, numbers and a fix.
 
-`validate(spec)` returns the list of problems (empty means valid). It is pure Python so that
-`action=plan` and `action=search` can call it for thousands of candidate layouts.
+`validate(spec)` returns the problems that the config alone shows (choices, positive values,
+model shape vs the degrees the user wrote, sequence lengths, offload keys, cluster keys).
+Rules that need a derived value (the world size, the inferred dp_shard, gradient
+accumulation, the backend per feature) belong to the resolver, launcher/plan/resolve.py,
+whose `validate(spec)` runs these rules and its own: that is the full check the CLI uses.
+Pure Python so that `action=plan` and `action=search` can call it for thousands of layouts.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Iterable, List, Sequence
 
+from launcher.config.cluster import check_cluster_config
 from launcher.config.errors import ConfigError
-from launcher.config.schema import JobConfig
+from launcher.config.schema import JobConfig, ModelConfig
 
 CHOICES = {
     "action": ("run", "plan", "search"),
@@ -87,71 +92,9 @@ def _check_positive(spec: JobConfig, problems: List[str]) -> None:
         problems.append(f"trainer.grad_clip={spec.trainer.grad_clip} must be >= 0. Fix: e.g. trainer.grad_clip=1.0, or 0 to disable clipping.")
 
 
-def _check_world_size(spec: JobConfig, problems: List[str]) -> None:
-    p, c = spec.parallel, spec.cluster
-    world = c.nodes * c.gpus_per_node
-    fixed = p.pp * p.dp_replicate * p.cp * p.tp
-    if min(fixed, world) < 1:
-        return
-    where = f"world size {world} (cluster.nodes={c.nodes} x cluster.gpus_per_node={c.gpus_per_node})"
-    if p.dp_shard == -1:
-        if world % fixed:
-            problems.append(
-                f"parallel: pp*dp_replicate*cp*tp = {p.pp}*{p.dp_replicate}*{p.cp}*{p.tp} = {fixed} does not divide "
-                f"the {where}. Fix: choose degrees whose product divides {world}, or change cluster.nodes/gpus_per_node."
-            )
-    else:
-        total = fixed * p.dp_shard
-        if total != world:
-            problems.append(
-                f"parallel: pp*dp_replicate*dp_shard*cp*tp = {p.pp}*{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = {total} "
-                f"!= {where}. Fix: set parallel.dp_shard=-1 to infer it, or make the product equal {world}."
-            )
-
-
-def _dp_size(spec: JobConfig) -> int:
-    p, c = spec.parallel, spec.cluster
-    if p.dp_shard != -1:
-        return p.dp_replicate * p.dp_shard
-    fixed = p.pp * p.dp_replicate * p.cp * p.tp
-    world = c.nodes * c.gpus_per_node
-    return p.dp_replicate * max(1, world // max(1, fixed))
-
-
 def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
     m, p = spec.model, spec.parallel
-    if p.tp > 1:
-        if m.n_heads % p.tp:
-            problems.append(
-                f"parallel.tp={p.tp}: model.n_heads={m.n_heads} is not divisible by {p.tp}. "
-                f"Fix: choose parallel.tp in {_fmt_choices(_divisors(m.n_heads))}."
-            )
-        if m.n_kv_heads % p.tp:
-            problems.append(
-                f"parallel.tp={p.tp}: model.n_kv_heads={m.n_kv_heads} is not divisible by {p.tp} "
-                f"(grouped-query attention shards whole KV heads). "
-                f"Fix: choose parallel.tp in {_fmt_choices(_divisors(m.n_kv_heads))}."
-            )
-        if m.vocab_size % p.tp:
-            problems.append(
-                f"parallel.tp={p.tp}: model.vocab_size={m.vocab_size} is not divisible by {p.tp} (the output layer "
-                f"and loss are sharded over the vocabulary). Fix: pad model.vocab_size to "
-                f"{-(-m.vocab_size // p.tp) * p.tp}, or choose another parallel.tp."
-            )
-        if m.tie_embeddings:
-            problems.append(
-                f"model.tie_embeddings=true with parallel.tp={p.tp}: the tied table cannot be both row-sharded "
-                f"(embedding) and column-sharded (output). Fix: model.tie_embeddings=false or parallel.tp=1."
-            )
-        ffn_dims = [("model.ffn_dim", m.ffn_dim)]
-        if m.n_experts:
-            ffn_dims.append(("model.moe_ffn_dim", m.moe_ffn_dim))
-        for key, value in ffn_dims:
-            if value % p.tp:
-                problems.append(
-                    f"parallel.tp={p.tp}: {key}={value} is not divisible by {p.tp}. "
-                    f"Fix: choose parallel.tp in {_fmt_choices(_divisors(value))}."
-                )
+    problems.extend(tensor_parallel_problems(m, p.tp))
     if m.dim % m.n_heads:
         problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}. Fix: choose n_heads dividing dim.")
     elif (m.dim // m.n_heads) % 2:
@@ -181,11 +124,7 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
             f"parallel: pp*pp_virtual_stages = {chunks} stage chunks but model.n_layers={m.n_layers}. "
             f"Fix: use at most {m.n_layers} chunks (lower parallel.pp or parallel.pp_virtual_stages)."
         )
-    if p.pp > 1 and m.tie_embeddings:
-        problems.append(
-            "model.tie_embeddings=true with parallel.pp > 1: the embedding and the output layer live on different "
-            "pipeline stages. Fix: parallel.pp=1 or model.tie_embeddings=false."
-        )
+    problems.extend(tied_pipeline_problems(m, p.pp))
     if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and p.pp_virtual_stages < 2:
         problems.append(
             f"parallel.pp_schedule={p.pp_schedule} runs several model chunks per rank but parallel.pp_virtual_stages="
@@ -198,11 +137,7 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
             f"parallel.pp_schedule={p.pp_schedule} runs one chunk per rank but parallel.pp_virtual_stages={p.pp_virtual_stages}. "
             f"Fix: parallel.pp_schedule=interleaved_1f1b, or parallel.pp_virtual_stages=1."
         )
-    if p.cp > 1 and p.pp > 1:
-        problems.append(
-            f"parallel.cp={p.cp} with parallel.pp={p.pp}: context parallelism is not combined with pipelining "
-            f"on the native path. Fix: parallel.pp=1 (use tp/dp for the rest), or parallel.cp=1."
-        )
+    problems.extend(cp_pipeline_problems(p.cp, p.pp))
     if p.pp == 1 and p.pp_virtual_stages != 1:
         problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp > 1. Fix: set parallel.pp or pp_virtual_stages=1.")
 
@@ -213,12 +148,6 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
             problems.append(
                 f"parallel.ep={p.ep}: model.n_experts={m.n_experts} is not divisible by {p.ep}. "
                 f"Fix: choose parallel.ep in {_fmt_choices(_divisors(m.n_experts))}."
-            )
-        shard_ranks = (p.dp_shard if p.dp_shard != -1 else _dp_size(spec) // p.dp_replicate) * p.cp
-        if shard_ranks % p.ep:
-            problems.append(
-                f"parallel.ep={p.ep} must divide dp_shard*cp = {shard_ranks} (expert-parallel ranks are taken from "
-                f"the sharded data-parallel ranks). Fix: choose parallel.ep in {_fmt_choices(_divisors(shard_ranks))}."
             )
     if m.n_experts:
         if not 1 <= m.top_k <= m.n_experts:
@@ -231,30 +160,6 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
 
 def _check_batch_and_sequence(spec: JobConfig, problems: List[str]) -> None:
     t, p = spec.trainer, spec.parallel
-    dp = _dp_size(spec)
-    per_step = t.micro_batch_size * dp
-    if per_step >= 1 and t.global_batch_size % per_step:
-        good = [g for g in range(per_step, per_step * 4 + 1, per_step)]
-        problems.append(
-            f"trainer.global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size*dp = "
-            f"{t.micro_batch_size}*{dp} = {per_step} (global = micro x grad-accumulation x data-parallel size). "
-            f"Fix: set trainer.global_batch_size to one of {good[:3]}, or change trainer.micro_batch_size."
-        )
-    elif per_step >= 1:
-        accum = t.global_batch_size // per_step
-        if p.pp > 1 and p.pp_schedule != "gpipe" and accum < p.pp:
-            problems.append(
-                f"parallel.pp_schedule={p.pp_schedule} with parallel.pp={p.pp} needs at least {p.pp} micro-batches per "
-                f"step, but global_batch_size/(micro_batch_size*dp) = {t.global_batch_size}/({t.micro_batch_size}*{dp}) "
-                f"= {accum}. Fix: trainer.global_batch_size={p.pp * per_step} (or more), or a smaller "
-                f"trainer.micro_batch_size."
-            )
-        if p.microbatches != -1 and p.microbatches != accum:
-            problems.append(
-                f"parallel.microbatches={p.microbatches} but global_batch_size/(micro_batch_size*dp) = "
-                f"{t.global_batch_size}/({t.micro_batch_size}*{dp}) = {accum} micro-batches per step. "
-                f"Fix: parallel.microbatches=-1, or trainer.global_batch_size={p.microbatches * per_step}."
-            )
     if p.tp > 1 and p.sp and t.seq_len % p.tp:
         problems.append(
             f"trainer.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallel splits the "
@@ -324,15 +229,12 @@ def _check_cluster(spec: JobConfig, problems: List[str]) -> None:
             f"Fix: cluster.nodes=1, or cluster=slurm for several nodes."
         )
     if spec.cluster.name == "slurm":
-        from launcher.launch.slurm import check_cluster_config
-
         problems.extend(check_cluster_config(spec.cluster))
 
 
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_choices,
     _check_positive,
-    _check_world_size,
 )
 
 RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
@@ -344,28 +246,91 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
 )
 
 
-def validate(spec: JobConfig) -> List[str]:
-    """Return every problem with `spec` (empty list: valid). Includes backend conflicts."""
+def basic_problems(spec: JobConfig) -> List[str]:
+    """Choices and positive values: what the resolver needs before it can derive anything."""
     problems: List[str] = []
     for rule in BASIC_RULES:
         rule(spec, problems)
-    basic_ok = not problems
+    return problems
+
+
+def validate(spec: JobConfig) -> List[str]:
+    """Every problem the config alone shows (empty list: none). The full check, with the
+    resolver's rules and backend conflicts, is `launcher.plan.resolve.validate`."""
+    problems = basic_problems(spec)
     for rule in RULES:
         rule(spec, problems)
-    if basic_ok:
-        # The resolver needs valid enumerations, positive degrees and a mesh that fits the
-        # world size; given those, its conflicts are reported together with everything else.
-        from launcher.plan.backends import resolve_backends
-
-        try:
-            resolve_backends(spec)
-        except ConfigError as err:
-            problems.extend(err.problems)
     return problems
 
 
 def check(spec: JobConfig) -> None:
-    """Raise ConfigError with every problem, if any."""
+    """Raise ConfigError with every config-level problem, if any."""
     problems = validate(spec)
     if problems:
         raise ConfigError(problems)
+
+
+# --------------------------------------------------------------------------- rules shared with
+# the search (launcher/plan/search.py) and the parallel modules: written once, here.
+
+
+def tensor_parallel_problems(m: ModelConfig, tp: int) -> List[str]:
+    """Why the model cannot be split over `tp` tensor-parallel ranks (empty: it can).
+
+    The one TP divisibility rule: the validator, the search and launcher/parallel/tp.py use it.
+    """
+    if tp <= 1:
+        return []
+    problems: List[str] = []
+    if m.n_heads % tp:
+        problems.append(
+            f"parallel.tp={tp}: model.n_heads={m.n_heads} is not divisible by {tp}. "
+            f"Fix: choose parallel.tp in {_fmt_choices(_divisors(m.n_heads))}."
+        )
+    if m.n_kv_heads % tp:
+        problems.append(
+            f"parallel.tp={tp}: model.n_kv_heads={m.n_kv_heads} is not divisible by {tp} "
+            f"(grouped-query attention shards whole KV heads). "
+            f"Fix: choose parallel.tp in {_fmt_choices(_divisors(m.n_kv_heads))}."
+        )
+    if m.vocab_size % tp:
+        problems.append(
+            f"parallel.tp={tp}: model.vocab_size={m.vocab_size} is not divisible by {tp} (the output layer "
+            f"and loss are sharded over the vocabulary). Fix: pad model.vocab_size to "
+            f"{-(-m.vocab_size // tp) * tp}, or choose another parallel.tp."
+        )
+    if m.tie_embeddings:
+        problems.append(
+            f"model.tie_embeddings=true with parallel.tp={tp}: the tied table cannot be both row-sharded "
+            f"(embedding) and column-sharded (output). Fix: model.tie_embeddings=false or parallel.tp=1."
+        )
+    ffn_dims = [("model.ffn_dim", m.ffn_dim)]
+    if m.n_experts:
+        ffn_dims.append(("model.moe_ffn_dim", m.moe_ffn_dim))
+    for key, value in ffn_dims:
+        if value % tp:
+            problems.append(
+                f"parallel.tp={tp}: {key}={value} is not divisible by {tp}. "
+                f"Fix: choose parallel.tp in {_fmt_choices(_divisors(value))}."
+            )
+    return problems
+
+
+def tied_pipeline_problems(m: ModelConfig, pp: int) -> List[str]:
+    """Tied embeddings cannot be pipelined: embedding and output live on different stages."""
+    if pp > 1 and m.tie_embeddings:
+        return [
+            "model.tie_embeddings=true with parallel.pp > 1: the embedding and the output layer live on different "
+            "pipeline stages. Fix: parallel.pp=1 or model.tie_embeddings=false."
+        ]
+    return []
+
+
+def cp_pipeline_problems(cp: int, pp: int) -> List[str]:
+    """Context parallelism is not combined with pipelining (native only; DeepSpeed has no CP)."""
+    if cp > 1 and pp > 1:
+        return [
+            f"parallel.cp={cp} with parallel.pp={pp}: context parallelism is not combined with pipelining "
+            f"on the native path. Fix: parallel.pp=1 (use tp/dp for the rest), or parallel.cp=1."
+        ]
+    return []

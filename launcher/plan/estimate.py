@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from launcher.plan.flops import training_flops_per_token
-from launcher.plan.layout import Layout, layout_from_plan
+from launcher.plan.layout import Layout
 from launcher.plan.memory import GiB, StageMemory, estimate_memory, inflight_microbatches, most_loaded
 from launcher.plan.params import ModelShape, chunk_layer_counts, model_shape
 from launcher.plan.perf import bubble_fraction, estimate_time
@@ -42,10 +42,8 @@ def memory_summary(stages: List[StageMemory], hw: Any) -> Dict[str, Any]:
 
 
 def fill(plan, spec) -> None:
-    """Compute every estimate for `plan` (mesh, batch and backends already decided)."""
-    shape = model_shape(spec.model)
-    lay = layout_from_plan(plan, spec)
-    fill_from_layout(plan, spec, shape, lay)
+    """Compute every estimate for `plan` from its resolved layout."""
+    fill_from_layout(plan, spec, model_shape(spec.model), plan.layout)
 
 
 def fill_from_layout(plan, spec, shape: ModelShape, lay: Layout) -> None:
@@ -56,7 +54,7 @@ def fill_from_layout(plan, spec, shape: ModelShape, lay: Layout) -> None:
     plan.memory = memory_summary(stages, hw)
 
     flops_per_token = training_flops_per_token(spec.model, lay.seq_len)
-    t = estimate_time(shape, lay, hw, flops_per_token, plan.batch.tokens_per_step)
+    t = estimate_time(shape, lay, hw, flops_per_token, lay.tokens_per_step)
     comm = t.pop("comm")
     plan.comm = {
         "collectives": [c.as_dict() for c in comm],

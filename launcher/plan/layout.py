@@ -1,19 +1,42 @@
-"""The narrow, flat input of the estimators: one parallel layout plus the knobs that matter.
+"""The resolved layout: every decision derived from the config, made once and obeyed everywhere.
 
-`Layout` is built from a spec + mesh + batch + backend choices (`layout_from_plan`) for
-`action=plan`, and directly from numbers by the search, which evaluates tens of thousands
-of layouts and cannot afford to build a JobConfig for each. Both paths then call the same
-estimators (memory.py, perf.py), so there is one formula for each number.
+`launcher.plan.resolve.resolve(spec)` is the only code that reads the parallel, offload,
+precision, backend and cluster groups to derive the world size, the mesh degrees (dp_shard
+inferred), gradient accumulation, the pipeline micro-batches and schedule, whether FSDP
+wraps the model, and which backend and implementation owns each feature. It returns one
+frozen `Layout`, written into plan.json under the key ``layout``. The estimators
+(memory.py, perf.py), the report, the DeepSpeed config generator and both engines read it;
+none derives a degree again.
+
+The search (search.py) evaluates tens of thousands of layouts and cannot afford to build a
+JobConfig for each: it builds cheap candidates with ``dataclasses.replace`` on a base Layout,
+so every field has a default and the derived values are properties of the fields.
+
+Pure Python, no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Literal, Optional, Tuple
+
+from launcher.plan.features import BackendChoice
+from launcher.plan.mesh import MeshPlan
+
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
+Precision = Literal["fp32", "bf16", "fp8"]
+ReduceDtype = Literal["fp32", "bf16"]
+AcMode = Literal["none", "selective", "full"]
+OffloadTarget = Literal["none", "cpu", "nvme"]
+BackendName = Literal["native", "deepspeed"]
+Fp8Impl = Literal["off", "torchao"]
 
 
 @dataclass(frozen=True)
 class Layout:
+    # Cluster (world size = nodes * gpus_per_node, checked equal to the product of the degrees).
+    nodes: int = 1
+    gpus_per_node: int = 8
     # Mesh degrees (see launcher/plan/mesh.py for the rank order: pp, dp_replicate, dp_shard, cp, tp).
     pp: int = 1
     dp_replicate: int = 1
@@ -23,39 +46,82 @@ class Layout:
     ep: int = 1
     sp: bool = False
     vpp: int = 1  # model chunks per pipeline rank
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
     pp_layers: Tuple[int, ...] = ()
-    # Batch.
+    # Batch. `microbatches` is the gradient accumulation: micro-batches per optimizer step on
+    # each data-parallel rank. The pipeline runs exactly these micro-batches (see pp_microbatches).
     micro_batch_size: int = 1
-    microbatches: int = 1  # micro-batches per optimizer step on each data-parallel rank
+    microbatches: int = 1
     seq_len: int = 2048
     # Memory knobs.
     zero_stage: int = 3
-    ac_mode: str = "none"  # none | selective | full
+    ac_mode: AcMode = "none"
     ac_selective: str = "op"  # op | N (every N-th block fully)
-    precision: str = "bf16"  # fp32 | bf16 | fp8
-    reduce_dtype: str = "fp32"
+    precision: Precision = "bf16"
+    reduce_dtype: ReduceDtype = "fp32"
     fp8_all_gather: bool = True
-    offload_optimizer: str = "none"  # none | cpu | nvme
-    offload_params: str = "none"
-    # Who implements what (from the resolver's decision in the plan).
-    sharding_backend: str = "native"  # native (FSDP2) | deepspeed (ZeRO)
-    offload_backend: str = "native"  # native (FSDP2 CPUOffloadPolicy) | deepspeed (ZeRO-Offload)
-    pp_backend: str = "native"
+    offload_optimizer: OffloadTarget = "none"
+    offload_params: OffloadTarget = "none"
+    # Who implements what (the resolver's decision).
+    sharding_backend: BackendName = "native"  # native (FSDP2) | deepspeed (ZeRO); owns the model states
+    offload_backend: BackendName = "native"  # native (FSDP2 CPUOffloadPolicy) | deepspeed (ZeRO-Offload)
+    pp_backend: BackendName = "native"
+    ac_backend: BackendName = "native"  # torch checkpoint | deepspeed.checkpointing
+    fp8_impl: Fp8Impl = "off"
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     zeropp_quantized_weights: bool = False
     zeropp_quantized_gradients: bool = False
-    zeropp_hierarchical_partition: int = 0
-    gpus_per_node: int = 8
+    zeropp_hierarchical_partition: int = 0  # the backend.* key as given (0 = off)
+    hpz_partition_size: int = 1  # DeepSpeed zero_hpz_partition_size (HSDP maps to hpZ groups of dp_shard)
+    # The per-feature record (feature, choice) in launcher.plan.features.FEATURES order.
+    choices: Tuple[Tuple[str, BackendChoice], ...] = ()
 
+    # ------------------------------------------------------------------ derived, one formula each
     @property
     def world_size(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
+        """Data-parallel degree: how many different batches are processed at once."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.microbatches * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    @property
+    def pp_microbatches(self) -> int:
+        """Pipeline micro-batches per step: THE rule (docs/parallelism.md) is that the schedule runs
+        the gradient-accumulation micro-batches, each of trainer.micro_batch_size sequences."""
+        return self.microbatches
+
+    @property
+    def mesh(self) -> MeshPlan:
+        """The degrees the runtime builds its DeviceMesh from."""
+        return MeshPlan(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                        cp=self.cp, tp=self.tp, ep=self.ep)
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.sharding_backend == "deepspeed"
+
+    @property
+    def offload_to_cpu(self) -> bool:
+        return "cpu" in (self.offload_optimizer, self.offload_params)
+
+    @property
+    def fsdp_wraps(self) -> bool:
+        """Whether native FSDP2 wraps the model: more than one sharding rank, or a single one
+        that offloads to the CPU (FSDP2's CPUOffloadPolicy is what moves the states)."""
+        if self.sharding_backend != "native":
+            return False
+        return self.dp_replicate * self.dp_shard * self.cp > 1 or self.offload_to_cpu
 
     @property
     def act_bytes(self) -> int:
@@ -81,6 +147,15 @@ class Layout:
         """Expert weights are split over ep first; the remaining sharding ranks shard each expert."""
         return max(1, self.fsdp_degree // self.ep) if self.zero_stage else 1
 
+    @property
+    def backends(self) -> Dict[str, BackendChoice]:
+        """feature -> BackendChoice (the plan's backend table)."""
+        return dict(self.choices)
+
+    def backend_of(self, feature: str) -> Optional[str]:
+        choice = self.backends.get(feature)
+        return choice.backend if choice is not None else None
+
     def overrides(self) -> Dict[str, Any]:
         """The `train` overrides that select this layout (dotted key -> value)."""
         return {
@@ -98,47 +173,24 @@ class Layout:
             "trainer.micro_batch_size": self.micro_batch_size,
         }
 
+    # ------------------------------------------------------------------ plan.json
+    def to_dict(self) -> Dict[str, Any]:
+        """plan.json's ``layout``: the fields plus the derived values the runtime checks against."""
+        d = asdict(self)
+        d["pp_layers"] = list(self.pp_layers)
+        d["choices"] = {name: asdict(c) for name, c in self.choices}
+        d["derived"] = {
+            "world_size": self.world_size,
+            "dp": self.dp,
+            "global_batch_size": self.global_batch_size,
+            "pp_microbatches": self.pp_microbatches,
+            "fsdp_wraps": self.fsdp_wraps,
+        }
+        return d
 
-def layout_from_plan(plan: Any, spec: Any) -> Layout:
-    """Flatten a Plan (mesh, batch, backend choices) and its spec into a Layout."""
-    p, mesh, batch = spec.parallel, plan.mesh, plan.batch
-    backends = plan.backends
-
-    def backend_of(feature: str, default: str = "native") -> str:
-        choice = backends.get(feature)
-        return choice.backend if choice is not None else default
-
-    return Layout(
-        pp=mesh.pp,
-        dp_replicate=mesh.dp_replicate,
-        dp_shard=mesh.dp_shard,
-        cp=mesh.cp,
-        tp=mesh.tp,
-        ep=mesh.ep,
-        sp=bool(p.sp) and mesh.tp > 1,
-        vpp=max(1, int(p.pp_virtual_stages)) if mesh.pp > 1 else 1,
-        schedule=p.pp_schedule,
-        pp_layers=tuple(p.pp_layers),
-        micro_batch_size=batch.micro_batch_size,
-        microbatches=max(1, batch.grad_accum_steps),
-        seq_len=batch.seq_len,
-        zero_stage=int(p.zero_stage),
-        ac_mode=spec.activation_checkpointing.mode,
-        ac_selective=str(spec.activation_checkpointing.selective),
-        precision=spec.precision.name,
-        reduce_dtype=spec.precision.reduce_dtype,
-        fp8_all_gather=bool(spec.precision.fp8.all_gather),
-        offload_optimizer=spec.offload.optimizer,
-        offload_params=spec.offload.params,
-        sharding_backend=backend_of("sharding"),
-        offload_backend=backend_of(
-            "offload_optimizer" if spec.offload.optimizer != "none" else "offload_params", backend_of("sharding")
-        ),
-        pp_backend=backend_of("pp"),
-        reduce_bucket_size=int(spec.backend.reduce_bucket_size),
-        allgather_bucket_size=int(spec.backend.allgather_bucket_size),
-        zeropp_quantized_weights=bool(spec.backend.zeropp_quantized_weights),
-        zeropp_quantized_gradients=bool(spec.backend.zeropp_quantized_gradients),
-        zeropp_hierarchical_partition=int(spec.backend.zeropp_hierarchical_partition),
-        gpus_per_node=int(spec.cluster.gpus_per_node),
-    )
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Layout":
+        d = {k: v for k, v in d.items() if k != "derived"}
+        d["pp_layers"] = tuple(d.get("pp_layers", ()))
+        d["choices"] = tuple((name, BackendChoice(**c)) for name, c in d.get("choices", {}).items())
+        return cls(**d)

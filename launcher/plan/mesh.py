@@ -62,30 +62,3 @@ class MeshPlan:
             key = tuple(c[n] for n in MESH_DIM_NAMES if n != dim)
             buckets.setdefault(key, []).append(rank)
         return list(buckets.values())
-
-
-def resolve_mesh(
-    world_size: int,
-    *,
-    pp: int = 1,
-    dp_replicate: int = 1,
-    dp_shard: int = -1,
-    cp: int = 1,
-    tp: int = 1,
-    ep: int = 1,
-) -> MeshPlan:
-    """Fill in dp_shard=-1 from the world size. Raises ValueError if the degrees cannot fit.
-
-    Validation (``launcher.config.validate``) reports the same problems with fixes; this
-    function is the single place where the inference is done.
-    """
-    fixed = pp * dp_replicate * cp * tp
-    if fixed <= 0:
-        raise ValueError("parallel degrees must be positive")
-    if dp_shard == -1:
-        if world_size % fixed:
-            raise ValueError(
-                f"world size {world_size} is not divisible by pp*dp_replicate*cp*tp = {fixed}"
-            )
-        dp_shard = world_size // fixed
-    return MeshPlan(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)

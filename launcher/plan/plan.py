@@ -1,9 +1,10 @@
 """The Plan: what the launcher decided before any GPU is touched.
 
-`build_plan(spec)` is the single place that turns a validated JobConfig into the mesh,
-the batch arithmetic, the backend per feature and the estimates. The launcher writes it
-to <run_dir>/plan.json and every rank reads it back: the runtime obeys the plan and
-never re-decides.
+`build_plan(spec, layout)` turns a spec and its resolved `Layout` (launcher/plan/resolve.py,
+every derived decision made once) into the plan: the layout plus the estimates. The launcher
+writes it to <run_dir>/plan.json and every rank reads it back: the runtime obeys
+``plan.layout`` and never re-decides. The mesh, batch and backend sections of plan.json are
+views of the layout, written for readers; `Plan.from_dict` reads the layout only.
 """
 
 from __future__ import annotations
@@ -11,17 +12,20 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from launcher.config.schema import JobConfig
-from launcher.plan.backends import BackendChoice, resolve_backends
-from launcher.plan.mesh import MeshPlan, resolve_mesh
+from launcher.plan.features import BackendChoice
+from launcher.plan.layout import Layout
+from launcher.plan.mesh import MeshPlan
 
 PLAN_FILENAME = "plan.json"
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchPlan:
+    """The batch arithmetic of a Layout (a view: global = micro x accumulation x dp)."""
+
     global_batch_size: int
     micro_batch_size: int
     grad_accum_steps: int  # micro-batches per optimizer step on each data-parallel rank
@@ -31,12 +35,7 @@ class BatchPlan:
 
 @dataclass
 class Plan:
-    world_size: int
-    nodes: int
-    gpus_per_node: int
-    mesh: MeshPlan
-    batch: BatchPlan
-    backends: Dict[str, BackendChoice]
+    layout: Layout
     # Filled by the estimators (launcher/plan/memory.py, perf.py); plain dicts so that
     # plan.json stays a stable, readable schema.
     params_total: int = 0
@@ -47,6 +46,33 @@ class Plan:
     time: Dict[str, Any] = field(default_factory=dict)
     warnings: List[str] = field(default_factory=list)
 
+    # ------------------------------------------------------------------ views of the layout
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def nodes(self) -> int:
+        return self.layout.nodes
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.layout.gpus_per_node
+
+    @property
+    def mesh(self) -> MeshPlan:
+        return self.layout.mesh
+
+    @property
+    def batch(self) -> BatchPlan:
+        lay = self.layout
+        return BatchPlan(lay.global_batch_size, lay.micro_batch_size, lay.microbatches, lay.seq_len,
+                         lay.tokens_per_step)
+
+    @property
+    def backends(self) -> Dict[str, BackendChoice]:
+        return self.layout.backends
+
     def backend(self, feature: str) -> str:
         """The backend ("native" or "deepspeed") chosen for a feature."""
         return self.backends[feature].backend
@@ -55,9 +81,19 @@ class Plan:
     def uses_deepspeed(self) -> bool:
         return any(c.backend == "deepspeed" for c in self.backends.values())
 
+    # ------------------------------------------------------------------ plan.json
     def to_dict(self) -> Dict[str, Any]:
-        d = asdict(self)
-        d["mesh"] = self.mesh.to_dict()
+        d: Dict[str, Any] = {
+            "layout": self.layout.to_dict(),
+            "world_size": self.world_size,
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "mesh": self.mesh.to_dict(),
+            "batch": asdict(self.batch),
+            "backends": {k: asdict(v) for k, v in self.backends.items()},
+        }
+        for key in ("params_total", "params_active", "memory", "comm", "pipeline", "time", "warnings"):
+            d[key] = getattr(self, key)
         return d
 
     def to_json(self) -> str:
@@ -65,11 +101,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Plan":
-        d = dict(d)
-        d["mesh"] = MeshPlan(**d["mesh"])
-        d["batch"] = BatchPlan(**d["batch"])
-        d["backends"] = {k: BackendChoice(**v) for k, v in d["backends"].items()}
-        return cls(**d)
+        keep = ("params_total", "params_active", "memory", "comm", "pipeline", "time", "warnings")
+        return cls(layout=Layout.from_dict(d["layout"]), **{k: d[k] for k in keep if k in d})
 
     def save(self, run_dir: Path) -> Path:
         path = Path(run_dir) / PLAN_FILENAME
@@ -83,47 +116,17 @@ class Plan:
         return cls.from_dict(json.loads((Path(run_dir) / PLAN_FILENAME).read_text()))
 
 
-def world_size_of(spec: JobConfig) -> int:
-    return spec.cluster.nodes * spec.cluster.gpus_per_node
+def build_plan(spec: JobConfig, layout: Optional[Layout] = None) -> Plan:
+    """Plan a spec: its Layout (resolved here unless the caller already has it) plus estimates.
 
+    Raises ConfigError when the spec cannot be resolved (`launcher.plan.resolve.check` reports
+    every problem at once; call it first).
+    """
+    if layout is None:
+        from launcher.plan.resolve import resolve
 
-def build_mesh_plan(spec: JobConfig) -> MeshPlan:
-    p = spec.parallel
-    return resolve_mesh(
-        world_size_of(spec),
-        pp=p.pp,
-        dp_replicate=p.dp_replicate,
-        dp_shard=p.dp_shard,
-        cp=p.cp,
-        tp=p.tp,
-        ep=p.ep,
-    )
-
-
-def build_batch_plan(spec: JobConfig, mesh: MeshPlan) -> BatchPlan:
-    t = spec.trainer
-    per_step = t.micro_batch_size * mesh.dp
-    return BatchPlan(
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        grad_accum_steps=max(1, t.global_batch_size // per_step),
-        seq_len=t.seq_len,
-        tokens_per_step=t.global_batch_size * t.seq_len,
-    )
-
-
-def build_plan(spec: JobConfig) -> Plan:
-    """Plan a validated spec. Call `launcher.config.validate.validate` first."""
-    mesh = build_mesh_plan(spec)
-    batch = build_batch_plan(spec, mesh)
-    plan = Plan(
-        world_size=mesh.world_size,
-        nodes=spec.cluster.nodes,
-        gpus_per_node=spec.cluster.gpus_per_node,
-        mesh=mesh,
-        batch=batch,
-        backends=resolve_backends(spec),
-    )
+        layout = resolve(spec)
+    plan = Plan(layout=layout)
     from launcher.plan import estimate  # estimators fill memory / comm / pipeline / time
 
     estimate.fill(plan, spec)

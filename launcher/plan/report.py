@@ -193,7 +193,9 @@ def _time_section(plan, spec) -> str:
 
 def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
     """`action=search` output: the best `top_k` layouts with the overrides that select each."""
-    world = spec.cluster.nodes * spec.cluster.gpus_per_node
+    from launcher.plan.resolve import world_size
+
+    world = world_size(spec.cluster)
     best = list(candidates)[: max(0, int(top_k))]
     if fmt == "json":
         return json.dumps({

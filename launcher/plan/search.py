@@ -23,12 +23,16 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
+from launcher.config.validate import cp_pipeline_problems, tensor_parallel_problems, tied_pipeline_problems
 from launcher.plan.estimate import capacity_bytes, reserved_bytes
 from launcher.plan.flops import training_flops_per_token
 from launcher.plan.layout import Layout
+from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import estimate_memory, model_state_memory, most_loaded
 from launcher.plan.params import ModelShape, model_shape, stage_params
 from launcher.plan.perf import estimate_time
+from launcher.plan.resolve import backend_fields, expert_parallel_problems, world_size
+from launcher.plan.rules import backend_conflicts
 
 AC_MODES = ("none", "selective", "full")
 MAX_MICRO_BATCH = 16
@@ -84,9 +88,10 @@ def _divisors(n: int) -> List[int]:
 
 
 def tp_options(spec) -> List[int]:
+    """TP degrees inside one node that the model splits over (the validator's TP rule, written
+    once) and that divide the sequence (the search turns sequence parallelism on with TP)."""
     m, gpn = spec.model, spec.cluster.gpus_per_node
-    widths = [m.n_heads, m.n_kv_heads, m.ffn_dim] + ([m.moe_ffn_dim] if m.n_experts else [])
-    return [t for t in _divisors(gpn) if all(w % t == 0 for w in widths) and spec.trainer.seq_len % t == 0]
+    return [t for t in _divisors(gpn) if not tensor_parallel_problems(m, t) and spec.trainer.seq_len % t == 0]
 
 
 def cp_options(spec) -> List[int]:
@@ -111,18 +116,14 @@ def schedule_options(pp: int, n_layers: int) -> List[Tuple[str, int]]:
 def mesh_options(spec) -> Iterator[Tuple[int, int, int, int, int, int, str, int]]:
     """(tp, cp, pp, dp_replicate, dp_shard, ep, schedule, vpp) for every compatible mesh."""
     m = spec.model
-    world = spec.cluster.nodes * spec.cluster.gpus_per_node
+    world = world_size(spec.cluster)
     for tp in tp_options(spec):
         for cp in cp_options(spec):
             if world % (tp * cp):
                 continue
             rest = world // (tp * cp)
             for pp in _divisors(rest):
-                if pp > m.n_layers or (pp > 1 and m.tie_embeddings):
-                    continue
-                if pp > 1 and cp > 1:
-                    # The native engine refuses cp with pp (launcher/runtime/native_engine.py),
-                    # though the validator lets it through; DeepSpeed has no CP at all.
+                if pp > m.n_layers or tied_pipeline_problems(m, pp) or cp_pipeline_problems(cp, pp):
                     continue
                 dp = rest // pp
                 for sched, vpp in schedule_options(pp, m.n_layers):
@@ -130,7 +131,8 @@ def mesh_options(spec) -> Iterator[Tuple[int, int, int, int, int, int, str, int]
                         dp_shard = dp // dp_rep
                         eps = [1]
                         if m.n_experts:
-                            eps = [e for e in _divisors(m.n_experts) if (dp_shard * cp) % e == 0]
+                            shard = MeshPlan(dp_shard=dp_shard, cp=cp)
+                            eps = [e for e in _divisors(m.n_experts) if not expert_parallel_problems(e, shard)]
                         for ep in eps:
                             yield tp, cp, pp, dp_rep, dp_shard, ep, sched, vpp
 
@@ -156,12 +158,9 @@ class _BackendCache:
         key = (lay.zero_stage, lay.pp > 1, lay.tp > 1, lay.sp, lay.cp > 1, lay.ep > 1, lay.ac_mode,
                lay.dp_replicate > 1, lay.schedule if lay.pp > 1 else "", lay.vpp)
         if key not in self.cache:
-            from launcher.plan.backends import resolve_backends
-
             try:
-                self.cache[key] = resolve_backends(candidate_spec(self.spec, lay))
-            except ConfigError:
-                self.cache[key] = None
+                conflicts, choices = backend_conflicts(candidate_spec(self.spec, lay), lay.mesh)
+                self.cache[key] = None if conflicts else choices
             except Exception:  # noqa: BLE001 - an unexpected resolver error must not kill the search
                 self.cache[key] = None
         return self.cache[key]
@@ -207,18 +206,13 @@ def _base_layout(spec) -> Layout:
         zeropp_quantized_weights=bool(b.zeropp_quantized_weights),
         zeropp_quantized_gradients=bool(b.zeropp_quantized_gradients),
         zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
+        nodes=int(spec.cluster.nodes),
         gpus_per_node=int(spec.cluster.gpus_per_node),
     )
 
 
 def _with_backends(lay: Layout, choices: Dict[str, Any], spec) -> Layout:
-    def be(feature: str, default: str = "native") -> str:
-        c = choices.get(feature)
-        return c.backend if c is not None else default
-
-    off = "offload_optimizer" if spec.offload.optimizer != "none" else "offload_params"
-    return dataclasses.replace(lay, sharding_backend=be("sharding"), pp_backend=be("pp"),
-                               offload_backend=be(off, be("sharding")))
+    return dataclasses.replace(lay, **backend_fields(choices, spec.offload.optimizer, lay.pp))
 
 
 def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
@@ -325,7 +319,7 @@ def search_layouts(spec, limit: Optional[int] = None, stats: Optional[Dict[str, 
     `launcher.config.validate.validate` with its overrides applied to `spec`. Raises
     ConfigError when the 50 best layouts all share a problem that no layout can fix.
     """
-    from launcher.config.validate import validate
+    from launcher.plan.resolve import validate
 
     limit = limit if limit is not None else max(int(spec.plan.top_k), 20)
     ranked, st = evaluate_layouts(spec)

@@ -43,7 +43,7 @@ def run_engine(engine, spec, plan, steps, start=0):
 
 
 def run_case(name, overrides, work: Path, resume: bool):
-    from launcher.config.validate import validate
+    from launcher.plan.resolve import validate
     from launcher.deepspeed.engine import build_deepspeed_engine
     from launcher.plan.plan import build_plan
 

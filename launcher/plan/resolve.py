@@ -1,0 +1,223 @@
+"""`resolve(spec) -> Layout`: every derived decision, made once.
+
+This is the only code that reads the parallel, offload, precision, backend and cluster groups
+to derive
+
+- the world size (``cluster.nodes * cluster.gpus_per_node``, here and nowhere else),
+- the mesh degrees, with ``parallel.dp_shard=-1`` inferred from the world size,
+- the gradient accumulation (micro-batches per optimizer step on each data-parallel rank),
+- the pipeline micro-batches (THE rule: the schedule runs the accumulation micro-batches),
+- the schedule and virtual stages, whether FSDP2 wraps the model (``Layout.fsdp_wraps``),
+- which backend and implementation owns each feature (launcher/plan/rules.py).
+
+`validate(spec)` is the full check: the config-level rules of launcher/config/validate.py
+plus the rules that need those derived values; the CLI, the search and the tests use it.
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from launcher.config.errors import ConfigError
+from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, TrainerConfig
+from launcher.config.validate import _divisors, _fmt_choices, basic_problems
+from launcher.config.validate import validate as validate_config
+from launcher.plan.features import FEATURES, BackendChoice
+from launcher.plan.layout import Layout
+from launcher.plan.mesh import MeshPlan
+from launcher.plan.rules import backend_conflicts, hpz_partition_size
+
+
+def world_size(cluster: ClusterConfig) -> int:
+    """Ranks in the job: the one place the world size is computed from the cluster keys."""
+    return cluster.nodes * cluster.gpus_per_node
+
+
+def derive_mesh(parallel: ParallelConfig, cluster: ClusterConfig) -> Tuple[Optional[MeshPlan], List[str]]:
+    """(mesh, problems): the degrees with dp_shard=-1 inferred; None when they cannot fit."""
+    p, c = parallel, cluster
+    world = world_size(c)
+    fixed = p.pp * p.dp_replicate * p.cp * p.tp
+    if min(fixed, world) < 1:
+        return None, []  # reported by the positive-value rules
+    where = f"world size {world} (cluster.nodes={c.nodes} x cluster.gpus_per_node={c.gpus_per_node})"
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        if world % fixed:
+            return None, [
+                f"parallel: pp*dp_replicate*cp*tp = {p.pp}*{p.dp_replicate}*{p.cp}*{p.tp} = {fixed} does not divide "
+                f"the {where}. Fix: choose degrees whose product divides {world}, or change cluster.nodes/gpus_per_node."
+            ]
+        dp_shard = world // fixed
+    elif fixed * dp_shard != world:
+        return None, [
+            f"parallel: pp*dp_replicate*dp_shard*cp*tp = {p.pp}*{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp} = "
+            f"{fixed * dp_shard} != {where}. Fix: set parallel.dp_shard=-1 to infer it, or make the product equal {world}."
+        ]
+    return MeshPlan(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=p.ep), []
+
+
+def batch_split_problems(trainer: TrainerConfig, dp: int) -> List[str]:
+    """The global batch must split into micro-batches over `dp` data-parallel ranks."""
+    t = trainer
+    per_step = t.micro_batch_size * dp
+    if per_step < 1 or t.global_batch_size % per_step == 0:
+        return []
+    good = [g for g in range(per_step, per_step * 4 + 1, per_step)]
+    return [
+        f"trainer.global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size*dp = "
+        f"{t.micro_batch_size}*{dp} = {per_step} (global = micro x grad-accumulation x data-parallel size). "
+        f"Fix: set trainer.global_batch_size to one of {good[:3]}, or change trainer.micro_batch_size."
+    ]
+
+
+def derive_accumulation(trainer: TrainerConfig, parallel: ParallelConfig, mesh: MeshPlan) -> Tuple[int, List[str]]:
+    """(micro-batches per step per data-parallel rank, problems): global = micro x accumulation x dp.
+
+    The one micro-batch rule: the gradient accumulation is global / (micro x dp), and the
+    pipeline schedule runs exactly these micro-batches (`Layout.pp_microbatches`).
+    """
+    t, p = trainer, parallel
+    dp = mesh.dp
+    per_step = t.micro_batch_size * dp
+    split = batch_split_problems(t, dp)
+    if per_step < 1 or split:
+        return 1, split
+    accum = t.global_batch_size // per_step
+    problems: List[str] = []
+    if mesh.pp > 1 and p.pp_schedule != "gpipe" and accum < mesh.pp:
+        problems.append(
+            f"parallel.pp_schedule={p.pp_schedule} with parallel.pp={mesh.pp} needs at least {mesh.pp} micro-batches per "
+            f"step, but global_batch_size/(micro_batch_size*dp) = {t.global_batch_size}/({t.micro_batch_size}*{dp}) "
+            f"= {accum}. Fix: trainer.global_batch_size={mesh.pp * per_step} (or more), or a smaller "
+            f"trainer.micro_batch_size."
+        )
+    if p.microbatches != -1 and p.microbatches != accum:
+        problems.append(
+            f"parallel.microbatches={p.microbatches} but global_batch_size/(micro_batch_size*dp) = "
+            f"{t.global_batch_size}/({t.micro_batch_size}*{dp}) = {accum} micro-batches per step. "
+            f"Fix: parallel.microbatches=-1, or trainer.global_batch_size={p.microbatches * per_step}."
+        )
+    return accum, problems
+
+
+def expert_parallel_problems(ep: int, mesh: MeshPlan) -> List[str]:
+    """Expert-parallel ranks are taken from the sharded data-parallel ranks (dp_shard * cp)."""
+    shard_ranks = mesh.dp_shard * mesh.cp
+    if ep > 1 and shard_ranks % ep:
+        return [
+            f"parallel.ep={ep} must divide dp_shard*cp = {shard_ranks} (expert-parallel ranks are taken from "
+            f"the sharded data-parallel ranks). Fix: choose parallel.ep in {_fmt_choices(_divisors(shard_ranks))}."
+        ]
+    return []
+
+
+def _layout_problems(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
+    """(layout, problems) assuming the basic rules (choices, positive values) passed."""
+    mesh, problems = derive_mesh(spec.parallel, spec.cluster)
+    if mesh is None:
+        # Report a batch that no layout of these degrees can split together with the mesh
+        # problem: its data-parallel size is at least dp_replicate (x dp_shard when given).
+        p = spec.parallel
+        floor = MeshPlan(dp_replicate=p.dp_replicate, dp_shard=max(1, p.dp_shard))
+        return None, problems + batch_split_problems(spec.trainer, floor.dp)
+    accum, batch_problems = derive_accumulation(spec.trainer, spec.parallel, mesh)
+    problems += batch_problems + expert_parallel_problems(spec.parallel.ep, mesh)
+    conflicts, choices = backend_conflicts(spec, mesh)
+    problems += [c.text() for c in conflicts]
+    if problems or choices is None:
+        return None, problems
+    return build_layout(spec, mesh, accum, choices), []
+
+
+def backend_fields(choices: Dict[str, BackendChoice], offload_optimizer: str, pp: int) -> Dict[str, str]:
+    """The Layout's backend fields from the per-feature choices (shared with the search)."""
+    choice = lambda name: choices.get(name) or BackendChoice("native", "off", "")  # noqa: E731
+    owner = choice("sharding").backend
+    offload = choice("offload_optimizer" if offload_optimizer != "none" else "offload_params")
+    ac = choice("activation_checkpointing")
+    return {
+        "sharding_backend": owner,
+        "offload_backend": offload.backend if offload.impl != "off" else owner,
+        "pp_backend": choice("pp").backend if pp > 1 else owner,
+        "ac_backend": ac.backend if ac.impl != "off" else owner,
+        "fp8_impl": "torchao" if choice("fp8").impl != "off" else "off",
+    }
+
+
+def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str, BackendChoice]) -> Layout:
+    """The Layout of a spec whose mesh, accumulation and backend choices are resolved."""
+    p, pr, b, o = spec.parallel, spec.precision, spec.backend, spec.offload
+    return Layout(
+        nodes=spec.cluster.nodes,
+        gpus_per_node=spec.cluster.gpus_per_node,
+        pp=mesh.pp,
+        dp_replicate=mesh.dp_replicate,
+        dp_shard=mesh.dp_shard,
+        cp=mesh.cp,
+        tp=mesh.tp,
+        ep=mesh.ep,
+        sp=bool(p.sp) and mesh.tp > 1,
+        vpp=max(1, int(p.pp_virtual_stages)) if mesh.pp > 1 else 1,
+        schedule=p.pp_schedule,
+        pp_layers=tuple(p.pp_layers),
+        micro_batch_size=spec.trainer.micro_batch_size,
+        microbatches=max(1, accum),
+        seq_len=spec.trainer.seq_len,
+        zero_stage=int(p.zero_stage),
+        ac_mode=spec.activation_checkpointing.mode,
+        ac_selective=str(spec.activation_checkpointing.selective),
+        precision=pr.name,
+        reduce_dtype=pr.reduce_dtype,
+        fp8_all_gather=bool(pr.fp8.all_gather),
+        offload_optimizer=o.optimizer,
+        offload_params=o.params,
+        reduce_bucket_size=int(b.reduce_bucket_size),
+        allgather_bucket_size=int(b.allgather_bucket_size),
+        zeropp_quantized_weights=bool(b.zeropp_quantized_weights),
+        zeropp_quantized_gradients=bool(b.zeropp_quantized_gradients),
+        zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
+        hpz_partition_size=hpz_partition_size(int(b.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard),
+        choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
+        **backend_fields(choices, o.optimizer, mesh.pp),
+    )
+
+
+def resolve(spec: JobConfig) -> Layout:
+    """The Layout of a spec. Raises ConfigError (one line per problem) when it cannot be resolved.
+
+    Call `validate(spec)` first for the config-level problems; this raises only for what the
+    derivation itself finds (degrees vs world size, batch arithmetic, backend conflicts...).
+    """
+    basic = basic_problems(spec)
+    if basic:
+        raise ConfigError(basic)
+    layout, problems = _layout_problems(spec)
+    if layout is None:
+        raise ConfigError(problems)
+    return layout
+
+
+def validate(spec: JobConfig) -> List[str]:
+    """Every problem with `spec` (empty list: valid): config-level rules, then the resolver's."""
+    problems = validate_config(spec)
+    if basic_problems(spec):
+        return problems  # the derivation needs valid choices and positive degrees
+    _, derived = _layout_problems(spec)
+    return problems + derived
+
+
+def check(spec: JobConfig) -> Layout:
+    """The Layout, or ConfigError with every problem (config-level and derived) at once.
+
+    What a launch calls: the rules and the backend resolution run once.
+    """
+    problems = validate_config(spec)
+    if basic_problems(spec):
+        raise ConfigError(problems)
+    layout, derived = _layout_problems(spec)
+    problems += derived
+    if problems or layout is None:
+        raise ConfigError(problems)
+    return layout
