@@ -17,7 +17,6 @@ from launcher.parallel.fp8 import (
     fp8_hardware_problem,
     needs_emulation,
     plan_float8_conversion,
-    transformer_engine_available,
 )
 
 import torchao.float8 as torchao_float8  # noqa: E402
@@ -58,33 +57,13 @@ def test_unknown_compute_capability_is_refused():
 
 
 def test_fp8_module_imports_without_torch():
-    """The planner (no torch) asks transformer_engine_available() and fp8_hardware_problem()."""
+    """The planner (no torch) asks fp8_hardware_problem()."""
     import subprocess
     import sys
 
-    code = ("import sys; import launcher.parallel.fp8 as f; f.transformer_engine_available(); "
+    code = ("import sys; import launcher.parallel.fp8 as f; "
             "f.fp8_hardware_problem('cuda', (9, 0), False); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_transformer_engine_detection_follows_importability(monkeypatch):
-    seen = []
-
-    def fake_find_spec(name, present):
-        seen.append(name)
-        return object() if present else None
-
-    monkeypatch.setattr(fp8.importlib.util, "find_spec", lambda n: fake_find_spec(n, True))
-    assert transformer_engine_available() is True
-    monkeypatch.setattr(fp8.importlib.util, "find_spec", lambda n: fake_find_spec(n, False))
-    assert transformer_engine_available() is False
-    assert seen == ["transformer_engine", "transformer_engine"]
-
-    def broken(name):
-        raise ValueError("transformer_engine.__spec__ is None")
-
-    monkeypatch.setattr(fp8.importlib.util, "find_spec", broken)
-    assert transformer_engine_available() is False
 
 
 # ----------------------------------------------------------------------------- module filter

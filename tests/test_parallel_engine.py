@@ -7,23 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.config.schema import ActivationCheckpointingConfig, OptimConfig, ParallelConfig, PrecisionConfig
+from launcher.config.schema import OptimConfig
+from launcher.engines.base import EngineOptions
+from launcher.engines.native import NativeEngine
 from launcher.models import build_model
-from launcher.plan.mesh import MeshPlan
-from launcher.plan.plan import BatchPlan, Plan
-from launcher.runtime.native_engine import build_native_engine
+from tests.layout_for import layout_for
 from tests.test_models import model_cfg
 
 
-def engine(model: str = "debug", **over):
+def engine(model: str = "debug"):
     cfg = model_cfg(model)
-    plan = Plan(world_size=1, nodes=1, gpus_per_node=1, mesh=MeshPlan(), backends={},
-                batch=BatchPlan(2, 1, 2, 8, 16))
-    kw = dict(parallel=ParallelConfig(dp_shard=1), precision=PrecisionConfig(name="fp32"),
-              optim=OptimConfig(lr=1e-2, warmup_steps=0), ac=ActivationCheckpointingConfig(),
-              total_steps=10, grad_clip=1.0, seed=5, device=torch.device("cpu"))
-    kw.update(over)
-    return cfg, build_native_engine(cfg, plan, **kw)
+    layout = layout_for(cfg, 1, **{"trainer.global_batch_size": 2, "trainer.seq_len": 8})
+    options = EngineOptions(total_steps=10, grad_clip=1.0, seed=5)
+    return cfg, NativeEngine(cfg, OptimConfig(lr=1e-2, warmup_steps=0), layout, torch.device("cpu"), options)
 
 
 def batches(step: int, vocab: int = 256):

@@ -47,7 +47,7 @@ def test_tp_refuses_gqa_with_too_few_kv_heads():
     with pytest.raises(ValueError) as e:
         check_tensor_parallel(cfg, 4)
     msg = str(e.value)
-    assert "n_kv_heads=2" in msg and "parallel.tp=4" in msg and "tp <= n_kv_heads (2)" in msg
+    assert "model.n_kv_heads=2 is not divisible by 4" in msg and "parallel.tp=4" in msg and "Fix:" in msg
 
 
 def test_zero_stage_below_two_points_to_deepspeed():

@@ -26,7 +26,6 @@ torch and torchao are imported lazily inside the functions so that importing thi
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
@@ -99,17 +98,6 @@ def needs_emulation(device_type: str, compute_capability: Optional[Tuple[int, in
     if device_type != "cuda" or compute_capability is None:
         return True
     return tuple(compute_capability) < FP8_MIN_COMPUTE_CAPABILITY
-
-
-def transformer_engine_available() -> bool:
-    """Whether NVIDIA Transformer Engine's PyTorch package can be imported here.
-
-    Checked with find_spec, without importing it: importing TE initialises CUDA.
-    """
-    try:
-        return importlib.util.find_spec("transformer_engine") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 # --------------------------------------------------------------------------- module filter

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from launcher.plan.layout import Layout
 from launcher.plan.params import chunk_layer_counts, chunks_of_rank
 
 log = logging.getLogger(__name__)
@@ -93,29 +94,27 @@ def build_stage_module(whole: nn.Module, stage: int, counts: Sequence[int]) -> n
     return part
 
 
-def split_into_stages(whole: nn.Module, parallel, pp_mesh: DeviceMesh) -> Tuple[List[nn.Module], List[int]]:
-    """This rank's stage modules and their global stage indices."""
-    pp, v = pp_mesh.size(), parallel.pp_virtual_stages
-    if whole.cfg.tie_embeddings:
-        raise ValueError("model.tie_embeddings=true cannot be pipelined (embedding and output live "
-                         "on different stages); untie the embeddings or use parallel.pp=1")
-    counts = layers_per_stage(whole.cfg.n_layers, pp * v, parallel.pp_layers)
-    ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp, v, parallel.pp_schedule)
+def split_into_stages(whole: nn.Module, layout: Layout, pp_mesh: DeviceMesh) -> Tuple[List[nn.Module], List[int]]:
+    """This rank's stage modules and their global stage indices (tied embeddings, which cannot
+    be pipelined, were refused by the validator)."""
+    pp, v = pp_mesh.size(), layout.vpp
+    counts = layers_per_stage(whole.cfg.n_layers, pp * v, layout.pp_layers)
+    ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp, v, layout.schedule)
     parts = [build_stage_module(whole, s, counts) for s in ids]
     log.info("pipeline: %d stages over pp=%d (%s), layers per stage %s; this rank holds stages %s",
-             pp * v, pp, parallel.pp_schedule, counts, ids)
+             pp * v, pp, layout.schedule, counts, ids)
     return parts, ids
 
 
-def build_schedule(parts: List[nn.Module], stage_ids: List[int], parallel, pp_mesh: DeviceMesh,
+def build_schedule(parts: List[nn.Module], stage_ids: List[int], layout: Layout, pp_mesh: DeviceMesh,
                    device: torch.device, loss_fn: Callable, n_microbatches: int):
     """(schedule, has_first_stage, has_last_stage) for this rank's materialised stage modules."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as S
 
-    pp, v = pp_mesh.size(), parallel.pp_virtual_stages
+    pp, v = pp_mesh.size(), layout.vpp
     n_stages = pp * v
-    if n_microbatches < pp and parallel.pp_schedule == "1f1b":
+    if n_microbatches < pp and layout.schedule == "1f1b":
         raise ValueError(
             f"parallel.pp_schedule=1f1b needs at least as many micro-batches as stages: "
             f"microbatches={n_microbatches} < pp={pp}; set parallel.microbatches >= {pp} (with "
@@ -134,8 +133,8 @@ def build_schedule(parts: List[nn.Module], stage_ids: List[int], parallel, pp_me
         "interleaved_1f1b": S.ScheduleInterleaved1F1B,
         "zero_bubble": S.ScheduleInterleavedZeroBubble,
         "zbv": S.ScheduleZBVZeroBubble,
-    }[parallel.pp_schedule]
-    target = stages[0] if parallel.pp_schedule in _SINGLE else stages
+    }[layout.schedule]
+    target = stages[0] if layout.schedule in _SINGLE else stages
     schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     log.info("applied pipeline schedule %s: %d micro-batches, %d stage(s) on this rank",
              cls.__name__, n_microbatches, len(stages))

@@ -37,23 +37,11 @@ log = logging.getLogger(__name__)
 
 
 def check_tensor_parallel(cfg, tp: int) -> None:
-    """Raise ValueError naming every shape that does not divide by ``tp``."""
-    problems = []
-    if cfg.n_kv_heads % tp:
-        fix = (f"use parallel.tp <= n_kv_heads ({cfg.n_kv_heads}) dividing it"
-               if cfg.n_kv_heads < tp else f"use a parallel.tp dividing {cfg.n_kv_heads}")
-        problems.append(f"model.n_kv_heads={cfg.n_kv_heads} is not a multiple of parallel.tp={tp} "
-                        f"(each TP rank needs whole kv heads): {fix}, and put the other ranks in dp_shard")
-    if cfg.n_heads % tp:
-        problems.append(f"model.n_heads={cfg.n_heads} is not divisible by parallel.tp={tp}")
-    if cfg.ffn_dim % tp:
-        problems.append(f"model.ffn_dim={cfg.ffn_dim} is not divisible by parallel.tp={tp}")
-    if cfg.vocab_size % tp:
-        problems.append(f"model.vocab_size={cfg.vocab_size} is not divisible by parallel.tp={tp}; "
-                        f"pad the vocabulary to a multiple of {tp}")
-    if cfg.tie_embeddings:
-        problems.append("model.tie_embeddings=true is not supported with parallel.tp>1; "
-                        "untie the embeddings or use parallel.tp=1")
+    """Raise ValueError naming every shape that does not divide by ``tp`` (the validator's rule,
+    launcher.config.validate.tensor_parallel_problems, written once)."""
+    from launcher.config.validate import tensor_parallel_problems
+
+    problems = tensor_parallel_problems(cfg, tp)
     if problems:
         raise ValueError("tensor parallelism cannot split this model:\n  " + "\n  ".join(problems))
 

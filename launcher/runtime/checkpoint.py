@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from launcher.runtime.engine import Engine
+from launcher.engines.base import Engine
 
 log = logging.getLogger(__name__)
 

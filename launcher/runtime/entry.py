@@ -1,8 +1,10 @@
 """Rank entry point: `python -m launcher.runtime.entry --run-dir DIR`, started by torchrun.
 
 Reads the resolved config and plan.json the launcher wrote, then: dist init -> engine
-(model on meta, parallelisms per the plan) -> resume -> train loop -> final checkpoint ->
-export -> clean shutdown. The plan's decisions are obeyed, never re-made here.
+(model on meta, parallelisms per the plan's Layout) -> resume -> train loop -> final
+checkpoint -> export -> clean shutdown. The Layout's decisions are obeyed, never re-made
+here: nothing below reads spec.parallel (or re-derives a degree); the engines get the
+Layout plus the narrow options it does not cover (launcher/engines/base.py EngineOptions).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from pathlib import Path
 import torch
 
 from launcher.config.loader import load_spec
+from launcher.engines import build_engine as build_engine_for_layout
+from launcher.engines.base import Engine, EngineOptions
 from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
-from launcher.runtime.engine import Engine
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
@@ -49,33 +52,42 @@ def setup_logging(run_dir: Path, rank: int, level: str) -> None:
         root.addHandler(console)
 
 
-def build_engine(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path) -> Engine:
-    """The backend the plan chose for model-state sharding drives the whole step."""
-    if plan.backend("sharding") == "deepspeed":
-        from launcher.deepspeed.engine import build_deepspeed_engine
-
-        return build_deepspeed_engine(spec, plan, device=rank.device, run_dir=run_dir)
-    from launcher.runtime.native_engine import build_native_engine
-
-    return build_native_engine(
-        spec.model,
-        plan,
-        parallel=spec.parallel,
-        precision=spec.precision,
-        optim=spec.optim,
-        ac=spec.activation_checkpointing,
+def engine_options(spec: JobConfig, run_dir: Path) -> EngineOptions:
+    """The narrow settings an engine needs besides the model, optimizer config and Layout."""
+    return EngineOptions(
         total_steps=spec.trainer.steps,
         grad_clip=spec.trainer.grad_clip,
         seed=spec.trainer.seed,
         compile=spec.trainer.compile,
+        ac=spec.activation_checkpointing,
         offload=spec.offload,
-        device=rank.device,
+        fp8=spec.precision.fp8,
+        work_dir=Path(run_dir),
     )
 
 
+def build_engine(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path) -> Engine:
+    """The engine of the backend the Layout gave the model states (native FSDP2 or DeepSpeed)."""
+    return build_engine_for_layout(spec.model, spec.optim, plan.layout, rank.device, engine_options(spec, run_dir))
+
+
+def record_built(engine: Engine, plan: Plan, rank: int, run_dir: Path) -> None:
+    """Write what this rank's engine built (logs/built_rank_<r>.json) next to plan.json's layout,
+    so a test or a user can check the plan was obeyed."""
+    built = getattr(engine, "built", None)
+    if built is None:
+        return
+    import json
+
+    path = Path(run_dir) / "logs" / f"built_rank_{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(built(), indent=1, sort_keys=True))
+
+
 def data_parallel_rank(plan: Plan, rank: int) -> int:
-    coords = plan.mesh.coordinates(rank)
-    return coords["dp_replicate"] * plan.mesh.dp_shard + coords["dp_shard"]
+    mesh = plan.layout.mesh
+    coords = mesh.coordinates(rank)
+    return coords["dp_replicate"] * mesh.dp_shard + coords["dp_shard"]
 
 
 def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> StepBatches:
@@ -89,13 +101,14 @@ def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> Step
     arrays = load_token_arrays(spec.data, cache_dir)
     check_vocab(arrays, spec.model.vocab_size)
     windows = TokenWindows(arrays, spec.trainer.seq_len)
+    lay = plan.layout
     part = BatchSlice(
         dp_rank=data_parallel_rank(plan, rank),
-        dp_size=plan.mesh.dp,
-        micro_batch_size=plan.batch.micro_batch_size,
-        grad_accum_steps=plan.batch.grad_accum_steps,
+        dp_size=lay.dp,
+        micro_batch_size=lay.micro_batch_size,
+        grad_accum_steps=lay.microbatches,
     )
-    return StepBatches(windows, spec.trainer.seed, plan.batch.global_batch_size, part)
+    return StepBatches(windows, spec.trainer.seed, lay.global_batch_size, part)
 
 
 def checkpoint_root(spec: JobConfig, run_dir: Path) -> Path:
@@ -142,8 +155,7 @@ def run(run_dir: Path) -> int:
     spec = load_spec(run_dir)
     plan = Plan.load(run_dir)
     device_type = resolve_device_type(spec.trainer.device)
-    offload_to_cpu = "cpu" in (spec.offload.optimizer, spec.offload.params) and plan.backend("sharding") == "native"
-    rank = init_distributed(device_type, cpu_collectives=offload_to_cpu)
+    rank = init_distributed(device_type, cpu_collectives=plan.layout.fsdp_wraps and plan.layout.offload_to_cpu)
     setup_logging(run_dir, rank.rank, spec.logging.level)
     if rank.world_size != plan.world_size:
         raise RuntimeError(
@@ -156,6 +168,7 @@ def run(run_dir: Path) -> int:
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
 
     engine = build_engine(spec, plan, rank, run_dir)
+    record_built(engine, plan, rank.rank, run_dir)
     batches = build_batches(spec, plan, rank.rank, run_dir)
     checkpoints = CheckpointManager(
         checkpoint_root(spec, run_dir),

@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 from launcher.data.dataset import StepBatches
 from launcher.plan.flops import achieved_tflops, mfu
 from launcher.runtime.checkpoint import CheckpointManager
-from launcher.runtime.engine import Engine
+from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher, write_stopped
 

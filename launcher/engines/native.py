@@ -1,66 +1,49 @@
-"""The native-PyTorch Engine: model on meta -> parallelisms from the plan -> AdamW steps.
+"""The native-PyTorch Engine: model on meta -> parallelisms from the Layout -> AdamW steps.
 
-Constructor (``build_native_engine``), all keyword arguments after the first two:
-
-    build_native_engine(
-        model_cfg,                 # ModelConfig
-        plan,                      # Plan (mesh degrees; its decisions are obeyed, never redone)
-        parallel=spec.parallel,    # ParallelConfig (sp, pp_schedule, pp_virtual_stages, pp_layers,
-                                   #   microbatches, zero_stage)
-        precision=spec.precision,  # PrecisionConfig (fp32 | bf16 | fp8)
-        optim=spec.optim,          # OptimConfig
-        ac=spec.activation_checkpointing,
-        total_steps=spec.trainer.steps,
-        grad_clip=spec.trainer.grad_clip,
-        seed=spec.trainer.seed,
-        compile=spec.trainer.compile,
-        offload=spec.offload,      # optional OffloadConfig (cpu -> FSDP2 CPUOffloadPolicy)
-        device=torch.device(...),  # this rank's device; the process group is already initialised
-    ) -> NativeEngine
+    NativeEngine(model_cfg, optim_cfg, layout, device, options)   # see launcher/engines/base.py
 
 ``train_step(microbatches)`` takes this data-parallel rank's micro-batches, each (inputs,
 labels) int64 [micro_batch, seq_len]; every rank of a TP/PP/CP group passes the same ones.
 Labels equal to -100 are ignored. The loss is the mean over every counted token of the
-global batch, identical on all ranks.
+global batch, identical on all ranks. With pipelining, the rank's sequences of one step are
+split into ``layout.pp_microbatches`` micro-batches (the resolver's one rule).
 
 Order applied to each model part: fp8 -> TP (+ EP) -> AC -> compile -> FSDP, then
-materialise with layout-independent init (launcher.models.init).
+materialise with layout-independent init (launcher.models.init). The Layout's rules
+(tied embeddings or CP with pipelining, ZeRO stages FSDP2 serves...) were checked by the
+resolver; nothing is re-decided here.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import nullcontext
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from launcher.engines.base import (EngineOptions, Microbatch, StepStats, aux_loss_scale, built_report,
+                                   local_token_count, token_loss_sum)
 from launcher.models import build_model
 from launcher.parallel.mesh import submesh
 from launcher.parallel.optim import build_adamw, build_scheduler, clip_grad_norm
-from launcher.runtime.engine import Microbatch, StepStats
+from launcher.plan.layout import Layout
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
-
 
 class NativeEngine:
-    """Implements launcher.runtime.engine.Engine with FSDP2 / TP / PP / EP / AC / compile."""
+    """Implements launcher.engines.base.Engine with FSDP2 / TP / PP / EP / AC / compile."""
 
-    def __init__(self, model_cfg, plan, *, parallel, precision, optim, ac, total_steps: int,
-                 grad_clip: float, seed: int, compile: bool = False, offload=None,
-                 device: Optional[torch.device] = None):
-        self.model_cfg, self.plan, self.parallel = model_cfg, plan, parallel
-        self.precision = precision
-        self.grad_clip = grad_clip
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        m = plan.mesh
+    def __init__(self, model_cfg, optim_cfg, layout: Layout, device: torch.device, options: EngineOptions):
+        self.model_cfg, self.layout, self.options = model_cfg, layout, options
+        self.grad_clip = options.grad_clip
+        self.device = torch.device(device)
+        lay = layout
+        m = lay.mesh
         self.mesh_plan = m
         distributed = dist.is_initialized()
         if m.world_size > 1 and not distributed:
@@ -68,6 +51,10 @@ class NativeEngine:
                 f"the plan needs {m.world_size} ranks but torch.distributed is not initialised; "
                 f"launch through `train` (torchrun) or initialise the process group first"
             )
+        if lay.fsdp_wraps and not distributed:
+            raise ValueError(
+                "offload.params/optimizer=cpu is done by FSDP2's CPUOffloadPolicy, which needs a process "
+                "group: launch through `train` (torchrun), or set offload.optimizer=none")
         self.world = None
         if distributed:
             from launcher.parallel.mesh import build_device_mesh
@@ -75,20 +62,12 @@ class NativeEngine:
             self.world = build_device_mesh(m, self.device.type)
         self.tp_rank = self.world["tp"].get_local_rank() if self.world is not None else 0
 
-        if m.dp_replicate * m.dp_shard * m.cp > 1:
-            from launcher.parallel.fsdp import check_zero_stage
-
-            check_zero_stage(parallel.zero_stage)  # before any model is built
         if m.cp > 1:
             from launcher.parallel.cp import context_parallel_unsupported_reason
 
             reason = context_parallel_unsupported_reason(self.device.type)
             if reason:
                 raise RuntimeError(reason)
-            if m.pp > 1:
-                raise ValueError(
-                    f"parallel.cp={m.cp} with parallel.pp={m.pp} is not supported by the native "
-                    f"engine yet; use one of the two (e.g. put the pp ranks in dp_shard)")
         with torch.device("meta"):
             whole = build_model(model_cfg)
         self.is_moe = model_cfg.n_experts > 0
@@ -98,53 +77,57 @@ class NativeEngine:
         if m.pp > 1:
             from launcher.parallel.pp import split_into_stages
 
-            self.parts, self.stage_ids = split_into_stages(whole, parallel, self.world["pp"])
+            self.parts, self.stage_ids = split_into_stages(whole, lay, self.world["pp"])
         else:
             self.parts, self.stage_ids = [whole], [0]
+        self.fsdp = lay.fsdp_wraps
         for part in self.parts:
-            self._parallelize(part, ac, compile, offload)
+            self._parallelize(part)
         for part in self.parts:
             part.to_empty(device=self.device)
-            part.init_weights(seed, buffer_device=self.device)
+            part.init_weights(options.seed, buffer_device=self.device)
             part.train()
+        self.pp_microbatches = lay.pp_microbatches if m.pp > 1 else 1
         if m.pp > 1:
             from launcher.parallel.pp import build_schedule
 
-            self.pp_microbatches = self._pp_microbatches(plan.batch.grad_accum_steps)
             self.pp_schedule, self.has_first, self.has_last = build_schedule(
-                self.parts, self.stage_ids, parallel, self.world["pp"], self.device, self._loss_fn,
+                self.parts, self.stage_ids, lay, self.world["pp"], self.device, self._loss_fn,
                 n_microbatches=self.pp_microbatches,
             )
         else:
             self.has_first = self.has_last = True
 
-        self.optimizers = [build_adamw(p, optim) for p in self.parts]
-        self.schedulers = [build_scheduler(o, optim, total_steps) for o in self.optimizers]
+        self.optimizers = [build_adamw(p, optim_cfg) for p in self.parts]
+        self.schedulers = [build_scheduler(o, optim_cfg, options.total_steps) for o in self.optimizers]
         self._token_norm = 1.0
         self._fp8_all_gather = False
-        if precision.name == "fp8":
+        if lay.fp8_impl == "torchao":
             from launcher.parallel.fp8 import float8_all_gather_enabled
 
-            self._fp8_all_gather = float8_all_gather_enabled(precision.fp8, self.fsdp)
+            self._fp8_all_gather = float8_all_gather_enabled(self._fp8_config(), self.fsdp)
         n_params = sum(_local_numel(p) for part in self.parts for p in part.parameters())
         log.info("native engine ready: %d parameters on this rank (local view), %d model part(s)",
                  n_params, len(self.parts))
 
     # ---------------------------------------------------------------- building
-    def _parallelize(self, part: nn.Module, ac, compile: bool, offload) -> None:
-        m, w = self.mesh_plan, self.world
-        if self.precision.name == "fp8":
-            try:
-                from launcher.parallel.fp8 import convert_to_float8
-            except ImportError as e:  # the fp8 module is optional until it lands
-                raise RuntimeError("precision=fp8 needs launcher/parallel/fp8.py (convert_to_float8)") from e
-            convert_to_float8(part, self.precision.fp8, device_type=self.device.type,
+    def _fp8_config(self):
+        """The fp8 recipe options, with the all-gather switch the Layout resolved."""
+        from dataclasses import replace
+
+        return replace(self.options.fp8, all_gather=self.layout.fp8_all_gather)
+
+    def _parallelize(self, part: nn.Module) -> None:
+        lay, m, w, opts = self.layout, self.mesh_plan, self.world, self.options
+        if lay.fp8_impl == "torchao":
+            from launcher.parallel.fp8 import convert_to_float8
+
+            convert_to_float8(part, self._fp8_config(), device_type=self.device.type,
                               fsdp_enabled=m.dp_replicate * m.dp_shard * m.cp > 1)
         if m.tp > 1:
             from launcher.parallel.tp import apply_tensor_parallel
 
-            apply_tensor_parallel(part, w["tp"], sequence_parallel=self.parallel.sp,
-                                  loss_parallel=True)
+            apply_tensor_parallel(part, w["tp"], sequence_parallel=lay.sp, loss_parallel=True)
         expert_dp_mesh = None
         if m.ep > 1:
             from launcher.parallel.ep import apply_expert_parallel
@@ -152,49 +135,43 @@ class NativeEngine:
 
             ep_mesh, expert_dp_mesh = expert_meshes(w, m.ep)
             apply_expert_parallel(part, ep_mesh)
-        if ac is not None and ac.mode != "none":
+        if lay.ac_mode != "none":
             from launcher.parallel.ac import apply_activation_checkpointing
 
-            apply_activation_checkpointing(part, ac.mode, ac.selective)
-        if compile:
+            apply_activation_checkpointing(part, lay.ac_mode, lay.ac_selective)
+        if opts.compile:
             from launcher.parallel.compile import apply_compile
 
             apply_compile(part)
-        wants_offload = offload is not None and "cpu" in (offload.params, offload.optimizer)
-        if wants_offload and w is None:
-            raise ValueError(
-                "offload.params/optimizer=cpu is done by FSDP2's CPUOffloadPolicy, which needs a process "
-                "group: launch through `train` (torchrun), or set offload.optimizer=none")
         # FSDP also wraps a single data-parallel rank when offloading: it is what moves the
-        # parameters, gradients and optimizer states to the CPU.
-        self.fsdp = m.dp_replicate * m.dp_shard * m.cp > 1 or wants_offload
+        # parameters, gradients and optimizer states to the CPU (Layout.fsdp_wraps).
         if self.fsdp:
             from launcher.parallel.fsdp import apply_fsdp, mixed_precision_policy
 
             dp_mesh = submesh(w, "hsdp" if m.dp_replicate > 1 else "dp_shard_cp")
-            if offload is not None and "nvme" in (offload.params, offload.optimizer):
-                raise ValueError(
-                    "offload to nvme is DeepSpeed ZeRO-Infinity's; the native FSDP2 path offloads "
-                    "to cpu only: set offload.params/optimizer=cpu, or backend.offload=deepspeed")
-            apply_fsdp(part, dp_mesh, zero_stage=self.parallel.zero_stage,
-                       mp_policy=mixed_precision_policy(self.precision.name, self.precision.reduce_dtype),
-                       cpu_offload=wants_offload, pin_memory=bool(offload and offload.pin_memory),
+            apply_fsdp(part, dp_mesh, zero_stage=lay.zero_stage,
+                       mp_policy=mixed_precision_policy(lay.precision, lay.reduce_dtype),
+                       cpu_offload=lay.offload_to_cpu, pin_memory=bool(opts.offload.pin_memory),
                        expert_dp_mesh=expert_dp_mesh)
 
-    def _pp_microbatches(self, grad_accum: int) -> int:
-        """parallel.microbatches, or (-1) max(grad-accumulation steps, pp) when that divides
-        this rank's sequences per step, else the grad-accumulation steps."""
-        n = self.parallel.microbatches
-        if n and n > 0:
-            return n
-        rows = grad_accum * self.plan.batch.micro_batch_size
-        want = max(grad_accum, self.mesh_plan.pp)
-        return want if rows % want == 0 else max(grad_accum, 1)
+    def built(self) -> Dict[str, Any]:
+        """What this engine built, in Layout terms (read from the built objects, not the Layout)."""
+        mesh = {name: 1 for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+        if self.world is not None:
+            mesh = {name: self.world[name].size() for name in mesh}
+        from launcher.parallel.mesh import expert_meshes
+
+        mesh["ep"] = expert_meshes(self.world, self.mesh_plan.ep)[0].size() if self.mesh_plan.ep > 1 else 1
+        n_micro = self.pp_schedule._n_microbatches if self.pp_schedule is not None else None
+        fsdp = _is_fsdp(self.parts[0])
+        backends = {"sharding": "native", "pp": "native" if self.pp_schedule is not None else "off",
+                    "fp8": "torchao" if _has_float8(self.parts[0]) else "off"}
+        return built_report(mesh, n_micro, fsdp, backends)
 
     # ---------------------------------------------------------------- training
     def _autocast(self):
         # Without FSDP there is no MixedPrecisionPolicy; autocast gives the same bf16 compute.
-        if self.precision.name in ("bf16", "fp8") and not self.fsdp:
+        if self.layout.precision in ("bf16", "fp8") and not self.fsdp:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -214,13 +191,10 @@ class NativeEngine:
 
     def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of token losses / tokens in the global batch (grads are summed over DP)."""
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss / self._token_norm
+        return token_loss_sum(logits, labels) / self._token_norm
 
     def _count_tokens(self, microbatches: List[Microbatch]) -> float:
-        local = sum(int((lab != IGNORE_INDEX).sum()) for _, lab in microbatches)
-        t = torch.tensor(float(local), dtype=torch.float64, device=self.device)
+        t = torch.tensor(float(local_token_count(microbatches)), dtype=torch.float64, device=self.device)
         # Over "dp", not "dp_cp": CP ranks receive the same full sequences.
         if self.world is not None and submesh(self.world, "dp").size() > 1:
             dist.all_reduce(t, group=submesh(self.world, "dp").get_group())
@@ -231,7 +205,7 @@ class NativeEngine:
             return
         ranks = submesh(self.world, "dp_cp").size() if self.world is not None else 1
         for part in self.parts:
-            part.set_aux_loss_scale(1.0 / (n_micro * ranks))
+            part.set_aux_loss_scale(aux_loss_scale(n_micro, ranks))
 
     def train_step(self, microbatches: List[Microbatch]) -> StepStats:
         """One optimizer step over this data-parallel rank's micro-batches (collective)."""
@@ -256,10 +230,9 @@ class NativeEngine:
             n_micro = self.pp_microbatches
             if inputs.shape[0] % n_micro:
                 raise ValueError(
-                    f"the pipeline splits this rank's {inputs.shape[0]} sequences per step into "
-                    f"parallel.microbatches={n_micro} micro-batches, which does not divide; set "
-                    f"parallel.microbatches to a divisor of {inputs.shape[0]} (or -1 for the "
-                    f"gradient-accumulation steps)")
+                    f"the pipeline splits this rank's {inputs.shape[0]} sequences per step into the "
+                    f"layout's {n_micro} micro-batches, which does not divide: pass the step's "
+                    f"micro-batches as planned (micro_batch_size x accumulation sequences)")
             self._set_aux_scale(n_micro)
             losses: list = []
             kwargs = {}
@@ -362,6 +335,13 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
-def build_native_engine(model_cfg, plan, **kwargs) -> NativeEngine:
-    """Build the NativeEngine (see the module docstring for the arguments)."""
-    return NativeEngine(model_cfg, plan, **kwargs)
+def _is_fsdp(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _has_float8(module: nn.Module) -> bool:
+    return any(type(m).__name__ == "Float8Linear" for m in module.modules())

@@ -1,18 +1,18 @@
 """The DeepSpeed Engine: same model, data, LR schedule and StepStats as the native path.
 
-Constructor (what the rank runtime calls when ``plan.backend("sharding") == "deepspeed"``):
+Constructor (what the rank runtime builds when ``layout.sharding_backend == "deepspeed"``):
 
-    build_deepspeed_engine(spec, plan, *, device, run_dir) -> DeepSpeedEngine
+    DeepSpeedEngine(model_cfg, optim_cfg, layout, device, options)   # launcher/engines/base.py
 
 - the process group must already exist (launcher.runtime.dist.init_distributed): DeepSpeed
   reuses it (``deepspeed.init_distributed`` with gloo on CPU, nccl on GPU);
-- the DeepSpeed JSON is generated from the spec + plan (launcher.deepspeed.config), written to
-  ``<run_dir>/deepspeed_config.json`` and handed to ``deepspeed.initialize``;
+- the DeepSpeed JSON is generated from the Layout (launcher.engines.deepspeed_config), written to
+  ``<options.work_dir>/deepspeed_config.json`` and handed to ``deepspeed.initialize``;
 - the model is ``launcher.models.build_model`` built on meta and materialised with the same
   layout-independent ``init_weights(seed)`` as the native path; the optimizer is the native
   path's AdamW (same parameter groups), or DeepSpeedCPUAdam when the optimizer is offloaded;
   the LR schedule is ``launcher.parallel.optim.lr_factor`` (the one formula both paths use);
-- ``parallel.pp > 1`` builds a DeepSpeed ``PipelineModule`` (ZeRO <= 1, checked by the resolver).
+- ``layout.pp > 1`` builds a DeepSpeed ``PipelineModule`` (ZeRO <= 1, checked by the resolver).
 
 Loss convention (as native): the reported loss is the mean over every counted token of the
 global batch. DeepSpeed averages gradients over data-parallel ranks and (pipeline) divides by
@@ -26,20 +26,19 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from launcher.deepspeed.config import build_deepspeed_config, data_parallel_size, write_deepspeed_config
+from launcher.engines.base import (EngineOptions, Microbatch, StepStats, aux_loss_scale, built_report,
+                                   local_token_count, token_loss_sum)
+from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, write_deepspeed_config
 from launcher.parallel.optim import build_adamw, param_groups
-from launcher.runtime.engine import Microbatch, StepStats
+from launcher.plan.layout import Layout
 
 log = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
 CHECKPOINT_TAG = "state"  # DeepSpeed's sub-folder inside the directory the trainer gives us
 _WRAPPED = "_checkpoint_wrapped_module."
 
@@ -96,18 +95,17 @@ def _apply_deepspeed_checkpointing(model: nn.Module, mode: str, selective: str) 
     return wrapped
 
 
-def apply_checkpointing(model: nn.Module, plan, ac_cfg) -> None:
-    """Activation checkpointing with the implementation the resolver chose."""
-    choice = plan.backends.get("activation_checkpointing")
-    if choice is None or choice.impl == "off" or ac_cfg.mode == "none":
+def apply_checkpointing(model: nn.Module, layout: Layout) -> None:
+    """Activation checkpointing with the implementation the resolver chose (layout.ac_backend)."""
+    if layout.ac_mode == "none":
         return
-    if choice.backend == "deepspeed":
-        n = _apply_deepspeed_checkpointing(model, ac_cfg.mode, ac_cfg.selective)
+    if layout.ac_backend == "deepspeed":
+        n = _apply_deepspeed_checkpointing(model, layout.ac_mode, layout.ac_selective)
         log.info("applied DeepSpeed activation checkpointing to %d of %d blocks", n, len(model.layers))
     else:
         from launcher.parallel.ac import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model, ac_cfg.mode, ac_cfg.selective)
+        apply_activation_checkpointing(model, layout.ac_mode, layout.ac_selective)
 
 
 def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
@@ -122,7 +120,8 @@ def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
     return model
 
 
-def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, seed: int, offload) -> nn.Module:
+def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, seed: int, offload_params: str,
+                            pin_memory: bool) -> nn.Module:
     """ZeRO-3: parameters are partitioned as each module is constructed (deepspeed.zero.Init), so no
     rank ever holds the whole model; then each parameter gets the native path's layout-independent
     initial value, one full parameter at a time (GatheredParameters, written by rank 0)."""
@@ -132,8 +131,8 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
     from launcher.models.init import canonical_name, full_init_value
     from launcher.models.layers import rope_table
 
-    remote = offload.params if offload.params != "none" else None
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote, pin_memory=bool(offload.pin_memory)):
+    remote = offload_params if offload_params != "none" else None
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote, pin_memory=pin_memory):
         with torch.device(device):
             model = build_model(model_cfg)
     rank = dist.get_rank()
@@ -197,12 +196,8 @@ class _HeadStage(nn.Module):
 
 
 def pipeline_layers(model: nn.Module) -> List[nn.Module]:
-    """The Transformer as a flat layer list for PipelineModule: embedding, blocks, norm + output."""
-    if model.cfg.tie_embeddings:
-        raise ValueError(
-            "DeepSpeed's pipeline engine needs TiedLayerSpec for tied embeddings, which this launcher does not "
-            "build. Fix: model.tie_embeddings=false, or backend.pp=native (torch pipelining)."
-        )
+    """The Transformer as a flat layer list for PipelineModule: embedding, blocks, norm + output
+    (tied embeddings, which cannot be pipelined, were refused by the validator)."""
     return ([_EmbedStage(model.tok_embeddings)]
             + [_BlockStage(b, model.rope) for b in model.layers.values()]
             + [_HeadStage(model.norm, model.output)])
@@ -223,90 +218,113 @@ def _pipeline_name(local_name: str, n_blocks: int) -> str:
 
 
 class DeepSpeedEngine:
-    """Implements launcher.runtime.engine.Engine on top of deepspeed.initialize."""
+    """Implements launcher.engines.base.Engine on top of deepspeed.initialize."""
 
-    def __init__(self, spec, plan, *, device: torch.device, run_dir: Path):
+    def __init__(self, model_cfg, optim_cfg, layout: Layout, device: torch.device, options: EngineOptions):
         device = torch.device(device)
         init_deepspeed_distributed(device.type)
         import deepspeed
 
-        self.spec, self.plan, self.device = spec, plan, device
-        self.dp = data_parallel_size(plan)
-        self.pp = plan.mesh.pp
-        self.gas = plan.batch.grad_accum_steps
-        self.config = build_deepspeed_config(spec, plan)
-        self.config_path = write_deepspeed_config(self.config, run_dir) if dist.get_rank() == 0 else None
-        if spec.offload.optimizer == "nvme" or spec.offload.params == "nvme":
-            Path(spec.offload.nvme_path).mkdir(parents=True, exist_ok=True)
+        self.model_cfg, self.layout, self.options, self.device = model_cfg, layout, options, device
+        lay = layout
+        self.dp = data_parallel_size(lay)
+        self.pp = lay.pp
+        self.gas = lay.microbatches
+        self.config = build_deepspeed_config(lay, grad_clip=options.grad_clip, seed=options.seed,
+                                             offload=options.offload)
+        self.config_path = None
+        if dist.get_rank() == 0 and options.work_dir is not None:
+            self.config_path = write_deepspeed_config(self.config, options.work_dir)
+        if "nvme" in (lay.offload_optimizer, lay.offload_params):
+            Path(options.offload.nvme_path).mkdir(parents=True, exist_ok=True)
 
-        torch.manual_seed(spec.trainer.seed)
-        if spec.parallel.zero_stage == 3 and self.pp == 1:
-            model = build_partitioned_model(spec.model, self.config, device, spec.trainer.seed, spec.offload)
+        torch.manual_seed(options.seed)
+        if lay.zero_stage == 3 and self.pp == 1:
+            model = build_partitioned_model(model_cfg, self.config, device, options.seed, lay.offload_params,
+                                            bool(options.offload.pin_memory))
         else:
-            model = materialise_model(spec.model, device, spec.trainer.seed)
-        self.is_moe = spec.model.n_experts > 0
+            model = materialise_model(model_cfg, device, options.seed)
+        self.is_moe = model_cfg.n_experts > 0
         self.n_blocks = len(model.layers)
         if self.pp > 1:
             from deepspeed.pipe import PipelineModule
 
-            ac = spec.activation_checkpointing
             interval = 0
-            if ac.mode != "none":
-                if plan.backends["activation_checkpointing"].backend != "deepspeed":
-                    raise ValueError("the DeepSpeed pipeline engine checkpoints activations itself; "
-                                     "Fix: drop backend.activation_checkpointing=native")
-                interval = 1 if ac.mode == "full" else int(ac.selective)
+            if lay.ac_mode != "none":
+                # The resolver gives the pipeline engine's own checkpointing (ac_backend=deepspeed).
+                interval = 1 if lay.ac_mode == "full" else int(lay.ac_selective)
             module = PipelineModule(layers=pipeline_layers(model), num_stages=self.pp, loss_fn=self._pipe_loss,
                                     partition_method="type:_BlockStage", activation_checkpoint_interval=interval)
         else:
-            apply_checkpointing(model, plan, spec.activation_checkpointing)
+            apply_checkpointing(model, lay)
             module = model
         self._model_ref = module
-        optimizer = build_optimizer(module, spec.optim, spec.offload.optimizer)
+        optimizer = build_optimizer(module, optim_cfg, lay.offload_optimizer)
         from launcher.parallel.optim import build_scheduler
 
-        self.scheduler = build_scheduler(optimizer, spec.optim, spec.trainer.steps)
+        self.scheduler = build_scheduler(optimizer, optim_cfg, options.total_steps)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=self.scheduler, config=self.config,
             dist_init_required=False,
         )
         if self.config["bf16"]["enabled"]:
-            restore_fp32_rope(self.engine.module, spec.model, device)
+            restore_fp32_rope(self.engine.module, model_cfg, device)
         self._token_norm = 1.0
         self._pipe_losses: List[float] = []
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
         log.info("DeepSpeed engine ready: ZeRO-%d, %d parameters in this rank's stage, pp=%d, dp=%d, "
-                 "config %s", spec.parallel.zero_stage, n_params, self.pp, self.dp,
+                 "config %s", lay.zero_stage, n_params, self.pp, self.dp,
                  self.config_path or "(written by rank 0)")
 
-    # ------------------------------------------------------------------ step
-    def _ce_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+    # ------------------------------------------------------------------ the Engine contract
+    @property
+    def model_parts(self) -> List[nn.Module]:
+        """This rank's module (the DeepSpeed-wrapped model or pipeline stage)."""
+        return [self.engine.module]
 
+    @property
+    def optimizers(self) -> List[Any]:
+        """DeepSpeed's optimizer (a ZeRO wrapper with the torch optimizer in ``.optimizer``)."""
+        return [self.engine.optimizer if getattr(self.engine, "optimizer", None) is not None else self.optimizer]
+
+    def built(self) -> Dict[str, Any]:
+        """What DeepSpeed built, read back from the engine (not from the Layout)."""
+        cfg = self.engine.config if isinstance(getattr(self.engine, "config", None), dict) else self.config
+        stages = self.engine.num_stages if self.pp > 1 else 1
+        mesh = {"pp": stages, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "ep": 1,
+                "dp": self.engine.dp_world_size}
+        zero = self.engine.zero_optimization_stage()
+        backends = {"sharding": "deepspeed", "pp": "deepspeed" if self.pp > 1 else "off",
+                    "zero_stage": zero, "fp8": "off",
+                    "offload_optimizer": cfg["zero_optimization"].get("offload_optimizer", {}).get("device", "none"),
+                    "offload_param": cfg["zero_optimization"].get("offload_param", {}).get("device", "none")}
+        backends["gradient_accumulation_steps"] = self.engine.gradient_accumulation_steps()
+        pp_micro = self.engine.micro_batches if self.pp > 1 else None
+        return built_report(mesh, pp_micro, False, backends)
+
+    # ------------------------------------------------------------------ step
     def _pipe_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self._ce_sum(logits, labels) / self._token_norm
+        loss = token_loss_sum(logits, labels) / self._token_norm
         self._pipe_losses.append(float(loss.detach()))
         # The pipeline engine averages over dp and divides by the accumulation steps.
         return loss * (self.dp * self.gas)
 
     def _count_tokens(self, microbatches: List[Microbatch]) -> float:
-        local = sum(int((lab != IGNORE_INDEX).sum()) for _, lab in microbatches)
-        t = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
+        t = torch.tensor([float(local_token_count(microbatches))], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return max(float(t) / self.pp, 1.0)  # every stage of a replica holds the same batch
 
     def _set_aux_scale(self, n_micro: int) -> None:
         if self.is_moe and self.pp == 1:
             # DeepSpeed averages over dp itself, so only the micro-batch count is divided out.
-            self._model_ref.set_aux_loss_scale(1.0 / n_micro)
+            self._model_ref.set_aux_loss_scale(aux_loss_scale(n_micro, 1))
 
     def train_step(self, microbatches: List[Microbatch]) -> StepStats:
         """One optimizer step over this data-parallel rank's micro-batches (collective)."""
         if len(microbatches) != self.gas:
             raise ValueError(
                 f"got {len(microbatches)} micro-batches but the DeepSpeed config has gradient_accumulation_steps="
-                f"{self.gas} (global {self.plan.batch.global_batch_size} = micro {self.plan.batch.micro_batch_size}"
+                f"{self.gas} (global {self.layout.global_batch_size} = micro {self.layout.micro_batch_size}"
                 f" x {self.gas} x dp {self.dp}); pass exactly that many"
             )
         self._token_norm = self._count_tokens(microbatches)
@@ -324,7 +342,7 @@ class DeepSpeedEngine:
             self._set_aux_scale(len(microbatches))
             for inputs, labels in microbatches:
                 logits = self.engine(inputs.to(self.device))
-                loss = self._ce_sum(logits, labels.to(self.device)) / self._token_norm
+                loss = token_loss_sum(logits, labels.to(self.device)) / self._token_norm
                 # DeepSpeed averages gradients over dp ranks: scale up so they are summed.
                 self.engine.backward(loss * self.dp, scale_wrt_gas=False)
                 self.engine.step()
@@ -352,7 +370,7 @@ class DeepSpeedEngine:
             raise RuntimeError(
                 f"DeepSpeed found no checkpoint under {directory}/{CHECKPOINT_TAG}. DeepSpeed checkpoints load at the "
                 f"world size and ZeRO stage that wrote them (this run: {dist.get_world_size()} ranks, ZeRO-"
-                f"{self.spec.parallel.zero_stage}). Fix: resume with the saving layout, or checkpoint.resume=none."
+                f"{self.layout.zero_stage}). Fix: resume with the saving layout, or checkpoint.resume=none."
             )
 
     def export(self, path: Path, fmt: str) -> None:
@@ -372,9 +390,9 @@ class DeepSpeedEngine:
         """
         if self.pp > 1:
             return self._gather_pipeline_state()
-        if self.spec.parallel.zero_stage == 0:
+        if self.layout.zero_stage == 0:
             return canonical_state_dict(self.engine.module.state_dict()) if dist.get_rank() == 0 else None
-        if self.spec.offload.optimizer == "nvme":
+        if self.layout.offload_optimizer == "nvme":
             # zero_to_fp32 cannot read optimizer partitions that live in NVMe swap files.
             return self._gather_zero3_params()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -414,12 +432,3 @@ class DeepSpeedEngine:
         for part in gathered:
             full.update(part)
         return full
-
-    @property
-    def module(self) -> nn.Module:
-        return self.engine.module
-
-
-def build_deepspeed_engine(spec, plan, *, device, run_dir: Path) -> DeepSpeedEngine:
-    """The Engine for plans whose sharding backend is DeepSpeed (see the module docstring)."""
-    return DeepSpeedEngine(spec, plan, device=device, run_dir=Path(run_dir))

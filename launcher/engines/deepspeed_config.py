@@ -1,9 +1,10 @@
-"""Generate the DeepSpeed JSON from the validated spec and the plan.
+"""Generate the DeepSpeed JSON from the resolved Layout.
 
-Nobody writes a DeepSpeed config by hand: every key comes from the launcher's own config
-(batch from the plan, stage / offload / ZeRO++ from the spec, precision and activation
-checkpointing from the resolver's decision), it is written into the run directory as
-``deepspeed_config.json`` and checked with DeepSpeed's own config classes.
+Nobody writes a DeepSpeed config by hand: every key comes from the Layout (batch, stage,
+offload targets, ZeRO++ and hpZ, precision, which backend checkpoints activations) plus
+the narrow engine options (grad clip, seed, offload paths). It is written into the run
+directory as ``deepspeed_config.json`` and checked with DeepSpeed's own config classes
+before launch (launcher/launch/preflight.py) and again by the engine.
 
 Importing this module does not import deepspeed (only ``validate_deepspeed_config`` does).
 """
@@ -15,69 +16,62 @@ import json
 from pathlib import Path
 from typing import Any, Dict
 
+from launcher.config.schema import OffloadConfig
+from launcher.plan.layout import Layout
+
 CONFIG_FILENAME = "deepspeed_config.json"
 # Bucket sizes for ZeRO-3 prefetch / persistence: DeepSpeed's defaults, made explicit.
 STAGE3_PREFETCH_BUCKET = 50_000_000
 STAGE3_PARAM_PERSISTENCE = 100_000
 
 
-def _offload_section(device: str, offload) -> Dict[str, Any]:
+def _offload_section(device: str, offload: OffloadConfig) -> Dict[str, Any]:
     section: Dict[str, Any] = {"device": device, "pin_memory": bool(offload.pin_memory)}
     if device == "nvme":
         section["nvme_path"] = str(offload.nvme_path)
     return section
 
 
-def data_parallel_size(plan) -> int:
+def data_parallel_size(layout: Layout) -> int:
     """DeepSpeed's data-parallel size: every rank that is not a pipeline stage of the same replica."""
-    m = plan.mesh
-    return m.dp_replicate * m.dp_shard * m.cp * m.tp
+    return layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp
 
 
-def build_deepspeed_config(spec, plan) -> Dict[str, Any]:
-    """The DeepSpeed config dict for this job (plan.backend("sharding") must be "deepspeed").
+def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int, offload: OffloadConfig) -> Dict[str, Any]:
+    """The DeepSpeed config dict for this job (layout.sharding_backend must be "deepspeed").
 
     Raises ValueError when the batch arithmetic does not close (global = micro x accum x dp).
     """
-    b, t, p = plan.batch, spec.trainer, spec.parallel
-    dp = data_parallel_size(plan)
-    if b.global_batch_size != b.micro_batch_size * b.grad_accum_steps * dp:
-        raise ValueError(
-            f"trainer.global_batch_size={b.global_batch_size} != micro_batch_size {b.micro_batch_size} x "
-            f"gradient accumulation {b.grad_accum_steps} x data-parallel size {dp}. "
-            f"Fix: trainer.global_batch_size={b.micro_batch_size * max(1, b.grad_accum_steps) * dp}."
-        )
-    bf16 = spec.precision.name == "bf16"
-    zero = int(p.zero_stage)
-    be = spec.backend
+    lay = layout
+    dp = data_parallel_size(lay)
+    micro, accum = lay.micro_batch_size, lay.microbatches
+    total = micro * accum * dp
+    bf16 = lay.precision == "bf16"
+    zero = int(lay.zero_stage)
     zo: Dict[str, Any] = {
         "stage": zero,
         "contiguous_gradients": True,
         "overlap_comm": False,
         "reduce_scatter": True,
-        "reduce_bucket_size": int(be.reduce_bucket_size),
-        "allgather_bucket_size": int(be.allgather_bucket_size),
+        "reduce_bucket_size": int(lay.reduce_bucket_size),
+        "allgather_bucket_size": int(lay.allgather_bucket_size),
     }
     if zero == 3:
         zo["stage3_prefetch_bucket_size"] = STAGE3_PREFETCH_BUCKET
         zo["stage3_param_persistence_threshold"] = STAGE3_PARAM_PERSISTENCE
-        zo["zero_quantized_weights"] = bool(be.zeropp_quantized_weights)
-        zo["zero_quantized_gradients"] = bool(be.zeropp_quantized_gradients)
-        hpz = int(be.zeropp_hierarchical_partition)
-        if hpz == 0 and p.dp_replicate > 1:
-            hpz = plan.mesh.dp_shard  # HSDP-style groups map to ZeRO++ hpZ (see the resolver)
-        zo["zero_hpz_partition_size"] = max(1, hpz)
-    o = spec.offload
-    if o.optimizer != "none":
-        zo["offload_optimizer"] = _offload_section(o.optimizer, o)
-    if o.params != "none":
-        zo["offload_param"] = _offload_section(o.params, o)
+        zo["zero_quantized_weights"] = bool(lay.zeropp_quantized_weights)
+        zo["zero_quantized_gradients"] = bool(lay.zeropp_quantized_gradients)
+        zo["zero_hpz_partition_size"] = int(lay.hpz_partition_size)  # resolved (HSDP maps to hpZ)
+    if lay.offload_optimizer != "none":
+        zo["offload_optimizer"] = _offload_section(lay.offload_optimizer, offload)
+    if lay.offload_params != "none":
+        zo["offload_param"] = _offload_section(lay.offload_params, offload)
 
     cfg: Dict[str, Any] = {
-        "train_batch_size": b.global_batch_size,
-        "train_micro_batch_size_per_gpu": b.micro_batch_size,
-        "gradient_accumulation_steps": b.grad_accum_steps,
-        "gradient_clipping": float(t.grad_clip),
+        "train_batch_size": total,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": float(grad_clip),
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": False},
         "zero_optimization": zo,
@@ -86,15 +80,14 @@ def build_deepspeed_config(spec, plan) -> Dict[str, Any]:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
-        "seed": int(t.seed),
+        "seed": int(seed),
     }
     if bf16:
-        cfg["communication_data_type"] = "fp32" if spec.precision.reduce_dtype == "fp32" else "bf16"
-        if zero == 1 and o.optimizer == "none":
+        cfg["communication_data_type"] = "fp32" if lay.reduce_dtype == "fp32" else "bf16"
+        if zero == 1 and lay.offload_optimizer == "none":
             # BF16 optimizer with fp32 gradient accumulation (stage 0 has no master weights).
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    ac = plan.backends.get("activation_checkpointing")
-    if ac is not None and ac.backend == "deepspeed" and ac.impl != "off":
+    if lay.ac_mode != "none" and lay.ac_backend == "deepspeed":
         cfg["activation_checkpointing"] = {
             "partition_activations": False,
             "cpu_checkpointing": False,

@@ -1,0 +1,23 @@
+"""The engines: native PyTorch (native.py) and DeepSpeed (deepspeed.py), one contract (base.py).
+
+Below the runtime, above the parallel techniques: the runtime builds one engine from the
+plan's Layout (`build_engine`), the engine applies launcher/parallel/* as the Layout says.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from launcher.engines.base import Engine
+
+
+def build_engine(model_cfg, optim_cfg, layout, device, options) -> "Engine":
+    """The engine of the backend that owns the model states (layout.sharding_backend)."""
+    if layout.sharding_backend == "deepspeed":
+        from launcher.engines.deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(model_cfg, optim_cfg, layout, device, options)
+    from launcher.engines.native import NativeEngine
+
+    return NativeEngine(model_cfg, optim_cfg, layout, device, options)
