@@ -303,13 +303,12 @@ def _unique_params(parts) -> int:
 
 def launcher_step_fn(spec, device, run_dir: Path) -> Callable:
     """The real launcher path: validate -> plan -> entry.build_engine -> Engine.train_step."""
-    from launcher.config.validate import check
     from launcher.plan.plan import build_plan
+    from launcher.plan.resolve import check
     from launcher.runtime.dist import RankInfo
     from launcher.runtime.entry import build_engine
 
-    check(spec)
-    plan = build_plan(spec)
+    plan = build_plan(spec, check(spec))
     engine = build_engine(spec, plan, RankInfo(rank=0, world_size=1, local_rank=0, device=device), run_dir)
 
     def step(batch) -> float:
@@ -325,7 +324,7 @@ def launcher_wired() -> Optional[str]:
     """None when the native engine can be imported, else why the launcher rows cannot run."""
     try:
         import launcher.runtime.entry  # noqa: F401
-        import launcher.runtime.native_engine  # noqa: F401
+        import launcher.engines.native  # noqa: F401
     except ImportError as err:
         return f"not wired: {err}"
     return None

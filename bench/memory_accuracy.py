@@ -89,11 +89,8 @@ def worker(run_dir: Path) -> None:
         engine.train_step(batches.for_step(step["i"]))
         step["i"] += 1
 
-    if hasattr(engine, "model_parts"):  # native engine
-        parts, optimizers = engine.model_parts, engine.optimizers
-    else:  # DeepSpeed engine wrapper: the DeepSpeedEngine module and its ZeRO optimizer
-        parts, optimizers = [engine.engine.module], [engine.optimizer]
-    measured = track_step_memory(parts, optimizers, one_step, warmup_steps=int(os.environ.get("MEMACC_WARMUP", "1")))
+    # The Engine contract (launcher/engines/base.py): both engines expose their modules and optimizers.
+    measured = track_step_memory(engine.model_parts, engine.optimizers, one_step, warmup_steps=int(os.environ.get("MEMACC_WARMUP", "1")))
     measured["rss_peak"] = process_peak_rss_bytes() or 0
     (run_dir / f"measured_{rank.rank}.json").write_text(json.dumps(measured))
     shutdown_distributed()

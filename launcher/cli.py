@@ -87,11 +87,22 @@ def _resolved(spec: JobConfig):
         _fail_config(err.problems)
 
 
+def _check_before_launch(spec: JobConfig, plan) -> None:
+    """Checks that need the run-time libraries (DeepSpeed's own config classes); exit 2 on failure."""
+    from launcher.launch.preflight import check_deepspeed_config
+
+    try:
+        check_deepspeed_config(spec, plan)
+    except ConfigError as err:
+        _fail_config(err.problems)
+
+
 def _run(spec: JobConfig, run_dir: Path) -> int:
     from launcher.plan.plan import build_plan
 
     spec = _resolve_local_device(spec)
     plan = build_plan(spec, _resolved(spec))
+    _check_before_launch(spec, plan)
     for warning in plan.warnings:
         log.warning("%s", warning)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -9,17 +9,15 @@ import torch
 from launcher.config.loader import compose_spec
 from launcher.plan.plan import build_plan
 from launcher.runtime.checkpoint import CheckpointManager, verify_checkpoint
-from launcher.runtime.entry import build_batches
-from launcher.runtime.native_engine import build_native_engine
+from launcher.engines.native import NativeEngine
+from launcher.runtime.entry import build_batches, engine_options
 
 
 def _engine_and_batches(tmp_path):
     spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=1", "trainer.global_batch_size=2", "trainer.seq_len=32"])
+    spec.trainer.steps, spec.trainer.grad_clip, spec.trainer.seed = 10, 1.0, 0
     plan = build_plan(spec)
-    engine = build_native_engine(
-        spec.model, plan, parallel=spec.parallel, precision=spec.precision, optim=spec.optim,
-        ac=spec.activation_checkpointing, total_steps=10, grad_clip=1.0, seed=0, device=torch.device("cpu"),
-    )
+    engine = NativeEngine(spec.model, spec.optim, plan.layout, torch.device("cpu"), engine_options(spec, tmp_path))
     return engine, build_batches(spec, plan, 0, tmp_path)
 
 

@@ -12,7 +12,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from launcher.config.errors import ConfigError  # noqa: E402
 from launcher.plan.resolve import validate  # noqa: E402
-from launcher.deepspeed.config import (  # noqa: E402
+from launcher.engines.deepspeed_config import (  # noqa: E402
     build_deepspeed_config,
     validate_deepspeed_config,
     write_deepspeed_config,
@@ -32,6 +32,12 @@ SWITCHES = {
     "parallel.pp": [1, 2],
 }
 
+
+
+def _config(spec, plan):
+    """The DeepSpeed JSON the engine and the pre-launch check generate for this plan."""
+    return build_deepspeed_config(plan.layout, grad_clip=spec.trainer.grad_clip, seed=spec.trainer.seed,
+                                  offload=spec.offload)
 
 def _debug_spec(overrides, world=4):
     spec = example_spec({"backend.default": "deepspeed", "model.name": "debug", "model.n_layers": 4, "model.dim": 64,
@@ -57,7 +63,7 @@ def test_every_supported_combination_passes_deepspeed_validation(tmp_path):
     for overrides, spec in _supported_combinations():
         plan = build_plan(spec)
         assert plan.backend("sharding") == "deepspeed"
-        cfg = build_deepspeed_config(spec, plan)
+        cfg = _config(spec, plan)
         dp = plan.world_size // plan.mesh.pp
         assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * dp
         assert cfg["gradient_clipping"] == spec.trainer.grad_clip
@@ -82,18 +88,18 @@ def test_every_supported_combination_passes_deepspeed_validation(tmp_path):
 def test_hsdp_maps_to_hpz_and_batch_is_consistent():
     spec = _debug_spec({"parallel.dp_replicate": 2, "parallel.zero_stage": 3})
     plan = build_plan(spec)
-    cfg = build_deepspeed_config(spec, plan)
+    cfg = _config(spec, plan)
     assert cfg["zero_optimization"]["zero_hpz_partition_size"] == 2
     assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (8, 1, 2)
 
 
 def test_deepspeed_rejects_a_broken_config():
     spec = _debug_spec({"parallel.zero_stage": 2})
-    cfg = build_deepspeed_config(spec, build_plan(spec))
+    cfg = _config(spec, build_plan(spec))
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "floppy"}
     with pytest.raises(Exception, match="floppy|device"):
         validate_deepspeed_config(cfg, 4)
-    cfg = build_deepspeed_config(spec, build_plan(spec))
+    cfg = _config(spec, build_plan(spec))
     with pytest.raises(ValueError, match="train_batch_size 8 != 1 x 2 x dp 3"):
         validate_deepspeed_config(cfg, 3)
 
@@ -106,3 +112,35 @@ def test_unsupported_combination_is_refused_before_config():
         from launcher.plan.backends import resolve_backends
 
         resolve_backends(spec)
+
+
+def test_preflight_checks_the_generated_config_with_deepspeed():
+    """`train` (action=run) checks the DeepSpeed JSON with DeepSpeed's own classes before launch."""
+    import dataclasses
+
+    from launcher.launch.preflight import check_deepspeed_config
+    from launcher.plan.plan import Plan
+
+    spec = _debug_spec({"parallel.zero_stage": 2, "backend.default": "deepspeed"})
+    plan = build_plan(spec)
+    assert plan.layout.uses_deepspeed
+    check_deepspeed_config(spec, plan)  # accepted
+    broken = Plan(layout=dataclasses.replace(plan.layout, offload_optimizer="floppy"))
+    with pytest.raises(ConfigError) as err:
+        check_deepspeed_config(spec, broken)
+    (line,) = err.value.problems
+    assert line.startswith("DeepSpeed refused the generated config") and "floppy" in line and "Fix:" in line
+
+
+def test_cli_runs_the_preflight_before_launching():
+    """The run path calls the DeepSpeed check between planning and launching (not plan/search)."""
+    import ast
+    import inspect
+
+    from launcher import cli
+
+    calls = [n.func.id for n in ast.walk(ast.parse(inspect.getsource(cli._run)))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    assert calls.index("_check_before_launch") < calls.index("launch_local")
+    for fn in (cli._plan, cli._search):
+        assert "_check_before_launch" not in inspect.getsource(fn)

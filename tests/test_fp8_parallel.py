@@ -27,11 +27,11 @@ def _worker(out_path: str) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(REPO))
-    from launcher.config.schema import Fp8Config, OptimConfig, ParallelConfig, PrecisionConfig
-    from launcher.config.schema import ActivationCheckpointingConfig
-    from launcher.plan.mesh import MeshPlan
-    from launcher.plan.plan import BatchPlan, Plan
-    from launcher.runtime.native_engine import build_native_engine
+    from launcher.config.schema import OptimConfig
+    from launcher.engines.base import EngineOptions
+    from launcher.engines.native import NativeEngine
+    from tests.layout_for import job_spec
+    from launcher.plan.resolve import resolve
     from tests.parallel_harness.run_layouts import model_config, rank_microbatches
 
     dist.init_process_group("gloo")
@@ -39,19 +39,16 @@ def _worker(out_path: str) -> None:
     cfg = model_config("debug")
     results = {}
     for name, degrees in LAYOUTS.items():
-        mesh = MeshPlan(**{"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "ep": 1, **degrees})
-        plan = Plan(world_size=2, nodes=1, gpus_per_node=2, mesh=mesh,
-                    batch=BatchPlan(4, 1, 4 // mesh.dp, 16, 64), backends={})
         for precision in ("bf16", "fp8"):
             key = f"{name}_{precision}"
             try:
-                engine = build_native_engine(
-                    cfg, plan,
-                    parallel=ParallelConfig(dp_shard=mesh.dp_shard, tp=mesh.tp),
-                    precision=PrecisionConfig(name=precision, fp8=Fp8Config(emulate=True)),
-                    optim=OptimConfig(lr=2e-3, warmup_steps=0, schedule="constant", weight_decay=0.0),
-                    ac=ActivationCheckpointingConfig(), total_steps=STEPS, grad_clip=1.0, seed=7,
-                    device=torch.device("cpu"))
+                dotted = {f"parallel.{k}": v for k, v in degrees.items()}
+                job = job_spec(cfg, 2, **dotted, **{"precision.name": precision})
+                layout = resolve(job)
+                mesh = layout.mesh
+                engine = NativeEngine(
+                    cfg, OptimConfig(lr=2e-3, warmup_steps=0, schedule="constant", weight_decay=0.0), layout,
+                    torch.device("cpu"), EngineOptions(total_steps=STEPS, grad_clip=1.0, seed=7, fp8=job.precision.fp8))
                 c = mesh.coordinates(rank)
                 losses = [engine.train_step(rank_microbatches(s, cfg.vocab_size, c["dp_shard"], mesh.dp)).loss
                           for s in range(STEPS)]

@@ -143,6 +143,26 @@ def test_pipeline_warns_when_microbatches_below_stages(results):
     assert not any("bubble" in w for w in results["pp2_1f1b_dense"].get("warnings", []))
 
 
+BUILT = [n for n, s in SPECS.items() if "kind" not in s and "expect_error" not in s]
+
+
+@pytest.mark.parametrize("name", BUILT)
+def test_engine_built_the_resolved_layout(results, name):
+    """The Layout the resolver wrote (what plan.json holds) is what the engine built, read back
+    from the built objects: mesh sizes, pipeline micro-batches per step, FSDP on/off, fp8 impl."""
+    got = results[name]
+    assert "error" not in got, f"{name} failed:\n{got.get('traceback', got.get('error'))}"
+    lay, built = got["layout"], got["built"]
+    for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"):
+        assert built["mesh"][dim] == lay[dim], f"{name}: built {dim}={built['mesh'][dim]}, layout says {lay[dim]}"
+    want_micro = lay["derived"]["pp_microbatches"] if lay["pp"] > 1 else None
+    assert built["pp_microbatches"] == want_micro, f"{name}: pipeline ran {built['pp_microbatches']} micro-batches, layout says {want_micro}"
+    assert built["fsdp"] == lay["derived"]["fsdp_wraps"], f"{name}: FSDP {built['fsdp']}, layout says {lay['derived']['fsdp_wraps']}"
+    assert built["backends"]["sharding"] == lay["sharding_backend"]
+    assert built["backends"]["fp8"] == lay["fp8_impl"], f"{name}: fp8 {built['backends']['fp8']} vs {lay['fp8_impl']}"
+    assert built["backends"]["pp"] == (lay["pp_backend"] if lay["pp"] > 1 else "off")
+
+
 @pytest.mark.parametrize("name", [n for n, s in SPECS.items() if "expect_error" in s and n != "cp2_refused_on_cpu"])
 def test_refused_layouts_say_why(results, name):
     err = results[name].get("error", "")

@@ -117,12 +117,13 @@ def build_schedule(parts: List[nn.Module], stage_ids: List[int], layout: Layout,
     if n_microbatches < pp and layout.schedule == "1f1b":
         raise ValueError(
             f"parallel.pp_schedule=1f1b needs at least as many micro-batches as stages: "
-            f"microbatches={n_microbatches} < pp={pp}; set parallel.microbatches >= {pp} (with "
-            f"a global batch that provides them) or use pp_schedule=gpipe")
+            f"{n_microbatches} micro-batches per step < pp={pp}; raise trainer.global_batch_size or "
+            f"lower trainer.micro_batch_size, or use pp_schedule=gpipe")
     if n_microbatches < pp:
-        msg = (f"parallel.microbatches={n_microbatches} < pipeline stages per step ({pp}): most "
+        msg = (f"{n_microbatches} micro-batches per step < pipeline stages ({pp}): most "
                f"ranks idle (bubble fraction ~ (p-1)/m = {(pp - 1) / n_microbatches:.2f}); use "
-               f"at least {pp} micro-batches, ideally several times more")
+               f"at least {pp} micro-batches (a larger trainer.global_batch_size or a smaller "
+               f"trainer.micro_batch_size), ideally several times more")
         warnings.warn(msg)
         log.warning(msg)
     group = pp_mesh.get_group()

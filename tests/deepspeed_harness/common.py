@@ -77,7 +77,7 @@ def reference_run(spec, steps: int):
     import torch
     import torch.nn.functional as F
 
-    from launcher.deepspeed.engine import canonical_state_dict, materialise_model
+    from launcher.engines.deepspeed import canonical_state_dict, materialise_model
     from launcher.parallel.optim import build_adamw, build_scheduler
 
     model = materialise_model(spec.model, torch.device("cpu"), spec.trainer.seed)

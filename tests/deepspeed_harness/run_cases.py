@@ -43,19 +43,24 @@ def run_engine(engine, spec, plan, steps, start=0):
 
 
 def run_case(name, overrides, work: Path, resume: bool):
-    from launcher.plan.resolve import validate
-    from launcher.deepspeed.engine import build_deepspeed_engine
+    from launcher.engines.deepspeed import DeepSpeedEngine
     from launcher.plan.plan import build_plan
+    from launcher.plan.resolve import check
+    from launcher.runtime.entry import engine_options
 
     run_dir = work / name
     spec = spec_for(overrides, run_dir)
-    problems = validate(spec)
-    assert not problems, problems
-    plan = build_plan(spec)
+    plan = build_plan(spec, check(spec))  # as `train` does: every rule, then the plan
     assert plan.backend("sharding") == "deepspeed", plan.backends["sharding"]
+
+    def build():
+        return DeepSpeedEngine(spec.model, spec.optim, plan.layout, torch.device("cpu"), engine_options(spec, run_dir))
+
     t0 = time.time()
-    engine = build_deepspeed_engine(spec, plan, device=torch.device("cpu"), run_dir=run_dir)
-    result = {"build_s": time.time() - t0, "backends": {k: v.impl for k, v in plan.backends.items()}}
+    engine = build()
+    result = {"build_s": time.time() - t0, "backends": {k: v.impl for k, v in plan.backends.items()},
+              "layout": plan.to_dict()["layout"], "built": engine.built(),
+              "memory_parts": len(engine.model_parts), "memory_optimizers": len(engine.optimizers)}
     steps = spec.trainer.steps
     if resume:
         result["steps"] = run_engine(engine, spec, plan, SAVE_AT)
@@ -73,7 +78,7 @@ def run_case(name, overrides, work: Path, resume: bool):
     del engine
     gc.collect()
     if resume:
-        fresh = build_deepspeed_engine(spec, plan, device=torch.device("cpu"), run_dir=run_dir)
+        fresh = build()
         fresh.load(run_dir / "ckpt")
         result["resumed"] = run_engine(fresh, spec, plan, steps, SAVE_AT)
         del fresh
@@ -82,16 +87,14 @@ def run_case(name, overrides, work: Path, resume: bool):
 
 
 def run_native(work: Path):
+    from launcher.engines.native import NativeEngine
     from launcher.plan.plan import build_plan
-    from launcher.runtime.native_engine import build_native_engine
+    from launcher.plan.resolve import check
+    from launcher.runtime.entry import engine_options
 
     spec = spec_for(["parallel.zero_stage=3", "backend=native"])
-    plan = build_plan(spec)
-    engine = build_native_engine(
-        spec.model, plan, parallel=spec.parallel, precision=spec.precision, optim=spec.optim,
-        ac=spec.activation_checkpointing, total_steps=spec.trainer.steps, grad_clip=spec.trainer.grad_clip,
-        seed=spec.trainer.seed, device=torch.device("cpu"),
-    )
+    plan = build_plan(spec, check(spec))
+    engine = NativeEngine(spec.model, spec.optim, plan.layout, torch.device("cpu"), engine_options(spec, work))
     steps = run_engine(engine, spec, plan, spec.trainer.steps)
     del engine
     gc.collect()
@@ -105,7 +108,7 @@ def main() -> int:
     parser.add_argument("--resume", default="")
     parser.add_argument("--native", action="store_true")
     args = parser.parse_args()
-    from launcher.deepspeed.engine import init_deepspeed_distributed
+    from launcher.engines.deepspeed import init_deepspeed_distributed
 
     init_deepspeed_distributed("cpu")
     results = {}

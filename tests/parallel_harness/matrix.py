@@ -54,7 +54,7 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
                         "pp_schedule": sched, "pp_virtual_stages": v})
     four += [
         {"name": "tp4_gqa_refused", "model": "debug", "mesh": {"tp": 4},
-         "expect_error": "model.n_kv_heads=2 is not a multiple of parallel.tp=4"},
+         "expect_error": "model.n_kv_heads=2 is not divisible by 4"},
         {"name": "ep2_fsdp2_tp2_moe", "model": "debug_moe",
          "mesh": {"dp_shard": 2, "tp": 2, "ep": 2}, "sp": True},
         # ep=2 inside dp_shard=4: each expert shard is FSDP-sharded over the other 2 ranks.
@@ -80,11 +80,12 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
         {"name": "ac_every2_tp2_dense", "model": "debug", "mesh": {"tp": 2}, "ac": "selective",
          "ac_selective": "2"},
         {"name": "zero1_refused", "model": "debug", "mesh": {"dp_shard": 2}, "zero_stage": 1,
-         "expect_error": "backend.sharding=deepspeed"},
-        {"name": "pp2_1microbatch_dense", "model": "debug", "mesh": {"pp": 2}, "microbatches": 1,
+         "backend_sharding": "native", "expect_error": "backend.sharding=deepspeed"},
+        # One micro-batch of 4 sequences per step: the pipeline runs the accumulation micro-batches.
+        {"name": "pp2_1microbatch_dense", "model": "debug", "mesh": {"pp": 2}, "micro_batch_size": 4,
          "pp_schedule": "gpipe"},
         {"name": "pp2_1f1b_1microbatch_refused", "model": "debug", "mesh": {"pp": 2},
-         "microbatches": 1, "expect_error": "needs at least as many micro-batches"},
+         "micro_batch_size": 4, "expect_error": "needs at least 2 micro-batches per step"},
         {"name": "pp2_uneven_layers_dense", "model": "debug", "mesh": {"pp": 2}, "pp_layers": [1, 3]},
         {"name": "compile_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "compile": True},
     ]

@@ -8,9 +8,13 @@ process group). Rank 0 writes {name: {"losses": [...], "grad_norms": [...], "aux
 A layout that raises is recorded as {"error": "..."} and the next one still runs.
 
 Layout keys: name, model (debug | debug_moe), mesh {pp, dp_replicate, dp_shard, cp, tp, ep},
-sp, pp_schedule, pp_virtual_stages, pp_layers, microbatches, ac, ac_selective, compile,
-zero_stage, precision, steps, save_dir + save_after (save after that many steps),
-load_dir + start_step (resume, then run steps start_step..steps-1).
+sp, pp_schedule, pp_virtual_stages, pp_layers, micro_batch_size, ac, ac_selective, compile,
+zero_stage, precision, backend_sharding, steps, save_dir + save_after (save after that many
+steps), load_dir + start_step (resume, then run steps start_step..steps-1).
+
+Each layout is resolved by the real resolver (`launcher.plan.resolve.resolve`, what `train`
+writes into plan.json) and the engine is built from that Layout; the result records both the
+Layout and what the engine reports it built (`engine.built()`), which the test compares.
 """
 
 from __future__ import annotations
@@ -53,11 +57,11 @@ def step_batch(step: int, vocab: int):
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def rank_microbatches(step: int, vocab: int, dp_rank: int, dp: int):
+def rank_microbatches(step: int, vocab: int, dp_rank: int, dp: int, micro: int = MICRO_BATCH):
     x, y = step_batch(step, vocab)
     per = GLOBAL_BATCH // dp
     x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
-    return [(x[i:i + MICRO_BATCH], y[i:i + MICRO_BATCH]) for i in range(0, per, MICRO_BATCH)]
+    return [(x[i:i + micro], y[i:i + micro]) for i in range(0, per, micro)]
 
 
 def check_cp_sharding(spec: dict) -> dict:
@@ -81,50 +85,58 @@ def check_cp_sharding(spec: dict) -> dict:
 def run_layout(spec: dict) -> dict:
     if spec.get("kind") == "cp_shard":
         return check_cp_sharding(spec)
-    from launcher.config.schema import (ActivationCheckpointingConfig, Fp8Config, OptimConfig,
-                                        ParallelConfig, PrecisionConfig)
-    from launcher.plan.mesh import MeshPlan
-    from launcher.plan.plan import BatchPlan, Plan
-    from launcher.runtime.native_engine import build_native_engine
+    from launcher.config.schema import OptimConfig
+    from launcher.engines.base import EngineOptions
+    from launcher.engines.native import NativeEngine
+    from tests.layout_for import job_spec
+    from launcher.plan.resolve import resolve
 
     mcfg = model_config(spec.get("model", "debug"))
     if spec.get("tie"):
         mcfg = replace(mcfg, tie_embeddings=True)
     if spec.get("model_overrides"):
         mcfg = replace(mcfg, **spec["model_overrides"])
-    mesh = MeshPlan(**{k: 1 for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")} | spec.get("mesh", {}))
-    dp = mesh.dp
-    batch = BatchPlan(GLOBAL_BATCH, MICRO_BATCH, GLOBAL_BATCH // (MICRO_BATCH * dp), SEQ, GLOBAL_BATCH * SEQ)
-    plan = Plan(world_size=mesh.world_size, nodes=1, gpus_per_node=mesh.world_size, mesh=mesh,
-                batch=batch, backends={})
-    parallel = ParallelConfig(
-        dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, tp=mesh.tp, sp=spec.get("sp", False),
-        pp=mesh.pp, pp_schedule=spec.get("pp_schedule", "1f1b"),
-        pp_virtual_stages=spec.get("pp_virtual_stages", 1), pp_layers=spec.get("pp_layers", []),
-        microbatches=spec.get("microbatches", -1), cp=mesh.cp, ep=mesh.ep,
-        zero_stage=spec.get("zero_stage", 3))
+    mesh = {k: 1 for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")} | spec.get("mesh", {})
+    world = mesh["pp"] * mesh["dp_replicate"] * mesh["dp_shard"] * mesh["cp"] * mesh["tp"]
+    dotted = {f"parallel.{k}": v for k, v in mesh.items()}
+    dotted.update({
+        "parallel.sp": spec.get("sp", False),
+        "parallel.pp_schedule": spec.get("pp_schedule", "1f1b"),
+        "parallel.pp_virtual_stages": spec.get("pp_virtual_stages", 1),
+        "parallel.pp_layers": spec.get("pp_layers", []),
+        "parallel.zero_stage": spec.get("zero_stage", 3),
+        "trainer.global_batch_size": GLOBAL_BATCH,
+        "trainer.micro_batch_size": spec.get("micro_batch_size", MICRO_BATCH),
+        "trainer.seq_len": SEQ,
+        "precision.name": spec.get("precision", "fp32"),
+        "activation_checkpointing.mode": spec.get("ac", "none"),
+        "activation_checkpointing.selective": spec.get("ac_selective", "op"),
+    })
+    if spec.get("backend_sharding"):
+        dotted["backend.sharding"] = spec["backend_sharding"]
+    job = job_spec(mcfg, world, **dotted)
+    layout = resolve(job)  # what `train` would write into plan.json's "layout"
     steps = spec.get("steps", 3)
     t_build = time.time()
     optim = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1)
-    engine = build_native_engine(
-        mcfg, plan, parallel=parallel, precision=PrecisionConfig(name=spec.get("precision", "fp32"),
-                                               fp8=Fp8Config(emulate=True)),
-        optim=optim, ac=ActivationCheckpointingConfig(mode=spec.get("ac", "none"),
-                                                      selective=spec.get("ac_selective", "op")),
-        total_steps=10, grad_clip=1.0, seed=7, compile=spec.get("compile", False),
-        device=torch.device("cuda", torch.cuda.current_device()) if DEVICE.type == "cuda" else DEVICE)
+    options = EngineOptions(total_steps=10, grad_clip=1.0, seed=7, compile=spec.get("compile", False),
+                            fp8=job.precision.fp8)
+    device = torch.device("cuda", torch.cuda.current_device()) if DEVICE.type == "cuda" else DEVICE
+    engine = NativeEngine(mcfg, optim, layout, device, options)
+    dp = layout.dp
     if dist.is_initialized():
-        c = mesh.coordinates(dist.get_rank())
-        dp_rank = c["dp_replicate"] * mesh.dp_shard + c["dp_shard"]
+        c = layout.mesh.coordinates(dist.get_rank())
+        dp_rank = c["dp_replicate"] * layout.dp_shard + c["dp_shard"]
     else:
         dp_rank = 0
-    out = {"losses": [], "grad_norms": [], "aux": [], "lr": [], "build_seconds": time.time() - t_build}
+    out = {"losses": [], "grad_norms": [], "aux": [], "lr": [], "build_seconds": time.time() - t_build,
+           "layout": layout.to_dict(), "built": engine.built()}
     start = spec.get("start_step", 0)
     if spec.get("load_dir"):
         engine.load(Path(spec["load_dir"]))
     t0 = time.time()
     for step in range(start, steps):
-        stats = engine.train_step(rank_microbatches(step, mcfg.vocab_size, dp_rank, dp))
+        stats = engine.train_step(rank_microbatches(step, mcfg.vocab_size, dp_rank, dp, layout.micro_batch_size))
         out["losses"].append(stats.loss)
         out["grad_norms"].append(stats.grad_norm)
         out["lr"].append(stats.lr)

@@ -1,0 +1,37 @@
+"""Checks run in the launch path, before any rank starts or any job is submitted.
+
+`check_deepspeed_config(spec, plan)`: when DeepSpeed owns the model states, the DeepSpeed
+JSON the engine will generate is generated here too and checked with DeepSpeed's own config
+classes (`deepspeed.runtime.config.DeepSpeedConfig`), so a config DeepSpeed refuses fails on
+the submitting machine with exit code 2, not minutes later on every rank. This imports
+torch and deepspeed: it belongs to `action=run` only (`action=plan` / `action=search` import
+neither).
+"""
+
+from __future__ import annotations
+
+from launcher.config.errors import ConfigError
+from launcher.config.schema import JobConfig
+from launcher.plan.plan import Plan
+
+
+def check_deepspeed_config(spec: JobConfig, plan: Plan) -> None:
+    """Raise ConfigError (one line, with a fix) when DeepSpeed refuses the generated config."""
+    layout = plan.layout
+    if not layout.uses_deepspeed:
+        return
+    from launcher.engines.deepspeed import prepare_deepspeed_environment
+    from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
+
+    prepare_deepspeed_environment(spec.trainer.device)
+    cfg = build_deepspeed_config(layout, grad_clip=spec.trainer.grad_clip, seed=spec.trainer.seed,
+                                 offload=spec.offload)
+    try:
+        validate_deepspeed_config(cfg, data_parallel_size(layout))
+    except Exception as err:  # DeepSpeed raises pydantic, assertion and value errors alike
+        reason = " ".join(str(err).split())[:400]
+        raise ConfigError([
+            f"DeepSpeed refused the generated config (ZeRO-{layout.zero_stage}, offload optimizer="
+            f"{layout.offload_optimizer}, params={layout.offload_params}): {type(err).__name__}: {reason}. "
+            f"Fix: change the keys it names, or backend=native where the native path serves this layout."
+        ]) from err
