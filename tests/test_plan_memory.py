@@ -1,5 +1,5 @@
-"""Memory model: the seed cases computed by hand (DESIGN.md), per backend, ZeRO stage and offload,
-and the activation formulas' behaviour under TP, SP, CP, recomputation and pipeline schedules."""
+"""Memory model: the seed cases computed by hand from the model-state table in docs/planner.md,
+per backend, ZeRO stage and offload, and the activation formulas' behaviour under TP, SP, CP, recomputation and pipeline schedules."""
 
 from __future__ import annotations
 

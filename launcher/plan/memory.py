@@ -11,7 +11,7 @@ Model states (Ψ = parameters this rank holds after TP, PP and EP divided the mo
   (the current one and the prefetched next), every unit of the stage at ZeRO-1/2
   (`reshard_after_forward=False` keeps them from forward to backward).
 - DeepSpeed: bf16 params (2 B) + bf16 grads (2 B) + fp32 master, m, v (12 B) = 16 B/param
-  (DESIGN.md); ZeRO-1 divides the 12 B, ZeRO-2 also the grads, ZeRO-3 everything, over all
+  (docs/planner.md); ZeRO-1 divides the 12 B, ZeRO-2 also the grads, ZeRO-3 everything, over all
   data-parallel ranks. Its reduce / all-gather buckets are working memory.
 - Offload moves the optimizer states (DeepSpeed: with the fp32 grads its CPU Adam reads)
   or, for parameter offload and FSDP2's CPUOffloadPolicy, all model states to the host.
