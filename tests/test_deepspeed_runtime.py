@@ -84,6 +84,26 @@ def test_cases_ran_what_they_claim(results):
         "torch.utils.checkpoint per block (selective=op)")
 
 
+def _assert_built_the_layout(result: dict, case: str) -> None:
+    """What DeepSpeed built (read back from its engine) is what plan.json's layout says."""
+    lay, built = result["layout"], result["built"]
+    bk = built["backends"]
+    assert bk["sharding"] == lay["sharding_backend"] == "deepspeed", case
+    assert bk["zero_stage"] == lay["zero_stage"], f"{case}: DeepSpeed runs ZeRO-{bk['zero_stage']}, layout says {lay['zero_stage']}"
+    assert bk["gradient_accumulation_steps"] == lay["microbatches"], case
+    assert built["mesh"]["pp"] == lay["pp"] and built["mesh"]["dp"] == lay["derived"]["dp"] * lay["cp"] * lay["tp"], case
+    assert built["pp_microbatches"] == (lay["derived"]["pp_microbatches"] if lay["pp"] > 1 else None), case
+    assert built["fsdp"] is lay["derived"]["fsdp_wraps"] is False, case
+    assert bk["offload_optimizer"] == lay["offload_optimizer"] and bk["offload_param"] == lay["offload_params"], case
+    # The Engine contract: the memory tracker sees DeepSpeed's module and optimizer.
+    assert result["memory_parts"] == 1 and result["memory_optimizers"] == 1, case
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_deepspeed_built_the_resolved_layout(results, case):
+    _assert_built_the_layout(results[case], case)
+
+
 def test_deepspeed_matches_native_engine(results):
     native = results["native_zero3"]["steps"]
     for case in CASES:
@@ -126,6 +146,8 @@ def test_pipeline_engine_and_nvme_offload(tmp_path, reference):
         # update turns 1e-7 gradient differences into up to ~5e-5 where v is tiny (lr 3e-3).
         _assert_weights_match(res[case]["export"], ref_weights, case, atol=2e-4 if case == "zero3_nvme" else WEIGHT_ATOL)
     assert res["pipeline_zero1"]["backends"]["pp"] == "DeepSpeed PipelineModule (2 stages, 1F1B)"
+    for case in cases:
+        _assert_built_the_layout(res[case], case)
     if "zero3_nvme" in res:
         assert res["zero3_nvme"]["nvme_bytes"] > 0, "nothing was swapped to the NVMe folder"
     else:

@@ -43,6 +43,18 @@ def test_debug_run_trains_and_writes_its_run_dir(reference_run):
     assert ckpts == ["step_00000004", "step_00000008", "step_00000012"]
 
 
+def test_ranks_built_the_layout_in_plan_json(reference_run):
+    """Each rank records what its engine built (logs/built_rank_<r>.json); it is plan.json's layout."""
+    layout = json.loads((reference_run / "plan.json").read_text())["layout"]
+    for rank in range(layout["derived"]["world_size"]):
+        built = json.loads((reference_run / "logs" / f"built_rank_{rank}.json").read_text())
+        assert {k: built["mesh"][k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")} == {
+            k: layout[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+        assert built["fsdp"] is layout["derived"]["fsdp_wraps"] is True
+        assert built["backends"]["sharding"] == layout["sharding_backend"]
+        assert built["backends"]["fp8"] == layout["fp8_impl"]
+
+
 def _start(args, run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [TRAIN, *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=train_env(run_dir.parent),
