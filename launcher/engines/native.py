@@ -103,9 +103,10 @@ class NativeEngine:
         self._token_norm = 1.0
         self._fp8_all_gather = False
         if lay.fp8_impl == "torchao":
-            from launcher.parallel.fp8 import float8_all_gather_enabled
+            from launcher.parallel.fp8 import float8_scale_precompute_needed
 
-            self._fp8_all_gather = float8_all_gather_enabled(self._fp8_config(), self.fsdp)
+            # Read from the built model: only float8 all-gather under FSDP needs per-step scales.
+            self._fp8_all_gather = any(float8_scale_precompute_needed(p) for p in self.parts)
         n_params = sum(_local_numel(p) for part in self.parts for p in part.parameters())
         log.info("native engine ready: %d parameters on this rank (local view), %d model part(s)",
                  n_params, len(self.parts))

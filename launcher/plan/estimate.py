@@ -69,7 +69,7 @@ def fill_from_layout(plan, spec, shape: ModelShape, lay: Layout) -> None:
         "pp": lay.pp,
         "schedule": lay.schedule if lay.pp > 1 else "none",
         "virtual_stages": lay.vpp,
-        "microbatches": lay.microbatches,
+        "microbatches": lay.pp_microbatches,
         "bubble_fraction": bubble_fraction(lay),
         "layers_per_chunk": counts,
         "inflight_microbatches": [inflight_microbatches(lay, r) for r in range(lay.pp)],
@@ -103,7 +103,7 @@ def warnings_for(plan, spec, lay: Layout) -> List[str]:
     bubble = plan.pipeline["bubble_fraction"]
     if lay.pp > 1 and bubble > 0.25:
         out.append(
-            f"pipeline bubble is {bubble:.0%} of compute (pp={lay.pp}, {lay.microbatches} micro-batches, "
+            f"pipeline bubble is {bubble:.0%} of compute (pp={lay.pp}, {lay.pp_microbatches} micro-batches, "
             f"schedule {lay.schedule}). Fix: more micro-batches (trainer.global_batch_size or a smaller "
             f"trainer.micro_batch_size), parallel.pp_schedule=interleaved_1f1b with pp_virtual_stages=2, or a lower pp."
         )

@@ -18,7 +18,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Literal, Optional, Tuple
+from typing import Any, Dict, Literal, Tuple
 
 from launcher.plan.features import BackendChoice
 from launcher.plan.mesh import MeshPlan
@@ -151,10 +151,6 @@ class Layout:
     def backends(self) -> Dict[str, BackendChoice]:
         """feature -> BackendChoice (the plan's backend table)."""
         return dict(self.choices)
-
-    def backend_of(self, feature: str) -> Optional[str]:
-        choice = self.backends.get(feature)
-        return choice.backend if choice is not None else None
 
     def overrides(self) -> Dict[str, Any]:
         """The `train` overrides that select this layout (dotted key -> value)."""

@@ -165,7 +165,7 @@ def bubble_slots(lay: Layout) -> float:
 
 
 def bubble_fraction(lay: Layout) -> float:
-    return bubble_slots(lay) / max(1, lay.microbatches)
+    return bubble_slots(lay) / max(1, lay.pp_microbatches)
 
 
 # ----------------------------------------------------------------------------- communication

@@ -1,0 +1,119 @@
+"""resolve(spec) -> Layout: every derived decision made once, written into plan.json."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from launcher.config.errors import ConfigError
+from launcher.config.loader import compose_spec
+from launcher.plan import rules
+from launcher.plan.layout import Layout
+from launcher.plan.plan import Plan, build_plan
+from launcher.plan.resolve import check, derive_mesh, resolve, validate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_dp_shard_is_inferred_once_and_everything_lands_in_the_layout():
+    spec = compose_spec(["+recipe=llama70b", "cluster.nodes=4", "parallel.tp=8", "parallel.pp=4",
+                         "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+                         "trainer.micro_batch_size=1", "trainer.global_batch_size=64"])
+    lay = resolve(spec)
+    assert (lay.nodes, lay.gpus_per_node, lay.world_size) == (4, 8, 32)
+    assert (lay.pp, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp) == (4, 1, 1, 1, 8)
+    assert lay.microbatches == 64 and lay.pp_microbatches == 64 and lay.global_batch_size == 64
+    assert (lay.schedule, lay.vpp) == ("interleaved_1f1b", 2)
+    assert lay.sharding_backend == "native" and lay.fsdp_wraps is False  # one data-parallel rank
+    assert lay.backends["pp"].impl.startswith("torch.distributed.pipelining")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lay.pp = 2  # type: ignore[misc]
+
+
+def test_the_issue_example_plans_the_micro_batches_it_runs():
+    """llama70b pp=4 gpipe micro 4 global 16: one rule for planner and engine (the accumulation)."""
+    spec = compose_spec(["+recipe=llama70b", "parallel.pp=4", "parallel.pp_schedule=gpipe",
+                         "trainer.micro_batch_size=4", "trainer.global_batch_size=16", "action=plan"])
+    plan = build_plan(spec, check(spec))
+    lay = plan.layout
+    accumulation = lay.global_batch_size // (lay.micro_batch_size * lay.dp)
+    assert lay.pp_microbatches == accumulation == plan.pipeline["microbatches"]
+    # What the planner reports is what the schedule runs: (pp - 1) / m for gpipe.
+    assert plan.pipeline["bubble_fraction"] == pytest.approx((lay.pp - 1) / lay.pp_microbatches)
+
+
+def test_plan_json_holds_the_layout_and_round_trips(tmp_path):
+    spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=4", "parallel.tp=2", "parallel.sp=true",
+                         "offload.optimizer=cpu"])
+    plan = build_plan(spec, check(spec))
+    plan.save(tmp_path)
+    d = json.loads((tmp_path / "plan.json").read_text())
+    lay = d["layout"]
+    assert (lay["tp"], lay["dp_shard"], lay["sp"]) == (2, 2, True)
+    assert lay["derived"] == {"world_size": 4, "dp": 2, "global_batch_size": spec.trainer.global_batch_size,
+                              "pp_microbatches": lay["microbatches"], "fsdp_wraps": True}
+    assert lay["offload_backend"] == "native" and lay["choices"]["offload_optimizer"]["impl"] == "FSDP2 CPUOffloadPolicy"
+    # The mesh / batch / backends sections are views of the layout, and the layout is what is read back.
+    assert d["mesh"]["dp_shard"] == lay["dp_shard"] and d["batch"]["grad_accum_steps"] == lay["microbatches"]
+    back = Plan.load(tmp_path)
+    assert back.layout == plan.layout and isinstance(back.layout, Layout)
+
+
+def test_backend_rules_run_once_per_launch(monkeypatch):
+    calls = []
+    real = rules.backend_conflicts
+
+    def counting(spec, mesh):
+        calls.append(mesh)
+        return real(spec, mesh)
+
+    monkeypatch.setattr("launcher.plan.resolve.backend_conflicts", counting)
+    spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=2"])
+    build_plan(spec, check(spec))  # what `train` does
+    assert len(calls) == 1
+
+
+def test_transformer_engine_is_refused_with_a_fix():
+    spec = compose_spec(["+recipe=debug", "precision=fp8", "precision.fp8.emulate=true", "trainer.device=cpu",
+                         "backend.fp8_impl=transformer_engine"])
+    problems = validate(spec)
+    assert any(p.startswith("fp8 vs backend.fp8_impl:") and "Fix: backend.fp8_impl=torchao" in p for p in problems)
+    with pytest.raises(ConfigError):
+        check(spec)
+
+
+def test_conflicts_are_data():
+    spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=4", "parallel.zero_stage=1", "parallel.tp=2"])
+    mesh, _ = derive_mesh(spec.parallel, spec.cluster)
+    conflicts, choices = rules.backend_conflicts(spec, mesh)
+    assert choices is None and conflicts
+    c = conflicts[0]
+    assert (c.feature, c.other) == ("sharding", "tp") and c.fixes and c.reason
+    assert c.text().startswith("sharding vs tp: ") and c.text().endswith(".") and "Fix: " in c.text()
+
+
+def test_world_size_is_derived_in_one_place():
+    """`nodes * gpus_per_node` is computed by launcher.plan.resolve.world_size and nowhere else."""
+    found = []
+    for path in (REPO / "launcher").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                sides = {getattr(s, "attr", getattr(s, "id", None)) for s in (node.left, node.right)}
+                if sides == {"nodes", "gpus_per_node"}:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert len(found) == 1 and found[0].startswith("launcher/plan/resolve.py"), found
+
+
+def test_runtime_and_engines_never_read_spec_parallel():
+    """The ranks obey plan.json's layout: nothing under runtime/ or engines/ reads the parallel group."""
+    offenders = []
+    for room in ("runtime", "engines"):
+        for path in (REPO / "launcher" / room).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr == "parallel":
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not offenders, offenders
