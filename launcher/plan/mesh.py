@@ -11,7 +11,7 @@ FSDP over the remaining dp_shard * cp / ep ranks).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 MESH_DIM_NAMES: Tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -51,14 +51,3 @@ class MeshPlan:
             coords[name] = rest % size
             rest //= size
         return coords
-
-    def groups(self, dim: str) -> List[List[int]]:
-        """All process groups along one dimension (lists of global ranks)."""
-        if dim not in MESH_DIM_NAMES:
-            raise ValueError(f"unknown mesh dimension {dim!r}; expected one of {MESH_DIM_NAMES}")
-        buckets: Dict[Tuple[int, ...], List[int]] = {}
-        for rank in range(self.world_size):
-            c = self.coordinates(rank)
-            key = tuple(c[n] for n in MESH_DIM_NAMES if n != dim)
-            buckets.setdefault(key, []).append(rank)
-        return list(buckets.values())
