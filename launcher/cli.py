@@ -8,10 +8,11 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -19,6 +20,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec, save_spec, to_spec, user_overrides
 from launcher.config.schema import JobConfig
 from launcher.config.store import available_recipes, register_configs
@@ -51,13 +53,69 @@ def _composition_problem(err: Exception) -> str:
 
 
 def _precheck(argv: List[str]) -> None:
-    """Compose once before Hydra runs so a bad key or type exits 2 with one clean line, no traceback."""
-    if any(a in ("-m", "--multirun", "-h", "--help", "--hydra-help", "--info", "-c", "--cfg", "-i") for a in argv):
+    """Compose and validate before Hydra runs (and before torch is imported).
+
+    A bad key, type or value exits 2 with one clean line per problem, no traceback, and
+    nothing written: Hydra creates the run dir and its .hydra/*.yaml only after this. With
+    -m/--multirun every point of the sweep is checked before any job runs or is submitted.
+    """
+    if any(a in ("-h", "--help", "--hydra-help", "--info", "-c", "--cfg", "-i") for a in argv):
+        return
+    overrides = user_overrides(argv)
+    if not any(a in ("-m", "--multirun") for a in argv):
+        _fail_if_problems(_point_problems(overrides))
         return
     try:
-        compose_spec(user_overrides(argv))
+        points = sweep_points(overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         _fail_config([_composition_problem(err)])
+        return
+    if points is None:
+        return  # a glob() sweep: Hydra expands it and each job validates itself
+    problems: List[str] = []
+    for num, (label, point) in enumerate(points):
+        problems.extend(f"sweep job #{num} ({label}): {p}" for p in _point_problems(point))
+    _fail_if_problems(problems)
+
+
+def _fail_if_problems(problems: List[str]) -> None:
+    if problems:
+        _fail_config(problems)
+
+
+def _point_problems(overrides: List[str]) -> List[str]:
+    """Every problem of the job these overrides compose (composition errors included)."""
+    try:
+        spec = compose_spec(overrides)
+    except ConfigError as err:
+        return err.problems
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
+        return [_composition_problem(err)]
+    return validate(spec)
+
+
+def sweep_points(overrides: List[str]) -> Optional[List[tuple]]:
+    """The jobs of a `-m` sweep as Hydra's basic sweeper makes them: the cartesian product of
+    each override's values, in command-line order. Each job is (label, overrides), the label
+    naming the swept values. None when a glob() sweep needs Hydra's own expansion.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+
+    axes: List[List[tuple]] = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.get_key_element()
+        if override.value_type == ValueType.GLOB_CHOICE_SWEEP:
+            return None
+        if override.is_sweep_override():
+            axes.append([(f"{key}={v}", True) for v in override.sweep_string_iterator()])
+        else:
+            axes.append([(f"{key}={override.get_value_element_as_str()}", False)])
+    points = []
+    for combo in itertools.product(*axes):
+        label = " ".join(text for text, swept in combo if swept) or "no swept keys"
+        points.append((label, [text for text, _ in combo]))
+    return points
 
 
 def _resolve_local_device(spec: JobConfig) -> JobConfig:
