@@ -12,7 +12,7 @@ import itertools
 import logging
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Tuple
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -70,8 +70,6 @@ def _precheck(argv: List[str]) -> None:
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         _fail_config([_composition_problem(err)])
         return
-    if points is None:
-        return  # a glob() sweep: Hydra expands it and each job validates itself
     problems: List[str] = []
     for num, (label, point) in enumerate(points):
         problems.extend(f"sweep job #{num} ({label}): {p}" for p in _point_problems(point))
@@ -94,23 +92,25 @@ def _point_problems(overrides: List[str]) -> List[str]:
     return validate(spec)
 
 
-def sweep_points(overrides: List[str]) -> Optional[List[tuple]]:
+def sweep_points(overrides: List[str]) -> List[Tuple[str, List[str]]]:
     """The jobs of a `-m` sweep as Hydra's basic sweeper makes them: the cartesian product of
     each override's values, in command-line order. Each job is (label, overrides), the label
-    naming the swept values. None when a glob() sweep needs Hydra's own expansion.
+    naming the swept values. glob() sweeps over config groups are expanded like Hydra does.
     """
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ValueType
 
-    axes: List[List[tuple]] = []
-    for override in OverridesParser.create().parse_overrides(overrides):
-        key = override.get_key_element()
-        if override.value_type == ValueType.GLOB_CHOICE_SWEEP:
-            return None
-        if override.is_sweep_override():
-            axes.append([(f"{key}={v}", True) for v in override.sweep_string_iterator()])
-        else:
-            axes.append([(f"{key}={override.get_value_element_as_str()}", False)])
+    register_configs()
+    axes: List[List[Tuple[str, bool]]] = []
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        for override in parser.parse_overrides(overrides):
+            key = override.get_key_element()
+            if override.is_sweep_override():
+                axes.append([(f"{key}={v}", True) for v in override.sweep_string_iterator()])
+            else:
+                axes.append([(f"{key}={override.get_value_element_as_str()}", False)])
     points = []
     for combo in itertools.product(*axes):
         label = " ".join(text for text, swept in combo if swept) or "no swept keys"
@@ -187,7 +187,10 @@ def _search(spec: JobConfig) -> int:
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def hydra_main(cfg: DictConfig) -> None:
-    spec = to_spec(cfg)
+    try:
+        spec = to_spec(cfg)
+    except ConfigError as err:
+        _fail_config(err.problems)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if spec.action == "run":
         code = _run(spec, run_dir)

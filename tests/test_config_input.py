@@ -206,6 +206,8 @@ def test_sweep_points_match_hydras_basic_sweeper():
     (hydras,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
     assert [point for _, point in sweep_points(overrides)] == [list(p) for p in hydras]
     assert sweep_points(overrides)[2][0] == "parallel.tp=3 trainer.steps=1"
+    globbed = sweep_points(["+recipe=debug", "precision=glob(fp*)"])
+    assert [label for label, _ in globbed] == ["precision=fp32", "precision=fp8"]
 
 
 # --- The real command: exit 2, no traceback, no torch, nothing written -----------------------
