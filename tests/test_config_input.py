@@ -75,7 +75,11 @@ def test_slurm_job_script_has_shell_text_literally(tmp_path):
     from launcher.launch import slurm
     from launcher.plan.plan import build_plan
 
-    spec = _with_cluster(compose_spec(["+recipe=debug", "cluster=slurm"]), setup=[SHELL_VALUES[0]], env=EXPECTED_ENV)
+    spec = compose_spec([  # written as on a command line: `\${` is Hydra's escape for a literal `${`
+        "+recipe=debug", "cluster=slurm", 'cluster.setup=["export PATH=\\${HOME}/bin:$PATH"]',
+        "+cluster.env.LIBS=/x:\\${LD_LIBRARY_PATH:-}", "+cluster.env.HOMEBIN='export PATH=\\${HOME}/bin:$PATH'",
+    ])
+    assert spec.cluster.setup == [SHELL_VALUES[0]] and spec.cluster.env == EXPECTED_ENV
     save_spec(spec, tmp_path)
     loaded = load_spec(tmp_path)
     script = slurm.render_script(loaded, build_plan(loaded), tmp_path / "run")
