@@ -228,7 +228,6 @@ SECRET = "s3cr3t-NOT-ON-DISK-91b"
 
 CLI_CASES = [
     ["model.n_heads=0"],
-    ["hardware.bf16_tflops=0", "hardware.network_gbps=0"],
     ["action=plan", "plan.format=xml"],
     ["+trainer.stpes=5"],
     ["cluster=slurm", "cluster.dry_run=true", f"+cluster.env.WANDB_API_KEY={SECRET}"],
