@@ -8,10 +8,11 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import sys
 from pathlib import Path
-from typing import List
+from typing import TYPE_CHECKING, List, Tuple
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -24,6 +25,9 @@ from launcher.config.loader import compose_spec, save_spec, to_spec, user_overri
 from launcher.config.schema import JobConfig
 from launcher.config.store import available_recipes, register_configs
 from launcher.paths import config_dir
+
+if TYPE_CHECKING:  # pragma: no cover
+    from launcher.plan.layout import Layout
 
 log = logging.getLogger("launcher")
 
@@ -51,13 +55,74 @@ def _composition_problem(err: Exception) -> str:
 
 
 def _precheck(argv: List[str]) -> None:
-    """Compose once before Hydra runs so a bad key or type exits 2 with one clean line, no traceback."""
-    if any(a in ("-m", "--multirun", "-h", "--help", "--hydra-help", "--info", "-c", "--cfg", "-i") for a in argv):
+    """Compose and validate before Hydra runs (and before torch is imported).
+
+    A bad key, type or value exits 2 with one clean line per problem, no traceback, and
+    nothing written: Hydra creates the run dir and its .hydra/*.yaml only after this. With
+    -m/--multirun every point of the sweep is checked before any job runs or is submitted.
+    """
+    if any(a in ("-h", "--help", "--hydra-help", "--info", "-c", "--cfg", "-i") for a in argv):
+        return
+    overrides = user_overrides(argv)
+    if not any(a in ("-m", "--multirun") for a in argv):
+        _fail_if_problems(_point_problems(overrides))
         return
     try:
-        compose_spec(user_overrides(argv))
+        points = sweep_points(overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         _fail_config([_composition_problem(err)])
+        return
+    problems: List[str] = []
+    for num, (label, point) in enumerate(points):
+        problems.extend(f"sweep job #{num} ({label}): {p}" for p in _point_problems(point))
+    _fail_if_problems(problems)
+
+
+def _fail_if_problems(problems: List[str]) -> None:
+    if problems:
+        _fail_config(problems)
+
+
+def _point_problems(overrides: List[str]) -> List[str]:
+    """Every problem of the job these overrides compose (composition errors included)."""
+    from launcher.plan.resolve import resolve_all
+
+    try:
+        spec = compose_spec(overrides)
+    except ConfigError as err:
+        return err.problems
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
+        return [_composition_problem(err)]
+    layout, problems = resolve_all(spec)
+    if layout is not None:
+        _PRECHECKED.append((spec, layout))
+    return problems
+
+
+def sweep_points(overrides: List[str]) -> List[Tuple[str, List[str]]]:
+    """The jobs of a `-m` sweep as Hydra's basic sweeper makes them: the cartesian product of
+    each override's values, in command-line order. Each job is (label, overrides), the label
+    naming the swept values. glob() sweeps over config groups are expanded like Hydra does.
+    """
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    register_configs()
+    axes: List[List[Tuple[str, bool]]] = []
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        for override in parser.parse_overrides(overrides):
+            key = override.get_key_element()
+            if override.is_sweep_override():
+                axes.append([(f"{key}={v}", True) for v in override.sweep_string_iterator()])
+            else:
+                axes.append([(f"{key}={override.get_value_element_as_str()}", False)])
+    points = []
+    for combo in itertools.product(*axes):
+        label = " ".join(text for text, swept in combo if swept) or "no swept keys"
+        points.append((label, [text for text, _ in combo]))
+    return points
 
 
 def _resolve_local_device(spec: JobConfig) -> JobConfig:
@@ -77,10 +142,29 @@ def _resolve_local_device(spec: JobConfig) -> JobConfig:
     return dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, device=device))
 
 
-def _resolved(spec: JobConfig):
+# (spec, Layout) of the jobs the pre-check resolved: Hydra composes the same job again, and its
+# Layout is reused rather than derived a second time (the backend rules run once per launch).
+_PRECHECKED: List[Tuple[JobConfig, "Layout"]] = []
+
+
+def _same_job(checked: JobConfig, spec: JobConfig) -> bool:
+    """Equal up to trainer.device, which a local run decides after the pre-check (the Layout
+    does not depend on it; the device rules are re-run on the final spec)."""
+    aligned = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, device=checked.trainer.device))
+    return aligned == checked
+
+
+def _resolved(spec: JobConfig) -> "Layout":
     """The spec's Layout (every rule checked and every decision derived once); exit 2 otherwise."""
+    from launcher.config.validate import validate as validate_config
     from launcher.plan.resolve import check
 
+    for checked, layout in _PRECHECKED:
+        if _same_job(checked, spec):
+            problems = validate_config(spec)  # the config-level rules, on the final device
+            if problems:
+                _fail_config(problems)
+            return layout
     try:
         return check(spec)
     except ConfigError as err:
@@ -148,7 +232,10 @@ def _search(spec: JobConfig) -> int:
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def hydra_main(cfg: DictConfig) -> None:
-    spec = to_spec(cfg)
+    try:
+        spec = to_spec(cfg)
+    except ConfigError as err:
+        _fail_config(err.problems)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if spec.action == "run":
         code = _run(spec, run_dir)

@@ -117,3 +117,21 @@ def test_runtime_and_engines_never_read_spec_parallel():
                 if isinstance(node, ast.Attribute) and node.attr == "parallel":
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_cli_reuses_the_prechecked_layout(monkeypatch):
+    """`train` checks every job before Hydra runs, then Hydra composes it again: the Layout of the
+    pre-check is reused, so the backend rules run once per launch (device rules are re-run)."""
+    from launcher import cli
+    from launcher.config.loader import compose_spec as compose
+
+    calls = []
+    real = rules.backend_conflicts
+    monkeypatch.setattr("launcher.plan.resolve.backend_conflicts", lambda s, m: calls.append(m) or real(s, m))
+    monkeypatch.setattr(cli, "_PRECHECKED", [])
+    overrides = ["+recipe=debug", "cluster.gpus_per_node=2", "action=plan"]
+    cli._precheck(overrides)
+    spec = compose(overrides)
+    spec = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, device="cpu"))  # decided later
+    layout = cli._resolved(spec)
+    assert len(calls) == 1 and layout == resolve(spec)

@@ -2,27 +2,85 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
-from typing import List, Sequence
+from typing import Any, List, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 
 RESOLVED_CONFIG = "config.yaml"
 
+# A run of backslashes right before `${`: OmegaConf reads `\${` as a literal `${` and halves
+# the backslashes before it, so k literal backslashes + `${` are written as 2k+1 + `${`.
+_INTERPOLATION_START = re.compile(r"(\\*)\$\{")
+
 
 def to_spec(cfg: DictConfig) -> JobConfig:
-    """Resolve interpolations and convert to dataclasses (type-checked by OmegaConf)."""
+    """Resolve interpolations and convert to dataclasses (type-checked by OmegaConf).
+
+    Raises ConfigError for keys the schema does not have (added with `+key=` or `++key=`),
+    which OmegaConf would otherwise drop silently.
+    """
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(unknown)
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
+def unknown_keys(cfg: DictConfig, prefix: str = "") -> List[str]:
+    """One problem line per key of `cfg` that its schema dataclass does not declare.
+
+    Nodes typed as plain dicts in the schema (e.g. `cluster.env`) take any key.
+    """
+    problems: List[str] = []
+    schema = OmegaConf.get_type(cfg)
+    known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key in cfg.keys():
+        dotted = f"{prefix}{key}"
+        if known is not None and key not in known:
+            problems.append(
+                f"{dotted} is not a config key (added with `+`?); {prefix.rstrip('.') or 'the job'} has: "
+                f"{', '.join(sorted(known))}. Fix: correct the key name or remove it "
+                f"(`train --cfg job` prints every key)."
+            )
+            continue
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            problems.extend(unknown_keys(child, f"{dotted}."))
+    return problems
+
+
+def escape_interpolations(text: str) -> str:
+    """`text` written so that OmegaConf reads it back exactly (no `${...}` is resolved)."""
+    if "${" not in text:
+        return text
+    return _INTERPOLATION_START.sub(lambda m: m.group(1) * 2 + "\\${", text)
+
+
+def _escaped(value: Any) -> Any:
+    if isinstance(value, str):
+        return escape_interpolations(value)
+    if isinstance(value, dict):
+        return {k: _escaped(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escaped(v) for v in value]
+    return value
+
+
 def save_spec(spec: JobConfig, run_dir: Path) -> Path:
-    """Write the resolved config; the rank runtime reads exactly this file."""
+    """Write the resolved config; the rank runtime reads exactly this file.
+
+    Values are final: a `${...}` left in a string (a shell variable in cluster.setup or
+    cluster.env) is escaped so that loading it back gives the same text, not a lookup.
+    """
     path = Path(run_dir) / RESOLVED_CONFIG
     tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(spec)))
+    tmp.write_text(OmegaConf.to_yaml(_escaped(dataclasses.asdict(spec))))
     tmp.replace(path)
     return path
 

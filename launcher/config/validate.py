@@ -10,7 +10,10 @@ Pure Python so that `action=plan` and `action=search` can call it for thousands 
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, Sequence
+import functools
+import os
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from launcher.config.cluster import check_cluster_config
 from launcher.config.errors import ConfigError
@@ -34,7 +37,14 @@ CHOICES = {
     "cluster.name": ("local", "slurm"),
     "backend.default": ("auto", "native", "deepspeed"),
     "checkpoint.export": ("none", "fp32", "safetensors"),
+    "plan.format": ("text", "json"),
+    # Names logging.Logger.setLevel accepts (it is case-sensitive).
+    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
 }
+
+# Suggested degrees are listed up to this value: no parallel degree is larger, and a search
+# proportional to a huge value (model.n_heads=10**12) would hang the validator.
+DIVISOR_SEARCH_LIMIT = 4096
 
 # Schedules that run several model chunks per pipeline rank.
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
@@ -48,7 +58,8 @@ def _get(spec: JobConfig, dotted: str):
 
 
 def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of n up to DIVISOR_SEARCH_LIMIT (the ones usable as parallel degrees)."""
+    return [d for d in range(1, min(n, DIVISOR_SEARCH_LIMIT) + 1) if n % d == 0]
 
 
 def _fmt_choices(values: Sequence[int], limit: int = 8) -> str:
@@ -95,11 +106,13 @@ def _check_positive(spec: JobConfig, problems: List[str]) -> None:
 def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
     m, p = spec.model, spec.parallel
     problems.extend(tensor_parallel_problems(m, p.tp))
-    if m.dim % m.n_heads:
+    if min(m.n_heads, m.n_kv_heads) < 1:
+        pass  # reported by _check_positive; the head arithmetic below would divide by zero
+    elif m.dim % m.n_heads:
         problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}. Fix: choose n_heads dividing dim.")
     elif (m.dim // m.n_heads) % 2:
         problems.append(f"model head_dim = dim/n_heads = {m.dim // m.n_heads} must be even for RoPE. Fix: change model.dim or model.n_heads.")
-    if m.n_heads % m.n_kv_heads:
+    if min(m.n_heads, m.n_kv_heads) >= 1 and m.n_heads % m.n_kv_heads:
         problems.append(
             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}. "
             f"Fix: n_kv_heads must divide n_heads."
@@ -232,6 +245,138 @@ def _check_cluster(spec: JobConfig, problems: List[str]) -> None:
         problems.extend(check_cluster_config(spec.cluster))
 
 
+def _check_optimizer_values(spec: JobConfig, problems: List[str]) -> None:
+    """AdamW's own range checks, reported before launch instead of inside every rank."""
+    o = spec.optim
+    for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0 <= value < 1:
+            problems.append(f"{key}={value} must be within [0, 1). Fix: e.g. optim.beta1=0.9, optim.beta2=0.95.")
+    if not o.eps > 0:
+        problems.append(f"optim.eps={o.eps} must be positive. Fix: e.g. optim.eps=1e-8.")
+    if o.weight_decay < 0:
+        problems.append(f"optim.weight_decay={o.weight_decay} must be >= 0. Fix: e.g. optim.weight_decay=0.1, or 0 for none.")
+
+
+def _check_misc_values(spec: JobConfig, problems: List[str]) -> None:
+    """Single values the ranks or the reports would reject late: checkpointing, data size, search."""
+    sel = spec.activation_checkpointing.selective
+    if sel != "op" and not (sel.isdigit() and int(sel) >= 1):
+        problems.append(
+            f"activation_checkpointing.selective={sel!r} must be 'op' (save matmul outputs, recompute the rest) "
+            f"or an integer N >= 1 (checkpoint every N-th block). Fix: activation_checkpointing.selective=op."
+        )
+    need = spec.trainer.seq_len + 1
+    if spec.data.source == "embedded" and spec.data.embedded_tokens < need:
+        problems.append(
+            f"data.embedded_tokens={spec.data.embedded_tokens} is fewer than one training window of "
+            f"trainer.seq_len+1 = {need} tokens. Fix: e.g. data.embedded_tokens=2000000."
+        )
+    if spec.plan.top_k < 1:
+        problems.append(f"plan.top_k={spec.plan.top_k} must be at least 1 (layouts to print). Fix: e.g. plan.top_k=10.")
+    if not 0 <= spec.plan.search_headroom < 1:
+        problems.append(
+            f"plan.search_headroom={spec.plan.search_headroom} must be within [0, 1) (a fraction of GPU memory). "
+            f"Fix: e.g. plan.search_headroom=0.05."
+        )
+
+
+HARDWARE_POSITIVE = (
+    "memory_gb", "bf16_tflops", "fp8_tflops", "hbm_gbps", "nvlink_gbps", "network_gbps", "pcie_gbps",
+    "gpus_per_node",
+)
+
+
+def _check_hardware(spec: JobConfig, problems: List[str]) -> None:
+    """The planner divides by these: a zero would end in ZeroDivisionError instead of a message."""
+    hw = spec.hardware
+    for name in HARDWARE_POSITIVE:
+        value = getattr(hw, name)
+        if not value > 0:
+            problems.append(
+                f"hardware.{name}={value} must be positive (the planner divides by it). "
+                f"Fix: set hardware.{name} to the real figure, or pick a preset (hardware=h100_sxm)."
+            )
+    for name in ("achievable_fraction", "comm_efficiency"):
+        value = getattr(hw, name)
+        if not 0 < value <= 1:
+            problems.append(f"hardware.{name}={value} must be within (0, 1]. Fix: e.g. hardware.{name}=0.5.")
+    if hw.reserved_gb < 0:
+        problems.append(f"hardware.reserved_gb={hw.reserved_gb} must be >= 0. Fix: e.g. hardware.reserved_gb=2.")
+
+
+def _check_local_cluster(spec: JobConfig, problems: List[str]) -> None:
+    """cluster=local: refuse what only a job script would use, and secrets written as values."""
+    c = spec.cluster
+    if c.name != "local":
+        return
+    if c.setup:
+        problems.append(
+            f"cluster.setup has {len(c.setup)} line(s) but cluster=local runs no job script to put them in. "
+            f"Fix: run them in your shell before `train` (or set variables with cluster.env), and remove cluster.setup."
+        )
+    for name in c.env:
+        if name in c.secret_env:
+            problems.append(
+                f"cluster.env.{name} would write a secret's value into the run dir (config.yaml); remove it and "
+                f"`export {name}=...` in the shell that runs `train` (the ranks inherit it)."
+            )
+
+
+def _check_run_inputs(spec: JobConfig, problems: List[str]) -> None:
+    """action=run: the files the ranks will open exist, and the tokenizer fits the model."""
+    if spec.action != "run":
+        return
+    d = spec.data
+    if d.source in ("tokens", "text") and d.path and not os.path.exists(d.path):
+        problems.append(f"data.path={d.path} does not exist. Fix: point data.path at your {d.source} data.")
+    if d.source == "text":
+        _check_tokenizer(d.tokenizer, spec.model.vocab_size, problems)
+    resume = spec.checkpoint.resume
+    if resume not in ("auto", "none") and not os.path.isdir(resume):
+        problems.append(
+            f"checkpoint.resume={resume} is not a folder. Fix: checkpoint.resume=auto (the newest checkpoint in "
+            f"the run's checkpoint folder), checkpoint.resume=none, or the path of an existing step_* folder."
+        )
+
+
+def _check_tokenizer(path: str, vocab_size: int, problems: List[str]) -> None:
+    if not path:
+        if vocab_size < 256:
+            problems.append(
+                f"data.source=text without data.tokenizer uses byte tokens (256 ids) but model.vocab_size={vocab_size}. "
+                f"Fix: model.vocab_size >= 256, or data.tokenizer=/path/to/tokenizer.json."
+            )
+        return
+    if not os.path.isfile(path):
+        problems.append(
+            f"data.tokenizer={path} does not exist. Fix: give the path of a local tokenizer.json "
+            f"(the launcher never downloads tokenizers), or data.tokenizer='' for byte tokens."
+        )
+        return
+    size, error = tokenizer_vocab_size(path, os.stat(path).st_mtime_ns)
+    if error:
+        problems.append(f"data.tokenizer={path} could not be read ({error}). Fix: give a Hugging Face tokenizer.json.")
+    elif size is not None and size > vocab_size:
+        problems.append(
+            f"data.tokenizer={path} has {size} token ids but model.vocab_size={vocab_size}. "
+            f"Fix: model.vocab_size={size} (or more), or a tokenizer with at most {vocab_size} tokens."
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_vocab_size(path: str, mtime_ns: int) -> Tuple[Optional[int], str]:
+    """(vocabulary size including added tokens, "") or (None, the error) for a tokenizer.json.
+
+    Uses the `tokenizers` package only (no torch). `mtime_ns` keys the cache.
+    """
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(Path(path))).get_vocab_size(with_added_tokens=True), ""
+    except Exception as err:  # the library raises bare Exception for a malformed file
+        return None, str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_choices,
     _check_positive,
@@ -243,6 +388,11 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_zero_and_offload,
     _check_device,
     _check_cluster,
+    _check_optimizer_values,
+    _check_misc_values,
+    _check_hardware,
+    _check_local_cluster,
+    _check_run_inputs,
 )
 
 

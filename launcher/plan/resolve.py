@@ -199,13 +199,20 @@ def resolve(spec: JobConfig) -> Layout:
     return layout
 
 
-def validate(spec: JobConfig) -> List[str]:
-    """Every problem with `spec` (empty list: valid): config-level rules, then the resolver's."""
+def resolve_all(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
+    """(layout, problems): every rule, config-level and derived, with the backend rules run once;
+    the layout is None when there is any problem."""
     problems = validate_config(spec)
     if basic_problems(spec):
-        return problems  # the derivation needs valid choices and positive degrees
-    _, derived = _layout_problems(spec)
-    return problems + derived
+        return None, problems  # the derivation needs valid choices and positive degrees
+    layout, derived = _layout_problems(spec)
+    problems += derived
+    return (None if problems else layout), problems
+
+
+def validate(spec: JobConfig) -> List[str]:
+    """Every problem with `spec` (empty list: valid): config-level rules, then the resolver's."""
+    return resolve_all(spec)[1]
 
 
 def check(spec: JobConfig) -> Layout:
@@ -213,11 +220,7 @@ def check(spec: JobConfig) -> Layout:
 
     What a launch calls: the rules and the backend resolution run once.
     """
-    problems = validate_config(spec)
-    if basic_problems(spec):
-        raise ConfigError(problems)
-    layout, derived = _layout_problems(spec)
-    problems += derived
+    layout, problems = resolve_all(spec)
     if problems or layout is None:
         raise ConfigError(problems)
     return layout
