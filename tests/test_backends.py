@@ -247,3 +247,15 @@ def test_per_feature_key_beats_the_global_default():
     assert c["sharding"].backend == "native" and c["tp"].backend == "native"
     problems = _resolve({"backend.default": "native", "parallel.zero_stage": 1, "parallel.tp": 2})[1]
     assert len(problems) == 1 and problems[0].startswith("sharding vs backend:")
+
+
+def test_deepspeed_pipeline_refuses_torch_checkpointing_it_would_ignore():
+    base = {"parallel.pp": 2, "parallel.zero_stage": 1}  # ZeRO-1: DeepSpeed owns the model and the pipeline
+    choices, problems = _resolve({**base, "activation_checkpointing.mode": "full"})
+    assert problems is None and choices["activation_checkpointing"].impl.startswith("DeepSpeed PipelineModule")
+    for extra in ({"activation_checkpointing.mode": "full", "backend.activation_checkpointing": "native"},
+                  {"activation_checkpointing.mode": "selective"}):  # op-level selective is torch only
+        choices, problems = _resolve({**base, **extra})
+        assert choices is None and len(problems) == 1, (extra, problems)
+        assert problems[0].startswith("activation_checkpointing vs pp: DeepSpeed's pipeline engine checkpoints")
+        assert "Fix: activation_checkpointing.mode=full" in problems[0]

@@ -379,7 +379,23 @@ def backend_conflicts(spec, mesh: MeshPlan) -> Tuple[List[Conflict], Optional[Di
     if problems:
         return problems, None
     owner, why = _owner(needs, default)
-    return [], _choices(s, needs, owner, why)
+    choices = _choices(s, needs, owner, why)
+    problems = _pipeline_checkpointing_conflicts(s, choices)
+    return (problems, None) if problems else ([], choices)
+
+
+def _pipeline_checkpointing_conflicts(s: _Switches, choices: Dict[str, BackendChoice]) -> List[Conflict]:
+    """DeepSpeed's pipeline engine recomputes through its own activation_checkpoint_interval:
+    torch checkpointing chosen for AC would be a choice that engine ignores."""
+    ac, pp = choices["activation_checkpointing"], choices["pp"]
+    if pp.backend != DEEPSPEED or pp.impl == "off" or ac.impl == "off" or ac.backend == DEEPSPEED:
+        return []
+    return [Conflict(
+        "activation_checkpointing", "pp",
+        f"DeepSpeed's pipeline engine checkpoints activations itself (activation_checkpoint_interval), "
+        f"but activation checkpointing resolved to native torch checkpointing ({ac.reason})",
+        ("activation_checkpointing.mode=full", "activation_checkpointing.selective=1 (every block)",
+         "drop backend.activation_checkpointing=native"))]
 
 
 def resolve_backends(spec, mesh: MeshPlan) -> Dict[str, BackendChoice]:
