@@ -139,6 +139,7 @@ def test_options_gpu_cluster_and_container(tmp_path):
     spec = make_spec(
         "trainer.device=cuda", "cluster.gpus_per_node=8", "cluster.nodes=2", "cluster.cpus_per_task=16",
         "cluster.max_requeues=0", "cluster.container=nvcr.io/nvidia/pytorch:24.05-py3", "parallel.dp_shard=-1",
+        "trainer.global_batch_size=32",  # 16 ranks x micro-batch 2: a batch the resolver can split
     )
     script = render(spec, tmp_path / "run")
     opts = sbatch_lines(script)
