@@ -88,6 +88,8 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
          "micro_batch_size": 4, "expect_error": "needs at least 2 micro-batches per step"},
         {"name": "pp2_uneven_layers_dense", "model": "debug", "mesh": {"pp": 2}, "pp_layers": [1, 3]},
         {"name": "compile_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "compile": True},
+        # FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer states on the host.
+        {"name": "offload_cpu_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "offload": "cpu"},
     ]
     if device == "cpu":
         # Context parallelism: CPU runs are refused; torch's sequence sharding is checked.

@@ -9,8 +9,9 @@ A layout that raises is recorded as {"error": "..."} and the next one still runs
 
 Layout keys: name, model (debug | debug_moe), mesh {pp, dp_replicate, dp_shard, cp, tp, ep},
 sp, pp_schedule, pp_virtual_stages, pp_layers, micro_batch_size, ac, ac_selective, compile,
-zero_stage, precision, backend_sharding, steps, save_dir + save_after (save after that many
-steps), load_dir + start_step (resume, then run steps start_step..steps-1).
+zero_stage, precision, offload (offload.optimizer), backend_sharding, steps, save_dir +
+save_after (save after that many steps), load_dir + start_step (resume, then run steps
+start_step..steps-1).
 
 Each layout is resolved by the real resolver (`launcher.plan.resolve.resolve`, what `train`
 writes into plan.json) and the engine is built from that Layout; the result records both the
@@ -112,6 +113,8 @@ def run_layout(spec: dict) -> dict:
         "activation_checkpointing.mode": spec.get("ac", "none"),
         "activation_checkpointing.selective": spec.get("ac_selective", "op"),
     })
+    if spec.get("offload"):
+        dotted["offload.optimizer"] = spec["offload"]
     if spec.get("backend_sharding"):
         dotted["backend.sharding"] = spec["backend_sharding"]
     job = job_spec(mcfg, world, **dotted)
