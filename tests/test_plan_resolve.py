@@ -135,3 +135,19 @@ def test_cli_reuses_the_prechecked_layout(monkeypatch):
     spec = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, device="cpu"))  # decided later
     layout = cli._resolved(spec)
     assert len(calls) == 1 and layout == resolve(spec)
+
+
+@pytest.mark.parametrize("recipe", ["debug", "llama8b", "llama70b", "llama405b", "mixtral8x7b"])
+def test_every_recipe_resolves_to_a_consistent_layout(recipe):
+    """Each recipe's Layout: one world size, the batch arithmetic closes, and plan.json reads it back."""
+    from launcher.config.store import available_recipes
+
+    assert recipe in available_recipes()
+    spec = compose_spec([f"+recipe={recipe}", "action=plan"])
+    plan = build_plan(spec, check(spec))
+    lay = plan.layout
+    assert lay.world_size == spec.cluster.nodes * spec.cluster.gpus_per_node
+    assert lay.global_batch_size == spec.trainer.global_batch_size
+    assert lay.pp_microbatches == lay.microbatches == plan.pipeline["microbatches"]
+    assert lay.fsdp_wraps == (lay.sharding_backend == "native" and (lay.dp * lay.cp > 1 or lay.offload_to_cpu))
+    assert Plan.from_dict(json.loads(plan.to_json())).layout == lay
