@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional
 import jinja2
 
 from launcher.config.schema import ClusterConfig, JobConfig
-from launcher.launch.torchrun import torchrun_argv
+from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.paths import slurm_dir
 from launcher.plan.plan import Plan
 
@@ -263,6 +263,7 @@ def launch_argv(spec: JobConfig, plan: Plan, run_dir: Path) -> List[str]:
         nnodes=plan.nodes,
         rdzv_from_env=True,
         python=python,
+        shutdown_timeout_s=shutdown_timeout_of(plan),
     )
 
 

@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shutil
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -186,6 +187,8 @@ class CheckpointManager:
             (tmp / "rng").mkdir(parents=True)
         _barrier()
         engine.save(tmp / "engine")
+        # Debug aid for tests of long saves (a stop must not be cut short): seconds to sleep here.
+        time.sleep(float(os.environ.get("LAUNCHER_DEBUG_SLOW_SAVE_S") or 0))
         torch.save(rng_state(), tmp / "rng" / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
