@@ -45,6 +45,8 @@ class Plan:
     comm: Dict[str, Any] = field(default_factory=dict)
     pipeline: Dict[str, Any] = field(default_factory=dict)
     time: Dict[str, Any] = field(default_factory=dict)
+    # Predicted checkpoint size, save and stop time (launcher/plan/checkpoint_time.py).
+    checkpoint: Dict[str, Any] = field(default_factory=dict)
     warnings: List[str] = field(default_factory=list)
 
     def backend(self, feature: str) -> str:
@@ -127,4 +129,14 @@ def build_plan(spec: JobConfig) -> Plan:
     from launcher.plan import estimate  # estimators fill memory / comm / pipeline / time
 
     estimate.fill(plan, spec)
+    fill_checkpoint_time(plan, spec)
     return plan
+
+
+def fill_checkpoint_time(plan: Plan, spec: JobConfig) -> None:
+    """Predict the save / stop time and warn when the SLURM warning signal comes too late."""
+    from launcher.config.validate import stop_lead_warnings
+    from launcher.plan.checkpoint_time import checkpoint_estimate
+
+    plan.checkpoint = checkpoint_estimate(plan, spec)
+    plan.warnings = list(plan.warnings) + stop_lead_warnings(spec, plan.checkpoint["stop_s"])

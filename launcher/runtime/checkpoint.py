@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shutil
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -40,6 +41,14 @@ TRAINER_STATE = "trainer.json"
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _debug_slow_save() -> None:
+    """Test aid: LAUNCHER_DEBUG_SLOW_SAVE_S=N makes every save N seconds longer (a stop must not be cut short)."""
+    seconds = float(os.environ.get("LAUNCHER_DEBUG_SLOW_SAVE_S") or 0)
+    if seconds > 0:
+        log.warning("LAUNCHER_DEBUG_SLOW_SAVE_S=%g: this save takes %g s longer", seconds, seconds)
+        time.sleep(seconds)
 
 
 def step_dir_name(step: int) -> str:
@@ -186,6 +195,7 @@ class CheckpointManager:
             (tmp / "rng").mkdir(parents=True)
         _barrier()
         engine.save(tmp / "engine")
+        _debug_slow_save()
         torch.save(rng_state(), tmp / "rng" / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
