@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from launcher.runtime.checkpoint import (
 )
 from launcher.runtime.entry import build_batches
 from launcher.runtime.native_engine import build_native_engine
+from tests.conftest import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -264,3 +266,57 @@ def test_requeued_job_with_the_same_slurm_id_waits_for_its_previous_incarnation(
     lock = lock_checkpoint_dir(root, tmp_path / "run", same_job_wait_s=120)
     assert holder.wait() == 0
     lock.release()
+
+
+# --- real 2-rank runs through `train` ----------------------------------------------------------
+
+SAVE_EVERY_2 = ["+recipe=debug", "trainer.steps=6", "checkpoint.interval=2", "checkpoint.keep=3"]
+VERIFIED = re.compile(r"rank (\d+) verified (\d+) of (\d+) files \((\d+) bytes, checksums on\) of (\S+)")
+
+
+@pytest.mark.multiprocess
+def test_fresh_run_keeps_the_old_timeline_and_every_rank_verifies_a_share_on_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    run_train(SAVE_EVERY_2, run_dir, check=True)
+    assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000002", "step_00000004", "step_00000006"]
+
+    # checkpoint.resume=none in the same run dir: a new timeline; the old one is moved aside, not deleted.
+    run_train(["+recipe=debug", "trainer.steps=3", "checkpoint.interval=3", "checkpoint.resume=none"], run_dir, check=True)
+    (aside,) = root.glob("abandoned_*")
+    assert _names(aside) == ["ABANDONED.txt", "step_00000002", "step_00000004", "step_00000006"]
+    for step in (2, 4, 6):
+        assert verify_checkpoint(aside / f"step_{step:08d}") is None
+    assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000003"]
+    log = (run_dir / "logs" / "rank_0.log").read_text()
+    assert f"aside to {aside}: step_00000002, step_00000004, step_00000006" in log
+
+    # resume=auto continues the new timeline; both ranks verify a share of its files.
+    run_train(["+recipe=debug", "trainer.steps=4", "checkpoint.interval=0"], run_dir, check=True)
+    assert f"resumed from {root / 'step_00000003'}" in (run_dir / "logs" / "rank_0.log").read_text()
+    shares = {}
+    for rank in (0, 1):
+        text = (run_dir / "logs" / f"rank_{rank}.log").read_text()
+        found = [m for m in VERIFIED.finditer(text) if m.group(5) == str(root / "step_00000003")]
+        assert len(found) == 1 and int(found[0].group(1)) == rank, text[-2000:]
+        shares[rank] = (int(found[0].group(2)), int(found[0].group(3)), int(found[0].group(4)))
+    total_files = len(json.loads((root / "step_00000003" / "manifest.json").read_text())["files"])
+    assert all(count > 0 and nbytes > 0 for count, _, nbytes in shares.values()), shares
+    assert shares[0][0] + shares[1][0] == shares[0][1] == shares[1][1] == total_files
+
+
+@pytest.mark.multiprocess
+def test_train_refuses_a_checkpoint_dir_another_job_holds(tmp_path):
+    shared = tmp_path / "shared_checkpoints"
+    other = tmp_path / "other_run"
+    holder = hold_lock(shared, other)
+    try:
+        proc = run_train(["+recipe=debug", "trainer.steps=2", f"checkpoint.dir={shared}"], tmp_path / "run")
+    finally:
+        holder.kill()
+        holder.wait()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "in use by another job" in out and f"pid {holder.pid}" in out and f"run dir {other}" in out, out[-3000:]
+    assert "[rank0] checkpoint.dir: the checkpoint folder" in proc.stderr  # one line with a Fix, from rank 0
+    assert _names(shared) == []  # nothing written beside the holder's lock file
