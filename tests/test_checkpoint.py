@@ -235,7 +235,8 @@ def hold_lock(root: Path, run_dir: Path, seconds: float = 600, slurm_job_id: str
     if slurm_job_id:
         env["SLURM_JOB_ID"] = slurm_job_id
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(root), str(run_dir), str(seconds)], env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLD, str(root), str(run_dir), str(seconds)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, text=True,
     )
     assert proc.stdout.readline().strip() == "locked"
     return proc

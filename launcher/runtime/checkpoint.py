@@ -291,6 +291,10 @@ def describe_holder(record: Dict[str, Any]) -> str:
     )
 
 
+class LocksUnsupported(OSError):
+    """The file system of the checkpoint folder does not support POSIX locks."""
+
+
 def _try_lock(fd: int) -> bool:
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -298,7 +302,23 @@ def _try_lock(fd: int) -> bool:
     except OSError as err:
         if err.errno in (errno.EACCES, errno.EAGAIN):
             return False
+        if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise LocksUnsupported(err.errno, err.strerror) from err
         raise
+
+
+def _try_lock_or_warn(fd: int, root: Path) -> bool:
+    """_try_lock, except that a file system without locks is reported and treated as locked by us."""
+    try:
+        return _try_lock(fd)
+    except LocksUnsupported as err:
+        # Training must not depend on the lock: without it only the guard is lost.
+        log.warning(
+            "cannot lock the checkpoint folder %s (%s): its file system does not support POSIX locks "
+            "(on Lustre mount with -o flock), so a second job using it would not be detected",
+            root, err.strerror,
+        )
+        return True
 
 
 def _in_use_message(root: Path, holder: Dict[str, Any]) -> str:
@@ -322,7 +342,7 @@ def lock_checkpoint_dir(root: Path, run_dir: Path, same_job_wait_s: float = 120.
     me = holder_record(run_dir)
     fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + same_job_wait_s
-    while not _try_lock(fd):
+    while not _try_lock_or_warn(fd, root):
         holder = _read_holder(fd)
         same_job = me["slurm_job_id"] is not None and holder.get("slurm_job_id") == me["slurm_job_id"]
         if not (same_job and time.monotonic() < deadline):
@@ -452,15 +472,6 @@ class CheckpointManager:
             return []
         found = [p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
         return sorted(found, key=lambda p: p.name, reverse=True)
-
-    def latest_valid(self) -> Optional[Path]:
-        """Newest checkpoint that passes verification (this process alone); broken ones are skipped."""
-        for path in self.checkpoints():
-            problem = verify_checkpoint(path, self.verify_checksums)
-            if problem is None:
-                return path
-            log.warning("skipping checkpoint %s: %s; trying the previous one", path, problem)
-        return None
 
     def _candidates(self, resume: str) -> Tuple[List[str], Optional[str]]:
         """Rank 0: folders to try in order, or a problem with checkpoint.resume=PATH."""
