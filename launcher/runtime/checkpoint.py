@@ -415,7 +415,9 @@ def set_aside_newer(root: Path, start_step: int) -> Optional[Path]:
     checkpoint): `resume=auto` must not jump back to them, and deleting them could lose work.
     Returns the folder they went to, or None when there were none.
     """
-    newer = [p for p in sorted(root.iterdir()) if p.is_dir() and (step_of(p) or 0) > start_step] if root.is_dir() else []
+    if not root.is_dir():
+        return None
+    newer = [p for p in sorted(root.iterdir()) if p.is_dir() and (step_of(p) or 0) > start_step]
     if not newer:
         return None
     target = _abandoned_folder(root)
