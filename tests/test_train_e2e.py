@@ -39,7 +39,7 @@ def test_debug_run_trains_and_writes_its_run_dir(reference_run):
         assert (reference_run / name).is_file(), name
     plan = json.loads((reference_run / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["mesh"]["dp_shard"] == 2
-    ckpts = sorted(p.name for p in (reference_run / "checkpoints").iterdir())
+    ckpts = sorted(p.name for p in (reference_run / "checkpoints").iterdir() if p.name != ".lock")
     assert ckpts == ["step_00000004", "step_00000008", "step_00000012"]
 
 
