@@ -20,6 +20,8 @@ sys.path.insert(0, str(HARNESS))
 
 from common import CASES, SAVE_AT, SLOW_CASES, deepspeed_env, reference_run, spec_for  # noqa: E402
 
+from tests.parallel_harness.spread import record_spread, record_value  # noqa: E402
+
 RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 
@@ -53,6 +55,8 @@ def _rel(a: float, b: float) -> float:
 
 def _assert_matches(steps, expected, what):
     assert len(steps) == len(expected), what
+    record_spread(what, {k: [s[k] for s in steps] for k in ("loss", "grad_norm")},
+                  {k: [s[k] for s in expected] for k in ("loss", "grad_norm")})
     for i, (got, want) in enumerate(zip(steps, expected)):
         assert _rel(got["loss"], want["loss"]) <= RTOL, f"{what} step {i}: loss {got['loss']} vs {want['loss']}"
         assert _rel(got["grad_norm"], want["grad_norm"]) <= RTOL, (
@@ -66,6 +70,7 @@ def _assert_weights_match(export_path: str, expected: dict, what: str, atol: flo
     got = torch.load(export_path)
     assert set(got) == set(expected), f"{what}: exported names differ: {sorted(set(got) ^ set(expected))[:5]}"
     worst = max(float((got[k] - expected[k]).abs().max()) for k in expected)
+    record_value(what, "weights max abs", worst)
     assert worst <= atol, f"{what}: exported fp32 weights differ from the reference by up to {worst:.2e}"
 
 

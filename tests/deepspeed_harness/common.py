@@ -39,7 +39,9 @@ SAVE_AT = 2  # the resume case saves after this many steps
 def deepspeed_env(extra: Dict[str, str] = None) -> Dict[str, str]:
     """Environment for DeepSpeed on CPU with the JIT cache inside the repository (git-ignored)."""
     env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR), OMP_NUM_THREADS="1")
+    # A cache the caller chose (the Makefile, a shared CI cache) wins over the in-tree default.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env.update(extra or {})
     return env
 
