@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.parallel_harness.matrix import layouts, reference_of
+from tests.parallel_harness.spread import record_spread, record_value
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO / "tests" / "parallel_harness" / "run_layouts.py"
@@ -72,6 +73,9 @@ def _check(results: dict, name: str, ref_name: str) -> None:
     if SPECS[name].get("load_dir"):
         assert start == SPECS[name]["start_step"] > 0, f"{name}: resumed run covers the wrong steps"
     rtol = SPECS[name].get("rtol", RTOL)
+    n = len(got["losses"])
+    record_spread(f"{name} vs {ref_name}", {"loss": got["losses"], "grad_norm": got["grad_norms"]},
+                  {"loss": ref["losses"][start:start + n], "grad_norm": ref["grad_norms"][start:start + n]})
     for i, loss in enumerate(got["losses"]):
         want = ref["losses"][start + i]
         assert loss == pytest.approx(want, rel=rtol), (
@@ -86,6 +90,9 @@ def _check(results: dict, name: str, ref_name: str) -> None:
 def test_reference_loss_falls(results):
     for ref in ("ref_dense", "ref_moe"):
         losses = results[ref]["losses"]
+        # Logs the raw 1-rank values too, so repeated runs show whether the reference itself varies.
+        raw = {"loss": losses, "grad_norm": results[ref]["grad_norms"]}
+        record_spread(f"{ref} (raw values)", raw, raw)
         assert losses[-1] < losses[0], f"{ref}: loss did not fall over 3 steps: {losses}"
     assert results["ref_moe"]["aux"][0] > 0, "debug_moe reports no load-balancing loss"
 
@@ -126,6 +133,7 @@ def test_consolidated_export_is_layout_independent(results, model):
     ref = torch.load(ckpt / f"export_ref_{model}.pt")
     got = torch.load(ckpt / f"export_pp2_tp2_{model}.pt")
     assert sorted(got) == sorted(ref), f"exported names differ: {set(got) ^ set(ref)}"
+    worst_mean = 0.0
     for name, want in ref.items():
         assert got[name].shape == want.shape, f"{name}: shape {tuple(got[name].shape)} vs {tuple(want.shape)}"
         # Adam normalises each update by the gradient's own scale, so an element whose gradient
@@ -133,7 +141,9 @@ def test_consolidated_export_is_layout_independent(results, model):
         # a mis-assembled shard (wrong rows, transposed, another layer's) moves everything.
         torch.testing.assert_close(got[name], want, rtol=1e-3, atol=1e-3, msg=lambda m: f"{name}: {m}")
         mean_diff = (got[name] - want).abs().mean().item()
+        worst_mean = max(worst_mean, mean_diff)
         assert mean_diff < 1e-6, f"{name}: mean |difference| {mean_diff:.2e} >= 1e-6"
+    record_value(f"export pp2_tp2_{model}", "largest per-tensor mean abs", worst_mean)
 
 
 def test_pipeline_warns_when_microbatches_below_stages(results):

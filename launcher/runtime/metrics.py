@@ -6,6 +6,7 @@ import json
 import logging
 import netrc
 import os
+import shlex
 import sys
 import uuid
 from pathlib import Path
@@ -78,9 +79,9 @@ def start_wandb_run(wandb: ModuleType, init_args: Dict[str, Any], mode: str, tim
                     mode, first_error, METRICS_FILE)
         return None
     log.warning(
-        "W&B could not start online within logging.wandb.init_timeout_s=%g s (%s): logging to W&B offline "
-        "in %s instead; upload later with `wandb sync %s/wandb/offline-run-*`",
-        timeout_s, first_error, run_dir, run_dir,
+        "W&B could not start online (%s; the wait is bounded by logging.wandb.init_timeout_s=%g): logging to "
+        "W&B offline in %s instead; upload later with `wandb sync %s/offline-run-*`",
+        first_error, timeout_s, run_dir, shlex.quote(str(run_dir / "wandb")),
     )
     try:
         # The failed online attempt still holds the run id in wandb's service: shut it down
