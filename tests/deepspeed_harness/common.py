@@ -77,6 +77,19 @@ def rank_microbatches(step: int, spec, plan, dp_rank: int):
 def reference_run(spec, steps: int):
     """Plain single-process torch: same model init, AdamW groups, schedule, clipping and loss."""
     import torch
+
+    # One intra-op thread, as in the ranks (OMP_NUM_THREADS=1): CPU reductions split their work
+    # by thread count, so the reference must not depend on how many cores the test machine has.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_steps(spec, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_steps(spec, steps: int):
+    import torch
     import torch.nn.functional as F
 
     from launcher.deepspeed.engine import canonical_state_dict, materialise_model
