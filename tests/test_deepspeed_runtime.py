@@ -27,7 +27,7 @@ from tests.parallel_harness.spread import record_spread, record_value  # noqa: E
 # run: the ranks use one intra-op thread (OMP_NUM_THREADS=1), two-rank gloo sums are
 # commutative, DeepSpeedCPUAdam's OpenMP loop is element-wise, and async IO only moves bytes.
 # Measured on a 2-core machine under load average 5-90 (other test suites and two CPU hogs
-# beside it): 5 runs of this file (the NVMe case in 4, the pipeline case in 2) plus 4 runs of
+# beside it): 6 runs of this file (the NVMe case in 5, the pipeline case in 3) plus 4 runs of
 # the NVMe case alone gave bitwise identical losses, grad norms and weights every time, and
 # the torch reference is identical with 1 and 2 intra-op threads. What the tolerances absorb is
 # the fixed difference of summation order against the single-process reference:
@@ -40,7 +40,7 @@ RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 # zero3_nvme (dim 256, DeepSpeedCPUAdam's vectorised update vs torch AdamW): Adam divides each
 # update by sqrt(v), so where v is ~0 (embedding rows of tokens a step barely saw) a 1-ulp
-# difference in the gradient becomes a step of up to lr. Measured, identical in all 8 runs
+# difference in the gradient becomes a step of up to lr. Measured, identical in all 9 runs
 # (and the same numbers as the failure in issue 10): grad norm 2.07e-5 relative at step index 3,
 # loss 2.1e-7, weights 6.2e-4 absolute in tok_embeddings (3e-5 of its elements beyond 1e-4),
 # largest per-tensor mean |difference| 2.8e-7. The mean bound keeps a systematic error (a lost
