@@ -26,7 +26,7 @@ HARNESS = REPO / "tests" / "parallel_harness" / "run_layouts.py"
 # Why these fp32 tolerances stay tight: every rank runs with OMP_NUM_THREADS=1 (torchrun sets
 # it; the 1-rank launch below sets it too) and gloo reduces in a fixed order, so a layout's
 # result does not depend on thread scheduling: 4 runs of this file on a loaded 2-core machine
-# (load average 50-80) gave bitwise identical losses and grad norms. What remains is the fixed
+# (load average 7-90) gave bitwise identical losses and grad norms. What remains is the fixed
 # difference of summation order between a layout and the 1-rank reference, measured at most
 # 8.7e-8 relative on the loss (pp2_1microbatch_dense) and 9.2e-6 on the grad norm
 # (fsdp2_tp2_dense, tp2_sp_dense: partial norms of TP shards summed across ranks), so 1e-5 and
