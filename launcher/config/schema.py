@@ -163,6 +163,9 @@ class WandbConfig:
     name: str = ""
     group: str = ""
     tags: List[str] = field(default_factory=list)
+    # Seconds wandb.init may wait for the W&B server (wandb.Settings.init_timeout, wandb's own
+    # default 90 s); past it, or on any start error, the run logs to W&B offline instead.
+    init_timeout_s: float = 30.0
 
 
 @dataclass
