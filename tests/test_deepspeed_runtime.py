@@ -20,8 +20,34 @@ sys.path.insert(0, str(HARNESS))
 
 from common import CASES, SAVE_AT, SLOW_CASES, deepspeed_env, reference_run, spec_for  # noqa: E402
 
+from tests.parallel_harness.spread import record_spread, record_value  # noqa: E402
+
+# Tolerances, from what each backend guarantees and what was measured (`[spread]` lines; run
+# with `pytest -s`, SPREAD_LOG=FILE keeps raw values). Every case here is deterministic run to
+# run: the ranks use one intra-op thread (OMP_NUM_THREADS=1), two-rank gloo sums are
+# commutative, DeepSpeedCPUAdam's OpenMP loop is element-wise, and async IO only moves bytes.
+# Measured on a 2-core machine under load average 5-90 (other test suites and two CPU hogs
+# beside it): 6 runs of this file (the NVMe case in 5, the pipeline case in 3) plus 4 runs of
+# the NVMe case alone gave bitwise identical losses, grad norms and weights every time, and
+# the torch reference is identical with 1 and 2 intra-op threads. What the tolerances absorb is
+# the fixed difference of summation order against the single-process reference:
+#   ZeRO 1/2/3, CPU offload, activation checkpointing, pipeline pp=2 (dim 64): loss <= 1.7e-7, grad norm
+#     <= 2.0e-7 relative, weights <= 6.1e-6 absolute -> 1e-5 / 1e-5 / 1e-5;
+#   vs the native FSDP2 engine: loss <= 6.4e-8, grad norm <= 1.4e-7 -> 1e-5;
+#   save -> resume: bitwise equal (same process, same order), compared exactly;
+#   zero3_nvme: see NVME_* below.
 RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
+# zero3_nvme (dim 256, DeepSpeedCPUAdam's vectorised update vs torch AdamW): Adam divides each
+# update by sqrt(v), so where v is ~0 (embedding rows of tokens a step barely saw) a 1-ulp
+# difference in the gradient becomes a step of up to lr. Measured, identical in all 9 runs
+# (and the same numbers as the failure in issue 10): grad norm 2.07e-5 relative at step index 3,
+# loss 2.1e-7, weights 6.2e-4 absolute in tok_embeddings (3e-5 of its elements beyond 1e-4),
+# largest per-tensor mean |difference| 2.8e-7. The mean bound keeps a systematic error (a lost
+# or doubled update moves every element by ~lr = 3e-3) from hiding under the outlier bound.
+NVME_GRAD_NORM_RTOL = 1e-4
+NVME_WEIGHT_ATOL = 2e-3
+NVME_WEIGHT_MEAN_ATOL = 1e-6
 
 pytestmark = pytest.mark.multiprocess
 
@@ -44,29 +70,41 @@ def results(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference():
     spec = spec_for(CASES["zero1"])
-    return reference_run(spec, spec.trainer.steps)
+    steps, weights = reference_run(spec, spec.trainer.steps)
+    raw = {k: [s[k] for s in steps] for k in ("loss", "grad_norm")}
+    record_spread("torch reference (raw values)", raw, raw)  # shows whether the reference varies run to run
+    return steps, weights
 
 
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def _assert_matches(steps, expected, what):
+def _assert_matches(steps, expected, what, grad_norm_rtol: float = RTOL):
     assert len(steps) == len(expected), what
+    record_spread(what, {k: [s[k] for s in steps] for k in ("loss", "grad_norm")},
+                  {k: [s[k] for s in expected] for k in ("loss", "grad_norm")})
     for i, (got, want) in enumerate(zip(steps, expected)):
         assert _rel(got["loss"], want["loss"]) <= RTOL, f"{what} step {i}: loss {got['loss']} vs {want['loss']}"
-        assert _rel(got["grad_norm"], want["grad_norm"]) <= RTOL, (
-            f"{what} step {i}: grad_norm {got['grad_norm']} vs {want['grad_norm']}")
+        assert _rel(got["grad_norm"], want["grad_norm"]) <= grad_norm_rtol, (
+            f"{what} step {i}: grad_norm {got['grad_norm']} vs {want['grad_norm']} "
+            f"(relative {_rel(got['grad_norm'], want['grad_norm']):.2e} > {grad_norm_rtol:g})")
         assert math.isclose(got["lr"], want["lr"], rel_tol=1e-12), f"{what} step {i}: lr {got['lr']} vs {want['lr']}"
 
 
-def _assert_weights_match(export_path: str, expected: dict, what: str, atol: float = WEIGHT_ATOL):
+def _assert_weights_match(export_path: str, expected: dict, what: str, atol: float = WEIGHT_ATOL,
+                          mean_atol: float = WEIGHT_ATOL):
     import torch
 
     got = torch.load(export_path)
     assert set(got) == set(expected), f"{what}: exported names differ: {sorted(set(got) ^ set(expected))[:5]}"
     worst = max(float((got[k] - expected[k]).abs().max()) for k in expected)
-    assert worst <= atol, f"{what}: exported fp32 weights differ from the reference by up to {worst:.2e}"
+    worst_mean = max(float((got[k] - expected[k]).abs().mean()) for k in expected)
+    record_value(what, "weights max abs", worst)
+    record_value(what, "weights largest per-tensor mean abs", worst_mean)
+    assert worst <= atol, f"{what}: exported fp32 weights differ from the reference by up to {worst:.2e} > {atol:g}"
+    assert worst_mean <= mean_atol, (
+        f"{what}: a tensor's mean |difference| from the reference is {worst_mean:.2e} > {mean_atol:g}")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -141,10 +179,13 @@ def test_pipeline_engine_and_nvme_offload(tmp_path, reference):
     for case in cases:
         spec = spec_for(SLOW_CASES[case])
         ref_steps, ref_weights = reference if spec.model.dim == 64 else reference_run(spec, spec.trainer.steps)
-        _assert_matches(res[case]["steps"], ref_steps, case)
-        # 7M parameters through DeepSpeedCPUAdam (vectorised) vs torch AdamW: Adam's normalised
-        # update turns 1e-7 gradient differences into up to ~5e-5 where v is tiny (lr 3e-3).
-        _assert_weights_match(res[case]["export"], ref_weights, case, atol=2e-4 if case == "zero3_nvme" else WEIGHT_ATOL)
+        if case == "zero3_nvme":  # DeepSpeedCPUAdam vs torch AdamW: see NVME_* above
+            _assert_matches(res[case]["steps"], ref_steps, case, grad_norm_rtol=NVME_GRAD_NORM_RTOL)
+            _assert_weights_match(res[case]["export"], ref_weights, case, atol=NVME_WEIGHT_ATOL,
+                                  mean_atol=NVME_WEIGHT_MEAN_ATOL)
+        else:
+            _assert_matches(res[case]["steps"], ref_steps, case)
+            _assert_weights_match(res[case]["export"], ref_weights, case)
     assert res["pipeline_zero1"]["backends"]["pp"] == "DeepSpeed PipelineModule (2 stages, 1F1B)"
     for case in cases:
         _assert_built_the_layout(res[case], case)

@@ -176,3 +176,39 @@ def test_time_limit_warning_signal_requeues_the_job(slurm_cluster: SlurmCluster,
     assert info.state == "COMPLETED" and info.restarts == 1, (info, log)
     assert "received SIGUSR1" in log and "requeueing job" in log
     assert (run_dir / "runs.txt").read_text() == "run 0\nrun 1\n"
+
+
+# Records what the ranks would see: variables exported by cluster.setup and the rendezvous.
+ENV_PROBE_RANKS = r"""#!/bin/bash
+run_dir="${@: -1}"
+printf '%s|%s|%s' "${PYTHONPATH-<unset>}" "${FROM_SETUP-<unset>}" "$PET_RDZV_ENDPOINT" > "$run_dir/seen.txt"
+"""
+
+
+def test_setup_export_of_an_unset_variable_persists_to_the_ranks(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # the job inherits this environment (--export=ALL)
+    ranks = tmp_path / "ranks.sh"
+    ranks.write_text(ENV_PROBE_RANKS)
+    ranks.chmod(0o755)
+    job_id, run_dir = submit_job(
+        tmp_path, monkeypatch, f"cluster.python={ranks}",
+        setup=["export PYTHONPATH=/x:$PYTHONPATH", 'export FROM_SETUP="${MAYBE_UNSET:-fallback} $NEVER_SET."'],
+    )
+    info = slurm_cluster.wait(job_id, timeout=90)
+    log = main_log(run_dir, job_id)
+    assert info.state == "COMPLETED" and info.rc == 0, (info, log)
+    assert "unbound variable" not in log + (run_dir / "logs" / f"slurm-{job_id}.err").read_text()
+    port = 20000 + int(job_id) % 20000  # cluster.rdzv_port=0: derived from the job id
+    host = slurm_cluster.run(["scontrol", "show", "hostnames", info.fields["NodeList"]]).stdout.split()[0]
+    assert (run_dir / "seen.txt").read_text() == f"/x:|fallback .|{host}:{port}"
+
+
+def test_percent_in_the_run_dir_reaches_sbatch_literally(slurm_cluster: SlurmCluster, tmp_path, monkeypatch):
+    spec = compose_spec(["+recipe=debug", "cluster=slurm", "cluster.exclusive=false", "cluster.python=/bin/true"])
+    run_dir = tmp_path / "lr 5% %j"
+    monkeypatch.chdir(tmp_path)
+    assert slurm.submit(spec, build_plan(spec), run_dir) == 0
+    job_id = (run_dir / slurm.JOB_INFO_NAME).read_text().split('"job_id": "')[1].split('"')[0]
+    info = slurm_cluster.wait(job_id, timeout=90)
+    assert info.state == "COMPLETED", info
+    assert "launcher: training finished" in main_log(run_dir, job_id)  # the log is where `train` said

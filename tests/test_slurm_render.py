@@ -216,3 +216,91 @@ def test_whole_script_runs_with_a_hostile_run_dir_and_executes_nothing(tmp_path,
     assert "resume with: sbatch" in proc.stdout.lower()
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
     assert not list(run_dir.rglob("pwned*"))
+
+
+# Stand-in for srun: records what the ranks would see (PATH-like variables, the rendezvous) in the run dir.
+STUB_SRUN_ENV = """#!/usr/bin/env bash
+while (($#)); do
+  if [[ $1 == --run-dir ]]; then
+    printf '%s|%s|%s' "${PYTHONPATH-<unset>}" "${FROM_SETUP-<unset>}" "$PET_RDZV_ENDPOINT" > "$2/seen.txt"
+  fi
+  shift
+done
+exit 0
+"""
+
+
+def run_script_with_stubs(tmp_path: Path, spec, job_id: str = "7") -> tuple:
+    """Render `spec` and run the script under bash with a stand-in srun; returns (process, run_dir)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", STUB_SRUN_ENV), ("scontrol", STUB_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    run_dir = tmp_path / f"run{job_id}"
+    run_dir.mkdir()
+    script = tmp_path / f"job{job_id}.sbatch"
+    script.write_text(render(spec, run_dir))
+    env = {  # no PYTHONPATH, as on a fresh login
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_ID": job_id,
+        "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+    }
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    return proc, run_dir
+
+
+def test_setup_lines_with_unset_variables_run_and_their_exports_reach_srun(tmp_path):
+    spec = make_spec(setup=[
+        "export PYTHONPATH=/x:$PYTHONPATH",  # unset here: aborted under `set -u`
+        'if [[ -n $NOT_SET_ANYWHERE ]]; then exit 9; fi',
+        "false | true",  # plain bash rules: a pipeline's status is its last command's
+        'export FROM_SETUP="set up"',
+    ])
+    proc, run_dir = run_script_with_stubs(tmp_path, spec)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "unbound variable" not in proc.stderr
+    assert (run_dir / "seen.txt").read_text() == "/x:|set up|localhost:20007"
+
+
+def test_a_failing_setup_line_is_reported_by_its_text(tmp_path):
+    spec = make_spec(setup=["true", "ls /no/such/dir-5b1c", "touch ran-on"])
+    proc, run_dir = run_script_with_stubs(tmp_path, spec)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "launcher: error: a cluster.setup line failed (exit 2): ls /no/such/dir-5b1c" in proc.stdout
+    assert not (tmp_path / "ran-on").exists() and not (run_dir / "seen.txt").exists()
+
+
+def test_default_rendezvous_port_is_derived_from_the_job_id(tmp_path):
+    spec = make_spec()
+    assert spec.cluster.rdzv_port == 0
+    ports = []
+    for job_id in ("7", "41234"):
+        proc, run_dir = run_script_with_stubs(tmp_path, spec, job_id)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        ports.append((run_dir / "seen.txt").read_text().rsplit(":", 1)[1])
+    assert ports == ["20007", "21234"]  # 20000 + job id % 20000: two jobs on one node differ
+    fixed, run_dir = run_script_with_stubs(tmp_path, make_spec("cluster.rdzv_port=29611"), "8")
+    assert (run_dir / "seen.txt").read_text().endswith("localhost:29611")  # a port the user sets wins
+
+
+def test_percent_in_the_run_dir_is_literal_for_sbatch_log_patterns(tmp_path):
+    run_dir = tmp_path / "lr 5% %j"
+    opts = sbatch_lines(render(make_spec(), run_dir))
+    logs = f"{run_dir.resolve()}/logs".replace("%", "%%")
+    assert opts["output"] == f'"{logs}/slurm-%j.out"' and opts["error"] == f'"{logs}/slurm-%j.err"'
+    paths = slurm.slurm_paths(make_spec().cluster, run_dir)
+    assert paths.log_paths("12") == [run_dir.resolve() / "logs" / "slurm-12.out", run_dir.resolve() / "logs" / "slurm-12.err"]
+
+
+def test_container_mounts_refuse_a_run_dir_with_comma_or_colon(tmp_path, capsys):
+    spec = make_spec("cluster.container=img.sqsh")
+    for name in ("a,b", "a:b"):
+        run_dir = tmp_path / name
+        code = slurm.submit(spec, build_plan(spec), run_dir)
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert f"the run directory {str(run_dir.resolve())!r} contains {name[1]!r}" in err
+        assert "Fix: choose a run directory without them" in err and "Traceback" not in err
+        assert not (run_dir / "job.sbatch").exists()
+    srun = next(l for l in render(spec, tmp_path / "plain").splitlines() if l.startswith("srun "))
+    assert "--container-mounts=" in srun

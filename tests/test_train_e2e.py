@@ -39,7 +39,7 @@ def test_debug_run_trains_and_writes_its_run_dir(reference_run):
         assert (reference_run / name).is_file(), name
     plan = json.loads((reference_run / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["mesh"]["dp_shard"] == 2
-    ckpts = sorted(p.name for p in (reference_run / "checkpoints").iterdir())
+    ckpts = sorted(p.name for p in (reference_run / "checkpoints").iterdir() if p.name != ".lock")
     assert ckpts == ["step_00000004", "step_00000008", "step_00000012"]
 
 
@@ -65,7 +65,8 @@ def _start(args, run_dir: Path) -> subprocess.Popen:
 def _no_ranks_left(run_dir: Path, timeout: float = 30) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        left = subprocess.run(["pgrep", "-f", f"--run-dir {run_dir}"], capture_output=True, text=True)
+        left = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], capture_output=True, text=True)
+        assert left.returncode in (0, 1), left.stderr  # 2: pgrep did not understand the pattern
         if not left.stdout.strip():
             return True
         time.sleep(0.2)
@@ -169,3 +170,55 @@ def test_stop_request_checkpoints_and_resume_continues_exactly(reference_run, ru
 
 def _lines(path: Path) -> list:
     return path.read_text().splitlines() if path.exists() else []
+
+
+# Longer than torchrun's default 30 s between forwarding SIGTERM and SIGKILLing the ranks.
+SLOW_SAVE_S = 40
+
+
+def _torchrun_and_ranks(run_dir: Path) -> list:
+    found = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], capture_output=True, text=True)
+    assert found.returncode in (0, 1), found.stderr
+    return [int(p) for p in found.stdout.split()]
+
+
+def test_sigterm_stop_with_a_save_longer_than_30s_is_not_cut_short(run_dir):
+    """SIGTERM to `train` mid-run; the stop's save takes 40 s (cluster.env sets the slow-save aid for
+    the ranks); a second SIGTERM to train, torchrun and every rank during the save is the same request."""
+    run_dir.mkdir(parents=True)
+    args = ["+recipe=debug", "trainer.steps=400", "trainer.log_every=1", "checkpoint.interval=0",
+            f"+cluster.env.LAUNCHER_DEBUG_SLOW_SAVE_S={SLOW_SAVE_S}"]
+    proc = _start(args, run_dir)
+    _wait_for(lambda: len(_lines(run_dir / "metrics.jsonl")) >= 2, 240, proc)
+    os.kill(proc.pid, signal.SIGTERM)  # `train` alone, as `kill PID` or a supervisor does
+    _wait_for(lambda: any((run_dir / "checkpoints").glob(".incomplete_step_*")), 240, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    for pid in _torchrun_and_ranks(run_dir):  # as SLURM does: every process of the step
+        os.kill(pid, signal.SIGTERM)
+    code = proc.wait(timeout=600)
+    out = proc.stdout.read()
+    assert code == 0, out[-4000:]
+    assert "checkpointed and stopped" in out, out[-4000:]
+    rank0 = (run_dir / "logs" / "rank_0.log").read_text()
+    assert f"LAUNCHER_DEBUG_SLOW_SAVE_S={SLOW_SAVE_S}" in rank0  # cluster.env reached the ranks
+    assert "received SIGTERM again: already stopping" in rank0, rank0[-3000:]
+    stopped = json.loads((run_dir / "control" / "stopped").read_text())
+    assert "SIGTERM" in stopped["reason"] and 2 <= stopped["step"] < 400
+    assert verify_checkpoint(run_dir / "checkpoints" / f"step_{stopped['step']:08d}") is None
+    assert not list((run_dir / "checkpoints").glob(".incomplete_*"))
+    assert _no_ranks_left(run_dir)
+
+
+def test_sighup_to_train_checkpoints_and_leaves_no_orphans(run_dir):
+    run_dir.mkdir(parents=True)
+    proc = _start(["+recipe=debug", "trainer.steps=400", "trainer.log_every=1", "checkpoint.interval=0"], run_dir)
+    _wait_for(lambda: len(_lines(run_dir / "metrics.jsonl")) >= 2, 240, proc)
+    assert len(_torchrun_and_ranks(run_dir)) == 3  # torchrun + 2 ranks, none in train's process group
+    os.kill(proc.pid, signal.SIGHUP)  # what a closed terminal sends
+    code = proc.wait(timeout=300)
+    out = proc.stdout.read()
+    assert code == 0, out[-4000:]
+    stopped = json.loads((run_dir / "control" / "stopped").read_text())
+    assert 2 <= stopped["step"] < 400, stopped
+    assert verify_checkpoint(run_dir / "checkpoints" / f"step_{stopped['step']:08d}") is None
+    assert _no_ranks_left(run_dir)

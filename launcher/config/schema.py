@@ -163,6 +163,9 @@ class WandbConfig:
     name: str = ""
     group: str = ""
     tags: List[str] = field(default_factory=list)
+    # Seconds wandb.init may wait for the W&B server (wandb.Settings.init_timeout, wandb's own
+    # default 90 s); past it, or on any start error, the run logs to W&B offline instead.
+    init_timeout_s: float = 30.0
 
 
 @dataclass
@@ -199,7 +202,8 @@ class ClusterConfig:
     template: str = ""  # path to a user Jinja2 template; "" = slurm/sbatch.sh.j2
     dry_run: bool = False
     python: str = ""  # interpreter on the compute nodes; "" = the one running `train`
-    rdzv_port: int = 29500
+    # 0: derived from the job id (20000 + job_id % 20000) so that jobs sharing a node differ.
+    rdzv_port: int = 0
 
 
 @dataclass
@@ -222,6 +226,11 @@ class HardwareConfig:
     reserved_gb: float = 2.0
     # Host <-> GPU bandwidth per GPU (PCIe), one direction; used for offload time.
     pcie_gbps: float = 25.0
+    # Write bandwidth from one node to the checkpoint storage (GB/s, shared by the node's
+    # ranks); predicts the save time of a stop (launcher/plan/checkpoint_time.py). The
+    # default, 5 GB/s, is a conservative per-node share of a parallel file system (Lustre,
+    # GPFS, WEKA); NFS often gives 1, local NVMe 5-10. Measure yours (`fio`/`dd`) and set it.
+    storage_gbps: float = 5.0
 
 
 @dataclass

@@ -413,6 +413,25 @@ def validate(spec: JobConfig) -> List[str]:
     return problems
 
 
+def stop_lead_warnings(spec: JobConfig, stop_s: float) -> List[str]:
+    """Warnings (not errors) when SLURM's time-limit warning comes later than a stop needs.
+
+    `stop_s` is the planner's predicted time to finish a step and save a checkpoint
+    (launcher/plan/checkpoint_time.py). SLURM kills the job at its time limit whatever
+    the ranks are doing, so a shorter lead loses the save.
+    """
+    lead = spec.cluster.signal_seconds
+    if spec.cluster.name != "slurm" or lead <= 0 or lead >= stop_s:
+        return []
+    wanted = int(stop_s * 1.5) + 61  # half as much again, plus a minute
+    return [
+        f"cluster.signal_seconds={lead} is shorter than the predicted {stop_s:.0f} s to finish a step and "
+        f"save a checkpoint (hardware.storage_gbps={spec.hardware.storage_gbps:g} GB/s per node): at the time "
+        f"limit SLURM kills the job before the save ends. Fix: cluster.signal_seconds={wanted}, or set "
+        f"hardware.storage_gbps to your storage's measured write bandwidth."
+    ]
+
+
 def check(spec: JobConfig) -> None:
     """Raise ConfigError with every config-level problem, if any."""
     problems = validate(spec)

@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Dict, Mapping, Optional
 
 from launcher.config.schema import JobConfig
-from launcher.launch.torchrun import torchrun_argv
+from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.plan.plan import Plan
-from launcher.runtime.signals import control_dir
+from launcher.runtime.signals import STOPPED_FILE, control_dir
 
 log = logging.getLogger(__name__)
 
+# Signals that ask a local run to stop gracefully (checkpoint, then exit): what `kill`,
+# a closed terminal or a process supervisor sends to `train`.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
-def rank_environment(run_dir: Path, device: str) -> dict:
-    """Environment for the ranks: caches and scratch folders inside the run dir where sensible."""
+
+def rank_environment(run_dir: Path, device: str, extra: Optional[Mapping[str, str]] = None) -> dict:
+    """Environment for the ranks: caches and scratch folders inside the run dir where sensible.
+
+    `extra` (cluster.env) is applied last: a variable the user set explicitly wins.
+    """
     env = dict(os.environ)
     scratch = Path(run_dir) / ".tmp"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -27,7 +36,56 @@ def rank_environment(run_dir: Path, device: str) -> dict:
     if device == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
+    env.update({str(k): str(v) for k, v in (extra or {}).items()})
     return env
+
+
+class StopForwarder:
+    """While installed, SIGTERM / SIGHUP to `train` become one graceful stop of the job.
+
+    torchrun and the ranks run in sessions of their own, so a signal to `train` alone would
+    leave them training as orphans. The first signal is sent on to torchrun as SIGTERM
+    (SIGHUP too: the ranks checkpoint on SIGTERM, while SIGHUP would kill them); torchrun
+    forwards it to every rank and waits --shutdown-timeout for their save. Repeats are the
+    same request and are not forwarded again (each would restart torchrun's shutdown).
+    """
+
+    def __init__(self, torchrun_pid: int):
+        self.pid = torchrun_pid
+        self.received: Optional[str] = None
+        self._previous: Dict[signal.Signals, object] = {}
+
+    def install(self) -> "StopForwarder":
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            log.warning("received %s again: the stop requested by %s is under way (SIGKILL aborts it)",
+                        name, self.received)
+            return
+        self.received = name
+        log.warning("received %s: asking the ranks to checkpoint and stop", name)
+        try:
+            os.killpg(self.pid, signal.SIGTERM)
+        except ProcessLookupError:  # torchrun already ended
+            pass
+
+
+def stopped_step(run_dir: Path) -> Optional[dict]:
+    """The ranks' record of a graceful stop in this run ({"step", "reason"}), if any."""
+    path = control_dir(run_dir) / STOPPED_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def launch_local(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
@@ -35,16 +93,19 @@ def launch_local(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
 
     torchrun runs in its own process group: Ctrl-C here is passed on to it (it stops every
     rank), and if the ranks do not end within 30 s the whole group is killed, ranks included.
-    torchrun tears down all ranks when one fails.
+    SIGTERM / SIGHUP ask for a graceful stop (StopForwarder); a run whose ranks checkpointed
+    and stopped returns 0. torchrun tears down all ranks when one fails.
     """
     for stale in ("stop", "stopped"):  # a stop request of an earlier run in this run dir
         (control_dir(run_dir) / stale).unlink(missing_ok=True)
-    argv = torchrun_argv(run_dir, nproc_per_node=spec.cluster.gpus_per_node)
-    env = rank_environment(run_dir, spec.trainer.device)
+    argv = torchrun_argv(run_dir, nproc_per_node=spec.cluster.gpus_per_node,
+                         shutdown_timeout_s=shutdown_timeout_of(plan))
+    env = rank_environment(run_dir, spec.trainer.device, spec.cluster.env)
     log.info("starting %d local ranks: %s", spec.cluster.gpus_per_node, " ".join(argv))
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    forwarder = StopForwarder(proc.pid).install()
     try:
-        return proc.wait()
+        code = proc.wait()
     except KeyboardInterrupt:
         log.warning("interrupted: stopping all ranks")
         os.killpg(proc.pid, signal.SIGINT)
@@ -53,3 +114,18 @@ def launch_local(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait()
+    finally:
+        forwarder.uninstall()
+    return stop_outcome(run_dir, code)
+
+
+def stop_outcome(run_dir: Path, code: int) -> int:
+    """0 when the ranks checkpointed and stopped (torchrun exits non-zero after a SIGTERM)."""
+    stopped = stopped_step(run_dir)
+    if stopped is None:
+        return code
+    if code != 0:
+        log.info("torchrun exited with %d after the ranks had stopped cleanly", code)
+    log.warning("the ranks checkpointed and stopped at step %s (%s); run the same command to resume",
+                stopped.get("step"), stopped.get("reason"))
+    return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -35,7 +36,7 @@ from launcher.config.cluster import (  # noqa: F401 - re-exported for callers of
     sanitize_job_name,
 )
 from launcher.config.schema import ClusterConfig, JobConfig
-from launcher.launch.torchrun import torchrun_argv
+from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.paths import slurm_dir
 from launcher.plan.plan import Plan
 
@@ -66,6 +67,29 @@ def shell_quote(value: Any) -> str:
     return shlex.quote(str(value))
 
 
+def container_mount_problems(cluster: ClusterConfig, run_dir: Path, cwd: Path) -> List[str]:
+    """With cluster.container, folders that `--container-mounts=SRC:DST,...` cannot express.
+
+    pyxis splits that option at `,` (between mounts) and `:` (source, target, flags) and has
+    no escape for either, so such a folder is refused rather than mounted wrongly.
+    """
+    if not cluster.container:
+        return []
+    problems = []
+    for what, folder, fix in (
+        ("run directory", run_dir, "choose a run directory without them (hydra.run.dir=PATH)"),
+        ("working directory", cwd, "run `train` from a folder without them"),
+    ):
+        bad = sorted({c for c in str(folder) if c in ",:"})
+        if bad:
+            problems.append(
+                f"cluster.container={cluster.container!r}: the {what} {str(folder)!r} contains "
+                f"{' and '.join(repr(c) for c in bad)}, which --container-mounts cannot express "
+                f"(it separates mounts with ',' and source:target with ':'). Fix: {fix}, or cluster.container=''."
+            )
+    return problems
+
+
 # --- rendering ----------------------------------------------------------------------------
 
 
@@ -81,7 +105,17 @@ class SlurmPaths:
     template: Path
 
     def log_paths(self, job_id: str) -> List[Path]:
-        return [Path(p.replace("%j", job_id)) for p in (self.stdout, self.stderr)]
+        return [Path(expand_sbatch_pattern(p, job_id)) for p in (self.stdout, self.stderr)]
+
+
+def escape_sbatch_pattern(text: str) -> str:
+    """`text` for an sbatch filename pattern (--output/--error): a literal `%` is written `%%`."""
+    return text.replace("%", "%%")
+
+
+def expand_sbatch_pattern(pattern: str, job_id: str) -> str:
+    """The file name sbatch makes of `pattern` for `job_id` (only the %j and %% it is given here)."""
+    return re.sub(r"%([%j])", lambda m: "%" if m.group(1) == "%" else job_id, pattern)
 
 
 def template_path(cluster: ClusterConfig) -> Path:
@@ -98,8 +132,9 @@ def slurm_paths(cluster: ClusterConfig, run_dir: Path) -> SlurmPaths:
         run_dir=run_dir,
         script=run_dir / SCRIPT_NAME,
         logs_dir=logs,
-        stdout=str(logs / "slurm-%j.out"),
-        stderr=str(logs / "slurm-%j.err"),
+        # sbatch expands %-patterns in --output/--error: a `%` of the run dir must stay literal.
+        stdout=escape_sbatch_pattern(str(logs)) + "/slurm-%j.out",
+        stderr=escape_sbatch_pattern(str(logs)) + "/slurm-%j.err",
         template=template_path(cluster),
     )
 
@@ -180,6 +215,7 @@ def launch_argv(spec: JobConfig, plan: Plan, run_dir: Path) -> List[str]:
         nnodes=plan.nodes,
         rdzv_from_env=True,
         python=python,
+        shutdown_timeout_s=shutdown_timeout_of(plan),
     )
 
 
@@ -225,7 +261,8 @@ def _jinja_env(template_dir: Path) -> jinja2.Environment:
 
 def render_script(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[Path] = None) -> str:
     """The sbatch script text. Raises SlurmConfigError listing every bad cluster.* value."""
-    problems = check_cluster_config(spec.cluster)
+    cwd = Path(cwd or os.getcwd()).resolve()
+    problems = check_cluster_config(spec.cluster) + container_mount_problems(spec.cluster, Path(run_dir).resolve(), cwd)
     if problems:
         raise SlurmConfigError(problems)
     path = template_path(spec.cluster)

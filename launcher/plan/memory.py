@@ -63,7 +63,7 @@ def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
     if lay.sharding_backend == "deepspeed":
         if lay.precision != "fp32":
             if lay.zero_stage == 1 and lay.offload_optimizer == "none":
-                # launcher/deepspeed/config.py accumulates gradients in fp32 at ZeRO-1, which makes
+                # launcher/engines/deepspeed_config.py accumulates gradients in fp32 at ZeRO-1, which makes
                 # DeepSpeed use its BF16_Optimizer: an unsharded fp32 gradient buffer (4 B/param)
                 # beside the bf16 gradients, i.e. 8 + 12/N bytes per parameter instead of 4 + 12/N.
                 return {"params": 2.0, "grads": 6.0, "optimizer": 12.0}

@@ -183,7 +183,7 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     ds = lay.sharding_backend == "deepspeed"
     if ds:
         # DeepSpeed gathers its bf16/fp32 working parameters; gradients travel in
-        # communication_data_type, which launcher/deepspeed/config.py takes from reduce_dtype.
+        # communication_data_type, which launcher/engines/deepspeed_config.py takes from reduce_dtype.
         wb = 4.0 if lay.precision == "fp32" else 2.0
     shard_dims: Tuple[str, ...] = ("dp_replicate", "dp_shard", "cp") if ds else ("dp_shard", "cp")
     n_shard = lay.fsdp_degree

@@ -20,6 +20,8 @@ from launcher.plan.layout import Layout
 from launcher.plan.mesh import MeshPlan
 
 PLAN_FILENAME = "plan.json"
+# The Plan's own sections besides the layout, in plan.json order.
+ESTIMATE_KEYS = ("params_total", "params_active", "memory", "comm", "pipeline", "time", "checkpoint", "warnings")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class Plan:
     comm: Dict[str, Any] = field(default_factory=dict)
     pipeline: Dict[str, Any] = field(default_factory=dict)
     time: Dict[str, Any] = field(default_factory=dict)
+    # Predicted checkpoint size, save and stop time (launcher/plan/checkpoint_time.py).
+    checkpoint: Dict[str, Any] = field(default_factory=dict)
     warnings: List[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ views of the layout
@@ -92,7 +96,7 @@ class Plan:
             "batch": asdict(self.batch),
             "backends": {k: asdict(v) for k, v in self.backends.items()},
         }
-        for key in ("params_total", "params_active", "memory", "comm", "pipeline", "time", "warnings"):
+        for key in ESTIMATE_KEYS:
             d[key] = getattr(self, key)
         return d
 
@@ -101,8 +105,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Plan":
-        keep = ("params_total", "params_active", "memory", "comm", "pipeline", "time", "warnings")
-        return cls(layout=Layout.from_dict(d["layout"]), **{k: d[k] for k in keep if k in d})
+        return cls(layout=Layout.from_dict(d["layout"]), **{k: d[k] for k in ESTIMATE_KEYS if k in d})
 
     def save(self, run_dir: Path) -> Path:
         path = Path(run_dir) / PLAN_FILENAME
@@ -130,4 +133,14 @@ def build_plan(spec: JobConfig, layout: Optional[Layout] = None) -> Plan:
     from launcher.plan import estimate  # estimators fill memory / comm / pipeline / time
 
     estimate.fill(plan, spec)
+    fill_checkpoint_time(plan, spec)
     return plan
+
+
+def fill_checkpoint_time(plan: Plan, spec: JobConfig) -> None:
+    """Predict the save / stop time and warn when the SLURM warning signal comes too late."""
+    from launcher.config.validate import stop_lead_warnings
+    from launcher.plan.checkpoint_time import checkpoint_estimate
+
+    plan.checkpoint = checkpoint_estimate(plan, spec)
+    plan.warnings = list(plan.warnings) + stop_lead_warnings(spec, plan.checkpoint["stop_s"])

@@ -71,6 +71,7 @@ def render_plan(plan, spec, fmt: str = "text") -> str:
         _memory_section(plan, spec),
         _comm_section(plan),
         _time_section(plan, spec),
+        _checkpoint_section(plan),
         ASSUMPTIONS,
     ]
     if plan.warnings:
@@ -186,6 +187,15 @@ def _time_section(plan, spec) -> str:
             + f"\n  throughput: {t['tokens_per_s']:,.0f} tokens/s, {t['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU, "
               f"{t['model_tflops_per_s_per_gpu']:.0f} model TFLOP/s per GPU"
             + f"\n  MFU: {t['mfu']:.1%} of {t['peak_tflops']:.0f} TFLOP/s dense {spec.precision.name if spec.precision.name == 'fp8' else 'bf16'} peak")
+
+
+def _checkpoint_section(plan) -> str:
+    ck = plan.checkpoint
+    if not ck:
+        return ""
+    return (f"Checkpoint save: {_gib(ck['bytes_per_rank'])} per rank, {_gib(ck['bytes_per_node'])} per node at "
+            f"{ck['storage_gbps']:g} GB/s (hardware.storage_gbps) = {ck['save_s']:.1f} s; a stop (step + save) "
+            f"{ck['stop_s']:.1f} s; torchrun --shutdown-timeout {ck['shutdown_timeout_s']} s")
 
 
 # ----------------------------------------------------------------------------- action=search

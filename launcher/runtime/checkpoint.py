@@ -6,23 +6,37 @@ Layout of one checkpoint, <root>/step_00000100/:
     trainer.json      step, samples consumed (the data position), tokens seen, layout
     manifest.json     every file with its size and crc32, written last
 
-Protocol: every rank writes into <root>/.incomplete_step_00000100/; the ranks checksum the
-files between them; rank 0 writes manifest.json (everything fsynced) and renames the folder to
-step_00000100 in one atomic rename. A folder without a manifest, or whose files disagree with it, is skipped on
-resume with a warning, and the previous checkpoint is used.
+Protocol: every rank writes into <root>/.incomplete_step_00000100/; rank 0 lists the files once
+and broadcasts the list; the ranks checksum shares of it; rank 0 writes manifest.json
+(everything fsynced) and renames the folder to step_00000100 in one atomic rename (an existing
+step_00000100 is first renamed aside to .replaced_step_00000100 and removed only after). A folder
+without a manifest, with a manifest of the wrong shape, or whose files disagree with it, is
+skipped on resume with a warning, and the previous checkpoint is used; on resume the ranks
+verify shares of the files, as on save.
+
+Checkpoints newer than the step a run started from belong to a timeline that run replaced: at
+its first save they are moved, never deleted, to <root>/abandoned_<UTC time>/. Rank 0 holds an
+exclusive kernel lock on <root>/.lock for the whole run, so a second job refuses to use the
+folder. docs/checkpoints.md describes all of this for users.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
+import fcntl
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import socket
+import time
 import zlib
-from pathlib import Path
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -33,13 +47,50 @@ from launcher.engines.base import Engine
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+REPLACED_DIR = re.compile(r"^\.replaced_(step_\d{8})$")
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
+LOCK_FILE = ".lock"
+ABANDONED_README = "ABANDONED.txt"
+
+FileEntries = Dict[str, Dict[str, int]]
 
 
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _debug_slow_save() -> None:
+    """Test aid: LAUNCHER_DEBUG_SLOW_SAVE_S=N makes every save N seconds longer (a stop must not be cut short)."""
+    seconds = float(os.environ.get("LAUNCHER_DEBUG_SLOW_SAVE_S") or 0)
+    if seconds > 0:
+        log.warning("LAUNCHER_DEBUG_SLOW_SAVE_S=%g: this save takes %g s longer", seconds, seconds)
+        time.sleep(seconds)
+
+
+def _broadcast(value: Any) -> Any:
+    """Rank 0's `value` on every rank (the value itself without a process group)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(value: Any) -> List[Any]:
+    """Every rank's `value`, in rank order."""
+    if not dist.is_initialized():
+        return [value]
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def step_of(folder: Path) -> Optional[int]:
+    """The step of a step_NNNNNNNN folder, None for any other name."""
+    match = STEP_DIR.match(folder.name)
+    return int(match.group(1)) if match else None
 
 
 def step_dir_name(step: int) -> str:
@@ -68,16 +119,41 @@ def _files(folder: Path) -> List[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def checksum_files(folder: Path, rank: int, world_size: int) -> Dict[str, Dict[str, int]]:
-    """Size and crc32 (after fsync) of this rank's share of the files: every world_size-th one.
+def list_files(folder: Path) -> List[Tuple[str, int]]:
+    """(path relative to folder, size) of every file but the manifest, sorted by path."""
+    return [(str(p.relative_to(folder)), p.stat().st_size) for p in _files(folder)]
+
+
+def share_of(files: Sequence[Tuple[str, int]], rank: int, world_size: int) -> List[str]:
+    """This rank's share of `files` ((name, size) pairs), balanced by bytes.
+
+    Largest file first to the least loaded rank (ties: lowest rank), so every rank computes the
+    same split from the same list and reads about total/world_size bytes.
+    """
+    loads = [0] * world_size
+    mine: List[str] = []
+    for name, size in sorted(files, key=lambda f: (-f[1], f[0])):
+        target = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[target] += size
+        if target == rank:
+            mine.append(name)
+    return sorted(mine)
+
+
+def checksum_files(
+    folder: Path, rank: int, world_size: int, files: Optional[Sequence[Tuple[str, int]]] = None
+) -> FileEntries:
+    """Size and crc32 (after fsync) of this rank's share of the files.
 
     All ranks share the work so that a multi-TB checkpoint is not read by rank 0 alone while
-    the others wait in a barrier.
+    the others wait in a barrier. files: the listing rank 0 broadcast (listed here if None).
     """
-    return {
-        str(p.relative_to(folder)): {"size": p.stat().st_size, "crc32": _crc32(p, fsync=True)}
-        for p in _files(folder)[rank::world_size]
-    }
+    listing = list_files(folder) if files is None else files
+    entries = {}
+    for rel in share_of(listing, rank, world_size):
+        path = folder / rel
+        entries[rel] = {"size": path.stat().st_size, "crc32": _crc32(path, fsync=True)}
+    return entries
 
 
 def write_manifest(folder: Path, step: int, entries: Dict[str, Dict[str, int]]) -> None:
@@ -89,17 +165,46 @@ def write_manifest(folder: Path, step: int, entries: Dict[str, Dict[str, int]]) 
     tmp.replace(folder / MANIFEST)
 
 
-def verify_checkpoint(folder: Path, checksums: bool = True) -> Optional[str]:
-    """None if the checkpoint is complete and intact, else what is wrong with it."""
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_problem(rel: Any, meta: Any) -> Optional[str]:
+    """What is wrong with one manifest entry: a relative path inside the folder -> size and crc32."""
+    if not isinstance(rel, str) or not rel or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
+        return f"manifest.json names {rel!r}, not a path inside the checkpoint"
+    if not isinstance(meta, dict) or not _is_count(meta.get("size")) or not _is_count(meta.get("crc32")):
+        return f"manifest.json entry {rel} needs integer size and crc32, has {meta!r}"
+    return None
+
+
+def read_manifest(folder: Path) -> Tuple[Optional[FileEntries], Optional[str]]:
+    """(files, None) for a manifest of the right shape, else (None, what is wrong with it).
+
+    Right shape: {"files": {relative path: {"size": int, "crc32": int}, ...}} naming trainer.json.
+    """
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
-        return "no manifest.json (the save did not finish)"
+        return None, "no manifest.json (the save did not finish)"
     try:
         manifest = json.loads(manifest_path.read_text())
-        files: Dict[str, Dict[str, int]] = manifest["files"]
-    except (ValueError, KeyError) as err:
-        return f"unreadable manifest.json ({err})"
+    except (ValueError, OSError) as err:
+        return None, f"unreadable manifest.json ({err})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return None, f"manifest.json has no files table (found {type(files).__name__}, wanted an object)"
     for rel, meta in files.items():
+        problem = _entry_problem(rel, meta)
+        if problem:
+            return None, problem
+    if TRAINER_STATE not in files:
+        return None, f"no {TRAINER_STATE}"
+    return files, None
+
+
+def verify_files(folder: Path, entries: FileEntries, checksums: bool) -> Optional[str]:
+    """None if every file in `entries` exists with its size (and crc32), else the first problem."""
+    for rel, meta in sorted(entries.items()):
         path = folder / rel
         if not path.is_file():
             return f"missing file {rel}"
@@ -108,9 +213,15 @@ def verify_checkpoint(folder: Path, checksums: bool = True) -> Optional[str]:
             return f"{rel} has {size} bytes, manifest says {meta['size']}"
         if checksums and _crc32(path) != meta["crc32"]:
             return f"{rel} fails its crc32 check"
-    if TRAINER_STATE not in files:
-        return f"no {TRAINER_STATE}"
     return None
+
+
+def verify_checkpoint(folder: Path, checksums: bool = True) -> Optional[str]:
+    """None if the checkpoint is complete and intact, else what is wrong with it (one process)."""
+    files, problem = read_manifest(folder)
+    if files is None:
+        return problem
+    return verify_files(folder, files, checksums)
 
 
 def rng_state() -> Dict[str, Any]:
@@ -128,6 +239,229 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+# ---------------------------------------------------------------------------------------------
+# The folder lock: one job per checkpoint folder.
+
+
+class CheckpointDirInUse(ValueError):
+    """Another live process holds the checkpoint folder's lock."""
+
+
+@dataclass
+class FolderLock:
+    """An exclusive POSIX lock on <root>/.lock, held through the open descriptor `fd`.
+
+    The kernel drops it when the process ends in any way (SIGKILL and preemption included), so
+    it is never stale. POSIX locks belong to the process and are lost when it closes *any*
+    descriptor of the lock file: nothing else in the holding process may open .lock.
+    """
+
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing drops the lock
+            self.fd = -1
+
+
+def holder_record(run_dir: Path) -> Dict[str, Any]:
+    """Who takes the lock: written into the lock file so that a refused job can name us."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None,
+        "run_dir": str(run_dir),
+        "since": _utc_now().strftime("%Y-%m-%d %H:%M:%S UTC"),
+    }
+
+
+def _read_holder(fd: int) -> Dict[str, Any]:
+    try:
+        record = json.loads(os.pread(fd, 1 << 16, 0).decode() or "{}")
+    except (ValueError, OSError):
+        record = {}
+    return record if isinstance(record, dict) else {}
+
+
+def describe_holder(record: Dict[str, Any]) -> str:
+    """One line naming a lock holder: host, pid, SLURM job, run dir and since when."""
+    if not record:
+        return "a process that has not written its name yet"
+    slurm = f"SLURM job {record['slurm_job_id']}" if record.get("slurm_job_id") else "no SLURM job"
+    return (
+        f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, {slurm}, "
+        f"run dir {record.get('run_dir', '?')}, since {record.get('since', '?')}"
+    )
+
+
+class LocksUnsupported(OSError):
+    """The file system of the checkpoint folder does not support POSIX locks."""
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as err:
+        if err.errno in (errno.EACCES, errno.EAGAIN):
+            return False
+        if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise LocksUnsupported(err.errno, err.strerror) from err
+        raise
+
+
+def _try_lock_or_warn(fd: int, root: Path) -> bool:
+    """_try_lock, except that a file system without locks is reported and treated as locked by us."""
+    try:
+        return _try_lock(fd)
+    except LocksUnsupported as err:
+        # Training must not depend on the lock: without it only the guard is lost.
+        log.warning(
+            "cannot lock the checkpoint folder %s (%s): its file system does not support POSIX locks "
+            "(on Lustre mount with -o flock), so a second job using it would not be detected",
+            root, err.strerror,
+        )
+        return True
+
+
+def _in_use_message(root: Path, holder: Dict[str, Any]) -> str:
+    return (
+        f"checkpoint.dir: the checkpoint folder {root} is in use by another job ({describe_holder(holder)}; "
+        f"lock file {root / LOCK_FILE}). Two jobs saving into one folder would prune each other's "
+        f"checkpoints. Fix: wait for that job to end or stop it, or give this run its own "
+        f"checkpoint.dir (or run directory)."
+    )
+
+
+def lock_checkpoint_dir(root: Path, run_dir: Path, same_job_wait_s: float = 120.0) -> FolderLock:
+    """Take the exclusive lock on checkpoint folder `root` (created if missing) for this process.
+
+    Raises CheckpointDirInUse naming the holder when another live process has it. A holder with
+    this job's SLURM job id is the previous incarnation of a requeued job still exiting: wait up
+    to same_job_wait_s for the kernel to release its lock.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    me = holder_record(run_dir)
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + same_job_wait_s
+    while not _try_lock_or_warn(fd, root):
+        holder = _read_holder(fd)
+        same_job = me["slurm_job_id"] is not None and holder.get("slurm_job_id") == me["slurm_job_id"]
+        if not (same_job and time.monotonic() < deadline):
+            os.close(fd)
+            raise CheckpointDirInUse(_in_use_message(root, holder))
+        time.sleep(1.0)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+    os.fsync(fd)
+    return FolderLock(root / LOCK_FILE, fd)
+
+
+def lock_for_run(root: Path, run_dir: Path, rank: int) -> Optional[FolderLock]:
+    """Collective: rank 0 takes the folder lock; if it cannot, every rank raises the same error.
+
+    Returns the lock on rank 0 (hold it for the whole run) and None on the other ranks.
+    """
+    lock: Optional[FolderLock] = None
+    problem: Optional[str] = None
+    if rank == 0:
+        try:
+            lock = lock_checkpoint_dir(root, run_dir)
+        except CheckpointDirInUse as err:
+            problem = str(err)
+    problem = _broadcast(problem)
+    if problem:
+        raise CheckpointDirInUse(problem)
+    return lock
+
+
+# ---------------------------------------------------------------------------------------------
+# Timelines: checkpoints newer than a run's start are moved aside, never deleted.
+
+
+def recover_replaced(root: Path) -> None:
+    """Finish or undo re-saves of an existing step that were cut short (rank 0 only).
+
+    A re-save renames step_N to .replaced_step_N, renames the new folder to step_N, then
+    deletes .replaced_step_N. Killed in between, step_N is missing: the old one is put back.
+    """
+    if not root.is_dir():
+        return
+    for aside in sorted(root.iterdir()):
+        match = REPLACED_DIR.match(aside.name)
+        if not match or not aside.is_dir():
+            continue
+        final = root / match.group(1)
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)  # the new save finished
+        else:
+            os.replace(aside, final)
+            _fsync_dir(root)
+            log.warning("restored %s from %s: a re-save of that step was interrupted", final, aside.name)
+
+
+def _abandoned_folder(root: Path) -> Path:
+    stamp = _utc_now().strftime("%Y%m%dT%H%M%SZ")
+    folder = root / f"abandoned_{stamp}"
+    n = 1
+    while folder.exists():
+        n += 1
+        folder = root / f"abandoned_{stamp}_{n}"
+    return folder
+
+
+def set_aside_newer(root: Path, start_step: int) -> Optional[Path]:
+    """Move every step_N with N > start_step into <root>/abandoned_<UTC time>/ (rank 0 only).
+
+    They belong to a run this one replaced (it started over, or resumed from an older
+    checkpoint): `resume=auto` must not jump back to them, and deleting them could lose work.
+    Returns the folder they went to, or None when there were none.
+    """
+    if not root.is_dir():
+        return None
+    newer = [p for p in sorted(root.iterdir()) if p.is_dir() and (step_of(p) or 0) > start_step]
+    if not newer:
+        return None
+    target = _abandoned_folder(root)
+    target.mkdir()
+    (target / ABANDONED_README).write_text(
+        f"Checkpoints of an earlier run in {root}, newer than step {start_step}, where a later run started "
+        f"(checkpoint.resume=none, an older checkpoint.resume=PATH, or their newer checkpoints were unusable).\n"
+        f"Moved here on {_utc_now():%Y-%m-%d %H:%M:%S} UTC instead of being deleted. To continue that run, "
+        f"resume with checkpoint.resume=<this folder>/step_NNNNNNNN; delete this folder when you do not need it.\n"
+    )
+    for path in newer:
+        os.replace(path, target / path.name)
+    _fsync_dir(root)
+    log.warning(
+        "moved %d checkpoint(s) newer than this run's start (step %d) aside to %s: %s. They are kept, "
+        "not deleted; resume from one with checkpoint.resume=PATH or delete the folder.",
+        len(newer), start_step, target, ", ".join(p.name for p in newer),
+    )
+    return target
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the finished folder `tmp` to `final` (rank 0 only).
+
+    An existing `final` (a re-save of a step) is renamed aside first and deleted only after the
+    new folder is in place, so at every instant one complete checkpoint of the step exists.
+    """
+    aside = final.with_name(f".replaced_{final.name}")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 class CheckpointManager:
     """Saves, prunes, finds and loads checkpoints under one root folder."""
 
@@ -137,6 +471,10 @@ class CheckpointManager:
         self.verify_checksums = verify_checksums
         self.rank = rank
         self.world_size = world_size
+        # The step this run continues from (set by `load`; 0 for a fresh start). Checkpoints
+        # newer than it are another timeline, moved aside at this run's first save.
+        self.start_step = 0
+        self._timeline_settled = False
 
     def checkpoints(self) -> List[Path]:
         """Finished checkpoint folders, newest first (not yet verified)."""
@@ -145,64 +483,91 @@ class CheckpointManager:
         found = [p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
         return sorted(found, key=lambda p: p.name, reverse=True)
 
-    def latest_valid(self) -> Optional[Path]:
-        """Newest checkpoint that passes verification; broken ones are reported and skipped."""
-        for path in self.checkpoints():
-            problem = verify_checkpoint(path, self.verify_checksums)
-            if problem is None:
-                return path
-            log.warning("skipping checkpoint %s: %s; trying the previous one", path, problem)
-        return None
+    def _candidates(self, resume: str) -> Tuple[List[str], Optional[str]]:
+        """Rank 0: folders to try in order, or a problem with checkpoint.resume=PATH."""
+        if resume == "auto":
+            recover_replaced(self.root)
+            return [str(p) for p in self.checkpoints()], None
+        path = Path(resume)
+        if not path.is_dir():
+            return [], f"{path}: not a folder"
+        return [str(path)], None
+
+    def verify_shared(self, path: Path) -> Optional[str]:
+        """Collective: None if checkpoint `path` is intact, else the first problem (same on all ranks).
+
+        Rank 0 reads the manifest once and broadcasts it; every rank checks the sizes (and crc32s
+        when verify_checksums) of its share of the files, balanced by bytes.
+        """
+        files, problem = read_manifest(path) if self.rank == 0 else (None, None)
+        files, problem = _broadcast((files, problem))
+        if files is None:
+            return problem
+        mine = share_of([(rel, meta["size"]) for rel, meta in files.items()], self.rank, self.world_size)
+        local = verify_files(path, {rel: files[rel] for rel in mine}, self.verify_checksums)
+        log.info(
+            "rank %d verified %d of %d files (%d bytes, checksums %s) of %s",
+            self.rank, len(mine), len(files), sum(files[rel]["size"] for rel in mine),
+            "on" if self.verify_checksums else "off", path,
+        )
+        return next((p for p in _all_gather(local) if p is not None), None)
 
     def select_resume(self, resume: str) -> Optional[Path]:
-        """The checkpoint to resume from (collective): rank 0 verifies, every rank gets its answer.
+        """The checkpoint to resume from (collective): the ranks verify it together.
 
         resume: "auto" (newest valid under the root, None if there is none) or a checkpoint path.
         """
-        choice: List[Optional[str]] = [None]
-        if self.rank == 0:
+        candidates, problem = self._candidates(resume) if self.rank == 0 else ([], None)
+        candidates, problem = _broadcast((candidates, problem))
+        for name in candidates:
+            problem = self.verify_shared(Path(name))
+            if problem is None:
+                return Path(name)
             if resume == "auto":
-                found = self.latest_valid()
-                choice[0] = str(found) if found is not None else None
+                if self.rank == 0:
+                    log.warning("skipping checkpoint %s: %s; trying the previous one", name, problem)
             else:
-                path = Path(resume)
-                problem = "not a folder" if not path.is_dir() else verify_checkpoint(path, self.verify_checksums)
-                choice[0] = f"!{path}: {problem}" if problem else str(path)
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        if choice[0] is not None and choice[0].startswith("!"):
+                problem = f"{name}: {problem}"
+        if problem is not None and resume != "auto":
             raise ValueError(
-                f"checkpoint.resume={choice[0][1:]}. Fix: give a checkpoint folder such as "
+                f"checkpoint.resume={problem}. Fix: give a checkpoint folder such as "
                 f"{self.root / step_dir_name(100)}, or checkpoint.resume=auto."
             )
-        return Path(choice[0]) if choice[0] is not None else None
+        return None
+
+    def _settle_timeline(self) -> None:
+        """Rank 0, first save of this run: finish interrupted re-saves, move newer checkpoints aside."""
+        if self._timeline_settled:
+            return
+        recover_replaced(self.root)
+        set_aside_newer(self.root, self.start_step)
+        self._timeline_settled = True
 
     def save(self, step: int, engine: Engine, trainer_state: Dict[str, Any]) -> Path:
         """Write a checkpoint for `step` atomically (collective over all ranks)."""
         final = self.root / step_dir_name(step)
         tmp = self.root / f".incomplete_{step_dir_name(step)}"
         if self.rank == 0:
+            self._settle_timeline()
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
         _barrier()
         engine.save(tmp / "engine")
+        _debug_slow_save()
         torch.save(rng_state(), tmp / "rng" / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
         _barrier()
-        entries = checksum_files(tmp, self.rank, self.world_size)
-        if dist.is_initialized():
-            gathered: List[Optional[Dict]] = [None] * self.world_size
-            dist.all_gather_object(gathered, entries)
-            entries = {k: v for part in gathered for k, v in (part or {}).items()}
+        # One listing (rank 0's) for everyone: each rank listing a shared file system would cost
+        # a metadata storm and could see different files.
+        listing = _broadcast(list_files(tmp) if self.rank == 0 else None)
+        entries = checksum_files(tmp, self.rank, self.world_size, listing)
+        entries = {k: v for part in _all_gather(entries) for k, v in (part or {}).items()}
         if self.rank == 0:
             write_manifest(tmp, step, entries)
             for sub in [tmp, *[d for d in tmp.rglob("*") if d.is_dir()]]:
                 _fsync_dir(sub)
-            if final.exists():  # a leftover of an earlier attempt at this step (valid or not)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
+            publish(tmp, final)
             self._prune(final, step)
             log.info("saved checkpoint %s", final)
         _barrier()
@@ -211,20 +576,19 @@ class CheckpointManager:
     def _prune(self, newest: Path, step: int) -> None:
         """Keep `newest` and the keep-1 newest valid checkpoints before it; never delete `newest`.
 
-        Folders of later steps belong to an abandoned timeline (this run resumed from an older
-        checkpoint): left in place, `resume=auto` would later jump back to them.
+        Folders of later steps belong to an abandoned timeline: they are moved aside, never
+        deleted (left in place, `resume=auto` would later jump back to them).
         """
+        set_aside_newer(self.root, step)
         older_valid = []
         for path in self.checkpoints():
             if path == newest:
                 continue
-            if int(STEP_DIR.match(path.name).group(1)) > step:
-                log.warning("removing %s: it is later than step %d, from a run this one replaced", path, step)
-                shutil.rmtree(path, ignore_errors=True)
-            elif verify_checkpoint(path, checksums=False) is None:
+            problem = verify_checkpoint(path, checksums=False)
+            if problem is None:
                 older_valid.append(path)
             else:
-                log.warning("removing unusable checkpoint %s", path)
+                log.warning("removing unusable checkpoint %s: %s", path, problem)
                 shutil.rmtree(path, ignore_errors=True)
         for old in older_valid[max(0, self.keep - 1) :]:
             shutil.rmtree(old, ignore_errors=True)
@@ -237,6 +601,7 @@ class CheckpointManager:
         """Restore engine state and this rank's RNG from a checkpoint chosen by `select_resume`
         (collective); returns its trainer.json."""
         state = json.loads((path / TRAINER_STATE).read_text())
+        self.start_step = int(state["step"])
         engine.load(path / "engine")
         rng_file = path / "rng" / f"rank_{self.rank:05d}.pt"
         if state.get("world_size") == self.world_size and rng_file.is_file():

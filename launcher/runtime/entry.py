@@ -26,7 +26,7 @@ from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.plan.plan import Plan
-from launcher.runtime.checkpoint import CheckpointManager
+from launcher.runtime.checkpoint import CheckpointManager, lock_for_run
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
@@ -166,6 +166,8 @@ def run(run_dir: Path) -> int:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(spec.trainer.seed)
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
+    # One job per checkpoint folder, checked before anything is built or written (rank 0 holds it).
+    folder_lock = lock_for_run(checkpoint_root(spec, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
 
     engine = build_engine(spec, plan, rank, run_dir)
     record_built(engine, plan, rank.rank, run_dir)
@@ -234,6 +236,8 @@ def run(run_dir: Path) -> int:
         log.info("stopped at step %d (%s); resume with the same run dir", result.last_step, result.stop_reason)
     else:
         log.info("finished %d steps", result.last_step)
+    if folder_lock is not None:
+        folder_lock.release()
     return 0
 
 

@@ -6,16 +6,21 @@ import json
 import logging
 import netrc
 import os
+import shlex
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Optional
+from types import ModuleType
+from typing import Any, Callable, Dict, Optional
 
 from launcher.config.schema import WandbConfig
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+# Used when logging.wandb.init_timeout_s is not positive: a reachable W&B server answers within
+# seconds, and every second waited here is a second every rank of the job sits idle.
+DEFAULT_INIT_TIMEOUT_S = 30.0
 
 
 def wandb_mode(cfg: WandbConfig) -> str:
@@ -30,6 +35,63 @@ def wandb_mode(cfg: WandbConfig) -> str:
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         pass
     return "offline"
+
+
+def init_timeout_s(cfg: WandbConfig) -> float:
+    """The wandb.init timeout to use (a non-positive setting means the documented default)."""
+    timeout = float(cfg.init_timeout_s)
+    if timeout > 0:
+        return timeout
+    log.warning(
+        "logging.wandb.init_timeout_s=%s is not positive; using %.0f s. Fix: set a positive number of seconds.",
+        cfg.init_timeout_s, DEFAULT_INIT_TIMEOUT_S,
+    )
+    return DEFAULT_INIT_TIMEOUT_S
+
+
+def import_wandb(mode: str) -> Optional[ModuleType]:
+    """The wandb module, or None with one warning when it cannot be imported (training goes on)."""
+    try:
+        import wandb
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install raising anything else
+        log.warning(
+            "logging.wandb.mode=%s but the wandb package cannot be imported (%s: %s): training continues "
+            "without W&B, metrics go to %s only. Fix: pip install wandb, or set logging.wandb.mode=disabled.",
+            mode, type(e).__name__, e, METRICS_FILE,
+        )
+        return None
+    return wandb
+
+
+def start_wandb_run(wandb: ModuleType, init_args: Dict[str, Any], mode: str, timeout_s: float, run_dir: Path):
+    """wandb.init in `mode`; if online cannot start (no network, server down, bad key), offline.
+
+    Compute nodes often have no internet while WANDB_API_KEY is forwarded, so `auto` asks for
+    online: wandb's own init timeout bounds the wait, then the run logs offline into the run
+    dir (`wandb sync` uploads it later). Returns None, after a warning, if W&B cannot start at all.
+    """
+    try:
+        return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=timeout_s), **init_args)
+    except Exception as e:  # noqa: BLE001 - wandb raises CommError, UsageError, timeouts, OSError...
+        first_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if mode != "online":
+        log.warning("W&B could not start (mode=%s; %s): training continues without W&B, metrics go to %s only",
+                    mode, first_error, METRICS_FILE)
+        return None
+    log.warning(
+        "W&B could not start online (%s; the wait is bounded by logging.wandb.init_timeout_s=%g): logging to "
+        "W&B offline in %s instead; upload later with `wandb sync %s/offline-run-*`",
+        first_error, timeout_s, run_dir, shlex.quote(str(run_dir / "wandb")),
+    )
+    try:
+        # The failed online attempt still holds the run id in wandb's service: shut it down
+        # first, or the offline run is refused with "run ID ... is in use".
+        wandb.teardown()
+        return wandb.init(mode="offline", **init_args)
+    except Exception as e:  # noqa: BLE001
+        log.warning("W&B could not start offline either (%s: %s): training continues without W&B",
+                    type(e).__name__, e)
+        return None
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -88,28 +150,45 @@ class MetricsLogger:
         mode = wandb_mode(cfg)
         if mode == "disabled":
             return
-        import wandb
-
+        wandb = import_wandb(mode)
+        if wandb is None:
+            return
         # A stable id per run dir, so a requeued or resumed job continues the same W&B run.
         id_file = self.run_dir / "wandb_id"
         if not id_file.exists():
             id_file.write_text(uuid.uuid4().hex[:16])
         os.environ.setdefault("WANDB_DIR", str(self.run_dir))
-        self._wandb = wandb.init(
+        init_args = dict(
             project=cfg.project,
             entity=cfg.entity or None,
             name=cfg.name or self.run_dir.name,
             group=cfg.group or None,
             tags=list(cfg.tags) or None,
-            mode=mode,
             dir=str(self.run_dir),
             config=config,
             id=id_file.read_text().strip(),
             resume="allow",
         )
-        self._wandb.define_metric("trainer/step")
-        self._wandb.define_metric("*", step_metric="trainer/step")
-        log.info("W&B run %s (mode=%s)", self._wandb.id, mode)
+        self._wandb = start_wandb_run(wandb, init_args, mode, init_timeout_s(cfg), self.run_dir)
+        if self._wandb is None:
+            return
+        self._wandb_call("define_metric", lambda run: run.define_metric("trainer/step"))
+        self._wandb_call("define_metric", lambda run: run.define_metric("*", step_metric="trainer/step"))
+        if self._wandb is not None:
+            log.info("W&B run %s (mode=%s)", self._wandb.id, self._wandb.settings.mode)
+
+    def _wandb_call(self, what: str, call: Callable[[Any], Any]) -> None:
+        """Run one W&B call; the first failure warns and stops W&B logging, never training."""
+        if self._wandb is None:
+            return
+        try:
+            call(self._wandb)
+        except Exception as e:  # noqa: BLE001 - any W&B failure (service died, network, usage) is non-fatal
+            log.warning(
+                "W&B %s failed (%s: %s): W&B logging stops for this run; training and %s continue",
+                what, type(e).__name__, e, METRICS_FILE,
+            )
+            self._wandb = None
 
     def log(self, record: Dict[str, Any], console: bool = True) -> None:
         if not self.enabled:
@@ -118,7 +197,8 @@ class MetricsLogger:
         if self._wandb is not None:
             # Our own step axis: W&B drops logs at or below its internal step, which would keep the
             # pre-crash values of the steps a resumed run repeats.
-            self._wandb.log({("trainer/step" if k == "step" else k): v for k, v in record.items()})
+            row = {("trainer/step" if k == "step" else k): v for k, v in record.items()}
+            self._wandb_call("log", lambda run: run.log(row))
         if self._progress is not None and console:
             self._progress.update(
                 self._task, completed=record["step"],
@@ -139,8 +219,7 @@ class MetricsLogger:
         existing = json.loads(path.read_text()) if path.exists() else {}
         existing.update(values)
         path.write_text(json.dumps(existing, indent=1))
-        if self._wandb is not None:
-            self._wandb.summary.update(values)
+        self._wandb_call("summary update", lambda run: run.summary.update(values))
 
     def log_images(self, images: Dict[str, Path]) -> None:
         """PNG files (e.g. the plan's memory and pipeline charts) into W&B."""
@@ -148,7 +227,7 @@ class MetricsLogger:
             return
         import wandb
 
-        self._wandb.log({key: wandb.Image(str(path)) for key, path in images.items()})
+        self._wandb_call("image log", lambda run: run.log({key: wandb.Image(str(path)) for key, path in images.items()}))
 
     def close(self) -> None:
         if not self.enabled:
@@ -156,5 +235,5 @@ class MetricsLogger:
         if self._progress is not None:
             self._progress.stop()
         self._file.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        self._wandb_call("finish", lambda run: run.finish())
+        self._wandb = None

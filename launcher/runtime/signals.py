@@ -4,8 +4,10 @@ A stop is requested by SIGUSR1 or SIGTERM reaching a rank, or by the file
 <run_dir>/control/stop existing (the sbatch script's USR1 trap creates it). The ranks agree
 at the end of a step (one tiny all-reduce), save a checkpoint, rank 0 writes
 <run_dir>/control/stopped as JSON {"step", "reason"}, and every process exits 0 so the batch
-script can requeue the job. A second SIGTERM exits at once (SIGINT keeps Python's default:
-KeyboardInterrupt, which ends the rank).
+script can requeue the job. A repeated SIGTERM or SIGUSR1 is the same request, never an abort:
+SLURM signals every process of a step and torchrun forwards its own SIGTERM, so a rank often
+gets two while it saves, and cutting the save short would lose the stop's checkpoint. SIGINT
+keeps Python's default (KeyboardInterrupt, which ends the rank); SIGKILL is the hard stop.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class StopWatcher:
 
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.reason is not None and signum == signal.SIGTERM:
-            raise SystemExit(128 + signum)  # second request: stop now
+        if self.reason is not None:  # the same request again: keep stopping (and saving)
+            log.warning("received %s again: already stopping (%s)", name, self.reason)
+            return
         self.reason = f"signal {name}"
         log.warning("received %s: will checkpoint and stop after this step", name)
 

@@ -39,7 +39,9 @@ SAVE_AT = 2  # the resume case saves after this many steps
 def deepspeed_env(extra: Dict[str, str] = None) -> Dict[str, str]:
     """Environment for DeepSpeed on CPU with the JIT cache inside the repository (git-ignored)."""
     env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS_DIR), OMP_NUM_THREADS="1")
+    # A cache the caller chose (the Makefile, a shared CI cache) wins over the in-tree default.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env.update(extra or {})
     return env
 
@@ -74,6 +76,19 @@ def rank_microbatches(step: int, spec, plan, dp_rank: int):
 
 def reference_run(spec, steps: int):
     """Plain single-process torch: same model init, AdamW groups, schedule, clipping and loss."""
+    import torch
+
+    # One intra-op thread, as in the ranks (OMP_NUM_THREADS=1): CPU reductions split their work
+    # by thread count, so the reference must not depend on how many cores the test machine has.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_steps(spec, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_steps(spec, steps: int):
     import torch
     import torch.nn.functional as F
 
