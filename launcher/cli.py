@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("launcher")
 
 EXIT_INVALID_CONFIG = 2
+EXIT_CHECKPOINT_DIR_IN_USE = 3
 
 
 def _fail_config(problems: List[str]) -> None:
@@ -197,8 +198,13 @@ def _run(spec: JobConfig, run_dir: Path) -> int:
 
         return submit(spec, plan, run_dir)
     from launcher.launch.local import launch_local
+    from launcher.runtime.checkpoint import CheckpointDirInUse
 
-    code = launch_local(spec, plan, run_dir)
+    try:
+        code = launch_local(spec, plan, run_dir)
+    except CheckpointDirInUse as err:
+        sys.stderr.write(f"{err}\n")
+        return EXIT_CHECKPOINT_DIR_IN_USE
     if code != 0:
         sys.stderr.write(f"training failed (exit code {code}); rank logs: {run_dir / 'logs'}\n")
     return code

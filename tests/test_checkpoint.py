@@ -315,7 +315,9 @@ def test_train_refuses_a_checkpoint_dir_another_job_holds(tmp_path):
         holder.kill()
         holder.wait()
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
+    assert proc.returncode == 3, out[-3000:]
     assert "in use by another job" in out and f"pid {holder.pid}" in out and f"run dir {other}" in out, out[-3000:]
-    assert "[rank0] checkpoint.dir: the checkpoint folder" in proc.stderr  # one line with a Fix, from rank 0
-    assert _names(shared) == []  # nothing written beside the holder's lock file
+    assert "Fix:" in proc.stderr and "Traceback" not in out, out[-3000:]
+    # Refused by `train` before torchrun started: no rank ran, nothing was written beside the lock file.
+    assert not list((tmp_path / "run").glob("logs/rank_*.log")), out[-3000:]
+    assert _names(shared) == []

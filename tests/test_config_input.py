@@ -146,6 +146,7 @@ BAD_VALUES = [
     (["data=text", "data.path=/nonexistent/corpus"], ["data.path=/nonexistent/corpus"]),
     (["checkpoint.resume=/nonexistent"], ["checkpoint.resume=/nonexistent"]),
     (["action=search", "plan.top_k=0"], ["plan.top_k=0"]),
+    (["logging.wandb.init_timeout_s=0"], ["logging.wandb.init_timeout_s=0"]),
     (["cluster.setup=[module load x]"], ["cluster.setup", "cluster=local"]),
     (["+cluster.env.WANDB_API_KEY=abc"], ["cluster.env.WANDB_API_KEY", "secret"]),
     (["cluster=slurm", "+cluster.env.HF_TOKEN=abc"], ["cluster.env.HF_TOKEN", "secret"]),

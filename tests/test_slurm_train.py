@@ -181,8 +181,9 @@ def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(train_jobs:
 
 
 def test_crashing_rank_fails_the_job_with_its_error_in_the_main_log(slurm_cluster: SlurmCluster, tmp_path):
-    # Passes validation, fails inside the ranks when they open the data.
+    # Passes validation (the folder exists), fails inside the ranks: it holds no token shards.
     run_dir = tmp_path / "run"
+    (tmp_path / "no-such-shards").mkdir()
     job_id = submit_train(run_dir, "data.source=tokens", f"data.path={tmp_path}/no-such-shards")
     info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT_S)
     log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()

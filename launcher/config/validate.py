@@ -273,6 +273,11 @@ def _check_misc_values(spec: JobConfig, problems: List[str]) -> None:
         )
     if spec.plan.top_k < 1:
         problems.append(f"plan.top_k={spec.plan.top_k} must be at least 1 (layouts to print). Fix: e.g. plan.top_k=10.")
+    if spec.logging.wandb.init_timeout_s <= 0:
+        problems.append(
+            f"logging.wandb.init_timeout_s={spec.logging.wandb.init_timeout_s} must be positive (seconds wandb.init "
+            f"may wait before W&B falls back to offline). Fix: e.g. logging.wandb.init_timeout_s=30."
+        )
     if not 0 <= spec.plan.search_headroom < 1:
         problems.append(
             f"plan.search_headroom={spec.plan.search_headroom} must be within [0, 1) (a fraction of GPU memory). "

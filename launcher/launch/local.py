@@ -13,6 +13,7 @@ from typing import Dict, Mapping, Optional
 from launcher.config.schema import JobConfig
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.plan.plan import Plan
+from launcher.runtime.checkpoint import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
 from launcher.runtime.signals import STOPPED_FILE, control_dir
 
 log = logging.getLogger(__name__)
@@ -91,11 +92,18 @@ def stopped_step(run_dir: Path) -> Optional[dict]:
 def launch_local(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
     """Start cluster.gpus_per_node ranks; returns the exit code (non-zero if any rank failed).
 
+    Raises CheckpointDirInUse, before starting anything, when another job holds the checkpoint folder.
+
     torchrun runs in its own process group: Ctrl-C here is passed on to it (it stops every
     rank), and if the ranks do not end within 30 s the whole group is killed, ranks included.
     SIGTERM / SIGHUP ask for a graceful stop (StopForwarder); a run whose ranks checkpointed
     and stopped returns 0. torchrun tears down all ranks when one fails.
     """
+    if spec.checkpoint.enabled:
+        # Refuse before any rank starts (the ranks' own lock is the real guard).
+        refusal = checkpoint_dir_holder(checkpoint_root(spec.checkpoint.dir, run_dir))
+        if refusal:
+            raise CheckpointDirInUse(refusal)
     for stale in ("stop", "stopped"):  # a stop request of an earlier run in this run dir
         (control_dir(run_dir) / stale).unlink(missing_ok=True)
     argv = torchrun_argv(run_dir, nproc_per_node=spec.cluster.gpus_per_node,

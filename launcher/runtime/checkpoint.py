@@ -363,6 +363,32 @@ def lock_checkpoint_dir(root: Path, run_dir: Path, same_job_wait_s: float = 120.
     return FolderLock(root / LOCK_FILE, fd)
 
 
+def checkpoint_dir_holder(root: Path) -> Optional[str]:
+    """The refusal a job would get for checkpoint folder `root` right now, or None if it is free.
+
+    A look without taking the lock (the launcher asks before it starts any rank, so that a
+    second job ends with one clear line instead of failing inside its ranks). Only the ranks'
+    own lock_checkpoint_dir guards the folder: this answer can be stale a moment later.
+    """
+    try:
+        fd = os.open(Path(root) / LOCK_FILE, os.O_RDWR)
+    except OSError:  # no lock file (or unreadable): nobody has locked this folder
+        return None
+    try:
+        if _try_lock(fd):
+            return None  # closing fd below drops our momentary lock
+        return _in_use_message(Path(root), _read_holder(fd))
+    except LocksUnsupported:
+        return None
+    finally:
+        os.close(fd)
+
+
+def checkpoint_root(checkpoint_dir: str, run_dir: Path) -> Path:
+    """The checkpoint folder of a run: checkpoint.dir, or <run dir>/checkpoints."""
+    return Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints"
+
+
 def lock_for_run(root: Path, run_dir: Path, rank: int) -> Optional[FolderLock]:
     """Collective: rank 0 takes the folder lock; if it cannot, every rank raises the same error.
 

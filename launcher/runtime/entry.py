@@ -26,7 +26,7 @@ from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.plan.plan import Plan
-from launcher.runtime.checkpoint import CheckpointManager, lock_for_run
+from launcher.runtime.checkpoint import CheckpointManager, checkpoint_root, lock_for_run
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
@@ -111,10 +111,6 @@ def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> Step
     return StepBatches(windows, spec.trainer.seed, lay.global_batch_size, part)
 
 
-def checkpoint_root(spec: JobConfig, run_dir: Path) -> Path:
-    return Path(spec.checkpoint.dir) if spec.checkpoint.dir else Path(run_dir) / "checkpoints"
-
-
 def log_plan_plots(spec: JobConfig, plan: Plan, run_dir: Path, metrics: MetricsLogger) -> None:
     """The plan's memory and pipeline charts, as PNGs in the run dir and images in W&B."""
     if not spec.plan.plots:
@@ -167,13 +163,13 @@ def run(run_dir: Path) -> int:
     torch.manual_seed(spec.trainer.seed)
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
     # One job per checkpoint folder, checked before anything is built or written (rank 0 holds it).
-    folder_lock = lock_for_run(checkpoint_root(spec, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
+    folder_lock = lock_for_run(checkpoint_root(spec.checkpoint.dir, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
 
     engine = build_engine(spec, plan, rank, run_dir)
     record_built(engine, plan, rank.rank, run_dir)
     batches = build_batches(spec, plan, rank.rank, run_dir)
     checkpoints = CheckpointManager(
-        checkpoint_root(spec, run_dir),
+        checkpoint_root(spec.checkpoint.dir, run_dir),
         keep=spec.checkpoint.keep,
         verify_checksums=spec.checkpoint.verify_checksums,
         rank=rank.rank,
