@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(VENV)/bin/train +recipe=debug
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=20
 
 # Debian packages: venv support, a C++ compiler and Python headers (DeepSpeed's JIT-built ops,
 # torch.compile), libaio (DeepSpeed's NVMe offload). Installed only when missing (needs root
