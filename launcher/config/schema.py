@@ -80,7 +80,9 @@ class ParallelConfig:
     pp_virtual_stages: int = 1  # model chunks per pipeline rank
     # Explicit layers per stage (length pp * pp_virtual_stages); empty = even split.
     pp_layers: List[int] = field(default_factory=list)
-    microbatches: int = -1  # -1: grad-accumulation steps (or pp when pp > 1)
+    # Pipeline micro-batches per step: always the gradient-accumulation steps (-1); any other
+    # value must restate them (the rule lives in launcher/plan/resolve.py).
+    microbatches: int = -1
     cp: int = 1
     ep: int = 1
     zero_stage: int = 3  # 0-3
