@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import Mapping, Optional
 
 from launcher.config.schema import JobConfig
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
-from launcher.runtime.signals import STOPPED_FILE, control_dir
+from launcher.runtime.signals import STOPPED_FILE, StopSignals, control_dir
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def rank_environment(run_dir: Path, device: str, extra: Optional[Mapping[str, st
     return env
 
 
-class StopForwarder:
+class StopForwarder(StopSignals):
     """While installed, SIGTERM / SIGHUP to `train` become one graceful stop of the job.
 
     torchrun and the ranks run in sessions of their own, so a signal to `train` alone would
@@ -52,27 +52,10 @@ class StopForwarder:
     """
 
     def __init__(self, torchrun_pid: int):
+        super().__init__(STOP_SIGNALS)
         self.pid = torchrun_pid
-        self.received: Optional[str] = None
-        self._previous: Dict[signal.Signals, object] = {}
 
-    def install(self) -> "StopForwarder":
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
-        return self
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _on_signal(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.received is not None:
-            log.warning("received %s again: the stop requested by %s is under way (SIGKILL aborts it)",
-                        name, self.received)
-            return
-        self.received = name
+    def on_stop_signal(self, name: str) -> None:
         log.warning("received %s: asking the ranks to checkpoint and stop", name)
         try:
             os.killpg(self.pid, signal.SIGTERM)

@@ -16,7 +16,7 @@ import json
 import logging
 import signal
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,17 +31,20 @@ def control_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "control"
 
 
-class StopWatcher:
-    """Collects stop requests on this rank and agrees on them across ranks."""
+class StopSignals:
+    """Handlers for `signals` (installed until uninstall) that turn the first into a stop request.
 
-    def __init__(self, run_dir: Path, device: torch.device):
-        self.stop_file = control_dir(run_dir) / STOP_FILE
-        self.device = device
-        self.reason: Optional[str] = None
-        self._previous = {}
+    A repeat, of the same signal or another, is the same request: logged, never an abort.
+    Subclasses say what a request does in `on_stop_signal`.
+    """
 
-    def install(self) -> "StopWatcher":
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+    def __init__(self, signals: Tuple[signal.Signals, ...]):
+        self.signals = signals
+        self.first_signal: Optional[str] = None
+        self._previous: Dict[signal.Signals, object] = {}
+
+    def install(self):
+        for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
@@ -52,8 +55,28 @@ class StopWatcher:
 
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.reason is not None:  # the same request again: keep stopping (and saving)
-            log.warning("received %s again: already stopping (%s)", name, self.reason)
+        if self.first_signal is not None:
+            log.warning("received %s again: already stopping (asked by %s; SIGKILL aborts)", name, self.first_signal)
+            return
+        self.first_signal = name
+        self.on_stop_signal(name)
+
+    def on_stop_signal(self, name: str) -> None:
+        raise NotImplementedError
+
+
+class StopWatcher(StopSignals):
+    """Collects stop requests on this rank and agrees on them across ranks."""
+
+    def __init__(self, run_dir: Path, device: torch.device):
+        super().__init__((signal.SIGUSR1, signal.SIGTERM))
+        self.stop_file = control_dir(run_dir) / STOP_FILE
+        self.device = device
+        self.reason: Optional[str] = None
+
+    def on_stop_signal(self, name: str) -> None:
+        if self.reason is not None:  # the stop file asked first: keep stopping (and saving)
+            log.warning("received %s: already stopping (%s)", name, self.reason)
             return
         self.reason = f"signal {name}"
         log.warning("received %s: will checkpoint and stop after this step", name)
