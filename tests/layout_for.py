@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.config.schema import JobConfig
+from launcher.config.schema import JobConfig, set_dotted
 from launcher.plan.layout import Layout
 from launcher.plan.resolve import resolve
 
@@ -25,13 +25,7 @@ def job_spec(model_cfg, world: int, **dotted: Any) -> JobConfig:
     spec.precision.name = "fp32"
     spec.precision.fp8.emulate = True
     for key, value in dotted.items():
-        *path, last = key.split(".")
-        obj = spec
-        for part in path:
-            obj = getattr(obj, part)
-        if not hasattr(obj, last):
-            raise KeyError(key)
-        setattr(obj, last, value)
+        set_dotted(spec, key, value)
     return spec
 
 

@@ -11,7 +11,7 @@ Nothing here imports torch: the planner and ``action=plan`` must stay instant.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Any, Dict, List
 
 from omegaconf import MISSING
 
@@ -290,3 +290,17 @@ class JobConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     run_name: str = ""
+
+
+def set_dotted(spec: "JobConfig", key: str, value: Any) -> None:
+    """Set `spec.a.b.c = value` for key "a.b.c" (KeyError for a key the schema does not have).
+
+    For code that builds a JobConfig without Hydra (docs generator, search tests, harnesses).
+    """
+    *path, last = key.split(".")
+    obj: Any = spec
+    for part in path:
+        obj = getattr(obj, part)
+    if not hasattr(obj, last):
+        raise KeyError(key)
+    setattr(obj, last, value)

@@ -77,18 +77,12 @@ CONFLICT_EXAMPLES: Tuple[Tuple[str, Dict[str, object]], ...] = (
 
 def example_spec(overrides: Dict[str, object], world_size: int = 8):
     """A default JobConfig on `world_size` local ranks with dotted-key overrides applied."""
-    from launcher.config.schema import JobConfig
+    from launcher.config.schema import JobConfig, set_dotted
 
     spec = JobConfig()
     spec.cluster.gpus_per_node = world_size
     for dotted, value in overrides.items():
-        *path, last = dotted.split(".")
-        obj = spec
-        for part in path:
-            obj = getattr(obj, part)
-        if not hasattr(obj, last):
-            raise KeyError(dotted)
-        setattr(obj, last, value)
+        set_dotted(spec, dotted, value)
     return spec
 
 
