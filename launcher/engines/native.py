@@ -136,6 +136,10 @@ class NativeEngine:
 
             ep_mesh, expert_dp_mesh = expert_meshes(w, m.ep)
             apply_expert_parallel(part, ep_mesh)
+        if m.cp > 1:
+            from launcher.parallel.cp import use_expanded_kv
+
+            use_expanded_kv(part)
         if lay.ac_mode != "none":
             from launcher.parallel.ac import apply_activation_checkpointing
 

@@ -47,6 +47,23 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return out.reshape(b, s, h, d).type_as(x)
 
 
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, expand_kv: bool = False) -> torch.Tensor:
+    """Causal SDPA with q [b, hq, s, d] and k, v [b, hkv, s, d], hq a multiple of hkv.
+
+    By default SDPA's ``enable_gqa`` shares each K/V head among its query group without
+    materialising copies; ``expand_kv`` copies K/V per query head (repeat_interleave) for the
+    paths whose attention does not accept enable_gqa (context parallelism's ring attention).
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if expand_kv:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention through F.scaled_dot_product_attention."""
 
@@ -59,6 +76,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        # True only under context parallelism (launcher.parallel.cp.use_expanded_kv): torch's
+        # ring attention has no enable_gqa support, so K/V are copied to every query head there.
+        self.expand_kv = False
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
@@ -71,11 +91,7 @@ class Attention(nn.Module):
         v = v.view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = grouped_attention(q, k, v, expand_kv=self.expand_kv)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 

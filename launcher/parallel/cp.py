@@ -76,3 +76,17 @@ def context_parallel_region(model: nn.Module, cp_mesh, inputs: torch.Tensor, lab
             yield
     finally:
         model.rope = full_rope
+
+
+def use_expanded_kv(model: nn.Module) -> int:
+    """Make every attention layer copy K/V per query head (repeat_interleave) instead of SDPA's
+    enable_gqa: torch 2.13's context_parallel (ring attention) does not accept enable_gqa.
+    Returns the number of attention layers switched."""
+    from launcher.models.layers import Attention
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.expand_kv = True
+            n += 1
+    return n
