@@ -97,9 +97,14 @@ SHAPE = model_shape(compose_spec(["model=llama3_8b"]).model)  # 32 heads, 8 KV h
 def test_layer_activations_by_hand():
     lay = Layout(seq_len=4096, micro_batch_size=1)
     h, f, tokens = 4096, 14336, 4096
-    # fp32 norms 16h, linear inputs 2*2h, q/k/v/o/wo-input with KV repeated to all heads 5*2h, SwiGLU 4*2f.
-    expected = tokens * (16 * h + 4 * h + 10 * h + 8 * f)
+    # fp32 norms 16h, linear inputs 2*2h, q/o/wo-input 3*2h, k/v 2*2(h/4) (SDPA enable_gqa: 8 of
+    # 32 heads, not repeated), SwiGLU 4*2f.
+    expected = tokens * (16 * h + 4 * h + 6 * h + h + 8 * f)
     assert layer_activation_bytes(SHAPE, lay, False, "none") == pytest.approx(expected)
+    # Context parallelism repeats K/V to all heads (ring attention has no enable_gqa): 5*2h, tokens / cp.
+    cp = dataclasses.replace(lay, cp=2)
+    assert layer_activation_bytes(SHAPE, cp, False, "none") == pytest.approx(
+        tokens / 2 * (16 * h + 4 * h + 10 * h + 8 * f))
     # Full recomputation keeps the block input only: 2 bytes * s * b * h.
     assert layer_activation_bytes(SHAPE, lay, False, "full") == pytest.approx(2 * tokens * h)
 

@@ -55,7 +55,8 @@ def test_plan_json_holds_the_layout_and_round_trips(tmp_path):
     lay = d["layout"]
     assert (lay["tp"], lay["dp_shard"], lay["sp"]) == (2, 2, True)
     assert lay["derived"] == {"world_size": 4, "dp": 2, "global_batch_size": spec.trainer.global_batch_size,
-                              "pp_microbatches": lay["microbatches"], "fsdp_wraps": True}
+                              "pp_microbatches": lay["microbatches"], "fsdp_wraps": True,
+                              "fsdp_holds_unsharded": False}
     assert lay["offload_backend"] == "native" and lay["choices"]["offload_optimizer"]["impl"] == "FSDP2 CPUOffloadPolicy"
     # The mesh / batch / backends sections are views of the layout, and the layout is what is read back.
     assert d["mesh"]["dp_shard"] == lay["dp_shard"] and d["batch"]["grad_accum_steps"] == lay["microbatches"]

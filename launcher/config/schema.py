@@ -86,6 +86,10 @@ class ParallelConfig:
     cp: int = 1
     ep: int = 1
     zero_stage: int = 3  # 0-3
+    # FSDP2 gradient accumulation: auto | true | false. true keeps parameters and gradients
+    # unsharded across the micro-batches of a step (one all-gather and one reduce-scatter per
+    # step instead of per micro-batch); auto = true when it fits hardware.memory_gb (resolver).
+    accumulate_unsharded: str = "auto"
 
 
 @dataclass

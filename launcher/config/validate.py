@@ -74,6 +74,23 @@ def _check_choices(spec: JobConfig, problems: List[str]) -> None:
             problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}. Fix: set {key} to one of them.")
 
 
+ACCUMULATE_UNSHARDED = ("auto", "true", "false")
+
+
+def accumulate_unsharded_value(value: object) -> str:
+    """parallel.accumulate_unsharded normalised: Hydra turns `true` into a bool, OmegaConf's str
+    field then holds "True"."""
+    return str(value).strip().lower()
+
+
+def _check_accumulate_unsharded(spec: JobConfig, problems: List[str]) -> None:
+    value = spec.parallel.accumulate_unsharded
+    if accumulate_unsharded_value(value) not in ACCUMULATE_UNSHARDED:
+        problems.append(
+            f"parallel.accumulate_unsharded={value!r} is not one of {', '.join(ACCUMULATE_UNSHARDED)}. "
+            f"Fix: set parallel.accumulate_unsharded to auto, true or false.")
+
+
 def _check_positive(spec: JobConfig, problems: List[str]) -> None:
     keys = (
         "model.n_layers", "model.dim", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
@@ -384,6 +401,7 @@ def tokenizer_vocab_size(path: str, mtime_ns: int) -> Tuple[Optional[int], str]:
 
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_choices,
+    _check_accumulate_unsharded,
     _check_positive,
 )
 

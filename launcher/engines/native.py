@@ -101,6 +101,7 @@ class NativeEngine:
         self.optimizers = [build_adamw(p, optim_cfg) for p in self.parts]
         self.schedulers = [build_scheduler(o, optim_cfg, options.total_steps) for o in self.optimizers]
         self._token_norm = 1.0
+        self._accumulation = None  # launcher.parallel.fsdp.UnshardedAccumulation, built on first use
         self._fp8_all_gather = False
         if lay.fp8_impl == "torchao":
             from launcher.parallel.fp8 import float8_scale_precompute_needed
@@ -212,6 +213,16 @@ class NativeEngine:
         for part in self.parts:
             part.set_aux_loss_scale(aux_loss_scale(n_micro, ranks))
 
+    def _unsharded_accumulation(self):
+        """The per-micro-batch FSDP2 sync switches when the Layout holds the step unsharded."""
+        if not (self.layout.accumulate_unsharded and self.fsdp and self.pp_schedule is None):
+            return None
+        if self._accumulation is None:
+            from launcher.parallel.fsdp import UnshardedAccumulation
+
+            self._accumulation = UnshardedAccumulation(self.parts, self.layout.zero_stage)
+        return self._accumulation
+
     def train_step(self, microbatches: List[Microbatch]) -> StepStats:
         """One optimizer step over this data-parallel rank's micro-batches (collective)."""
         self._token_norm = self._count_tokens(microbatches)
@@ -221,7 +232,10 @@ class NativeEngine:
         if self.pp_schedule is None:
             self._set_aux_scale(len(microbatches))
             model = self.parts[0]
-            for inputs, labels in microbatches:
+            accumulation = self._unsharded_accumulation()
+            for i, (inputs, labels) in enumerate(microbatches):
+                if accumulation is not None:
+                    accumulation.before(last=i == len(microbatches) - 1)
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
                 with self._context_parallel(model, inputs, labels), self._loss_parallel():
                     with self._autocast():
@@ -229,6 +243,8 @@ class NativeEngine:
                     loss = self._loss_fn(logits, labels)
                     loss.backward()
                 local_loss += _plain(loss.detach())
+            if accumulation is not None:
+                accumulation.after()
         else:
             inputs = torch.cat([x for x, _ in microbatches]).to(self.device)
             labels = torch.cat([y for _, y in microbatches]).to(self.device)

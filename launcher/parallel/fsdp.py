@@ -15,7 +15,7 @@ expert-parallel rank through all-to-all.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -87,3 +87,42 @@ def apply_fsdp(
         ", experts on their own mesh" if expert_dp_mesh is not None else "",
     )
     return model
+
+
+
+def fsdp_modules(parts: Sequence[nn.Module]) -> List[FSDPModule]:
+    """Every FSDP2 unit of the model parts (blocks, expert groups, roots)."""
+    return [m for part in parts for m in part.modules() if isinstance(m, FSDPModule)]
+
+
+class UnshardedAccumulation:
+    """Gradient accumulation held unsharded (Layout.accumulate_unsharded): one all-gather and one
+    reduce-scatter of each unit per step instead of per micro-batch.
+
+    ``before(last)`` runs before each micro-batch. Before every micro-batch but the last, the
+    units skip the gradient reduce-scatter (gradients accumulate unsharded) and do not reshard
+    after backward. At ZeRO-3 they also stay gathered after forward for the whole step (else
+    each backward would gather them again; the root too, which apply_fsdp shards with an
+    explicit reshard_after_forward). Before the last micro-batch they sync and reshard after
+    backward, so the states are sharded between steps; ``after()`` restores the ZeRO stage's
+    reshard-after-forward (no communication: the parameters are resharded by then).
+    """
+
+    def __init__(self, parts: Sequence[nn.Module], zero_stage: int):
+        self.units = fsdp_modules(parts)
+        self.reshard_after_forward = zero_stage == 3
+
+    def before(self, last: bool) -> None:
+        """Set the units for the next micro-batch (``last``: the step's final one)."""
+        for m in self.units:
+            # recurse=False: every unit is in the list; nested units would be set twice.
+            m.set_requires_gradient_sync(last, recurse=False)
+            m.set_reshard_after_backward(last, recurse=False)
+            if self.reshard_after_forward:
+                m.set_reshard_after_forward(False, recurse=False)
+
+    def after(self) -> None:
+        """After the last backward of the step: back to the configured resharding."""
+        if self.reshard_after_forward:
+            for m in self.units:
+                m.set_reshard_after_forward(True, recurse=False)

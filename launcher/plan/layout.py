@@ -74,6 +74,10 @@ class Layout:
     zeropp_quantized_gradients: bool = False
     zeropp_hierarchical_partition: int = 0  # the backend.* key as given (0 = off)
     hpz_partition_size: int = 1  # DeepSpeed zero_hpz_partition_size (HSDP maps to hpZ groups of dp_shard)
+    # Native FSDP2 without pipelining, more than one micro-batch: parameters and gradients stay
+    # unsharded from the first micro-batch to the last backward of the step, so FSDP all-gathers
+    # and reduce-scatters once per step (parallel.accumulate_unsharded, resolved in resolve.py).
+    accumulate_unsharded: bool = False
     # The per-feature record (feature, choice) in launcher.plan.features.FEATURES order.
     choices: Tuple[Tuple[str, BackendChoice], ...] = ()
 
@@ -122,6 +126,15 @@ class Layout:
         if self.sharding_backend != "native":
             return False
         return self.dp_replicate * self.dp_shard * self.cp > 1 or self.offload_to_cpu
+
+    @property
+    def fsdp_holds_unsharded(self) -> bool:
+        """Whether FSDP2 keeps every unit unsharded, gradients unreduced, across the step's
+        micro-batches: under torch's pipeline schedules (they do it themselves) or with
+        accumulate_unsharded. Then it all-gathers and reduce-scatters once per step."""
+        if self.sharding_backend != "native" or not self.zero_stage:
+            return False
+        return self.pp > 1 or self.accumulate_unsharded
 
     @property
     def act_bytes(self) -> int:
@@ -181,6 +194,7 @@ class Layout:
             "global_batch_size": self.global_batch_size,
             "pp_microbatches": self.pp_microbatches,
             "fsdp_wraps": self.fsdp_wraps,
+            "fsdp_holds_unsharded": self.fsdp_holds_unsharded,
         }
         return d
 

@@ -120,7 +120,7 @@ def model_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
             b = 0.0
         out[cat] = int(b)
     fsdp_accumulates_shards = (lay.sharding_backend == "native" and lay.zero_stage >= 1
-                               and lay.fsdp_degree > 1 and lay.pp == 1)
+                               and lay.fsdp_degree > 1 and not lay.fsdp_holds_unsharded)
     if lay.microbatches > 1 and out["grads"] and not fsdp_accumulates_shards:
         # Accumulating into existing gradients briefly holds a fresh gradient next to the old
         # one: one tensor (the largest) at a time, as measured with torch's MemTracker.
@@ -144,9 +144,9 @@ def working_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
     wb = working_dtype_bytes(lay)
     grad_wb = 4.0 if lay.precision == "fp32" else 2.0
     out: Dict[str, int] = {}
-    if lay.sharding_backend == "native" and lay.pp > 1 and lay.zero_stage:
-        # torch's pipeline schedules keep FSDP2 units unsharded, and their gradients unreduced,
-        # from the first micro-batch to the last backward of the step.
+    if lay.fsdp_holds_unsharded:
+        # torch's pipeline schedules, and accumulate_unsharded, keep FSDP2 units unsharded, and
+        # their gradients unreduced, from the first micro-batch to the last backward of the step.
         out["unsharded_params"] = int(local * wb)
         out["unsharded_grads"] = int(local * grad_wb)
     elif lay.sharding_backend == "native":
@@ -180,8 +180,8 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
     Saved tensors of the Llama block (per token; a = activation bytes, h = dim, f = ffn):
       two RMSNorms computed in fp32 save their fp32 input and normalised output: 2 x 8h;
       their outputs are the inputs of wq/wk/wv and w1/w3: 2 x a*h;
-      attention: rotated q (a*h), k and v (a*kv_dim each, a*h when GQA repeats them to all heads
-      before SDPA), the SDPA output (a*h, flash attention keeps no s x s scores), the
+      attention: rotated q (a*h), k and v (a*kv_dim each: SDPA's enable_gqa shares them; a*h
+      under context parallelism, whose ring attention needs them repeated to all heads), the SDPA output (a*h, flash attention keeps no s x s scores), the
       contiguous copy fed to wo (a*h);
       SwiGLU: w1 and w3 outputs, silu output, their product: 4 x a*f;
       MoE: fp32 router logits and probabilities (8 * n_experts), and per routed copy of a token
@@ -202,7 +202,7 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
     if mode == "full":
         return tokens * a * h / sp_div
     hq = shape.n_heads * shape.head_dim
-    kv_saved = hq if shape.n_kv_heads != shape.n_heads else shape.kv_dim
+    kv_saved = hq if (shape.n_kv_heads != shape.n_heads and lay.cp > 1) else shape.kv_dim
     if moe:
         cap = shape.capacity_factor if shape.capacity_factor > 0 else 1.0  # padding when dropping
         k, fe = shape.top_k, shape.moe_ffn_dim

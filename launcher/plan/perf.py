@@ -200,14 +200,15 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
                 out.append(_coll(f"grad all-reduce{tag}", "all_reduce", dims, dp_all, lay, hw, psize * rb, 1))
             continue
         # How often the sharded states are gathered/reduced per step. FSDP2 under torch's pipeline
-        # schedules skips the reduce and the reshard on all but the last backward: once per step.
+        # schedules, or with accumulate_unsharded, skips the reduce and the reshard on all but the
+        # last backward: once per step.
         if ds:
             per_mb = m if z >= 2 else 1
         else:
-            per_mb = 1 if lay.pp > 1 else m
+            per_mb = 1 if lay.fsdp_holds_unsharded else m
         ag_w = 0.5 if (ds and lay.zeropp_quantized_weights) else 1.0
         rs_w = 0.25 if (ds and lay.zeropp_quantized_gradients) else 1.0
-        if z == 3 and not (lay.pp > 1 and not ds):
+        if z == 3 and not lay.fsdp_holds_unsharded:
             out.append(_coll(f"param all-gather fwd{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb * ag_w, per_mb))
             # hpZ gathers the backward copy from its secondary partition inside the node.
             hpz = ds and lay.zeropp_hierarchical_partition > 1

@@ -17,11 +17,12 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
 from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, TrainerConfig
-from launcher.config.validate import _divisors, _fmt_choices, basic_problems
+from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
 from launcher.plan.features import FEATURES, BackendChoice
 from launcher.plan.layout import Layout
@@ -128,7 +129,56 @@ def _layout_problems(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
     problems += [c.text() for c in conflicts]
     if problems or choices is None:
         return None, problems
-    return build_layout(spec, mesh, accum, choices), []
+    layout = build_layout(spec, mesh, accum, choices)
+    return replace(layout, accumulate_unsharded=resolve_accumulate_unsharded(spec, layout)[0]), []
+
+
+def accumulate_unsharded_blocker(lay: Layout) -> str:
+    """Why FSDP2 cannot hold the step unsharded in this layout ("" when it can)."""
+    if lay.microbatches < 2:
+        return "one micro-batch per step: nothing to accumulate"
+    if lay.uses_deepspeed:
+        return "DeepSpeed owns the sharding and accumulates gradients its own way"
+    if lay.pp > 1:
+        return ("torch's pipeline schedules already keep FSDP2 units unsharded and skip the "
+                "gradient sync until the last backward of the step")
+    if not lay.fsdp_wraps:
+        return "FSDP2 does not wrap the model (a single data-parallel rank)"
+    if lay.offload_to_cpu:
+        return "offload to the CPU: holding unsharded states on the GPU would defeat it"
+    return ""
+
+
+def resolve_accumulate_unsharded(spec: JobConfig, lay: Layout) -> Tuple[bool, str]:
+    """(accumulate_unsharded, why): parallel.accumulate_unsharded resolved for `lay`.
+
+    true: held unsharded wherever the layout allows it (else false, for the reason given);
+    false: today's per-micro-batch communication; auto: true when allowed and the planner's
+    memory of the most loaded GPU with it still fits hardware.memory_gb.
+    """
+    want = accumulate_unsharded_value(spec.parallel.accumulate_unsharded)
+    if want == "false":
+        return False, "parallel.accumulate_unsharded=false"
+    blocker = accumulate_unsharded_blocker(lay)
+    if blocker:
+        return False, blocker
+    if want == "true":
+        return True, "parallel.accumulate_unsharded=true"
+    need = unsharded_peak_bytes(spec, replace(lay, accumulate_unsharded=True))
+    capacity = int(spec.hardware.memory_gb * 1024**3)
+    if need > capacity:
+        return False, (f"auto: held unsharded the most loaded GPU needs {need / 1024**3:.1f} GiB "
+                       f"> hardware.memory_gb={spec.hardware.memory_gb}")
+    return True, f"auto: fits ({need / 1024**3:.1f} GiB <= hardware.memory_gb={spec.hardware.memory_gb})"
+
+
+def unsharded_peak_bytes(spec: JobConfig, lay: Layout) -> int:
+    """The planner's memory (bytes, most loaded GPU, with the reserve) of `lay`."""
+    from launcher.plan.memory import estimate_memory, most_loaded
+    from launcher.plan.params import model_shape
+
+    reserved = int(spec.hardware.reserved_gb * 1024**3)
+    return int(most_loaded(estimate_memory(model_shape(spec.model), lay, reserved)).total)
 
 
 def backend_fields(choices: Dict[str, BackendChoice], offload_optimizer: str, pp: int) -> Dict[str, str]:
