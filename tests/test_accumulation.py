@@ -164,3 +164,12 @@ def test_memory_holds_unsharded_params_and_grads_when_held():
     assert m_held.total > m_sharded.total
     # Sharded states (the fp32 master, m, v) are the same either way.
     assert (m_held.params, m_held.optimizer) == (m_sharded.params, m_sharded.optimizer)
+
+
+def test_the_plan_says_why_true_was_not_applied():
+    spec = _spec("parallel.accumulate_unsharded=true", "backend.sharding=deepspeed", "action=plan")
+    plan = build_plan(spec, check(spec))
+    notes = [w for w in plan.warnings if "accumulate_unsharded" in w]
+    assert len(notes) == 1 and "DeepSpeed" in notes[0] and "Fix:" in notes[0]
+    quiet = _spec("parallel.accumulate_unsharded=true", "action=plan")
+    assert not [w for w in build_plan(quiet, check(quiet)).warnings if "accumulate_unsharded" in w]

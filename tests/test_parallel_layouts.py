@@ -186,6 +186,15 @@ def test_engine_built_the_resolved_layout(results, name):
     assert built["backends"]["pp"] == (lay["pp_backend"] if lay["pp"] > 1 else "off")
 
 
+@pytest.mark.parametrize("name", [n for n, s in SPECS.items() if "expect_layout" in s])
+def test_layout_fields_resolved_as_expected(results, name):
+    """Layouts that exercise one resolved field (e.g. accumulate_unsharded) really ran with it."""
+    got = results[name]
+    assert "error" not in got, f"{name} failed:\n{got.get('traceback', got.get('error'))}"
+    for key, want in SPECS[name]["expect_layout"].items():
+        assert got["layout"][key] == want, f"{name}: layout {key}={got['layout'][key]!r}, expected {want!r}"
+
+
 @pytest.mark.parametrize("name", [n for n, s in SPECS.items() if "expect_error" in s and n != "cp2_refused_on_cpu"])
 def test_refused_layouts_say_why(results, name):
     err = results[name].get("error", "")

@@ -118,7 +118,9 @@ def test_tp_sp_cp_and_selective_shrink_activations():
     sel = layer_activation_bytes(SHAPE, base, False, "op")
     assert none > tp > sp  # TP splits heads/FFN; SP also splits the norms
     assert tp > none / 8  # without SP the norm region stays whole on every TP rank
-    assert cp == pytest.approx(none / 2)
+    # CP halves the tokens but repeats K/V to all heads (ring attention has no enable_gqa; the
+    # exact count is in test_layer_activations_by_hand).
+    assert none / 2 < cp < 0.6 * none
     assert sel < none
     # mbs doubles the tokens: activations double.
     mbs1 = layer_activation_bytes(SHAPE, dataclasses.replace(base, micro_batch_size=1), False, "none")

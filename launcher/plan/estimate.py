@@ -92,6 +92,8 @@ def warnings_for(plan, spec, lay: Layout) -> List[str]:
             fixes.append("parallel.zero_stage=3")
         if lay.micro_batch_size > 1:
             fixes.append(f"trainer.micro_batch_size={lay.micro_batch_size // 2}")
+        if lay.accumulate_unsharded:
+            fixes.append("parallel.accumulate_unsharded=false (accumulate sharded gradients)")
         fixes.append("a larger parallel.tp / parallel.pp, or more nodes")
         fixes.append("`action=search` to list layouts that fit")
         out.append(
@@ -107,9 +109,21 @@ def warnings_for(plan, spec, lay: Layout) -> List[str]:
             f"schedule {lay.schedule}). Fix: more micro-batches (trainer.global_batch_size or a smaller "
             f"trainer.micro_batch_size), parallel.pp_schedule=interleaved_1f1b with pp_virtual_stages=2, or a lower pp."
         )
+    out += accumulate_unsharded_note(spec, lay)
     if lay.tp > lay.gpus_per_node:
         out.append(
             f"parallel.tp={lay.tp} spans more than one node ({lay.gpus_per_node} GPUs per node): every block's "
             f"TP collectives cross the network. Fix: parallel.tp <= {lay.gpus_per_node} and use pp or dp_shard instead."
         )
     return out
+
+
+def accumulate_unsharded_note(spec, lay: Layout) -> List[str]:
+    """Why parallel.accumulate_unsharded=true was resolved to false for this layout, if it was."""
+    from launcher.config.validate import accumulate_unsharded_value
+    from launcher.plan.resolve import accumulate_unsharded_blocker
+
+    if accumulate_unsharded_value(spec.parallel.accumulate_unsharded) != "true" or lay.accumulate_unsharded:
+        return []
+    return [f"parallel.accumulate_unsharded=true does not apply to this layout ({accumulate_unsharded_blocker(lay)}): "
+            f"gradients accumulate as with false. Fix: parallel.accumulate_unsharded=auto to silence this."]

@@ -78,6 +78,14 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
         {"name": "fp8_tp2_sp_dense", "model": "debug", "mesh": {"tp": 2}, "sp": True,
          "precision": "fp8", "rtol": 1e-2, "gn_rtol": 0.3},
         {"name": "zero2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "zero_stage": 2},
+        # 2 micro-batches per rank and step: gradients accumulated unsharded (one reduce-scatter
+        # per step) and sharded (one per micro-batch) must both match the 1-rank reference.
+        {"name": "accum_unsharded_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2},
+         "accumulate_unsharded": "true", "expect_layout": {"microbatches": 2, "accumulate_unsharded": True}},
+        {"name": "accum_unsharded_zero2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2}, "zero_stage": 2,
+         "accumulate_unsharded": "true", "expect_layout": {"microbatches": 2, "accumulate_unsharded": True}},
+        {"name": "accum_sharded_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2},
+         "accumulate_unsharded": "false", "expect_layout": {"microbatches": 2, "accumulate_unsharded": False}},
         {"name": "ac_full_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "ac": "full"},
         {"name": "ac_op_fsdp2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2}, "ac": "selective"},
         {"name": "ac_every2_tp2_dense", "model": "debug", "mesh": {"tp": 2}, "ac": "selective",

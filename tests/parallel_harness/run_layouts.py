@@ -9,7 +9,7 @@ A layout that raises is recorded as {"error": "..."} and the next one still runs
 
 Layout keys: name, model (debug | debug_moe), mesh {pp, dp_replicate, dp_shard, cp, tp, ep},
 sp, pp_schedule, pp_virtual_stages, pp_layers, micro_batch_size, ac, ac_selective, compile,
-zero_stage, precision, offload (offload.optimizer), backend_sharding, steps, save_dir +
+zero_stage, precision, offload (offload.optimizer), accumulate_unsharded, backend_sharding, steps, save_dir +
 save_after (save after that many steps), load_dir + start_step (resume, then run steps
 start_step..steps-1).
 
@@ -115,6 +115,8 @@ def run_layout(spec: dict) -> dict:
     })
     if spec.get("offload"):
         dotted["offload.optimizer"] = spec["offload"]
+    if "accumulate_unsharded" in spec:
+        dotted["parallel.accumulate_unsharded"] = spec["accumulate_unsharded"]
     if spec.get("backend_sharding"):
         dotted["backend.sharding"] = spec["backend_sharding"]
     job = job_spec(mcfg, world, **dotted)
