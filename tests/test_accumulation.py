@@ -173,3 +173,15 @@ def test_the_plan_says_why_true_was_not_applied():
     assert len(notes) == 1 and "DeepSpeed" in notes[0] and "Fix:" in notes[0]
     quiet = _spec("parallel.accumulate_unsharded=true", "action=plan")
     assert not [w for w in build_plan(quiet, check(quiet)).warnings if "accumulate_unsharded" in w]
+
+
+def test_search_plans_what_the_resolver_will_run():
+    """The search evaluates each candidate with accumulate_unsharded as the resolver resolves it."""
+    from launcher.plan.search import candidate_spec, search_layouts
+
+    spec = compose_spec(["model=llama_1b", "cluster.nodes=2", "cluster.gpus_per_node=8",
+                         "trainer.seq_len=4096", "trainer.global_batch_size=512", "action=search"])
+    cands = search_layouts(spec, limit=10)
+    assert any(c.layout.accumulate_unsharded for c in cands)
+    for c in cands:
+        assert resolve(candidate_spec(spec, c.layout)).accumulate_unsharded == c.layout.accumulate_unsharded

@@ -211,6 +211,23 @@ def _base_layout(spec) -> Layout:
     )
 
 
+def _accumulation_held_if_fits(spec, shape: ModelShape, lay: Layout, reserve: int, cap: int):
+    """(layout, its most loaded memory) with parallel.accumulate_unsharded applied as the resolver
+    would: held unsharded where the layout allows it, for auto only when that fits the search's
+    capacity (with headroom; the resolver's auto compares with hardware.memory_gb itself)."""
+    from launcher.config.validate import accumulate_unsharded_value
+    from launcher.plan.resolve import accumulate_unsharded_blocker
+
+    want = accumulate_unsharded_value(spec.parallel.accumulate_unsharded)
+    ranks = (0, lay.pp - 1)
+    if want != "false" and not accumulate_unsharded_blocker(lay):
+        held = dataclasses.replace(lay, accumulate_unsharded=True)
+        mem = most_loaded(estimate_memory(shape, held, reserve, ranks=ranks))
+        if want == "true" or mem.total <= cap:
+            return held, mem
+    return lay, most_loaded(estimate_memory(shape, lay, reserve, ranks=ranks))
+
+
 def _with_backends(lay: Layout, choices: Dict[str, Any], spec) -> Layout:
     return dataclasses.replace(lay, **backend_fields(choices, spec.offload.optimizer, lay.pp))
 
@@ -266,7 +283,7 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
                 for ac in AC_MODES:
                     stats["layouts"] += 1
                     lay = dataclasses.replace(lay0, micro_batch_size=mbs, microbatches=m, ac_mode=ac)
-                    mem = most_loaded(estimate_memory(shape, lay, reserve, ranks=(0, pp - 1)))
+                    lay, mem = _accumulation_held_if_fits(spec, shape, lay, reserve, cap)
                     if mem.total > cap:
                         continue
                     # Pass 2: the first AC mode that fits dominates the heavier-recompute ones.
