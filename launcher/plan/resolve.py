@@ -20,7 +20,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
 from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, TrainerConfig
@@ -198,12 +198,33 @@ def backend_fields(choices: Dict[str, BackendChoice], offload_optimizer: str, pp
     }
 
 
-def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str, BackendChoice]) -> Layout:
-    """The Layout of a spec whose mesh, accumulation and backend choices are resolved."""
-    p, pr, b, o = spec.parallel, spec.precision, spec.backend, spec.offload
-    return Layout(
+def spec_fields(spec: JobConfig) -> Dict[str, Any]:
+    """The Layout fields read straight from the spec, the same for every layout of it
+    (precision, offload, DeepSpeed buckets and ZeRO++ keys, cluster size); shared with the search."""
+    pr, b, o = spec.precision, spec.backend, spec.offload
+    return dict(
         nodes=spec.cluster.nodes,
         gpus_per_node=spec.cluster.gpus_per_node,
+        seq_len=spec.trainer.seq_len,
+        ac_selective=str(spec.activation_checkpointing.selective),
+        precision=pr.name,
+        reduce_dtype=pr.reduce_dtype,
+        fp8_all_gather=bool(pr.fp8.all_gather),
+        offload_optimizer=o.optimizer,
+        offload_params=o.params,
+        reduce_bucket_size=int(b.reduce_bucket_size),
+        allgather_bucket_size=int(b.allgather_bucket_size),
+        zeropp_quantized_weights=bool(b.zeropp_quantized_weights),
+        zeropp_quantized_gradients=bool(b.zeropp_quantized_gradients),
+        zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
+    )
+
+
+def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str, BackendChoice]) -> Layout:
+    """The Layout of a spec whose mesh, accumulation and backend choices are resolved."""
+    p = spec.parallel
+    return Layout(
+        **spec_fields(spec),
         pp=mesh.pp,
         dp_replicate=mesh.dp_replicate,
         dp_shard=mesh.dp_shard,
@@ -216,23 +237,13 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         pp_layers=tuple(p.pp_layers),
         micro_batch_size=spec.trainer.micro_batch_size,
         microbatches=max(1, accum),
-        seq_len=spec.trainer.seq_len,
         zero_stage=int(p.zero_stage),
         ac_mode=spec.activation_checkpointing.mode,
-        ac_selective=str(spec.activation_checkpointing.selective),
-        precision=pr.name,
-        reduce_dtype=pr.reduce_dtype,
-        fp8_all_gather=bool(pr.fp8.all_gather),
-        offload_optimizer=o.optimizer,
-        offload_params=o.params,
-        reduce_bucket_size=int(b.reduce_bucket_size),
-        allgather_bucket_size=int(b.allgather_bucket_size),
-        zeropp_quantized_weights=bool(b.zeropp_quantized_weights),
-        zeropp_quantized_gradients=bool(b.zeropp_quantized_gradients),
-        zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
-        hpz_partition_size=hpz_partition_size(int(b.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard),
+        hpz_partition_size=hpz_partition_size(
+            int(spec.backend.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard
+        ),
         choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
-        **backend_fields(choices, o.optimizer, mesh.pp),
+        **backend_fields(choices, spec.offload.optimizer, mesh.pp),
     )
 
 

@@ -31,7 +31,7 @@ from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import estimate_memory, model_state_memory, most_loaded
 from launcher.plan.params import ModelShape, model_shape, stage_params
 from launcher.plan.perf import estimate_time
-from launcher.plan.resolve import backend_fields, expert_parallel_problems, world_size
+from launcher.plan.resolve import backend_fields, expert_parallel_problems, spec_fields, world_size
 from launcher.plan.rules import backend_conflicts
 
 AC_MODES = ("none", "selective", "full")
@@ -192,23 +192,7 @@ def candidate_spec(spec, lay: Layout):
 
 
 def _base_layout(spec) -> Layout:
-    pr, b = spec.precision, spec.backend
-    return Layout(
-        seq_len=spec.trainer.seq_len,
-        precision=pr.name,
-        reduce_dtype=pr.reduce_dtype,
-        fp8_all_gather=bool(pr.fp8.all_gather),
-        offload_optimizer=spec.offload.optimizer,
-        offload_params=spec.offload.params,
-        ac_selective=str(spec.activation_checkpointing.selective),
-        reduce_bucket_size=int(b.reduce_bucket_size),
-        allgather_bucket_size=int(b.allgather_bucket_size),
-        zeropp_quantized_weights=bool(b.zeropp_quantized_weights),
-        zeropp_quantized_gradients=bool(b.zeropp_quantized_gradients),
-        zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
-        nodes=int(spec.cluster.nodes),
-        gpus_per_node=int(spec.cluster.gpus_per_node),
-    )
+    return Layout(**spec_fields(spec))
 
 
 def _accumulation_held_if_fits(spec, shape: ModelShape, lay: Layout, reserve: int, cap: int):
