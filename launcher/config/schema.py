@@ -210,6 +210,11 @@ class ClusterConfig:
     python: str = ""  # interpreter on the compute nodes; "" = the one running `train`
     # 0: derived from the job id (20000 + job_id % 20000) so that jobs sharing a node differ.
     rdzv_port: int = 0
+    # Seconds a collective may wait for its peers before the process group fails it (torch's
+    # default is 30 min, which holds a whole allocation when one node dies). Long single-rank
+    # phases (checksums, export, saves) are bracketed by barriers, so they never wait this long
+    # inside a collective.
+    collective_timeout_s: int = 600
 
 
 @dataclass

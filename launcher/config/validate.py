@@ -295,6 +295,11 @@ def _check_misc_values(spec: JobConfig, problems: List[str]) -> None:
             f"logging.wandb.init_timeout_s={spec.logging.wandb.init_timeout_s} must be positive (seconds wandb.init "
             f"may wait before W&B falls back to offline). Fix: e.g. logging.wandb.init_timeout_s=30."
         )
+    if spec.cluster.collective_timeout_s <= 0:
+        problems.append(
+            f"cluster.collective_timeout_s={spec.cluster.collective_timeout_s} must be positive (seconds a "
+            f"collective waits for its peers before the job fails). Fix: e.g. cluster.collective_timeout_s=600."
+        )
     if not 0 <= spec.plan.search_headroom < 1:
         problems.append(
             f"plan.search_headroom={spec.plan.search_headroom} must be within [0, 1) (a fraction of GPU memory). "

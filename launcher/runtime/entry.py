@@ -151,7 +151,8 @@ def run(run_dir: Path) -> int:
     spec = load_spec(run_dir)
     plan = Plan.load(run_dir)
     device_type = resolve_device_type(spec.trainer.device)
-    rank = init_distributed(device_type, cpu_collectives=plan.layout.fsdp_wraps and plan.layout.offload_to_cpu)
+    rank = init_distributed(device_type, timeout_s=spec.cluster.collective_timeout_s,
+                            cpu_collectives=plan.layout.fsdp_wraps and plan.layout.offload_to_cpu)
     setup_logging(run_dir, rank.rank, spec.logging.level)
     if rank.world_size != plan.world_size:
         raise RuntimeError(
