@@ -242,6 +242,9 @@ class HardwareConfig:
     # default, 5 GB/s, is a conservative per-node share of a parallel file system (Lustre,
     # GPFS, WEKA); NFS often gives 1, local NVMe 5-10. Measure yours (`fio`/`dd`) and set it.
     storage_gbps: float = 5.0
+    # Dense TF32 tensor-core peak: what precision=fp32 matmuls run at (torch's default
+    # allow_tf32 for cuDNN, `torch.backends.cuda.matmul.allow_tf32` for matmuls). H100 SXM: 494.
+    tf32_tflops: float = 494.0
 
 
 @dataclass

@@ -309,7 +309,7 @@ def _check_misc_values(spec: JobConfig, problems: List[str]) -> None:
 
 HARDWARE_POSITIVE = (
     "memory_gb", "bf16_tflops", "fp8_tflops", "hbm_gbps", "nvlink_gbps", "network_gbps", "pcie_gbps",
-    "gpus_per_node",
+    "gpus_per_node", "tf32_tflops",
 )
 
 

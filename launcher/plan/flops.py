@@ -77,4 +77,6 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float) -> floa
 
 def peak_tflops(hw: Any, precision: str) -> float:
     """Dense peak TFLOP/s of a GPU type (HardwareConfig) for the precision in use: MFU's denominator."""
+    if precision == "fp32":
+        return float(hw.tf32_tflops)  # fp32 matmuls run on the TF32 tensor cores
     return float(hw.fp8_tflops if precision == "fp8" else hw.bf16_tflops)

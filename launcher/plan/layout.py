@@ -80,6 +80,10 @@ class Layout:
     accumulate_unsharded: bool = False
     # The per-feature record (feature, choice) in launcher.plan.features.FEATURES order.
     choices: Tuple[Tuple[str, BackendChoice], ...] = ()
+    # Speed-only knobs the planner costs (launcher/plan/perf.py): trainer.compile fuses each block's
+    # elementwise ops; precision.fp8.recipe sets the float8 casting work.
+    compile: bool = False
+    fp8_recipe: str = "tensorwise"
 
     # ------------------------------------------------------------------ derived, one formula each
     @property

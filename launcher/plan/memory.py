@@ -31,6 +31,12 @@ from launcher.plan.layout import Layout
 from launcher.plan.params import ModelShape, StageParams, stage_params
 
 GiB = 1024**3
+# PyTorch's caching allocator reserves more than it hands out: blocks are rounded up (to 512 B,
+# large ones to 2 MiB segments) and a freed block can only be reused by a request that fits in
+# it, so segments split and sit partly idle. Its max reserved exceeds max allocated by a few
+# to ~10 % in long runs (torch.cuda.memory_stats: reserved_bytes vs allocated_bytes peaks);
+# docs/planner.md, "Memory constants".
+ALLOCATOR_FRAGMENTATION = 0.05
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 
 
@@ -221,7 +227,10 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         # block input + q, k, v + SDPA output + wo output + w2 output (norms, silu, mul recomputed)
         attn = a * (hq + 2 * shape.kv_dim + hq) / t
         kept = a * h / sp_div * 3  # block input, wo output, w2 output (residual-stream sized)
-        return tokens * (attn + kept + ffn)
+        # Under SP the policy (launcher/parallel/ac.py) also saves its collectives' outputs: the two
+        # all-gathered norm outputs (full sequence) that feed wq/wk/wv and w1/w3.
+        gathered = 2 * a * h if lay.sp else 0.0
+        return tokens * (attn + kept + ffn + gathered)
     norms = 16.0 * h / sp_div
     linear_inputs = 2.0 * a * h
     attn = a * (hq + 2 * kv_saved + hq + hq) / t
@@ -277,7 +286,10 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     kinds = _layer_kinds(shape, stage, lay.ac_mode, lay.ac_selective)
     recompute = any(mode != "none" for _, mode in kinds)
     per_mb = sum(n * layer_activation_bytes(shape, lay, moe, mode) for (moe, mode), n in kinds.items())
-    worst_layer = max((layer_activation_bytes(shape, lay, moe, "none") for moe, _ in kinds), default=0.0)
+    # A block recomputed for its backward holds its activations again; compiled blocks (trainer.compile)
+    # save only the matmul inputs and the norms' statistics, about what op-level selective AC keeps.
+    redo = "op" if lay.compile else "none"
+    worst_layer = max((layer_activation_bytes(shape, lay, moe, redo) for moe, _ in kinds), default=0.0)
     inflight = inflight_microbatches(lay, stage.rank)
     tokens = lay.micro_batch_size * lay.seq_len / lay.cp
     a, t = lay.act_bytes, lay.tp
@@ -285,11 +297,13 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     if stage.has_output:
         # Final norm (fp32) + output-layer input, per micro-batch in flight; log-softmax output (fp32)
         # is saved per in-flight micro-batch, the bf16 logits and their fp32 copy exist once.
+        # Only the last model chunk holds the head: under 1F1B-like schedules (interleaved, zbv
+        # included) it runs each micro-batch's backward right after its forward, so one is in flight.
         last_inflight = inflight if lay.schedule == "gpipe" else 1.0
         v = shape.vocab_size
         head = tokens * (8.0 * shape.dim / (t if lay.sp else 1) + a * shape.dim)
         saved_logits = tokens * 4.0 * v / t
-        out["head"] = int(head * inflight + saved_logits * last_inflight)
+        out["head"] = int((head + saved_logits) * last_inflight)
         out["logits_transient"] = int(tokens * (a + (4.0 if a != 4 else 0.0)) * v / t)
     # Backward working set: the gradients live inside one block's backward (about three
     # FFN-wide and two residual-wide tensors); with recomputation the recomputed block's
@@ -328,8 +342,12 @@ def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
             activations=acts["layers"] + acts.get("head", 0),
             host=states["host"],
         )
-        temporaries = acts.get("logits_transient", 0) + acts["backward_workspace"] + acts["recomputed_block"]
-        mem.other = sum(working.values()) + temporaries + reserved_bytes
+        # The loss's logits live during the head's backward, the recomputed block and the
+        # gradient workspace during a block's backward: two phases, the peak is the larger.
+        temporaries = max(acts.get("logits_transient", 0), acts["backward_workspace"] + acts["recomputed_block"])
+        allocated = mem.params + mem.grads + mem.optimizer + mem.activations + sum(working.values()) + temporaries
+        fragmentation = int(allocated * ALLOCATOR_FRAGMENTATION)
+        mem.other = sum(working.values()) + temporaries + fragmentation + reserved_bytes
         mem.detail = {
             **working,
             "activations_layers": acts["layers"],
@@ -337,6 +355,7 @@ def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
             "logits_transient": acts.get("logits_transient", 0),
             "backward_workspace": acts["backward_workspace"],
             "recomputed_block": acts["recomputed_block"],
+            "allocator_fragmentation": fragmentation,
             "reserved": reserved_bytes,
         }
         result.append(mem)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from launcher.plan.elementwise import elementwise_s
 from launcher.plan.flops import attention_flops_per_token, peak_tflops
 from launcher.plan.layout import Layout
 from launcher.plan.params import ModelShape, StageParams, stage_params
@@ -130,6 +131,30 @@ def recompute_fraction(lay: Layout) -> float:
     return 0.0  # op-level selective recomputes elementwise ops only: no matmul FLOPs
 
 
+def elementwise_recompute_fraction(lay: Layout) -> float:
+    """Share of the blocks whose elementwise ops run twice: full AC, and op-level selective AC
+    (launcher/parallel/ac.py saves matmul, attention and collective outputs and recomputes the rest)."""
+    if lay.ac_mode == "selective" and not lay.ac_selective.isdigit():
+        return 1.0
+    return recompute_fraction(lay)
+
+
+# FP8 GEMMs reach a smaller share of their (2x) tensor-core peak than BF16 GEMMs do of theirs:
+# the FP8 rate meets the power and clock limit sooner, and the per-tensor scaling adds epilogue
+# work. 0.84 is what torchtitan's published 8B pair (compile vs compile + float8, Table 1) implies
+# once the casts (launcher/plan/elementwise.py) are costed; docs/planner.md.
+FP8_GEMM_EFFICIENCY = 0.84
+
+
+def matmul_peak(hw: Any, precision: str) -> float:
+    """Dense tensor-core FLOP/s of the block matmuls for a precision: fp32 runs on TF32 tensor cores."""
+    if precision == "fp8":
+        return hw.fp8_tflops * 1e12 * FP8_GEMM_EFFICIENCY
+    if precision == "fp32":
+        return hw.tf32_tflops * 1e12
+    return hw.bf16_tflops * 1e12
+
+
 def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> float:
     """Forward + backward of one micro-batch on one GPU of a pipeline rank."""
     tokens = lay.micro_batch_size * lay.seq_len
@@ -141,11 +166,14 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     attn_flops = attn * (1 + rf / 3) * tokens
     head_flops = 6.0 * head * tokens
     split = lay.tp * lay.cp  # each GPU of the TP x CP group computes its share
-    bf16 = hw.bf16_tflops * 1e12 * hw.achievable_fraction * gemm_efficiency(shape, lay)
-    block_peak = hw.fp8_tflops * 1e12 * hw.achievable_fraction * gemm_efficiency(shape, lay) if lay.precision == "fp8" else bf16
-    if lay.precision == "fp32":
-        block_peak = bf16  # TF32 tensor cores are half of BF16 peak on H100, but planning fp32 runs on GPUs is rare
-    return (block_flops / block_peak + (attn_flops + head_flops) / bf16) / split
+    eff = hw.achievable_fraction * gemm_efficiency(shape, lay)
+    # Attention and the output layer stay in bf16 under fp8 (precision.fp8.exclude); fp32 runs use TF32.
+    other_peak = matmul_peak(hw, "fp32" if lay.precision == "fp32" else "bf16") * eff
+    block_peak = matmul_peak(hw, lay.precision) * eff
+    matmul_s = (block_flops / block_peak + (attn_flops + head_flops) / other_peak) / split
+    memory_bound_s = elementwise_s(shape, lay, hw, st.n_layers, elementwise_recompute_fraction(lay),
+                                   st.has_output, tokens / lay.cp)
+    return matmul_s + memory_bound_s
 
 
 def bubble_slots(lay: Layout) -> float:

@@ -217,6 +217,8 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
         zeropp_quantized_weights=bool(b.zeropp_quantized_weights),
         zeropp_quantized_gradients=bool(b.zeropp_quantized_gradients),
         zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
+        compile=bool(spec.trainer.compile),
+        fp8_recipe=str(pr.fp8.recipe),
     )
 
 

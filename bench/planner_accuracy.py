@@ -1,0 +1,152 @@
+"""The planner held to published measurements: predicted vs published tokens/s/GPU and memory.
+
+    .venv/bin/python bench/planner_accuracy.py           # table of predicted vs published, ratios
+    .venv/bin/python bench/planner_accuracy.py --check   # exit 1 when a row is outside the tolerances
+    .venv/bin/python bench/planner_accuracy.py --markdown  # the table for docs/planner.md
+
+Reads bench/reference/published.csv: one row per published measurement (source, table,
+model, hardware, the `train` overrides that express its layout, metric, value, note) and
+plans each row in process (compose + build_plan, as `train action=plan` does, no
+interpreter per row). Every row is planned at seq_len 8192 unless its overrides say otherwise.
+
+Tolerances (issue 13): tokens/s/GPU within +-20 %, memory within +-10 % of what was reported
+(torchtitan reports the maximum over ranks of the caching allocator's max reserved, so the
+prediction compared is the plan's allocator share: total minus the fixed CUDA/NCCL reserve),
+and within each table the rows of one metric in the same order as published.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+PUBLISHED = REPO / "bench" / "reference" / "published.csv"
+TOLERANCE = {"tps_per_gpu": 0.20, "memory_gib": 0.10}
+BASE_OVERRIDES = ("action=plan", "trainer.seq_len=8192", "cluster.gpus_per_node=8", "plan.plots=false")
+
+
+@dataclass
+class Row:
+    source: str
+    table: str
+    model: str
+    hardware: str
+    overrides: Tuple[str, ...]
+    metric: str
+    value: float
+    note: str
+    predicted: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.value
+
+    @property
+    def within(self) -> bool:
+        return abs(self.ratio - 1.0) <= TOLERANCE[self.metric]
+
+
+def read_rows(path: Path = PUBLISHED) -> List[Row]:
+    """The published rows, in file order."""
+    with open(path, newline="") as f:
+        return [Row(r["source"], r["table"], r["model"], r["hardware"], tuple(r["overrides"].split()),
+                    r["metric"], float(r["value"]), r.get("note", "")) for r in csv.DictReader(f)]
+
+
+def overrides_for(row: Row) -> List[str]:
+    """The full `train` override list that plans a row."""
+    return [f"model={row.model}", f"hardware={row.hardware}", *BASE_OVERRIDES, *row.overrides]
+
+
+def predict(rows: Sequence[Row]) -> None:
+    """Fill each row's `predicted` from one plan per distinct layout."""
+    from launcher.config.loader import compose_spec
+    from launcher.plan.memory import GiB
+    from launcher.plan.plan import build_plan
+
+    plans: Dict[Tuple[str, ...], object] = {}
+    for row in rows:
+        key = tuple(overrides_for(row))
+        if key not in plans:
+            plans[key] = build_plan(compose_spec(list(key)))
+        plan = plans[key]
+        if row.metric == "tps_per_gpu":
+            row.predicted = plan.time["tokens_per_s_per_gpu"]
+        elif row.metric == "memory_gib":
+            mem = plan.memory
+            row.predicted = (mem["total"] - mem["detail"]["reserved"]) / GiB
+        else:
+            raise ValueError(f"{row.source}: unknown metric {row.metric!r} (tps_per_gpu | memory_gib)")
+
+
+def ordering_problems(rows: Sequence[Row]) -> List[str]:
+    """Tables (per metric) whose predicted order differs from the published order."""
+    groups: Dict[Tuple[str, str], List[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.table, r.metric), []).append(r)
+    out = []
+    for (table, metric), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        published = [r.note for r in sorted(rs, key=lambda r: r.value)]
+        predicted = [r.note for r in sorted(rs, key=lambda r: r.predicted)]
+        if published != predicted:
+            out.append(f"Table {table} {metric}: published order {published} but predicted {predicted}")
+    return out
+
+
+def check(rows: Sequence[Row]) -> List[str]:
+    """Every problem: rows outside their tolerance, tables out of order."""
+    out = [f"Table {r.table} {r.note} {r.metric}: predicted {r.predicted:,.1f} vs published {r.value:,.1f} "
+           f"(ratio {r.ratio:.2f}, tolerance +-{TOLERANCE[r.metric]:.0%})" for r in rows if not r.within]
+    return out + ordering_problems(rows)
+
+
+def format_table(rows: Sequence[Row], markdown: bool = False) -> str:
+    head = ("table", "layout", "metric", "published", "predicted", "ratio", "ok")
+    lines = []
+    body = [(f"{r.table}", r.note.split(";")[0], r.metric, f"{r.value:,.1f}", f"{r.predicted:,.1f}",
+             f"{r.ratio:.2f}", "yes" if r.within else "NO") for r in rows]
+    if markdown:
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        lines += ["| " + " | ".join(b) + " |" for b in body]
+    else:
+        widths = [max(len(x) for x in col) for col in zip(head, *body)]
+        for line in (head, *body):
+            lines.append("  ".join(x.ljust(w) if i < 3 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths))))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 when a row is outside the tolerances")
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    ap.add_argument("--csv", type=Path, default=PUBLISHED)
+    ap.add_argument("--metric", choices=sorted(TOLERANCE), help="only the rows of this metric")
+    args = ap.parse_args(argv)
+    rows = [r for r in read_rows(args.csv) if args.metric in (None, r.metric)]
+    predict(rows)
+    print(format_table(rows, markdown=args.markdown))
+    problems = check(rows)
+    for p in problems:
+        print(f"outside tolerance: {p}")
+    approx = sorted({f"Table {r.table}" for r in rows if "approximated" in r.note})
+    if approx:
+        print(f"approximated (AsyncTP not in the runtime; TP collectives costed as exposed): {', '.join(approx)}")
+    if args.check:
+        print("check: " + ("FAILED" if problems else "passed"))
+        return 1 if problems else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

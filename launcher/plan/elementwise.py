@@ -1,0 +1,95 @@
+"""Time of the memory-bound work of a training step: norms, RoPE, SwiGLU, residuals, cross-entropy,
+float8 casts. Pure Python; perf.py adds it to the matmul time.
+
+These ops move bytes, they do not use the tensor cores: each costs the bytes it reads and
+writes over `hbm_gbps * HBM_EFFICIENCY`. Byte counts are per token and follow the code the
+runtime runs (launcher/models/layers.py, launcher/engines/base.py, launcher/parallel/fp8.py):
+
+- eager (trainer.compile=false) runs every PyTorch op as its own kernel: RMSNorm in fp32 is
+  six kernels (cast, pow, mean, multiply, weight multiply, cast back), RoPE upcasts q and k to
+  fp32 and rotates them in several kernels, SwiGLU is silu then a multiply;
+- compiled (trainer.compile=true, per block) fuses each norm with its residual add, RoPE with
+  its casts and silu with the multiply: one read of the inputs, one write of the outputs;
+- backward reads the saved inputs and the incoming gradient and writes the gradient:
+  BACKWARD_BYTES_FACTOR x the forward bytes;
+- recomputation (selective op-level or full AC) runs the forward elementwise ops again;
+- the loss (F.cross_entropy on fp32 logits, outside the compiled blocks) is eager always;
+- float8 (torchao, dynamic scaling): every converted Linear computes an amax of its input and
+  casts it (read a, read a, write 1 byte per element), in backward the same for the gradient
+  of its output, plus transposed fp8 copies of both for the weight gradient; rowwise scaling
+  needs a separate amax for the transposed copies.
+Under sequence parallelism every elementwise op of a block runs on 1/tp of the tokens; without
+it the norms and residual adds run on the full sequence on every TP rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from launcher.plan.layout import Layout
+from launcher.plan.params import ModelShape
+
+# Streaming kernels reach about 80-90 % of HBM bandwidth on H100/A100 (STREAM-like copy
+# kernels); PyTorch's elementwise kernels on these tensor sizes sit at the low end.
+HBM_EFFICIENCY = 0.8
+# An elementwise op's backward reads its saved input(s) and the output gradient and writes
+# the input gradient: about twice its forward traffic.
+BACKWARD_BYTES_FACTOR = 2.0
+
+
+def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
+    """Bytes the elementwise ops of one block's forward move per token on one GPU."""
+    a, h, f, t = lay.act_bytes, shape.dim, shape.ffn_dim, lay.tp
+    if shape.n_moe_layers:
+        f = shape.moe_ffn_dim * max(1, shape.top_k) + shape.n_shared_experts * shape.moe_ffn_dim
+    hq = shape.n_heads * shape.head_dim
+    rope_elems = hq + shape.kv_dim
+    sp = t if lay.sp else 1  # norms and residual adds: sequence-sharded only under SP
+    if lay.compile:
+        norms = 2 * 4 * a * h / sp  # fused residual add + norm: read x and residual, write sum and output
+        rope = 2 * a * rope_elems / t
+        attn_copy = 2 * a * hq / t
+        swiglu = 3 * a * f / t
+        return norms + rope + attn_copy + swiglu
+    norm = (2 * a + 36) * h  # fp32 RMSNorm as six kernels (module docstring)
+    residual = 2 * 3 * a * h
+    rope = (2 * a + 48) * rope_elems  # fp32 upcast, 4 multiplies, 2 adds, stack, cast back
+    attn_copy = 2 * a * hq  # the SDPA output made contiguous for wo
+    swiglu = 5 * a * f  # silu: read + write; multiply: 2 reads + write
+    return (2 * norm + residual) / sp + (rope + attn_copy + swiglu) / t
+
+
+def fp8_cast_bytes(shape: ModelShape, lay: Layout) -> float:
+    """Bytes per token per block the float8 casts of the converted Linears move (forward + backward)."""
+    if lay.precision != "fp8":
+        return 0.0
+    a, h, t = lay.act_bytes, shape.dim, lay.tp
+    f = shape.ffn_dim if not shape.n_moe_layers else shape.moe_ffn_dim * max(1, shape.top_k)
+    hq = shape.n_heads * shape.head_dim
+    inputs = (3 * h + hq + 2 * h + f) / t  # wq, wk, wv; wo; w1, w3; w2 each cast their input
+    grads = (hq + 2 * shape.kv_dim + h + 2 * f + h) / t  # gradient of every Linear's output
+    cast = 2 * a + 1  # amax read, cast read, fp8 write
+    transposed = (a + 1) if lay.fp8_recipe == "tensorwise" else (2 * a + 1)
+    return (inputs + grads) * (cast + transposed)
+
+
+def loss_bytes(shape: ModelShape, lay: Layout) -> float:
+    """Bytes per token of the cross-entropy on fp32 logits, forward + backward (vocab split by TP)."""
+    a = lay.act_bytes
+    # forward: cast to fp32 (read a, write 4), log-softmax (3 reads, 1 write of fp32);
+    # backward: softmax - one-hot (read 4, write 4), cast back (read 4, write a).
+    per_elem = (a + 4) + 16 + 8 + (4 + a)
+    return per_elem * shape.vocab_size / lay.tp
+
+
+def elementwise_s(shape: ModelShape, lay: Layout, hw: Any, n_layers: int, recomputed: float,
+                  has_output: bool, tokens: float) -> float:
+    """Seconds of memory-bound work for one micro-batch of `tokens` tokens on one GPU of a stage.
+
+    `recomputed`: share of the blocks whose elementwise forward runs again in backward.
+    """
+    bw = hw.hbm_gbps * 1e9 * HBM_EFFICIENCY
+    fwd = block_forward_bytes(shape, lay)
+    per_block = fwd * (1 + BACKWARD_BYTES_FACTOR + recomputed) + fp8_cast_bytes(shape, lay)
+    total = per_block * n_layers + (loss_bytes(shape, lay) if has_output else 0.0)
+    return total * tokens / bw
