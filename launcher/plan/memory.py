@@ -73,6 +73,10 @@ def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
                 # DeepSpeed use its BF16_Optimizer: an unsharded fp32 gradient buffer (4 B/param)
                 # beside the bf16 gradients, i.e. 8 + 12/N bytes per parameter instead of 4 + 12/N.
                 return {"params": 2.0, "grads": 6.0, "optimizer": 12.0}
+            if lay.zero_stage >= 2 and lay.offload_optimizer == "none":
+                # bf16 gradient partition + the fp32 gradient partition the optimizer steps (4 B):
+                # DeepSpeed's estimate_zero2/3_model_states_mem_needs count 2 + 2 + 4 + 12 = 18 B/param.
+                return {"params": 2.0, "grads": 6.0, "optimizer": 12.0}
             return {"params": 2.0, "grads": 2.0, "optimizer": 12.0}  # bf16 p/g + fp32 master, m, v
         if lay.zero_stage >= 1:
             # ZeRO's optimizer steps a flat fp32 copy of its partition even in fp32 training.
@@ -154,7 +158,10 @@ def working_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
         # torch's pipeline schedules, and accumulate_unsharded, keep FSDP2 units unsharded, and
         # their gradients unreduced, from the first micro-batch to the last backward of the step.
         out["unsharded_params"] = int(local * wb)
-        out["unsharded_grads"] = int(local * grad_wb)
+        # FSDP2 keeps the gradients it does not reduce yet in reduce_dtype (FSDPParam.
+        # to_accumulated_grad_if_needed upcasts them), so fp32 with reduce_dtype=fp32.
+        acc_wb = 4.0 if lay.reduce_dtype == "fp32" else grad_wb
+        out["unsharded_grads"] = int(local * acc_wb)
     elif lay.sharding_backend == "native":
         if lay.zero_stage in (1, 2):
             out["unsharded_params"] = int(local * wb)  # kept from forward to backward
@@ -304,7 +311,12 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
         head = tokens * (8.0 * shape.dim / (t if lay.sp else 1) + a * shape.dim)
         saved_logits = tokens * 4.0 * v / t
         out["head"] = int((head + saved_logits) * last_inflight)
-        out["logits_transient"] = int(tokens * (a + (4.0 if a != 4 else 0.0)) * v / t)
+        # Peak of the loss's backward, beside the saved fp32 log-softmax output: the bf16 logits
+        # (kept by the engine's `logits` variable), the fp32 gradient of the log-softmax output and
+        # the fp32 gradient of its input. Under TP the loss is computed by loss_parallel, whose
+        # decomposed log-softmax backward (grad - exp(out) * sum(grad)) holds one more fp32 temporary.
+        fp32_bufs = 8.0 + (4.0 if t > 1 else 0.0)
+        out["logits_transient"] = int(tokens * ((a if a != 4 else 0.0) + fp32_bufs) * v / t)
     # Backward working set: the gradients live inside one block's backward (about three
     # FFN-wide and two residual-wide tensors); with recomputation the recomputed block's
     # activations exist at the same time.
