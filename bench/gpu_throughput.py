@@ -346,7 +346,9 @@ def predicted_peak_bytes(spec) -> Optional[int]:
     total = memory.get("total")
     if not total:
         return None
-    reserved = (memory.get("detail") or {}).get("reserved", 0) or 0
+    detail = memory.get("detail") or {}
+    # max_memory_allocated sees neither the CUDA reserve nor the allocator's fragmentation.
+    reserved = (detail.get("reserved", 0) or 0) + (detail.get("allocator_fragmentation", 0) or 0)
     return int(total) - int(reserved)
 
 

@@ -74,9 +74,11 @@ def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
                 # beside the bf16 gradients, i.e. 8 + 12/N bytes per parameter instead of 4 + 12/N.
                 return {"params": 2.0, "grads": 6.0, "optimizer": 12.0}
             if lay.zero_stage >= 2 and lay.offload_optimizer == "none":
-                # bf16 gradient partition + the fp32 gradient partition the optimizer steps (4 B):
-                # DeepSpeed's estimate_zero2/3_model_states_mem_needs count 2 + 2 + 4 + 12 = 18 B/param.
-                return {"params": 2.0, "grads": 6.0, "optimizer": 12.0}
+                # At the optimizer step DeepSpeed copies the bf16 gradient partition into an fp32 one
+                # (single_grad_partition, 4 B) for the fp32 master step and then frees the bf16 one:
+                # the gradients' peak is 4 B per partitioned parameter. ZeRO-3: 2 + 4 + 12 = 18 B/param,
+                # as DeepSpeed's estimate_zero3_model_states_mem_needs counts.
+                return {"params": 2.0, "grads": 4.0, "optimizer": 12.0}
             return {"params": 2.0, "grads": 2.0, "optimizer": 12.0}  # bf16 p/g + fp32 master, m, v
         if lay.zero_stage >= 1:
             # ZeRO's optimizer steps a flat fp32 copy of its partition even in fp32 training.

@@ -225,6 +225,9 @@ def compare_with_plan(measured: Dict[str, int], plan_memory: Dict[str, Any], dev
     """
     detail = plan_memory.get("detail", {})
     reserved = 0 if device == "cuda" else int(detail.get("reserved", 0))
+    # The planner's allocator fragmentation is reserved-but-unallocated memory: MemTracker and
+    # max_memory_allocated count allocations, so it is left out on every device.
+    reserved += int(detail.get("allocator_fragmentation", 0))
     row: Dict[str, Any] = {}
     for cat in CATEGORIES + ("total",):
         predicted = int(plan_memory.get(cat, 0))
