@@ -3,8 +3,11 @@
     .venv/bin/python bench/planner_speed.py            # 3 repeats each, prints wall times
     .venv/bin/python bench/planner_speed.py --repeat 5
 
-Targets (issue 6), wall time including interpreter start on our 2-core machines:
+Targets (issues 6 and 13), wall time including interpreter start on our 2-core machines:
   train +recipe=llama405b action=plan cluster.nodes=1024 trainer.global_batch_size=2048 plan.format=json  < 2 s
+  train +recipe=llama405b action=plan cluster.nodes=1024: text tables printed   < 2 s
+      (the PNG charts are written after the tables: the line "tables printed" times the first
+      output, "exit" the whole command with the charts)
   train +recipe=llama405b action=search cluster.nodes=256                   < 10 s
 Also times the planner alone (in-process build_plan and search_layouts, no Hydra, no
 interpreter start), which is what the search's budget mostly goes to.
@@ -49,6 +52,32 @@ def time_command(args, repeat: int):
     return times, ""
 
 
+def time_first_output(args, repeat: int):
+    """(seconds until the command's first stdout line, seconds until it exits) per repeat.
+
+    `train action=plan` prints its tables in one flushed write before it writes the charts, so
+    the first line's arrival is when the tables are on the console."""
+    first, total = [], []
+    with tempfile.TemporaryDirectory(prefix="planspeed_") as tmp:
+        for i in range(repeat):
+            t0 = time.perf_counter()
+            proc = subprocess.Popen([TRAIN, *args, f"hydra.run.dir={tmp}/r{i}"], cwd=tmp, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            line = proc.stdout.readline()
+            first.append(time.perf_counter() - t0)
+            _, err = proc.communicate()
+            total.append(time.perf_counter() - t0)
+            if proc.returncode != 0 or not line:
+                return None, None, err[-1500:]
+    return first, total, ""
+
+
+FIRST_OUTPUT = [
+    ("plan 405b, 8192 GPUs, text (charts after)", ["+recipe=llama405b", "action=plan", "cluster.nodes=1024"]),
+    ("plan 405b, 8192 GPUs, json", ["+recipe=llama405b", "action=plan", "cluster.nodes=1024", "plan.format=json"]),
+]
+
+
 def time_in_process(repeat: int):
     from launcher.config.loader import compose_spec
     from launcher.plan.plan import build_plan
@@ -86,6 +115,14 @@ def main(argv=None) -> int:
             print(f"{name:<48} failed: {err}")
             continue
         print(f"{name:<48} {statistics.median(times):>9.2f} {min(times):>7.2f} {max(times):>7.2f}", flush=True)
+    for name, cmd in FIRST_OUTPUT:
+        first, total, err = time_first_output(cmd, args.repeat)
+        if first is None:
+            print(f"{name:<48} failed: {err}")
+            continue
+        print(f"{name + ': tables printed':<48} {statistics.median(first):>9.2f} {min(first):>7.2f} {max(first):>7.2f}")
+        print(f"{name + ': exit':<48} {statistics.median(total):>9.2f} {min(total):>7.2f} {max(total):>7.2f}",
+              flush=True)
     for name, times, info in time_in_process(args.repeat):
         print(f"{name:<48} {statistics.median(times):>9.3f} {min(times):>7.3f} {max(times):>7.3f}  {info}")
     return 0

@@ -6,12 +6,15 @@ Assumptions (printed by `action=plan`, documented in docs/planner.md):
 - A group runs on NVLink when all its ranks sit in one node (ranks are ordered pp,
   dp_replicate, dp_shard, cp, tp with tp innermost), otherwise on the per-GPU network link;
   a collective reaches `comm_efficiency` of the link's one-direction bandwidth.
-- Compute runs at `achievable_fraction` of the dense peak (FP8 peak for the block matmuls
-  under precision=fp8; attention and the output layer stay BF16).
+- Compute runs at `achievable_fraction` of the dense peak (FP8 peak x FP8_GEMM_EFFICIENCY for
+  the block matmuls under precision=fp8; attention and the output layer stay BF16; TF32 peak under
+  precision=fp32), plus the memory-bound work of launcher/plan/elementwise.py (norms, RoPE,
+  SwiGLU, residual adds, the loss, float8 casts) at HBM bandwidth.
 - Overlap: FSDP/ZeRO all-gathers and reduce-scatters overlap the compute of other units
   (only the part longer than the compute, plus the first gather and last reduce of a
   micro-batch, is exposed); DDP's all-reduce overlaps the last backward; context-parallel
-  ring exchange overlaps its attention (at least 10% exposed); TP and EP collectives are exposed (no async TP);
+  ring exchange overlaps its attention (at least 10% exposed); TP and EP collectives are exposed (the runtime has
+  no TP comm overlap and no async TP);
   pipeline sends are exposed during warm-up and cool-down only.
 """
 

@@ -13,7 +13,8 @@ from launcher.plan.mesh import MESH_DIM_NAMES
 
 ASSUMPTIONS = (
     "Assumptions: ring collectives at hardware.comm_efficiency of NVLink (group inside a node) or of "
-    "the per-GPU network link; compute at hardware.achievable_fraction of dense peak, less for small GEMMs; "
+    "the per-GPU network link; compute at hardware.achievable_fraction of dense peak, less for small GEMMs, "
+    "plus norms, RoPE, SwiGLU, loss and float8 casts at hardware.hbm_gbps (fused under trainer.compile); "
     "FSDP/ZeRO gathers and reductions overlap compute, TP and EP collectives do not; activations per "
     "Korthikanti et al. for this Llama block with flash attention (docs/planner.md)."
 )
@@ -53,7 +54,8 @@ def plan_json(plan, spec) -> Dict[str, Any]:
     d = plan.to_dict()
     d["model"] = {"name": spec.model.name, "params_total": plan.params_total, "params_active": plan.params_active}
     d["hardware"] = {"name": spec.hardware.name, "memory_gb": spec.hardware.memory_gb,
-                     "bf16_tflops": spec.hardware.bf16_tflops, "fp8_tflops": spec.hardware.fp8_tflops}
+                     "bf16_tflops": spec.hardware.bf16_tflops, "fp8_tflops": spec.hardware.fp8_tflops,
+                     "tf32_tflops": spec.hardware.tf32_tflops}
     d["assumptions"] = ASSUMPTIONS
     return d
 
