@@ -101,12 +101,13 @@ def ordering_problems(rows: Sequence[Row]) -> List[str]:
         groups.setdefault((r.table, r.metric), []).append(r)
     out = []
     for (table, metric), rs in groups.items():
-        if len(rs) < 2:
-            continue
-        published = [r.note for r in sorted(rs, key=lambda r: r.value)]
-        predicted = [r.note for r in sorted(rs, key=lambda r: r.predicted)]
-        if published != predicted:
-            out.append(f"Table {table} {metric}: published order {published} but predicted {predicted}")
+        # Every pair the source tells apart must be predicted apart, the same way round (a tie fails).
+        wrong = [(x, y) for x in rs for y in rs if x.value < y.value and not x.predicted < y.predicted]
+        if wrong:
+            published = [r.note for r in sorted(rs, key=lambda r: r.value)]
+            predicted = [r.note for r in sorted(rs, key=lambda r: r.predicted)]
+            out.append(f"Table {table} {metric}: published order (low to high) {published} but predicted "
+                       f"{predicted}" + (" (a tie)" if any(x.predicted == y.predicted for x, y in wrong) else ""))
     return out
 
 

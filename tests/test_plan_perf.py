@@ -77,11 +77,12 @@ def test_step_time_and_mfu_are_consistent():
     assert slow["compute_s"] == pytest.approx(t["compute_s"] * 4 / 3, rel=0.02)
 
 
-@pytest.mark.parametrize("name", ["h100_sxm", "h200", "a100_80gb", "b200"])
+@pytest.mark.parametrize("name", ["h100_sxm", "h200", "a100_80gb", "b200", "h100_hbm2e_500w"])
 def test_hardware_catalogue(name):
     hw = compose_spec([f"hardware={name}"]).hardware
     assert hw.name == name
     assert hw.memory_gb >= 80 and hw.bf16_tflops > 0 and hw.hbm_gbps > 0
+    assert 0 < hw.tf32_tflops <= hw.bf16_tflops / 2 + 1  # TF32 tensor cores: half the BF16 rate
     assert hw.nvlink_gbps > hw.network_gbps > 0
     assert hw.fp8_supported == (name != "a100_80gb")  # A100 has no FP8 tensor cores
 
