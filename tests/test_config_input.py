@@ -130,6 +130,7 @@ BAD_VALUES = [
     (["model.n_kv_heads=0"], ["model.n_kv_heads=0"]),
     (["model=debug_moe", "parallel.dp_replicate=0", "parallel.ep=2"], ["parallel.dp_replicate=0"]),
     (["hardware.bf16_tflops=0"], ["hardware.bf16_tflops=0"]),
+    (["hardware.tf32_tflops=0"], ["hardware.tf32_tflops=0"]),
     (["hardware.network_gbps=0"], ["hardware.network_gbps=0"]),
     (["hardware.comm_efficiency=0"], ["hardware.comm_efficiency=0"]),
     (["plan.format=xml"], ["plan.format='xml'", "text, json"]),
