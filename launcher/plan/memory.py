@@ -12,7 +12,8 @@ Model states (Ψ = parameters this rank holds after TP, PP and EP divided the mo
   (`reshard_after_forward=False` keeps them from forward to backward).
 - DeepSpeed: bf16 params (2 B) + bf16 grads (2 B) + fp32 master, m, v (12 B) = 16 B/param
   (docs/planner.md); ZeRO-1 divides the 12 B, ZeRO-2 also the grads, ZeRO-3 everything, over all
-  data-parallel ranks. Its reduce / all-gather buckets are working memory.
+  data-parallel ranks. At ZeRO-2/3 the gradient partition peaks at 4 B (the fp32 copy the master
+  step reads): 18 B/param at ZeRO-3. Its reduce / all-gather buckets are working memory.
 - Offload moves the optimizer states (DeepSpeed: with the fp32 grads its CPU Adam reads)
   or, for parameter offload and FSDP2's CPUOffloadPolicy, all model states to the host.
 
@@ -35,7 +36,7 @@ GiB = 1024**3
 # large ones to 2 MiB segments) and a freed block can only be reused by a request that fits in
 # it, so segments split and sit partly idle. Its max reserved exceeds max allocated by a few
 # to ~10 % in long runs (torch.cuda.memory_stats: reserved_bytes vs allocated_bytes peaks);
-# docs/planner.md, "Memory constants".
+# docs/planner.md, "Held to published measurements".
 ALLOCATOR_FRAGMENTATION = 0.05
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 
@@ -304,9 +305,8 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     a, t = lay.act_bytes, lay.tp
     out = {"layers": int(per_mb * inflight)}
     if stage.has_output:
-        # Final norm (fp32) + output-layer input, per micro-batch in flight; log-softmax output (fp32)
-        # is saved per in-flight micro-batch, the bf16 logits and their fp32 copy exist once.
-        # Only the last model chunk holds the head: under 1F1B-like schedules (interleaved, zbv
+        # Final norm (fp32) + output-layer input + the saved fp32 log-softmax output, per micro-batch
+        # in flight on the last model chunk. Only the last model chunk holds the head: under 1F1B-like schedules (interleaved, zbv
         # included) it runs each micro-batch's backward right after its forward, so one is in flight.
         last_inflight = inflight if lay.schedule == "gpipe" else 1.0
         v = shape.vocab_size
