@@ -159,6 +159,10 @@ class TrainerConfig:
     track_memory: bool = False
     device: str = "auto"  # auto | cpu | cuda
     deterministic: bool = False
+    # Hang watchdog (launcher/runtime/watchdog.py): seconds without a finished step before every
+    # rank dumps its stacks into <run dir>/failure/ and the job fails. -1: auto (20 x the plan's
+    # step time, at least 300 s); 0: off. Saves, validation, resume and the first steps have their own bound.
+    hang_timeout_s: float = -1.0
 
 
 @dataclass

@@ -404,6 +404,16 @@ def tokenizer_vocab_size(path: str, mtime_ns: int) -> Tuple[Optional[int], str]:
         return None, str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
+def _check_observability(spec: JobConfig, problems: List[str]) -> None:
+    """Hang watchdog, validation, profiler and straggler settings (launcher/runtime/)."""
+    t = spec.trainer
+    if t.hang_timeout_s < 0 and t.hang_timeout_s != -1:
+        problems.append(
+            f"trainer.hang_timeout_s={t.hang_timeout_s} must be -1 (auto from the plan's step time), 0 (off) or "
+            f"a positive number of seconds. Fix: trainer.hang_timeout_s=-1."
+        )
+
+
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_choices,
     _check_accumulate_unsharded,
@@ -421,6 +431,7 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_hardware,
     _check_local_cluster,
     _check_run_inputs,
+    _check_observability,
 )
 
 

@@ -27,10 +27,13 @@ from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_v
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager, checkpoint_root, lock_for_run
+from launcher.runtime.failure import FailureBundle
+from launcher.runtime.health import RunHealth
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
+from launcher.runtime.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
 
 log = logging.getLogger("launcher")
 
@@ -147,10 +150,22 @@ def config_for_logging(spec: JobConfig) -> dict:
     return config
 
 
-def run(run_dir: Path) -> int:
+def start_health(spec: JobConfig, plan: Plan, bundle: FailureBundle) -> RunHealth:
+    """The failure bundle's progress tracking, plus the hang watchdog unless trainer.hang_timeout_s=0."""
+    timeout = resolve_hang_timeout(spec.trainer.hang_timeout_s, (plan.time or {}).get("step_s", 0.0))
+    if timeout is None:
+        return RunHealth(bundle)
+    # Compiled steps recompile on the second step too: both count as start-up.
+    watchdog = HangWatchdog(bundle, timeout, warmup_steps=2 if spec.trainer.compile else 1)
+    return RunHealth(bundle, watchdog.start())
+
+
+def run(run_dir: Path, bundle: FailureBundle) -> int:
     spec = load_spec(run_dir)
     plan = Plan.load(run_dir)
     device_type = resolve_device_type(spec.trainer.device)
+    for name, value in flight_recorder_env().items():  # read when the process groups are created
+        os.environ.setdefault(name, value)
     rank = init_distributed(device_type, timeout_s=spec.cluster.collective_timeout_s,
                             cpu_collectives=plan.layout.fsdp_wraps and plan.layout.offload_to_cpu)
     setup_logging(run_dir, rank.rank, spec.logging.level)
@@ -163,6 +178,7 @@ def run(run_dir: Path) -> int:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(spec.trainer.seed)
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
+    health = start_health(spec, plan, bundle)
     # One job per checkpoint folder, checked before anything is built or written (rank 0 holds it).
     folder_lock = lock_for_run(checkpoint_root(spec.checkpoint.dir, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
 
@@ -180,7 +196,9 @@ def run(run_dir: Path) -> int:
     if spec.checkpoint.resume != "none":
         path = checkpoints.select_resume(spec.checkpoint.resume)
         if path is not None:
-            state = checkpoints.load(path, engine, spec.trainer.seed)
+            with health.phase("resume"):
+                state = checkpoints.load(path, engine, spec.trainer.seed)
+            health.saved(state["step"], path)
             start_step = state["step"]
             check_same_data_position(state, plan)
             log.info("resumed from %s at step %d", path, start_step)
@@ -196,6 +214,8 @@ def run(run_dir: Path) -> int:
         progress=spec.logging.progress,
         resume_step=start_step,
     )
+    if rank.rank == 0:
+        bundle.publishers.append(lambda summary: metrics.summary({"failure": summary}))
     if rank.rank == 0 and plan.memory:
         metrics.summary({"predicted": {"memory": plan.memory, "time": plan.time}})
         log_plan_plots(spec, plan, run_dir, metrics)
@@ -218,15 +238,21 @@ def run(run_dir: Path) -> int:
     )
     trainer = Trainer(
         loop_cfg, run_dir=run_dir, rank=rank.rank, engine=engine, batches=batches,
-        checkpoints=checkpoints, metrics=metrics, stop=stop, start_step=start_step,
+        checkpoints=checkpoints, metrics=metrics, stop=stop, start_step=start_step, health=health,
     )
     try:
         result = trainer.fit()
         if not result.stopped_early and spec.checkpoint.export != "none":
             out = Path(run_dir) / "export"
-            engine.export(out, spec.checkpoint.export)
+            with health.phase("export"):
+                engine.export(out, spec.checkpoint.export)
             log.info("exported the consolidated model to %s (%s)", out, spec.checkpoint.export)
+    except Exception as err:
+        # Recorded here, while W&B is still open (the finally below closes it).
+        bundle.record_exception(err, traceback.format_exc())
+        raise
     finally:
+        health.close()
         stop.uninstall()
         metrics.close()
     if result.stopped_early:
@@ -242,8 +268,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="launcher rank runtime (started by torchrun)")
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
+    bundle = FailureBundle(args.run_dir, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     try:
-        code = run(args.run_dir)
+        code = run(args.run_dir, bundle)
     except Exception as err:
         # Surface the failing rank's error on stderr (the main log) and in its rank log, then fail
         # fast: gloo teardown can hang when peers are gone.
@@ -255,6 +282,10 @@ def main(argv=None) -> int:
         else:
             sys.stderr.write(f"[rank{rank}] FAILED:\n{text}")
         sys.stderr.flush()
+        try:
+            bundle.record_exception(err, text)
+        except Exception as bundle_err:  # noqa: BLE001 - never hide the original failure
+            sys.stderr.write(f"[rank{rank}] could not write the failure bundle: {bundle_err}\n")
         os._exit(1)
     shutdown_distributed()
     return code

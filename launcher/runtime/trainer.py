@@ -17,7 +17,9 @@ from launcher.plan.flops import achieved_tflops, mfu
 from launcher.runtime.checkpoint import CheckpointManager
 from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
-from launcher.runtime.signals import StopWatcher, write_stopped
+from launcher.runtime.health import RunHealth
+from launcher.runtime.signals import StopWatcher, StopWithoutCheckpoint, write_stopped
+from launcher.runtime.debug_hooks import before_step as debug_before_step
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class Trainer:
         metrics: MetricsLogger,
         stop: StopWatcher,
         start_step: int = 0,
+        health: Optional[RunHealth] = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -74,6 +77,7 @@ class Trainer:
         self.metrics = metrics
         self.stop = stop
         self.start_step = start_step
+        self.health = health
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
         return {
@@ -85,8 +89,14 @@ class Trainer:
         }
 
     def _save(self, step: int) -> None:
-        if self.cfg.checkpoint_enabled:
+        if not self.cfg.checkpoint_enabled:
+            return
+        if self.health is None:
             self.checkpoints.save(step, self.engine, self._trainer_state(step))
+            return
+        with self.health.phase("checkpoint save"):
+            path = self.checkpoints.save(step, self.engine, self._trainer_state(step))
+        self.health.saved(step, path)
 
     def _tracked_step(self, microbatches):
         """One training step under the memory tracker; returns its stats and predicted-vs-measured."""
@@ -120,12 +130,15 @@ class Trainer:
         for step in range(self.start_step + 1, cfg.steps + 1):
             microbatches = self.batches.for_step(step)
             memory_row: Dict[str, Any] = {}
+            debug_before_step(self.rank, step)
             t0 = time.perf_counter()
             if cfg.track_memory and step == self.start_step + 2:
                 stats, memory_row = self._tracked_step(microbatches)
             else:
                 stats = self.engine.train_step(microbatches)
             elapsed = time.perf_counter() - t0
+            if self.health is not None:
+                self.health.step_done(step)
             if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
                 record = {
                     "step": step,
@@ -153,7 +166,7 @@ class Trainer:
                 reason = self.stop.local_request() or "stop requested on another rank"
                 if not cfg.checkpoint_enabled:
                     # No checkpoint means no resume: do not ask for a requeue that restarts at 0.
-                    raise RuntimeError(
+                    raise StopWithoutCheckpoint(
                         f"stop requested at step {step} ({reason}) but checkpoint.enabled=false: the work "
                         f"cannot be saved. Fix: enable checkpoints to survive preemption."
                     )
