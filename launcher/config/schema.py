@@ -143,6 +143,9 @@ class DataConfig:
     dtype: str = "uint16"  # uint16 | uint32 (token shards)
     tokenizer: str = ""  # path to a local HF tokenizer.json (source=text); "" = bytes
     embedded_tokens: int = 2_000_000
+    # Held-out data for trainer.val_every, read like `path` under `source`; "" with source=embedded:
+    # the embedded corpus's validation split (launcher/data/validation.py).
+    val_path: str = ""
 
 
 @dataclass
@@ -163,6 +166,9 @@ class TrainerConfig:
     # rank dumps its stacks into <run dir>/failure/ and the job fails. -1: auto (20 x the plan's
     # step time, at least 300 s); 0: off. Saves, validation, resume and the first steps have their own bound.
     hang_timeout_s: float = -1.0
+    # Validation loss (val_loss, val_ppl) every val_every steps (0: off) over val_steps held-out global batches.
+    val_every: int = 0
+    val_steps: int = 2
 
 
 @dataclass

@@ -412,6 +412,19 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
             f"trainer.hang_timeout_s={t.hang_timeout_s} must be -1 (auto from the plan's step time), 0 (off) or "
             f"a positive number of seconds. Fix: trainer.hang_timeout_s=-1."
         )
+    if t.val_every < 0:
+        problems.append(f"trainer.val_every={t.val_every} must be >= 0 (0: no validation). Fix: e.g. trainer.val_every=100.")
+    if t.val_every > 0 and t.val_steps < 1:
+        problems.append(
+            f"trainer.val_steps={t.val_steps} must be at least 1 when trainer.val_every={t.val_every}. "
+            f"Fix: e.g. trainer.val_steps=4, or trainer.val_every=0.")
+    d = spec.data
+    if t.val_every > 0 and d.source != "embedded" and not d.val_path:
+        problems.append(
+            f"trainer.val_every={t.val_every} with data.source={d.source} needs held-out data but data.val_path is "
+            f"empty. Fix: data.val_path=<{d.source} data not used for training>, or trainer.val_every=0.")
+    if spec.action == "run" and d.val_path and not os.path.exists(d.val_path):
+        problems.append(f"data.val_path={d.val_path} does not exist. Fix: point data.val_path at held-out {d.source} data.")
 
 
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (

@@ -15,6 +15,7 @@ import os
 import sys
 import traceback
 from dataclasses import asdict
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -33,6 +34,8 @@ from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_typ
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
+from launcher.runtime.validation import Validator
+from launcher.data.validation import load_val_token_arrays
 from launcher.runtime.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
 
 log = logging.getLogger("launcher")
@@ -112,6 +115,25 @@ def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> Step
         grad_accum_steps=lay.microbatches,
     )
     return StepBatches(windows, spec.trainer.seed, lay.global_batch_size, part)
+
+
+def build_validator(spec: JobConfig, plan: Plan, rank: int, run_dir: Path, engine: Engine) -> Optional[Validator]:
+    """Fixed held-out batches for trainer.val_every (None when validation is off)."""
+    if spec.trainer.val_every <= 0:
+        return None
+    cache_dir = Path(run_dir) / "data_cache"
+    if spec.data.source == "text":
+        if rank == 0:  # tokenize once, as for the training data
+            load_val_token_arrays(spec.data, cache_dir)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+    arrays = load_val_token_arrays(spec.data, cache_dir)
+    check_vocab(arrays, spec.model.vocab_size)
+    lay = plan.layout
+    part = BatchSlice(dp_rank=data_parallel_rank(plan, rank), dp_size=lay.dp,
+                      micro_batch_size=lay.micro_batch_size, grad_accum_steps=lay.microbatches)
+    source = StepBatches(TokenWindows(arrays, spec.trainer.seq_len), spec.trainer.seed, lay.global_batch_size, part)
+    return Validator.from_step_batches(engine, source, spec.trainer.val_steps)
 
 
 def log_plan_plots(spec: JobConfig, plan: Plan, run_dir: Path, metrics: MetricsLogger) -> None:
@@ -235,10 +257,12 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         track_memory=spec.trainer.track_memory,
         predicted_memory=plan.memory,
         device_type=rank.device.type,
+        val_every=spec.trainer.val_every,
     )
     trainer = Trainer(
         loop_cfg, run_dir=run_dir, rank=rank.rank, engine=engine, batches=batches,
         checkpoints=checkpoints, metrics=metrics, stop=stop, start_step=start_step, health=health,
+        validator=build_validator(spec, plan, rank.rank, run_dir, engine),
     )
     try:
         result = trainer.fit()

@@ -18,6 +18,7 @@ from launcher.runtime.checkpoint import CheckpointManager
 from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.health import RunHealth
+from launcher.runtime.validation import Validator
 from launcher.runtime.signals import StopWatcher, StopWithoutCheckpoint, write_stopped
 from launcher.runtime.debug_hooks import before_step as debug_before_step
 
@@ -44,6 +45,7 @@ class LoopConfig:
     track_memory: bool = False
     predicted_memory: Optional[Dict[str, Any]] = None
     device_type: str = "cpu"
+    val_every: int = 0  # validation loss every N steps (0: off); needs a Validator
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Trainer:
         stop: StopWatcher,
         start_step: int = 0,
         health: Optional[RunHealth] = None,
+        validator: Optional[Validator] = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -78,6 +81,7 @@ class Trainer:
         self.stop = stop
         self.start_step = start_step
         self.health = health
+        self.validator = validator
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
         return {
@@ -120,6 +124,15 @@ class Trainer:
         self.metrics.summary({"memory_measured_vs_predicted": row})
         return result["stats"], row
 
+    def _validate(self, step: int) -> Dict[str, float]:
+        """val_loss / val_ppl at every val_every-th step (a long phase for the hang watchdog)."""
+        if self.validator is None or not self.cfg.val_every or step % self.cfg.val_every:
+            return {}
+        if self.health is None:
+            return self.validator.run()
+        with self.health.phase("validation"):
+            return self.validator.run()
+
     def fit(self) -> LoopResult:
         cfg = self.cfg
         step = self.start_step
@@ -139,7 +152,8 @@ class Trainer:
             elapsed = time.perf_counter() - t0
             if self.health is not None:
                 self.health.step_done(step)
-            if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
+            val_row = self._validate(step)
+            if step % cfg.log_every == 0 or step == cfg.steps or step == 1 or val_row:
                 record = {
                     "step": step,
                     "loss": stats.loss,
@@ -156,6 +170,7 @@ class Trainer:
                         record["mfu"] = mfu(per_gpu, cfg.flops_per_token, cfg.peak_tflops_per_gpu)
                 record.update(stats.extra)
                 record.update(memory_row)
+                record.update(val_row)
                 self.metrics.log(record)
             elif memory_row:
                 self.metrics.log(dict(memory_row, step=step), console=False)
