@@ -7,6 +7,7 @@ passed to the ranks through cluster.env, so the code under test is the code that
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import time
 from pathlib import Path
@@ -72,3 +73,80 @@ def test_a_rank_stuck_before_a_collective_ends_the_job_with_stacks_and_names_it(
     for rank in (0, 1):
         trace = json.loads((failure / f"fr_trace_rank_{rank}.json").read_text())
         assert any(e["profiling_name"].startswith("gloo:") for e in trace["entries"])
+
+
+def _metrics(run_dir: Path) -> list:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _val_steps(records: list) -> dict:
+    return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+
+
+def _traces(run_dir: Path) -> dict:
+    """{rank folder: sorted trace names}, each trace parsed as JSON (Chrome trace format)."""
+    out = {}
+    for folder in sorted((run_dir / "profile").iterdir()):
+        out[folder.name] = sorted(p.name for p in folder.iterdir())
+        for trace in folder.iterdir():
+            assert "traceEvents" in json.loads(trace.read_text()), trace
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> Path:
+    """dp=2, validation every 3 steps, rank 1's profile of steps 2-3, rank 1 slowed inside its forward."""
+    run_dir = tmp_path_factory.mktemp("health") / "run"
+    proc = _start(["+recipe=debug", "trainer.steps=8", "trainer.log_every=1", "checkpoint.interval=0",
+                   "trainer.val_every=3", "profile.enabled=true", "profile.steps=[2,3]", "profile.ranks=[1]",
+                   "+cluster.env.LAUNCHER_DEBUG_SLOW_COMPUTE=1:200"], run_dir)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-4000:]
+    (run_dir / "train_output.txt").write_text(out)
+    return run_dir
+
+
+def test_validation_loss_is_logged_at_every_val_every_step(two_rank_run):
+    records = _metrics(two_rank_run)
+    val = _val_steps(records)
+    assert sorted(val) == [3, 6], val
+    for r in records:
+        if "val_loss" in r:
+            assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]))
+    assert val[6] < val[3]  # the model learns the grammar the held-out text shares
+
+
+def test_profiler_writes_chrome_traces_for_the_chosen_ranks_and_steps_only(two_rank_run):
+    assert _traces(two_rank_run) == {"rank_1": ["step_2.json", "step_3.json"]}
+
+
+def test_a_rank_slowed_in_its_compute_is_named_as_straggler(two_rank_run):
+    records = _metrics(two_rank_run)
+    assert all(r["slowest_rank"] == 1 for r in records[2:]), [r.get("slowest_rank") for r in records]
+    assert all(r["step_time_min_s"] <= r["step_time_median_s"] <= r["step_time_max_s"] for r in records)
+    out = (two_rank_run / "train_output.txt").read_text()
+    assert "straggler: rank 1 on host " in out and "straggler: rank 0" not in out
+    stragglers = json.loads((two_rank_run / "summary.json").read_text())["stragglers"]
+    assert [w["rank"] for w in stragglers["warned"]] == [1]
+    assert stragglers["slowest_hosts"][0]["rank"] == 1 and stragglers["slowest_hosts"][0]["host"]
+
+
+def test_pipeline_validation_and_a_raising_rank_leaves_a_failure_summary_naming_it(two_rank_run, tmp_path):
+    """pp=2: only the last stage computes the loss; rank 1 then raises and failure/summary.json names it."""
+    run_dir = tmp_path / "run"
+    proc = _start(["+recipe=debug", "trainer.steps=8", "parallel.pp=2", "trainer.log_every=4", "checkpoint.interval=0",
+                   "trainer.val_every=3", "profile.enabled=true", "profile.steps=[2,2]",
+                   "+cluster.env.LAUNCHER_DEBUG_RAISE=1:7"], run_dir)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode != 0, out[-4000:]
+    val = _val_steps(_metrics(run_dir))
+    assert sorted(val) == [3, 6], val
+    # The same model, data and global batch as the dp=2 run: the same held-out loss.
+    assert val[3] == pytest.approx(_val_steps(_metrics(two_rank_run))[3], abs=1e-4)
+    # Default profiled ranks: rank 0 and the last pipeline rank.
+    assert _traces(run_dir) == {"rank_0": ["step_2.json"], "rank_1": ["step_2.json"]}
+    summary = json.loads((run_dir / "failure" / "summary.json").read_text())
+    assert summary["what"] == "exception" and summary["rank"] == 1 and summary["failed_ranks"] == [1]
+    assert "LAUNCHER_DEBUG_RAISE" in summary["error"] and summary["last_step"] == 6
+    assert summary["files"]["tracebacks"] == ["failure/traceback_rank_1.txt"]
+    assert f"see {run_dir / 'failure' / 'summary.json'}" in out

@@ -169,6 +169,9 @@ class TrainerConfig:
     # Validation loss (val_loss, val_ppl) every val_every steps (0: off) over val_steps held-out global batches.
     val_every: int = 0
     val_steps: int = 2
+    # Straggler warning: a rank busier than this x the other ranks' median for 3 log steps in a row
+    # median (launcher/runtime/stragglers.py; one all-gather of one float per log step). 0: off.
+    straggler_factor: float = 1.5
 
 
 @dataclass
@@ -288,6 +291,17 @@ class PlanConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler traces (launcher/runtime/profiler.py) into <run dir>/profile/rank_<r>/."""
+
+    enabled: bool = False
+    steps: List[int] = field(default_factory=lambda: [10, 12])  # [first, last], inclusive
+    ranks: List[int] = field(default_factory=list)  # empty: rank 0 and the last pipeline rank
+    record_memory: bool = False  # heavy: allocation events in the trace
+    with_stack: bool = False  # heavy: Python stacks per op
+
+
+@dataclass
 class JobConfig:
     """The whole job, as composed by Hydra from conf/train.yaml."""
 
@@ -309,6 +323,7 @@ class JobConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     run_name: str = ""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def set_dotted(spec: "JobConfig", key: str, value: Any) -> None:

@@ -33,3 +33,23 @@ def before_step(rank: int, step: int) -> None:
             time.sleep(3600)
     if _target("LAUNCHER_DEBUG_RAISE") == (rank, step):
         raise RuntimeError(f"LAUNCHER_DEBUG_RAISE: rank {rank} fails before step {step}")
+
+
+def install_slow_compute(modules, rank: int) -> None:
+    """LAUNCHER_DEBUG_SLOW_COMPUTE=R:N: on rank R, every forward of the model parts first does N
+    extra 256x256 matmuls (fixed work, inside the compute: the numbers trained are unchanged)."""
+    target = _target("LAUNCHER_DEBUG_SLOW_COMPUTE")
+    if target is None or target[0] != rank:
+        return
+    import torch
+
+    n = target[1]
+    log.warning("LAUNCHER_DEBUG_SLOW_COMPUTE: rank %d does %d extra matmuls per forward", rank, n)
+
+    def burn(module, args):
+        a = torch.ones(256, 256)
+        for _ in range(n):
+            a = torch.mm(a, a).clamp_(max=1.0)
+
+    for m in modules:
+        m.register_forward_pre_hook(burn)

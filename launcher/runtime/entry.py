@@ -35,6 +35,10 @@ from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
 from launcher.runtime.validation import Validator
+from launcher.runtime.profiler import StepProfiler, default_profile_ranks
+from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
+from launcher.runtime.failure import host_name
+from launcher.runtime import debug_hooks
 from launcher.data.validation import load_val_token_arrays
 from launcher.runtime.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
 
@@ -136,6 +140,27 @@ def build_validator(spec: JobConfig, plan: Plan, rank: int, run_dir: Path, engin
     return Validator.from_step_batches(engine, source, spec.trainer.val_steps)
 
 
+def build_profiler(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path,
+                   metrics: MetricsLogger) -> Optional[StepProfiler]:
+    """The step profiler on the ranks profile.ranks names (default: rank 0 and the last pipeline rank)."""
+    cfg = spec.profile
+    if not cfg.enabled:
+        return None
+    ranks = list(cfg.ranks) or default_profile_ranks(plan.mesh.coordinates, rank.world_size, plan.mesh.pp)
+    if rank.rank not in ranks:
+        return None
+    return StepProfiler(run_dir, rank.rank, cfg.steps, rank.device.type, record_memory=cfg.record_memory,
+                        with_stack=cfg.with_stack, on_trace=lambda path: metrics.save_file(path))
+
+
+def build_stragglers(spec: JobConfig, rank: RankInfo, metrics: MetricsLogger) -> Optional[StragglerMonitor]:
+    """Per-log-step spread of busy time over ranks (off with one rank or trainer.straggler_factor=0)."""
+    if spec.trainer.straggler_factor <= 0 or rank.world_size < 2:
+        return None
+    return StragglerMonitor(rank.rank, gather_hosts(host_name()), spec.trainer.straggler_factor, rank.device,
+                            publish=metrics.summary if rank.rank == 0 else None)
+
+
 def log_plan_plots(spec: JobConfig, plan: Plan, run_dir: Path, metrics: MetricsLogger) -> None:
     """The plan's memory and pipeline charts, as PNGs in the run dir and images in W&B."""
     if not spec.plan.plots:
@@ -206,6 +231,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
 
     engine = build_engine(spec, plan, rank, run_dir)
     record_built(engine, plan, rank.rank, run_dir)
+    debug_hooks.install_slow_compute(engine.model_parts, rank.rank)
     batches = build_batches(spec, plan, rank.rank, run_dir)
     checkpoints = CheckpointManager(
         checkpoint_root(spec.checkpoint.dir, run_dir),
@@ -263,6 +289,8 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         loop_cfg, run_dir=run_dir, rank=rank.rank, engine=engine, batches=batches,
         checkpoints=checkpoints, metrics=metrics, stop=stop, start_step=start_step, health=health,
         validator=build_validator(spec, plan, rank.rank, run_dir, engine),
+        profiler=build_profiler(spec, plan, rank, run_dir, metrics),
+        stragglers=build_stragglers(spec, rank, metrics),
     )
     try:
         result = trainer.fit()

@@ -19,6 +19,8 @@ from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.health import RunHealth
 from launcher.runtime.validation import Validator
+from launcher.runtime.profiler import StepProfiler
+from launcher.runtime.stragglers import StragglerMonitor
 from launcher.runtime.signals import StopWatcher, StopWithoutCheckpoint, write_stopped
 from launcher.runtime.debug_hooks import before_step as debug_before_step
 
@@ -70,6 +72,8 @@ class Trainer:
         start_step: int = 0,
         health: Optional[RunHealth] = None,
         validator: Optional[Validator] = None,
+        profiler: Optional[StepProfiler] = None,
+        stragglers: Optional[StragglerMonitor] = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -82,6 +86,8 @@ class Trainer:
         self.start_step = start_step
         self.health = health
         self.validator = validator
+        self.profiler = profiler
+        self.stragglers = stragglers
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
         return {
@@ -144,12 +150,20 @@ class Trainer:
             microbatches = self.batches.for_step(step)
             memory_row: Dict[str, Any] = {}
             debug_before_step(self.rank, step)
+            if self.profiler is not None:
+                self.profiler.before_step(step)
+            if self.stragglers is not None:
+                self.stragglers.step_started()
             t0 = time.perf_counter()
             if cfg.track_memory and step == self.start_step + 2:
                 stats, memory_row = self._tracked_step(microbatches)
             else:
                 stats = self.engine.train_step(microbatches)
             elapsed = time.perf_counter() - t0
+            if self.stragglers is not None:
+                self.stragglers.step_finished()
+            if self.profiler is not None:
+                self.profiler.after_step(step)
             if self.health is not None:
                 self.health.step_done(step)
             val_row = self._validate(step)
@@ -171,6 +185,8 @@ class Trainer:
                 record.update(stats.extra)
                 record.update(memory_row)
                 record.update(val_row)
+                if self.stragglers is not None:  # collective: every rank logs at the same steps
+                    record.update(self.stragglers.observe(step))
                 self.metrics.log(record)
             elif memory_row:
                 self.metrics.log(dict(memory_row, step=step), console=False)
@@ -191,6 +207,8 @@ class Trainer:
                 if self.rank == 0:
                     write_stopped(self.run_dir, step, reason)
                 return LoopResult(last_step=step, stopped_early=True, stop_reason=reason)
+        if self.stragglers is not None and self.rank == 0:
+            self.metrics.summary(self.stragglers.summary())
         if cfg.save_final and last_saved != step:
             self._save(step)
         return LoopResult(last_step=step, stopped_early=False)
