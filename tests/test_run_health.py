@@ -131,12 +131,13 @@ def test_a_rank_slowed_in_its_compute_is_named_as_straggler(two_rank_run):
     assert stragglers["slowest_hosts"][0]["rank"] == 1 and stragglers["slowest_hosts"][0]["host"]
 
 
-def test_pipeline_validation_and_a_raising_rank_leaves_a_failure_summary_naming_it(two_rank_run, tmp_path):
-    """pp=2: only the last stage computes the loss; rank 1 then raises and failure/summary.json names it."""
+def test_pipeline_validation_and_a_rank_raising_oom_leaves_a_failure_summary_naming_it(two_rank_run, tmp_path):
+    """pp=2: only the last stage computes the loss; rank 1 then raises an out-of-memory error and
+    failure/summary.json names it, with the plan's memory prediction beside it (no CUDA snapshot on CPU)."""
     run_dir = tmp_path / "run"
     proc = _start(["+recipe=debug", "trainer.steps=8", "parallel.pp=2", "trainer.log_every=4", "checkpoint.interval=0",
                    "trainer.val_every=3", "profile.enabled=true", "profile.steps=[2,2]",
-                   "+cluster.env.LAUNCHER_DEBUG_RAISE=1:7"], run_dir)
+                   "+cluster.env.LAUNCHER_DEBUG_OOM=1:7"], run_dir)
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode != 0, out[-4000:]
     val = _val_steps(_metrics(run_dir))
@@ -146,7 +147,31 @@ def test_pipeline_validation_and_a_raising_rank_leaves_a_failure_summary_naming_
     # Default profiled ranks: rank 0 and the last pipeline rank.
     assert _traces(run_dir) == {"rank_0": ["step_2.json"], "rank_1": ["step_2.json"]}
     summary = json.loads((run_dir / "failure" / "summary.json").read_text())
-    assert summary["what"] == "exception" and summary["rank"] == 1 and summary["failed_ranks"] == [1]
-    assert "LAUNCHER_DEBUG_RAISE" in summary["error"] and summary["last_step"] == 6
+    assert summary["what"] == "oom" and summary["rank"] == 1 and summary["failed_ranks"] == [1], summary
+    assert summary["error"].startswith("OutOfMemoryError: LAUNCHER_DEBUG_OOM") and summary["last_step"] == 6
     assert summary["files"]["tracebacks"] == ["failure/traceback_rank_1.txt"]
+    assert summary["files"]["snapshots"] == ["failure/memory_prediction_rank_1.json"]
+    prediction = json.loads((run_dir / "failure" / "memory_prediction_rank_1.json").read_text())
+    assert prediction["step"] == 7 and prediction["predicted"] == json.loads((run_dir / "plan.json").read_text())["memory"]
     assert f"see {run_dir / 'failure' / 'summary.json'}" in out
+
+
+def test_first_failure_wins_and_each_kind_is_classified(tmp_path):
+    """In-process: the summary of the first failing rank stays; later ranks' failures do not replace it."""
+    import torch
+
+    from launcher.runtime.failure import FailureBundle
+    from launcher.runtime.signals import StopWithoutCheckpoint
+
+    first = FailureBundle(tmp_path, rank=1, world_size=2)
+    first.progress.last_step = 5
+    assert first.record_exception(RuntimeError("boom"), "Traceback...") is not None
+    later = FailureBundle(tmp_path, rank=0, world_size=2)
+    assert later.record_exception(RuntimeError("Connection reset by peer"), "Traceback...") is None
+    summary = json.loads((tmp_path / "failure" / "summary.json").read_text())
+    assert (summary["rank"], summary["what"], summary["error"], summary["last_step"]) == (1, "exception", "RuntimeError: boom", 5)
+    assert sorted(summary["files"]["tracebacks"]) == ["failure/traceback_rank_1.txt"]
+    from launcher.runtime.failure import classify
+
+    assert classify(torch.OutOfMemoryError("CUDA out of memory")) == "oom"
+    assert classify(StopWithoutCheckpoint("stop requested")) == "signal"

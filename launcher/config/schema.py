@@ -172,6 +172,8 @@ class TrainerConfig:
     # Straggler warning: a rank busier than this x the other ranks' median for 3 log steps in a row
     # median (launcher/runtime/stragglers.py; one all-gather of one float per log step). 0: off.
     straggler_factor: float = 1.5
+    # CUDA memory history for the first N steps of every run, dumped to failure/ on OOM (0: off).
+    memory_snapshot_steps: int = 3
 
 
 @dataclass

@@ -423,6 +423,9 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
         problems.append(
             f"trainer.val_every={t.val_every} with data.source={d.source} needs held-out data but data.val_path is "
             f"empty. Fix: data.val_path=<{d.source} data not used for training>, or trainer.val_every=0.")
+    if t.memory_snapshot_steps < 0:
+        problems.append(
+            f"trainer.memory_snapshot_steps={t.memory_snapshot_steps} must be >= 0 (0: off). Fix: e.g. trainer.memory_snapshot_steps=3.")
     if t.straggler_factor != 0 and t.straggler_factor <= 1:
         problems.append(
             f"trainer.straggler_factor={t.straggler_factor} must be above 1 (a multiple of the median step time) "

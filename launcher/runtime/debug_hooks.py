@@ -4,7 +4,9 @@ They let the real multi-process tests produce the failures the health tools exis
 (a hang, a crash) without patching code. Each variable is "RANK:STEP"; unset, nothing happens.
 
 - LAUNCHER_DEBUG_HANG=R:S   rank R sleeps forever before step S (before the step's first collective);
-- LAUNCHER_DEBUG_RAISE=R:S  rank R raises RuntimeError before step S.
+- LAUNCHER_DEBUG_RAISE=R:S  rank R raises RuntimeError before step S;
+- LAUNCHER_DEBUG_OOM=R:S    rank R raises torch.OutOfMemoryError before step S;
+- LAUNCHER_DEBUG_SLOW_COMPUTE=R:N  rank R does N extra matmuls in every forward (install_slow_compute).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ def before_step(rank: int, step: int) -> None:
             time.sleep(3600)
     if _target("LAUNCHER_DEBUG_RAISE") == (rank, step):
         raise RuntimeError(f"LAUNCHER_DEBUG_RAISE: rank {rank} fails before step {step}")
+    if _target("LAUNCHER_DEBUG_OOM") == (rank, step):
+        import torch
+
+        raise torch.OutOfMemoryError(f"LAUNCHER_DEBUG_OOM: rank {rank} is out of memory before step {step}")
 
 
 def install_slow_compute(modules, rank: int) -> None:

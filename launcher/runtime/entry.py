@@ -30,6 +30,7 @@ from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager, checkpoint_root, lock_for_run
 from launcher.runtime.failure import FailureBundle
 from launcher.runtime.health import RunHealth
+from launcher.runtime.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
@@ -197,14 +198,16 @@ def config_for_logging(spec: JobConfig) -> dict:
     return config
 
 
-def start_health(spec: JobConfig, plan: Plan, bundle: FailureBundle) -> RunHealth:
+def start_health(spec: JobConfig, plan: Plan, bundle: FailureBundle, device_type: str) -> RunHealth:
     """The failure bundle's progress tracking, plus the hang watchdog unless trainer.hang_timeout_s=0."""
+    memory = MemorySnapshot(bundle.folder, bundle.rank, spec.trainer.memory_snapshot_steps, device_type,
+                            predicted=plan.memory).start()
     timeout = resolve_hang_timeout(spec.trainer.hang_timeout_s, (plan.time or {}).get("step_s", 0.0))
     if timeout is None:
-        return RunHealth(bundle)
+        return RunHealth(bundle, memory=memory)
     # Compiled steps recompile on the second step too: both count as start-up.
     watchdog = HangWatchdog(bundle, timeout, warmup_steps=2 if spec.trainer.compile else 1)
-    return RunHealth(bundle, watchdog.start())
+    return RunHealth(bundle, watchdog.start(), memory=memory)
 
 
 def run(run_dir: Path, bundle: FailureBundle) -> int:
@@ -225,7 +228,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(spec.trainer.seed)
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
-    health = start_health(spec, plan, bundle)
+    health = start_health(spec, plan, bundle, rank.device.type)
     # One job per checkpoint folder, checked before anything is built or written (rank 0 holds it).
     folder_lock = lock_for_run(checkpoint_root(spec.checkpoint.dir, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
 
@@ -301,6 +304,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
             log.info("exported the consolidated model to %s (%s)", out, spec.checkpoint.export)
     except Exception as err:
         # Recorded here, while W&B is still open (the finally below closes it).
+        health.on_exception(err)
         bundle.record_exception(err, traceback.format_exc())
         raise
     finally:

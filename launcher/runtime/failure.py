@@ -94,12 +94,13 @@ class FailureBundle:
 
     def evidence(self) -> Dict[str, List[str]]:
         """Paths (relative to the run dir) of what the failure folder holds, by kind."""
-        kinds = {"stacks": "stacks_rank_", "traces": "fr_trace_rank_", "snapshots": "memory_snapshot_rank_",
-                 "tracebacks": "traceback_rank_", "reports": "rank_"}
+        kinds = {"stacks": ("stacks_rank_",), "traces": ("fr_trace_rank_",),
+                 "snapshots": ("memory_snapshot_rank_", "memory_prediction_rank_"),
+                 "tracebacks": ("traceback_rank_",), "reports": ("rank_",)}
         out: Dict[str, List[str]] = {k: [] for k in kinds}
         for path in sorted(self.folder.iterdir()):
-            for kind, prefix in kinds.items():
-                if path.name.startswith(prefix):
+            for kind, prefixes in kinds.items():
+                if path.name.startswith(prefixes):
                     out[kind].append(str(path.relative_to(self.run_dir)))
                     break
         return out
