@@ -95,9 +95,9 @@ def _traces(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory) -> Path:
-    """dp=2, validation every 3 steps, rank 1's profile of steps 2-3, rank 1 slowed inside its forward."""
+    """MoE, dp=2, validation every 3 steps, rank 1's profile of steps 2-3, rank 1 slowed inside its forward."""
     run_dir = tmp_path_factory.mktemp("health") / "run"
-    proc = _start(["+recipe=debug", "trainer.steps=8", "trainer.log_every=1", "checkpoint.interval=0",
+    proc = _start(["+recipe=debug", "model=debug_moe", "trainer.steps=8", "trainer.log_every=1", "checkpoint.interval=0",
                    "trainer.val_every=3", "profile.enabled=true", "profile.steps=[2,3]", "profile.ranks=[1]",
                    "+cluster.env.LAUNCHER_DEBUG_SLOW_COMPUTE=1:200"], run_dir)
     out, _ = proc.communicate(timeout=400)
@@ -131,11 +131,19 @@ def test_a_rank_slowed_in_its_compute_is_named_as_straggler(two_rank_run):
     assert stragglers["slowest_hosts"][0]["rank"] == 1 and stragglers["slowest_hosts"][0]["host"]
 
 
+def test_moe_expert_shares_are_logged_per_log_step(two_rank_run):
+    records = _metrics(two_rank_run)
+    for r in records:
+        # debug_moe: 4 experts, top-2, so every expert's share is within (0, 1) and they cannot all be equal to 0.
+        assert 0 <= r["moe/expert_share_min"] <= 0.25 <= r["moe/expert_share_max"] <= 1, r
+        assert isinstance(r["moe/idle_experts"], int)
+
+
 def test_pipeline_validation_and_a_rank_raising_oom_leaves_a_failure_summary_naming_it(two_rank_run, tmp_path):
     """pp=2: only the last stage computes the loss; rank 1 then raises an out-of-memory error and
     failure/summary.json names it, with the plan's memory prediction beside it (no CUDA snapshot on CPU)."""
     run_dir = tmp_path / "run"
-    proc = _start(["+recipe=debug", "trainer.steps=8", "parallel.pp=2", "trainer.log_every=4", "checkpoint.interval=0",
+    proc = _start(["+recipe=debug", "model=debug_moe", "trainer.steps=8", "parallel.pp=2", "trainer.log_every=4", "checkpoint.interval=0",
                    "trainer.val_every=3", "profile.enabled=true", "profile.steps=[2,2]",
                    "+cluster.env.LAUNCHER_DEBUG_OOM=1:7"], run_dir)
     out, _ = proc.communicate(timeout=400)
@@ -175,3 +183,37 @@ def test_first_failure_wins_and_each_kind_is_classified(tmp_path):
 
     assert classify(torch.OutOfMemoryError("CUDA out of memory")) == "oom"
     assert classify(StopWithoutCheckpoint("stop requested")) == "signal"
+
+
+def test_an_expert_that_gets_no_tokens_is_warned_about(caplog):
+    """In-process, a real MoE layer whose router never picks expert 0: warned after IDLE_LOGS log steps."""
+    import logging
+
+    import torch
+    from torch import nn
+
+    from launcher.models.moe import MoE
+    from launcher.runtime.moe_health import IDLE_LOGS, MoEHealth
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = MoE(dim=8, hidden=16, n_experts=4, top_k=1)
+
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": nn.Linear(8, 8), "1": Block()})
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+        model.layers["1"].moe.router.weight[0].fill_(-100.0)  # positive inputs: expert 0 always scores lowest
+    health = MoEHealth([model], n_layers=2, n_experts=4, rank=0, device=torch.device("cpu"))
+    x = torch.randn(64, 8).abs()
+    with caplog.at_level(logging.WARNING, logger="launcher.runtime.moe_health"):
+        for step in range(1, IDLE_LOGS + 1):
+            model.layers["1"].moe(x)
+            row = health.observe(step)
+            assert row["moe/idle_experts"] == 1 and row["moe/expert_share_min"] == 0.0
+    warnings = [r.getMessage() for r in caplog.records if "received no tokens" in r.getMessage()]
+    assert warnings == [f"MoE layer 1: expert 0 received no tokens for {IDLE_LOGS} log steps in a row (step {IDLE_LOGS}); "
+                        "check the router and the load-balancing loss (model.aux_loss_coef)"]

@@ -38,6 +38,7 @@ from launcher.runtime.trainer import LoopConfig, Trainer
 from launcher.runtime.validation import Validator
 from launcher.runtime.profiler import StepProfiler, default_profile_ranks
 from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
+from launcher.runtime.moe_health import MoEHealth
 from launcher.runtime.failure import host_name
 from launcher.runtime import debug_hooks
 from launcher.data.validation import load_val_token_arrays
@@ -294,6 +295,8 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         validator=build_validator(spec, plan, rank.rank, run_dir, engine),
         profiler=build_profiler(spec, plan, rank, run_dir, metrics),
         stragglers=build_stragglers(spec, rank, metrics),
+        moe_health=MoEHealth(engine.model_parts, spec.model.n_layers, spec.model.n_experts, rank.rank, rank.device,
+                             log_table=metrics.log_table) if spec.model.n_experts > 0 else None,
     )
     try:
         result = trainer.fit()

@@ -21,6 +21,7 @@ from launcher.runtime.health import RunHealth
 from launcher.runtime.validation import Validator
 from launcher.runtime.profiler import StepProfiler
 from launcher.runtime.stragglers import StragglerMonitor
+from launcher.runtime.moe_health import MoEHealth
 from launcher.runtime.signals import StopWatcher, StopWithoutCheckpoint, write_stopped
 from launcher.runtime.debug_hooks import before_step as debug_before_step
 
@@ -74,6 +75,7 @@ class Trainer:
         validator: Optional[Validator] = None,
         profiler: Optional[StepProfiler] = None,
         stragglers: Optional[StragglerMonitor] = None,
+        moe_health: Optional[MoEHealth] = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -88,6 +90,7 @@ class Trainer:
         self.validator = validator
         self.profiler = profiler
         self.stragglers = stragglers
+        self.moe_health = moe_health
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
         return {
@@ -187,6 +190,8 @@ class Trainer:
                 record.update(val_row)
                 if self.stragglers is not None:  # collective: every rank logs at the same steps
                     record.update(self.stragglers.observe(step))
+                if self.moe_health is not None:  # collective too
+                    record.update(self.moe_health.observe(step))
                 self.metrics.log(record)
             elif memory_row:
                 self.metrics.log(dict(memory_row, step=step), console=False)
