@@ -162,6 +162,9 @@ def test_pipeline_validation_and_a_rank_raising_oom_leaves_a_failure_summary_nam
     prediction = json.loads((run_dir / "failure" / "memory_prediction_rank_1.json").read_text())
     assert prediction["step"] == 7 and prediction["predicted"] == json.loads((run_dir / "plan.json").read_text())["memory"]
     assert f"see {run_dir / 'failure' / 'summary.json'}" in out
+    # Rank 0 then fails too (its peer is gone) and hands the first failure's summary to W&B's run summary
+    # (MetricsLogger.summary, which also writes the run's summary.json).
+    assert json.loads((run_dir / "summary.json").read_text())["failure"]["rank"] == 1
 
 
 def test_first_failure_wins_and_each_kind_is_classified(tmp_path):
@@ -174,8 +177,10 @@ def test_first_failure_wins_and_each_kind_is_classified(tmp_path):
     first = FailureBundle(tmp_path, rank=1, world_size=2)
     first.progress.last_step = 5
     assert first.record_exception(RuntimeError("boom"), "Traceback...") is not None
-    later = FailureBundle(tmp_path, rank=0, world_size=2)
+    published = []  # rank 0's W&B run gets the first failure's summary, not its own consequence
+    later = FailureBundle(tmp_path, rank=0, world_size=2, publishers=[published.append])
     assert later.record_exception(RuntimeError("Connection reset by peer"), "Traceback...") is None
+    assert [(p["rank"], p["error"]) for p in published] == [(1, "RuntimeError: boom")]
     summary = json.loads((tmp_path / "failure" / "summary.json").read_text())
     assert (summary["rank"], summary["what"], summary["error"], summary["last_step"]) == (1, "exception", "RuntimeError: boom", 5)
     assert sorted(summary["files"]["tracebacks"]) == ["failure/traceback_rank_1.txt"]

@@ -122,18 +122,32 @@ class FailureBundle:
                     os.link(tmp, path)  # atomic "create if absent" on a shared file system
                 except FileExistsError:
                     tmp.unlink(missing_ok=True)
+                    # Another rank failed first (the cause): W&B, which only rank 0 has, gets that summary.
+                    self._publish(self._read(path))
                     return None
                 tmp.unlink(missing_ok=True)
         where = f"rank {summary.get('rank')} on {summary.get('host')}"
         sys.stderr.write(f"[rank{self.rank}] run failed ({summary['what']}, {where}, last step "
                          f"{summary.get('last_step')}): see {path}\n")
         sys.stderr.flush()
+        self._publish(summary)
+        return path
+
+    @staticmethod
+    def _read(path: Path) -> Optional[Dict[str, Any]]:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _publish(self, summary: Optional[Dict[str, Any]]) -> None:
+        if summary is None:
+            return
         for publish in self.publishers:
             try:
                 publish(summary)
             except Exception as err:  # noqa: BLE001 - reporting must never mask the failure
                 log.warning("could not publish the failure summary: %s", err)
-        return path
 
     def record_exception(self, err: BaseException, traceback_text: str) -> Optional[Path]:
         """An exception is ending this rank: its traceback to failure/, then the summary (once per rank)."""
