@@ -28,7 +28,7 @@ from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_v
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager, checkpoint_root, lock_for_run
-from launcher.runtime.failure import FailureBundle
+from launcher.runtime.failure import FailureBundle, host_name
 from launcher.runtime.health import RunHealth
 from launcher.runtime.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
@@ -39,7 +39,6 @@ from launcher.runtime.validation import Validator
 from launcher.runtime.profiler import StepProfiler, default_profile_ranks
 from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
 from launcher.runtime.moe_health import MoEHealth
-from launcher.runtime.failure import host_name
 from launcher.runtime import debug_hooks
 from launcher.data.validation import load_val_token_arrays
 from launcher.runtime.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
