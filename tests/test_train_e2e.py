@@ -18,7 +18,9 @@ from tests.conftest import TRAIN, losses_by_step, read_metrics, run_train, train
 pytestmark = pytest.mark.multiprocess
 
 # fp32 on CPU: resuming must reproduce the uninterrupted losses bit for bit.
-BASE = ["+recipe=debug", "trainer.steps=12", "trainer.log_every=1", "checkpoint.interval=4", "checkpoint.keep=3"]
+# Validation every 4 steps: it must not disturb the training data or exact resume.
+BASE = ["+recipe=debug", "trainer.steps=12", "trainer.log_every=1", "checkpoint.interval=4", "checkpoint.keep=3",
+        "trainer.val_every=4"]
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +100,9 @@ def test_kill_then_resume_reproduces_uninterrupted_losses(reference_run, run_dir
     assert "resumed from" in log
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 13))  # no duplicated steps
     assert losses_by_step(run_dir) == losses_by_step(reference_run)
+    val = {r["step"]: r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r}
+    assert val == {r["step"]: r["val_loss"] for r in read_metrics(reference_run) if "val_loss" in r}
+    assert sorted(val) == [4, 8, 12]
 
 
 def test_corrupted_or_half_written_newest_checkpoint_is_skipped(reference_run, run_dir):

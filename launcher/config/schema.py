@@ -143,6 +143,9 @@ class DataConfig:
     dtype: str = "uint16"  # uint16 | uint32 (token shards)
     tokenizer: str = ""  # path to a local HF tokenizer.json (source=text); "" = bytes
     embedded_tokens: int = 2_000_000
+    # Held-out data for trainer.val_every, read like `path` under `source`; "" with source=embedded:
+    # the embedded corpus's validation split (launcher/data/validation.py).
+    val_path: str = ""
 
 
 @dataclass
@@ -159,6 +162,18 @@ class TrainerConfig:
     track_memory: bool = False
     device: str = "auto"  # auto | cpu | cuda
     deterministic: bool = False
+    # Hang watchdog (launcher/runtime/watchdog.py): seconds without a finished step before every
+    # rank dumps its stacks into <run dir>/failure/ and the job fails. -1: auto (20 x the plan's
+    # step time, at least 300 s); 0: off. Saves, validation, resume and the first steps have their own bound.
+    hang_timeout_s: float = -1.0
+    # Validation loss (val_loss, val_ppl) every val_every steps (0: off) over val_steps held-out global batches.
+    val_every: int = 0
+    val_steps: int = 2
+    # Straggler warning: a rank busier than this x the other ranks' median for 3 log steps in a row
+    # median (launcher/runtime/stragglers.py; one all-gather of one float per log step). 0: off.
+    straggler_factor: float = 1.5
+    # CUDA memory history for the first N steps of every run, dumped to failure/ on OOM (0: off).
+    memory_snapshot_steps: int = 3
 
 
 @dataclass
@@ -281,6 +296,17 @@ class PlanConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler traces (launcher/runtime/profiler.py) into <run dir>/profile/rank_<r>/."""
+
+    enabled: bool = False
+    steps: List[int] = field(default_factory=lambda: [10, 12])  # [first, last], inclusive
+    ranks: List[int] = field(default_factory=list)  # empty: rank 0 and the last pipeline rank
+    record_memory: bool = False  # heavy: allocation events in the trace
+    with_stack: bool = False  # heavy: Python stacks per op
+
+
+@dataclass
 class JobConfig:
     """The whole job, as composed by Hydra from conf/train.yaml."""
 
@@ -302,6 +328,7 @@ class JobConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     run_name: str = ""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def set_dotted(spec: "JobConfig", key: str, value: Any) -> None:

@@ -404,6 +404,46 @@ def tokenizer_vocab_size(path: str, mtime_ns: int) -> Tuple[Optional[int], str]:
         return None, str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
+def _check_observability(spec: JobConfig, problems: List[str]) -> None:
+    """Hang watchdog, validation, profiler and straggler settings (launcher/runtime/)."""
+    t = spec.trainer
+    if t.hang_timeout_s < 0 and t.hang_timeout_s != -1:
+        problems.append(
+            f"trainer.hang_timeout_s={t.hang_timeout_s} must be -1 (auto from the plan's step time), 0 (off) or "
+            f"a positive number of seconds. Fix: trainer.hang_timeout_s=-1."
+        )
+    if t.val_every < 0:
+        problems.append(f"trainer.val_every={t.val_every} must be >= 0 (0: no validation). Fix: e.g. trainer.val_every=100.")
+    if t.val_every > 0 and t.val_steps < 1:
+        problems.append(
+            f"trainer.val_steps={t.val_steps} must be at least 1 when trainer.val_every={t.val_every}. "
+            f"Fix: e.g. trainer.val_steps=4, or trainer.val_every=0.")
+    d = spec.data
+    if t.val_every > 0 and d.source != "embedded" and not d.val_path:
+        problems.append(
+            f"trainer.val_every={t.val_every} with data.source={d.source} needs held-out data but data.val_path is "
+            f"empty. Fix: data.val_path=<{d.source} data not used for training>, or trainer.val_every=0.")
+    if t.memory_snapshot_steps < 0:
+        problems.append(
+            f"trainer.memory_snapshot_steps={t.memory_snapshot_steps} must be >= 0 (0: off). Fix: e.g. trainer.memory_snapshot_steps=3.")
+    if t.straggler_factor != 0 and t.straggler_factor <= 1:
+        problems.append(
+            f"trainer.straggler_factor={t.straggler_factor} must be above 1 (a multiple of the median step time) "
+            f"or 0 (off). Fix: e.g. trainer.straggler_factor=1.5.")
+    pr = spec.profile
+    if pr.enabled and (len(pr.steps) != 2 or pr.steps[0] < 1 or pr.steps[1] < pr.steps[0]):
+        problems.append(
+            f"profile.steps={list(pr.steps)} must be [first, last] with 1 <= first <= last. Fix: e.g. profile.steps=[10,12].")
+    world = spec.cluster.nodes * spec.cluster.gpus_per_node
+    bad = [r for r in pr.ranks if not 0 <= r < world]
+    if pr.enabled and bad:
+        problems.append(
+            f"profile.ranks has {bad}, outside the job's ranks 0..{world - 1}. Fix: e.g. profile.ranks=[0], or [] "
+            f"for rank 0 and the last pipeline rank.")
+    if spec.action == "run" and d.val_path and not os.path.exists(d.val_path):
+        problems.append(f"data.val_path={d.val_path} does not exist. Fix: point data.val_path at held-out {d.source} data.")
+
+
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_choices,
     _check_accumulate_unsharded,
@@ -421,6 +461,7 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_hardware,
     _check_local_cluster,
     _check_run_inputs,
+    _check_observability,
 )
 
 

@@ -65,6 +65,9 @@ class Engine(Protocol):
     def train_step(self, microbatches: List[Microbatch]) -> StepStats:
         """One optimizer step over this data-parallel rank's micro-batches (collective)."""
 
+    def eval_step(self, microbatches: List[Microbatch]) -> float:
+        """Mean token loss over the global batch, forward only; no state changes (collective)."""
+
     def save(self, directory: Path) -> None:
         """Write model, optimizer and LR-schedule state into `directory` (collective)."""
 

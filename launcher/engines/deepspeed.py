@@ -357,6 +357,26 @@ class DeepSpeedEngine:
         return StepStats(loss=float(stats[0]), grad_norm=float(norm) if norm is not None else float("nan"),
                          lr=lr, extra=extra)
 
+    def eval_step(self, microbatches: List[Microbatch]) -> float:
+        """Mean token loss over the global batch, forward only (collective); training state untouched."""
+        self._token_norm = self._count_tokens(microbatches)
+        local_loss = 0.0
+        contributes = True
+        with torch.no_grad():
+            if self.pp > 1:
+                self._pipe_losses = []
+                batches = [(x.to(self.device), y.to(self.device)) for x, y in microbatches]
+                self.engine.eval_batch(data_iter=iter(batches))
+                local_loss = sum(self._pipe_losses)
+                contributes = self.engine.is_last_stage()
+            else:
+                for inputs, labels in microbatches:
+                    logits = self.engine(inputs.to(self.device))
+                    local_loss += float(token_loss_sum(logits, labels.to(self.device))) / self._token_norm
+        total = torch.tensor([local_loss if contributes else 0.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return float(total[0])
+
     # ------------------------------------------------------------------ state
     def save(self, directory: Path) -> None:
         """engine.save_checkpoint: model, ZeRO-partitioned optimizer and LR schedule (collective)."""

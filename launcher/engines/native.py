@@ -296,6 +296,43 @@ class NativeEngine:
             extra["moe_aux_loss"] = float(stats[1]) / ranks
         return StepStats(loss=float(stats[0]), grad_norm=grad_norm, lr=lr, extra=extra)
 
+    def eval_step(self, microbatches: List[Microbatch]) -> float:
+        """Mean token loss over the global batch of these micro-batches, forward only (collective).
+
+        No gradients, no optimizer or schedule change, no random numbers: training is unaffected.
+        With pipelining only the last stage computes the loss; the all-reduce gives it to every rank.
+        """
+        self._token_norm = self._count_tokens(microbatches)
+        local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            if self.pp_schedule is None:
+                model = self.parts[0]
+                for inputs, labels in microbatches:
+                    inputs, labels = inputs.to(self.device), labels.to(self.device)
+                    with self._context_parallel(model, inputs, labels), self._loss_parallel():
+                        with self._autocast():
+                            logits = model(inputs)
+                        local_loss += _plain(self._loss_fn(logits, labels))
+            else:
+                inputs = torch.cat([x for x, _ in microbatches]).to(self.device)
+                labels = torch.cat([y for _, y in microbatches]).to(self.device)
+                losses: list = []
+                kwargs = {}
+                if self.has_last:
+                    kwargs.update(target=labels, losses=losses)
+                args = (inputs,) if self.has_first else ()
+                with self._loss_parallel(), self._autocast():
+                    self.pp_schedule.eval(*args, **kwargs)
+                for mb_loss in losses:
+                    local_loss += _plain(mb_loss.detach())
+        contrib = float(local_loss) if (self.tp_rank == 0 and self.has_last) else 0.0
+        total = torch.tensor([contrib], dtype=torch.float64)
+        if self.world is not None:
+            total = total.to(self.device)
+            dist.all_reduce(total)
+            total = total.cpu()
+        return float(total[0])
+
     # ---------------------------------------------------------------- state
     def _state(self):
         from torch.distributed.checkpoint.state_dict import (

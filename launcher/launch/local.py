@@ -14,6 +14,7 @@ from launcher.config.schema import JobConfig
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
+from launcher.runtime.watchdog import flight_recorder_env
 from launcher.runtime.signals import STOPPED_FILE, StopSignals, control_dir
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ def rank_environment(run_dir: Path, device: str, extra: Optional[Mapping[str, st
     if device == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
+    for name, value in flight_recorder_env().items():  # the hang watchdog's collective record
+        env.setdefault(name, value)
     env.update({str(k): str(v) for k, v in (extra or {}).items()})
     return env
 

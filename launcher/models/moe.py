@@ -96,6 +96,8 @@ class MoE(nn.Module):
         )
         self.last_aux_loss: "torch.Tensor | None" = None
         self.last_dropped_fraction = 0.0
+        # Assignments routed to each expert since the runtime last read them (launcher/runtime/moe_health.py).
+        self.routed_tokens: "torch.Tensor | None" = None
 
     def capacity(self, n_tokens: int) -> int:
         """Assignments one expert may take for a call with n_tokens tokens (0 = unlimited)."""
@@ -115,6 +117,8 @@ class MoE(nn.Module):
         flat_expert = experts.reshape(-1)  # [T*k], token-major
         order = torch.argsort(flat_expert, stable=True)  # group by expert, token order kept
         counts = torch.bincount(flat_expert, minlength=self.n_experts)
+        routed = counts.detach()
+        self.routed_tokens = routed if self.routed_tokens is None else self.routed_tokens + routed
         sorted_expert = flat_expert[order]
         cap = self.capacity(n_tok)
         if cap:

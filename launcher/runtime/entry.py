@@ -15,6 +15,7 @@ import os
 import sys
 import traceback
 from dataclasses import asdict
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -27,10 +28,20 @@ from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_v
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager, checkpoint_root, lock_for_run
+from launcher.runtime.failure import FailureBundle, host_name
+from launcher.runtime.health import RunHealth
+from launcher.runtime.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
+from launcher.runtime.validation import Validator
+from launcher.runtime.profiler import StepProfiler, default_profile_ranks
+from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
+from launcher.runtime.moe_health import MoEHealth
+from launcher.runtime import debug_hooks
+from launcher.data.validation import load_val_token_arrays
+from launcher.runtime.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
 
 log = logging.getLogger("launcher")
 
@@ -111,6 +122,46 @@ def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> Step
     return StepBatches(windows, spec.trainer.seed, lay.global_batch_size, part)
 
 
+def build_validator(spec: JobConfig, plan: Plan, rank: int, run_dir: Path, engine: Engine) -> Optional[Validator]:
+    """Fixed held-out batches for trainer.val_every (None when validation is off)."""
+    if spec.trainer.val_every <= 0:
+        return None
+    cache_dir = Path(run_dir) / "data_cache"
+    if spec.data.source == "text":
+        if rank == 0:  # tokenize once, as for the training data
+            load_val_token_arrays(spec.data, cache_dir)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+    arrays = load_val_token_arrays(spec.data, cache_dir)
+    check_vocab(arrays, spec.model.vocab_size)
+    lay = plan.layout
+    part = BatchSlice(dp_rank=data_parallel_rank(plan, rank), dp_size=lay.dp,
+                      micro_batch_size=lay.micro_batch_size, grad_accum_steps=lay.microbatches)
+    source = StepBatches(TokenWindows(arrays, spec.trainer.seq_len), spec.trainer.seed, lay.global_batch_size, part)
+    return Validator.from_step_batches(engine, source, spec.trainer.val_steps)
+
+
+def build_profiler(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path,
+                   metrics: MetricsLogger) -> Optional[StepProfiler]:
+    """The step profiler on the ranks profile.ranks names (default: rank 0 and the last pipeline rank)."""
+    cfg = spec.profile
+    if not cfg.enabled:
+        return None
+    ranks = list(cfg.ranks) or default_profile_ranks(plan.mesh.coordinates, rank.world_size, plan.mesh.pp)
+    if rank.rank not in ranks:
+        return None
+    return StepProfiler(run_dir, rank.rank, cfg.steps, rank.device.type, record_memory=cfg.record_memory,
+                        with_stack=cfg.with_stack, on_trace=lambda path: metrics.save_file(path))
+
+
+def build_stragglers(spec: JobConfig, rank: RankInfo, metrics: MetricsLogger) -> Optional[StragglerMonitor]:
+    """Per-log-step spread of busy time over ranks (off with one rank or trainer.straggler_factor=0)."""
+    if spec.trainer.straggler_factor <= 0 or rank.world_size < 2:
+        return None
+    return StragglerMonitor(rank.rank, gather_hosts(host_name()), spec.trainer.straggler_factor, rank.device,
+                            publish=metrics.summary if rank.rank == 0 else None)
+
+
 def log_plan_plots(spec: JobConfig, plan: Plan, run_dir: Path, metrics: MetricsLogger) -> None:
     """The plan's memory and pipeline charts, as PNGs in the run dir and images in W&B."""
     if not spec.plan.plots:
@@ -147,10 +198,24 @@ def config_for_logging(spec: JobConfig) -> dict:
     return config
 
 
-def run(run_dir: Path) -> int:
+def start_health(spec: JobConfig, plan: Plan, bundle: FailureBundle, device_type: str) -> RunHealth:
+    """The failure bundle's progress tracking, plus the hang watchdog unless trainer.hang_timeout_s=0."""
+    memory = MemorySnapshot(bundle.folder, bundle.rank, spec.trainer.memory_snapshot_steps, device_type,
+                            predicted=plan.memory).start()
+    timeout = resolve_hang_timeout(spec.trainer.hang_timeout_s, (plan.time or {}).get("step_s", 0.0))
+    if timeout is None:
+        return RunHealth(bundle, memory=memory)
+    # Compiled steps recompile on the second step too: both count as start-up.
+    watchdog = HangWatchdog(bundle, timeout, warmup_steps=2 if spec.trainer.compile else 1)
+    return RunHealth(bundle, watchdog.start(), memory=memory)
+
+
+def run(run_dir: Path, bundle: FailureBundle) -> int:
     spec = load_spec(run_dir)
     plan = Plan.load(run_dir)
     device_type = resolve_device_type(spec.trainer.device)
+    for name, value in flight_recorder_env().items():  # read when the process groups are created
+        os.environ.setdefault(name, value)
     rank = init_distributed(device_type, timeout_s=spec.cluster.collective_timeout_s,
                             cpu_collectives=plan.layout.fsdp_wraps and plan.layout.offload_to_cpu)
     setup_logging(run_dir, rank.rank, spec.logging.level)
@@ -163,11 +228,13 @@ def run(run_dir: Path) -> int:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(spec.trainer.seed)
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
+    health = start_health(spec, plan, bundle, rank.device.type)
     # One job per checkpoint folder, checked before anything is built or written (rank 0 holds it).
     folder_lock = lock_for_run(checkpoint_root(spec.checkpoint.dir, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
 
     engine = build_engine(spec, plan, rank, run_dir)
     record_built(engine, plan, rank.rank, run_dir)
+    debug_hooks.install_slow_compute(engine.model_parts, rank.rank)
     batches = build_batches(spec, plan, rank.rank, run_dir)
     checkpoints = CheckpointManager(
         checkpoint_root(spec.checkpoint.dir, run_dir),
@@ -180,7 +247,9 @@ def run(run_dir: Path) -> int:
     if spec.checkpoint.resume != "none":
         path = checkpoints.select_resume(spec.checkpoint.resume)
         if path is not None:
-            state = checkpoints.load(path, engine, spec.trainer.seed)
+            with health.phase("resume"):
+                state = checkpoints.load(path, engine, spec.trainer.seed)
+            health.saved(state["step"], path)
             start_step = state["step"]
             check_same_data_position(state, plan)
             log.info("resumed from %s at step %d", path, start_step)
@@ -196,6 +265,8 @@ def run(run_dir: Path) -> int:
         progress=spec.logging.progress,
         resume_step=start_step,
     )
+    if rank.rank == 0:
+        bundle.publishers.append(lambda summary: metrics.summary({"failure": summary}))
     if rank.rank == 0 and plan.memory:
         metrics.summary({"predicted": {"memory": plan.memory, "time": plan.time}})
         log_plan_plots(spec, plan, run_dir, metrics)
@@ -215,18 +286,31 @@ def run(run_dir: Path) -> int:
         track_memory=spec.trainer.track_memory,
         predicted_memory=plan.memory,
         device_type=rank.device.type,
+        val_every=spec.trainer.val_every,
     )
     trainer = Trainer(
         loop_cfg, run_dir=run_dir, rank=rank.rank, engine=engine, batches=batches,
-        checkpoints=checkpoints, metrics=metrics, stop=stop, start_step=start_step,
+        checkpoints=checkpoints, metrics=metrics, stop=stop, start_step=start_step, health=health,
+        validator=build_validator(spec, plan, rank.rank, run_dir, engine),
+        profiler=build_profiler(spec, plan, rank, run_dir, metrics),
+        stragglers=build_stragglers(spec, rank, metrics),
+        moe_health=MoEHealth(engine.model_parts, spec.model.n_layers, spec.model.n_experts, rank.rank, rank.device,
+                             log_table=metrics.log_table) if spec.model.n_experts > 0 else None,
     )
     try:
         result = trainer.fit()
         if not result.stopped_early and spec.checkpoint.export != "none":
             out = Path(run_dir) / "export"
-            engine.export(out, spec.checkpoint.export)
+            with health.phase("export"):
+                engine.export(out, spec.checkpoint.export)
             log.info("exported the consolidated model to %s (%s)", out, spec.checkpoint.export)
+    except Exception as err:
+        # Recorded here, while W&B is still open (the finally below closes it).
+        health.on_exception(err)
+        bundle.record_exception(err, traceback.format_exc())
+        raise
     finally:
+        health.close()
         stop.uninstall()
         metrics.close()
     if result.stopped_early:
@@ -242,8 +326,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="launcher rank runtime (started by torchrun)")
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
+    bundle = FailureBundle(args.run_dir, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     try:
-        code = run(args.run_dir)
+        code = run(args.run_dir, bundle)
     except Exception as err:
         # Surface the failing rank's error on stderr (the main log) and in its rank log, then fail
         # fast: gloo teardown can hang when peers are gone.
@@ -255,6 +340,10 @@ def main(argv=None) -> int:
         else:
             sys.stderr.write(f"[rank{rank}] FAILED:\n{text}")
         sys.stderr.flush()
+        try:
+            bundle.record_exception(err, text)
+        except Exception as bundle_err:  # noqa: BLE001 - never hide the original failure
+            sys.stderr.write(f"[rank{rank}] could not write the failure bundle: {bundle_err}\n")
         os._exit(1)
     shutdown_distributed()
     return code

@@ -229,6 +229,20 @@ class MetricsLogger:
 
         self._wandb_call("image log", lambda run: run.log({key: wandb.Image(str(path)) for key, path in images.items()}))
 
+    def log_table(self, key: str, columns: list, data: list) -> None:
+        """A table (e.g. tokens per MoE expert) into W&B at the current step (rank 0 only)."""
+        if not self.enabled or self._wandb is None:
+            return
+        import wandb
+
+        self._wandb_call("table log", lambda run: run.log({key: wandb.Table(columns=columns, data=data)}))
+
+    def save_file(self, path: Path) -> None:
+        """A file of the run dir (e.g. a profiler trace) into W&B's run files (rank 0 only)."""
+        if not self.enabled or self._wandb is None:
+            return
+        self._wandb_call("file save", lambda run: run.save(str(path), base_path=str(self.run_dir), policy="now"))
+
     def close(self) -> None:
         if not self.enabled:
             return

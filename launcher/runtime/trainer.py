@@ -17,7 +17,13 @@ from launcher.plan.flops import achieved_tflops, mfu
 from launcher.runtime.checkpoint import CheckpointManager
 from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
-from launcher.runtime.signals import StopWatcher, write_stopped
+from launcher.runtime.health import RunHealth
+from launcher.runtime.validation import Validator
+from launcher.runtime.profiler import StepProfiler
+from launcher.runtime.stragglers import StragglerMonitor
+from launcher.runtime.moe_health import MoEHealth
+from launcher.runtime.signals import StopWatcher, StopWithoutCheckpoint, write_stopped
+from launcher.runtime.debug_hooks import before_step as debug_before_step
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,7 @@ class LoopConfig:
     track_memory: bool = False
     predicted_memory: Optional[Dict[str, Any]] = None
     device_type: str = "cpu"
+    val_every: int = 0  # validation loss every N steps (0: off); needs a Validator
 
 
 @dataclass
@@ -64,6 +71,11 @@ class Trainer:
         metrics: MetricsLogger,
         stop: StopWatcher,
         start_step: int = 0,
+        health: Optional[RunHealth] = None,
+        validator: Optional[Validator] = None,
+        profiler: Optional[StepProfiler] = None,
+        stragglers: Optional[StragglerMonitor] = None,
+        moe_health: Optional[MoEHealth] = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -74,6 +86,11 @@ class Trainer:
         self.metrics = metrics
         self.stop = stop
         self.start_step = start_step
+        self.health = health
+        self.validator = validator
+        self.profiler = profiler
+        self.stragglers = stragglers
+        self.moe_health = moe_health
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
         return {
@@ -85,8 +102,14 @@ class Trainer:
         }
 
     def _save(self, step: int) -> None:
-        if self.cfg.checkpoint_enabled:
+        if not self.cfg.checkpoint_enabled:
+            return
+        if self.health is None:
             self.checkpoints.save(step, self.engine, self._trainer_state(step))
+            return
+        with self.health.phase("checkpoint save"):
+            path = self.checkpoints.save(step, self.engine, self._trainer_state(step))
+        self.health.saved(step, path)
 
     def _tracked_step(self, microbatches):
         """One training step under the memory tracker; returns its stats and predicted-vs-measured."""
@@ -110,6 +133,15 @@ class Trainer:
         self.metrics.summary({"memory_measured_vs_predicted": row})
         return result["stats"], row
 
+    def _validate(self, step: int) -> Dict[str, float]:
+        """val_loss / val_ppl at every val_every-th step (a long phase for the hang watchdog)."""
+        if self.validator is None or not self.cfg.val_every or step % self.cfg.val_every:
+            return {}
+        if self.health is None:
+            return self.validator.run()
+        with self.health.phase("validation"):
+            return self.validator.run()
+
     def fit(self) -> LoopResult:
         cfg = self.cfg
         step = self.start_step
@@ -120,13 +152,25 @@ class Trainer:
         for step in range(self.start_step + 1, cfg.steps + 1):
             microbatches = self.batches.for_step(step)
             memory_row: Dict[str, Any] = {}
+            debug_before_step(self.rank, step)
+            if self.profiler is not None:
+                self.profiler.before_step(step)
+            if self.stragglers is not None:
+                self.stragglers.step_started()
             t0 = time.perf_counter()
             if cfg.track_memory and step == self.start_step + 2:
                 stats, memory_row = self._tracked_step(microbatches)
             else:
                 stats = self.engine.train_step(microbatches)
             elapsed = time.perf_counter() - t0
-            if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
+            if self.stragglers is not None:
+                self.stragglers.step_finished()
+            if self.profiler is not None:
+                self.profiler.after_step(step)
+            if self.health is not None:
+                self.health.step_done(step)
+            val_row = self._validate(step)
+            if step % cfg.log_every == 0 or step == cfg.steps or step == 1 or val_row:
                 record = {
                     "step": step,
                     "loss": stats.loss,
@@ -143,6 +187,11 @@ class Trainer:
                         record["mfu"] = mfu(per_gpu, cfg.flops_per_token, cfg.peak_tflops_per_gpu)
                 record.update(stats.extra)
                 record.update(memory_row)
+                record.update(val_row)
+                if self.stragglers is not None:  # collective: every rank logs at the same steps
+                    record.update(self.stragglers.observe(step))
+                if self.moe_health is not None:  # collective too
+                    record.update(self.moe_health.observe(step))
                 self.metrics.log(record)
             elif memory_row:
                 self.metrics.log(dict(memory_row, step=step), console=False)
@@ -153,7 +202,7 @@ class Trainer:
                 reason = self.stop.local_request() or "stop requested on another rank"
                 if not cfg.checkpoint_enabled:
                     # No checkpoint means no resume: do not ask for a requeue that restarts at 0.
-                    raise RuntimeError(
+                    raise StopWithoutCheckpoint(
                         f"stop requested at step {step} ({reason}) but checkpoint.enabled=false: the work "
                         f"cannot be saved. Fix: enable checkpoints to survive preemption."
                     )
@@ -163,6 +212,8 @@ class Trainer:
                 if self.rank == 0:
                     write_stopped(self.run_dir, step, reason)
                 return LoopResult(last_step=step, stopped_early=True, stop_reason=reason)
+        if self.stragglers is not None and self.rank == 0:
+            self.metrics.summary(self.stragglers.summary())
         if cfg.save_final and last_saved != step:
             self._save(step)
         return LoopResult(last_step=step, stopped_early=False)

@@ -1,0 +1,79 @@
+"""MoE health: tokens routed to each expert of each MoE layer, per log step; idle experts warned about.
+
+Every MoE layer counts the assignments its router makes (launcher/models/moe.py
+`routed_tokens`, on this rank's tokens, before any capacity drop). On each log step every
+rank reads and resets its layers' counts into one [n_layers, n_experts] tensor (layers are
+keyed by their index in the whole model, so pipeline stages fill different rows) and one
+all-reduce sums them. Rank 0 logs `moe/expert_share_min` and `moe/expert_share_max` (the
+smallest and largest share of a layer's assignments any expert got) and `moe/idle_experts`;
+W&B also gets the full table (layer, expert, tokens). An expert with no tokens for
+IDLE_LOGS log steps in a row is warned about. Tensor-parallel ranks see the same tokens and
+count them again: shares and idle experts are unaffected by that duplication.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+IDLE_LOGS = 3
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def moe_layers(parts: List[nn.Module]) -> List[Tuple[int, nn.Module]]:
+    """(index of the block in the whole model, its MoE module) for this rank's model parts."""
+    found = []
+    for part in parts:
+        for name, module in part.named_modules():
+            if hasattr(module, "routed_tokens"):
+                match = _LAYER.search(name)
+                if match:
+                    found.append((int(match.group(1)), module))
+    return found
+
+
+class MoEHealth:
+    def __init__(self, parts: List[nn.Module], n_layers: int, n_experts: int, rank: int, device: torch.device,
+                 log_table: Optional[Callable[[str, List[str], List[List[Any]]], None]] = None):
+        self.layers = moe_layers(parts)
+        self.n_layers, self.n_experts = n_layers, n_experts
+        self.rank = rank
+        self.device = device
+        self.log_table = log_table
+        self._idle = torch.zeros(n_layers, n_experts, dtype=torch.int64)
+        self._moe_rows: Optional[List[int]] = None
+
+    def observe(self, step: int) -> Dict[str, Any]:
+        """On a log step (every rank, collective): routed-token statistics since the last log step."""
+        counts = torch.zeros(self.n_layers, self.n_experts, dtype=torch.float64, device=self.device)
+        for index, module in self.layers:
+            if module.routed_tokens is not None:
+                counts[index] += module.routed_tokens.to(counts.device, torch.float64)
+                module.routed_tokens = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        counts = counts.cpu()
+        rows = [i for i in range(self.n_layers) if counts[i].sum() > 0]
+        if not rows:
+            return {}
+        share = counts[rows] / counts[rows].sum(dim=1, keepdim=True)
+        idle = counts == 0
+        self._idle = torch.where(idle, self._idle + 1, torch.zeros_like(self._idle))
+        for layer in rows:
+            for expert in range(self.n_experts):
+                if self._idle[layer, expert] == IDLE_LOGS and self.rank == 0:
+                    log.warning("MoE layer %d: expert %d received no tokens for %d log steps in a row (step %d); "
+                                "check the router and the load-balancing loss (model.aux_loss_coef)",
+                                layer, expert, IDLE_LOGS, step)
+        if self.log_table is not None and self.rank == 0:
+            data = [[layer, expert, int(counts[layer, expert])] for layer in rows for expert in range(self.n_experts)]
+            self.log_table("moe/tokens_per_expert", ["layer", "expert", "tokens"], data)
+        return {"moe/expert_share_min": float(share.min()), "moe/expert_share_max": float(share.max()),
+                "moe/idle_experts": int(idle[rows].sum())}

@@ -1,0 +1,224 @@
+"""Real 2-rank runs that go wrong: a hang and a crash leave <run dir>/failure/ naming the culprit.
+
+The misbehaviour comes from the rank runtime's debug hooks (launcher/runtime/debug_hooks.py),
+passed to the ranks through cluster.env, so the code under test is the code that runs in a job.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TRAIN, train_env
+
+pytestmark = pytest.mark.multiprocess
+
+HANG_S = 8  # trainer.hang_timeout_s of the hang test
+EXIT_MARGIN_S = 60  # report grace (15 s) + torchrun's teardown, with room for a loaded machine
+
+
+def _start(args, run_dir: Path) -> subprocess.Popen:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [TRAIN, *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=train_env(run_dir.parent),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+
+
+def _ranks_left(run_dir: Path) -> str:
+    found = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], capture_output=True, text=True)
+    return found.stdout.strip()
+
+
+def test_a_rank_stuck_before_a_collective_ends_the_job_with_stacks_and_names_it(run_dir):
+    proc = _start(["+recipe=debug", "trainer.steps=40", "checkpoint.interval=2", f"trainer.hang_timeout_s={HANG_S}",
+                   "+cluster.env.LAUNCHER_DEBUG_HANG=1:4"], run_dir)
+    try:
+        hook_line = "LAUNCHER_DEBUG_HANG: rank 1 sleeps forever before step 4"
+        deadline = time.monotonic() + 240
+        log1 = run_dir / "logs" / "rank_1.log"
+        while not (log1.exists() and hook_line in log1.read_text()):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "rank 1 never reached the hang"
+            time.sleep(0.5)
+        # From the moment rank 1 hangs: the watchdog's bound, then the reports' grace and teardown.
+        code = proc.wait(timeout=HANG_S + EXIT_MARGIN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert code != 0, out
+    for _ in range(20):  # the ranks are torchrun's children; give its teardown a moment
+        if not _ranks_left(run_dir):
+            break
+        time.sleep(0.5)
+    assert not _ranks_left(run_dir)
+    failure = run_dir / "failure"
+    summary = json.loads((failure / "summary.json").read_text())
+    assert summary["what"] == "hang"
+    assert summary["ranks_not_arrived"] == [1], summary
+    assert summary["last_step"] == 3 and summary["last_checkpoint"].endswith("step_00000002"), summary
+    assert f"see {failure / 'summary.json'}" in out
+    # Every rank's Python stacks: the stuck one in the hook's sleep, the other inside a collective.
+    assert "before_step" in (failure / "stacks_rank_1.txt").read_text()
+    stack0 = (failure / "stacks_rank_0.txt").read_text()
+    assert "before_step" not in stack0 and "train_step" in stack0
+    assert sorted(summary["files"]["stacks"]) == ["failure/stacks_rank_0.txt", "failure/stacks_rank_1.txt"]
+    # The flight recorder (TORCH_FR_BUFFER_SIZE, set by the launcher) recorded gloo's collectives.
+    for rank in (0, 1):
+        trace = json.loads((failure / f"fr_trace_rank_{rank}.json").read_text())
+        assert any(e["profiling_name"].startswith("gloo:") for e in trace["entries"])
+
+
+def _metrics(run_dir: Path) -> list:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _val_steps(records: list) -> dict:
+    return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+
+
+def _traces(run_dir: Path) -> dict:
+    """{rank folder: sorted trace names}, each trace parsed as JSON (Chrome trace format)."""
+    out = {}
+    for folder in sorted((run_dir / "profile").iterdir()):
+        out[folder.name] = sorted(p.name for p in folder.iterdir())
+        for trace in folder.iterdir():
+            assert "traceEvents" in json.loads(trace.read_text()), trace
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> Path:
+    """MoE, dp=2, validation every 3 steps, rank 1's profile of steps 2-3, rank 1 slowed inside its forward."""
+    run_dir = tmp_path_factory.mktemp("health") / "run"
+    proc = _start(["+recipe=debug", "model=debug_moe", "trainer.steps=8", "trainer.log_every=1", "checkpoint.interval=0",
+                   "trainer.val_every=3", "profile.enabled=true", "profile.steps=[2,3]", "profile.ranks=[1]",
+                   "+cluster.env.LAUNCHER_DEBUG_SLOW_COMPUTE=1:200"], run_dir)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-4000:]
+    (run_dir / "train_output.txt").write_text(out)
+    return run_dir
+
+
+def test_validation_loss_is_logged_at_every_val_every_step(two_rank_run):
+    records = _metrics(two_rank_run)
+    val = _val_steps(records)
+    assert sorted(val) == [3, 6], val
+    for r in records:
+        if "val_loss" in r:
+            assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]))
+    assert val[6] < val[3]  # the model learns the grammar the held-out text shares
+
+
+def test_profiler_writes_chrome_traces_for_the_chosen_ranks_and_steps_only(two_rank_run):
+    assert _traces(two_rank_run) == {"rank_1": ["step_2.json", "step_3.json"]}
+
+
+def test_a_rank_slowed_in_its_compute_is_named_as_straggler(two_rank_run):
+    records = _metrics(two_rank_run)
+    assert all(r["slowest_rank"] == 1 for r in records[2:]), [r.get("slowest_rank") for r in records]
+    assert all(r["step_time_min_s"] <= r["step_time_median_s"] <= r["step_time_max_s"] for r in records)
+    out = (two_rank_run / "train_output.txt").read_text()
+    assert "straggler: rank 1 on host " in out and "straggler: rank 0" not in out
+    stragglers = json.loads((two_rank_run / "summary.json").read_text())["stragglers"]
+    assert [w["rank"] for w in stragglers["warned"]] == [1]
+    assert stragglers["slowest_hosts"][0]["rank"] == 1 and stragglers["slowest_hosts"][0]["host"]
+
+
+def test_moe_expert_shares_are_logged_per_log_step(two_rank_run):
+    records = _metrics(two_rank_run)
+    for r in records:
+        # debug_moe: 4 experts, top-2, so every expert's share is within (0, 1) and they cannot all be equal to 0.
+        assert 0 <= r["moe/expert_share_min"] <= 0.25 <= r["moe/expert_share_max"] <= 1, r
+        assert isinstance(r["moe/idle_experts"], int)
+
+
+def test_pipeline_validation_and_a_rank_raising_oom_leaves_a_failure_summary_naming_it(two_rank_run, tmp_path):
+    """pp=2: only the last stage computes the loss; rank 1 then raises an out-of-memory error and
+    failure/summary.json names it, with the plan's memory prediction beside it (no CUDA snapshot on CPU)."""
+    run_dir = tmp_path / "run"
+    proc = _start(["+recipe=debug", "model=debug_moe", "trainer.steps=8", "parallel.pp=2", "trainer.log_every=4", "checkpoint.interval=0",
+                   "trainer.val_every=3", "profile.enabled=true", "profile.steps=[2,2]",
+                   "+cluster.env.LAUNCHER_DEBUG_OOM=1:7"], run_dir)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode != 0, out[-4000:]
+    val = _val_steps(_metrics(run_dir))
+    assert sorted(val) == [3, 6], val
+    # The same model, data and global batch as the dp=2 run: the same held-out loss.
+    assert val[3] == pytest.approx(_val_steps(_metrics(two_rank_run))[3], abs=1e-4)
+    # Default profiled ranks: rank 0 and the last pipeline rank.
+    assert _traces(run_dir) == {"rank_0": ["step_2.json"], "rank_1": ["step_2.json"]}
+    summary = json.loads((run_dir / "failure" / "summary.json").read_text())
+    assert summary["what"] == "oom" and summary["rank"] == 1 and summary["failed_ranks"] == [1], summary
+    assert summary["error"].startswith("OutOfMemoryError: LAUNCHER_DEBUG_OOM") and summary["last_step"] == 6
+    assert summary["files"]["tracebacks"] == ["failure/traceback_rank_1.txt"]
+    assert summary["files"]["snapshots"] == ["failure/memory_prediction_rank_1.json"]
+    prediction = json.loads((run_dir / "failure" / "memory_prediction_rank_1.json").read_text())
+    assert prediction["step"] == 7 and prediction["predicted"] == json.loads((run_dir / "plan.json").read_text())["memory"]
+    assert f"see {run_dir / 'failure' / 'summary.json'}" in out
+    # Rank 0 then fails too (its peer is gone) and hands the first failure's summary to W&B's run summary
+    # (MetricsLogger.summary, which also writes the run's summary.json).
+    assert json.loads((run_dir / "summary.json").read_text())["failure"]["rank"] == 1
+
+
+def test_first_failure_wins_and_each_kind_is_classified(tmp_path):
+    """In-process: the summary of the first failing rank stays; later ranks' failures do not replace it."""
+    import torch
+
+    from launcher.runtime.failure import FailureBundle
+    from launcher.runtime.signals import StopWithoutCheckpoint
+
+    first = FailureBundle(tmp_path, rank=1, world_size=2)
+    first.progress.last_step = 5
+    assert first.record_exception(RuntimeError("boom"), "Traceback...") is not None
+    published = []  # rank 0's W&B run gets the first failure's summary, not its own consequence
+    later = FailureBundle(tmp_path, rank=0, world_size=2, publishers=[published.append])
+    assert later.record_exception(RuntimeError("Connection reset by peer"), "Traceback...") is None
+    assert [(p["rank"], p["error"]) for p in published] == [(1, "RuntimeError: boom")]
+    summary = json.loads((tmp_path / "failure" / "summary.json").read_text())
+    assert (summary["rank"], summary["what"], summary["error"], summary["last_step"]) == (1, "exception", "RuntimeError: boom", 5)
+    assert sorted(summary["files"]["tracebacks"]) == ["failure/traceback_rank_1.txt"]
+    from launcher.runtime.failure import classify
+
+    assert classify(torch.OutOfMemoryError("CUDA out of memory")) == "oom"
+    assert classify(StopWithoutCheckpoint("stop requested")) == "signal"
+
+
+def test_an_expert_that_gets_no_tokens_is_warned_about(caplog):
+    """In-process, a real MoE layer whose router never picks expert 0: warned after IDLE_LOGS log steps."""
+    import logging
+
+    import torch
+    from torch import nn
+
+    from launcher.models.moe import MoE
+    from launcher.runtime.moe_health import IDLE_LOGS, MoEHealth
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = MoE(dim=8, hidden=16, n_experts=4, top_k=1)
+
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": nn.Linear(8, 8), "1": Block()})
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+        model.layers["1"].moe.router.weight[0].fill_(-100.0)  # positive inputs: expert 0 always scores lowest
+    health = MoEHealth([model], n_layers=2, n_experts=4, rank=0, device=torch.device("cpu"))
+    x = torch.randn(64, 8).abs()
+    with caplog.at_level(logging.WARNING, logger="launcher.runtime.moe_health"):
+        for step in range(1, IDLE_LOGS + 1):
+            model.layers["1"].moe(x)
+            row = health.observe(step)
+            assert row["moe/idle_experts"] == 1 and row["moe/expert_share_min"] == 0.0
+    warnings = [r.getMessage() for r in caplog.records if "received no tokens" in r.getMessage()]
+    assert warnings == [f"MoE layer 1: expert 0 received no tokens for {IDLE_LOGS} log steps in a row (step {IDLE_LOGS}); "
+                        "check the router and the load-balancing loss (model.aux_loss_coef)"]
