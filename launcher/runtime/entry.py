@@ -10,8 +10,10 @@ Layout plus the narrow options it does not cover (launcher/engines/base.py Engin
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import socket
 import sys
 import traceback
 from dataclasses import asdict
@@ -82,6 +84,18 @@ def record_built(engine: Engine, plan: Plan, rank: int, run_dir: Path) -> None:
     path = Path(run_dir) / "logs" / f"built_rank_{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(built(), indent=1, sort_keys=True))
+
+
+def log_placement(plan: Plan, rank: RankInfo) -> None:
+    """One line per rank: which node (SLURM's node name; several dev-cluster nodes share one
+    hostname), which node-local rank and torchrun agent, and the rank's mesh coordinates, so a
+    multi-node run can be checked from its logs (e.g. that each TP group stays inside a node)."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    log.info(
+        "placement: rank %d local_rank %d node %s host %s torchrun_pid %d coords %s",
+        rank.rank, rank.local_rank, node, socket.gethostname(), os.getppid(),
+        json.dumps(plan.layout.mesh.coordinates(rank.rank), sort_keys=True),
+    )
 
 
 def data_parallel_rank(plan: Plan, rank: int) -> int:
@@ -163,6 +177,7 @@ def run(run_dir: Path) -> int:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(spec.trainer.seed)
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
+    log_placement(plan, rank)
     # One job per checkpoint folder, checked before anything is built or written (rank 0 holds it).
     folder_lock = lock_for_run(checkpoint_root(spec.checkpoint.dir, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
 
