@@ -1,7 +1,10 @@
 """The development SLURM cluster for tests: started once per session by slurm/dev-cluster.sh.
 
-Every SLURM test runs on the same cluster of NODES (2) nodes, n1 and n2, on this one host
-(`slurm/dev-cluster.sh up --nodes 2`): single-node jobs take one of them, multi-node jobs both.
+Every SLURM test runs on the same cluster of NODES (4) nodes, n1..n4, on this one host
+(`slurm/dev-cluster.sh up --nodes 4`): single-node jobs take one of them, multi-node jobs
+JOB_NODES (2). Four, not two, so that the node-death test can resume a 2-node job on nodes that
+did not die: a node brought back at once would receive SLURM's queued terminate request for
+the job that ran there, and kill that job's rerun (docs/slurm.md).
 
 Import the fixture into a test module (`from slurm_cluster import slurm_cluster`). It brings
 the cluster up (installing the Debian packages on a fresh machine) and fails the test, never
@@ -27,7 +30,8 @@ import pytest
 from launcher.paths import slurm_dir
 
 DEV_CLUSTER = slurm_dir() / "dev-cluster.sh"
-NODES = 2  # the cluster every SLURM test uses; single-node jobs take one of its nodes
+NODES = 4  # nodes of the cluster every SLURM test uses
+JOB_NODES = 2  # nodes of the multi-node jobs
 UP_TIMEOUT_S = 500  # a fresh machine installs the packages first (about 15 s, more on a slow mirror)
 FINAL_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",

@@ -18,7 +18,7 @@ import pytest
 from launcher.config.loader import compose_spec
 from launcher.launch import slurm
 from launcher.plan.plan import build_plan
-from slurm_cluster import DEV_CLUSTER, NODES, SlurmCluster, dev_cluster_up, slurm_cluster  # noqa: F401  (fixture)
+from slurm_cluster import DEV_CLUSTER, JOB_NODES, NODES, SlurmCluster, dev_cluster_up, slurm_cluster  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slurm
 
@@ -241,12 +241,12 @@ def test_two_node_job_requeues_on_failure_with_the_rendezvous_at_the_first_node_
     slurm_cluster: SlurmCluster, tmp_path, monkeypatch
 ):
     """cluster.requeue_on_failure=true: failed ranks requeue the job (the rerun succeeds);
-    cluster.rdzv_host_from=nodeaddr: the endpoint is the first node's NodeAddr, 127.0.1.1."""
+    cluster.rdzv_host_from=nodeaddr: the endpoint is the first node's NodeAddr (127.0.1.I for nI)."""
     ranks = tmp_path / "ranks.sh"
     ranks.write_text(FAIL_ONCE_RANKS)
     ranks.chmod(0o755)
     job_id, run_dir = submit_job(
-        tmp_path, monkeypatch, f"cluster.python={ranks}", f"cluster.nodes={NODES}",
+        tmp_path, monkeypatch, f"cluster.python={ranks}", f"cluster.nodes={JOB_NODES}",
         "cluster.requeue_on_failure=true", "cluster.rdzv_host_from=nodeaddr", "cluster.max_requeues=1",
     )
     first = slurm_cluster.wait(job_id, timeout=120, states={"COMPLETED", "FAILED", "CANCELLED"})
@@ -255,4 +255,10 @@ def test_two_node_job_requeues_on_failure_with_the_rendezvous_at_the_first_node_
     assert "cluster.requeue_on_failure: requeueing job" in log, log
     port = 20000 + int(job_id) % 20000
     runs = sorted((run_dir / "runs.txt").read_text().splitlines())
-    assert runs == [f"{r} n{n} 127.0.1.1:{port}" for r in (0, 1) for n in range(1, NODES + 1)], runs
+    assert [r.split()[0] for r in runs] == ["0"] * JOB_NODES + ["1"] * JOB_NODES, runs
+    for restart in ("0", "1"):
+        seen = [r.split()[1:] for r in runs if r.split()[0] == restart]
+        nodes = sorted(node for node, _ in seen)
+        assert len(set(nodes)) == JOB_NODES, runs  # one task per node
+        # Node nI has the address 127.0.1.I (dev-cluster.sh); the first node hosts the rendezvous.
+        assert {endpoint for _, endpoint in seen} == {f"127.0.1.{nodes[0][1:]}:{port}"}, runs

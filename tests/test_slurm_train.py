@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Dict, List
 import pytest
 
 from conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
-from slurm_cluster import JobInfo, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
+from slurm_cluster import JOB_NODES, JobInfo, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slurm
 
@@ -42,9 +43,12 @@ COMMON = [
 
 
 def submit_train(run_dir: Path, *extra: str) -> str:
-    """Run `train COMMON EXTRA` (which submits and returns); the job id it submitted."""
+    """Run `train COMMON EXTRA` (which submits and returns); the job id it submitted.
+    A key given in EXTRA replaces COMMON's value (Hydra refuses a key given twice)."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    proc = run_train([*COMMON, *extra], run_dir, timeout=180)
+    keys = {arg.split("=", 1)[0] for arg in extra}
+    common = [arg for arg in COMMON if arg.split("=", 1)[0] not in keys]
+    proc = run_train([*common, *extra], run_dir, timeout=180)
     assert proc.returncode == 0, f"train exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     info_path = run_dir / "slurm_job.json"
     assert info_path.exists(), f"train did not submit a SLURM job (cluster.name ignored?):\n{proc.stdout[-2000:]}"
@@ -100,8 +104,9 @@ def signal_mid_run(cluster: SlurmCluster, job_id: str, run_dir: Path) -> int:
 
 @pytest.fixture(scope="module")
 def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, TrainJob]:
-    """Two identical debug runs submitted together (they share the queue's idle time):
-    "reference" runs uninterrupted; "preempted" gets USR1 after its third step.
+    """Two debug runs of the same layout submitted together (they share the queue's idle time):
+    "reference" runs uninterrupted on one node (2 ranks); "preempted" runs on both nodes
+    (1 rank each) and gets USR1 after its third step.
 
     Both are submitted with a secret in the environment (HF_TOKEN, in cluster.secret_env).
     """
@@ -110,7 +115,10 @@ def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, Train
     previous = os.environ.get("HF_TOKEN")
     os.environ["HF_TOKEN"] = SECRET
     try:
-        ids = {name: submit_train(run_dir) for name, run_dir in dirs.items()}
+        ids = {
+            "reference": submit_train(dirs["reference"]),
+            "preempted": submit_train(dirs["preempted"], f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1"),
+        }
     finally:
         if previous is None:
             os.environ.pop("HF_TOKEN")
@@ -174,6 +182,12 @@ def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(train_jobs:
     assert "received SIGUSR1" in log and "requeueing job" in log, log
     stopped = json.loads(log.split("the ranks checkpointed and stopped: ", 1)[1].splitlines()[0])
     assert job.signalled_at <= stopped["step"] < STEPS, stopped
+    # The job spans both nodes, and every rank on every node stopped at the same step.
+    rank_logs = [(job.run_dir / "logs" / f"rank_{r}.log").read_text() for r in range(JOB_NODES)]
+    nodes = {re.search(r"placement: rank \d+ local_rank 0 node (\S+)", text)[1] for text in rank_logs}
+    assert len(nodes) == JOB_NODES, nodes
+    for text in rank_logs:
+        assert re.findall(r"stopped at step (\d+)", text) == [str(stopped["step"])], text[-2000:]
     resumed, reference = losses_by_step(job.run_dir), losses_by_step(ref.run_dir)
     assert sorted(resumed) == sorted(reference)
     diffs = {s: abs(resumed[s] - reference[s]) for s in reference}

@@ -27,6 +27,7 @@ from launcher.engines.base import Engine, EngineOptions
 from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
 from launcher.plan.flops import peak_tflops, training_flops_per_token
+from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager, checkpoint_root, lock_for_run
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
@@ -110,8 +111,7 @@ def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> Step
         # Tokenize once (rank 0) into the cache; the other ranks then map the same shard.
         if rank == 0:
             load_token_arrays(spec.data, cache_dir)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        phase_barrier()  # rank 0 may tokenize for long: not bounded by the collective timeout
     arrays = load_token_arrays(spec.data, cache_dir)
     check_vocab(arrays, spec.model.vocab_size)
     windows = TokenWindows(arrays, spec.trainer.seq_len)
@@ -168,6 +168,9 @@ def run(run_dir: Path) -> int:
     rank = init_distributed(device_type, timeout_s=spec.cluster.collective_timeout_s,
                             cpu_collectives=plan.layout.fsdp_wraps and plan.layout.offload_to_cpu)
     setup_logging(run_dir, rank.rank, spec.logging.level)
+    # Single-rank phases (saves, tokenizing, export) wait on their own group with a longer timeout.
+    init_phase_group(phase_timeout_s(spec.cluster.collective_timeout_s,
+                                     int((plan.checkpoint or {}).get("shutdown_timeout_s", 0))))
     if rank.world_size != plan.world_size:
         raise RuntimeError(
             f"started with {rank.world_size} ranks but the plan is for {plan.world_size}. "
