@@ -216,15 +216,26 @@ def test_sbatch_rejection_is_reported_with_a_fix(slurm_cluster: SlurmCluster, tm
 
 
 def test_multirun_submits_one_job_per_point(slurm_cluster: SlurmCluster, tmp_path):
+    """One 2-node job per sweep point, each chained (cluster.after, afterany) to a job that fails:
+    they start after it ends, although it failed."""
+    failing = slurm_cluster.sbatch_wrap("sleep 3; exit 1", f"--output={tmp_path}/failing.out")
     sweep = tmp_path / "sweep"
-    cmd = [TRAIN, "-m", *COMMON, "cluster.python=/bin/true", "trainer.seed=1,2", f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        TRAIN, "-m", *COMMON, "cluster.python=/bin/true", "trainer.seed=1,2", f"hydra.sweep.dir={sweep}",
+        f"cluster.nodes={JOB_NODES}", f"cluster.after=[{failing}]",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     paths = [sweep / str(i) / "slurm_job.json" for i in (0, 1)]
     assert all(p.exists() for p in paths), f"no SLURM job submitted per sweep point:\n{proc.stdout[-2000:]}"
     infos = [json.loads(p.read_text()) for p in paths]
     assert infos[0]["job_id"] != infos[1]["job_id"]
+    before = slurm_cluster.wait(failing, timeout=120)
+    assert before.state == "FAILED", before
     for i, info in enumerate(infos):
         done = slurm_cluster.wait(info["job_id"], timeout=120)
         assert done.state == "COMPLETED", done
         assert info["script"] == str(sweep / str(i) / "job.sbatch")
+        assert done.fields["NumNodes"] == str(JOB_NODES), done.fields
+        # Timestamps to the second: the chained job started no earlier than the failed one ended.
+        assert done.fields["StartTime"] >= before.fields["EndTime"], (done.fields, before.fields)

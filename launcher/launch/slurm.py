@@ -179,7 +179,9 @@ def sbatch_options(spec: JobConfig, paths: SlurmPaths, cwd: Path) -> List[Dict[s
         # and the script names the node and requeues (cluster.requeue_on_failure) itself.
         opts.append(("no-kill", None))
     if c.after:
-        opts.append(("dependency", "afterok:" + ":".join(str(j).strip() for j in c.after)))
+        # afterany: a chained job starts once its predecessors end, however they ended, and
+        # resumes from the newest checkpoint (a failed or time-limited run still left one).
+        opts.append(("dependency", "afterany:" + ":".join(str(j).strip() for j in c.after)))
     return [{"name": k, "value": None if v is None else str(v)} for k, v in opts]
 
 
