@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# A real single-node SLURM cluster (munge + slurmctld + slurmd) for development and tests,
-# on a Debian/Ubuntu machine without systemd (containers, CI runners, laptops).
+# A real SLURM cluster (munge + slurmctld + one slurmd per node) for development and tests,
+# on a Debian/Ubuntu machine without systemd (containers, CI runners, laptops). It runs N
+# slurmd on this one host, each a distinct SLURM node (n1..nN) with its own port and loopback
+# address (127.0.1.i, mapped in /etc/hosts), so that multi-node jobs run here for real.
 #
-#   slurm/dev-cluster.sh up       install the packages if missing, write slurm.conf, start the
-#                                 daemons (idempotent: returns at once when already up)
+#   slurm/dev-cluster.sh up [--nodes N]   install the packages if missing, write slurm.conf,
+#                                 start the daemons (idempotent: returns at once when already up
+#                                 with N nodes; another N rewrites the config and restarts them)
 #   slurm/dev-cluster.sh down     stop the daemons this script started, by PID
-#   slurm/dev-cluster.sh status   show the daemons and the node; exit 0 only when all are up
+#   slurm/dev-cluster.sh status   show the daemons and every node; exit 0 only when all are up
 #   slurm/dev-cluster.sh env      print `export SLURM_CONF=...` (for `eval "$(... env)"`)
 #
 # Environment:
 #   LAUNCHER_SLURM_DIR    folder with the config, state, logs and PID files
 #                         (default /var/tmp/launcher-slurm)
-#   LAUNCHER_SLURM_CPUS   CPUs the node declares (default 8; more than the machine has is fine:
+#   LAUNCHER_SLURM_CPUS   CPUs each node declares (default 8; more than the machine has is fine:
 #                         it lets several small jobs run side by side)
+#   LAUNCHER_SLURM_NODES  node count when `up` gets no --nodes (default 1)
 #
 # Needs root (package install, munged runs as the munge user, slurmd as root).
 # Why each slurm.conf line is there: see docs/slurm.md.
@@ -20,6 +24,10 @@ set -euo pipefail
 
 STATE_DIR="${LAUNCHER_SLURM_DIR:-/var/tmp/launcher-slurm}"
 NODE_CPUS="${LAUNCHER_SLURM_CPUS:-8}"
+NUM_NODES="${LAUNCHER_SLURM_NODES:-1}"
+MAX_NODES=32
+# Node i is named n<i>, has the address 127.0.1.<i> and its slurmd listens on SLURMD_BASE_PORT+i.
+SLURMD_BASE_PORT=7820
 CONF="$STATE_DIR/slurm.conf"
 RUN_DIR="$STATE_DIR/run"
 LOG_DIR="$STATE_DIR/log"
@@ -32,7 +40,14 @@ START_TIMEOUT_S=60
 log() { printf 'dev-cluster: %s\n' "$*" >&2; }
 die() { printf 'dev-cluster: error: %s\n' "$*" >&2; exit 1; }
 
-node_name() { hostname -s; }
+host_name() { hostname -s; }
+
+node_names() { # n1 .. nN, one per line
+  local i
+  for ((i = 1; i <= NUM_NODES; i++)); do printf 'n%d\n' "$i"; done
+}
+node_addr() { printf '127.0.1.%d' "${1#n}"; }
+slurmd_pidfile() { printf '%s/slurmd-%s.pid' "$RUN_DIR" "$1"; }
 
 # --- process state ------------------------------------------------------------------------
 
@@ -113,12 +128,12 @@ real_memory_mb() {
 }
 
 render_conf() {
-  local node
-  node=$(node_name)
+  local host node
+  host=$(host_name)
   cat <<EOF
-$MARKER: single-node development cluster. Written by slurm/dev-cluster.sh; edits are overwritten.
+$MARKER: development cluster, $NUM_NODES node(s) on one host. Written by slurm/dev-cluster.sh; edits are overwritten.
 ClusterName=launcherdev
-SlurmctldHost=$node(127.0.0.1)
+SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -126,13 +141,14 @@ CredType=cred/munge
 # A requeued job may start again only after cred_expire+1 s (default 121 s).
 AuthInfo=cred_expire=10
 SlurmctldPort=6817
-SlurmdPort=6818
 StateSaveLocation=$STATE_DIR/ctld
-SlurmdSpoolDir=$STATE_DIR/spool
+# Several slurmd on one host: each node's spool, PID file and log are its own (%n = node
+# name); each node's port and address are on its NodeName line.
+SlurmdSpoolDir=$STATE_DIR/spool-%n
 SlurmctldPidFile=$RUN_DIR/slurmctld.pid
-SlurmdPidFile=$RUN_DIR/slurmd.pid
+SlurmdPidFile=$RUN_DIR/slurmd-%n.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
+SlurmdLogFile=$LOG_DIR/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # No systemd and no cgroup hierarchy we may write to: track processes through /proc.
@@ -156,12 +172,29 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobRequeue=1
 KillWait=30
+# A node whose slurmd stops answering is marked DOWN (its jobs end with NODE_FAIL, or requeue)
+# after about 10 s instead of the default 300 s.
+SlurmdTimeout=10
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=1
 DependencyParameters=kill_invalid_depend
-NodeName=$node NodeAddr=127.0.0.1 CPUs=$NODE_CPUS RealMemory=$(real_memory_mb) State=UNKNOWN
-PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP
 EOF
+  for node in $(node_names); do
+    printf 'NodeName=%s NodeHostname=%s NodeAddr=%s Port=%d CPUs=%s RealMemory=%s State=UNKNOWN\n' \
+      "$node" "$host" "$(node_addr "$node")" "$((SLURMD_BASE_PORT + ${node#n}))" "$NODE_CPUS" "$(real_memory_mb)"
+  done
+  printf 'PartitionName=debug Nodes=%s Default=YES MaxTime=INFINITE State=UP\n' "$(node_names | paste -sd, -)"
+}
+
+# Node names must resolve (a job's rendezvous endpoint is its first node's name): map each to
+# its loopback address in /etc/hosts, on lines tagged with the marker. The file is rewritten
+# in place, not renamed over: in containers it is often a bind mount.
+map_node_names() {
+  local hosts=/etc/hosts kept wanted node
+  wanted=$(for node in $(node_names); do printf '%s %s %s\n' "$(node_addr "$node")" "$node" "$MARKER"; done)
+  [[ "$(grep -F -- "$MARKER" "$hosts" 2>/dev/null || true)" == "$wanted" ]] && return 0
+  kept=$(grep -v -F -- "$MARKER" "$hosts" 2>/dev/null || true)
+  printf '%s\n%s\n' "$kept" "$wanted" >"$hosts" || die "could not write $hosts (node names must resolve)"
 }
 
 # /etc/slurm/slurm.conf is where the client commands look first. Point it at our config
@@ -216,36 +249,65 @@ start_slurmctld() {
   slurmctld -i -f "$CONF" 9>&- || die "slurmctld failed to start: see $LOG_DIR/slurmctld.log"
 }
 
-start_slurmd() {
-  daemon_running slurmd "$RUN_DIR/slurmd.pid" && return 0
-  rm -f "$RUN_DIR/slurmd.pid"
-  slurmd -f "$CONF" 9>&- || die "slurmd failed to start: see $LOG_DIR/slurmd.log"
+start_slurmd() { # start_slurmd NODE
+  local node="$1" pidfile
+  pidfile=$(slurmd_pidfile "$node")
+  daemon_running slurmd "$pidfile" && return 0
+  rm -f "$pidfile"
+  # -N: this slurmd is node NODE (several share this host).
+  slurmd -f "$CONF" -N "$node" 9>&- || die "slurmd of node $node failed to start: see $LOG_DIR/slurmd-$node.log"
 }
 
-node_state() { # prints e.g. idle, mixed, allocated, down*, drained (empty when unreachable)
-  SLURM_CONF="$CONF" sinfo -h -n "$(node_name)" -o '%T' 2>/dev/null | head -n 1 || true
+# Every slurmd PID file in the run folder: this configuration's nodes, those of an earlier `up`
+# with more nodes, and the single slurmd.pid of older versions of this script.
+all_slurmd_pidfiles() {
+  local f
+  for f in "$RUN_DIR"/slurmd-*.pid "$RUN_DIR"/slurmd.pid; do
+    [[ -e "$f" ]] && printf '%s\n' "$f"
+  done
+  return 0
 }
 
-wait_node_ready() {
-  local i state=""
+stop_all_slurmd() {
+  local f
+  for f in $(all_slurmd_pidfiles); do stop_pid slurmd "$f"; done
+}
+
+node_state() { # node_state NODE: e.g. idle, mixed, allocated, down*, drained (empty when unreachable)
+  SLURM_CONF="$CONF" sinfo -h -N -n "$1" -o '%T' 2>/dev/null | head -n 1 || true
+}
+
+node_ready() { # node_ready NODE
+  case "$(node_state "$1")" in idle* | mixed* | allocated* | completing*) return 0 ;; *) return 1 ;; esac
+}
+
+wait_nodes_ready() {
+  local i node state="" waiting=""
   for ((i = 0; i < START_TIMEOUT_S * 2; i++)); do
-    state=$(node_state)
-    case "$state" in
-      idle* | mixed* | allocated* | completing*) return 0 ;;
-      drain* | down | fail*)
-        SLURM_CONF="$CONF" scontrol update NodeName="$(node_name)" State=RESUME >/dev/null 2>&1 || true ;;
-    esac
+    waiting=""
+    for node in $(node_names); do
+      node_ready "$node" && continue
+      waiting+=" $node"
+      state=$(node_state "$node")
+      case "$state" in
+        # A node that was down (killed by a test, or before a restart) returns to service.
+        drain* | down* | fail*)
+          SLURM_CONF="$CONF" scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true ;;
+      esac
+    done
+    [[ -z "$waiting" ]] && return 0
     sleep 0.5
   done
-  die "node $(node_name) is not ready after ${START_TIMEOUT_S} s (state: '${state:-no answer}'); see $LOG_DIR/slurmctld.log and $LOG_DIR/slurmd.log"
+  die "node(s)$waiting not ready after ${START_TIMEOUT_S} s (last state: '${state:-no answer}'); see $LOG_DIR/slurmctld.log and $LOG_DIR/slurmd-<node>.log"
 }
 
 all_up() {
-  munge_works &&
-    daemon_running slurmctld "$RUN_DIR/slurmctld.pid" &&
-    daemon_running slurmd "$RUN_DIR/slurmd.pid" &&
-    [[ -f "$CONF" ]] && diff -q <(render_conf) "$CONF" >/dev/null 2>&1 &&
-    case "$(node_state)" in idle* | mixed* | allocated* | completing*) true ;; *) false ;; esac
+  local node
+  munge_works && daemon_running slurmctld "$RUN_DIR/slurmctld.pid" || return 1
+  [[ -f "$CONF" ]] && diff -q <(render_conf) "$CONF" >/dev/null 2>&1 || return 1
+  for node in $(node_names); do
+    daemon_running slurmd "$(slurmd_pidfile "$node")" && node_ready "$node" || return 1
+  done
 }
 
 # --- commands -----------------------------------------------------------------------------
@@ -258,15 +320,15 @@ take_lock() {
 
 cmd_up() {
   if all_up; then
-    log "already up (node $(node_name), config $CONF)"
+    log "already up ($NUM_NODES node(s): $(node_names | paste -sd' ' -), config $CONF)"
     return 0
   fi
   require_root up
-  local t0=$SECONDS
-  mkdir -p "$STATE_DIR" "$RUN_DIR" "$LOG_DIR" "$STATE_DIR/ctld" "$STATE_DIR/spool"
+  local t0=$SECONDS node
+  mkdir -p "$STATE_DIR" "$RUN_DIR" "$LOG_DIR" "$STATE_DIR/ctld"
   take_lock
   if all_up; then # another `up` finished while we waited for the lock
-    log "already up (node $(node_name), config $CONF)"
+    log "already up ($NUM_NODES node(s): $(node_names | paste -sd' ' -), config $CONF)"
     return 0
   fi
   install_packages
@@ -274,29 +336,36 @@ cmd_up() {
   new=$(render_conf)
   if [[ -f "$CONF" ]] && [[ "$new" != "$(cat "$CONF")" ]]; then
     log "configuration changed: restarting slurmctld and slurmd"
-    stop_pid slurmd "$RUN_DIR/slurmd.pid"
+    stop_all_slurmd
     stop_pid slurmctld "$RUN_DIR/slurmctld.pid"
   fi
   printf '%s\n' "$new" >"$CONF.tmp" && mv "$CONF.tmp" "$CONF"
   link_default_conf
+  map_node_names
   start_munged
   start_slurmctld
-  start_slurmd
-  wait_node_ready
-  log "up in $((SECONDS - t0)) s: node $(node_name) ($NODE_CPUS CPUs, partition debug), config $CONF"
+  for node in $(node_names); do start_slurmd "$node"; done
+  wait_nodes_ready
+  log "up in $((SECONDS - t0)) s: $NUM_NODES node(s) $(node_names | paste -sd' ' -) ($NODE_CPUS CPUs each, partition debug), config $CONF"
 }
 
 cmd_down() {
-  stop_pid slurmd "$RUN_DIR/slurmd.pid"
+  stop_all_slurmd
   stop_pid slurmctld "$RUN_DIR/slurmctld.pid"
   # Only the munged this script started (its PID file is in our folder).
   stop_pid munged "$MUNGE_DIR/munged.pid"
   log "down"
 }
 
+# status shows the nodes of the running configuration (the node count is read from it).
+configured_nodes() {
+  [[ -f "$CONF" ]] && grep -c '^NodeName=' "$CONF" || echo "$NUM_NODES"
+}
+
 cmd_status() {
-  local ok=0 name pidfile pid
-  for name in munged slurmctld slurmd; do
+  local ok=0 name pidfile pid state node
+  NUM_NODES=$(configured_nodes)
+  for name in munged slurmctld; do
     if [[ $name == munged ]]; then pidfile="$MUNGE_DIR/munged.pid"; else pidfile="$RUN_DIR/$name.pid"; fi
     pid=$(pid_of "$pidfile")
     if pid_running "$pid" "$name"; then
@@ -308,18 +377,40 @@ cmd_status() {
       ok=1
     fi
   done
-  local state
-  state=$(node_state)
-  printf '%-10s %s\n' node "$(node_name): ${state:-no answer}"
+  for node in $(node_names); do
+    pid=$(pid_of "$(slurmd_pidfile "$node")")
+    state=$(node_state "$node")
+    if pid_running "$pid" slurmd; then
+      printf '%-10s running (pid %s), node %s %s port %d: %s\n' slurmd "$pid" "$node" "$(node_addr "$node")" \
+        "$((SLURMD_BASE_PORT + ${node#n}))" "${state:-no answer}"
+    else
+      printf '%-10s stopped, node %s: %s\n' slurmd "$node" "${state:-no answer}"
+      ok=1
+    fi
+    node_ready "$node" || ok=1
+  done
   printf '%-10s %s\n' config "$CONF"
-  case "$state" in idle* | mixed* | allocated* | completing*) ;; *) ok=1 ;; esac
   return $ok
 }
 
-case "${1:-}" in
+usage() { die "usage: $0 up [--nodes N] | down | status | env"; }
+
+cmd="${1:-}"
+(($# > 0)) && shift
+while (($# > 0)); do
+  case "$1" in
+    --nodes) (($# >= 2)) || usage; NUM_NODES="$2"; shift 2 ;;
+    --nodes=*) NUM_NODES="${1#--nodes=}"; shift ;;
+    *) usage ;;
+  esac
+done
+[[ "$NUM_NODES" =~ ^[0-9]+$ ]] && ((NUM_NODES >= 1 && NUM_NODES <= MAX_NODES)) ||
+  die "--nodes $NUM_NODES: need a whole number from 1 to $MAX_NODES (one slurmd per node on this host)"
+
+case "$cmd" in
   up) cmd_up ;;
   down) cmd_down ;;
   status) cmd_status ;;
   env) printf 'export SLURM_CONF=%q\n' "$CONF" ;;
-  *) die "usage: $0 up|down|status|env" ;;
+  *) usage ;;
 esac

@@ -1,5 +1,11 @@
 """The development SLURM cluster for tests: started once per session by slurm/dev-cluster.sh.
 
+Every SLURM test runs on the same cluster of NODES (4) nodes, n1..n4, on this one host
+(`slurm/dev-cluster.sh up --nodes 4`): single-node jobs take one of them, multi-node jobs
+JOB_NODES (2). Four, not two, so that the node-death test can resume a 2-node job on nodes that
+did not die: a node brought back at once would receive SLURM's queued terminate request for
+the job that ran there, and kill that job's rerun (docs/slurm.md).
+
 Import the fixture into a test module (`from slurm_cluster import slurm_cluster`). It brings
 the cluster up (installing the Debian packages on a fresh machine) and fails the test, never
 skips it, when that is impossible. The cluster is left running at the end (another pytest
@@ -24,6 +30,8 @@ import pytest
 from launcher.paths import slurm_dir
 
 DEV_CLUSTER = slurm_dir() / "dev-cluster.sh"
+NODES = 4  # nodes of the cluster every SLURM test uses
+JOB_NODES = 2  # nodes of the multi-node jobs
 UP_TIMEOUT_S = 500  # a fresh machine installs the packages first (about 15 s, more on a slow mirror)
 FINAL_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",
@@ -31,9 +39,13 @@ FINAL_STATES = {
 
 
 def _dev_cluster(command: str, timeout: float = UP_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(DEV_CLUSTER), command], capture_output=True, text=True, timeout=timeout
-    )
+    argv = ["bash", str(DEV_CLUSTER), command] + (["--nodes", str(NODES)] if command == "up" else [])
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def dev_cluster_up() -> subprocess.CompletedProcess:
+    """`slurm/dev-cluster.sh up --nodes NODES`: instant when up; restarts a killed node's slurmd."""
+    return _dev_cluster("up")
 
 
 def _conf_path() -> str:

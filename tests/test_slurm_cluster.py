@@ -8,6 +8,7 @@ Training end to end on SLURM is in test_slurm_train.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 from launcher.config.loader import compose_spec
 from launcher.launch import slurm
 from launcher.plan.plan import build_plan
-from slurm_cluster import DEV_CLUSTER, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
+from slurm_cluster import DEV_CLUSTER, JOB_NODES, NODES, SlurmCluster, dev_cluster_up, slurm_cluster  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slurm
 
@@ -43,13 +44,27 @@ def main_log(run_dir: Path, job_id: str) -> str:
 
 def test_dev_cluster_up_is_idempotent_and_runs_a_job(slurm_cluster: SlurmCluster, tmp_path):
     t0 = time.monotonic()
-    up = subprocess.run(["bash", str(DEV_CLUSTER), "up"], capture_output=True, text=True, timeout=60)
+    up = dev_cluster_up()
     assert up.returncode == 0 and "already up" in up.stderr, up.stderr
     assert time.monotonic() - t0 < 30  # already up: no install, no restart (about 0.1 s idle)
     status = subprocess.run(["bash", str(DEV_CLUSTER), "status"], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stdout
     for daemon in ("munged", "slurmctld", "slurmd"):
         assert f"{daemon}" in status.stdout and "stopped" not in status.stdout
+    # One slurmd per node, each with its own address and port, every node usable.
+    nodes = [f"n{i}" for i in range(1, NODES + 1)]
+    for i, node in enumerate(nodes, start=1):
+        assert re.search(rf"node {node} 127\.0\.1\.{i} port {7820 + i}: (idle|mixed|alloc)", status.stdout), status.stdout
+    # A job across all nodes runs one task on each; the host name is the same, SLURMD_NODENAME is not.
+    out2 = tmp_path / "nodes.out"
+    job_id = slurm_cluster.sbatch_wrap(
+        "srun bash -c 'echo $SLURMD_NODENAME $(hostname)'", f"--nodes={NODES}", "--ntasks-per-node=1", f"--output={out2}"
+    )
+    info = slurm_cluster.wait(job_id, timeout=60)
+    assert info.state == "COMPLETED" and info.rc == 0, out2.read_text()
+    lines = sorted(out2.read_text().split("\n")[:-1])
+    assert [line.split()[0] for line in lines] == nodes, lines
+    assert len({line.split()[1] for line in lines}) == 1, lines
     out = tmp_path / "hello.out"
     job_id = slurm_cluster.sbatch_wrap("echo hello from $SLURM_JOB_ID", f"--output={out}")
     info = slurm_cluster.wait(job_id, timeout=60)
@@ -212,3 +227,38 @@ def test_percent_in_the_run_dir_reaches_sbatch_literally(slurm_cluster: SlurmClu
     info = slurm_cluster.wait(job_id, timeout=90)
     assert info.state == "COMPLETED", info
     assert "launcher: training finished" in main_log(run_dir, job_id)  # the log is where `train` said
+
+
+# Fails on the job's first run, succeeds on its rerun; each node records what it saw.
+FAIL_ONCE_RANKS = r"""#!/bin/bash
+run_dir="${@: -1}"
+echo "${SLURM_RESTART_COUNT:-0} $SLURMD_NODENAME $PET_RDZV_ENDPOINT" >> "$run_dir/runs.txt"
+((${SLURM_RESTART_COUNT:-0} > 0))
+"""
+
+
+def test_two_node_job_requeues_on_failure_with_the_rendezvous_at_the_first_node_address(
+    slurm_cluster: SlurmCluster, tmp_path, monkeypatch
+):
+    """cluster.requeue_on_failure=true: failed ranks requeue the job (the rerun succeeds);
+    cluster.rdzv_host_from=nodeaddr: the endpoint is the first node's NodeAddr (127.0.1.I for nI)."""
+    ranks = tmp_path / "ranks.sh"
+    ranks.write_text(FAIL_ONCE_RANKS)
+    ranks.chmod(0o755)
+    job_id, run_dir = submit_job(
+        tmp_path, monkeypatch, f"cluster.python={ranks}", f"cluster.nodes={JOB_NODES}",
+        "cluster.requeue_on_failure=true", "cluster.rdzv_host_from=nodeaddr", "cluster.max_requeues=1",
+    )
+    first = slurm_cluster.wait(job_id, timeout=120, states={"COMPLETED", "FAILED", "CANCELLED"})
+    log = main_log(run_dir, job_id)
+    assert first.state == "COMPLETED" and first.restarts == 1, (first, log)
+    assert "cluster.requeue_on_failure: requeueing job" in log, log
+    port = 20000 + int(job_id) % 20000
+    runs = sorted((run_dir / "runs.txt").read_text().splitlines())
+    assert [r.split()[0] for r in runs] == ["0"] * JOB_NODES + ["1"] * JOB_NODES, runs
+    for restart in ("0", "1"):
+        seen = [r.split()[1:] for r in runs if r.split()[0] == restart]
+        nodes = sorted(node for node, _ in seen)
+        assert len(set(nodes)) == JOB_NODES, runs  # one task per node
+        # Node nI has the address 127.0.1.I (dev-cluster.sh); the first node hosts the rendezvous.
+        assert {endpoint for _, endpoint in seen} == {f"127.0.1.{nodes[0][1:]}:{port}"}, runs

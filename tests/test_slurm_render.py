@@ -130,7 +130,7 @@ def test_options_cpu_cluster(tmp_path):
     assert "exclusive" not in opts
     assert opts["ntasks-per-node"] == '"1"'
     assert opts["signal"] == '"B:USR1@45"'
-    assert opts["dependency"] == '"afterok:101:102"'
+    assert opts["dependency"] == '"afterany:101:102"'
     assert "requeue" in opts and opts["open-mode"] == '"append"'
     assert opts["output"] == f'"{(tmp_path / "run").resolve()}/logs/slurm-%j.out"'
 
@@ -304,3 +304,19 @@ def test_container_mounts_refuse_a_run_dir_with_comma_or_colon(tmp_path, capsys)
         assert not (run_dir / "job.sbatch").exists()
     srun = next(l for l in render(spec, tmp_path / "plain").splitlines() if l.startswith("srun "))
     assert "--container-mounts=" in srun
+
+
+def test_multi_node_keys_render_and_bad_rdzv_host_from_is_refused(tmp_path):
+    from launcher.config.validate import validate as validate_spec
+
+    spec = make_spec("cluster.nodes=2", "cluster.requeue_on_failure=true", "cluster.rdzv_host_from=nodeaddr")
+    script = render(spec, tmp_path / "run")
+    assert "no-kill" in sbatch_lines(script)  # a dead node does not end the allocation before the script reports it
+    assert "REQUEUE_ON_FAILURE=True" in script
+    assert "scontrol show node \"$RDZV_HOST\" | grep -o 'NodeAddr=" in script
+    assert "is_host=$((${SLURM_NODEID:-0} == 0))" in script
+    single = render(make_spec(), tmp_path / "run1")
+    assert "no-kill" not in sbatch_lines(single) and "REQUEUE_ON_FAILURE=False" in single
+    assert "NodeAddr" not in single
+    problems = validate_spec(compose_spec(["+recipe=debug", "cluster=slurm", "cluster.rdzv_host_from=dns"]))
+    assert any(p.startswith("cluster.rdzv_host_from='dns' is not one of hostname, nodeaddr") and "Fix:" in p for p in problems), problems

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Dict, List
 import pytest
 
 from conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
-from slurm_cluster import JobInfo, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
+from slurm_cluster import JOB_NODES, JobInfo, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slurm
 
@@ -42,9 +43,12 @@ COMMON = [
 
 
 def submit_train(run_dir: Path, *extra: str) -> str:
-    """Run `train COMMON EXTRA` (which submits and returns); the job id it submitted."""
+    """Run `train COMMON EXTRA` (which submits and returns); the job id it submitted.
+    A key given in EXTRA replaces COMMON's value (Hydra refuses a key given twice)."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    proc = run_train([*COMMON, *extra], run_dir, timeout=180)
+    keys = {arg.split("=", 1)[0] for arg in extra}
+    common = [arg for arg in COMMON if arg.split("=", 1)[0] not in keys]
+    proc = run_train([*common, *extra], run_dir, timeout=180)
     assert proc.returncode == 0, f"train exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     info_path = run_dir / "slurm_job.json"
     assert info_path.exists(), f"train did not submit a SLURM job (cluster.name ignored?):\n{proc.stdout[-2000:]}"
@@ -100,8 +104,9 @@ def signal_mid_run(cluster: SlurmCluster, job_id: str, run_dir: Path) -> int:
 
 @pytest.fixture(scope="module")
 def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, TrainJob]:
-    """Two identical debug runs submitted together (they share the queue's idle time):
-    "reference" runs uninterrupted; "preempted" gets USR1 after its third step.
+    """Two debug runs of the same layout submitted together (they share the queue's idle time):
+    "reference" runs uninterrupted on one node (2 ranks); "preempted" runs on both nodes
+    (1 rank each) and gets USR1 after its third step.
 
     Both are submitted with a secret in the environment (HF_TOKEN, in cluster.secret_env).
     """
@@ -110,7 +115,10 @@ def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, Train
     previous = os.environ.get("HF_TOKEN")
     os.environ["HF_TOKEN"] = SECRET
     try:
-        ids = {name: submit_train(run_dir) for name, run_dir in dirs.items()}
+        ids = {
+            "reference": submit_train(dirs["reference"]),
+            "preempted": submit_train(dirs["preempted"], f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1"),
+        }
     finally:
         if previous is None:
             os.environ.pop("HF_TOKEN")
@@ -174,6 +182,12 @@ def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(train_jobs:
     assert "received SIGUSR1" in log and "requeueing job" in log, log
     stopped = json.loads(log.split("the ranks checkpointed and stopped: ", 1)[1].splitlines()[0])
     assert job.signalled_at <= stopped["step"] < STEPS, stopped
+    # The job spans both nodes, and every rank on every node stopped at the same step.
+    rank_logs = [(job.run_dir / "logs" / f"rank_{r}.log").read_text() for r in range(JOB_NODES)]
+    nodes = {re.search(r"placement: rank \d+ local_rank 0 node (\S+)", text)[1] for text in rank_logs}
+    assert len(nodes) == JOB_NODES, nodes
+    for text in rank_logs:
+        assert re.findall(r"stopped at step (\d+)", text) == [str(stopped["step"])], text[-2000:]
     resumed, reference = losses_by_step(job.run_dir), losses_by_step(ref.run_dir)
     assert sorted(resumed) == sorted(reference)
     diffs = {s: abs(resumed[s] - reference[s]) for s in reference}
@@ -202,15 +216,26 @@ def test_sbatch_rejection_is_reported_with_a_fix(slurm_cluster: SlurmCluster, tm
 
 
 def test_multirun_submits_one_job_per_point(slurm_cluster: SlurmCluster, tmp_path):
+    """One 2-node job per sweep point, each chained (cluster.after, afterany) to a job that fails:
+    they start after it ends, although it failed."""
+    failing = slurm_cluster.sbatch_wrap("sleep 3; exit 1", f"--output={tmp_path}/failing.out")
     sweep = tmp_path / "sweep"
-    cmd = [TRAIN, "-m", *COMMON, "cluster.python=/bin/true", "trainer.seed=1,2", f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        TRAIN, "-m", *COMMON, "cluster.python=/bin/true", "trainer.seed=1,2", f"hydra.sweep.dir={sweep}",
+        f"cluster.nodes={JOB_NODES}", f"cluster.after=[{failing}]",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     paths = [sweep / str(i) / "slurm_job.json" for i in (0, 1)]
     assert all(p.exists() for p in paths), f"no SLURM job submitted per sweep point:\n{proc.stdout[-2000:]}"
     infos = [json.loads(p.read_text()) for p in paths]
     assert infos[0]["job_id"] != infos[1]["job_id"]
+    before = slurm_cluster.wait(failing, timeout=120)
+    assert before.state == "FAILED", before
     for i, info in enumerate(infos):
         done = slurm_cluster.wait(info["job_id"], timeout=120)
         assert done.state == "COMPLETED", done
         assert info["script"] == str(sweep / str(i) / "job.sbatch")
+        assert done.fields["NumNodes"] == str(JOB_NODES), done.fields
+        # Timestamps to the second: the chained job started no earlier than the failed one ended.
+        assert done.fields["StartTime"] >= before.fields["EndTime"], (done.fields, before.fields)

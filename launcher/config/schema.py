@@ -227,9 +227,17 @@ class ClusterConfig:
     rdzv_port: int = 0
     # Seconds a collective may wait for its peers before the process group fails it (torch's
     # default is 30 min, which holds a whole allocation when one node dies). Long single-rank
-    # phases (checksums, export, saves) are bracketed by barriers, so they never wait this long
-    # inside a collective.
+    # phases (checkpoint publish/prune, the folder lock, tokenizing, export) wait on a separate
+    # group with a longer timeout (launcher/parallel/phase.py), so they never trip it.
     collective_timeout_s: int = 600
+    # SLURM: when the ranks fail (a node died, a collective timed out) and requeues are left
+    # (cluster.max_requeues), the job requeues itself; the rerun resumes from the newest
+    # checkpoint. False: a failed job ends FAILED (resubmit by hand to resume).
+    requeue_on_failure: bool = False
+    # SLURM: how the job finds its rendezvous host, the first node of the allocation:
+    # "hostname" uses its SLURM node name (must resolve on the nodes); "nodeaddr" its NodeAddr
+    # from `scontrol show node` (for sites whose node names do not resolve).
+    rdzv_host_from: str = "hostname"
 
 
 @dataclass

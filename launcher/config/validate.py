@@ -35,6 +35,7 @@ CHOICES = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
     "cluster.name": ("local", "slurm"),
+    "cluster.rdzv_host_from": ("hostname", "nodeaddr"),
     "backend.default": ("auto", "native", "deepspeed"),
     "checkpoint.export": ("none", "fp32", "safetensors"),
     "plan.format": ("text", "json"),

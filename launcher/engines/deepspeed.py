@@ -396,11 +396,12 @@ class DeepSpeedEngine:
     def export(self, path: Path, fmt: str) -> None:
         """Consolidated fp32 model on rank 0: torch.save (fp32) or safetensors (collective)."""
         from launcher.parallel.export import write_state_dict
+        from launcher.parallel.phase import phase_barrier
 
         full = self.consolidated_state_dict(Path(path).parent / ".deepspeed_export")
         if full is not None:
             write_state_dict(full, Path(path), fmt)
-        dist.barrier()
+        phase_barrier()  # rank 0 writes the whole model alone: not bounded by the collective timeout
 
     def consolidated_state_dict(self, scratch: Path) -> Optional[Dict[str, torch.Tensor]]:
         """Full fp32 weights under the model's names on rank 0, None elsewhere (collective).
@@ -417,13 +418,15 @@ class DeepSpeedEngine:
             return self._gather_zero3_params()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        from launcher.parallel.phase import phase_barrier
+
         self.engine.save_checkpoint(str(scratch), tag=CHECKPOINT_TAG, save_latest=False)
         dist.barrier()
         full = None
         if dist.get_rank() == 0:
             full = canonical_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(scratch), tag=CHECKPOINT_TAG))
             shutil.rmtree(scratch, ignore_errors=True)
-        dist.barrier()
+        phase_barrier()  # rank 0 consolidates alone
         return full
 
     def _gather_zero3_params(self) -> Optional[Dict[str, torch.Tensor]]:

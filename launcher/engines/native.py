@@ -372,12 +372,13 @@ class NativeEngine:
     def export(self, path: Path, fmt: str) -> None:
         """Consolidated fp32 weights on global rank 0: torch.save (fp32) or safetensors."""
         from launcher.parallel.export import gather_full_state_dict, write_state_dict
+        from launcher.parallel.phase import phase_barrier
 
         full = gather_full_state_dict(self.parts, self.world)
         if full is not None:
             write_state_dict(full, Path(path), fmt)
         if self.world is not None:
-            dist.barrier()
+            phase_barrier()  # rank 0 writes the whole model alone: not bounded by the collective timeout
 
     @property
     def model_parts(self) -> List[nn.Module]:

@@ -174,8 +174,14 @@ def sbatch_options(spec: JobConfig, paths: SlurmPaths, cwd: Path) -> List[Dict[s
     if c.signal_seconds > 0:
         opts.append(("signal", f"B:USR1@{c.signal_seconds}"))
     opts.append(("requeue", None) if c.max_requeues > 0 else ("no-requeue", None))
+    if c.nodes > 1:
+        # A failed node does not end the allocation at once: srun ends with "Node failure on N",
+        # and the script names the node and requeues (cluster.requeue_on_failure) itself.
+        opts.append(("no-kill", None))
     if c.after:
-        opts.append(("dependency", "afterok:" + ":".join(str(j).strip() for j in c.after)))
+        # afterany: a chained job starts once its predecessors end, however they ended, and
+        # resumes from the newest checkpoint (a failed or time-limited run still left one).
+        opts.append(("dependency", "afterany:" + ":".join(str(j).strip() for j in c.after)))
     return [{"name": k, "value": None if v is None else str(v)} for k, v in opts]
 
 
@@ -242,6 +248,8 @@ def template_context(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[P
         "nproc_per_node": plan.gpus_per_node,
         "rdzv_port": int(c.rdzv_port),
         "max_requeues": int(c.max_requeues),
+        "requeue_on_failure": bool(c.requeue_on_failure),
+        "rdzv_host_from": str(c.rdzv_host_from),
     }
 
 

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.engines.base import Engine
+from launcher.parallel.phase import phase_all_gather, phase_barrier, phase_broadcast
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,10 @@ ABANDONED_README = "ABANDONED.txt"
 FileEntries = Dict[str, Dict[str, int]]
 
 
+# Checkpoint collectives wait for single-rank work (rank 0 lists, publishes, prunes, takes the
+# folder lock): they use the phase group, so a long save never trips cluster.collective_timeout_s.
 def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    phase_barrier()
 
 
 def _debug_slow_save() -> None:
@@ -71,20 +73,12 @@ def _debug_slow_save() -> None:
 
 def _broadcast(value: Any) -> Any:
     """Rank 0's `value` on every rank (the value itself without a process group)."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return phase_broadcast(value)
 
 
 def _all_gather(value: Any) -> List[Any]:
     """Every rank's `value`, in rank order."""
-    if not dist.is_initialized():
-        return [value]
-    gathered: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+    return phase_all_gather(value)
 
 
 def step_of(folder: Path) -> Optional[int]:

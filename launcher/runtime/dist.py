@@ -51,7 +51,23 @@ def init_distributed(device_type: str, timeout_s: int = 1800, cpu_collectives: b
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device_type == "cuda" else None,
         )
+    use_timeout_for_new_groups(timeout_s)
     return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def use_timeout_for_new_groups(timeout_s: int) -> None:
+    """Make `timeout_s` the timeout of every group created from now on without one.
+
+    init_process_group's timeout covers the default group only: groups made later without an
+    explicit timeout (DeviceMesh's per-dimension groups, which carry FSDP's and TP's
+    collectives; DeepSpeed's) get torch's module default, 30 minutes, so a frozen peer would
+    hold them that long. torch reads that default from these module globals at group creation.
+    """
+    timeout = datetime.timedelta(seconds=int(timeout_s))
+    c10d = dist.distributed_c10d
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def shutdown_distributed() -> None:

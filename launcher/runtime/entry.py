@@ -10,8 +10,10 @@ Layout plus the narrow options it does not cover (launcher/engines/base.py Engin
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import socket
 import sys
 import traceback
 from dataclasses import asdict
@@ -26,6 +28,7 @@ from launcher.engines.base import Engine, EngineOptions
 from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
 from launcher.plan.flops import peak_tflops, training_flops_per_token
+from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager, checkpoint_root, lock_for_run
 from launcher.runtime.failure import FailureBundle, host_name
@@ -95,6 +98,18 @@ def record_built(engine: Engine, plan: Plan, rank: int, run_dir: Path) -> None:
     path.write_text(json.dumps(built(), indent=1, sort_keys=True))
 
 
+def log_placement(plan: Plan, rank: RankInfo) -> None:
+    """One line per rank: which node (SLURM's node name; several dev-cluster nodes share one
+    hostname), which node-local rank and torchrun agent, and the rank's mesh coordinates, so a
+    multi-node run can be checked from its logs (e.g. that each TP group stays inside a node)."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    log.info(
+        "placement: rank %d local_rank %d node %s host %s torchrun_pid %d coords %s",
+        rank.rank, rank.local_rank, node, socket.gethostname(), os.getppid(),
+        json.dumps(plan.layout.mesh.coordinates(rank.rank), sort_keys=True),
+    )
+
+
 def data_parallel_rank(plan: Plan, rank: int) -> int:
     mesh = plan.layout.mesh
     coords = mesh.coordinates(rank)
@@ -107,8 +122,7 @@ def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> Step
         # Tokenize once (rank 0) into the cache; the other ranks then map the same shard.
         if rank == 0:
             load_token_arrays(spec.data, cache_dir)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        phase_barrier()  # rank 0 may tokenize for long: not bounded by the collective timeout
     arrays = load_token_arrays(spec.data, cache_dir)
     check_vocab(arrays, spec.model.vocab_size)
     windows = TokenWindows(arrays, spec.trainer.seq_len)
@@ -219,6 +233,9 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     rank = init_distributed(device_type, timeout_s=spec.cluster.collective_timeout_s,
                             cpu_collectives=plan.layout.fsdp_wraps and plan.layout.offload_to_cpu)
     setup_logging(run_dir, rank.rank, spec.logging.level)
+    # Single-rank phases (saves, tokenizing, export) wait on their own group with a longer timeout.
+    init_phase_group(phase_timeout_s(spec.cluster.collective_timeout_s,
+                                     int((plan.checkpoint or {}).get("shutdown_timeout_s", 0))))
     if rank.world_size != plan.world_size:
         raise RuntimeError(
             f"started with {rank.world_size} ranks but the plan is for {plan.world_size}. "
@@ -229,6 +246,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     torch.manual_seed(spec.trainer.seed)
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
     health = start_health(spec, plan, bundle, rank.device.type)
+    log_placement(plan, rank)
     # One job per checkpoint folder, checked before anything is built or written (rank 0 holds it).
     folder_lock = lock_for_run(checkpoint_root(spec.checkpoint.dir, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
 

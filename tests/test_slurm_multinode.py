@@ -1,0 +1,250 @@
+"""Multi-node jobs for real, on the development cluster (nodes n1..n4 on this one host).
+
+One job, `train +recipe=debug cluster=slurm cluster.nodes=2 cluster.gpus_per_node=2` with
+`parallel.dp_shard=2 parallel.tp=2` (fp32), runs three times under one job id:
+
+1. it trains until a checkpoint is written, then its second node is killed (slurmd, step
+   daemon, torchrun and ranks SIGKILLed: the peers see reset connections);
+2. the job names that node, requeues itself (cluster.requeue_on_failure=true) and reruns on two
+   live nodes, resumes from the last checkpoint and trains until a newer one; then its second
+   node goes silent (its processes SIGSTOPped: peers see nothing; the survivors give up after
+   cluster.collective_timeout_s);
+3. the job names that node, requeues, resumes and finishes. The dead nodes come back at the end
+   (`dev-cluster.sh up`), not in between: see slurm_cluster.py for why.
+
+Each run's rank logs show the placement (one torchrun per node, local ranks 0-1, distinct
+global ranks, each TP group inside a node), and the per-step losses equal those of a 4-rank
+local run of the same layout. Multi-node preemption (USR1) is the "preempted" job of
+test_slurm_train.py, which runs on 2 nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from conftest import losses_by_step, read_metrics, run_train
+from slurm_cluster import JOB_NODES, SlurmCluster, dev_cluster_up, slurm_cluster  # noqa: F401  (fixture)
+from test_slurm_train import job_logs, submit_train
+
+pytestmark = pytest.mark.slurm
+
+STEPS = 24
+COLLECTIVE_TIMEOUT_S = 15
+# A death is noticed by the survivors at once (killed) or after the collective timeout (silent),
+# by SLURM after SlurmdTimeout (10 s) plus a ping interval; the requeued job starts ~12 s after.
+DEATH_TO_REQUEUE_S = 240
+JOB_TIMEOUT_S = 420
+LAYOUT = [
+    "cluster.gpus_per_node=2",
+    "parallel.dp_shard=2",
+    "parallel.tp=2",
+    f"trainer.steps={STEPS}",
+    "trainer.log_every=1",
+    "checkpoint.interval=4",
+    "logging.progress=false",
+]
+PLACEMENT = re.compile(
+    r"placement: rank (\d+) local_rank (\d+) node (\S+) host (\S+) torchrun_pid (\d+) coords (\{.*\})"
+)
+
+
+@dataclass
+class Placement:
+    rank: int
+    local_rank: int
+    node: str
+    host: str
+    torchrun_pid: int
+    coords: Dict[str, int]
+
+
+def placements(run_dir: Path) -> List[List[Placement]]:
+    """Per run of the job (rank logs are appended across requeues), every rank's placement line."""
+    runs: Dict[int, List[Placement]] = defaultdict(list)
+    for path in sorted((run_dir / "logs").glob("rank_*.log")):
+        for i, m in enumerate(PLACEMENT.finditer(path.read_text())):
+            runs[i].append(Placement(int(m[1]), int(m[2]), m[3], m[4], int(m[5]), json.loads(m[6])))
+    return [runs[i] for i in sorted(runs)]
+
+
+def slurmd_pid(cluster: SlurmCluster, node: str) -> int:
+    conf = cluster.run(["scontrol", "show", "config"]).stdout
+    pattern = re.search(r"SlurmdPidFile\s*=\s*(\S+)", conf)[1]
+    return int(Path(pattern.replace("%n", node)).read_text().strip())
+
+
+def node_processes(cluster: SlurmCluster, node: str) -> List[int]:
+    """The processes that make up node `node` on this host: its slurmd, and every job process
+    SLURM started there (SLURMD_NODENAME=node in its environment) with its slurmstepd parent."""
+    pids = {slurmd_pid(cluster, node)}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            if f"SLURMD_NODENAME={node}".encode() not in env:
+                continue
+            pids.add(int(proc.name))
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if (Path("/proc") / str(parent) / "comm").read_text().strip() == "slurmstepd":
+                pids.add(parent)
+        except (OSError, ValueError, IndexError):
+            continue  # ended while we looked
+    return sorted(pids)
+
+
+def signal_all(pids: List[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def checkpoint_steps(run_dir: Path) -> List[int]:
+    root = run_dir / "checkpoints"
+    return sorted(int(p.name[5:]) for p in root.glob("step_*")) if root.is_dir() else []
+
+
+def second_node(cluster: SlurmCluster, job_id: str) -> str:
+    """The running job's second node (the first runs the batch script; a dead batch node is
+    SLURM's own NODE_FAIL, not the launcher's to handle)."""
+    nodelist = cluster.job(job_id).fields["NodeList"]
+    return cluster.run(["scontrol", "show", "hostnames", nodelist]).stdout.split()[1]
+
+
+def wait_for_checkpoint_after(cluster: SlurmCluster, job_id: str, run_dir: Path, step: int) -> int:
+    """Wait until the running job has written a checkpoint newer than `step` and trained one
+    step past it (so its ranks are in a training step's collectives); returns that checkpoint's step."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while True:
+        info = cluster.job(job_id)
+        assert info.state in ("PENDING", "RUNNING"), f"job {job_id} {info.state} too early\n{job_logs(run_dir, job_id)}"
+        newer = [s for s in checkpoint_steps(run_dir) if s > step]
+        logged = read_metrics(run_dir)[-1]["step"] if newer and (run_dir / "metrics.jsonl").exists() else 0
+        if newer and info.state == "RUNNING" and logged > newer[-1]:
+            assert logged < STEPS - 2, f"the job reached step {logged} of {STEPS} before the node died: raise STEPS"
+            return newer[-1]
+        assert time.monotonic() < deadline, f"no checkpoint after step {step} in {JOB_TIMEOUT_S} s\n{job_logs(run_dir, job_id)}"
+        time.sleep(0.2)
+
+
+def wait_requeued(cluster: SlurmCluster, job_id: str, run_dir: Path, restarts: int) -> None:
+    deadline = time.monotonic() + DEATH_TO_REQUEUE_S
+    info = cluster.job(job_id)
+    while info.restarts < restarts:
+        assert info.state in ("RUNNING", "COMPLETING", "PENDING"), (
+            f"job {job_id} ended {info.state} instead of requeueing\n{job_logs(run_dir, job_id)}"
+        )
+        assert time.monotonic() < deadline, (
+            f"job {job_id} hangs: not requeued {DEATH_TO_REQUEUE_S} s after a node died ({info.state})\n"
+            f"{job_logs(run_dir, job_id)}"
+        )
+        time.sleep(0.5)
+        info = cluster.job(job_id)
+
+
+@dataclass
+class NodeDeathRun:
+    job_id: str
+    run_dir: Path
+    reference_dir: Path
+    killed_after: int  # checkpoint step written before a node was killed
+    stopped_after: int  # ... before a node was SIGSTOPped
+    killed: str  # the node killed
+    stopped: str  # the node SIGSTOPped
+    main_log: str
+    state: str
+
+
+@pytest.fixture(scope="module")
+def node_death_run(slurm_cluster: SlurmCluster, tmp_path_factory) -> NodeDeathRun:
+    base = tmp_path_factory.mktemp("multinode")
+    run_dir, ref_dir = base / "slurm" / "run", base / "local" / "run"
+    ref_dir.parent.mkdir(parents=True)
+    with ThreadPoolExecutor(1) as pool:
+        # The 4-rank local run of the same layout, alongside the job.
+        reference = pool.submit(run_train, ["+recipe=debug", "cluster.name=local", *LAYOUT[1:], "cluster.gpus_per_node=4"], ref_dir, 600)
+        job_id = submit_train(
+            run_dir, f"cluster.nodes={JOB_NODES}", *LAYOUT, "cluster.requeue_on_failure=true",
+            f"cluster.collective_timeout_s={COLLECTIVE_TIMEOUT_S}", "cluster.max_requeues=2",
+        )
+        silent: List[int] = []
+        try:
+            killed_after = wait_for_checkpoint_after(slurm_cluster, job_id, run_dir, 0)
+            killed = second_node(slurm_cluster, job_id)
+            signal_all(node_processes(slurm_cluster, killed), signal.SIGKILL)
+            wait_requeued(slurm_cluster, job_id, run_dir, 1)
+
+            stopped_after = wait_for_checkpoint_after(slurm_cluster, job_id, run_dir, killed_after)
+            stopped = second_node(slurm_cluster, job_id)
+            silent = node_processes(slurm_cluster, stopped)
+            signal_all(silent, signal.SIGSTOP)
+            wait_requeued(slurm_cluster, job_id, run_dir, 2)
+            signal_all(silent, signal.SIGKILL)  # the silent node does not come back as it was
+
+            info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT_S)
+        finally:
+            signal_all(silent, signal.SIGKILL)
+            dev_cluster_up()  # bring the dead nodes back for the other tests, whatever happened
+        ref = reference.result()
+        assert ref.returncode == 0, f"local reference run failed:\n{ref.stdout[-3000:]}\n{ref.stderr[-3000:]}"
+    log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    return NodeDeathRun(
+        job_id, run_dir, ref_dir, killed_after, stopped_after, killed, stopped, log, f"{info.state} {info.exit_code}"
+    )
+
+
+def test_two_node_job_places_one_torchrun_per_node_and_tp_groups_inside_nodes(node_death_run: NodeDeathRun):
+    runs = placements(node_death_run.run_dir)
+    assert len(runs) == 3, f"expected three runs of the job (two node deaths), got {len(runs)}"
+    for run in runs:
+        assert sorted(p.rank for p in run) == [0, 1, 2, 3], run
+        by_node: Dict[str, List[Placement]] = defaultdict(list)
+        for p in run:
+            by_node[p.node].append(p)
+        assert len(by_node) == JOB_NODES, run
+        for node, ranks in by_node.items():
+            assert sorted(p.local_rank for p in ranks) == [0, 1], (node, run)
+            assert len({p.torchrun_pid for p in ranks}) == 1, f"node {node}: not one torchrun for its ranks: {run}"
+        assert len({p.torchrun_pid for p in run}) == 2, run
+        assert len({p.host for p in run}) == 1  # one host: nodes are told apart by SLURMD_NODENAME
+        # A TP group: the ranks whose coordinates differ only in tp. It must not cross a node.
+        groups: Dict[str, set] = defaultdict(set)
+        for p in run:
+            key = json.dumps({k: v for k, v in p.coords.items() if k != "tp"}, sort_keys=True)
+            groups[key].add(p.node)
+        assert len(groups) == 2 and all(len(nodes) == 1 for nodes in groups.values()), (groups, run)
+
+
+def test_node_deaths_name_the_node_requeue_and_resume_with_the_local_losses(node_death_run: NodeDeathRun):
+    run = node_death_run
+    assert run.state == "COMPLETED 0:0", f"{run.state}\n{job_logs(run.run_dir, run.job_id)}"
+    log = run.main_log
+    # Both deaths: the job says which node, and requeues; every rerun resumes from a checkpoint.
+    assert run.killed != run.stopped
+    for node in (run.killed, run.stopped):
+        assert log.count(f"node(s) {node} stopped responding") == 1, log
+    assert log.count("cluster.requeue_on_failure: requeueing job") == 2, log
+    rank0 = (run.run_dir / "logs" / "rank_0.log").read_text()
+    resumed = re.findall(r"resumed from \S+ at step (\d+)", rank0)
+    assert [int(s) for s in resumed] == [run.killed_after, run.stopped_after], resumed
+    # The silent node: the survivors' collectives gave up after cluster.collective_timeout_s
+    # (15 s; SLURM marks the node DOWN only after 20-30 s), so the job ended and requeued.
+    survivors = "\n".join(p.read_text() for p in (run.run_dir / "logs").glob("rank_*.log"))
+    assert "Timed out waiting" in survivors, "no rank's collective timed out after the node went silent"
+    losses, reference = losses_by_step(run.run_dir), losses_by_step(run.reference_dir)
+    assert sorted(losses) == sorted(reference) == list(range(1, STEPS + 1))
+    diffs = {s: abs(losses[s] - reference[s]) for s in reference}
+    assert max(diffs.values()) <= 1e-6, f"2-node losses differ from the 4-rank local run: {diffs}"
