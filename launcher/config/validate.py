@@ -20,7 +20,7 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig, ModelConfig
 
 CHOICES = {
-    "action": ("run", "plan", "search"),
+    "action": ("run", "plan", "search", "export"),
     "precision.name": ("fp32", "bf16", "fp8"),
     "precision.reduce_dtype": ("fp32", "bf16"),
     "precision.fp8.recipe": ("tensorwise", "rowwise"),
@@ -36,7 +36,8 @@ CHOICES = {
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
     "cluster.name": ("local", "slurm"),
     "backend.default": ("auto", "native", "deepspeed"),
-    "checkpoint.export": ("none", "fp32", "safetensors"),
+    "checkpoint.export": ("none", "fp32", "safetensors", "hf"),
+    "checkpoint.export_dtype": ("bf16", "fp16", "fp32"),
     "plan.format": ("text", "json"),
     # Names logging.Logger.setLevel accepts (it is case-sensitive).
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
@@ -404,6 +405,22 @@ def tokenizer_vocab_size(path: str, mtime_ns: int) -> Tuple[Optional[int], str]:
         return None, str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
+def _check_hf_io(spec: JobConfig, problems: List[str]) -> None:
+    """model.init_from (a Hugging Face folder: read before launch, headers only) and action=export."""
+    from launcher.config.hf_format import folder_problems
+
+    if spec.model.init_from and spec.action in ("run", "plan", "search"):
+        problems.extend(folder_problems(spec.model, spec.model.init_from))
+    if spec.action == "export":
+        if spec.checkpoint.export == "none":
+            problems.append("action=export writes checkpoint.export but checkpoint.export=none. "
+                            "Fix: checkpoint.export=hf (or fp32 / safetensors).")
+        resume = spec.checkpoint.resume
+        if resume in ("auto", "none") or not os.path.isdir(resume):
+            problems.append(f"action=export reads checkpoint.resume={resume}, which is not a checkpoint folder. "
+                            f"Fix: checkpoint.resume=/path/to/run/checkpoints/step_000100.")
+
+
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_choices,
     _check_accumulate_unsharded,
@@ -421,6 +438,7 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_hardware,
     _check_local_cluster,
     _check_run_inputs,
+    _check_hf_io,
 )
 
 

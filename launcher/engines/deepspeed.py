@@ -221,6 +221,10 @@ class DeepSpeedEngine:
     """Implements launcher.engines.base.Engine on top of deepspeed.initialize."""
 
     def __init__(self, model_cfg, optim_cfg, layout: Layout, device: torch.device, options: EngineOptions):
+        if model_cfg.init_from:
+            raise ValueError(
+                f"model.init_from={model_cfg.init_from}: the DeepSpeed backend does not load Hugging Face weights "
+                f"yet. Fix: backend=native (FSDP2 serves ZeRO-3), or drop model.init_from.")
         device = torch.device(device)
         init_deepspeed_distributed(device.type)
         import deepspeed

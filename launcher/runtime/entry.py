@@ -24,6 +24,7 @@ from launcher.engines import build_engine as build_engine_for_layout
 from launcher.engines.base import Engine, EngineOptions
 from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
+from launcher.parallel.hf_weights import tokenizer_files_for
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager, checkpoint_root, lock_for_run
@@ -63,6 +64,9 @@ def engine_options(spec: JobConfig, run_dir: Path) -> EngineOptions:
         offload=spec.offload,
         fp8=spec.precision.fp8,
         work_dir=Path(run_dir),
+        export_dtype=spec.checkpoint.export_dtype,
+        export_tokenizer_files=tuple(tokenizer_files_for(spec.data.tokenizer if spec.data.source == "text" else "",
+                                                         spec.model.init_from)),
     )
 
 
