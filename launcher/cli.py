@@ -244,7 +244,7 @@ def hydra_main(cfg: DictConfig) -> None:
     except ConfigError as err:
         _fail_config(err.problems)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if spec.action == "run":
+    if spec.action in ("run", "export"):  # export: the ranks load checkpoint.resume and export it
         code = _run(spec, run_dir)
         print(f"run directory: {run_dir}")
     else:

@@ -301,7 +301,7 @@ def folder_problems(model, folder: str, check_shapes: bool = True) -> List[str]:
 
 
 def fill_from_hf(cfg) -> None:
-    """model=hf: fill the model.* keys left missing (???) from config.json of model.init_from,
+    """model=hf: fill the model.* shape keys from config.json of model.init_from,
     and data.tokenizer from the folder's tokenizer.json when data=text has none (a DictConfig,
     edited in place before it becomes a JobConfig). Problems raise ConfigError."""
     from omegaconf import OmegaConf, open_dict
@@ -321,7 +321,12 @@ def fill_from_hf(cfg) -> None:
         if tok.is_file():
             with open_dict(data):
                 data.tokenizer = str(tok)
-    missing = [k for k in SHAPE_KEYS + FILL_ONLY_KEYS if OmegaConf.is_missing(model, k)]
+    # model=hf: every shape key from config.json (a yaml ??? cannot override a schema default in
+    # OmegaConf's merge, so the name decides); max_seq_len only where left 0 (a user value wins).
+    if model.get("name") == "hf":
+        missing = list(SHAPE_KEYS) + [k for k in FILL_ONLY_KEYS if not model.get(k)]
+    else:
+        missing = [k for k in SHAPE_KEYS + FILL_ONLY_KEYS if OmegaConf.is_missing(model, k)]
     if not missing:
         return
     try:

@@ -172,6 +172,13 @@ def run(run_dir: Path) -> int:
 
     engine = build_engine(spec, plan, rank, run_dir)
     record_built(engine, plan, rank.rank, run_dir)
+    if spec.action == "export":
+        from launcher.runtime.export_action import export_checkpoint
+
+        export_checkpoint(spec, engine, Path(run_dir), rank.rank, rank.world_size)
+        if folder_lock is not None:
+            folder_lock.release()
+        return 0
     batches = build_batches(spec, plan, rank.rank, run_dir)
     checkpoints = CheckpointManager(
         checkpoint_root(spec.checkpoint.dir, run_dir),
