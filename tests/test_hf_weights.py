@@ -209,13 +209,13 @@ def test_bad_folders_exit_2_before_launch(hf_models, tmp_path):
 
 
 def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
-    """dp_shard=2 (sharded source, then 2 steps and an fp32 export that transformers loads), tp=2
+    """tp=2 (sharded source, then 2 steps and an fp32 export that transformers loads), dp_shard=2
     (tied, bf16 on disk), pp=2 and ep=2 (Mixtral): logits equal transformers' after loading, and
     the exports of the untrained models are byte-identical to their sources."""
     jobs = [
-        {"name": "dp_shard2_train", "folder": str(hf_models["llama"]), "mesh": {"dp_shard": 2}, "train_steps": 2,
+        {"name": "tp2_train", "folder": str(hf_models["llama"]), "mesh": {"tp": 2}, "train_steps": 2,
          "export_dtype": "fp32"},
-        {"name": "tp2_tied_bf16", "folder": str(hf_models["llama_tied_bf16"]), "mesh": {"tp": 2},
+        {"name": "dp_shard2_tied_bf16", "folder": str(hf_models["llama_tied_bf16"]), "mesh": {"dp_shard": 2},
          "export_dtype": "bf16"},
         {"name": "pp2", "folder": str(hf_models["llama"]), "mesh": {"pp": 2}, "export_dtype": "fp32"},
         {"name": "ep2_mixtral", "folder": str(hf_models["mixtral"]), "mesh": {"dp_shard": 2, "ep": 2},
@@ -236,10 +236,10 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         assert r["load_max_diff"] <= 1e-5, (job["name"], r)
         mesh = r["built"]["mesh"]
         assert all(mesh[k] == v for k, v in job["mesh"].items()), (job["name"], mesh)
-    r = out["dp_shard2_train"]
+    r = out["tp2_train"]
     assert r["weights_moved"] > 1e-3  # training changed the model, so the export check below means something
     assert r["export_max_diff"] <= 1e-5
-    for name in ("tp2_tied_bf16", "pp2", "ep2_mixtral"):
+    for name in ("dp_shard2_tied_bf16", "pp2", "ep2_mixtral"):
         job = next(j for j in jobs if j["name"] == name)
         _assert_byte_identical(Path(job["folder"]), Path(job["export_dir"]) / "hf")
 
