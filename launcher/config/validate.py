@@ -246,7 +246,8 @@ def _check_device(spec: JobConfig, problems: List[str]) -> None:
             )
     if spec.action == "run" and spec.data.source in ("tokens", "text") and not spec.data.path:
         problems.append(f"data.source={spec.data.source} needs data.path. Fix: data.path=/path/to/data.")
-    if spec.data.source == "embedded" and spec.model.vocab_size < 256:
+    # action=export reads no data.
+    if spec.data.source == "embedded" and spec.model.vocab_size < 256 and spec.action != "export":
         problems.append(
             f"data.source=embedded uses byte tokens (256 ids) but model.vocab_size={spec.model.vocab_size}. "
             f"Fix: model.vocab_size >= 256."
