@@ -410,7 +410,8 @@ def _check_hf_io(spec: JobConfig, problems: List[str]) -> None:
     """model.init_from (a Hugging Face folder: read before launch, headers only) and action=export."""
     from launcher.config.hf_format import folder_problems
 
-    if spec.model.init_from and spec.action in ("run", "plan", "search"):
+    # action=run only: plan/search never read the weights (and search validates many layouts).
+    if spec.model.init_from and spec.action == "run":
         problems.extend(folder_problems(spec.model, spec.model.init_from))
     if spec.action == "export":
         if spec.checkpoint.export == "none":
