@@ -246,7 +246,9 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
     file_of = {name: k for k, names in enumerate(plan) for name in names}
     shapes = {n: (m.shape[1:] if m.kind == "experts" else m.shape) for m in maps for n in m.hf_names}
     writers: Dict[int, _SafetensorsWriter] = {}
-    out_dir = Path(out_dir)
+    final_dir = Path(out_dir)
+    # Written aside and renamed when complete: a crash never leaves a half export named export/hf.
+    out_dir = final_dir.with_name(final_dir.name + ".incomplete")
     if rank == 0:
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -286,8 +288,11 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
         (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config_for(model_cfg, DTYPES[dtype_name]), indent=2))
         for f in tokenizer_files:
             shutil.copy2(f, out_dir / Path(f).name)
+        if final_dir.exists():
+            shutil.rmtree(final_dir)
+        os.replace(out_dir, final_dir)
         log.info("exported %d tensors in %d safetensors file(s) (%s) to %s", len(file_of), n_files,
-                 dtype_name, out_dir)
+                 dtype_name, final_dir)
     if dist.is_initialized():
         dist.barrier()
 
