@@ -285,7 +285,7 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
         index = {"metadata": {"total_size": sum(itemsize * _numel(s) for s in shapes.values())},
                  "weight_map": {n: fname(file_of[n]) for n in sorted(file_of)}}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config_for(model_cfg, DTYPES[dtype_name]), indent=2))
+        (out_dir / CONFIG_FILE).write_text(json.dumps(_export_config(model_cfg, DTYPES[dtype_name]), indent=2))
         for f in tokenizer_files:
             shutil.copy2(f, out_dir / Path(f).name)
         if final_dir.exists():
@@ -295,6 +295,19 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
                  dtype_name, final_dir)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _export_config(model_cfg, dtype: str) -> dict:
+    """config.json of the export: ours, on top of model.init_from's (which keeps the keys we do not
+    manage, such as bos/eos token ids, for generation)."""
+    base: dict = {}
+    src = Path(model_cfg.init_from) / CONFIG_FILE if getattr(model_cfg, "init_from", "") else None
+    if src is not None and src.is_file():
+        try:
+            base = json.loads(src.read_text())
+        except ValueError:
+            base = {}
+    return {**base, **hf_config_for(model_cfg, dtype)}
 
 
 def _numel(shape) -> int:
