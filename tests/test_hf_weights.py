@@ -205,6 +205,22 @@ def test_bad_folders_exit_2_before_launch(hf_models, tmp_path):
     assert not run_dir.exists()  # nothing written, nothing launched
 
 
+def test_a_file_truncated_after_the_check_is_a_clear_rank_error(hf_models, tmp_path):
+    from launcher.models import build_model
+    from launcher.parallel.hf_weights import load_hf_weights
+
+    folder = _copy(hf_models["mixtral"], tmp_path / "late")
+    cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
+    assert folder_problems(cfg, str(folder)) == []
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"model\.safetensors is truncated.*Fix: copy"):
+        load_hf_weights([model], str(folder), cfg)
+
+
 # ----------------------------------------------------------------------------- 2 ranks, one launch
 
 
@@ -255,7 +271,8 @@ def test_train_fine_tunes_from_a_folder_and_exports_for_transformers(hf_models, 
     run = tmp_path / "run"
     args = ["model=hf", f"model.init_from={hf_models['llama']}", "data=text", f"data.path={text}",
             "trainer.steps=2", "trainer.seq_len=16", "trainer.global_batch_size=2", "precision=fp32",
-            "checkpoint.export=hf", "cluster.gpus_per_node=1", "logging.progress=false", "plan.plots=false"]
+            "checkpoint.export=hf", "cluster.gpus_per_node=1", "logging.progress=false", "plan.plots=false",
+            "logging.wandb.mode=disabled"]
     run_train(args, run, check=True, timeout=600)
     config = OmegaConf.load(run / "config.yaml")
     assert config.data.tokenizer == str(hf_models["llama"] / "tokenizer.json")
@@ -268,7 +285,7 @@ def test_train_fine_tunes_from_a_folder_and_exports_for_transformers(hf_models, 
     run_train(["model=hf", f"model.init_from={hf_models['llama']}", "action=export", "checkpoint.export=hf",
                "checkpoint.export_dtype=fp32", f"checkpoint.resume={run / 'checkpoints' / 'step_00000002'}",
                "precision=fp32", "trainer.seq_len=16", "trainer.global_batch_size=2", "cluster.gpus_per_node=1",
-               "plan.plots=false"], again, check=True, timeout=600)
+               "plan.plots=false", "logging.wandb.mode=disabled"], again, check=True, timeout=600)
     fp32 = _hf_tensors(again / "export" / "hf")
     bf16 = _hf_tensors(export)
     assert sorted(fp32) == sorted(bf16)

@@ -258,7 +258,10 @@ def folder_problems(model, folder: str, check_shapes: bool = True) -> List[str]:
     if problems:
         return problems
     if check_shapes:
-        fields = hf_model_fields(hf)
+        try:
+            fields = hf_model_fields(hf)
+        except (KeyError, TypeError, ValueError) as err:
+            return [f"{key}={folder}: config.json lacks or garbles {err}. {fix_folder}"]
         diffs = [f"model.{k}={getattr(model, k)!r} vs {fields[k]!r}" for k in SHAPE_KEYS
                  if getattr(model, k) != fields[k]]
         if diffs:
@@ -267,8 +270,10 @@ def folder_problems(model, folder: str, check_shapes: bool = True) -> List[str]:
                     f"or set those model.* keys to the config.json values."]
     try:
         files = weight_files(folder)
-    except (FileNotFoundError, ValueError) as err:
+    except FileNotFoundError as err:
         return [f"{key}={folder}: {err}. {fix_folder}"]
+    except ValueError as err:  # a truncated single file or a corrupt index
+        return [f"{key}={folder}: {err}. Fix: copy that file again (complete)."]
     headers: Dict[str, Dict[str, Any]] = {}
     for fname in sorted(set(files.values())):
         path = Path(folder) / fname

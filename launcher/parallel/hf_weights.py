@@ -70,7 +70,11 @@ class HfReader:
 
     def __init__(self, folder: str):
         self.folder = Path(folder)
-        self.files = weight_files(folder)
+        try:
+            self.files = weight_files(folder)
+        except (FileNotFoundError, ValueError) as err:  # changed since the pre-launch check
+            raise ValueError(f"model.init_from={folder}: {err}. Fix: copy the checkpoint folder again "
+                             f"(complete).") from err
         self._handles: Dict[str, object] = {}
 
     def _handle(self, name: str):
