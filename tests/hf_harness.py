@@ -72,6 +72,15 @@ def microbatches(vocab: int, step: int, dp_rank: int, dp: int):
     return [(mine[i:i + 1, :-1], mine[i:i + 1, 1:]) for i in range(per)]
 
 
+def _source_tensors(folder: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
 def run_job(job: dict) -> dict:
     from launcher.config.hf_format import hf_model_fields, read_hf_config
     from launcher.config.schema import ModelConfig, OptimConfig
@@ -91,6 +100,13 @@ def run_job(job: dict) -> dict:
                           EngineOptions(total_steps=max(steps, 1), export_dtype=job["export_dtype"]))
     toks = tokens(cfg.vocab_size)
     result = {"built": engine.built()}
+    # Loading again (same values) to count what each rank fetched from disk.
+    from launcher.parallel.hf_weights import load_hf_weights
+
+    read = [None] * dist.get_world_size()
+    dist.all_gather_object(read, load_hf_weights(engine.parts, folder, cfg))
+    result["elements_read"] = read
+    result["model_elements"] = sum(v.numel() for v in _source_tensors(folder).values())
     ours = our_logits(engine, toks)
     if dist.get_rank() == 0:
         result["load_max_diff"] = float((ours - hf_logits(folder, toks)).abs().max())

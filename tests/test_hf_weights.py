@@ -252,6 +252,9 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         assert r["load_max_diff"] <= 1e-5, (job["name"], r)
         mesh = r["built"]["mesh"]
         assert all(mesh[k] == v for k, v in job["mesh"].items()), (job["name"], mesh)
+        # Each rank fetched its shards only: about half the model (norms and, under EP, the
+        # non-expert weights are replicated), never all of it.
+        assert all(0 < n < 0.75 * r["model_elements"] for n in r["elements_read"]), (job["name"], r)
     r = out["tp2_train"]
     assert r["weights_moved"] > 1e-3  # training changed the model, so the export check below means something
     assert r["export_max_diff"] <= 1e-5

@@ -76,6 +76,7 @@ class HfReader:
             raise ValueError(f"model.init_from={folder}: {err}. Fix: copy the checkpoint folder again "
                              f"(complete).") from err
         self._handles: Dict[str, object] = {}
+        self.elements_read = 0  # what this rank fetched from disk (its shards, q/k rounded to whole heads)
 
     def _handle(self, name: str):
         from safetensors import safe_open
@@ -95,7 +96,9 @@ class HfReader:
     def read(self, name: str, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
         """hf tensor `name`[box] (box: (start, stop) per dim)."""
         sl = self._handle(name).get_slice(name)
-        return sl[tuple(slice(a, b) for a, b in box)]
+        out = sl[tuple(slice(a, b) for a, b in box)]
+        self.elements_read += out.numel()
+        return out
 
     def read_ours(self, m: TensorMap, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
         """Our parameter m restricted to `box` (our coordinates), from the HF files."""
@@ -135,12 +138,11 @@ def _local_box(param: torch.Tensor) -> Tuple[torch.Tensor, List[Tuple[int, int]]
 @torch.no_grad()
 def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
     """Fill every parameter of this rank's model parts from HF folder `folder` (only the
-    slices this rank holds) and rebuild the RoPE buffers. Returns the elements read."""
+    slices this rank holds) and rebuild the RoPE buffers. Returns the elements read from disk."""
     from launcher.models.layers import rope_table
 
     maps = {m.ours: m for m in tensor_maps(model_cfg)}
     reader = HfReader(folder)
-    read = 0
     for part in parts:
         for name, param in part.named_parameters():
             cname = canonical_name(name)
@@ -156,11 +158,10 @@ def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
                 raise ValueError(f"{folder}: {m.hf_names[0]} gives {tuple(value.shape)} for {cname}'s "
                                  f"shard {tuple(local.shape)}. Fix: a checkpoint whose config.json matches.")
             local.copy_(value.to(local.device, local.dtype))
-            read += value.numel()
         if hasattr(part, "rope"):
             part.rope = rope_table(model_cfg.dim // model_cfg.n_heads, model_cfg.max_seq_len,
                                    model_cfg.rope_theta, device=part.rope.device)
-    return read
+    return reader.elements_read
 
 
 # ----------------------------------------------------------------------------- export
