@@ -94,11 +94,23 @@ def run_job(job: dict) -> dict:
     mesh = {"dp_shard": 1, "tp": 1, "pp": 1, "ep": 1} | job["mesh"]
     dotted = {f"parallel.{k}": v for k, v in mesh.items()}
     dotted["optim.warmup_steps"] = 0
+    if job.get("backend") == "deepspeed":
+        dotted.update({"backend.default": "deepspeed", "parallel.zero_stage": job.get("zero_stage", 3)})
     layout = resolve(job_spec(cfg, dist.get_world_size(), **dotted))
     steps = job.get("train_steps", 0)
-    engine = NativeEngine(cfg, OptimConfig(lr=1e-2, warmup_steps=0), layout, torch.device("cpu"),
-                          EngineOptions(total_steps=max(steps, 1), export_dtype=job["export_dtype"]))
+    options = EngineOptions(total_steps=max(steps, 1), export_dtype=job["export_dtype"])
     toks = tokens(cfg.vocab_size)
+    if job.get("backend") == "deepspeed":
+        from launcher.engines import build_engine
+
+        engine = build_engine(cfg, OptimConfig(lr=1e-2, warmup_steps=0), layout, torch.device("cpu"), options)
+        with torch.no_grad():
+            ours = engine.model_parts[0](toks)  # ZeRO-3 gathers each block's parameters in forward
+        result = {"built": engine.built()}
+        if dist.get_rank() == 0:
+            result["load_max_diff"] = float((ours - hf_logits(folder, toks)).abs().max())
+        return result
+    engine = NativeEngine(cfg, OptimConfig(lr=1e-2, warmup_steps=0), layout, torch.device("cpu"), options)
     result = {"built": engine.built()}
     # Loading again (same values) to count what each rank fetched from disk.
     from launcher.parallel.hf_weights import load_hf_weights

@@ -236,11 +236,16 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         {"name": "pp2", "folder": str(hf_models["llama"]), "mesh": {"pp": 2}, "export_dtype": "fp32"},
         {"name": "ep2_mixtral", "folder": str(hf_models["mixtral"]), "mesh": {"dp_shard": 2, "ep": 2},
          "export_dtype": "fp32"},
+        # DeepSpeed ZeRO-3 (parameters partitioned as built; rank 0 reads one full tensor at a time).
+        {"name": "deepspeed_zero3", "folder": str(hf_models["llama"]), "mesh": {"dp_shard": 2},
+         "backend": "deepspeed", "zero_stage": 3, "export_dtype": "fp32"},
     ]
     for job in jobs:
         job["export_dir"] = str(tmp_path / job["name"])
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    from tests.deepspeed_harness.common import deepspeed_env
+
+    env = deepspeed_env({"TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(REPO / "tests" / "hf_harness.py"), str(tmp_path / "jobs.json"), str(tmp_path / "out.json")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -250,6 +255,11 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         r = out[job["name"]]
         assert "error" not in r, f"{job['name']}: {r.get('error')}"
         assert r["load_max_diff"] <= 1e-5, (job["name"], r)
+        if job.get("backend") == "deepspeed":  # what DeepSpeed reports it built: ZeRO-3 over 2 ranks
+            built = r["built"]
+            assert built["backends"]["sharding"] == "deepspeed" and built["backends"]["zero_stage"] == 3, r
+            assert built["mesh"]["dp"] == 2, r
+            continue
         mesh = r["built"]["mesh"]
         assert all(mesh[k] == v for k, v in job["mesh"].items()), (job["name"], mesh)
         # Each rank fetched its shards only: about half the model (norms and, under EP, the
@@ -299,8 +309,9 @@ def test_train_fine_tunes_from_a_folder_and_exports_for_transformers(hf_models, 
     assert _hf_logits(again / "export" / "hf", toks).isfinite().all()
 
 
-def test_deepspeed_backend_refuses_hf_weights_before_launch(hf_models):
-    """Not supported yet with DeepSpeed owning the model states: exit 2's problem lines, with a Fix."""
+def test_deepspeed_backend_refuses_hf_export_before_launch(hf_models):
+    """checkpoint.export=hf is not supported yet with DeepSpeed owning the model states (model.init_from
+    is: see the deepspeed_zero3 layout above): exit 2's problem line, with a Fix."""
     from types import SimpleNamespace
 
     from launcher.config.errors import ConfigError
@@ -314,6 +325,8 @@ def test_deepspeed_backend_refuses_hf_weights_before_launch(hf_models):
     assert layout.sharding_backend == "deepspeed"
     with pytest.raises(ConfigError) as err:
         check_hf_support(spec, SimpleNamespace(layout=layout))
-    assert len(err.value.problems) == 2 and all("Fix: backend=native" in p for p in err.value.problems)
-    native = compose_spec(["model=hf", f"model.init_from={hf_models['llama']}", "backend=native", "cluster.gpus_per_node=1"])
-    check_hf_support(native, SimpleNamespace(layout=resolve(native)))  # served: no problem
+    assert len(err.value.problems) == 1 and "checkpoint.export=hf" in err.value.problems[0]
+    assert "Fix: backend=native" in err.value.problems[0]
+    for served in (["backend=native", "checkpoint.export=hf"], ["backend=deepspeed"]):
+        spec = compose_spec(["model=hf", f"model.init_from={hf_models['llama']}", "cluster.gpus_per_node=1", *served])
+        check_hf_support(spec, SimpleNamespace(layout=resolve(spec)))  # served: no problem

@@ -38,14 +38,12 @@ def check_deepspeed_config(spec: JobConfig, plan: Plan) -> None:
 
 
 def check_hf_support(spec: JobConfig, plan: Plan) -> None:
-    """Hugging Face weights in (model.init_from) and out (checkpoint.export=hf) are served by the
-    native engine only: refuse before launch when DeepSpeed owns the model states."""
+    """Hugging Face export (checkpoint.export=hf) is served by the native engine only (DeepSpeed
+    loads model.init_from, but its export gathers the whole model on rank 0): refuse before launch
+    when DeepSpeed owns the model states."""
     if plan.layout.sharding_backend != "deepspeed":
         return
     problems = []
-    if spec.model.init_from:
-        problems.append(f"model.init_from={spec.model.init_from} is not supported yet when DeepSpeed owns the model "
-                        f"states (backend.sharding resolved to deepspeed). Fix: backend=native, or drop model.init_from.")
     if spec.checkpoint.export == "hf":
         problems.append("checkpoint.export=hf is not supported yet when DeepSpeed owns the model states. "
                         "Fix: backend=native, or checkpoint.export=safetensors.")
