@@ -239,6 +239,9 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         # DeepSpeed ZeRO-3 (parameters partitioned as built; rank 0 reads one full tensor at a time).
         {"name": "deepspeed_zero3", "folder": str(hf_models["llama"]), "mesh": {"dp_shard": 2},
          "backend": "deepspeed", "zero_stage": 3, "export_dtype": "fp32"},
+        # DeepSpeed ZeRO-1 (whole model built on each rank, then handed to DeepSpeed); tied, bf16 on disk.
+        {"name": "deepspeed_zero1_tied", "folder": str(hf_models["llama_tied_bf16"]), "mesh": {"dp_shard": 2},
+         "backend": "deepspeed", "zero_stage": 1, "export_dtype": "fp32"},
     ]
     for job in jobs:
         job["export_dir"] = str(tmp_path / job["name"])
@@ -257,7 +260,7 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         assert r["load_max_diff"] <= 1e-5, (job["name"], r)
         if job.get("backend") == "deepspeed":  # what DeepSpeed reports it built: ZeRO-3 over 2 ranks
             built = r["built"]
-            assert built["backends"]["sharding"] == "deepspeed" and built["backends"]["zero_stage"] == 3, r
+            assert built["backends"]["sharding"] == "deepspeed" and built["backends"]["zero_stage"] == job["zero_stage"], r
             assert built["mesh"]["dp"] == 2, r
             continue
         mesh = r["built"]["mesh"]
