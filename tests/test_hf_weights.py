@@ -25,7 +25,7 @@ from launcher.config.hf_format import folder_problems, hf_model_fields, hf_shape
 from launcher.config.schema import ModelConfig
 from tests.conftest import REPO, TRAIN, run_train, train_env
 
-transformers = pytest.importorskip("transformers")  # the `test` extra; CI installs it
+import transformers  # noqa: E402,F401  the `test` extra (CI installs it): a missing one must fail, not skip
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5)
@@ -224,6 +224,7 @@ def test_a_file_truncated_after_the_check_is_a_clear_rank_error(hf_models, tmp_p
 # ----------------------------------------------------------------------------- 2 ranks, one launch
 
 
+@pytest.mark.multiprocess
 def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
     """tp=2 (sharded source, then 2 steps and an fp32 export that transformers loads), dp_shard=2
     (tied, bf16 on disk), pp=2 and ep=2 (Mixtral): logits equal transformers' after loading, and
@@ -279,6 +280,7 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
 # ----------------------------------------------------------------------------- the `train` command
 
 
+@pytest.mark.multiprocess
 def test_train_fine_tunes_from_a_folder_and_exports_for_transformers(hf_models, tmp_path):
     """`train model=hf model.init_from=DIR data=text` (the folder's tokenizer by default), the end of
     run export, then `train action=export` of the final checkpoint: the same weights in both."""
