@@ -121,11 +121,6 @@ def unsupported_features(hf: Dict[str, Any]) -> List[str]:
     return out
 
 
-def source_dtype(hf: Dict[str, Any]) -> str:
-    """The weights' dtype as config.json states it (`dtype`, or 4.x's `torch_dtype`)."""
-    return str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
-
-
 def hf_config_for(model, dtype: str) -> Dict[str, Any]:
     """config.json (transformers 4.x and 5 both read it) for our `model` (ModelConfig)."""
     moe = model.n_experts > 0
