@@ -174,9 +174,10 @@ def _resolved(spec: JobConfig) -> "Layout":
 
 def _check_before_launch(spec: JobConfig, plan) -> None:
     """Checks that need the run-time libraries (DeepSpeed's own config classes); exit 2 on failure."""
-    from launcher.launch.preflight import check_deepspeed_config
+    from launcher.launch.preflight import check_deepspeed_config, check_hf_support
 
     try:
+        check_hf_support(spec, plan)
         check_deepspeed_config(spec, plan)
     except ConfigError as err:
         _fail_config(err.problems)
@@ -243,7 +244,7 @@ def hydra_main(cfg: DictConfig) -> None:
     except ConfigError as err:
         _fail_config(err.problems)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if spec.action == "run":
+    if spec.action in ("run", "export"):  # export: the ranks load checkpoint.resume and export it
         code = _run(spec, run_dir)
         print(f"run directory: {run_dir}")
     else:

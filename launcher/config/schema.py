@@ -46,6 +46,9 @@ class ModelConfig:
     # Weight of the Switch-style load-balancing loss added to the LM loss.
     aux_loss_coef: float = 0.01
     init_std: float = 0.02
+    # A local Hugging Face folder (config.json + *.safetensors, Llama or Mixtral) whose weights
+    # replace the random initialisation; "" = random init (launcher/config/hf_format.py).
+    init_from: str = ""
 
 
 @dataclass
@@ -118,7 +121,9 @@ class CheckpointConfig:
     # Verify file checksums (crc32) before resuming; sizes are always checked.
     verify_checksums: bool = True
     save_final: bool = True
-    export: str = "none"  # none | fp32 | safetensors: consolidated export at the end
+    export: str = "none"  # none | fp32 | safetensors | hf: consolidated export at the end
+    # dtype of the checkpoint.export=hf weights (bf16 | fp16 | fp32); applies to the export only.
+    export_dtype: str = "bf16"
 
 
 @dataclass
@@ -318,7 +323,7 @@ class ProfileConfig:
 class JobConfig:
     """The whole job, as composed by Hydra from conf/train.yaml."""
 
-    action: str = "run"  # run | plan | search
+    action: str = "run"  # run | plan | search | export (checkpoint.resume -> checkpoint.export, no training)
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

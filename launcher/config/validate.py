@@ -20,7 +20,7 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig, ModelConfig
 
 CHOICES = {
-    "action": ("run", "plan", "search"),
+    "action": ("run", "plan", "search", "export"),
     "precision.name": ("fp32", "bf16", "fp8"),
     "precision.reduce_dtype": ("fp32", "bf16"),
     "precision.fp8.recipe": ("tensorwise", "rowwise"),
@@ -37,7 +37,8 @@ CHOICES = {
     "cluster.name": ("local", "slurm"),
     "cluster.rdzv_host_from": ("hostname", "nodeaddr"),
     "backend.default": ("auto", "native", "deepspeed"),
-    "checkpoint.export": ("none", "fp32", "safetensors"),
+    "checkpoint.export": ("none", "fp32", "safetensors", "hf"),
+    "checkpoint.export_dtype": ("bf16", "fp16", "fp32"),
     "plan.format": ("text", "json"),
     # Names logging.Logger.setLevel accepts (it is case-sensitive).
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
@@ -246,7 +247,8 @@ def _check_device(spec: JobConfig, problems: List[str]) -> None:
             )
     if spec.action == "run" and spec.data.source in ("tokens", "text") and not spec.data.path:
         problems.append(f"data.source={spec.data.source} needs data.path. Fix: data.path=/path/to/data.")
-    if spec.data.source == "embedded" and spec.model.vocab_size < 256:
+    # action=export reads no data.
+    if spec.data.source == "embedded" and spec.model.vocab_size < 256 and spec.action != "export":
         problems.append(
             f"data.source=embedded uses byte tokens (256 ids) but model.vocab_size={spec.model.vocab_size}. "
             f"Fix: model.vocab_size >= 256."
@@ -445,6 +447,23 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
         problems.append(f"data.val_path={d.val_path} does not exist. Fix: point data.val_path at held-out {d.source} data.")
 
 
+def _check_hf_io(spec: JobConfig, problems: List[str]) -> None:
+    """model.init_from (a Hugging Face folder: read before launch, headers only) and action=export."""
+    from launcher.config.hf_format import folder_problems
+
+    # action=run only: plan/search never read the weights (and search validates many layouts).
+    if spec.model.init_from and spec.action == "run":
+        problems.extend(folder_problems(spec.model, spec.model.init_from))
+    if spec.action == "export":
+        if spec.checkpoint.export == "none":
+            problems.append("action=export writes checkpoint.export but checkpoint.export=none. "
+                            "Fix: checkpoint.export=hf (or fp32 / safetensors).")
+        resume = spec.checkpoint.resume
+        if resume in ("auto", "none") or not os.path.isdir(resume):
+            problems.append(f"action=export reads checkpoint.resume={resume}, which is not a checkpoint folder. "
+                            f"Fix: checkpoint.resume=/path/to/run/checkpoints/step_000100.")
+
+
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_choices,
     _check_accumulate_unsharded,
@@ -463,6 +482,7 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_local_cluster,
     _check_run_inputs,
     _check_observability,
+    _check_hf_io,
 )
 
 

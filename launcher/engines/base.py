@@ -54,6 +54,8 @@ class EngineOptions:
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # nvme_path, pin_memory
     fp8: Fp8Config = field(default_factory=Fp8Config)  # recipe, emulate, exclusions
     work_dir: Optional[Path] = None  # where the DeepSpeed engine writes its JSON (the run dir)
+    export_dtype: str = "bf16"  # checkpoint.export=hf weights: bf16 | fp16 | fp32
+    export_tokenizer_files: Tuple[Path, ...] = ()  # copied into an hf export
 
 
 class Engine(Protocol):
@@ -75,7 +77,7 @@ class Engine(Protocol):
         """Restore what `save` wrote (collective); the layout may differ from the saver's."""
 
     def export(self, path: Path, fmt: str) -> None:
-        """Write a consolidated model (fmt: fp32 | safetensors) to `path` (collective)."""
+        """Write a consolidated model (fmt: fp32 | safetensors | hf) to `path` (collective)."""
 
     def built(self) -> Dict[str, Any]:
         """What was built, in Layout terms (mesh sizes, micro-batches, FSDP, backends)."""

@@ -115,7 +115,14 @@ def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
     with torch.device("meta"):
         model = build_model(model_cfg)
     model.to_empty(device=device)
-    model.init_weights(seed, buffer_device=device)
+    if model_cfg.init_from:
+        from launcher.parallel.hf_weights import load_hf_weights
+
+        # ZeRO 0-2 and the pipeline engine hold the whole model on each rank before DeepSpeed
+        # partitions it, so each rank reads the whole model here.
+        load_hf_weights([model], model_cfg.init_from, model_cfg)
+    else:
+        model.init_weights(seed, buffer_device=device)
     model.train()
     return model
 
@@ -136,12 +143,24 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
         with torch.device(device):
             model = build_model(model_cfg)
     rank = dist.get_rank()
+    hf = None
+    if model_cfg.init_from and rank == 0:
+        from launcher.config.hf_format import tensor_maps
+        from launcher.parallel.hf_weights import HfReader
+
+        # model.init_from: rank 0 reads one full parameter at a time, as the random init draws it.
+        hf = (HfReader(model_cfg.init_from), {m.ours: m for m in tensor_maps(model_cfg)})
     with torch.no_grad():
         for name, param in model.named_parameters():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if rank == 0:
-                    # Values drawn on the training device, as init_model_weights(buffer_device=device) does.
-                    full = full_init_value(canonical_name(name), tuple(param.shape), model_cfg, seed, device)
+                    cname = canonical_name(name)
+                    if hf is not None:
+                        m = hf[1][cname]
+                        full = hf[0].read_ours(m, [(0, s) for s in m.shape])
+                    else:
+                        # Values drawn on the training device, as init_model_weights(buffer_device=device) does.
+                        full = full_init_value(cname, tuple(param.shape), model_cfg, seed, device)
                     param.copy_(full.to(param.device, param.dtype))
     model.rope = rope_table(model_cfg.dim // model_cfg.n_heads, model_cfg.max_seq_len, model_cfg.rope_theta,
                             device=device)

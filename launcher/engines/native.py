@@ -85,7 +85,14 @@ class NativeEngine:
             self._parallelize(part)
         for part in self.parts:
             part.to_empty(device=self.device)
-            part.init_weights(options.seed, buffer_device=self.device)
+            if model_cfg.init_from:
+                from launcher.parallel.hf_weights import load_hf_weights
+
+                # Each rank reads only the slices its shards hold (no random init first).
+                n = load_hf_weights([part], model_cfg.init_from, model_cfg)
+                log.info("loaded %d weights of this rank from %s", n, model_cfg.init_from)
+            else:
+                part.init_weights(options.seed, buffer_device=self.device)
             part.train()
         self.pp_microbatches = lay.pp_microbatches if m.pp > 1 else 1
         if m.pp > 1:
@@ -370,7 +377,14 @@ class NativeEngine:
             s.step()  # recomputes the lr for step `last` into the optimizer's groups
 
     def export(self, path: Path, fmt: str) -> None:
-        """Consolidated fp32 weights on global rank 0: torch.save (fp32) or safetensors."""
+        """Consolidated fp32 weights on global rank 0: torch.save (fp32) or safetensors; or
+        fmt "hf": `path`/hf in Hugging Face format, streamed one parameter at a time."""
+        if fmt == "hf":
+            from launcher.parallel.hf_weights import export_hf
+
+            export_hf(self.parts, self.world, Path(path) / "hf", self.model_cfg, self.options.export_dtype,
+                      self.options.export_tokenizer_files)
+            return
         from launcher.parallel.export import gather_full_state_dict, write_state_dict
         from launcher.parallel.phase import phase_barrier
 

@@ -35,3 +35,17 @@ def check_deepspeed_config(spec: JobConfig, plan: Plan) -> None:
             f"{layout.offload_optimizer}, params={layout.offload_params}): {type(err).__name__}: {reason}. "
             f"Fix: change the keys it names, or backend=native where the native path serves this layout."
         ]) from err
+
+
+def check_hf_support(spec: JobConfig, plan: Plan) -> None:
+    """Hugging Face export (checkpoint.export=hf) is served by the native engine only (DeepSpeed
+    loads model.init_from, but its export gathers the whole model on rank 0): refuse before launch
+    when DeepSpeed owns the model states."""
+    if plan.layout.sharding_backend != "deepspeed":
+        return
+    problems = []
+    if spec.checkpoint.export == "hf":
+        problems.append("checkpoint.export=hf is not supported yet when DeepSpeed owns the model states. "
+                        "Fix: backend=native, or checkpoint.export=safetensors.")
+    if problems:
+        raise ConfigError(problems)

@@ -27,6 +27,7 @@ from launcher.engines import build_engine as build_engine_for_layout
 from launcher.engines.base import Engine, EngineOptions
 from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
+from launcher.parallel.hf_weights import tokenizer_files_for
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
 from launcher.plan.plan import Plan
@@ -77,6 +78,9 @@ def engine_options(spec: JobConfig, run_dir: Path) -> EngineOptions:
         offload=spec.offload,
         fp8=spec.precision.fp8,
         work_dir=Path(run_dir),
+        export_dtype=spec.checkpoint.export_dtype,
+        export_tokenizer_files=tuple(tokenizer_files_for(spec.data.tokenizer if spec.data.source == "text" else "",
+                                                         spec.model.init_from)),
     )
 
 
@@ -253,6 +257,13 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     engine = build_engine(spec, plan, rank, run_dir)
     record_built(engine, plan, rank.rank, run_dir)
     debug_hooks.install_slow_compute(engine.model_parts, rank.rank)
+    if spec.action == "export":
+        from launcher.runtime.export_action import export_checkpoint
+
+        export_checkpoint(spec, engine, Path(run_dir), rank.rank, rank.world_size)
+        if folder_lock is not None:
+            folder_lock.release()
+        return 0
     batches = build_batches(spec, plan, rank.rank, run_dir)
     checkpoints = CheckpointManager(
         checkpoint_root(spec.checkpoint.dir, run_dir),

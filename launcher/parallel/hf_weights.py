@@ -1,0 +1,334 @@
+"""Hugging Face weights in and out of a sharded model (any layout: FSDP2, TP, PP, EP).
+
+- ``load_hf_weights(parts, folder, cfg)``: each rank reads, with safetensors' lazy slicing,
+  only the box of each tensor its local shard holds (DTensor local shape + global offset, the
+  same boxes torch.distributed.checkpoint reads), transformed to our layout on the fly. Host
+  memory per rank is bounded by its shard plus, for q/k, at most one head either side.
+- ``export_hf(parts, world, out_dir, cfg, dtype)``: streams one parameter at a time: the
+  stage that owns it gathers the full tensor, global rank 0 writes it straight into its
+  safetensors shard (header written first, from the shapes the config determines), so no
+  rank ever holds more than one full parameter.
+
+Names, shapes and which transform applies: launcher/config/hf_format.py (the one mapping).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from launcher.config.hf_format import (CONFIG_FILE, DTYPES, INDEX_FILE, SAFETENSORS_DTYPES, TOKENIZER_FILES,
+                                       TensorMap, hf_config_for, tensor_maps, weight_files)
+from launcher.models.init import canonical_name
+
+log = logging.getLogger(__name__)
+
+# Shard size of the export (transformers' own default for save_pretrained is 5 GB too).
+MAX_SHARD_BYTES = 5 * 1024**3
+
+
+# ----------------------------------------------------------------------------- layout transforms
+
+
+def rope_hf_to_ours(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows, HF order (per head: the two halves) -> ours (per head: interleaved pairs)."""
+    rows = w.shape[0]
+    d = rows // heads
+    return w.reshape(heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def rope_ours_to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of rope_hf_to_ours."""
+    rows = w.shape[0]
+    d = rows // heads
+    return w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def to_hf_tensors(m: TensorMap, full: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+    """Our full parameter -> the HF tensors it becomes (one, or one per expert)."""
+    if m.kind == "rope":
+        return [(m.hf_names[0], rope_ours_to_hf(full, m.heads))]
+    if m.kind == "experts":
+        return [(name, full[e]) for e, name in enumerate(m.hf_names)]
+    return [(m.hf_names[0], full)]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+class HfReader:
+    """Lazy, sliced reads from a HF folder's safetensors files (one open handle per file)."""
+
+    def __init__(self, folder: str):
+        self.folder = Path(folder)
+        try:
+            self.files = weight_files(folder)
+        except (FileNotFoundError, ValueError) as err:  # changed since the pre-launch check
+            raise ValueError(f"model.init_from={folder}: {err}. Fix: copy the checkpoint folder again "
+                             f"(complete).") from err
+        self._handles: Dict[str, object] = {}
+        self.elements_read = 0  # what this rank fetched from disk (its shards, q/k rounded to whole heads)
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        fname = self.files.get(name)
+        if fname is None:
+            raise ValueError(f"{self.folder}: tensor {name} is in no safetensors file. "
+                             f"Fix: a complete checkpoint folder.")
+        if fname not in self._handles:
+            path = self.folder / fname
+            try:
+                self._handles[fname] = safe_open(str(path), framework="pt")
+            except Exception as err:  # safetensors raises its own error types for a bad file
+                raise ValueError(f"cannot read {path} ({err}). Fix: copy {fname} again (complete).") from err
+        return self._handles[fname]
+
+    def read(self, name: str, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        """hf tensor `name`[box] (box: (start, stop) per dim)."""
+        sl = self._handle(name).get_slice(name)
+        out = sl[tuple(slice(a, b) for a, b in box)]
+        self.elements_read += out.numel()
+        return out
+
+    def read_ours(self, m: TensorMap, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        """Our parameter m restricted to `box` (our coordinates), from the HF files."""
+        if m.kind == "experts":
+            (e0, e1), rest = box[0], box[1:]
+            if e1 <= e0:
+                return torch.empty((0, *[b - a for a, b in rest]))
+            return torch.stack([self.read(m.hf_names[e], rest) for e in range(e0, e1)])
+        if m.kind == "rope":
+            (r0, r1), rest = box[0], box[1:]
+            d = m.shape[0] // m.heads
+            if r1 <= r0:
+                return torch.empty((0, *[b - a for a, b in rest]))
+            h0, h1 = r0 // d, (r1 - 1) // d + 1  # the whole heads the rows touch
+            block = self.read(m.hf_names[0], [(h0 * d, h1 * d), *rest])
+            return rope_hf_to_ours(block, h1 - h0)[r0 - h0 * d:r1 - h0 * d]
+        return self.read(m.hf_names[0], box)
+
+
+def _local_box(param: torch.Tensor) -> Tuple[torch.Tensor, List[Tuple[int, int]]]:
+    """(local tensor to fill, its box in global coordinates) for a plain tensor or DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        local = param.to_local()
+        if tuple(local.shape) != tuple(shape):  # padded FSDP storage: fill the unpadded view
+            local = local[tuple(slice(0, s) for s in shape)]
+        if not offset:  # this rank is outside the tensor's mesh
+            return local, [(0, 0)] * len(shape)
+        return local, [(o, o + s) for o, s in zip(offset, shape)]
+    return param, [(0, s) for s in param.shape]
+
+
+@torch.no_grad()
+def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
+    """Fill every parameter of this rank's model parts from HF folder `folder` (only the
+    slices this rank holds) and rebuild the RoPE buffers. Returns the elements read from disk."""
+    from launcher.models.layers import rope_table
+
+    maps = {m.ours: m for m in tensor_maps(model_cfg)}
+    reader = HfReader(folder)
+    for part in parts:
+        for name, param in part.named_parameters():
+            cname = canonical_name(name)
+            m = maps.get(cname)
+            if m is None:
+                raise ValueError(f"parameter {cname} has no Hugging Face counterpart (model {model_cfg.name}). "
+                                 f"Fix: model.init_from supports Llama and Mixtral shapes only.")
+            local, box = _local_box(param)
+            if local.numel() == 0:
+                continue
+            value = reader.read_ours(m, box)
+            if tuple(value.shape) != tuple(local.shape):
+                raise ValueError(f"{folder}: {m.hf_names[0]} gives {tuple(value.shape)} for {cname}'s "
+                                 f"shard {tuple(local.shape)}. Fix: a checkpoint whose config.json matches.")
+            local.copy_(value.to(local.device, local.dtype))
+        if hasattr(part, "rope"):
+            part.rope = rope_table(model_cfg.dim // model_cfg.n_heads, model_cfg.max_seq_len,
+                                   model_cfg.rope_theta, device=part.rope.device)
+    return reader.elements_read
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _shard_plan(maps: List[TensorMap], itemsize: int) -> List[List[str]]:
+    """HF names per output file (in order), at most MAX_SHARD_BYTES each; from the config alone,
+    so every rank knows the file names before any tensor is written."""
+    files: List[List[str]] = [[]]
+    size = 0
+    for m in maps:
+        for name in m.hf_names:
+            n = itemsize
+            for s in (m.shape[1:] if m.kind == "experts" else m.shape):
+                n *= s
+            if files[-1] and size + n > MAX_SHARD_BYTES:
+                files.append([])
+                size = 0
+            files[-1].append(name)
+            size += n
+    return files
+
+
+class _SafetensorsWriter:
+    """Writes one safetensors file tensor by tensor: the header (shapes, dtype, offsets) is
+    known up front, so each tensor's bytes are appended as it arrives."""
+
+    def __init__(self, path: Path, names: List[str], shapes: Dict[str, Tuple[int, ...]], dtype: torch.dtype):
+        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        header, offset = {}, 0
+        for n in names:
+            numel = 1
+            for s in shapes[n]:
+                numel *= s
+            header[n] = {"dtype": SAFETENSORS_DTYPES[str(dtype).replace("torch.", "")],
+                         "shape": list(shapes[n]), "data_offsets": [offset, offset + numel * itemsize]}
+            offset += numel * itemsize
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+        self.fh = open(self.tmp, "wb")
+        self.fh.write(struct.pack("<Q", len(raw)))
+        self.fh.write(raw)
+        self.order, self.next = list(names), 0
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        assert name == self.order[self.next], f"{name} out of order (expected {self.order[self.next]})"
+        self.fh.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        self.next += 1
+
+    def close(self) -> None:
+        self.fh.close()
+        os.replace(self.tmp, self.path)
+
+
+def _owner_stages(parts: Sequence[nn.Module], world) -> Dict[str, int]:
+    """Our canonical parameter name -> the pipeline stage rank (pp local rank) that holds it."""
+    mine = [canonical_name(n) for part in parts for n, _ in part.named_parameters()]
+    if world is None or world["pp"].size() == 1:
+        return {n: 0 for n in mine}
+    pp = world["pp"]
+    gathered: List[Optional[List[str]]] = [None] * pp.size()
+    dist.all_gather_object(gathered, mine, group=pp.get_group())
+    return {n: stage for stage, names in enumerate(gathered) for n in names}
+
+
+@torch.no_grad()
+def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype_name: str,
+              tokenizer_files: Sequence[Path] = ()) -> None:
+    """Write `out_dir` (config.json, model-0000k-of-0000n.safetensors, model.safetensors.index.json,
+    tokenizer files) from this rank's parts; collective over all ranks, global rank 0 writes."""
+    from torch.distributed.tensor import DTensor
+
+    dtype = getattr(torch, DTYPES[dtype_name])
+    maps = tensor_maps(model_cfg)
+    owners = _owner_stages(parts, world)
+    params = {canonical_name(n): p for part in parts for n, p in part.named_parameters()}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pp_rank = world["pp"].get_local_rank() if world is not None else 0
+    # The ranks with coordinate 0 on every non-pipeline dimension: one per stage, rank 0 among them.
+    leader = world is None or all(world[d].get_local_rank() == 0
+                                  for d in ("dp_replicate", "dp_shard", "cp", "tp"))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    plan = _shard_plan(maps, itemsize)
+    n_files = len(plan)
+    file_of = {name: k for k, names in enumerate(plan) for name in names}
+    shapes = {n: (m.shape[1:] if m.kind == "experts" else m.shape) for m in maps for n in m.hf_names}
+    writers: Dict[int, _SafetensorsWriter] = {}
+    final_dir = Path(out_dir)
+    # Written aside and renamed when complete: a crash never leaves a half export named export/hf.
+    out_dir = final_dir.with_name(final_dir.name + ".incomplete")
+    if rank == 0:
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        out_dir.mkdir(parents=True)
+
+    def fname(k: int) -> str:
+        return f"model-{k + 1:05d}-of-{n_files:05d}.safetensors"
+
+    for m in maps:
+        owner = owners.get(m.ours)
+        if owner is None:
+            raise RuntimeError(f"no rank holds {m.ours}: the model parts do not cover the model")
+        full = None
+        if owner == pp_rank:
+            p = params[m.ours]
+            full = p.full_tensor() if isinstance(p, DTensor) else p  # collective on p's mesh
+            full = full.detach().to("cpu", torch.float32)
+        if world is not None and world["pp"].size() > 1 and leader:
+            pp = world["pp"]
+            if full is None:
+                full = torch.empty(m.shape, dtype=torch.float32)
+            dist.broadcast(full, src=dist.get_global_rank(pp.get_group(), owner), group=pp.get_group())
+        if rank != 0:
+            continue
+        for name, t in to_hf_tensors(m, full):
+            k = file_of[name]
+            if k not in writers:
+                writers[k] = _SafetensorsWriter(out_dir / fname(k), plan[k], shapes, dtype)
+            writers[k].write(name, t.to(dtype))
+            if writers[k].next == len(plan[k]):
+                writers[k].close()
+        del full
+    if rank == 0:
+        index = {"metadata": {"total_size": sum(itemsize * _numel(s) for s in shapes.values())},
+                 "weight_map": {n: fname(file_of[n]) for n in sorted(file_of)}}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (out_dir / CONFIG_FILE).write_text(json.dumps(_export_config(model_cfg, DTYPES[dtype_name]), indent=2))
+        for f in tokenizer_files:
+            shutil.copy2(f, out_dir / Path(f).name)
+        if final_dir.exists():
+            shutil.rmtree(final_dir)
+        os.replace(out_dir, final_dir)
+        log.info("exported %d tensors in %d safetensors file(s) (%s) to %s", len(file_of), n_files,
+                 dtype_name, final_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _export_config(model_cfg, dtype: str) -> dict:
+    """config.json of the export: ours, on top of model.init_from's (which keeps the keys we do not
+    manage, such as bos/eos token ids, for generation)."""
+    base: dict = {}
+    src = Path(model_cfg.init_from) / CONFIG_FILE if getattr(model_cfg, "init_from", "") else None
+    if src is not None and src.is_file():
+        try:
+            base = json.loads(src.read_text())
+        except ValueError:
+            base = {}
+    return {**base, **hf_config_for(model_cfg, dtype)}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def tokenizer_files_for(tokenizer: str, init_from: str) -> List[Path]:
+    """The tokenizer files an export carries: those beside the run's tokenizer.json (data.tokenizer),
+    else those of the model.init_from folder (the model's own tokenizer); none otherwise."""
+    folder = Path(tokenizer).parent if tokenizer else (Path(init_from) if init_from else None)
+    if folder is None:
+        return []
+    out = [folder / n for n in TOKENIZER_FILES if (folder / n).is_file()]
+    if tokenizer and Path(tokenizer).is_file() and Path(tokenizer).name != "tokenizer.json":
+        out.append(Path(tokenizer))
+    return out
