@@ -335,3 +335,13 @@ def test_deepspeed_backend_refuses_hf_export_before_launch(hf_models):
     for served in (["backend=native", "checkpoint.export=hf"], ["backend=deepspeed"]):
         spec = compose_spec(["model=hf", f"model.init_from={hf_models['llama']}", "cluster.gpus_per_node=1", *served])
         check_hf_support(spec, SimpleNamespace(layout=resolve(spec)))  # served: no problem
+
+
+def test_action_export_needs_a_checkpoint_and_a_format(tmp_path):
+    from launcher.config.loader import compose_spec
+    from launcher.config.validate import validate
+
+    problems = validate(compose_spec(["action=export", "checkpoint.export=none", f"checkpoint.resume={tmp_path / 'no'}"]))
+    assert any(p.startswith("action=export writes checkpoint.export but checkpoint.export=none") for p in problems)
+    assert any("not a checkpoint folder" in p and "Fix: checkpoint.resume=" in p for p in problems)
+    assert not validate(compose_spec(["action=export", "checkpoint.export=hf", f"checkpoint.resume={tmp_path}"]))

@@ -10,8 +10,9 @@ block a top-k MoE without shared experts). Conventions that differ from ours:
   Each q/k head therefore needs a row permutation (kind "rope").
 - Mixtral experts are stored per expert (`block_sparse_moe.experts.{e}.w1/w2/w3.weight`) even
   where transformers fuses them in memory; ours are stacked [E, ...] (kind "experts").
-- A tied model has no `lm_head.weight`; config.json says `dtype` (transformers 5) or
-  `torch_dtype` (4.x), and `rope_parameters.rope_theta` (5) or `rope_theta` (4.x).
+- A tied model has no `lm_head.weight`. Loading takes each tensor's dtype from its file; an export
+  writes both `dtype` (transformers 5) and `torch_dtype` (4.x). RoPE's base is read from
+  `rope_parameters.rope_theta` (5) or `rope_theta` (4.x), and both are written.
 """
 
 from __future__ import annotations
