@@ -341,7 +341,9 @@ def test_action_export_needs_a_checkpoint_and_a_format(tmp_path):
     from launcher.config.loader import compose_spec
     from launcher.config.validate import validate
 
-    problems = validate(compose_spec(["action=export", "checkpoint.export=none", f"checkpoint.resume={tmp_path / 'no'}"]))
+    problems = validate(compose_spec(["+recipe=debug", "action=export", "checkpoint.export=none",
+                                      f"checkpoint.resume={tmp_path / 'no'}"]))
     assert any(p.startswith("action=export writes checkpoint.export but checkpoint.export=none") for p in problems)
     assert any("not a checkpoint folder" in p and "Fix: checkpoint.resume=" in p for p in problems)
-    assert not validate(compose_spec(["action=export", "checkpoint.export=hf", f"checkpoint.resume={tmp_path}"]))
+    assert not validate(compose_spec(["+recipe=debug", "action=export", "checkpoint.export=hf",
+                                      f"checkpoint.resume={tmp_path}"]))
