@@ -255,6 +255,9 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         {"name": "pp2", "folder": str(hf_models["llama"]), "mesh": {"pp": 2}, "export_dtype": "fp32"},
         {"name": "ep2_mixtral", "folder": str(hf_models["mixtral"]), "mesh": {"dp_shard": 2, "ep": 2},
          "export_dtype": "fp32"},
+        # Llama 3.1-style RoPE scaling through the engine's own build (meta model, init, load).
+        {"name": "tp2_llama31_rope", "folder": str(hf_models["llama31_rope"]), "mesh": {"tp": 2},
+         "export_dtype": "fp32"},
         # DeepSpeed ZeRO-3 (parameters partitioned as built; rank 0 reads one full tensor at a time).
         {"name": "deepspeed_zero3", "folder": str(hf_models["llama"]), "mesh": {"dp_shard": 2},
          "backend": "deepspeed", "zero_stage": 3, "export_dtype": "fp32"},
@@ -290,7 +293,7 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
     r = out["tp2_train"]
     assert r["weights_moved"] > 1e-3  # training changed the model, so the export check below means something
     assert r["export_max_diff"] <= 1e-5
-    for name in ("dp_shard2_tied_bf16", "pp2", "ep2_mixtral"):
+    for name in ("dp_shard2_tied_bf16", "pp2", "ep2_mixtral", "tp2_llama31_rope"):
         job = next(j for j in jobs if j["name"] == name)
         _assert_byte_identical(Path(job["folder"]), Path(job["export_dir"]) / "hf")
 
