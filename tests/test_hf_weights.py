@@ -370,7 +370,7 @@ def test_action_export_needs_a_checkpoint_and_a_format(tmp_path):
                                       f"checkpoint.resume={tmp_path}"]))
 
 
-def test_rope_scaling_read_in_both_spellings_written_back_and_validated(hf_models):
+def test_rope_scaling_read_in_both_spellings_written_back_and_validated(hf_models, tmp_path):
     """Llama 3.1's rope_scaling: config.json's `rope_parameters` (transformers 5) and `rope_scaling`
     (4.x) give the same model.rope_scaling; model=hf fills it; export writes it in both spellings;
     a named model without it is a mismatch; other rope types are refused by name; bad values exit 2."""
@@ -403,6 +403,11 @@ def test_rope_scaling_read_in_both_spellings_written_back_and_validated(hf_model
     for rope_type in ("linear", "dynamic", "yarn", "longrope"):
         (problem,) = unsupported_features({**v5, "rope_parameters": {"rope_type": rope_type, "factor": 2.0}})
         assert f"rope_type={rope_type!r}" in problem and "llama3" in problem
+    yarn = tmp_path / "yarn"  # model=hf from such a folder: one line names it (the folder check's)
+    yarn.mkdir()
+    (yarn / "config.json").write_text(json.dumps({**v5, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
+    problems = validate(compose_spec(["model=hf", f"model.init_from={yarn}", "cluster.gpus_per_node=1"]))
+    assert len([p for p in problems if "yarn" in p]) == 1, problems
     (problem,) = validate(compose_spec(["+recipe=debug", "model.rope_scaling.type=yarn"]))
     assert problem.startswith("model.rope_scaling.type='yarn' is not implemented") and "Fix:" in problem
     problems = validate(compose_spec(["+recipe=debug", "model.rope_scaling.type=llama3",

@@ -429,6 +429,8 @@ def _check_rope_scaling(spec: JobConfig, problems: List[str]) -> None:
     if r.type == "none":
         return
     if r.type != "llama3":
+        if spec.model.name == "hf" and spec.model.init_from and spec.action == "run":
+            return  # taken from config.json: _check_hf_io's folder check names it (one line per problem)
         problems.append(f"model.rope_scaling.type={r.type!r} is not implemented (supported: none, llama3; "
                         f"linear, dynamic, yarn and longrope are not). Fix: model.rope_scaling.type=none, or "
                         f"llama3 for a Llama 3.1-3.3 checkpoint.")
