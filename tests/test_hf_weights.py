@@ -22,13 +22,15 @@ import torch
 from omegaconf import OmegaConf
 
 from launcher.config.hf_format import folder_problems, hf_model_fields, hf_shapes, read_hf_config, tensor_maps
-from launcher.config.schema import ModelConfig
+from launcher.config.schema import ModelConfig, RopeScalingConfig
 from tests.conftest import REPO, TRAIN, run_train, train_env
 
 import transformers  # noqa: E402,F401  the `test` extra (CI installs it): a missing one must fail, not skip
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
 WORDS = "the a model weights train tokens data layer head expert load save export fine tune run step".split()
 
 
@@ -65,6 +67,11 @@ def hf_models(tmp_path_factory):
     mixtral = MixtralForCausalLM(MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2))
     out["mixtral"] = root / "mixtral"
     mixtral.save_pretrained(out["mixtral"])
+    # Llama 3.1-style RoPE scaling, with a pre-training context (8) shorter than the test's 16
+    # tokens, so every frequency is scaled (the highest one smoothed, the others divided by 8).
+    scaled = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False))
+    out["llama31_rope"] = root / "llama31_rope"
+    scaled.save_pretrained(out["llama31_rope"])
     return out
 
 
@@ -153,9 +160,10 @@ def test_real_model_configs_map_name_for_name_on_meta(name):
 # ----------------------------------------------------------------------------- one rank, in process
 
 
-@pytest.mark.parametrize("which", ["llama", "llama_tied_bf16", "mixtral"])
+@pytest.mark.parametrize("which", ["llama", "llama_tied_bf16", "mixtral", "llama31_rope"])
 def test_one_rank_logits_and_exact_round_trip(hf_models, which, tmp_path):
     from launcher.models import build_model
+    from launcher.models.layers import model_rope_table
     from launcher.parallel.hf_weights import export_hf, load_hf_weights
 
     folder = hf_models[which]
@@ -167,10 +175,20 @@ def test_one_rank_logits_and_exact_round_trip(hf_models, which, tmp_path):
     toks = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ours = model(toks)
-    assert (ours - _hf_logits(folder, toks)).abs().max() <= 1e-5
+    theirs = _hf_logits(folder, toks)
+    assert (ours - theirs).abs().max() <= 1e-5
+    if which == "llama31_rope":  # the scaling matters here: plain RoPE would be far off
+        assert cfg.rope_scaling.type == "llama3"
+        plain = model_rope_table(ModelConfig(**{**cfg.__dict__, "rope_scaling": RopeScalingConfig()}))
+        scaled, model.rope = model.rope, plain
+        with torch.no_grad():
+            assert (model(toks) - theirs).abs().max() > 1e-4
+        model.rope = scaled
     dtype = "bf16" if which.endswith("bf16") else "fp32"
     export_hf([model], None, tmp_path / "hf", cfg, dtype)
     _assert_byte_identical(folder, tmp_path / "hf")
+    if dtype == "fp32":  # transformers reads our config.json (RoPE included) as it read the source's
+        assert (ours - _hf_logits(tmp_path / "hf", toks)).abs().max() <= 1e-5
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
     assert "lm_head.weight" not in index["weight_map"] if cfg.tie_embeddings else "lm_head.weight" in index["weight_map"]
@@ -237,6 +255,9 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         {"name": "pp2", "folder": str(hf_models["llama"]), "mesh": {"pp": 2}, "export_dtype": "fp32"},
         {"name": "ep2_mixtral", "folder": str(hf_models["mixtral"]), "mesh": {"dp_shard": 2, "ep": 2},
          "export_dtype": "fp32"},
+        # Llama 3.1-style RoPE scaling through the engine's own build (meta model, init, load).
+        {"name": "tp2_llama31_rope", "folder": str(hf_models["llama31_rope"]), "mesh": {"tp": 2},
+         "export_dtype": "fp32"},
         # DeepSpeed ZeRO-3 (parameters partitioned as built; rank 0 reads one full tensor at a time).
         {"name": "deepspeed_zero3", "folder": str(hf_models["llama"]), "mesh": {"dp_shard": 2},
          "backend": "deepspeed", "zero_stage": 3, "export_dtype": "fp32"},
@@ -272,7 +293,7 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
     r = out["tp2_train"]
     assert r["weights_moved"] > 1e-3  # training changed the model, so the export check below means something
     assert r["export_max_diff"] <= 1e-5
-    for name in ("dp_shard2_tied_bf16", "pp2", "ep2_mixtral"):
+    for name in ("dp_shard2_tied_bf16", "pp2", "ep2_mixtral", "tp2_llama31_rope"):
         job = next(j for j in jobs if j["name"] == name)
         _assert_byte_identical(Path(job["folder"]), Path(job["export_dir"]) / "hf")
 
@@ -335,3 +356,60 @@ def test_deepspeed_backend_refuses_hf_export_before_launch(hf_models):
     for served in (["backend=native", "checkpoint.export=hf"], ["backend=deepspeed"]):
         spec = compose_spec(["model=hf", f"model.init_from={hf_models['llama']}", "cluster.gpus_per_node=1", *served])
         check_hf_support(spec, SimpleNamespace(layout=resolve(spec)))  # served: no problem
+
+
+def test_action_export_needs_a_checkpoint_and_a_format(tmp_path):
+    from launcher.config.loader import compose_spec
+    from launcher.config.validate import validate
+
+    problems = validate(compose_spec(["+recipe=debug", "action=export", "checkpoint.export=none",
+                                      f"checkpoint.resume={tmp_path / 'no'}"]))
+    assert any(p.startswith("action=export writes checkpoint.export but checkpoint.export=none") for p in problems)
+    assert any("not a checkpoint folder" in p and "Fix: checkpoint.resume=" in p for p in problems)
+    assert not validate(compose_spec(["+recipe=debug", "action=export", "checkpoint.export=hf",
+                                      f"checkpoint.resume={tmp_path}"]))
+
+
+def test_rope_scaling_read_in_both_spellings_written_back_and_validated(hf_models, tmp_path):
+    """Llama 3.1's rope_scaling: config.json's `rope_parameters` (transformers 5) and `rope_scaling`
+    (4.x) give the same model.rope_scaling; model=hf fills it; export writes it in both spellings;
+    a named model without it is a mismatch; other rope types are refused by name; bad values exit 2."""
+    from launcher.config.hf_format import hf_config_for, unsupported_features
+    from launcher.config.loader import compose_spec
+    from launcher.config.validate import validate
+
+    folder = hf_models["llama31_rope"]
+    want = RopeScalingConfig(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8)
+    v5 = read_hf_config(folder)
+    assert v5["rope_parameters"]["rope_type"] == "llama3" and "rope_scaling" not in v5  # transformers 5's spelling
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4.update(rope_theta=10000.0, rope_scaling={"type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items()
+                                                                     if k not in ("rope_type", "rope_theta")}})
+    for hf in (v5, v4):
+        assert unsupported_features(hf) == []
+        assert hf_model_fields(hf)["rope_scaling"] == want and hf_model_fields(hf)["rope_theta"] == 10000.0
+    written = hf_config_for(ModelConfig(name="hf", **hf_model_fields(v5)), "float32")
+    assert written["rope_scaling"] == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    assert written["rope_parameters"] == LLAMA3_ROPE
+    assert hf_model_fields(written)["rope_scaling"] == want
+    assert hf_config_for(_model_cfg("debug"), "float32")["rope_scaling"] is None
+    # model=hf takes it from config.json; a model config without it disagrees with the folder.
+    spec = compose_spec(["model=hf", f"model.init_from={folder}", "cluster.gpus_per_node=1"])
+    assert spec.model.rope_scaling == want
+    plain = ModelConfig(**{**hf_model_fields(v5), "rope_scaling": RopeScalingConfig(), "name": "x"})
+    (problem,) = folder_problems(plain, str(folder))
+    assert "model.rope_scaling={'type': 'none'} vs {'type': 'llama3', 'factor': 8.0" in problem and "Fix:" in problem
+    for rope_type in ("linear", "dynamic", "yarn", "longrope"):
+        (problem,) = unsupported_features({**v5, "rope_parameters": {"rope_type": rope_type, "factor": 2.0}})
+        assert f"rope_type={rope_type!r}" in problem and "llama3" in problem
+    yarn = tmp_path / "yarn"  # model=hf from such a folder: one line names it (the folder check's)
+    yarn.mkdir()
+    (yarn / "config.json").write_text(json.dumps({**v5, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
+    problems = validate(compose_spec(["model=hf", f"model.init_from={yarn}", "cluster.gpus_per_node=1"]))
+    assert len([p for p in problems if "yarn" in p]) == 1, problems
+    (problem,) = validate(compose_spec(["+recipe=debug", "model.rope_scaling.type=yarn"]))
+    assert problem.startswith("model.rope_scaling.type='yarn' is not implemented") and "Fix:" in problem
+    problems = validate(compose_spec(["+recipe=debug", "model.rope_scaling.type=llama3",
+                                      "model.rope_scaling.low_freq_factor=4", "model.rope_scaling.factor=0.5"]))
+    assert len(problems) == 2 and all("Fix:" in p for p in problems), problems

@@ -10,8 +10,13 @@ block a top-k MoE without shared experts). Conventions that differ from ours:
   Each q/k head therefore needs a row permutation (kind "rope").
 - Mixtral experts are stored per expert (`block_sparse_moe.experts.{e}.w1/w2/w3.weight`) even
   where transformers fuses them in memory; ours are stacked [E, ...] (kind "experts").
-- A tied model has no `lm_head.weight`; config.json says `dtype` (transformers 5) or
-  `torch_dtype` (4.x), and `rope_parameters.rope_theta` (5) or `rope_theta` (4.x).
+- A tied model has no `lm_head.weight`. Loading takes each tensor's dtype from its file; an export
+  writes both `dtype` (transformers 5) and `torch_dtype` (4.x). RoPE's base is read from
+  `rope_parameters.rope_theta` (5) or `rope_theta` (4.x), and both are written.
+- RoPE scaling: Llama 3.1-3.3's `rope_type: llama3` (factor, low_freq_factor, high_freq_factor,
+  original_max_position_embeddings) maps to model.rope_scaling; it is read from `rope_scaling`
+  (4.x; transformers 5 still gives it precedence) or `rope_parameters` (5), and written to both.
+  Other rope types (linear, dynamic, yarn, longrope) are refused by name.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # model.* keys that config.json decides (model=hf takes them from there; otherwise they must match).
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings",
               "rope_theta", "norm_eps", "n_experts", "top_k", "n_shared_experts", "moe_ffn_dim",
-              "n_dense_layers")
+              "n_dense_layers", "rope_scaling")
+# The RoPE scaling types our model implements (HF rope_type -> model.rope_scaling.type) and their fields.
+ROPE_TYPES = {"default": "none", "llama3": "llama3"}
+LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # Filled by model=hf but not compared: a shorter model.max_seq_len only sizes the RoPE table.
 FILL_ONLY_KEYS = ("max_seq_len",)
 
@@ -56,8 +64,58 @@ class TensorMap:
 
 def _rope_theta(hf: Dict[str, Any]) -> Optional[float]:
     params = hf.get("rope_parameters") or {}
-    value = params.get("rope_theta", hf.get("rope_theta"))
+    value = params.get("rope_theta", (hf.get("rope_scaling") or {}).get("rope_theta", hf.get("rope_theta")))
     return None if value is None else float(value)
+
+
+def _rope_params(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
+    """(HF rope_type, its parameters): `rope_scaling` (4.x) first, as transformers 5 reads it, then
+    `rope_parameters` (5). 4.x configs may say `type` instead of `rope_type`."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        return repr(params), {}
+    return str(params.get("rope_type") or params.get("type") or "default"), params
+
+
+def hf_rope_scaling(hf: Dict[str, Any]):
+    """model.rope_scaling (a RopeScalingConfig) of a config.json. An unsupported rope type is kept
+    by name (validation and unsupported_features refuse it; the model never runs it silently as
+    plain RoPE); fields it lacks keep the schema defaults (unsupported_features names them)."""
+    from launcher.config.schema import RopeScalingConfig
+
+    rope_type, params = _rope_params(hf)
+    if rope_type == "default":
+        return RopeScalingConfig()
+    d = RopeScalingConfig()
+    return RopeScalingConfig(
+        type=ROPE_TYPES.get(rope_type, rope_type), factor=float(params.get("factor", d.factor)),
+        low_freq_factor=float(params.get("low_freq_factor", d.low_freq_factor)),
+        high_freq_factor=float(params.get("high_freq_factor", d.high_freq_factor)),
+        # transformers' own fallback when a llama3 config omits it
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings")
+                                             or hf.get("max_position_embeddings") or d.original_max_position_embeddings))
+
+
+def rope_scaling_summary(scaling) -> Dict[str, Any]:
+    """model.rope_scaling (dataclass, DictConfig or dict) as a plain dict of what the model uses:
+    {"type": "none"} or the llama3 fields. Equal summaries compute equal RoPE tables."""
+    def get(key):
+        return scaling[key] if isinstance(scaling, dict) else getattr(scaling, key)
+
+    kind = str(get("type")) if scaling is not None else "none"
+    if kind == "none":
+        return {"type": "none"}
+    return {"type": kind, "factor": float(get("factor")), "low_freq_factor": float(get("low_freq_factor")),
+            "high_freq_factor": float(get("high_freq_factor")),
+            "original_max_position_embeddings": int(get("original_max_position_embeddings"))}
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    return rope_scaling_summary(a) == rope_scaling_summary(b) if key == "rope_scaling" else a == b
+
+
+def _shown(key: str, value: Any) -> str:
+    return repr(rope_scaling_summary(value)) if key == "rope_scaling" else repr(value)
 
 
 def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
@@ -80,6 +138,7 @@ def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
         "moe_ffn_dim": int(hf["intermediate_size"]) if moe else 0,
         "n_dense_layers": 0,
         "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
+        "rope_scaling": hf_rope_scaling(hf),
     }
     return fields
 
@@ -106,10 +165,17 @@ def unsupported_features(hf: Dict[str, Any]) -> List[str]:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             out.append(f"{key}=true (our linear layers have no bias)")
-    scaling = hf.get("rope_scaling")
-    rope_type = (hf.get("rope_parameters") or {}).get("rope_type", "default")
-    if scaling or rope_type != "default":
-        out.append(f"RoPE scaling ({rope_type if rope_type != 'default' else scaling}) (ours is plain RoPE)")
+    rope_type, params = _rope_params(hf)
+    if rope_type not in ROPE_TYPES:
+        out.append(f"RoPE scaling rope_type={rope_type!r} (supported: {', '.join(ROPE_TYPES)}; "
+                   f"Llama 3.1-3.3's llama3 loads)")
+    elif rope_type == "llama3":
+        lacking = [k for k in LLAMA3_ROPE_FIELDS[:3] if params.get(k) is None]
+        if lacking:
+            out.append(f"RoPE scaling rope_type='llama3' without {', '.join(lacking)}")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is not None and partial != 1 and partial != 1.0:
+        out.append(f"partial_rotary_factor={partial!r} (ours rotates the whole head)")
     if hf.get("sliding_window"):
         out.append(f"sliding_window={hf['sliding_window']} (ours is full causal attention)")
     try:
@@ -137,7 +203,7 @@ def hf_config_for(model, dtype: str) -> Dict[str, Any]:
         "max_position_embeddings": model.max_seq_len,
         "rms_norm_eps": model.norm_eps,
         "rope_theta": model.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+        **_hf_rope_entries(model),
         "tie_word_embeddings": bool(model.tie_embeddings),
         "hidden_act": "silu",
         "attention_bias": False,
@@ -153,6 +219,19 @@ def hf_config_for(model, dtype: str) -> Dict[str, Any]:
                     "router_aux_loss_coef": model.aux_loss_coef, "sliding_window": None,
                     "output_router_logits": False})
     return out
+
+
+def _hf_rope_entries(model) -> Dict[str, Any]:
+    """config.json's RoPE keys for our model.rope_scaling: `rope_parameters` (transformers 5) and
+    `rope_scaling` (4.x, and 5 gives it precedence; null when plain, so a source folder's value
+    carried by the export's config.json cannot survive)."""
+    summary = rope_scaling_summary(getattr(model, "rope_scaling", None))
+    if summary["type"] == "none":
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta}, "rope_scaling": None}
+    hf_type = next(k for k, v in ROPE_TYPES.items() if v == summary["type"])
+    fields = {k: summary[k] for k in LLAMA3_ROPE_FIELDS}
+    return {"rope_parameters": {"rope_type": hf_type, "rope_theta": model.rope_theta, **fields},
+            "rope_scaling": {"rope_type": hf_type, **fields}}
 
 
 def tensor_maps(model) -> List[TensorMap]:
@@ -257,8 +336,8 @@ def folder_problems(model, folder: str, check_shapes: bool = True) -> List[str]:
             fields = hf_model_fields(hf)
         except (KeyError, TypeError, ValueError) as err:
             return [f"{key}={folder}: config.json lacks or garbles {err}. {fix_folder}"]
-        diffs = [f"model.{k}={getattr(model, k)!r} vs {fields[k]!r}" for k in SHAPE_KEYS
-                 if getattr(model, k) != fields[k]]
+        diffs = [f"model.{k}={_shown(k, getattr(model, k))} vs {_shown(k, fields[k])}" for k in SHAPE_KEYS
+                 if not _same(k, getattr(model, k), fields[k])]
         if diffs:
             return [f"{key}={folder}: config.json disagrees with the model config: {', '.join(diffs)}. "
                     f"Fix: model=hf model.init_from={folder} (takes every shape key from config.json), "

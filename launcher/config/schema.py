@@ -17,6 +17,22 @@ from omegaconf import MISSING
 
 
 @dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling of long-context checkpoints (model.rope_scaling).
+
+    type: none (plain RoPE) | llama3 (Llama 3.1-3.3: wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are stretched by `factor`, shorter than
+    original_max_position_embeddings / high_freq_factor kept, the band between interpolated).
+    The other defaults are Llama 3.1's values. Read from config.json by model=hf / model.init_from."""
+
+    type: str = "none"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
 class ModelConfig:
     """Model shape. Defined once per model in conf/model/*.yaml; read by planner and builder."""
 
@@ -49,6 +65,8 @@ class ModelConfig:
     # A local Hugging Face folder (config.json + *.safetensors, Llama or Mixtral) whose weights
     # replace the random initialisation; "" = random init (launcher/config/hf_format.py).
     init_from: str = ""
+    # RoPE scaling (launcher/models/layers.py scale_rope_frequencies); default: none.
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
 
 
 @dataclass

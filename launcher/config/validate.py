@@ -464,6 +464,30 @@ def _check_hf_io(spec: JobConfig, problems: List[str]) -> None:
                             f"Fix: checkpoint.resume=/path/to/run/checkpoints/step_000100.")
 
 
+def _check_rope_scaling(spec: JobConfig, problems: List[str]) -> None:
+    """model.rope_scaling: a type the model implements, with values its formula accepts."""
+    r = spec.model.rope_scaling
+    if r.type == "none":
+        return
+    if r.type != "llama3":
+        if spec.model.name == "hf" and spec.model.init_from and spec.action == "run":
+            return  # taken from config.json: _check_hf_io's folder check names it (one line per problem)
+        problems.append(f"model.rope_scaling.type={r.type!r} is not implemented (supported: none, llama3; "
+                        f"linear, dynamic, yarn and longrope are not). Fix: model.rope_scaling.type=none, or "
+                        f"llama3 for a Llama 3.1-3.3 checkpoint.")
+        return
+    if r.factor < 1:
+        problems.append(f"model.rope_scaling.factor={r.factor} must be at least 1 (it stretches long wavelengths). "
+                        f"Fix: the checkpoint's value, e.g. model.rope_scaling.factor=8 (Llama 3.1), 32 (3.2).")
+    if not 0 < r.low_freq_factor < r.high_freq_factor:
+        problems.append(f"model.rope_scaling.low_freq_factor={r.low_freq_factor} and high_freq_factor="
+                        f"{r.high_freq_factor} need 0 < low_freq_factor < high_freq_factor. "
+                        f"Fix: the checkpoint's values, e.g. 1 and 4 (Llama 3.1-3.3).")
+    if r.original_max_position_embeddings < 1:
+        problems.append(f"model.rope_scaling.original_max_position_embeddings={r.original_max_position_embeddings} "
+                        f"must be at least 1. Fix: the pre-training context, e.g. 8192 (Llama 3.1-3.3).")
+
+
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_choices,
     _check_accumulate_unsharded,
@@ -483,6 +507,7 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_run_inputs,
     _check_observability,
     _check_hf_io,
+    _check_rope_scaling,
 )
 
 

@@ -136,7 +136,7 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
 
     from launcher.models import build_model
     from launcher.models.init import canonical_name, full_init_value
-    from launcher.models.layers import rope_table
+    from launcher.models.layers import model_rope_table
 
     remote = offload_params if offload_params != "none" else None
     with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote, pin_memory=pin_memory):
@@ -162,17 +162,16 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
                         # Values drawn on the training device, as init_model_weights(buffer_device=device) does.
                         full = full_init_value(cname, tuple(param.shape), model_cfg, seed, device)
                     param.copy_(full.to(param.device, param.dtype))
-    model.rope = rope_table(model_cfg.dim // model_cfg.n_heads, model_cfg.max_seq_len, model_cfg.rope_theta,
-                            device=device)
+    model.rope = model_rope_table(model_cfg, device=device)
     model.train()
     return model
 
 
 def restore_fp32_rope(module: nn.Module, model_cfg, device: torch.device) -> None:
     """DeepSpeed's bf16 mode casts buffers too; the RoPE table stays fp32 (as on the native path)."""
-    from launcher.models.layers import rope_table
+    from launcher.models.layers import model_rope_table
 
-    table = rope_table(model_cfg.dim // model_cfg.n_heads, model_cfg.max_seq_len, model_cfg.rope_theta, device=device)
+    table = model_rope_table(model_cfg, device=device)
     for m in module.modules():
         if "rope" in m._buffers:
             m.rope = table.clone()

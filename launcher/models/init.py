@@ -71,7 +71,7 @@ def init_model_weights(model: nn.Module, seed: int, buffer_device: Optional[torc
 
     ``buffer_device``: the training device; values are drawn there (default: each
     parameter's own device)."""
-    from launcher.models.layers import rope_table
+    from launcher.models.layers import model_rope_table
 
     cfg = model.cfg
     for name, param in model.named_parameters():
@@ -82,4 +82,4 @@ def init_model_weights(model: nn.Module, seed: int, buffer_device: Optional[torc
         _copy_into(param, full_init_value(cname, tuple(param.shape), cfg, seed, device))
     if hasattr(model, "rope"):
         device = buffer_device or model.rope.device
-        model.rope = rope_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=device)
+        model.rope = model_rope_table(cfg, device=device)

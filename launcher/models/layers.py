@@ -9,6 +9,8 @@ Nothing here knows about parallelism. Two conventions make the parallel wrappers
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,12 +30,51 @@ class RMSNorm(nn.Module):
         return (y * self.weight.float()).type_as(x)
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos/sin table [max_seq_len, head_dim // 2, 2] (fp32) for rotary embeddings."""
+def _scaling_value(scaling, key: str):
+    """A field of model.rope_scaling, given as a dataclass/DictConfig (attributes) or a plain dict."""
+    return scaling[key] if isinstance(scaling, dict) else getattr(scaling, key)
+
+
+def scale_rope_frequencies(inv: torch.Tensor, scaling) -> torch.Tensor:
+    """Apply model.rope_scaling to RoPE inverse frequencies `inv` (fp32).
+
+    type "none": unchanged. type "llama3" (Llama 3.1-3.3 long context): wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor are kept, those longer than
+    original_max_position_embeddings / low_freq_factor are stretched by `factor`, and the band
+    between is interpolated smoothly -- the same arithmetic as Meta's reference code and
+    transformers' `_compute_llama3_parameters`, so logits match a Hugging Face checkpoint."""
+    kind = str(_scaling_value(scaling, "type")) if scaling is not None else "none"
+    if kind == "none":
+        return inv
+    if kind != "llama3":  # validate.py refuses other types before launch
+        raise ValueError(f"model.rope_scaling.type={kind!r} is not one of none, llama3")
+    factor = float(_scaling_value(scaling, "factor"))
+    low = float(_scaling_value(scaling, "low_freq_factor"))
+    high = float(_scaling_value(scaling, "high_freq_factor"))
+    old_len = float(_scaling_value(scaling, "original_max_position_embeddings"))
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, out)
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None, scaling=None) -> torch.Tensor:
+    """cos/sin table [max_seq_len, head_dim // 2, 2] (fp32) for rotary embeddings; `scaling`:
+    model.rope_scaling (None: plain RoPE)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    inv = scale_rope_frequencies(inv, scaling)
     pos = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     ang = torch.outer(pos, inv)
     return torch.stack([ang.cos(), ang.sin()], dim=-1)
+
+
+def model_rope_table(cfg, device=None) -> torch.Tensor:
+    """The RoPE table of model config `cfg` (dim, n_heads, max_seq_len, rope_theta, rope_scaling):
+    the one place every builder and loader takes it from."""
+    return rope_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=device,
+                      scaling=getattr(cfg, "rope_scaling", None))
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

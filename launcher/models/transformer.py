@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from launcher.models.layers import Attention, FeedForward, RMSNorm, rope_table
+from launcher.models.layers import Attention, FeedForward, RMSNorm, model_rope_table
 from launcher.models.moe import MoE
 
 
@@ -57,9 +57,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: recomputed by init_weights, never checkpointed. Context parallelism
         # shards this buffer along the sequence together with the tokens.
-        self.register_buffer(
-            "rope", rope_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta), persistent=False
-        )
+        self.register_buffer("rope", model_rope_table(cfg), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

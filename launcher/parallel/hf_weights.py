@@ -139,7 +139,7 @@ def _local_box(param: torch.Tensor) -> Tuple[torch.Tensor, List[Tuple[int, int]]
 def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
     """Fill every parameter of this rank's model parts from HF folder `folder` (only the
     slices this rank holds) and rebuild the RoPE buffers. Returns the elements read from disk."""
-    from launcher.models.layers import rope_table
+    from launcher.models.layers import model_rope_table
 
     maps = {m.ours: m for m in tensor_maps(model_cfg)}
     reader = HfReader(folder)
@@ -159,8 +159,7 @@ def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
                                  f"shard {tuple(local.shape)}. Fix: a checkpoint whose config.json matches.")
             local.copy_(value.to(local.device, local.dtype))
         if hasattr(part, "rope"):
-            part.rope = rope_table(model_cfg.dim // model_cfg.n_heads, model_cfg.max_seq_len,
-                                   model_cfg.rope_theta, device=part.rope.device)
+            part.rope = model_rope_table(model_cfg, device=part.rope.device)
     return reader.elements_read
 
 
