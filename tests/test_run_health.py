@@ -146,7 +146,7 @@ def test_pipeline_validation_and_a_rank_raising_oom_leaves_a_failure_summary_nam
     """pp=2: only the last stage computes the loss; rank 1 then raises an out-of-memory error and
     failure/summary.json names it, with the plan's memory prediction beside it (no CUDA snapshot on CPU)."""
     run_dir = tmp_path / "run"
-    proc = _start(["+recipe=debug", "model=debug_moe", "trainer.steps=8", "parallel.pp=2", "trainer.log_every=4", "checkpoint.interval=0",
+    proc = _start(["+recipe=debug", "model=debug_moe", "trainer.steps=8", "parallel.pp=2", "trainer.log_every=1", "checkpoint.interval=0",
                    "trainer.val_every=3", "profile.enabled=true", "profile.steps=[2,2]",
                    "+cluster.env.LAUNCHER_DEBUG_OOM=1:7"], run_dir)
     out, _ = proc.communicate(timeout=400)
@@ -155,13 +155,16 @@ def test_pipeline_validation_and_a_rank_raising_oom_leaves_a_failure_summary_nam
     assert sorted(val) == [3, 6], val
     # The same model, data and global batch as the dp=2 run: the same held-out loss.
     assert val[3] == pytest.approx(_val_steps(_metrics(two_rank_run))[3], abs=1e-4)
-    # MoE load summed over both stages' layers: step 1 (same weights, same global batch) routes
-    # the same tokens as the dp=2 run, so the per-layer load statistics agree.
-    first, first_dp = _metrics(run_dir)[0], _metrics(two_rank_run)[0]
-    assert first["step"] == first_dp["step"] == 1
-    for key in ("moe/tokens_per_expert_cv", "moe/tokens_per_expert_max_over_mean"):
-        assert first[key] == pytest.approx(first_dp[key], rel=1e-6), (key, first[key], first_dp[key])
-    assert all(r["moe/aux_loss"] > 0 and r["moe/dropped_frac"] == 0.0 for r in _metrics(run_dir))
+    # MoE load over both stages' layers, in one all-reduce: at step 2 (the same weights up to
+    # rounding, the same global batch) the dp=2 run routed the same tokens. Not step 1 or a step
+    # after validation: torch's pipelining then runs one extra metadata-inference forward per stage.
+    pp_rows = {r["step"]: r for r in _metrics(run_dir)}
+    dp_rows = {r["step"]: r for r in _metrics(two_rank_run)}
+    # (Equal to every printed digit here; the tolerance leaves room for one routing flip by rounding.)
+    for key in ("moe/tokens_per_expert_cv", "moe/tokens_per_expert_max_over_mean", "moe/aux_loss"):
+        assert pp_rows[2][key] == pytest.approx(dp_rows[2][key], rel=1e-3), (key, pp_rows[2][key], dp_rows[2][key])
+    assert all(r["moe/tokens_per_expert_cv"] >= 0 and r["moe/tokens_per_expert_max_over_mean"] >= 1 and
+               r["moe/aux_loss"] > 0 and r["moe/dropped_frac"] == 0.0 for r in pp_rows.values())
     # Default profiled ranks: rank 0 and the last pipeline rank.
     assert _traces(run_dir) == {"rank_0": ["step_2.json"], "rank_1": ["step_2.json"]}
     summary = json.loads((run_dir / "failure" / "summary.json").read_text())
