@@ -12,11 +12,13 @@ optimizer settings) and times them in alternating rounds so that machine load hi
 - launcher: the real `launcher.runtime.trainer.Trainer.fit` over the engine `train` builds
   (`entry.build_engine`), with everything a real run does per step: token-count and loss
   all-reduces, metrics.jsonl + W&B (offline) rows at log steps, the straggler all-gather at log
-  steps, the hang watchdog's heartbeat, the stop-request all-reduce, the failure bundle's progress.
+  steps, the hang watchdog's heartbeat, the stop-request all-reduce, the failure bundle's progress;
+- engine (reported beside the ratio, not in it): a third copy driven by `Engine.train_step` alone,
+  which tells how much of the overhead is the engine's step and how much the loop around it.
 
 Both take their micro-batches from the same `StepBatches` (data loading is not overhead). The
-time of a side is the wall time of its rounds over the steps they ran (rank 0's clock; the steps
-are collective, so every rank waits for the slowest). The last line is `overhead ratio R`,
+step time of a side is the median over its rounds of the round's wall time / its steps (rank 0's
+clock; the steps are collective, so every rank waits for the slowest). The last line is `overhead ratio R`,
 R = launcher step time / bare step time (target <= 1.03).
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,8 +43,8 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="processes (torchrun --nproc_per_node)")
-    p.add_argument("--rounds", type=int, default=4, help="alternating timed rounds per side")
-    p.add_argument("--steps", type=int, default=10, help="steps per round (a multiple of --log-every)")
+    p.add_argument("--rounds", type=int, default=8, help="alternating timed rounds per side")
+    p.add_argument("--steps", type=int, default=5, help="steps per round (a multiple of --log-every)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per side before the rounds")
     p.add_argument("--log-every", type=int, default=5, help="trainer.log_every of the launcher side")
     p.add_argument("--model", default="debug", help="conf/model entry")
@@ -186,6 +189,20 @@ def launcher_loop(spec, plan, rank, run_dir: Path, batches):
     return run, losses, close
 
 
+def engine_loop(spec, plan, rank, run_dir: Path, batches):
+    """A third copy: the launcher's engine alone (Engine.train_step per step, no Trainer around it),
+    which splits the overhead into the engine's part and the loop's part."""
+    from launcher.runtime import entry
+
+    engine = entry.build_engine(spec, plan, rank, run_dir / "engine_only")
+
+    def run(first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            engine.train_step(batches.for_step(step))
+
+    return run
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -203,6 +220,7 @@ def worker(args: argparse.Namespace) -> None:
     batches = entry.build_batches(spec, plan, rank.rank, run_dir)
     bare, bare_losses = bare_loop(spec, rank, batches)
     launcher, launcher_losses, close = launcher_loop(spec, plan, rank, run_dir, batches)
+    engine_only = engine_loop(spec, plan, rank, run_dir, batches)
 
     def timed(fn, first: int, last: int) -> float:
         if rank.device.type == "cuda":
@@ -214,27 +232,32 @@ def worker(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    bare(1, args.warmup)
-    launcher(1, args.warmup)
-    t_bare = t_launcher = 0.0
+    sides = {"bare": bare, "launcher": launcher, "engine": engine_only}
+    for fn in sides.values():
+        fn(1, args.warmup)
+    times: dict = {name: [] for name in sides}
+    order = list(sides)
     for r in range(args.rounds):
         first = args.warmup + r * args.steps + 1
         last = first + args.steps - 1
-        # Alternate which side goes first, so a drift in machine load is shared.
-        if r % 2 == 0:
-            t_bare += timed(bare, first, last)
-            t_launcher += timed(launcher, first, last)
-        else:
-            t_launcher += timed(launcher, first, last)
-            t_bare += timed(bare, first, last)
+        # Rotate which side goes first, so a drift in machine load is shared.
+        for name in order[r % 3:] + order[:r % 3]:
+            times[name].append(timed(sides[name], first, last))
     close()
+    t_bare, t_launcher = times["bare"], times["launcher"]
+    engine_step = statistics.median(times["engine"]) / args.steps
     n = args.rounds * args.steps
+    # Step time of a side: the median over its rounds (a load spike from another process on a
+    # shared machine then moves one round, not the result).
+    bare_step, launcher_step = statistics.median(t_bare) / args.steps, statistics.median(t_launcher) / args.steps
     if rank.rank == 0:
         common = sorted(set(bare_losses) & set(launcher_losses))
         result = {
             "ranks": rank.world_size, "device": rank.device.type, "model": args.model, "seq_len": args.seq_len,
             "micro_batch": args.micro_batch, "log_every": args.log_every, "timed_steps": n,
-            "bare_step_s": t_bare / n, "launcher_step_s": t_launcher / n, "ratio": t_launcher / t_bare,
+            "bare_step_s": bare_step, "launcher_step_s": launcher_step, "ratio": launcher_step / bare_step,
+            "engine_step_s": engine_step,
+            "bare_round_s": t_bare, "launcher_round_s": t_launcher, "engine_round_s": times["engine"],
             "loss_step": common[-1] if common else None,
             "bare_loss": bare_losses[common[-1]] if common else None,
             "launcher_loss": launcher_losses[common[-1]] if common else None,
@@ -268,7 +291,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{r['ranks']} ranks on {r['device']}, model {r['model']}, seq {r['seq_len']}, micro-batch {r['micro_batch']}, "
           f"log_every {r['log_every']}, {r['timed_steps']} timed steps per side, load average {r['load_avg']:.2f}")
     print(f"loss at step {r['loss_step']}: bare {r['bare_loss']:.4f}  launcher {r['launcher_loss']:.4f}")
-    print(f"bare step {r['bare_step_s'] * 1e3:.1f} ms  launcher step {r['launcher_step_s'] * 1e3:.1f} ms")
+    print(f"bare step {r['bare_step_s'] * 1e3:.1f} ms  launcher step {r['launcher_step_s'] * 1e3:.1f} ms  "
+          f"(engine alone {r['engine_step_s'] * 1e3:.1f} ms: engine / bare {r['engine_step_s'] / r['bare_step_s']:.3f})")
     print(f"overhead ratio {r['ratio']:.3f}")
     return 0
 
