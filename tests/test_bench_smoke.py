@@ -84,3 +84,22 @@ def test_smoke_prints_and_appends_the_record(smoke):
     assert "launcher / reference step time" in proc.stdout
     record = (out / "benchmarks.md").read_text()
     assert table_header in record and "torchao" in record and "smoke" in record
+
+
+@pytest.mark.multiprocess
+def test_step_overhead_smoke_prints_the_ratio_line(tmp_path):
+    """bench/step_overhead.py with one timed step per side (2 ranks, CPU): it runs, the bare loop and
+    the launcher train the same model to the same loss, and the last line is `overhead ratio R`.
+    No timing assertion: R itself is a benchmark result (bench/README.md)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "step_overhead.py"), "--rounds", "1", "--steps", "1", "--warmup", "1",
+         "--log-every", "1", "--json", str(tmp_path / "r.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    words = last.split()
+    assert words[:2] == ["overhead", "ratio"] and len(words) == 3 and float(words[2]) > 0, last
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert (r["ranks"], r["timed_steps"], r["loss_step"]) == (2, 1, 2)
+    assert r["bare_loss"] == pytest.approx(r["launcher_loss"], abs=1e-4)

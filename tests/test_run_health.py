@@ -137,13 +137,16 @@ def test_moe_expert_shares_are_logged_per_log_step(two_rank_run):
         # debug_moe: 4 experts, top-2, so every expert's share is within (0, 1) and they cannot all be equal to 0.
         assert 0 <= r["moe/expert_share_min"] <= 0.25 <= r["moe/expert_share_max"] <= 1, r
         assert isinstance(r["moe/idle_experts"], int)
+        # Load metrics (launcher/runtime/moe_load.py) at every log step; debug_moe is dropless.
+        assert r["moe/tokens_per_expert_cv"] >= 0 and r["moe/tokens_per_expert_max_over_mean"] >= 1, r
+        assert r["moe/dropped_frac"] == 0.0 and r["moe/aux_loss"] > 0, r
 
 
 def test_pipeline_validation_and_a_rank_raising_oom_leaves_a_failure_summary_naming_it(two_rank_run, tmp_path):
     """pp=2: only the last stage computes the loss; rank 1 then raises an out-of-memory error and
     failure/summary.json names it, with the plan's memory prediction beside it (no CUDA snapshot on CPU)."""
     run_dir = tmp_path / "run"
-    proc = _start(["+recipe=debug", "model=debug_moe", "trainer.steps=8", "parallel.pp=2", "trainer.log_every=4", "checkpoint.interval=0",
+    proc = _start(["+recipe=debug", "model=debug_moe", "trainer.steps=8", "parallel.pp=2", "trainer.log_every=1", "checkpoint.interval=0",
                    "trainer.val_every=3", "profile.enabled=true", "profile.steps=[2,2]",
                    "+cluster.env.LAUNCHER_DEBUG_OOM=1:7"], run_dir)
     out, _ = proc.communicate(timeout=400)
@@ -152,6 +155,16 @@ def test_pipeline_validation_and_a_rank_raising_oom_leaves_a_failure_summary_nam
     assert sorted(val) == [3, 6], val
     # The same model, data and global batch as the dp=2 run: the same held-out loss.
     assert val[3] == pytest.approx(_val_steps(_metrics(two_rank_run))[3], abs=1e-4)
+    # MoE load over both stages' layers, in one all-reduce: at step 2 (the same weights up to
+    # rounding, the same global batch) the dp=2 run routed the same tokens. Not step 1 or a step
+    # after validation: torch's pipelining then runs one extra metadata-inference forward per stage.
+    pp_rows = {r["step"]: r for r in _metrics(run_dir)}
+    dp_rows = {r["step"]: r for r in _metrics(two_rank_run)}
+    # (Equal to every printed digit here; the tolerance leaves room for one routing flip by rounding.)
+    for key in ("moe/tokens_per_expert_cv", "moe/tokens_per_expert_max_over_mean", "moe/aux_loss"):
+        assert pp_rows[2][key] == pytest.approx(dp_rows[2][key], rel=1e-3), (key, pp_rows[2][key], dp_rows[2][key])
+    assert all(r["moe/tokens_per_expert_cv"] >= 0 and r["moe/tokens_per_expert_max_over_mean"] >= 1 and
+               r["moe/aux_loss"] > 0 and r["moe/dropped_frac"] == 0.0 for r in pp_rows.values())
     # Default profiled ranks: rank 0 and the last pipeline rank.
     assert _traces(run_dir) == {"rank_0": ["step_2.json"], "rank_1": ["step_2.json"]}
     summary = json.loads((run_dir / "failure" / "summary.json").read_text())
@@ -222,3 +235,55 @@ def test_an_expert_that_gets_no_tokens_is_warned_about(caplog):
     warnings = [r.getMessage() for r in caplog.records if "received no tokens" in r.getMessage()]
     assert warnings == [f"MoE layer 1: expert 0 received no tokens for {IDLE_LOGS} log steps in a row (step {IDLE_LOGS}); "
                         "check the router and the load-balancing loss (model.aux_loss_coef)"]
+
+
+def test_moe_load_metrics_math_on_hand_made_counts():
+    """cv and max/mean per layer, then the mean over the layers that routed tokens; dropped and aux."""
+    import torch
+
+    from launcher.runtime.moe_load import KEYS, load_metrics
+
+    counts = torch.tensor([[3.0, 1.0], [2.0, 2.0], [0.0, 0.0]])  # the last layer: on no stage / dense
+    got = load_metrics(counts, dropped=torch.tensor([1.0, 0.0, 0.0]), aux_sum=torch.tensor([0.02, 0.06, 0.0]),
+                       aux_calls=torch.tensor([2.0, 2.0, 0.0]))
+    assert tuple(got) == KEYS
+    # [3, 1]: mean 2, population std 1 -> cv 0.5, max/mean 1.5; [2, 2]: cv 0, max/mean 1.
+    assert got["moe/tokens_per_expert_cv"] == 0.25
+    assert got["moe/tokens_per_expert_max_over_mean"] == 1.25
+    assert got["moe/dropped_frac"] == 1 / 8
+    assert got["moe/aux_loss"] == pytest.approx(0.02)  # mean of 0.02/2 and 0.06/2
+    single = load_metrics(torch.tensor([[3.0, 1.0]]), torch.zeros(1), torch.ones(1), torch.ones(1))
+    assert (single["moe/tokens_per_expert_cv"], single["moe/tokens_per_expert_max_over_mean"]) == (0.5, 1.5)
+    assert load_metrics(torch.zeros(2, 2), torch.zeros(2), torch.zeros(2), torch.zeros(2)) == {}
+
+
+def test_moe_health_reports_dropped_tokens_and_aux_loss_of_a_real_layer():
+    """A real MoE layer with capacity 2 whose router sends all 8 tokens to expert 0: 6 of 8 dropped;
+    the aux loss is the layer's own; a validation (no_grad) forward is not counted."""
+    import torch
+    from torch import nn
+
+    from launcher.models.moe import MoE
+    from launcher.runtime.moe_health import MoEHealth
+
+    torch.manual_seed(0)
+    block = nn.Module()
+    block.moe = MoE(dim=8, hidden=16, n_experts=4, top_k=1, capacity_factor=1.0)
+    with torch.no_grad():
+        block.moe.router.weight.zero_()
+        block.moe.router.weight[0].fill_(1.0)
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": block})
+    health = MoEHealth([model], n_layers=1, n_experts=4, rank=0, device=torch.device("cpu"))
+    x = torch.rand(1, 8, 8) + 0.5  # positive inputs: expert 0 wins every token
+    block.moe(x)
+    aux = float(block.moe.last_aux_loss)
+    with torch.no_grad():
+        block.moe(torch.rand(1, 8, 8) + 0.5)
+    row = health.observe(1)
+    # counts [8, 0, 0, 0]: mean 2, std sqrt(12) -> cv sqrt(3); max/mean 4.
+    assert row["moe/tokens_per_expert_cv"] == pytest.approx(3 ** 0.5)
+    assert row["moe/tokens_per_expert_max_over_mean"] == 4.0
+    assert row["moe/dropped_frac"] == 6 / 8
+    assert row["moe/aux_loss"] == pytest.approx(aux) and aux > 0
+    assert health.observe(2) == {}  # read and reset: nothing routed since

@@ -15,6 +15,12 @@ Routing (per forward call, over the call's b*s tokens):
   counts once per optimizer step: the engine sets 1 / (micro-batches * data-parallel ranks).
   The latest (unscaled) value is kept in ``last_aux_loss`` for logging.
 
+Load accounting (read and reset by launcher/runtime/moe_health.py at log steps): over the
+forwards that record gradients (training; validation runs under no_grad), ``routed_tokens``
+[E] counts assignments per expert before any capacity drop, ``dropped_tokens`` the assignments
+dropped by capacity (stays 0 when dropless), ``aux_loss_sum`` / ``aux_loss_calls`` the summed
+(unscaled) aux loss and the number of forwards. All stay on the device: no host sync.
+
 Experts are stored as batched weights [n_experts, ...] so expert parallelism can shard
 them along dim 0. ``GroupedExperts.forward`` takes tokens already grouped by expert plus
 per-expert counts, and computes on the local shard when the weights are DTensors: the
@@ -98,6 +104,9 @@ class MoE(nn.Module):
         self.last_dropped_fraction = 0.0
         # Assignments routed to each expert since the runtime last read them (launcher/runtime/moe_health.py).
         self.routed_tokens: "torch.Tensor | None" = None
+        self.dropped_tokens: "torch.Tensor | None" = None
+        self.aux_loss_sum: "torch.Tensor | None" = None
+        self.aux_loss_calls = 0
 
     def capacity(self, n_tokens: int) -> int:
         """Assignments one expert may take for a call with n_tokens tokens (0 = unlimited)."""
@@ -117,8 +126,11 @@ class MoE(nn.Module):
         flat_expert = experts.reshape(-1)  # [T*k], token-major
         order = torch.argsort(flat_expert, stable=True)  # group by expert, token order kept
         counts = torch.bincount(flat_expert, minlength=self.n_experts)
-        routed = counts.detach()
-        self.routed_tokens = routed if self.routed_tokens is None else self.routed_tokens + routed
+        # Training forwards only: validation (no_grad) must not mix held-out tokens into the load.
+        recording = torch.is_grad_enabled()
+        if recording:
+            routed = counts.detach()
+            self.routed_tokens = routed if self.routed_tokens is None else self.routed_tokens + routed
         sorted_expert = flat_expert[order]
         cap = self.capacity(n_tok)
         if cap:
@@ -126,6 +138,9 @@ class MoE(nn.Module):
             pos_in_expert = torch.arange(order.numel(), device=x.device) - starts[sorted_expert]
             keep = pos_in_expert < cap
             order = order[keep]
+            if recording:
+                dropped = (counts - counts.clamp(max=cap)).sum().detach()
+                self.dropped_tokens = dropped if self.dropped_tokens is None else self.dropped_tokens + dropped
             counts = counts.clamp(max=cap)
             self.last_dropped_fraction = float(1.0 - keep.float().mean())
         token_idx = order // self.top_k
@@ -137,6 +152,9 @@ class MoE(nn.Module):
         frac = torch.bincount(flat_expert, minlength=self.n_experts).float() / flat_expert.numel()
         aux = self.aux_loss_coef * self.n_experts * (frac * scores.mean(0)).sum()
         self.last_aux_loss = aux.detach()
+        if recording:
+            self.aux_loss_sum = aux.detach() if self.aux_loss_sum is None else self.aux_loss_sum + aux.detach()
+            self.aux_loss_calls += 1
         if self.training and aux.requires_grad:
             out = AddAuxLossGrad.apply(out, aux, self.aux_loss_scale)
 

@@ -9,6 +9,9 @@ smallest and largest share of a layer's assignments any expert got) and `moe/idl
 W&B also gets the full table (layer, expert, tokens). An expert with no tokens for
 IDLE_LOGS log steps in a row is warned about. Tensor-parallel ranks see the same tokens and
 count them again: shares and idle experts are unaffected by that duplication.
+The same all-reduce carries each layer's dropped assignments and aux-loss sum, from which
+launcher/runtime/moe_load.py computes the `moe/*` load metrics (cv, max/mean, dropped
+fraction, aux loss) over the MoE layers of every pipeline stage.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from launcher.runtime.moe_load import load_metrics
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +57,15 @@ class MoEHealth:
 
     def observe(self, step: int) -> Dict[str, Any]:
         """On a log step (every rank, collective): routed-token statistics since the last log step."""
-        counts = torch.zeros(self.n_layers, self.n_experts, dtype=torch.float64, device=self.device)
+        # One tensor, one all-reduce: per layer the expert counts, then dropped, aux sum, aux calls.
+        packed = torch.zeros(self.n_layers, self.n_experts + 3, dtype=torch.float64, device=self.device)
         for index, module in self.layers:
-            if module.routed_tokens is not None:
-                counts[index] += module.routed_tokens.to(counts.device, torch.float64)
-                module.routed_tokens = None
+            _drain(module, packed[index], self.n_experts)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(counts)
-        counts = counts.cpu()
+            dist.all_reduce(packed)
+        packed = packed.cpu()
+        counts = packed[:, :self.n_experts]
+        load = load_metrics(counts, packed[:, self.n_experts], packed[:, self.n_experts + 1], packed[:, self.n_experts + 2])
         rows = [i for i in range(self.n_layers) if counts[i].sum() > 0]
         if not rows:
             return {}
@@ -76,4 +82,18 @@ class MoEHealth:
             data = [[layer, expert, int(counts[layer, expert])] for layer in rows for expert in range(self.n_experts)]
             self.log_table("moe/tokens_per_expert", ["layer", "expert", "tokens"], data)
         return {"moe/expert_share_min": float(share.min()), "moe/expert_share_max": float(share.max()),
-                "moe/idle_experts": int(idle[rows].sum())}
+                "moe/idle_experts": int(idle[rows].sum()), **load}
+
+
+def _drain(module: nn.Module, row: torch.Tensor, n_experts: int) -> None:
+    """Add one MoE layer's accumulated load into row [counts..., dropped, aux sum, aux calls]; reset it."""
+    if module.routed_tokens is not None:
+        row[:n_experts] += module.routed_tokens.to(row.device, torch.float64)
+        module.routed_tokens = None
+    if getattr(module, "dropped_tokens", None) is not None:
+        row[n_experts] += module.dropped_tokens.to(row.device, torch.float64)
+        module.dropped_tokens = None
+    if getattr(module, "aux_loss_sum", None) is not None:
+        row[n_experts + 1] += module.aux_loss_sum.to(row.device, torch.float64)
+        row[n_experts + 2] += module.aux_loss_calls
+        module.aux_loss_sum, module.aux_loss_calls = None, 0

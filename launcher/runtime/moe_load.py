@@ -1,0 +1,49 @@
+"""Expert load metrics (`moe/*`) from per-layer routed-token counts, dropped counts and aux losses.
+
+Pure math on tensors already summed over ranks (launcher/runtime/moe_health.py does the one
+all-reduce). Definitions, for the MoE layers that routed tokens in the window:
+
+- `moe/tokens_per_expert_cv`: per layer, std / mean of the assignments per expert (population
+  std, so a perfectly balanced layer gives 0), then the mean over layers;
+- `moe/tokens_per_expert_max_over_mean`: per layer, the busiest expert's assignments over the
+  mean (1 = balanced, at most n_experts / top_k), then the mean over layers;
+- `moe/dropped_frac`: assignments dropped by the capacity limit over all assignments, summed
+  over layers (0 by construction for a dropless model, `model.capacity_factor <= 0`);
+- `moe/aux_loss`: per layer, the mean over its forwards of the load-balancing loss the model
+  adds (coef * n_experts * sum_e f_e P_e, unscaled), then the mean over layers.
+
+All four are ratios or means, so counting the same tokens on several ranks (tensor-parallel
+ranks, recomputed forwards under activation checkpointing) does not change them.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+KEYS = ("moe/tokens_per_expert_cv", "moe/tokens_per_expert_max_over_mean", "moe/dropped_frac", "moe/aux_loss")
+
+
+def load_metrics(counts: torch.Tensor, dropped: torch.Tensor, aux_sum: torch.Tensor,
+                 aux_calls: torch.Tensor) -> Dict[str, float]:
+    """The four `moe/*` values from counts [layers, experts], dropped [layers], aux_sum [layers],
+    aux_calls [layers] (float64, summed over ranks); {} when no layer routed a token."""
+    counts = counts.to(torch.float64)
+    routed = counts.sum(dim=1)
+    rows = routed > 0
+    if not bool(rows.any()):
+        return {}
+    c = counts[rows]
+    mean = c.mean(dim=1)
+    cv = c.std(dim=1, unbiased=False) / mean
+    max_over_mean = c.max(dim=1).values / mean
+    dropped_frac = float(dropped.to(torch.float64)[rows].sum() / routed[rows].sum())
+    called = aux_calls > 0
+    aux = float((aux_sum[called].to(torch.float64) / aux_calls[called].to(torch.float64)).mean()) if bool(called.any()) else 0.0
+    return {
+        "moe/tokens_per_expert_cv": float(cv.mean()),
+        "moe/tokens_per_expert_max_over_mean": float(max_over_mean.mean()),
+        "moe/dropped_frac": dropped_frac,
+        "moe/aux_loss": aux,
+    }
