@@ -103,7 +103,8 @@ class OffloadConfig:
 @dataclass
 class ActivationCheckpointingConfig:
     mode: str = "none"  # none | selective | full
-    # selective: "op" saves matmul outputs and recomputes the cheap ops;
+    # selective: "op" saves matmul outputs and recomputes the cheap ops; "op_alternate_mm" saves
+    # every second matmul output of a block and recomputes the others (torchtitan's op policy);
     # an integer string N checkpoints every N-th block fully.
     selective: str = "op"
 
