@@ -28,6 +28,7 @@ from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager, checkpoint_root, lock_for_run
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
+from launcher.runtime.matmul_precision import apply_matmul_precision
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
@@ -162,6 +163,7 @@ def run(run_dir: Path) -> int:
     if spec.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(spec.trainer.seed)
+    apply_matmul_precision(spec.precision.name, spec.precision.tf32, rank.device.type)
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
     # One job per checkpoint folder, checked before anything is built or written (rank 0 holds it).
     folder_lock = lock_for_run(checkpoint_root(spec.checkpoint.dir, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
