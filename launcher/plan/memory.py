@@ -273,8 +273,9 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
     """Micro-batches whose activations a pipeline rank holds at its peak (all its chunks).
 
     GPipe runs every forward before any backward: m. 1F1B: rank r holds p - r (at most m).
-    Interleaved 1F1B with v chunks: rank r holds p + (p-1-2r)/v (rank 0: (1 + (p-1)/(p v)) times
-    1F1B's p, Narayanan et al. 2021); zbv (V-shape, 2 chunks) balances to about p on every rank.
+    Interleaved 1F1B with v chunks: rank r holds p + (p-1-2r)/v when p divides m (rank 0: (1 +
+    (p-1)/(p v)) times 1F1B's p, Narayanan et al. 2021), more when it does not (torch's rounds);
+    zbv (V-shape, 2 chunks) balances to about p on every rank.
     """
     p, m, v = lay.pp, lay.microbatches, lay.vpp
     if p == 1:
@@ -284,9 +285,12 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
     if lay.schedule == "zbv":
         return float(min(m, p))
     if v > 1:
-        # Warm-up forwards of rank r, in model chunks, are (v-1)p + 2(p-1-r) (torch's interleaved
-        # schedule, as Megatron): in micro-batches of all v chunks, p + (p-1-2r)/v.
-        return float(min(m, p + (p - 1 - 2 * rank) / v))
+        # torch's ScheduleInterleaved1F1B (_get_warmup_ops): rank r runs (v-1)k + 2(p-1-r) chunk
+        # forwards of warm-up, k = micro-batches per round = m // max(1, m // p) (p when p divides m),
+        # then one more forward before its first backward: (v-1)k + 2(p-1-r) + 1 chunks in flight,
+        # at most all m*v; in micro-batches of all v chunks, divided by v (p + (p-1-2r)/v for k = p).
+        k = m // max(1, m // p)
+        return min(m * v, (v - 1) * k + 2 * (p - 1 - rank) + 1) / v
     return float(min(m, p - rank))
 
 
