@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -90,3 +91,19 @@ def test_planner_drops_exactly_the_recomputed_outputs():
         # TP (dim per token), while under TP the saved collective output stays either way.
         wo = shape.dim if tp == 1 else 0
         assert op - alt == tokens * a * (shape.kv_dim / tp + shape.ffn_dim / tp + wo), (tp, sp)
+
+
+def test_planner_times_the_recomputed_matmuls():
+    from launcher.config.schema import HardwareConfig
+    from launcher.plan.params import stage_params
+    from launcher.plan.perf import gemm_efficiency, matmul_peak, microbatch_compute_s
+
+    shape, hw = model_shape(_cfg()), HardwareConfig()
+    lay = Layout(micro_batch_size=B, seq_len=S, ac_mode="selective", ac_selective="op", precision="bf16")
+    alt = Layout(micro_batch_size=B, seq_len=S, ac_mode="selective", ac_selective="op_alternate_mm", precision="bf16")
+    st = stage_params(shape, 1, 1, "1f1b", ())[0]
+    extra = microbatch_compute_s(shape, st, alt, hw) - microbatch_compute_s(shape, st, lay, hw)
+    # One more forward of wk, wo and w3 per block: 2 FLOPs per multiply-add of their weights.
+    flops = 2 * B * S * shape.n_layers * shape.dim * (shape.kv_dim + shape.dim + shape.ffn_dim)
+    peak = matmul_peak(hw, "bf16") * hw.achievable_fraction * gemm_efficiency(shape, lay)
+    assert extra == pytest.approx(flops / peak, rel=1e-9)
