@@ -40,6 +40,8 @@ MATRIX = [
     ("dense_zero3_bf16_2r", 2, ["parallel.zero_stage=3", "precision=bf16"]),
     ("dense_zero3_ac_full_2r", 2, ["parallel.zero_stage=3", "activation_checkpointing=full"]),
     ("dense_zero3_ac_selective_2r", 2, ["parallel.zero_stage=3", "activation_checkpointing=selective"]),
+    ("dense_zero3_ac_alternate_mm_2r", 2, ["parallel.zero_stage=3", "activation_checkpointing=selective",
+                                        "activation_checkpointing.selective=op_alternate_mm"]),
     ("dense_tp2_sp_2r", 2, ["parallel.tp=2", "parallel.sp=true", "parallel.zero_stage=3"]),
     ("dense_pp2_1f1b_2r", 2, ["parallel.pp=2", "parallel.zero_stage=3"]),
     ("moe_zero3_2r", 2, ["model=debug_moe", "parallel.zero_stage=3"]),

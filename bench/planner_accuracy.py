@@ -30,6 +30,7 @@ if str(REPO) not in sys.path:
 
 PUBLISHED = REPO / "bench" / "reference" / "published.csv"
 TOLERANCE = {"tps_per_gpu": 0.20, "memory_gib": 0.10}
+ORDER_NOT_HELD = "checked; order not held: "
 BASE_OVERRIDES = ("action=plan", "trainer.seq_len=8192", "cluster.gpus_per_node=8", "plan.plots=false")
 
 
@@ -43,11 +44,18 @@ class Row:
     metric: str
     value: float
     note: str  # the layout as the source names it
-    status: str  # "checked", or "approximated: why the runtime cannot express the published run"
+    # "checked"; "checked; order not held: why" (held to the tolerance, left out of its table's
+    # order check: a difference the planner does not model); or "approximated: why the runtime
+    # cannot express the published run" (printed, not held)
+    status: str
     predicted: float = 0.0
 
     @property
     def checked(self) -> bool:
+        return self.status == "checked" or self.status.startswith(ORDER_NOT_HELD)
+
+    @property
+    def ordered(self) -> bool:
         return self.status == "checked"
 
     @property
@@ -96,7 +104,7 @@ def ordering_problems(rows: Sequence[Row]) -> List[str]:
     """Tables (per metric, checked rows) whose predicted order differs from the published order."""
     groups: Dict[Tuple[str, str], List[Row]] = {}
     for r in rows:
-        if not r.checked:
+        if not r.ordered:
             continue
         groups.setdefault((r.table, r.metric), []).append(r)
     out = []
@@ -124,7 +132,8 @@ def format_table(rows: Sequence[Row], markdown: bool = False) -> str:
     head = ("table", "layout", "metric", "published", "predicted", "ratio", "within")
     lines = []
     body = [(f"{r.table}", r.note, r.metric, f"{r.value:,.1f}", f"{r.predicted:,.1f}", f"{r.ratio:.2f}",
-             ("yes" if r.within else "NO") + ("" if r.checked else " (approx.)")) for r in rows]
+             ("yes" if r.within else "NO") + ("" if r.ordered else " (unordered)" if r.checked else " (approx.)"))
+            for r in rows]
     if markdown:
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
@@ -149,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     problems = check(rows)
     for p in problems:
         print(f"outside tolerance: {p}")
-    for status in sorted({r.status for r in rows if not r.checked}):
+    for status in sorted({r.status for r in rows if r.status != "checked"}):
         which = ", ".join(sorted({f"Table {r.table} {r.metric}" for r in rows if r.status == status}))
         print(f"{which}: {status}")
     if args.check:

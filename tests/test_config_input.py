@@ -142,6 +142,8 @@ BAD_VALUES = [
     (["logging.level=LOUD"], ["logging.level='LOUD'"]),
     (["activation_checkpointing=selective", "activation_checkpointing.selective=abc"], ["activation_checkpointing.selective='abc'"]),
     (["activation_checkpointing.selective=0"], ["activation_checkpointing.selective='0'"]),
+    (["model=debug_moe", "activation_checkpointing=selective", "activation_checkpointing.selective=op_alternate_mm"],
+     ["activation_checkpointing.selective=op_alternate_mm", "n_experts=", "Fix: activation_checkpointing.selective=op"]),
     (["data.embedded_tokens=-5"], ["data.embedded_tokens=-5", "seq_len+1 = 129"]),
     (["data=text"], ["data.source=text", "data.path"]),
     (["data=text", "data.path=/nonexistent/corpus"], ["data.path=/nonexistent/corpus"]),

@@ -88,6 +88,9 @@ class PrecisionConfig:
     # Dtype of gradient reduction across data-parallel ranks.
     reduce_dtype: str = "fp32"
     fp8: Fp8Config = field(default_factory=Fp8Config)
+    # fp32 runs on CUDA: matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32 and
+    # cudnn.allow_tf32), as the planner costs them (hardware.tf32_tflops). false: full fp32 multiplies.
+    tf32: bool = True
 
 
 @dataclass
@@ -124,7 +127,8 @@ class OffloadConfig:
 @dataclass
 class ActivationCheckpointingConfig:
     mode: str = "none"  # none | selective | full
-    # selective: "op" saves matmul outputs and recomputes the cheap ops;
+    # selective: "op" saves matmul outputs and recomputes the cheap ops; "op_alternate_mm" saves
+    # every second matmul output of a block and recomputes the others (torchtitan's op policy);
     # an integer string N checkpoints every N-th block fully.
     selective: str = "op"
 

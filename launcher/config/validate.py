@@ -280,10 +280,19 @@ def _check_optimizer_values(spec: JobConfig, problems: List[str]) -> None:
 def _check_misc_values(spec: JobConfig, problems: List[str]) -> None:
     """Single values the ranks or the reports would reject late: checkpointing, data size, search."""
     sel = spec.activation_checkpointing.selective
-    if sel != "op" and not (sel.isdigit() and int(sel) >= 1):
+    if sel not in ("op", "op_alternate_mm") and not (sel.isdigit() and int(sel) >= 1):
         problems.append(
-            f"activation_checkpointing.selective={sel!r} must be 'op' (save matmul outputs, recompute the rest) "
+            f"activation_checkpointing.selective={sel!r} must be 'op' (save matmul outputs, recompute the rest), "
+            f"'op_alternate_mm' (save every second matmul output, as torchtitan) "
             f"or an integer N >= 1 (checkpoint every N-th block). Fix: activation_checkpointing.selective=op."
+        )
+    elif (sel == "op_alternate_mm" and spec.activation_checkpointing.mode == "selective"
+          and spec.model.n_experts > 0):
+        # An MoE block runs one mm per expert that received tokens: which outputs alternate depends on
+        # the routing, so neither the memory saved nor the planner's estimate would be predictable.
+        problems.append(
+            f"activation_checkpointing.selective=op_alternate_mm is for dense models; model {spec.model.name!r} "
+            f"has n_experts={spec.model.n_experts}. Fix: activation_checkpointing.selective=op."
         )
     need = spec.trainer.seq_len + 1
     if spec.data.source == "embedded" and spec.data.embedded_tokens < need:

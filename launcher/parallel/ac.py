@@ -4,6 +4,11 @@
 - selective, ``activation_checkpointing.selective="op"``: op-level selective checkpointing:
   the outputs of matmuls, attention and TP collectives are saved, the cheap element-wise
   ops (norms, activations, RoPE) are recomputed (Korthikanti et al.'s trade-off).
+- selective, ``activation_checkpointing.selective="op_alternate_mm"``: as "op", but only every
+  second ``aten.mm`` output of a block is saved (the 1st, 3rd, 5th, ...; the others are recomputed
+  in backward), the policy torchtitan's op-level selective AC uses. On the Llama block (wq, wk, wv,
+  wo, w1, w3, w2) it saves wq, wv, w1 and w2 and recomputes wk, wo and w3: less memory for about
+  2 x (kv_dim + dim + ffn_dim) x dim FLOPs per token and block more.
 - selective, an integer string N: every N-th block (0, N, 2N, ...) is fully checkpointed.
 
 Wrapping uses ``checkpoint_wrapper``; its ``_checkpoint_wrapped_module`` name component
@@ -44,6 +49,28 @@ def _op_policy(save_ops, ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _alternate_mm_policy(save_ops, counts, ctx, op, *args, **kwargs):
+    # Forward and recompute count their own mm calls, so the recompute makes the same
+    # save/recompute decision for the n-th matmul as the forward did.
+    if op == torch.ops.aten.mm.default:
+        key = "recompute" if ctx.is_recompute else "forward"
+        counts[key] += 1
+        if counts[key] % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _alternate_mm_contexts(save_ops):
+    # Called once per checkpointed forward of a block: the counts restart with every block call.
+    counts = {"forward": 0, "recompute": 0}
+    return create_selective_checkpoint_contexts(partial(_alternate_mm_policy, save_ops, counts))
+
+
+def _wrap_selective_op_alternate_mm(block: nn.Module) -> nn.Module:
+    return checkpoint_wrapper(block, context_fn=partial(_alternate_mm_contexts, _save_list()),
+                              preserve_rng_state=False)
+
+
 def _wrap_full(block: nn.Module) -> nn.Module:
     return checkpoint_wrapper(block, preserve_rng_state=False)
 
@@ -61,13 +88,15 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, selective: str =
         wrap, every = _wrap_full, 1
     elif mode == "selective" and selective == "op":
         wrap, every = _wrap_selective_op, 1
+    elif mode == "selective" and selective == "op_alternate_mm":
+        wrap, every = _wrap_selective_op_alternate_mm, 1
     elif mode == "selective" and selective.isdigit() and int(selective) >= 1:
         wrap, every = _wrap_full, int(selective)
     else:
         raise ValueError(
             f"activation_checkpointing.mode={mode!r} selective={selective!r} is not understood; "
-            f"use mode none|selective|full, and for selective either 'op' or a positive integer N "
-            f"(checkpoint every N-th block)"
+            f"use mode none|selective|full, and for selective 'op', 'op_alternate_mm' or a positive "
+            f"integer N (checkpoint every N-th block)"
         )
     wrapped = 0
     for name, block in list(model.layers.items()):

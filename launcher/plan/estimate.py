@@ -110,6 +110,12 @@ def warnings_for(plan, spec, lay: Layout) -> List[str]:
             f"trainer.micro_batch_size), parallel.pp_schedule=interleaved_1f1b with pp_virtual_stages=2, or a lower pp."
         )
     out += accumulate_unsharded_note(spec, lay)
+    if spec.precision.name == "fp32" and not spec.precision.tf32:
+        out.append(
+            f"precision.tf32=false: the runtime runs fp32 matmuls at the plain FP32 rate, but the time is costed "
+            f"at hardware.tf32_tflops={spec.hardware.tf32_tflops:g} (TF32 tensor cores), so it is optimistic "
+            f"(about 7x on an H100). Fix: precision.tf32=true, or read the time as a lower bound."
+        )
     if lay.tp > lay.gpus_per_node:
         out.append(
             f"parallel.tp={lay.tp} spans more than one node ({lay.gpus_per_node} GPUs per node): every block's "

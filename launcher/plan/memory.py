@@ -210,7 +210,8 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
     so the 2 x a*h linear inputs stay whole. CP divides the sequence.
 
     mode: "none" (keep all), "full" (keep the block input only), "op" (selective: keep the
-    outputs of matmuls and attention, recompute norms and elementwise ops).
+    outputs of matmuls and attention, recompute norms and elementwise ops), "op_alternate_mm"
+    (as "op" but every second matmul output recomputed: MoE blocks are refused by the validator).
     """
     a, h, t = lay.act_bytes, shape.dim, lay.tp
     tokens = lay.micro_batch_size * lay.seq_len / lay.cp
@@ -233,6 +234,15 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         ffn = router + routed + shared_e
     else:
         ffn = (2 if mode == "op" else 4) * a * shape.ffn_dim / t
+    if mode == "op_alternate_mm":
+        # torchtitan's policy (launcher/parallel/ac.py): every second mm output is recomputed, so of
+        # wq, wk, wv, wo, w1, w3, w2 only wq, wv, w1, w2 are kept. wk and w3 go; wo's output goes
+        # without TP, while under TP its saved collective output (all-reduce / reduce-scatter) stays.
+        attn = a * (hq + shape.kv_dim + hq) / t  # q, v, SDPA output
+        kept = a * h / sp_div * (3 if t > 1 else 2)  # block input, w2 output (+ wo's collective)
+        ffn = a * shape.ffn_dim / t  # w1 output
+        gathered = 2 * a * h if lay.sp else 0.0
+        return tokens * (attn + kept + ffn + gathered)
     if mode == "op":
         # block input + q, k, v + SDPA output + wo output + w2 output (norms, silu, mul recomputed)
         attn = a * (hq + 2 * shape.kv_dim + hq) / t
@@ -255,7 +265,7 @@ def layer_modes(n_layers: int, lay: Layout) -> List[str]:
         if lay.ac_selective.isdigit() and int(lay.ac_selective) > 0:
             every = int(lay.ac_selective)
             return ["full" if i % every == 0 else "none" for i in range(n_layers)]
-        return ["op"] * n_layers
+        return ["op_alternate_mm" if lay.ac_selective == "op_alternate_mm" else "op"] * n_layers
     return ["none"] * n_layers
 
 
@@ -263,8 +273,9 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
     """Micro-batches whose activations a pipeline rank holds at its peak (all its chunks).
 
     GPipe runs every forward before any backward: m. 1F1B: rank r holds p - r (at most m).
-    Interleaved 1F1B with v chunks: rank r holds p + (p-1-2r)/v (rank 0: (1 + (p-1)/(p v)) times
-    1F1B's p, Narayanan et al. 2021); zbv (V-shape, 2 chunks) balances to about p on every rank.
+    Interleaved 1F1B with v chunks: rank r holds p + (p-1-2r)/v when p divides m (rank 0: (1 +
+    (p-1)/(p v)) times 1F1B's p, Narayanan et al. 2021), more when it does not (torch's rounds);
+    zbv (V-shape, 2 chunks) balances to about p on every rank.
     """
     p, m, v = lay.pp, lay.microbatches, lay.vpp
     if p == 1:
@@ -274,9 +285,12 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
     if lay.schedule == "zbv":
         return float(min(m, p))
     if v > 1:
-        # Warm-up forwards of rank r, in model chunks, are (v-1)p + 2(p-1-r) (torch's interleaved
-        # schedule, as Megatron): in micro-batches of all v chunks, p + (p-1-2r)/v.
-        return float(min(m, p + (p - 1 - 2 * rank) / v))
+        # torch's ScheduleInterleaved1F1B (_get_warmup_ops): rank r runs (v-1)k + 2(p-1-r) chunk
+        # forwards of warm-up, k = micro-batches per round = m // max(1, m // p) (p when p divides m),
+        # then one more forward before its first backward: (v-1)k + 2(p-1-r) + 1 chunks in flight,
+        # at most all m*v; in micro-batches of all v chunks, divided by v (p + (p-1-2r)/v for k = p).
+        k = m // max(1, m // p)
+        return min(m * v, (v - 1) * k + 2 * (p - 1 - rank) + 1) / v
     return float(min(m, p - rank))
 
 

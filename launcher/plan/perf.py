@@ -134,6 +134,17 @@ def recompute_fraction(lay: Layout) -> float:
     return 0.0  # op-level selective recomputes elementwise ops only: no matmul FLOPs
 
 
+def alternate_mm_recompute_params(shape: ModelShape, st: StageParams, lay: Layout) -> float:
+    """Matmul params per token whose forward runs again under selective=op_alternate_mm.
+
+    launcher/parallel/ac.py recomputes every second mm of a block: wk, wo and w3 of the Llama
+    block (dense blocks only: the validator refuses the policy for MoE models)."""
+    if lay.ac_mode != "selective" or lay.ac_selective != "op_alternate_mm":
+        return 0.0
+    hq = shape.n_heads * shape.head_dim
+    return st.n_layers * shape.dim * (shape.kv_dim + hq + shape.ffn_dim)
+
+
 def elementwise_recompute_fraction(lay: Layout) -> float:
     """Share of the blocks whose elementwise ops run twice: full AC, and op-level selective AC
     (launcher/parallel/ac.py saves matmul, attention and collective outputs and recomputes the rest)."""
@@ -165,7 +176,7 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     attn = attention_flops_per_token(st.n_layers, shape.dim, lay.seq_len)
     rf = recompute_fraction(lay)
     # Recomputing a forward costs a third of forward+backward.
-    block_flops = 6.0 * block * (1 + rf / 3) * tokens
+    block_flops = (6.0 * block * (1 + rf / 3) + 2.0 * alternate_mm_recompute_params(shape, st, lay)) * tokens
     attn_flops = attn * (1 + rf / 3) * tokens
     head_flops = 6.0 * head * tokens
     split = lay.tp * lay.cp  # each GPU of the TP x CP group computes its share

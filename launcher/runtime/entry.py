@@ -36,6 +36,7 @@ from launcher.runtime.failure import FailureBundle, host_name
 from launcher.runtime.health import RunHealth
 from launcher.runtime.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
+from launcher.runtime.matmul_precision import apply_matmul_precision
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
@@ -248,6 +249,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     if spec.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(spec.trainer.seed)
+    apply_matmul_precision(spec.precision.name, spec.precision.tf32, rank.device.type)
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
     health = start_health(spec, plan, bundle, rank.device.type)
     log_placement(plan, rank)
