@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
-from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, TrainerConfig
+from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, ProfileConfig, TrainerConfig
 from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
 from launcher.plan.features import FEATURES, BackendChoice
@@ -127,12 +127,22 @@ def _layout_problems(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
         return None, problems + batch_split_problems(spec.trainer, floor.dp)
     accum, batch_problems = derive_accumulation(spec.trainer, spec.parallel, mesh)
     problems += batch_problems + expert_parallel_problems(spec.parallel.ep, mesh)
+    problems += profile_rank_problems(spec.profile, world_size(spec.cluster))
     conflicts, choices = backend_conflicts(spec, mesh)
     problems += [c.text() for c in conflicts]
     if problems or choices is None:
         return None, problems
     layout = build_layout(spec, mesh, accum, choices)
     return replace(layout, accumulate_unsharded=resolve_accumulate_unsharded(spec, layout)[0]), []
+
+
+def profile_rank_problems(profile: ProfileConfig, world: int) -> List[str]:
+    """profile.ranks must name ranks of this job (an empty list picks the defaults)."""
+    bad = [r for r in profile.ranks if not 0 <= r < world]
+    if not (profile.enabled and bad):
+        return []
+    return [f"profile.ranks has {bad}, outside the job's ranks 0..{world - 1}. Fix: e.g. profile.ranks=[0], or [] "
+            f"for rank 0 and the last pipeline rank."]
 
 
 def accumulate_unsharded_blocker(lay: Layout) -> str:
