@@ -236,6 +236,30 @@ def _search(spec: JobConfig) -> int:
     return 0
 
 
+def _rehearse(spec: JobConfig, run_dir: Path) -> int:
+    """Plan, then build the chosen ranks on a fake process group (launcher/launch/rehearse.py);
+    exit 2 with one line per rank that cannot be built."""
+    from launcher.launch.rehearse import rehearsal_problems, rehearse, render_rehearsal
+    from launcher.plan.plan import build_plan
+
+    plan = build_plan(spec, _resolved(spec))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_spec(spec, run_dir)
+    plan.save(run_dir)
+    result = rehearse(spec, plan, run_dir)
+    if spec.plan.format == "json":
+        import json
+
+        print(json.dumps(result, indent=1), flush=True)
+    else:
+        print(render_rehearsal(result), flush=True)
+        print(f"rehearsal: {run_dir / 'rehearsal.json'}", flush=True)
+    problems = rehearsal_problems(result, plan.layout)
+    if problems:
+        _fail_config(problems)
+    return 0
+
+
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def hydra_main(cfg: DictConfig) -> None:
     try:
@@ -246,6 +270,8 @@ def hydra_main(cfg: DictConfig) -> None:
     if spec.action == "run":
         code = _run(spec, run_dir)
         print(f"run directory: {run_dir}")
+    elif spec.action == "rehearse":
+        code = _rehearse(spec, run_dir)
     else:
         code = _plan(spec, run_dir) if spec.action == "plan" else _search(spec)
     if code:

@@ -278,10 +278,20 @@ class PlanConfig:
 
 
 @dataclass
+class RehearseConfig:
+    """action=rehearse: build each chosen rank's real model part(s) on a fake process group."""
+
+    ranks: Any = "auto"  # auto (one per distinct shard shape) | all | a list of global ranks
+    workers: int = 2  # rehearsal subprocesses at a time (one per rank, each its own process)
+    # Two fake-tensor training steps per rank (the second measured) for the activation peak.
+    activations: bool = True
+
+
+@dataclass
 class JobConfig:
     """The whole job, as composed by Hydra from conf/train.yaml."""
 
-    action: str = "run"  # run | plan | search
+    action: str = "run"  # run | plan | search | rehearse
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -299,6 +309,7 @@ class JobConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     run_name: str = ""
+    rehearse: RehearseConfig = field(default_factory=RehearseConfig)
 
 
 def set_dotted(spec: "JobConfig", key: str, value: Any) -> None:

@@ -54,6 +54,10 @@ class EngineOptions:
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # nvme_path, pin_memory
     fp8: Fp8Config = field(default_factory=Fp8Config)  # recipe, emulate, exclusions
     work_dir: Optional[Path] = None  # where the DeepSpeed engine writes its JSON (the run dir)
+    # The rehearsal's FakeTensorMode (launcher/runtime/rehearse.py): the native engine enters it
+    # once the model is sharded (meshes and sharding need real rank tensors), so materialisation,
+    # optimizer and steps use fake tensors; the caller exits it. None in real runs.
+    fake_mode: Optional[Any] = None
 
 
 class Engine(Protocol):

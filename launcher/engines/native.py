@@ -83,9 +83,12 @@ class NativeEngine:
         self.fsdp = lay.fsdp_wraps
         for part in self.parts:
             self._parallelize(part)
+        if options.fake_mode is not None:
+            options.fake_mode.__enter__()  # the rehearsal: no full-size tensor from here on
         for part in self.parts:
             part.to_empty(device=self.device)
-            part.init_weights(options.seed, buffer_device=self.device)
+            if options.fake_mode is None:  # fake tensors have no values to initialise
+                part.init_weights(options.seed, buffer_device=self.device)
             part.train()
         self.pp_microbatches = lay.pp_microbatches if m.pp > 1 else 1
         if m.pp > 1:
