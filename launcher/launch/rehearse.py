@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from launcher.config.schema import JobConfig
 from launcher.config.validate import rehearse_ranks_value
 from launcher.plan.memory import GiB
+from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
 from launcher.plan.plan import Plan
 from launcher.plan.rehearsal import predicted_for_rank, rehearsal_ranks, relative_errors
@@ -113,20 +114,20 @@ def rehearse(spec: JobConfig, plan: Plan, run_dir: Path) -> Dict[str, Any]:
             predicted["relative_error"] = relative_errors(memory, predicted)
         rows.append({
             "rank": rank,
-            "coords": rep.get("coords") or lay.mesh.coordinates(rank),
+            "coords": {k: lay.mesh.coordinates(rank)[k] for k in MESH_DIM_NAMES},
             "params_numel": rep.get("params_numel"),
             "memory": memory,
             "predicted": predicted,
             "error": rep.get("error"),
         })
         for note in rep.get("notes", []):
-            log.info("rank %d: %s", rank, note)
+            log.debug("rank %d: %s", rank, note)
     result = {"world_size": lay.world_size, "ranks": rows, "ok": all(r["error"] is None for r in rows)}
     path = Path(run_dir) / REHEARSAL_FILENAME
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(path)
-    log.info("rehearsed %d rank(s) of %d in %.1f s", len(rows), lay.world_size, time.monotonic() - t0)
+    log.debug("rehearsed %d rank(s) of %d in %.1f s", len(rows), lay.world_size, time.monotonic() - t0)
     return result
 
 
@@ -139,23 +140,30 @@ def rehearsal_problems(result: Dict[str, Any], layout) -> List[str]:
         err = row["error"]
         if err is None:
             continue
-        coords = " ".join(f"{k}={v}" for k, v in row["coords"].items())
+        coords = " ".join(f"{k}={row['coords'][k]}" for k in MESH_DIM_NAMES)
         where = f" in {err['module']}" + (f".{err['function']}" if err.get("function") else "") if err.get("module") else ""
         out.append(f"rank {row['rank']} (mesh coords {coords}; layout {degrees}) cannot be built{where}: "
-                   f"{err['type']}: {err['message']}. Fix: {err['fix']}.")
+                   f"{err['type']}: {err['message'].rstrip('.')}. Fix: {err['fix'].rstrip('.')}.")
     return out
 
 
-def _gib(v: Optional[int]) -> str:
-    return "-" if v is None else f"{v / GiB:.2f}"
+def _size(v: Optional[int]) -> str:
+    """Bytes in the largest binary unit that keeps the number at or above 1 (GiB at most)."""
+    if v is None:
+        return "-"
+    for unit, scale in (("G", GiB), ("M", 1024**2), ("K", 1024)):
+        if v >= scale:
+            return f"{v / scale:.2f}{unit}"
+    return f"{v}B"
 
 
 def render_rehearsal(result: Dict[str, Any]) -> str:
     """The console table: per rank, measured vs predicted GiB per category and the relative error."""
     head = (f"{'rank':>6} {'coords (pp,dpr,dps,cp,tp)':<26} {'params':>14} "
-            f"{'params GiB':>16} {'grads GiB':>16} {'optim GiB':>16} {'activ GiB':>16} {'peak GiB':>16}")
-    lines = [f"rehearsal of {len(result['ranks'])} rank(s) at world size {result['world_size']} "
-             f"(measured / predicted; activations and peak on CPU kernels)", head, "-" * len(head)]
+            f"{'params':>17} {'grads':>17} {'optimizer':>17} {'activations':>17} {'peak':>17}")
+    lines = [f"rehearsal of {len(result['ranks'])} rank(s) at world size {result['world_size']}: bytes held, "
+             f"rehearsed/planned (activations and peak: CPU kernels on fake tensors, no CUDA reserve)",
+             head, "-" * len(head)]
     for row in result["ranks"]:
         c = row["coords"]
         coords = ",".join(str(c[k]) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
@@ -164,7 +172,7 @@ def render_rehearsal(result: Dict[str, Any]) -> str:
                          f"{row['error']['message'][:120]}")
             continue
         m, p = row["memory"], row["predicted"]
-        cells = [f"{_gib(m[k])}/{_gib(p.get(k))}" for k in ("params", "grads", "optimizer", "activations", "peak")]
-        lines.append(f"{row['rank']:>6} {coords:<26} {row['params_numel']:>14,} " + " ".join(f"{x:>16}" for x in cells))
+        cells = [f"{_size(m[k])}/{_size(p.get(k))}" for k in ("params", "grads", "optimizer", "activations", "peak")]
+        lines.append(f"{row['rank']:>6} {coords:<26} {row['params_numel']:>14,} " + " ".join(f"{x:>17}" for x in cells))
     lines.append("ok" if result["ok"] else "FAILED: see the problems below")
     return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""`action=rehearse`: every recipe's ranks built at the real world size on a fake process group.
+
+Each rehearsed rank is a real subprocess running the real engine code (launcher/runtime/
+rehearse.py) on fake tensors; nothing is mocked. The comparison with real multi-process runs
+is in tests/test_parallel_layouts.py (test_rehearsal_holds_what_the_real_ranks_hold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.config.loader import compose_spec, save_spec
+from launcher.launch.rehearse import rehearsal_problems, rehearse
+from launcher.plan.plan import build_plan
+from launcher.plan.rehearsal import rehearsal_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+ROW_KEYS = {"rank", "coords", "params_numel", "memory", "predicted", "error"}
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "peak"}
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _rehearse(overrides, run_dir: Path, layout=None):
+    spec = compose_spec(overrides)
+    plan = build_plan(spec, layout)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_spec(spec, run_dir)
+    plan.save(run_dir)
+    return spec, plan, rehearse(spec, plan, run_dir)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_rehearses_at_its_real_world_size(recipe, tmp_path):
+    """The auto ranks of each recipe build at the recipe's own world size, and each holds exactly
+    the parameter, gradient and optimizer-state bytes the plan predicts for it."""
+    spec, plan, result = _rehearse([f"+recipe={recipe}", "action=rehearse", "rehearse.activations=false"], tmp_path)
+    assert result["world_size"] == spec.cluster.nodes * spec.cluster.gpus_per_node == plan.world_size
+    assert result["ok"], rehearsal_problems(result, plan.layout)
+    lay = plan.layout
+    ranks = [row["rank"] for row in result["ranks"]]
+    assert ranks == rehearsal_ranks(lay, "auto")
+    assert {row["coords"]["pp"] for row in result["ranks"]} == set(range(lay.pp)), "a pipeline rank was skipped"
+    for row in result["ranks"]:
+        assert set(row) == ROW_KEYS and set(row["memory"]) == MEMORY_KEYS
+        held = {k: row["memory"][k] for k in ("params", "grads", "optimizer")}
+        predicted = {k: row["predicted"][k] for k in ("params", "grads", "optimizer")}
+        assert held == predicted, f"{recipe} rank {row['rank']} {row['coords']}: rehearsal {held} != plan {predicted}"
+        assert row["params_numel"] * (2 if lay.precision == "fp32" else 1) > 0
+
+
+def test_cli_rehearse_prints_rehearsal_json_with_a_measured_step(tmp_path):
+    """`train +recipe=debug action=rehearse plan.format=json`: the JSON on stdout is rehearsal.json,
+    with exactly the issue's keys, and the fake training step measured an activation peak."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", "from launcher.cli import main; main()", "+recipe=debug", "action=rehearse",
+         "plan.format=json", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert printed == json.loads((run_dir / "rehearsal.json").read_text())
+    assert set(printed) == {"world_size", "ranks", "ok"} and printed["ok"] and printed["world_size"] == 2
+    for row in printed["ranks"]:
+        assert set(row) == ROW_KEYS and set(row["memory"]) == MEMORY_KEYS and row["error"] is None
+        mem = row["memory"]
+        assert mem["activations"] > 0
+        assert mem["peak"] >= mem["params"] + mem["grads"] + mem["activations"]
+        assert set(row["predicted"]["relative_error"]) == MEMORY_KEYS
+
+
+def test_a_layout_the_runtime_cannot_build_is_refused_naming_rank_module_and_fix(tmp_path):
+    """A layout the resolver would refuse, written into plan.json as is (tp=4 with n_kv_heads=2):
+    every rehearsed rank reports the tensor-parallel code's refusal, with its coordinates and a Fix."""
+    spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=4"])
+    from launcher.plan.resolve import resolve
+
+    bad = dataclasses.replace(resolve(spec), dp_shard=1, tp=4)
+    _, plan, result = _rehearse(["+recipe=debug", "cluster.gpus_per_node=4", "rehearse.activations=false"],
+                                tmp_path, layout=bad)
+    assert not result["ok"]
+    assert [row["rank"] for row in result["ranks"]] == [0, 3]
+    problems = rehearsal_problems(result, bad)
+    assert len(problems) == 2, problems
+    first = problems[0]
+    assert first.startswith("rank 0 (mesh coords pp=0 dp_replicate=0 dp_shard=0 cp=0 tp=0; layout tp=4)"), first
+    assert "launcher.parallel.tp" in first and "n_kv_heads=2 is not divisible by 4" in first, first
+    assert "Fix: " in first and "Traceback" not in first, first
+    assert problems[1].startswith("rank 3 (mesh coords pp=0 dp_replicate=0 dp_shard=0 cp=0 tp=3;"), problems[1]
