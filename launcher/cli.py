@@ -193,6 +193,8 @@ def _run(spec: JobConfig, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_spec(spec, run_dir)
     plan.save(run_dir)
+    if spec.trainer.rehearse:
+        _rehearse_before_launch(spec, plan, run_dir)
     if spec.cluster.name == "slurm":
         from launcher.launch.slurm import submit
 
@@ -258,6 +260,18 @@ def _rehearse(spec: JobConfig, run_dir: Path) -> int:
     if problems:
         _fail_config(problems)
     return 0
+
+
+def _rehearse_before_launch(spec: JobConfig, plan, run_dir: Path) -> None:
+    """trainer.rehearse=true: rehearse first (rehearsal.json, which rank 0 logs to W&B); exit 2
+    before anything is launched when a rank cannot be built or does not fit."""
+    from launcher.launch.rehearse import fit_problems, rehearsal_problems, rehearse, render_rehearsal
+
+    result = rehearse(spec, plan, run_dir)
+    log.info("rehearsal before launch:\n%s", render_rehearsal(result))
+    problems = rehearsal_problems(result, plan.layout) + fit_problems(result, plan.memory, spec.hardware.name)
+    if problems:
+        _fail_config(problems)
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")

@@ -207,13 +207,17 @@ def test_refused_layouts_say_why(results, name):
 # virtual stages, uneven FSDP shards (odd sizes) and the dim-1 expert shards.
 REHEARSED = ("fsdp2_tp2_dense", "tp2_sp_dense", "hsdp2x2_moe", "ep2_fsdp2_tp2_moe", "pp2_ep2_moe",
              "fsdp2_odd", "ep2_fsdp4_2experts")
+# Rehearsed with the fake training steps (gradients from a backward; one process per rank):
+# tp2_sp_dense keeps its embedding gradient replicated, which only a backward shows.
+REHEARSED_WITH_STEPS = ("tp2_sp_dense", "ep2_fsdp2_tp2_moe")
 
 
 @pytest.fixture(scope="module")
 def rehearsed(results, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("rehearsal")
     cases = [{"name": n, "model": SPECS[n]["model"], "model_overrides": SPECS[n].get("model_overrides"),
-              "layout": results[n]["layout"], "compile": SPECS[n].get("compile", False)} for n in REHEARSED]
+              "layout": results[n]["layout"], "compile": SPECS[n].get("compile", False),
+              "steps": n in REHEARSED_WITH_STEPS} for n in REHEARSED]
     (work / "cases.json").write_text(json.dumps(cases))
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "rehearsal_harness.py"), str(work / "cases.json"),
@@ -225,8 +229,7 @@ def rehearsed(results, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name", REHEARSED)
 def test_rehearsal_holds_what_the_real_ranks_hold(results, rehearsed, name):
     """Per rank, the rehearsal's parameter, gradient and optimizer-state bytes (fake tensors, fake
-    training steps: tp2_sp_dense keeps its embedding gradient replicated, which only a backward shows;
-    fake process group) are those the real multi-process run held, exactly."""
+    process group) are those the real multi-process run held, exactly."""
     real = results[name]
     assert "error" not in real, real.get("traceback")
     for rank, (held, rep) in enumerate(zip(real["held_per_rank"], rehearsed[name])):

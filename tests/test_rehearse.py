@@ -96,3 +96,20 @@ def test_a_layout_the_runtime_cannot_build_is_refused_naming_rank_module_and_fix
     assert "launcher.parallel.tp" in first and "n_kv_heads=2 is not divisible by 4" in first, first
     assert "Fix: " in first and "Traceback" not in first, first
     assert problems[1].startswith("rank 3 (mesh coords pp=0 dp_replicate=0 dp_shard=0 cp=0 tp=3;"), problems[1]
+
+
+def test_trainer_rehearse_aborts_a_run_that_does_not_fit_before_launching(tmp_path):
+    """`train ... trainer.rehearse=true` rehearses first; a layout whose rehearsed states exceed the
+    GPU exits 2 naming the rank, and no rank is started (no logs/ in the run dir)."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", "from launcher.cli import main; main()", "+recipe=debug", "trainer.rehearse=true",
+         "rehearse.activations=false", "hardware.memory_gb=0.001", "logging.wandb.mode=disabled",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "rank 0 does not fit" in proc.stderr and "rank 1 does not fit" in proc.stderr, proc.stderr[-2000:]
+    assert "Fix:" in proc.stderr and "Traceback" not in proc.stderr
+    assert json.loads((run_dir / "rehearsal.json").read_text())["ok"]
+    assert not (run_dir / "logs").exists(), "a rank was launched"

@@ -159,6 +159,9 @@ class TrainerConfig:
     track_memory: bool = False
     device: str = "auto"  # auto | cpu | cuda
     deterministic: bool = False
+    # Rehearse (action=rehearse, the `rehearse` group's settings) before launching; abort when a
+    # rank cannot be built or does not fit. The comparison is logged to W&B as a table.
+    rehearse: bool = False
 
 
 @dataclass

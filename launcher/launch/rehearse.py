@@ -147,6 +147,29 @@ def rehearsal_problems(result: Dict[str, Any], layout) -> List[str]:
     return out
 
 
+def fit_problems(result: Dict[str, Any], plan_memory: Dict[str, Any], hardware_name: str) -> List[str]:
+    """One line per rehearsed rank that does not fit the GPU: the plan's total for that rank with
+    its parameter, gradient and optimizer bytes replaced by the rehearsed ones (activations stay
+    the plan's: the rehearsal's are CPU kernels', see docs/planner.md), the CUDA reserve included."""
+    capacity = int(plan_memory.get("capacity", 0))
+    reserved = int(plan_memory.get("detail", {}).get("reserved", 0))
+    out = []
+    for row in result["ranks"]:
+        mem, pred = row["memory"], row["predicted"]
+        if not mem or not capacity:
+            continue
+        states = sum(mem[k] for k in ("params", "grads", "optimizer"))
+        planned_states = sum(pred[k] for k in ("params", "grads", "optimizer"))
+        need = pred["peak"] + reserved - planned_states + states
+        if need > capacity:
+            out.append(f"rank {row['rank']} does not fit: its rehearsed parameters, gradients and optimizer "
+                       f"states ({states / GiB:.1f} GiB) with the planned activations and buffers need "
+                       f"{need / GiB:.1f} GiB but {hardware_name} has {capacity / GiB:.1f} GiB. Fix: "
+                       f"`train ... action=search` lists layouts that fit (more parallel.tp / parallel.pp, "
+                       f"parallel.zero_stage=3, activation_checkpointing=full, more nodes).")
+    return out
+
+
 def _size(v: Optional[int]) -> str:
     """Bytes in the largest binary unit that keeps the number at or above 1 (GiB at most)."""
     if v is None:

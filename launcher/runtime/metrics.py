@@ -11,7 +11,7 @@ import sys
 import uuid
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from launcher.config.schema import WandbConfig
 
@@ -228,6 +228,14 @@ class MetricsLogger:
         import wandb
 
         self._wandb_call("image log", lambda run: run.log({key: wandb.Image(str(path)) for key, path in images.items()}))
+
+    def log_table(self, key: str, columns: List[str], rows: List[List[Any]]) -> None:
+        """A table (e.g. the rehearsal's per-rank comparison) into W&B."""
+        if not self.enabled or self._wandb is None:
+            return
+        import wandb
+
+        self._wandb_call("table log", lambda run: run.log({key: wandb.Table(columns=columns, data=rows)}))
 
     def close(self) -> None:
         if not self.enabled:
