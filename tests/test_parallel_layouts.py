@@ -209,7 +209,7 @@ REHEARSED = ("fsdp2_tp2_dense", "tp2_sp_dense", "hsdp2x2_moe", "ep2_fsdp2_tp2_mo
              "fsdp2_odd", "ep2_fsdp4_2experts")
 # Rehearsed with the fake training steps (gradients from a backward; one process per rank):
 # tp2_sp_dense keeps its embedding gradient replicated, which only a backward shows.
-REHEARSED_WITH_STEPS = ("tp2_sp_dense", "ep2_fsdp2_tp2_moe")
+REHEARSED_WITH_STEPS = ("tp2_sp_dense", "fsdp2_tp2_dense")
 
 
 @pytest.fixture(scope="module")

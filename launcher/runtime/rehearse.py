@@ -111,8 +111,10 @@ def _zero_grad_step(engine) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def fake_step_skip_reason(layout) -> str:
+def fake_step_skip_reason(layout, model_cfg) -> str:
     """Why no fake training step runs for this layout ("" when one runs)."""
+    if getattr(model_cfg, "n_experts", 0):
+        return "MoE routing (per-expert token counts) depends on values fake tensors do not have"
     if layout.sharding_backend == "deepspeed":
         return "DeepSpeed's forward does not run on a fake process group"
     if layout.pp > 1:
@@ -148,7 +150,7 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
         engine = build_engine(model_cfg, optim_cfg, layout, torch.device("cpu"), options)
         probe = StateBytesProbe(engine.optimizers)
         memory: Dict[str, Optional[int]] = {"activations": None, "peak": None}
-        skip = fake_step_skip_reason(layout)
+        skip = fake_step_skip_reason(layout, model_cfg)
         if activations and not skip:
             from launcher.runtime.memtrack import track_step_memory
 
