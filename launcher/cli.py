@@ -248,7 +248,10 @@ def _rehearse(spec: JobConfig, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_spec(spec, run_dir)
     plan.save(run_dir)
-    result = rehearse(spec, plan, run_dir)
+    try:
+        result = rehearse(spec, plan, run_dir)
+    except ConfigError as err:
+        _fail_config(err.problems)
     if spec.plan.format == "json":
         import json
 
@@ -267,7 +270,10 @@ def _rehearse_before_launch(spec: JobConfig, plan, run_dir: Path) -> None:
     before anything is launched when a rank cannot be built or does not fit."""
     from launcher.launch.rehearse import fit_problems, rehearsal_problems, rehearse, render_rehearsal
 
-    result = rehearse(spec, plan, run_dir)
+    try:
+        result = rehearse(spec, plan, run_dir)
+    except ConfigError as err:
+        _fail_config(err.problems)
     log.info("rehearsal before launch:\n%s", render_rehearsal(result))
     problems = rehearsal_problems(result, plan.layout) + fit_problems(result, plan.memory, spec.hardware.name)
     if problems:

@@ -25,13 +25,14 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 from launcher.config.validate import rehearse_ranks_value
 from launcher.plan.memory import GiB
 from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
 from launcher.plan.plan import Plan
-from launcher.plan.rehearsal import predicted_for_rank, rehearsal_ranks, relative_errors
+from launcher.plan.rehearsal import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +100,14 @@ def run_ranks(run_dir: Path, ranks: List[int], workers: int, activations: bool) 
 
 def rehearse(spec: JobConfig, plan: Plan, run_dir: Path) -> Dict[str, Any]:
     """Rehearse the ranks `rehearse.ranks` chooses; write and return rehearsal.json's dict.
-    The run dir must hold the spec's config.yaml and plan.json (save_spec, plan.save)."""
+    The run dir must hold the spec's config.yaml and plan.json (save_spec, plan.save). Raises
+    ConfigError when a listed rank is outside the world."""
     lay = plan.layout
-    ranks = rehearsal_ranks(lay, rehearse_ranks_value(spec.rehearse.ranks))
+    choice = rehearse_ranks_value(spec.rehearse.ranks)
+    problems = rank_problems(lay, choice)
+    if problems:
+        raise ConfigError(problems)
+    ranks = rehearsal_ranks(lay, choice)
     t0 = time.monotonic()
     reports = run_ranks(Path(run_dir), ranks, spec.rehearse.workers, spec.rehearse.activations)
     shape = model_shape(spec.model)

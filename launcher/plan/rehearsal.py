@@ -54,6 +54,17 @@ def rehearsal_ranks(layout: Layout, choice: Union[str, Sequence[int]]) -> List[i
     return sorted(ranks)
 
 
+def rank_problems(layout: Layout, choice: Union[str, Sequence[int]]) -> List[str]:
+    """A problem line when a listed rank is outside the layout's world (the resolver owns its size)."""
+    if isinstance(choice, str):
+        return []
+    bad = [r for r in choice if not 0 <= r < layout.world_size]
+    if not bad:
+        return []
+    return [f"rehearse.ranks={list(choice)} names rank(s) {bad} outside the world of {layout.world_size} ranks. "
+            f"Fix: global ranks within [0, {layout.world_size - 1}]."]
+
+
 def predicted_for_rank(shape: ModelShape, layout: Layout, plan_memory: Dict[str, Any], rank: int) -> Dict[str, Any]:
     """The plan's prediction for one global rank: {params, grads, optimizer, grads_step_peak,
     activations, other, peak} in bytes, the CUDA reserve left out (per_pp_rank of plan.memory for this rank's pipeline rank)."""
