@@ -70,7 +70,9 @@ def _died(rank: int, code: Optional[int], log_path: Path) -> Dict[str, Any]:
         "type": "ProcessDied", "module": "", "function": "",
         "message": f"the rehearsal process of rank {rank} {how} without a report"
                    + (f" (last line: {tail[0][:300]})" if tail else "") + f"; log: {log_path}",
-        "fix": "see the rank's log; a C++ abort here would abort the real rank too"}}
+        "fix": (f"rehearse.activations=false (the fake steps are the slow part), or fewer ranks at a time "
+                f"(rehearse.workers); the limit is {RANK_TIMEOUT_S} s per rank" if code is None else
+                "see the rank's log; a C++ abort here would abort the real rank too")}}
 
 
 def run_ranks(run_dir: Path, ranks: List[int], workers: int, activations: bool) -> List[Dict[str, Any]]:
