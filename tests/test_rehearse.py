@@ -113,3 +113,28 @@ def test_trainer_rehearse_aborts_a_run_that_does_not_fit_before_launching(tmp_pa
     assert "Fix:" in proc.stderr and "Traceback" not in proc.stderr
     assert json.loads((run_dir / "rehearsal.json").read_text())["ok"]
     assert not (run_dir / "logs").exists(), "a rank was launched"
+
+
+def test_auto_ranks_cover_every_pipeline_rank_and_the_last_coordinates():
+    from launcher.plan.resolve import resolve
+
+    lay = resolve(compose_spec(["+recipe=llama405b", "cluster.nodes=1024"]))
+    assert (lay.pp, lay.dp_shard, lay.tp, lay.world_size) == (8, 128, 8, 8192)
+    assert rehearsal_ranks(lay, "auto") == [0, 7, 1016, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8191]
+    assert rehearsal_ranks(lay, [5, 3, 5]) == [3, 5]
+
+
+def test_bad_rehearse_settings_exit_2_with_a_fix(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", "from launcher.cli import main; main()", "+recipe=debug", "action=rehearse",
+         "rehearse.workers=0", "rehearse.ranks=foo", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rehearse.ranks='foo' must be auto, all or a list" in proc.stderr
+    assert "rehearse.workers=0 must be at least 1" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-c", "from launcher.cli import main; main()", "+recipe=debug", "action=rehearse",
+         "rehearse.ranks=[0,5]", f"hydra.run.dir={tmp_path / 'run2'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "names rank(s) [5] outside the world of 2 ranks" in proc.stderr, proc.stderr
