@@ -194,6 +194,8 @@ def _run(spec: JobConfig, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_spec(spec, run_dir)
     plan.save(run_dir)
+    if spec.trainer.rehearse:
+        _rehearse_before_launch(spec, plan, run_dir)
     if spec.cluster.name == "slurm":
         from launcher.launch.slurm import submit
 
@@ -237,6 +239,48 @@ def _search(spec: JobConfig) -> int:
     return 0
 
 
+def _rehearse(spec: JobConfig, run_dir: Path) -> int:
+    """Plan, then build the chosen ranks on a fake process group (launcher/launch/rehearse.py);
+    exit 2 with one line per rank that cannot be built."""
+    from launcher.launch.rehearse import rehearsal_problems, rehearse, render_rehearsal
+    from launcher.plan.plan import build_plan
+
+    plan = build_plan(spec, _resolved(spec))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_spec(spec, run_dir)
+    plan.save(run_dir)
+    try:
+        result = rehearse(spec, plan, run_dir)
+    except ConfigError as err:
+        _fail_config(err.problems)
+    if spec.plan.format == "json":
+        import json
+
+        print(json.dumps(result, indent=1), flush=True)
+    else:
+        print(render_rehearsal(result), flush=True)
+        print(f"rehearsal: {run_dir / 'rehearsal.json'}", flush=True)
+    problems = rehearsal_problems(result, plan.layout)
+    if problems:
+        _fail_config(problems)
+    return 0
+
+
+def _rehearse_before_launch(spec: JobConfig, plan, run_dir: Path) -> None:
+    """trainer.rehearse=true: rehearse first (rehearsal.json, which rank 0 logs to W&B); exit 2
+    before anything is launched when a rank cannot be built or does not fit."""
+    from launcher.launch.rehearse import fit_problems, rehearsal_problems, rehearse, render_rehearsal
+
+    try:
+        result = rehearse(spec, plan, run_dir)
+    except ConfigError as err:
+        _fail_config(err.problems)
+    log.info("rehearsal before launch:\n%s", render_rehearsal(result))
+    problems = rehearsal_problems(result, plan.layout) + fit_problems(result, plan.memory, spec.hardware.name)
+    if problems:
+        _fail_config(problems)
+
+
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def hydra_main(cfg: DictConfig) -> None:
     try:
@@ -247,6 +291,8 @@ def hydra_main(cfg: DictConfig) -> None:
     if spec.action in ("run", "export"):  # export: the ranks load checkpoint.resume and export it
         code = _run(spec, run_dir)
         print(f"run directory: {run_dir}")
+    elif spec.action == "rehearse":
+        code = _rehearse(spec, run_dir)
     else:
         code = _plan(spec, run_dir) if spec.action == "plan" else _search(spec)
     if code:

@@ -200,3 +200,39 @@ def test_refused_layouts_say_why(results, name):
     err = results[name].get("error", "")
     assert SPECS[name]["expect_error"] in err, f"{name}: expected an error containing " \
         f"{SPECS[name]['expect_error']!r}, got {err or results[name]}"
+
+
+# Layouts whose every rank is rehearsed on a fake process group (launcher/runtime/rehearse.py)
+# and compared with what the real ranks held: dense and MoE, FSDP2 x TP(+SP), HSDP, EP, PP with
+# virtual stages, uneven FSDP shards (odd sizes) and the dim-1 expert shards.
+REHEARSED = ("fsdp2_tp2_dense", "tp2_sp_dense", "hsdp2x2_moe", "ep2_fsdp2_tp2_moe", "pp2_ep2_moe",
+             "fsdp2_odd", "ep2_fsdp4_2experts")
+# Rehearsed with the fake training steps (gradients from a backward; one process per rank):
+# tp2_sp_dense keeps its embedding gradient replicated, which only a backward shows.
+REHEARSED_WITH_STEPS = ("tp2_sp_dense", "fsdp2_tp2_dense")
+
+
+@pytest.fixture(scope="module")
+def rehearsed(results, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("rehearsal")
+    cases = [{"name": n, "model": SPECS[n]["model"], "model_overrides": SPECS[n].get("model_overrides"),
+              "layout": results[n]["layout"], "compile": SPECS[n].get("compile", False),
+              "steps": n in REHEARSED_WITH_STEPS} for n in REHEARSED]
+    (work / "cases.json").write_text(json.dumps(cases))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "rehearsal_harness.py"), str(work / "cases.json"),
+                           str(work / "out.json")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((work / "out.json").read_text())
+
+
+@pytest.mark.parametrize("name", REHEARSED)
+def test_rehearsal_holds_what_the_real_ranks_hold(results, rehearsed, name):
+    """Per rank, the rehearsal's parameter, gradient and optimizer-state bytes (fake tensors, fake
+    process group) are those the real multi-process run held, exactly."""
+    real = results[name]
+    assert "error" not in real, real.get("traceback")
+    for rank, (held, rep) in enumerate(zip(real["held_per_rank"], rehearsed[name])):
+        got = {"params_numel": rep["params_numel"], **{k: rep["memory"][k] for k in ("params", "grads", "optimizer")}}
+        assert got == held, f"{name} rank {rank}: rehearsal {got} != real run {held}"
+        assert held["params"] > 0 and held["grads"] > 0 and held["optimizer"] > 0, f"{name} rank {rank}: {held}"

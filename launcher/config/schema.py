@@ -201,6 +201,9 @@ class TrainerConfig:
     straggler_factor: float = 1.5
     # CUDA memory history for the first N steps of every run, dumped to failure/ on OOM (0: off).
     memory_snapshot_steps: int = 3
+    # Rehearse (action=rehearse, the `rehearse` group's settings) before launching; abort when a
+    # rank cannot be built or does not fit. The comparison is logged to W&B as a table.
+    rehearse: bool = False
 
 
 @dataclass
@@ -342,10 +345,20 @@ class ProfileConfig:
 
 
 @dataclass
+class RehearseConfig:
+    """action=rehearse: build each chosen rank's real model part(s) on a fake process group."""
+
+    ranks: Any = "auto"  # auto (one per distinct shard shape) | all | a list of global ranks
+    workers: int = 2  # rehearsal subprocesses at a time (one per rank, each its own process)
+    # Two fake-tensor training steps per rank (the second measured) for the activation peak.
+    activations: bool = True
+
+
+@dataclass
 class JobConfig:
     """The whole job, as composed by Hydra from conf/train.yaml."""
 
-    action: str = "run"  # run | plan | search | export (checkpoint.resume -> checkpoint.export, no training)
+    action: str = "run"  # run | plan | search | rehearse | export (checkpoint.resume -> checkpoint.export, no training)
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -364,6 +377,7 @@ class JobConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     run_name: str = ""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    rehearse: RehearseConfig = field(default_factory=RehearseConfig)
 
 
 def set_dotted(spec: "JobConfig", key: str, value: Any) -> None:

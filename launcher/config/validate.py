@@ -20,7 +20,7 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig, ModelConfig
 
 CHOICES = {
-    "action": ("run", "plan", "search", "export"),
+    "action": ("run", "plan", "search", "rehearse", "export"),
     "precision.name": ("fp32", "bf16", "fp8"),
     "precision.reduce_dtype": ("fp32", "bf16"),
     "precision.fp8.recipe": ("tensorwise", "rowwise"),
@@ -343,6 +343,32 @@ def _check_hardware(spec: JobConfig, problems: List[str]) -> None:
         problems.append(f"hardware.reserved_gb={hw.reserved_gb} must be >= 0. Fix: e.g. hardware.reserved_gb=2.")
 
 
+def rehearse_ranks_value(value: object) -> object:
+    """rehearse.ranks normalised: "auto", "all", or a list of ints (None when it is neither)."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "all"):
+        return value.strip().lower()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool)
+                                                           for v in value):
+        return list(value)
+    return None
+
+
+def _check_rehearse(spec: JobConfig, problems: List[str]) -> None:
+    r = spec.rehearse
+    ranks = rehearse_ranks_value(r.ranks)
+    if ranks is None:
+        problems.append(
+            f"rehearse.ranks={r.ranks!r} must be auto, all or a list of global ranks. "
+            f"Fix: rehearse.ranks=auto, or e.g. rehearse.ranks=[0,7].")
+    elif isinstance(ranks, list) and min(ranks) < 0:
+        problems.append(f"rehearse.ranks={ranks} names a negative rank. Fix: global ranks from 0.")
+    if r.workers < 1:
+        problems.append(f"rehearse.workers={r.workers} must be at least 1 (rehearsal processes at a time). "
+                        f"Fix: e.g. rehearse.workers=2.")
+
+
 def _check_local_cluster(spec: JobConfig, problems: List[str]) -> None:
     """cluster=local: refuse what only a job script would use, and secrets written as values."""
     c = spec.cluster
@@ -512,6 +538,7 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_observability,
     _check_hf_io,
     _check_rope_scaling,
+    _check_rehearse,
 )
 
 

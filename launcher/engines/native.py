@@ -83,9 +83,13 @@ class NativeEngine:
         self.fsdp = lay.fsdp_wraps
         for part in self.parts:
             self._parallelize(part)
+        if options.fake_mode is not None:
+            options.fake_mode.__enter__()  # the rehearsal: no full-size tensor from here on
         for part in self.parts:
             part.to_empty(device=self.device)
-            if model_cfg.init_from:
+            if options.fake_mode is not None:
+                pass  # fake tensors have no values to initialise or load
+            elif model_cfg.init_from:
                 from launcher.parallel.hf_weights import load_hf_weights
 
                 # Each rank reads only the slices its shards hold (no random init first).

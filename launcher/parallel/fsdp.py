@@ -69,8 +69,9 @@ def apply_fsdp(
     for block in model.layers.values():
         moe = getattr(block, "moe", None)
         if expert_dp_mesh is not None and moe is not None:
-            fully_shard(moe.experts, mesh=expert_dp_mesh, **kw)
-        fully_shard(block, mesh=dp_mesh, **kw)
+            fully_shard(moe.experts, mesh=expert_dp_mesh, shard_placement_fn=expert_shard_placement(expert_dp_mesh),
+                        **kw)
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=even_shard_placement(dp_mesh), **kw)
         n_blocks += 1
     fully_shard(model, mesh=dp_mesh, **kw)
     for m in model.modules():
@@ -88,6 +89,42 @@ def apply_fsdp(
     )
     return model
 
+
+
+def even_shard_placement(dp_mesh: DeviceMesh):
+    """FSDP2's placement for a block's parameters: dim 0 (its default) unless dim 0 does not
+    divide over the sharding ranks and dim 1 does (an MoE router [n_experts, dim] with fewer
+    experts than ranks: dim 0 would give the first ranks a row each and the others nothing),
+    so every rank holds the same bytes and the planner's per-rank figure is exact."""
+    from torch.distributed.tensor import Shard
+
+    ranks = dp_mesh.shape[-1]  # the sharding dim (HSDP: (replicate, shard))
+
+    def place(param: nn.Parameter):
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if local.dim() < 2 or local.shape[0] % ranks == 0 or local.shape[1] % ranks:
+            return None
+        return Shard(1)
+
+    return place
+
+
+def expert_shard_placement(expert_dp_mesh: DeviceMesh):
+    """FSDP2's placement for the routed-expert tensors [local experts, ...]: dim 0 (its default)
+    when the ep rank's experts divide over the expert data-parallel ranks, else dim 1. With
+    fewer local experts than ranks (Mixtral: 8 experts, ep=8, 2 expert-dp ranks) dim 0 would
+    leave the first rank the whole expert and the others nothing (found by action=rehearse)."""
+    from torch.distributed.tensor import Shard
+
+    ranks = expert_dp_mesh.shape[-1]  # the sharding dim (HSDP: (replicate, shard))
+
+    def place(param: nn.Parameter):
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if local.dim() < 2 or local.shape[0] % ranks == 0:
+            return None
+        return Shard(1)
+
+    return place
 
 
 def fsdp_modules(parts: Sequence[nn.Module]) -> List[FSDPModule]:

@@ -46,6 +46,20 @@ def build_device_mesh(mesh: MeshPlan, device_type: str) -> DeviceMesh:
             f"the plan's mesh {mesh.to_dict()} needs {mesh.world_size} ranks but this job has "
             f"{world}; re-plan for this world size or start {mesh.world_size} ranks"
         )
+    with _real_tensors():
+        return _build_device_mesh(mesh, device_type)
+
+
+def _real_tensors():
+    """A DeviceMesh holds a real tensor of rank ids (it reads its values): build it outside any
+    FakeTensorMode, which the rehearsal (launcher/runtime/rehearse.py) runs the engine under.
+    A no-op in real runs."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def _build_device_mesh(mesh: MeshPlan, device_type: str) -> DeviceMesh:
     dm = init_device_mesh(device_type, mesh.shape(), mesh_dim_names=MESH_DIM_NAMES)
     # torch wants flattened meshes kept by the caller rather than sliced from the root
     # later: keep them on the root object, read them back with ``submesh``.
@@ -90,8 +104,9 @@ def expert_meshes(world: DeviceMesh, ep: int) -> Tuple[DeviceMesh, DeviceMesh]:
                 f"taken from the FSDP ranks; choose ep among the divisors of {fsdp}"
             )
         rep = world["dp_replicate"].size()
-        split = views["dp_cp"]._unflatten(
-            0, (rep, fsdp // ep, ep), ("dp_replicate", "dp_shard_mod_ep", "ep"))
+        with _real_tensors():
+            split = views["dp_cp"]._unflatten(
+                0, (rep, fsdp // ep, ep), ("dp_replicate", "dp_shard_mod_ep", "ep"))
         dp = split["dp_replicate", "dp_shard_mod_ep"] if rep > 1 else split["dp_shard_mod_ep"]
         views[key] = (split["ep"], dp)
     return views[key]

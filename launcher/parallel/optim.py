@@ -12,7 +12,12 @@ from torch import nn
 
 def _mesh_key(p: torch.Tensor):
     mesh = getattr(p, "device_mesh", None)  # DTensor parameters carry their mesh
-    return None if mesh is None else (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+    if mesh is None:
+        return None
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the rank ids are real even when the rehearsal fakes tensors
+        return (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> List[Dict]:

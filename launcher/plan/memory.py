@@ -117,8 +117,9 @@ def working_dtype_bytes(lay: Layout) -> float:
 
 def model_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
     """params / grads / optimizer on the GPU, the offloaded bytes, and the working copies."""
-    shared = stage.shared / lay.tp
-    routed = stage.routed / (lay.tp * lay.ep)
+    # TP splits the matrices but replicates norms (and, in MoE blocks, router and experts).
+    shared = (stage.shared - stage.tp_replicated) / lay.tp + stage.tp_replicated
+    routed = stage.routed / lay.ep
     per_param = state_bytes_per_param(lay)
     sharded, offloaded = _sharded(lay), _offloaded(lay)
     out: Dict[str, int] = {}

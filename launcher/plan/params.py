@@ -143,6 +143,9 @@ class StageParams:
 
     n_moe_layers: int  # how many of `layers` are MoE blocks
     largest_tensor: int = 0  # elements of the largest parameter tensor (before TP)
+    # Of `shared`: what tensor parallelism replicates instead of splitting (RMSNorm weights; in
+    # MoE blocks the router and shared experts, which launcher/parallel/tp.py leaves whole).
+    tp_replicated: int = 0
 
     @property
     def n_layers(self) -> int:
@@ -184,12 +187,14 @@ def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b
             layers.extend(range(starts[c], starts[c] + counts[c]))
             has_emb |= c == 0
             has_out |= c == chunks - 1
-        shared = routed = largest = 0
+        shared = routed = largest = replicated = 0
         for i in layers:  # per block, because MoE and dense blocks differ
             if shape.is_moe_layer(i):
                 s, r = shape.moe_block_shared, shape.moe_block_routed
+                replicated += shape.router + shape.n_shared_experts * shape.expert
             else:
                 s, r = shape.dense_block, 0
+            replicated += shape.block_norms
             shared += s
             routed += r
             largest = max(largest, s + r)
@@ -200,6 +205,7 @@ def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b
             # Tied: the last stage needs the table too (only reachable with pp == 1).
             extra = shape.output if not shape.tie_embeddings else (shape.embedding if not has_emb else 0)
             shared += extra + shape.final_norm
+            replicated += shape.final_norm
             largest = max(largest, extra + shape.final_norm)
         n_moe = sum(1 for i in layers if shape.is_moe_layer(i))
         tensors = [shape.dim * shape.n_heads * shape.head_dim] if layers else [0]
@@ -211,5 +217,5 @@ def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b
         if has_emb or has_out:
             tensors.append(shape.vocab_size * shape.dim)
         out.append(StageParams(rank, tuple(layers), shared, routed, largest, has_emb, has_out, n_moe,
-                               max(tensors)))
+                               max(tensors), replicated))
     return tuple(out)

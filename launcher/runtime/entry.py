@@ -195,6 +195,23 @@ def log_plan_plots(spec: JobConfig, plan: Plan, run_dir: Path, metrics: MetricsL
     metrics.log_images({f"plan/{Path(p).stem}": Path(p) for p in paths})
 
 
+def log_rehearsal(run_dir: Path, metrics: MetricsLogger) -> None:
+    """The rehearsal's per-rank comparison (trainer.rehearse=true wrote rehearsal.json before
+    the launch) as a W&B table, and its verdict in the summary."""
+    path = Path(run_dir) / "rehearsal.json"
+    if not path.exists():
+        return
+    import json
+
+    from launcher.plan.rehearsal import rehearsal_table
+
+    result = json.loads(path.read_text())
+    columns, rows = rehearsal_table(result)
+    metrics.log_table("rehearsal/ranks", columns, rows)
+    metrics.summary({"rehearsal": {"ok": result["ok"], "ranks": len(result["ranks"]),
+                                   "world_size": result["world_size"]}})
+
+
 def check_same_data_position(state: dict, plan: Plan) -> None:
     """The data position is step x global batch: a changed global batch would repeat or skip data."""
     consumed = state.get("samples_consumed")
@@ -301,6 +318,8 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     if rank.rank == 0 and plan.memory:
         metrics.summary({"predicted": {"memory": plan.memory, "time": plan.time}})
         log_plan_plots(spec, plan, run_dir, metrics)
+    if rank.rank == 0:
+        log_rehearsal(run_dir, metrics)
     stop = StopWatcher(run_dir, rank.device).install()
     loop_cfg = LoopConfig(
         steps=spec.trainer.steps,

@@ -11,7 +11,7 @@ import sys
 import uuid
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from launcher.config.schema import WandbConfig
 
@@ -229,13 +229,13 @@ class MetricsLogger:
 
         self._wandb_call("image log", lambda run: run.log({key: wandb.Image(str(path)) for key, path in images.items()}))
 
-    def log_table(self, key: str, columns: list, data: list) -> None:
-        """A table (e.g. tokens per MoE expert) into W&B at the current step (rank 0 only)."""
+    def log_table(self, key: str, columns: List[str], rows: List[List[Any]]) -> None:
+        """A table (per-expert token counts, the rehearsal's per-rank comparison) into W&B (rank 0 only)."""
         if not self.enabled or self._wandb is None:
             return
         import wandb
 
-        self._wandb_call("table log", lambda run: run.log({key: wandb.Table(columns=columns, data=data)}))
+        self._wandb_call("table log", lambda run: run.log({key: wandb.Table(columns=columns, data=rows)}))
 
     def save_file(self, path: Path) -> None:
         """A file of the run dir (e.g. a profiler trace) into W&B's run files (rank 0 only)."""

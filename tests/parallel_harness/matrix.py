@@ -35,6 +35,11 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
     # Sizes that do not divide by 2: FSDP's uneven shards and layout-independent init.
     odd = {"vocab_size": 251, "ffn_dim": 191, "moe_ffn_dim": 45, "n_experts": 3}
     one.append({"name": "ref_odd", "model": "debug_moe", "model_overrides": odd})
+    # 2 experts over ep=2 inside dp_shard=4: one expert per ep rank, FSDP-sharded over 2 ranks on
+    # dim 1 (dim 0 has 1 row), the router [2, dim] too (launcher/parallel/fsdp.py).
+    one.append({"name": "ref_2experts", "model": "debug_moe", "model_overrides": {"n_experts": 2}})
+    four.append({"name": "ep2_fsdp4_2experts", "model": "debug_moe", "model_overrides": {"n_experts": 2},
+                 "mesh": {"dp_shard": 4, "ep": 2}})
     two.append({"name": "fsdp2_odd", "model": "debug_moe", "model_overrides": odd, "mesh": {"dp_shard": 2}})
     for model in MODELS:
         m = _short(model)
@@ -134,7 +139,7 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
 
 
 def reference_of(name: str) -> str:
-    for suffix in ("_tied", "_odd"):
+    for suffix in ("_tied", "_odd", "_2experts"):
         if name.endswith(suffix):
             return "ref" + suffix
     return "ref_moe" if name.endswith("_moe") else "ref_dense"

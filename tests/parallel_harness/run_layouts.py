@@ -136,6 +136,11 @@ def run_layout(spec: dict) -> dict:
         dp_rank = 0
     out = {"losses": [], "grad_norms": [], "aux": [], "lr": [], "build_seconds": time.time() - t_build,
            "layout": layout.to_dict(), "built": engine.built()}
+    # Bytes of params / grads / optimizer states each rank holds, for the rehearsal comparison
+    # (tests/test_parallel_layouts.py::test_rehearsal_holds_what_the_real_ranks_hold).
+    from launcher.runtime.state_bytes import StateBytesProbe
+
+    probe = StateBytesProbe(engine.optimizers)
     start = spec.get("start_step", 0)
     if spec.get("load_dir"):
         engine.load(Path(spec["load_dir"]))
@@ -151,6 +156,13 @@ def run_layout(spec: dict) -> dict:
         if spec.get("export") and step + 1 == steps:
             engine.export(Path(spec["export"]), "fp32")
     out["seconds"] = time.time() - t0
+    held = probe.result()
+    if dist.is_initialized():
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, held)
+    else:
+        per_rank = [held]
+    out["held_per_rank"] = per_rank
     return out
 
 

@@ -1,0 +1,209 @@
+"""`action=rehearse`: rehearse the chosen ranks, each in its own process, and compare with the plan.
+
+    result = rehearse(spec, plan, run_dir)   # writes run_dir/rehearsal.json, returns the same dict
+    print(render_rehearsal(result))
+
+The run dir holds config.yaml and plan.json as for a real run; every chosen rank runs
+`python -m launcher.runtime.rehearse` (launcher/runtime/rehearse.py) in a subprocess of its
+own, `rehearse.workers` at a time, so a rank whose build aborts in C++ (or is killed) is
+that rank's reported problem. rehearsal.json:
+
+    {"world_size": N, "ranks": [{"rank", "coords", "params_numel",
+       "memory": {"params", "grads", "optimizer", "activations", "peak"},
+       "predicted": {...the plan's numbers for that rank..., "relative_error": {...}},
+       "error": null | {"type", "message", "module", "function", "fix"}}], "ok": bool}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from launcher.config.errors import ConfigError
+from launcher.config.schema import JobConfig
+from launcher.config.validate import rehearse_ranks_value
+from launcher.plan.memory import GiB
+from launcher.plan.mesh import MESH_DIM_NAMES
+from launcher.plan.params import model_shape
+from launcher.plan.plan import Plan
+from launcher.plan.rehearsal import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors
+
+log = logging.getLogger(__name__)
+
+REHEARSAL_FILENAME = "rehearsal.json"
+RANK_TIMEOUT_S = 900  # one rank's build and two fake steps; a 405B stage takes well under a minute
+
+
+def _rank_env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")  # fake tensors compute nothing; no thread pools
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+def _start(run_dir: Path, rank: int, activations: bool) -> Tuple[subprocess.Popen, Path, Path]:
+    work = run_dir / "rehearsal"
+    work.mkdir(parents=True, exist_ok=True)
+    out, log_path = work / f"rank_{rank}.json", work / f"rank_{rank}.log"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "launcher.runtime.rehearse", "--run-dir", str(run_dir), "--rank", str(rank),
+           "--out", str(out)]
+    if not activations:
+        cmd.append("--no-activations")
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=_rank_env())
+    return proc, out, log_path
+
+
+def _died(rank: int, code: Optional[int], log_path: Path) -> Dict[str, Any]:
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
+    how = "was killed after the time limit" if code is None else (
+        f"died with signal {-code}" if code < 0 else f"exited with code {code}")
+    return {"rank": rank, "error": {
+        "type": "ProcessDied", "module": "", "function": "",
+        "message": f"the rehearsal process of rank {rank} {how} without a report"
+                   + (f" (last line: {tail[0][:300]})" if tail else "") + f"; log: {log_path}",
+        "fix": (f"rehearse.activations=false (the fake steps are the slow part), or fewer ranks at a time "
+                f"(rehearse.workers); the limit is {RANK_TIMEOUT_S} s per rank" if code is None else
+                "see the rank's log; a C++ abort here would abort the real rank too")}}
+
+
+def run_ranks(run_dir: Path, ranks: List[int], workers: int, activations: bool) -> List[Dict[str, Any]]:
+    """Rehearse `ranks`, at most `workers` processes at a time; one report per rank, in rank order."""
+    pending, running, reports = list(ranks), [], {}
+    while pending or running:
+        while pending and len(running) < max(1, workers):
+            rank = pending.pop(0)
+            running.append((rank, time.monotonic(), *_start(run_dir, rank, activations)))
+        time.sleep(0.05)
+        for item in list(running):
+            rank, started, proc, out, log_path = item
+            code = proc.poll()
+            if code is None and time.monotonic() - started > RANK_TIMEOUT_S:
+                proc.kill()
+                proc.wait()
+                reports[rank] = _died(rank, None, log_path)
+            elif code is None:
+                continue
+            elif out.exists():
+                reports[rank] = json.loads(out.read_text())
+            else:
+                reports[rank] = _died(rank, code, log_path)
+            running.remove(item)
+    return [reports[r] for r in ranks]
+
+
+def rehearse(spec: JobConfig, plan: Plan, run_dir: Path) -> Dict[str, Any]:
+    """Rehearse the ranks `rehearse.ranks` chooses; write and return rehearsal.json's dict.
+    The run dir must hold the spec's config.yaml and plan.json (save_spec, plan.save). Raises
+    ConfigError when a listed rank is outside the world."""
+    lay = plan.layout
+    choice = rehearse_ranks_value(spec.rehearse.ranks)
+    problems = rank_problems(lay, choice)
+    if problems:
+        raise ConfigError(problems)
+    ranks = rehearsal_ranks(lay, choice)
+    t0 = time.monotonic()
+    reports = run_ranks(Path(run_dir), ranks, spec.rehearse.workers, spec.rehearse.activations)
+    shape = model_shape(spec.model)
+    rows = []
+    for rep in reports:
+        rank = int(rep["rank"])
+        predicted = predicted_for_rank(shape, lay, plan.memory, rank)
+        memory = rep.get("memory")
+        if memory:
+            predicted["relative_error"] = relative_errors(memory, predicted)
+        rows.append({
+            "rank": rank,
+            "coords": {k: lay.mesh.coordinates(rank)[k] for k in MESH_DIM_NAMES},
+            "params_numel": rep.get("params_numel"),
+            "memory": memory,
+            "predicted": predicted,
+            "error": rep.get("error"),
+        })
+        for note in rep.get("notes", []):
+            log.debug("rank %d: %s", rank, note)
+    result = {"world_size": lay.world_size, "ranks": rows, "ok": all(r["error"] is None for r in rows)}
+    path = Path(run_dir) / REHEARSAL_FILENAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+    log.debug("rehearsed %d rank(s) of %d in %.1f s", len(rows), lay.world_size, time.monotonic() - t0)
+    return result
+
+
+def rehearsal_problems(result: Dict[str, Any], layout) -> List[str]:
+    """One line per failed rank: the rank, its mesh coordinates, the layout, the module, a Fix."""
+    mesh = layout.mesh.to_dict()
+    degrees = " ".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "one rank"
+    out = []
+    for row in result["ranks"]:
+        err = row["error"]
+        if err is None:
+            continue
+        coords = " ".join(f"{k}={row['coords'][k]}" for k in MESH_DIM_NAMES)
+        where = f" in {err['module']}" + (f".{err['function']}" if err.get("function") else "") if err.get("module") else ""
+        out.append(f"rank {row['rank']} (mesh coords {coords}; layout {degrees}) cannot be built{where}: "
+                   f"{err['type']}: {err['message'].rstrip('.')}. Fix: {err['fix'].rstrip('.')}.")
+    return out
+
+
+def fit_problems(result: Dict[str, Any], plan_memory: Dict[str, Any], hardware_name: str) -> List[str]:
+    """One line per rehearsed rank that does not fit the GPU: the plan's total for that rank with
+    its parameter, gradient and optimizer bytes replaced by the rehearsed ones (activations stay
+    the plan's: the rehearsal's are CPU kernels', see docs/planner.md), the CUDA reserve included."""
+    capacity = int(plan_memory.get("capacity", 0))
+    reserved = int(plan_memory.get("detail", {}).get("reserved", 0))
+    out = []
+    for row in result["ranks"]:
+        mem, pred = row["memory"], row["predicted"]
+        if not mem or not capacity:
+            continue
+        states = sum(mem[k] for k in ("params", "grads", "optimizer"))
+        planned_states = sum(pred[k] for k in ("params", "grads", "optimizer"))
+        need = pred["peak"] + reserved - planned_states + states
+        if need > capacity:
+            out.append(f"rank {row['rank']} does not fit: its rehearsed parameters, gradients and optimizer "
+                       f"states ({states / GiB:.1f} GiB) with the planned activations and buffers need "
+                       f"{need / GiB:.1f} GiB but {hardware_name} has {capacity / GiB:.1f} GiB. Fix: "
+                       f"`train ... action=search` lists layouts that fit (more parallel.tp / parallel.pp, "
+                       f"parallel.zero_stage=3, activation_checkpointing=full, more nodes).")
+    return out
+
+
+def _size(v: Optional[int]) -> str:
+    """Bytes in the largest binary unit that keeps the number at or above 1 (GiB at most)."""
+    if v is None:
+        return "-"
+    for unit, scale in (("G", GiB), ("M", 1024**2), ("K", 1024)):
+        if v >= scale:
+            return f"{v / scale:.2f}{unit}"
+    return f"{v}B"
+
+
+def render_rehearsal(result: Dict[str, Any]) -> str:
+    """The console table: per rank, measured vs predicted GiB per category and the relative error."""
+    head = (f"{'rank':>6} {'coords (pp,dpr,dps,cp,tp)':<26} {'params':>14} "
+            f"{'params':>17} {'grads':>17} {'optimizer':>17} {'activations':>17} {'peak':>17}")
+    lines = [f"rehearsal of {len(result['ranks'])} rank(s) at world size {result['world_size']}: bytes held, "
+             f"rehearsed/planned (activations and peak: CPU kernels on fake tensors, no CUDA reserve)",
+             head, "-" * len(head)]
+    for row in result["ranks"]:
+        c = row["coords"]
+        coords = ",".join(str(c[k]) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        if row["error"] is not None:
+            lines.append(f"{row['rank']:>6} {coords:<26} FAILED in {row['error'].get('module') or '?'}: "
+                         f"{row['error']['message'][:120]}")
+            continue
+        m, p = row["memory"], row["predicted"]
+        cells = [f"{_size(m[k])}/{_size(p.get(k))}" for k in ("params", "grads", "optimizer", "activations", "peak")]
+        lines.append(f"{row['rank']:>6} {coords:<26} {row['params_numel']:>14,} " + " ".join(f"{x:>17}" for x in cells))
+    lines.append("ok" if result["ok"] else "FAILED: see the problems below")
+    return "\n".join(lines)

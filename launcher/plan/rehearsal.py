@@ -1,0 +1,111 @@
+"""Which ranks a rehearsal builds, and the planner's answer for each of them. Pure Python.
+
+`rehearsal_ranks(layout, "auto")` picks one rank per distinct shard shape: ranks differ in
+what they hold only through their pipeline rank (its stages and virtual chunks: the
+embedding, the output layer, the layer split) and through uneven shards, where the first
+and the last coordinate of a mesh dimension can differ (FSDP2 and torch's Shard put the
+remainder on the first shards, so the last one is the smallest, possibly empty). So `auto`
+is: rank 0 of every pipeline rank (all other coordinates 0), for every other mesh dimension
+of size > 1 the rank with that coordinate last (the others 0), and the last rank of the
+world (every coordinate last). For llama405b (pp 8 x dp_shard 8 x tp 8 on 512 GPUs) that is
+8 + 2 + 1 = 11 ranks.
+
+`predicted_for_rank` is the planner's per-rank estimate (plan.memory.per_pp_rank) in the
+rehearsal's categories: the rehearsal measures what a rank *holds* between steps, so
+`grads` here is the plan's gradient memory without the accumulation transient (one extra
+gradient tensor while a micro-batch's gradient is added to the existing one), which the
+plan keeps in its `grads` figure and is reported as `grads_step_peak`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Sequence, Tuple, Union
+
+from launcher.plan.layout import Layout
+from launcher.plan.memory import model_state_memory
+from launcher.plan.mesh import MESH_DIM_NAMES, MeshPlan
+from launcher.plan.params import ModelShape, stage_params
+
+STATE_CATEGORIES = ("params", "grads", "optimizer")
+
+
+def rank_of(mesh: MeshPlan, coords: Dict[str, int]) -> int:
+    """Global rank of mesh coordinates (row-major over pp, dp_replicate, dp_shard, cp, tp)."""
+    rank = 0
+    for name in MESH_DIM_NAMES:
+        rank = rank * getattr(mesh, name) + coords.get(name, 0)
+    return rank
+
+
+def rehearsal_ranks(layout: Layout, choice: Union[str, Sequence[int]]) -> List[int]:
+    """The global ranks to rehearse: `auto` (see the module doc), `all`, or the given list."""
+    mesh = layout.mesh
+    if choice == "all":
+        return list(range(mesh.world_size))
+    if not isinstance(choice, str):
+        return sorted(set(int(r) for r in choice))
+    ranks = {rank_of(mesh, {"pp": p}) for p in range(mesh.pp)}
+    for name in MESH_DIM_NAMES[1:]:
+        size = getattr(mesh, name)
+        if size > 1:
+            ranks.add(rank_of(mesh, {name: size - 1}))
+    ranks.add(mesh.world_size - 1)
+    return sorted(ranks)
+
+
+def rank_problems(layout: Layout, choice: Union[str, Sequence[int]]) -> List[str]:
+    """A problem line when a listed rank is outside the layout's world (the resolver owns its size)."""
+    if isinstance(choice, str):
+        return []
+    bad = [r for r in choice if not 0 <= r < layout.world_size]
+    if not bad:
+        return []
+    return [f"rehearse.ranks={list(choice)} names rank(s) {bad} outside the world of {layout.world_size} ranks. "
+            f"Fix: global ranks within [0, {layout.world_size - 1}]."]
+
+
+def predicted_for_rank(shape: ModelShape, layout: Layout, plan_memory: Dict[str, Any], rank: int) -> Dict[str, Any]:
+    """The plan's prediction for one global rank: {params, grads, optimizer, grads_step_peak,
+    activations, other, peak} in bytes, the CUDA reserve left out (per_pp_rank of plan.memory for this rank's pipeline rank)."""
+    pp_rank = layout.mesh.coordinates(rank)["pp"]
+    row = next((r for r in plan_memory.get("per_pp_rank", []) if r.get("pp_rank") == pp_rank), None)
+    stage = stage_params(shape, layout.pp, layout.vpp, layout.schedule, layout.pp_layers)[pp_rank]
+    # Held states: the same formula with one micro-batch (no accumulation transient).
+    held = model_state_memory(stage, dataclasses.replace(layout, microbatches=1))
+    out: Dict[str, Any] = {c: int(held[c]) for c in STATE_CATEGORIES}
+    row = row or {}
+    # The CUDA context / NCCL reserve is no tensor: the rehearsal (on CPU) cannot see it.
+    reserved = int(plan_memory.get("detail", {}).get("reserved", 0))
+    out["grads_step_peak"] = int(row.get("grads", held["grads"]))
+    out["activations"] = int(row.get("activations", 0))
+    out["other"] = max(0, int(row.get("other", 0)) - reserved)
+    out["peak"] = max(0, int(row.get("total", 0)) - reserved)
+    return out
+
+
+def relative_errors(measured: Dict[str, Any], predicted: Dict[str, Any]) -> Dict[str, float]:
+    """(measured - predicted) / predicted per category measured and predicted (> 0)."""
+    out = {}
+    for cat in STATE_CATEGORIES + ("activations", "peak"):
+        got, want = measured.get(cat), predicted.get(cat)
+        if got is not None and want:
+            out[cat] = (got - want) / want
+    return out
+
+
+def rehearsal_table(result: Dict[str, Any]) -> Tuple[List[str], List[List[Any]]]:
+    """(columns, rows) of the rehearsed-vs-planned comparison, for W&B's table."""
+    cols = ["rank", "coords", "params_numel", "error"]
+    for k in ("params", "grads", "optimizer", "activations", "peak"):
+        cols += [f"{k}_rehearsed", f"{k}_planned", f"{k}_rel_error"]
+    rows = []
+    for row in result["ranks"]:
+        mem, pred = row["memory"] or {}, row["predicted"]
+        coords = ",".join(str(row["coords"][k]) for k in MESH_DIM_NAMES)
+        err = row["error"]
+        line = [row["rank"], coords, row["params_numel"], f"{err['type']}: {err['message']}" if err else ""]
+        for k in ("params", "grads", "optimizer", "activations", "peak"):
+            line += [mem.get(k), pred.get(k), pred.get("relative_error", {}).get(k)]
+        rows.append(line)
+    return cols, rows

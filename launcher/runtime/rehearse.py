@@ -1,0 +1,216 @@
+"""One rank of a rehearsal: the real engine code at the real world size, on fake tensors.
+
+    python -m launcher.runtime.rehearse --run-dir DIR --rank R --out FILE [--no-activations]
+
+started by launcher/launch/rehearse.py, one process per rank (a C++ abort then takes down
+that rank's report only). It reads the run dir's config.yaml and plan.json like a real rank,
+joins a fake process group of the plan's world size as rank R (torch's FakeStore and
+"fake" backend: collectives return at once, nothing is sent), and builds the engine the
+Layout names with the same code a real run uses (launcher/engines: fp8, TP/SP, EP, AC,
+compile wrapping, FSDP2/HSDP, the pipeline split and schedule). The model is built on the
+meta device and sharded; from materialisation on every tensor is a FakeTensor on the CPU
+(shapes, dtypes and sizes, no storage), so host memory stays small at any model size.
+
+Then, per rank: the bytes of parameters, gradients and optimizer states it holds
+(launcher/runtime/state_bytes.py, the same probe the real-run tests use), and with
+activations the peak of a fake training step by category (torch's MemTracker /
+FSDPMemTracker through launcher/runtime/memtrack.py: two steps, the second measured).
+Without activations (or where no fake step can run) the optimizer is stepped once on
+zero gradients of the parameters' shapes, which creates its states.
+
+Any exception becomes the rank's ``error`` (type, message, the launcher module that raised,
+a Fix); the process exits 0 when it wrote its report, so only a crash is a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+# The launcher module that refused a layout -> the keys that change what it builds.
+FIX_BY_MODULE = {
+    "launcher.parallel.tp": "choose parallel.tp (and parallel.sp) so that every sharded shape divides",
+    "launcher.parallel.fsdp": "change parallel.dp_shard / parallel.dp_replicate / parallel.zero_stage",
+    "launcher.parallel.pp": "change parallel.pp, parallel.pp_layers, parallel.pp_schedule or parallel.pp_virtual_stages",
+    "launcher.parallel.ep": "choose parallel.ep among the divisors of model.n_experts and dp_shard*cp",
+    "launcher.parallel.mesh": "make the parallel degrees multiply to cluster.nodes * cluster.gpus_per_node",
+    "launcher.parallel.fp8": "use precision=bf16, or adjust precision.fp8.* for this model",
+    "launcher.parallel.ac": "change activation_checkpointing.mode / activation_checkpointing.selective",
+    "launcher.parallel.compile": "set trainer.compile=false",
+    "launcher.parallel.cp": "set parallel.cp=1 (context parallelism needs GPUs)",
+    "launcher.engines.deepspeed": "change backend.* / parallel.zero_stage (DeepSpeed refused the generated config)",
+}
+DEFAULT_FIX = "change the parallel.* layout this rank cannot build (`train ... action=plan` shows it)"
+
+
+def error_report(err: BaseException, tb: Optional[Any] = None) -> Dict[str, Any]:
+    """{type, message, module, fix} of an exception raised while rehearsing a rank: the module
+    is the innermost launcher module in the traceback (the code that refused the layout)."""
+    frames = traceback.extract_tb(tb if tb is not None else err.__traceback__)
+    module, function = "", ""
+    root = Path(__file__).resolve().parents[1]
+    for fr in frames:
+        try:
+            rel = Path(fr.filename).resolve().relative_to(root.parent)
+        except ValueError:
+            continue
+        if rel.parts[0] == "launcher" and rel.name != "rehearse.py":
+            module, function = ".".join(rel.with_suffix("").parts), fr.name
+    message = " ".join(str(err).split()) or type(err).__name__
+    if "Fix:" in message:
+        message, fix = message.split("Fix:", 1)
+        fix = fix.strip()
+    else:
+        fix = FIX_BY_MODULE.get(module, DEFAULT_FIX)
+    return {"type": type(err).__name__, "message": message.strip(), "module": module,
+            "function": function, "fix": fix}
+
+
+def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
+    """One training step of the native engine on fake token batches (no pipeline): the
+    engine's own autocast and loss-parallel contexts, its loss, then the optimizer step."""
+    import torch
+
+    from launcher.engines.base import token_loss_sum
+
+    shape = (layout.micro_batch_size, layout.seq_len)
+    inputs = torch.randint(0, vocab_size, shape)
+    labels = torch.randint(0, vocab_size, shape)
+    model = engine.parts[0]
+
+    def step():
+        for _ in range(microbatches):
+            with engine._loss_parallel():
+                with engine._autocast():
+                    logits = model(inputs)
+                loss = token_loss_sum(logits, labels) / float(layout.micro_batch_size * layout.seq_len)
+                loss.backward()
+        for opt in engine.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _zero_grad_step(engine) -> None:
+    """Create the optimizer states without a forward: zero gradients of the parameters' shapes."""
+    import torch
+
+    from launcher.runtime.state_bytes import torch_optimizers
+
+    for opt in torch_optimizers(engine.optimizers):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def fake_step_skip_reason(layout, model_cfg) -> str:
+    """Why no fake training step runs for this layout ("" when one runs)."""
+    if getattr(model_cfg, "n_experts", 0):
+        return "MoE routing (per-expert token counts) depends on values fake tensors do not have"
+    if layout.sharding_backend == "deepspeed":
+        return "DeepSpeed's forward does not run on a fake process group"
+    if layout.pp > 1:
+        return "pipeline schedules are not stepped on fake tensors"
+    return ""
+
+
+def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activations: bool = True,
+                  fake_microbatches: int = 2) -> Dict[str, Any]:
+    """Build rank `rank`'s engine on a fake process group of layout.world_size ranks and
+    measure it. Returns {rank, coords, params_numel, memory: {params, grads, optimizer,
+    activations, peak}, error: None, notes}. Raises what the engine raises (the caller turns
+    it into the rank's error). Initialises torch.distributed: one call per process."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from launcher.engines import build_engine
+    from launcher.runtime.state_bytes import StateBytesProbe
+
+    world = layout.world_size
+    if layout.sharding_backend == "deepspeed":
+        raise NotImplementedError(
+            "the rehearsal builds native (FSDP2) engines only; this layout gives the model states to "
+            "DeepSpeed. Fix: rehearse with backend.sharding=native, or check it with action=plan")
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    options = dataclasses.replace(options, fake_mode=fake)
+    notes = []
+    try:
+        engine = build_engine(model_cfg, optim_cfg, layout, torch.device("cpu"), options)
+        probe = StateBytesProbe(engine.optimizers)
+        memory: Dict[str, Optional[int]] = {"activations": None, "peak": None}
+        skip = fake_step_skip_reason(layout, model_cfg)
+        if activations and not skip:
+            from launcher.runtime.memtrack import track_step_memory
+
+            n_micro = max(1, min(layout.microbatches, fake_microbatches))
+            if n_micro < layout.microbatches:
+                notes.append(f"fake steps run {n_micro} of the {layout.microbatches} micro-batches per step "
+                             f"(the peak is reached by the second: gradients exist from then on)")
+            step = _fake_step_runner(engine, layout, model_cfg.vocab_size, n_micro)
+            measured = track_step_memory(engine.model_parts, engine.optimizers, step)
+            memory["activations"] = int(measured["activations"])
+            memory["peak"] = int(measured["total"])
+            memory["other"] = int(measured["other"])
+        else:
+            if activations:
+                notes.append(f"no fake step: {skip}")
+            _zero_grad_step(engine)
+        held = probe.result()
+    finally:
+        # Entered by the engine once the model was sharded (EngineOptions.fake_mode).
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is fake:
+            fake.__exit__(None, None, None)
+    return {
+        "rank": rank,
+        "coords": layout.mesh.coordinates(rank),
+        "params_numel": held["params_numel"],
+        "memory": {"params": held["params"], "grads": held["grads"], "optimizer": held["optimizer"],
+                   "activations": memory["activations"], "peak": memory["peak"]},
+        "error": None,
+        "notes": notes,
+    }
+
+
+def _rank_from_run_dir(run_dir: Path, rank: int, activations: bool) -> Dict[str, Any]:
+    from launcher.config.loader import load_spec
+    from launcher.plan.plan import Plan
+    from launcher.runtime.entry import engine_options
+
+    spec = load_spec(run_dir)
+    plan = Plan.load(run_dir)
+    return rehearse_rank(spec.model, spec.optim, plan.layout, engine_options(spec, run_dir), rank,
+                         activations=activations)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="rehearse one rank on a fake process group")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--rank", required=True, type=int)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--no-activations", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        report = _rank_from_run_dir(args.run_dir, args.rank, not args.no_activations)
+    except Exception as err:  # the rank's problem, reported by the driver; never a traceback
+        report = {"rank": args.rank, "error": error_report(err), "traceback": traceback.format_exc()[-4000:]}
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(args.out)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""`action=rehearse`: every recipe's ranks built at the real world size on a fake process group.
+
+Each rehearsed rank is a real subprocess running the real engine code (launcher/runtime/
+rehearse.py) on fake tensors; nothing is mocked. The comparison with real multi-process runs
+is in tests/test_parallel_layouts.py (test_rehearsal_holds_what_the_real_ranks_hold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.config.loader import compose_spec, save_spec
+from launcher.launch.rehearse import rehearsal_problems, rehearse
+from launcher.plan.plan import build_plan
+from launcher.plan.rehearsal import rehearsal_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+ROW_KEYS = {"rank", "coords", "params_numel", "memory", "predicted", "error"}
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "peak"}
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _rehearse(overrides, run_dir: Path, layout=None):
+    spec = compose_spec(overrides)
+    plan = build_plan(spec, layout)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_spec(spec, run_dir)
+    plan.save(run_dir)
+    return spec, plan, rehearse(spec, plan, run_dir)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_rehearses_at_its_real_world_size(recipe, tmp_path):
+    """The auto ranks of each recipe build at the recipe's own world size, and each holds exactly
+    the parameter, gradient and optimizer-state bytes the plan predicts for it."""
+    spec, plan, result = _rehearse([f"+recipe={recipe}", "action=rehearse", "rehearse.activations=false"], tmp_path)
+    assert result["world_size"] == spec.cluster.nodes * spec.cluster.gpus_per_node == plan.world_size
+    assert result["ok"], rehearsal_problems(result, plan.layout)
+    lay = plan.layout
+    ranks = [row["rank"] for row in result["ranks"]]
+    assert ranks == rehearsal_ranks(lay, "auto")
+    assert {row["coords"]["pp"] for row in result["ranks"]} == set(range(lay.pp)), "a pipeline rank was skipped"
+    for row in result["ranks"]:
+        assert set(row) == ROW_KEYS and set(row["memory"]) == MEMORY_KEYS
+        held = {k: row["memory"][k] for k in ("params", "grads", "optimizer")}
+        predicted = {k: row["predicted"][k] for k in ("params", "grads", "optimizer")}
+        assert held == predicted, f"{recipe} rank {row['rank']} {row['coords']}: rehearsal {held} != plan {predicted}"
+        assert row["params_numel"] * (2 if lay.precision == "fp32" else 1) > 0
+
+
+def test_cli_rehearse_prints_rehearsal_json_with_a_measured_step(tmp_path):
+    """`train +recipe=debug action=rehearse plan.format=json`: the JSON on stdout is rehearsal.json,
+    with exactly the issue's keys, and the fake training step measured an activation peak."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", "from launcher.cli import main; main()", "+recipe=debug", "action=rehearse",
+         "plan.format=json", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert printed == json.loads((run_dir / "rehearsal.json").read_text())
+    assert set(printed) == {"world_size", "ranks", "ok"} and printed["ok"] and printed["world_size"] == 2
+    for row in printed["ranks"]:
+        assert set(row) == ROW_KEYS and set(row["memory"]) == MEMORY_KEYS and row["error"] is None
+        mem = row["memory"]
+        assert mem["activations"] > 0
+        assert mem["peak"] >= mem["params"] + mem["grads"] + mem["activations"]
+        assert set(row["predicted"]["relative_error"]) == MEMORY_KEYS
+
+
+def test_a_layout_the_runtime_cannot_build_is_refused_naming_rank_module_and_fix(tmp_path):
+    """A layout the resolver would refuse, written into plan.json as is (tp=4 with n_kv_heads=2):
+    every rehearsed rank reports the tensor-parallel code's refusal, with its coordinates and a Fix."""
+    spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=4"])
+    from launcher.plan.resolve import resolve
+
+    bad = dataclasses.replace(resolve(spec), dp_shard=1, tp=4)
+    _, plan, result = _rehearse(["+recipe=debug", "cluster.gpus_per_node=4", "rehearse.activations=false"],
+                                tmp_path, layout=bad)
+    assert not result["ok"]
+    assert [row["rank"] for row in result["ranks"]] == [0, 3]
+    problems = rehearsal_problems(result, bad)
+    assert len(problems) == 2, problems
+    first = problems[0]
+    assert first.startswith("rank 0 (mesh coords pp=0 dp_replicate=0 dp_shard=0 cp=0 tp=0; layout tp=4)"), first
+    assert "launcher.parallel.tp" in first and "n_kv_heads=2 is not divisible by 4" in first, first
+    assert "Fix: " in first and "Traceback" not in first, first
+    assert problems[1].startswith("rank 3 (mesh coords pp=0 dp_replicate=0 dp_shard=0 cp=0 tp=3;"), problems[1]
+
+
+def test_trainer_rehearse_aborts_a_run_that_does_not_fit_before_launching(tmp_path):
+    """`train ... trainer.rehearse=true` rehearses first; a layout whose rehearsed states exceed the
+    GPU exits 2 naming the rank, and no rank is started (no logs/ in the run dir)."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", "from launcher.cli import main; main()", "+recipe=debug", "trainer.rehearse=true",
+         "rehearse.activations=false", "hardware.memory_gb=0.001", "logging.wandb.mode=disabled",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "rank 0 does not fit" in proc.stderr and "rank 1 does not fit" in proc.stderr, proc.stderr[-2000:]
+    assert "Fix:" in proc.stderr and "Traceback" not in proc.stderr
+    assert json.loads((run_dir / "rehearsal.json").read_text())["ok"]
+    assert not (run_dir / "logs").exists(), "a rank was launched"
+
+
+def test_auto_ranks_cover_every_pipeline_rank_and_the_last_coordinates():
+    from launcher.plan.resolve import resolve
+
+    lay = resolve(compose_spec(["+recipe=llama405b", "cluster.nodes=1024"]))
+    assert (lay.pp, lay.dp_shard, lay.tp, lay.world_size) == (8, 128, 8, 8192)
+    assert rehearsal_ranks(lay, "auto") == [0, 7, 1016, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8191]
+    assert rehearsal_ranks(lay, [5, 3, 5]) == [3, 5]
+
+
+def test_bad_rehearse_settings_exit_2_with_a_fix(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", "from launcher.cli import main; main()", "+recipe=debug", "action=rehearse",
+         "rehearse.workers=0", "rehearse.ranks=foo", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rehearse.ranks='foo' must be auto, all or a list" in proc.stderr
+    assert "rehearse.workers=0 must be at least 1" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-c", "from launcher.cli import main; main()", "+recipe=debug", "action=rehearse",
+         "rehearse.ranks=[0,5]", f"hydra.run.dir={tmp_path / 'run2'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "names rank(s) [5] outside the world of 2 ranks" in proc.stderr, proc.stderr
