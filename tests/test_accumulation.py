@@ -159,7 +159,8 @@ def test_memory_holds_unsharded_params_and_grads_when_held():
     m_sharded, m_held = estimate_memory(SHAPE, sharded)[0], estimate_memory(SHAPE, held)[0]
     local = SHAPE.total  # tp = ep = pp = 1: every parameter of the model, unsharded
     assert m_held.detail["unsharded_params"] == pytest.approx(local * 2, rel=1e-6)  # bf16
-    assert m_held.detail["unsharded_grads"] == pytest.approx(local * 2, rel=1e-6)
+    # FSDP2 accumulates the gradients it does not reduce yet in reduce_dtype (fp32 here).
+    assert m_held.detail["unsharded_grads"] == pytest.approx(local * 4, rel=1e-6)
     assert m_sharded.detail["unsharded_params"] < m_held.detail["unsharded_params"] / 4  # 2 units of 32 blocks
     assert m_held.total > m_sharded.total
     # Sharded states (the fp32 master, m, v) are the same either way.
