@@ -97,6 +97,48 @@ def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
     return step
 
 
+def _fake_pipeline_step_runner(engine, layout, vocab_size: int):
+    """One training step of the engine's pipeline schedule on fake token batches: the rank's
+    real stage modules, schedule, micro-batch count, loss and optimizer.
+
+    The fake group delivers no values, so torch's warm-up vote (each stage tells the next one
+    whether its shapes are static; a received value decides) cannot run: the stages were
+    built with static shapes (launcher.parallel.pp.stage_io_meta), so each is set STATIC, as
+    the vote would decide in a real run. Checked, not assumed: a stage torch would infer
+    dynamically is refused."""
+    import torch
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    schedule = engine.pp_schedule
+    stages = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
+    for st in stages:
+        if InferenceMode.needs_dynamic(st._user_meta, True):
+            raise RuntimeError(f"pipeline stage {st.stage_index} has no static input/output shapes; "
+                               f"its shape inference cannot run on a fake process group")
+
+    def vote(stages_, has_backward, p2p_done):
+        for st in stages_:
+            st._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = vote
+    rows = layout.micro_batch_size * engine.pp_microbatches
+    shape = (rows, layout.seq_len)
+    inputs = torch.randint(0, vocab_size, shape)
+    labels = torch.randint(0, vocab_size, shape)
+
+    def step():
+        engine._token_norm = float(rows * layout.seq_len)
+        kwargs = {"target": labels, "losses": []} if engine.has_last else {}
+        args = (inputs,) if engine.has_first else ()
+        with engine._loss_parallel(), engine._autocast():
+            schedule.step(*args, **kwargs)
+        for opt in engine.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def _zero_grad_step(engine) -> None:
     """Create the optimizer states without a forward: zero gradients of the parameters' shapes."""
     import torch
@@ -117,8 +159,6 @@ def fake_step_skip_reason(layout, model_cfg) -> str:
         return "MoE routing (per-expert token counts) depends on values fake tensors do not have"
     if layout.sharding_backend == "deepspeed":
         return "DeepSpeed's forward does not run on a fake process group"
-    if layout.pp > 1:
-        return "pipeline schedules are not stepped on fake tensors"
     return ""
 
 
@@ -155,10 +195,14 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
             from launcher.runtime.memtrack import track_step_memory
 
             n_micro = max(1, min(layout.microbatches, fake_microbatches))
-            if n_micro < layout.microbatches:
+            if n_micro < layout.microbatches and layout.pp == 1:
                 notes.append(f"fake steps run {n_micro} of the {layout.microbatches} micro-batches per step "
                              f"(the peak is reached by the second: gradients exist from then on)")
-            step = _fake_step_runner(engine, layout, model_cfg.vocab_size, n_micro)
+            if layout.pp > 1:
+                # The schedule runs all of the layout's micro-batches (fixed when it was built).
+                step = _fake_pipeline_step_runner(engine, layout, model_cfg.vocab_size)
+            else:
+                step = _fake_step_runner(engine, layout, model_cfg.vocab_size, n_micro)
             measured = track_step_memory(engine.model_parts, engine.optimizers, step)
             memory["activations"] = int(measured["activations"])
             memory["peak"] = int(measured["total"])
