@@ -14,6 +14,10 @@ even split with the remainder going to the earliest stages. Each schedule step s
 rank's batch into ``microbatches`` chunks along the batch dimension; gradients are not
 rescaled by the schedule (the engine's loss is already normalised by the global token
 count).
+
+Stages are built with static input/output shapes (``stage_io_meta``): torch's shape inference
+would run an extra forward and backward per stage on the first step and after each
+validation, and sends shapes with object collectives (which a fake process group cannot run).
 """
 
 from __future__ import annotations
