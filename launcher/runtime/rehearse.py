@@ -162,6 +162,34 @@ def fake_step_skip_reason(layout, model_cfg) -> str:
     return ""
 
 
+def check_deepspeed_rank(layout, options) -> None:
+    """What the rehearsal checks of a DeepSpeed layout, always raising (the rank's report).
+
+    The generated DeepSpeed JSON goes through DeepSpeed's own config classes (as the launch
+    preflight does); a refusal names DeepSpeed's reason. When DeepSpeed accepts it, the rank
+    still reports what was not checked: deepspeed.initialize does run on a fake process group,
+    but only on real tensors (our layout-independent init and DeepSpeed's zero.Init read tensor
+    values, which fake tensors do not have), so the partition sizes are not rehearsed."""
+    from launcher.engines.deepspeed import prepare_deepspeed_environment
+    from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
+
+    prepare_deepspeed_environment("cpu")
+    cfg = build_deepspeed_config(layout, grad_clip=options.grad_clip, seed=options.seed, offload=options.offload)
+    try:
+        validate_deepspeed_config(cfg, data_parallel_size(layout))
+    except Exception as err:  # DeepSpeed raises pydantic, assertion and value errors alike
+        raise ValueError(
+            f"DeepSpeed refused the generated config (ZeRO-{layout.zero_stage}): {type(err).__name__}: "
+            f"{' '.join(str(err).split())[:300]}. Fix: change the keys it names, or backend.sharding=native"
+        ) from err
+    raise NotImplementedError(
+        f"checked: the generated DeepSpeed config (ZeRO-{layout.zero_stage}, dp {data_parallel_size(layout)}) "
+        f"is accepted by DeepSpeed's own config classes; not checked: deepspeed.initialize and the "
+        f"partition sizes (they need real tensor values on this path), so this rank's parameter, gradient "
+        f"and optimizer bytes are the plan's, unverified. Fix: rehearse with backend.sharding=native to "
+        f"check the sharding, or rely on action=plan for this layout")
+
+
 def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activations: bool = True,
                   fake_microbatches: int = 2) -> Dict[str, Any]:
     """Build rank `rank`'s engine on a fake process group of layout.world_size ranks and
@@ -178,9 +206,7 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
 
     world = layout.world_size
     if layout.sharding_backend == "deepspeed":
-        raise NotImplementedError(
-            "the rehearsal builds native (FSDP2) engines only; this layout gives the model states to "
-            "DeepSpeed. Fix: rehearse with backend.sharding=native, or check it with action=plan")
+        check_deepspeed_rank(layout, options)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
