@@ -185,8 +185,8 @@ def check_deepspeed_rank(layout, options) -> None:
     raise NotImplementedError(
         f"checked: the generated DeepSpeed config (ZeRO-{layout.zero_stage}, dp {data_parallel_size(layout)}) "
         f"is accepted by DeepSpeed's own config classes; not checked: deepspeed.initialize and the "
-        f"partition sizes (they need real tensor values on this path), so this rank's parameter, gradient "
-        f"and optimizer bytes are the plan's, unverified. Fix: rehearse with backend.sharding=native to "
+        f"partition sizes (they need real tensor values on this path), so the plan's parameter, gradient "
+        f"and optimizer bytes for this rank are unverified. Fix: rehearse with backend.sharding=native to "
         f"check the sharding, or rely on action=plan for this layout")
 
 
