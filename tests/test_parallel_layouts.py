@@ -206,10 +206,12 @@ def test_refused_layouts_say_why(results, name):
 # and compared with what the real ranks held: dense and MoE, FSDP2 x TP(+SP), HSDP, EP, PP with
 # virtual stages, uneven FSDP shards (odd sizes) and the dim-1 expert shards.
 REHEARSED = ("fsdp2_tp2_dense", "tp2_sp_dense", "hsdp2x2_moe", "ep2_fsdp2_tp2_moe", "pp2_ep2_moe",
-             "fsdp2_odd", "ep2_fsdp4_2experts")
+             "fsdp2_odd", "ep2_fsdp4_2experts", "pp2_interleaved_1f1b_dense")
 # Rehearsed with the fake training steps (gradients from a backward; one process per rank):
-# tp2_sp_dense keeps its embedding gradient replicated, which only a backward shows.
-REHEARSED_WITH_STEPS = ("tp2_sp_dense", "fsdp2_tp2_dense")
+# tp2_sp_dense keeps its embedding gradient replicated, which only a backward shows;
+# pp2_interleaved_1f1b_dense runs the real pipeline schedule (static stage shapes, two chunks
+# per rank) on the fake process group.
+REHEARSED_WITH_STEPS = ("tp2_sp_dense", "fsdp2_tp2_dense", "pp2_interleaved_1f1b_dense")
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +238,5 @@ def test_rehearsal_holds_what_the_real_ranks_hold(results, rehearsed, name):
         got = {"params_numel": rep["params_numel"], **{k: rep["memory"][k] for k in ("params", "grads", "optimizer")}}
         assert got == held, f"{name} rank {rank}: rehearsal {got} != real run {held}"
         assert held["params"] > 0 and held["grads"] > 0 and held["optimizer"] > 0, f"{name} rank {rank}: {held}"
+        if name in REHEARSED_WITH_STEPS:  # the fake step ran and measured an activation peak
+            assert (rep["memory"]["activations"] or 0) > 0, f"{name} rank {rank}: no fake step: {rep.get('notes')}"

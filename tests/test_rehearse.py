@@ -138,3 +138,19 @@ def test_bad_rehearse_settings_exit_2_with_a_fix(tmp_path):
          "rehearse.ranks=[0,5]", f"hydra.run.dir={tmp_path / 'run2'}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "names rank(s) [5] outside the world of 2 ranks" in proc.stderr, proc.stderr
+
+
+def test_a_deepspeed_layout_reports_what_was_and_was_not_checked():
+    """DeepSpeed layouts: the generated config goes through DeepSpeed's own config classes; the
+    rank then says the partition sizes were not rehearsed (no deepspeed.initialize on fake tensors)."""
+    from launcher.runtime.entry import engine_options
+    from launcher.runtime.rehearse import rehearse_rank
+
+    spec = compose_spec(["+recipe=debug", "backend.sharding=deepspeed", "parallel.zero_stage=3"])
+    plan = build_plan(spec, None)
+    assert plan.layout.sharding_backend == "deepspeed"
+    with pytest.raises(NotImplementedError) as info:
+        rehearse_rank(spec.model, spec.optim, plan.layout, engine_options(spec, Path("unused")), 0)
+    message = str(info.value)
+    assert "checked: the generated DeepSpeed config (ZeRO-3, dp 2) is accepted by DeepSpeed's own config classes" in message
+    assert "not checked: deepspeed.initialize and the partition sizes" in message and "Fix:" in message

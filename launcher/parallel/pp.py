@@ -14,6 +14,10 @@ even split with the remainder going to the earliest stages. Each schedule step s
 rank's batch into ``microbatches`` chunks along the batch dimension; gradients are not
 rescaled by the schedule (the engine's loss is already normalised by the global token
 count).
+
+Stages are built with static input/output shapes (``stage_io_meta``): torch's shape inference
+would run an extra forward and backward per stage on the first step and after each
+validation, and sends shapes with object collectives (which a fake process group cannot run).
 """
 
 from __future__ import annotations
@@ -106,6 +110,44 @@ def split_into_stages(whole: nn.Module, layout: Layout, pp_mesh: DeviceMesh) -> 
     return parts, ids
 
 
+def activation_dtype(layout: Layout) -> torch.dtype:
+    """The dtype of the hidden states sent between stages. Under FSDP2 the MixedPrecisionPolicy
+    gives bf16 parameters, so the residual stream is bf16; without FSDP the engine's autocast
+    leaves the residual stream in fp32 (the embedding output is fp32 and fp32 + bf16 is fp32)."""
+    if layout.fsdp_wraps and layout.precision in ("bf16", "fp8"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def stage_io_meta(stage: int, n_stages: int, layout: Layout, model_cfg) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(input, output) meta tensors of one pipeline micro-batch for global stage ``stage``.
+
+    Given to PipelineStage so that it skips torch's shape inference (an extra forward and
+    backward per stage on the first step and after each validation, plus object collectives
+    that a fake process group cannot run). Rows: trainer.micro_batch_size sequences per
+    pipeline micro-batch (Layout.pp_microbatches). With TP + sequence parallelism the
+    residual stream between blocks is the rank's local 1/tp slice of the sequence. The last
+    stage's output (logits) is never sent; torch only counts it. Float tensors require grad:
+    torch derives from that which gradients a stage receives and sends back.
+    """
+    rows, seq = layout.micro_batch_size, layout.seq_len
+    tp = layout.mesh.tp
+    local_seq = seq // tp if (tp > 1 and layout.sp) else seq
+    hidden = (rows, local_seq, model_cfg.dim)
+    dtype = activation_dtype(layout)
+    meta = torch.device("meta")
+    if stage == 0:
+        inputs = torch.empty((rows, seq), dtype=torch.int64, device=meta)
+    else:
+        inputs = torch.empty(hidden, dtype=dtype, device=meta, requires_grad=True)
+    if stage == n_stages - 1:
+        outputs = torch.empty((rows, seq, model_cfg.vocab_size), dtype=torch.float32, device=meta,
+                              requires_grad=True)
+    else:
+        outputs = torch.empty(hidden, dtype=dtype, device=meta, requires_grad=True)
+    return inputs, outputs
+
+
 def build_schedule(parts: List[nn.Module], stage_ids: List[int], layout: Layout, pp_mesh: DeviceMesh,
                    device: torch.device, loss_fn: Callable, n_microbatches: int):
     """(schedule, has_first_stage, has_last_stage) for this rank's materialised stage modules."""
@@ -127,7 +169,12 @@ def build_schedule(parts: List[nn.Module], stage_ids: List[int], layout: Layout,
         warnings.warn(msg)
         log.warning(msg)
     group = pp_mesh.get_group()
-    stages = [PipelineStage(part, sid, n_stages, device, group=group) for part, sid in zip(parts, stage_ids)]
+    stages = []
+    for part, sid in zip(parts, stage_ids):
+        # Static shapes: no shape-inference forward (and none of its object collectives).
+        inputs, outputs = stage_io_meta(sid, n_stages, layout, part.cfg)
+        stages.append(PipelineStage(part, sid, n_stages, device, input_args=inputs, output_args=outputs,
+                                    group=group))
     cls = {
         "gpipe": S.ScheduleGPipe,
         "1f1b": S.Schedule1F1B,

@@ -162,6 +162,18 @@ def _allow_repeated_root_forward(tracker, mods: List[nn.Module]):
         if top_level and module in tracker.memory_tracking:
             tracker.reset_mod_stats()
 
+    # Looped pipeline schedules (interleaved 1F1B, zero bubble) start a chunk's forward while
+    # another chunk's backward is pending: that backward's modules lost their (unused) stats
+    # in the reset above, so their backward hooks skip instead of raising KeyError.
+    for name in ("_pre_bw_hook", "_post_bw_hook"):
+        original = getattr(tracker, name)
+
+        def tolerant(module, args, _original=original):
+            if module is not None and module not in tracker.memory_tracking:
+                return None
+            return _original(module, args)
+
+        setattr(tracker, name, tolerant)
     return register_module_forward_pre_hook(hook)
 
 

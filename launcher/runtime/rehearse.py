@@ -97,6 +97,48 @@ def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
     return step
 
 
+def _fake_pipeline_step_runner(engine, layout, vocab_size: int):
+    """One training step of the engine's pipeline schedule on fake token batches: the rank's
+    real stage modules, schedule, micro-batch count, loss and optimizer.
+
+    The fake group delivers no values, so torch's warm-up vote (each stage tells the next one
+    whether its shapes are static; a received value decides) cannot run: the stages were
+    built with static shapes (launcher.parallel.pp.stage_io_meta), so each is set STATIC, as
+    the vote would decide in a real run. Checked, not assumed: a stage torch would infer
+    dynamically is refused."""
+    import torch
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    schedule = engine.pp_schedule
+    stages = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
+    for st in stages:
+        if InferenceMode.needs_dynamic(st._user_meta, True):
+            raise RuntimeError(f"pipeline stage {st.stage_index} has no static input/output shapes; "
+                               f"its shape inference cannot run on a fake process group")
+
+    def vote(stages_, has_backward, p2p_done):
+        for st in stages_:
+            st._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = vote
+    rows = layout.micro_batch_size * engine.pp_microbatches
+    shape = (rows, layout.seq_len)
+    inputs = torch.randint(0, vocab_size, shape)
+    labels = torch.randint(0, vocab_size, shape)
+
+    def step():
+        engine._token_norm = float(rows * layout.seq_len)
+        kwargs = {"target": labels, "losses": []} if engine.has_last else {}
+        args = (inputs,) if engine.has_first else ()
+        with engine._loss_parallel(), engine._autocast():
+            schedule.step(*args, **kwargs)
+        for opt in engine.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def _zero_grad_step(engine) -> None:
     """Create the optimizer states without a forward: zero gradients of the parameters' shapes."""
     import torch
@@ -117,9 +159,35 @@ def fake_step_skip_reason(layout, model_cfg) -> str:
         return "MoE routing (per-expert token counts) depends on values fake tensors do not have"
     if layout.sharding_backend == "deepspeed":
         return "DeepSpeed's forward does not run on a fake process group"
-    if layout.pp > 1:
-        return "pipeline schedules are not stepped on fake tensors"
     return ""
+
+
+def check_deepspeed_rank(layout, options) -> None:
+    """What the rehearsal checks of a DeepSpeed layout, always raising (the rank's report).
+
+    The generated DeepSpeed JSON goes through DeepSpeed's own config classes (as the launch
+    preflight does); a refusal names DeepSpeed's reason. When DeepSpeed accepts it, the rank
+    still reports what was not checked: deepspeed.initialize does run on a fake process group,
+    but only on real tensors (our layout-independent init and DeepSpeed's zero.Init read tensor
+    values, which fake tensors do not have), so the partition sizes are not rehearsed."""
+    from launcher.engines.deepspeed import prepare_deepspeed_environment
+    from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
+
+    prepare_deepspeed_environment("cpu")
+    cfg = build_deepspeed_config(layout, grad_clip=options.grad_clip, seed=options.seed, offload=options.offload)
+    try:
+        validate_deepspeed_config(cfg, data_parallel_size(layout))
+    except Exception as err:  # DeepSpeed raises pydantic, assertion and value errors alike
+        raise ValueError(
+            f"DeepSpeed refused the generated config (ZeRO-{layout.zero_stage}): {type(err).__name__}: "
+            f"{' '.join(str(err).split())[:300]}. Fix: change the keys it names, or backend.sharding=native"
+        ) from err
+    raise NotImplementedError(
+        f"checked: the generated DeepSpeed config (ZeRO-{layout.zero_stage}, dp {data_parallel_size(layout)}) "
+        f"is accepted by DeepSpeed's own config classes; not checked: deepspeed.initialize and the "
+        f"partition sizes (they need real tensor values on this path), so the plan's parameter, gradient "
+        f"and optimizer bytes for this rank are unverified. Fix: rehearse with backend.sharding=native to "
+        f"check the sharding, or rely on action=plan for this layout")
 
 
 def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activations: bool = True,
@@ -138,9 +206,7 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
 
     world = layout.world_size
     if layout.sharding_backend == "deepspeed":
-        raise NotImplementedError(
-            "the rehearsal builds native (FSDP2) engines only; this layout gives the model states to "
-            "DeepSpeed. Fix: rehearse with backend.sharding=native, or check it with action=plan")
+        check_deepspeed_rank(layout, options)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -155,10 +221,14 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
             from launcher.runtime.memtrack import track_step_memory
 
             n_micro = max(1, min(layout.microbatches, fake_microbatches))
-            if n_micro < layout.microbatches:
+            if n_micro < layout.microbatches and layout.pp == 1:
                 notes.append(f"fake steps run {n_micro} of the {layout.microbatches} micro-batches per step "
                              f"(the peak is reached by the second: gradients exist from then on)")
-            step = _fake_step_runner(engine, layout, model_cfg.vocab_size, n_micro)
+            if layout.pp > 1:
+                # The schedule runs all of the layout's micro-batches (fixed when it was built).
+                step = _fake_pipeline_step_runner(engine, layout, model_cfg.vocab_size)
+            else:
+                step = _fake_step_runner(engine, layout, model_cfg.vocab_size, n_micro)
             measured = track_step_memory(engine.model_parts, engine.optimizers, step)
             memory["activations"] = int(measured["activations"])
             memory["peak"] = int(measured["total"])
