@@ -266,16 +266,8 @@ class NativeEngine:
                     f"layout's {n_micro} micro-batches, which does not divide: pass the step's "
                     f"micro-batches as planned (micro_batch_size x accumulation sequences)")
             self._set_aux_scale(n_micro)
-            losses: list = []
-            kwargs = {}
-            if self.has_last:
-                kwargs.update(target=labels, losses=losses)
-            args = (inputs,) if self.has_first else ()
-            with self._loss_parallel(), self._autocast():
-                self.pp_schedule.step(*args, **kwargs)
-            if self.has_last:
-                for mb_loss in losses:
-                    local_loss += _plain(mb_loss.detach())
+            for mb_loss in self._run_pipeline("step", inputs, labels):
+                local_loss += _plain(mb_loss.detach())
 
         # Global loss: each data-parallel sample counted once (tp rank 0, last pp stage).
         # MoE aux loss for logging: last micro-batch, summed over layers (and stages),
@@ -307,6 +299,18 @@ class NativeEngine:
             extra["moe_aux_loss"] = float(stats[1]) / ranks
         return StepStats(loss=float(stats[0]), grad_norm=grad_norm, lr=lr, extra=extra)
 
+    def _run_pipeline(self, method: str, inputs: torch.Tensor, labels: torch.Tensor) -> list:
+        """One pass of the pipeline schedule (`method`: "step" trains, "eval" is forward only) over
+        this rank's sequences; returns the last stage's per-micro-batch losses (empty elsewhere)."""
+        losses: list = []
+        kwargs = {}
+        if self.has_last:
+            kwargs.update(target=labels, losses=losses)
+        args = (inputs,) if self.has_first else ()
+        with self._loss_parallel(), self._autocast():
+            getattr(self.pp_schedule, method)(*args, **kwargs)
+        return losses
+
     def eval_step(self, microbatches: List[Microbatch]) -> float:
         """Mean token loss over the global batch of these micro-batches, forward only (collective).
 
@@ -327,14 +331,7 @@ class NativeEngine:
             else:
                 inputs = torch.cat([x for x, _ in microbatches]).to(self.device)
                 labels = torch.cat([y for _, y in microbatches]).to(self.device)
-                losses: list = []
-                kwargs = {}
-                if self.has_last:
-                    kwargs.update(target=labels, losses=losses)
-                args = (inputs,) if self.has_first else ()
-                with self._loss_parallel(), self._autocast():
-                    self.pp_schedule.eval(*args, **kwargs)
-                for mb_loss in losses:
+                for mb_loss in self._run_pipeline("eval", inputs, labels):
                     local_loss += _plain(mb_loss.detach())
         contrib = float(local_loss) if (self.tp_rank == 0 and self.has_last) else 0.0
         total = torch.tensor([contrib], dtype=torch.float64)
