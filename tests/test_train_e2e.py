@@ -43,6 +43,8 @@ def test_debug_run_trains_and_writes_its_run_dir(reference_run):
     assert plan["world_size"] == 2 and plan["mesh"]["dp_shard"] == 2
     ckpts = sorted(p.name for p in (reference_run / "checkpoints").iterdir() if p.name != ".lock")
     assert ckpts == ["step_00000004", "step_00000008", "step_00000012"]
+    # A run that ends well leaves no failure/ folder (its presence means something went wrong).
+    assert not (reference_run / "failure").exists()
 
 
 def test_ranks_built_the_layout_in_plan_json(reference_run):

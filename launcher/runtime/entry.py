@@ -32,7 +32,7 @@ from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager, checkpoint_root, lock_for_run
-from launcher.runtime.failure import FailureBundle, host_name
+from launcher.runtime.failure import FAILURE_DIR, FailureBundle, host_name
 from launcher.runtime.health import RunHealth
 from launcher.runtime.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
@@ -236,7 +236,8 @@ def config_for_logging(spec: JobConfig) -> dict:
 
 def start_health(spec: JobConfig, plan: Plan, bundle: FailureBundle, device_type: str) -> RunHealth:
     """The failure bundle's progress tracking, plus the hang watchdog unless trainer.hang_timeout_s=0."""
-    memory = MemorySnapshot(bundle.folder, bundle.rank, spec.trainer.memory_snapshot_steps, device_type,
+    # The path only: failure/ is created when something is written there, so a run that ends well has none.
+    memory = MemorySnapshot(Path(bundle.run_dir) / FAILURE_DIR, bundle.rank, spec.trainer.memory_snapshot_steps, device_type,
                             predicted=plan.memory).start()
     timeout = resolve_hang_timeout(spec.trainer.hang_timeout_s, (plan.time or {}).get("step_s", 0.0))
     if timeout is None:
