@@ -51,3 +51,10 @@ class MeshPlan:
             coords[name] = rest % size
             rest //= size
         return coords
+
+    def rank_of(self, coords: Dict[str, int]) -> int:
+        """Global rank at these mesh coordinates (missing dimensions: 0); inverse of `coordinates`."""
+        rank = 0
+        for name in MESH_DIM_NAMES:
+            rank = rank * getattr(self, name) + coords.get(name, 0)
+        return rank

@@ -24,18 +24,10 @@ from typing import Any, Dict, List, Sequence, Tuple, Union
 
 from launcher.plan.layout import Layout
 from launcher.plan.memory import model_state_memory
-from launcher.plan.mesh import MESH_DIM_NAMES, MeshPlan
+from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import ModelShape, stage_params
 
 STATE_CATEGORIES = ("params", "grads", "optimizer")
-
-
-def rank_of(mesh: MeshPlan, coords: Dict[str, int]) -> int:
-    """Global rank of mesh coordinates (row-major over pp, dp_replicate, dp_shard, cp, tp)."""
-    rank = 0
-    for name in MESH_DIM_NAMES:
-        rank = rank * getattr(mesh, name) + coords.get(name, 0)
-    return rank
 
 
 def rehearsal_ranks(layout: Layout, choice: Union[str, Sequence[int]]) -> List[int]:
@@ -45,11 +37,11 @@ def rehearsal_ranks(layout: Layout, choice: Union[str, Sequence[int]]) -> List[i
         return list(range(mesh.world_size))
     if not isinstance(choice, str):
         return sorted(set(int(r) for r in choice))
-    ranks = {rank_of(mesh, {"pp": p}) for p in range(mesh.pp)}
+    ranks = {mesh.rank_of({"pp": p}) for p in range(mesh.pp)}
     for name in MESH_DIM_NAMES[1:]:
         size = getattr(mesh, name)
         if size > 1:
-            ranks.add(rank_of(mesh, {name: size - 1}))
+            ranks.add(mesh.rank_of({name: size - 1}))
     ranks.add(mesh.world_size - 1)
     return sorted(ranks)
 

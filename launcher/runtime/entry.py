@@ -17,15 +17,16 @@ import socket
 import sys
 import traceback
 from dataclasses import asdict
-from typing import Optional
+from typing import Callable, List, Optional
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from launcher.config.loader import load_spec
 from launcher.engines import build_engine as build_engine_for_layout
 from launcher.engines.base import Engine, EngineOptions
-from launcher.config.schema import JobConfig
+from launcher.config.schema import DataConfig, JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
 from launcher.parallel.hf_weights import tokenizer_files_for
 from launcher.plan.flops import peak_tflops, training_flops_per_token
@@ -107,10 +108,9 @@ def log_placement(plan: Plan, rank: RankInfo) -> None:
     """One line per rank: which node (SLURM's node name; several dev-cluster nodes share one
     hostname), which node-local rank and torchrun agent, and the rank's mesh coordinates, so a
     multi-node run can be checked from its logs (e.g. that each TP group stays inside a node)."""
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     log.info(
         "placement: rank %d local_rank %d node %s host %s torchrun_pid %d coords %s",
-        rank.rank, rank.local_rank, node, socket.gethostname(), os.getppid(),
+        rank.rank, rank.local_rank, host_name(), socket.gethostname(), os.getppid(),
         json.dumps(plan.layout.mesh.coordinates(rank.rank), sort_keys=True),
     )
 
@@ -121,14 +121,16 @@ def data_parallel_rank(plan: Plan, rank: int) -> int:
     return coords["dp_replicate"] * mesh.dp_shard + coords["dp_shard"]
 
 
-def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> StepBatches:
+def step_batches_from(spec: JobConfig, plan: Plan, rank: int, run_dir: Path,
+                      load_arrays: Callable[[DataConfig, Path], List[np.ndarray]]) -> StepBatches:
+    """This rank's step batches over the token arrays `load_arrays` gives (training or held-out data)."""
     cache_dir = Path(run_dir) / "data_cache"
     if spec.data.source == "text":
         # Tokenize once (rank 0) into the cache; the other ranks then map the same shard.
         if rank == 0:
-            load_token_arrays(spec.data, cache_dir)
+            load_arrays(spec.data, cache_dir)
         phase_barrier()  # rank 0 may tokenize for long: not bounded by the collective timeout
-    arrays = load_token_arrays(spec.data, cache_dir)
+    arrays = load_arrays(spec.data, cache_dir)
     check_vocab(arrays, spec.model.vocab_size)
     windows = TokenWindows(arrays, spec.trainer.seq_len)
     lay = plan.layout
@@ -141,22 +143,16 @@ def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> Step
     return StepBatches(windows, spec.trainer.seed, lay.global_batch_size, part)
 
 
+def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> StepBatches:
+    """The training data of this rank."""
+    return step_batches_from(spec, plan, rank, run_dir, load_token_arrays)
+
+
 def build_validator(spec: JobConfig, plan: Plan, rank: int, run_dir: Path, engine: Engine) -> Optional[Validator]:
     """Fixed held-out batches for trainer.val_every (None when validation is off)."""
     if spec.trainer.val_every <= 0:
         return None
-    cache_dir = Path(run_dir) / "data_cache"
-    if spec.data.source == "text":
-        if rank == 0:  # tokenize once, as for the training data
-            load_val_token_arrays(spec.data, cache_dir)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-    arrays = load_val_token_arrays(spec.data, cache_dir)
-    check_vocab(arrays, spec.model.vocab_size)
-    lay = plan.layout
-    part = BatchSlice(dp_rank=data_parallel_rank(plan, rank), dp_size=lay.dp,
-                      micro_batch_size=lay.micro_batch_size, grad_accum_steps=lay.microbatches)
-    source = StepBatches(TokenWindows(arrays, spec.trainer.seq_len), spec.trainer.seed, lay.global_batch_size, part)
+    source = step_batches_from(spec, plan, rank, run_dir, load_val_token_arrays)
     return Validator.from_step_batches(engine, source, spec.trainer.val_steps)
 
 
@@ -166,7 +162,7 @@ def build_profiler(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path,
     cfg = spec.profile
     if not cfg.enabled:
         return None
-    ranks = list(cfg.ranks) or default_profile_ranks(plan.mesh.coordinates, rank.world_size, plan.mesh.pp)
+    ranks = list(cfg.ranks) or default_profile_ranks(plan.layout.mesh)
     if rank.rank not in ranks:
         return None
     return StepProfiler(run_dir, rank.rank, cfg.steps, rank.device.type, record_memory=cfg.record_memory,
@@ -201,8 +197,6 @@ def log_rehearsal(run_dir: Path, metrics: MetricsLogger) -> None:
     path = Path(run_dir) / "rehearsal.json"
     if not path.exists():
         return
-    import json
-
     from launcher.plan.rehearsal import rehearsal_table
 
     result = json.loads(path.read_text())

@@ -15,16 +15,16 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from launcher.plan.mesh import MeshPlan
+
 log = logging.getLogger(__name__)
 
 PROFILE_DIR = "profile"
 
 
-def default_profile_ranks(coordinates: Callable[[int], dict], world_size: int, pp: int) -> List[int]:
+def default_profile_ranks(mesh: MeshPlan) -> List[int]:
     """Rank 0 and the first rank of the last pipeline stage (the same rank without pipelining)."""
-    last = next((r for r in range(world_size)
-                 if all(v == (pp - 1 if name == "pp" else 0) for name, v in coordinates(r).items())), 0)
-    return sorted({0, last})
+    return sorted({0, mesh.rank_of({"pp": mesh.pp - 1})})
 
 
 class StepProfiler:
