@@ -133,6 +133,7 @@ class MetricsLogger:
         self._task = None
         if not enabled:
             return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         truncate_metrics(self.path, resume_step)
         self._file = open(self.path, "a", buffering=1)
         self._init_wandb(wandb_cfg, config)
