@@ -289,6 +289,7 @@ class DeepSpeedEngine:
             restore_fp32_rope(self.engine.module, model_cfg, device)
         self._token_norm = 1.0
         self._pipe_losses: List[float] = []
+        self.last_load = ""  # how the last `load` went: plain | universal (converted|reused)
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
         log.info("DeepSpeed engine ready: ZeRO-%d, %d parameters in this rank's stage, pp=%d, dp=%d, "
                  "config %s", lay.zero_stage, n_params, self.pp, self.dp,
@@ -399,9 +400,28 @@ class DeepSpeedEngine:
     def save(self, directory: Path) -> None:
         """engine.save_checkpoint: model, ZeRO-partitioned optimizer and LR schedule (collective)."""
         self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+        if dist.get_rank() == 0:
+            from launcher.engines.deepspeed_universal import write_layout_record
+
+            # What wrote it, so that a resume at another layout knows to convert (deepspeed_universal).
+            write_layout_record(directory, self._layout_record())
+
+    def _layout_record(self) -> Dict[str, Any]:
+        from launcher.engines.deepspeed_universal import layout_record
+
+        return layout_record(world_size=dist.get_world_size(), dp=self.dp, zero_stage=self.layout.zero_stage,
+                             pp=self.pp, offload_optimizer=self.layout.offload_optimizer)
 
     def load(self, directory: Path) -> None:
-        """engine.load_checkpoint of what `save` wrote (collective); same world size and stage."""
+        """engine.load_checkpoint of what `save` wrote (collective). Saved at another data-parallel
+        size or ZeRO stage (1-3): converted once to a universal checkpoint and loaded from that
+        (launcher/engines/deepspeed_universal.py); what cannot be converted is refused with a Fix."""
+        from launcher.engines.deepspeed_universal import UNIVERSAL, read_layout_record, resume_action
+
+        self.last_load = "plain"
+        if resume_action(read_layout_record(directory), self._layout_record()) == UNIVERSAL:
+            self._load_universal(Path(directory))
+            return
         path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if path is None:
@@ -410,6 +430,47 @@ class DeepSpeedEngine:
                 f"world size and ZeRO stage that wrote them (this run: {dist.get_world_size()} ranks, ZeRO-"
                 f"{self.layout.zero_stage}). Fix: resume with the saving layout, or checkpoint.resume=none."
             )
+
+    def _load_universal(self, directory: Path) -> None:
+        """Rank 0 converts (once, kept beside the checkpoint); every rank loads the universal folder."""
+        from launcher.engines.deepspeed_universal import convert_to_universal, universal_dir
+        from launcher.parallel.phase import phase_broadcast
+
+        outcome = None
+        if dist.get_rank() == 0:
+            try:
+                outcome = "converted" if convert_to_universal(directory, CHECKPOINT_TAG) else "reused"
+            except Exception as err:  # noqa: BLE001 - every rank must leave, not wait for rank 0
+                log.exception("universal conversion of %s failed", directory)
+                outcome = f"failed: {type(err).__name__}: {err}"
+        outcome = phase_broadcast(outcome)  # rank 0 converts alone: not bounded by the collective timeout
+        if outcome.startswith("failed"):
+            raise RuntimeError(f"converting the DeepSpeed checkpoint {directory} to a universal checkpoint {outcome}")
+        self.last_load = f"universal ({outcome})"
+        log.info("loading %s as a universal checkpoint (%s from %s)", universal_dir(directory), outcome, directory)
+        # DeepSpeed reads checkpoint.load_universal only inside load_checkpoint, so it is switched on
+        # for this load alone: the run's own later saves stay ordinary checkpoints.
+        config = self.engine._config
+        decay = [g.get("weight_decay") for g in self.engine.optimizer.param_groups]
+        config.load_universal_checkpoint = True
+        try:
+            path, _ = self.engine.load_checkpoint(str(universal_dir(directory)), tag=CHECKPOINT_TAG,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+        finally:
+            config.load_universal_checkpoint = False
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no universal checkpoint under {universal_dir(directory)}")
+        # ZeRO-3's universal load copies the first parameter group's hyperparameters into every
+        # group, which would put weight decay on the no-decay group: keep the groups' own.
+        for group, wd in zip(self.engine.optimizer.param_groups, decay):
+            if wd is not None:
+                group["weight_decay"] = wd
+        # ...and it hands every flat fp32 partition the same `step` tensor, which torch's AdamW
+        # increments in place once per partition: each partition gets its own copy.
+        inner = getattr(self.engine.optimizer, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
     def export(self, path: Path, fmt: str) -> None:
         """Consolidated fp32 model on rank 0: torch.save (fp32) or safetensors (collective)."""

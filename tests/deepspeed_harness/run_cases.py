@@ -6,7 +6,9 @@
 For each case: build the real DeepSpeedEngine from the composed spec and its plan, train
 `trainer.steps` steps, export the consolidated fp32 model; with --resume CASE also save after
 SAVE_AT steps, rebuild a fresh engine, load and continue; with --native also run the native
-engine (FSDP2 ZeRO-3) on the same data. Rank 0 writes DIR/results.json.
+engine (FSDP2 ZeRO-3) on the same data; with --load-from CKPT --load-cases A,B build each case's
+engine at this world size, load CKPT (another layout: converted to a universal checkpoint) and
+train from SAVE_AT. Rank 0 writes DIR/results.json.
 """
 
 from __future__ import annotations
@@ -86,6 +88,25 @@ def run_case(name, overrides, work: Path, resume: bool):
     return result
 
 
+def run_loaded(name, overrides, work: Path, checkpoint: Path):
+    """Build the case's engine at this world size, load `checkpoint` (saved at step SAVE_AT), continue."""
+    from launcher.engines.deepspeed import DeepSpeedEngine
+    from launcher.plan.plan import build_plan
+    from launcher.plan.resolve import check
+    from launcher.runtime.entry import engine_options
+
+    run_dir = work / f"loaded_{name}"
+    spec = spec_for([*overrides, f"cluster.gpus_per_node={dist.get_world_size()}"], run_dir)
+    plan = build_plan(spec, check(spec))
+    engine = DeepSpeedEngine(spec.model, spec.optim, plan.layout, torch.device("cpu"), engine_options(spec, run_dir))
+    engine.load(checkpoint)
+    result = {"load": engine.last_load, "built": engine.built(),
+              "resumed": run_engine(engine, spec, plan, spec.trainer.steps, SAVE_AT)}
+    del engine
+    gc.collect()
+    return result
+
+
 def run_native(work: Path):
     from launcher.engines.native import NativeEngine
     from launcher.plan.plan import build_plan
@@ -107,6 +128,8 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--resume", default="")
     parser.add_argument("--native", action="store_true")
+    parser.add_argument("--load-from", type=Path)
+    parser.add_argument("--load-cases", default="")
     args = parser.parse_args()
     from launcher.engines.deepspeed import init_deepspeed_distributed
 
@@ -115,6 +138,9 @@ def main() -> int:
     everything = {**CASES, **SLOW_CASES}
     for name in [c for c in args.cases.split(",") if c]:
         results[name] = run_case(name, everything[name], args.work, resume=name == args.resume)
+        dist.barrier()
+    for name in [c for c in args.load_cases.split(",") if c]:
+        results[f"loaded_{name}"] = run_loaded(name, everything[name], args.work, args.load_from)
         dist.barrier()
     if args.native:
         results["native_zero3"] = run_native(args.work)
