@@ -170,12 +170,44 @@ def _aio_buildable() -> bool:
     return AsyncIOBuilder().is_compatible()
 
 
-def test_pipeline_engine_and_nvme_offload(tmp_path, reference):
+# The pipeline cases run last: DeepSpeed keeps its pipeline topology in process-global state,
+# which a later non-pipeline engine in the same process would pick up. The native pipeline on
+# the MoE model runs first in the same launch, as the MoE pipeline case's reference.
+SLOW_RUN = ["pipeline_zero1", "pipeline_moe"]
+
+
+@pytest.fixture(scope="module")
+def slow_results(tmp_path_factory):
+    cases = (["zero3_nvme"] if _aio_buildable() else []) + SLOW_RUN
+    return _torchrun(tmp_path_factory.mktemp("deepspeed_slow"), "--cases", ",".join(cases), "--native-pipeline-moe")
+
+
+def test_pipeline_moe_aux_loss_matches_native(slow_results):
+    """debug_moe through DeepSpeed's pipeline (pp=2): the aux loss is weighted 1/accumulation steps
+    (later steps' losses and aux follow the native pipeline's), logged (not 0), and the MoE layers
+    of both stages reach the moe/* metrics."""
+    from launcher.runtime.moe_load import KEYS
+
+    ds, native = slow_results["pipeline_moe"], slow_results["native_pipeline_moe"]
+    _assert_built_the_layout(ds, "pipeline_moe")
+    assert ds["layout"]["pp"] == 2 and ds["built"]["backends"]["gradient_accumulation_steps"] == 4
+    _assert_matches(ds["steps"], native["steps"], "DeepSpeed pipeline MoE vs native pipeline")
+    for i, (got, want) in enumerate(zip(ds["steps"], native["steps"])):
+        assert want["moe_aux_loss"] > 0, f"native step {i} logs no aux loss"
+        assert _rel(got["moe_aux_loss"], want["moe_aux_loss"]) <= RTOL, (
+            f"step {i}: DeepSpeed pipeline aux loss {got['moe_aux_loss']} vs native {want['moe_aux_loss']}")
+    metrics = ds["moe_metrics"]
+    assert set(KEYS) <= set(metrics), f"moe/* metrics missing for the DeepSpeed pipeline: {metrics}"
+    assert metrics["moe/aux_loss"] > 0 and metrics["moe/idle_experts"] == native["moe_metrics"]["moe/idle_experts"]
+    for key in KEYS:
+        assert math.isclose(metrics[key], native["moe_metrics"][key], rel_tol=RTOL, abs_tol=1e-12), (
+            f"{key}: DeepSpeed pipeline {metrics[key]} vs native {native['moe_metrics'][key]}")
+
+
+def test_pipeline_engine_and_nvme_offload(slow_results, reference):
     """DeepSpeed's pipeline engine (pp=2, ZeRO-1) and ZeRO-3 with params + optimizer on NVMe (a local folder)."""
-    # The pipeline case runs last: DeepSpeed keeps its pipeline topology in process-global state,
-    # which a later non-pipeline engine in the same process would pick up.
-    cases = (["zero3_nvme"] if _aio_buildable() else []) + ["pipeline_zero1"]
-    res = _torchrun(tmp_path, "--cases", ",".join(cases))
+    res = slow_results
+    cases = [c for c in ("zero3_nvme", "pipeline_zero1") if c in res]
     for case in cases:
         spec = spec_for(SLOW_CASES[case])
         ref_steps, ref_weights = reference if spec.model.dim == 64 else reference_run(spec, spec.trainer.steps)

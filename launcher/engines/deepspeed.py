@@ -195,13 +195,18 @@ class _EmbedStage(nn.Module):
 
 
 class _BlockStage(nn.Module):
-    def __init__(self, block: nn.Module, rope: torch.Tensor):
+    """One Transformer block, held as `layers.<its index in the whole model>` so that this stage's
+    parameter and module names read as the Transformer's (`<pipeline index>.layers.<i>.…`): the
+    moe/* metrics (launcher/runtime/moe_health.py) find the MoE layers by that name."""
+
+    def __init__(self, index: int, block: nn.Module, rope: torch.Tensor):
         super().__init__()
-        self.block = block
+        self.layers = nn.ModuleDict({str(index): block})
         self.register_buffer("rope", rope.clone(), persistent=False)
 
     def forward(self, h):
-        return self.block(h, self.rope)
+        (block,) = self.layers.values()
+        return block(h, self.rope)
 
 
 class _HeadStage(nn.Module):
@@ -217,7 +222,7 @@ def pipeline_layers(model: nn.Module) -> List[nn.Module]:
     """The Transformer as a flat layer list for PipelineModule: embedding, blocks, norm + output
     (tied embeddings, which cannot be pipelined, were refused by the validator)."""
     return ([_EmbedStage(model.tok_embeddings)]
-            + [_BlockStage(b, model.rope) for b in model.layers.values()]
+            + [_BlockStage(int(i), b, model.rope) for i, b in model.layers.items()]
             + [_HeadStage(model.norm, model.output)])
 
 
@@ -228,7 +233,7 @@ def _pipeline_name(local_name: str, n_blocks: int) -> str:
     if i == 0:
         return rest  # tok_embeddings.weight
     if i <= n_blocks:
-        return f"layers.{i - 1}." + rest.removeprefix("block.")
+        return rest  # layers.<i - 1>.… (_BlockStage keeps the Transformer's names)
     return rest  # norm.weight / output.weight
 
 
@@ -333,10 +338,20 @@ class DeepSpeedEngine:
         dist.all_reduce(t)
         return max(float(t) / self.pp, 1.0)  # every stage of a replica holds the same batch
 
+    def _moe_modules(self) -> List[nn.Module]:
+        """This rank's MoE layers (of the whole model, or of its pipeline stage)."""
+        return [m for m in self._model_ref.modules() if hasattr(m, "aux_loss_scale")]
+
     def _set_aux_scale(self, n_micro: int) -> None:
-        if self.is_moe and self.pp == 1:
-            # DeepSpeed averages over dp itself, so only the micro-batch count is divided out.
-            self._model_ref.set_aux_loss_scale(aux_loss_scale(n_micro, 1))
+        # DeepSpeed averages over dp itself (pipeline or not), so only the micro-batch count is
+        # divided out: the aux gradient is injected per micro-batch, outside the loss DeepSpeed scales.
+        for m in self._moe_modules():
+            m.aux_loss_scale = aux_loss_scale(n_micro, 1)
+
+    def _latest_aux(self) -> float:
+        """This rank's layers' load-balancing loss of the last micro-batch (as the native engine logs)."""
+        vals = [m.last_aux_loss for m in self._moe_modules() if m.last_aux_loss is not None]
+        return float(sum(float(v) for v in vals))
 
     def train_step(self, microbatches: List[Microbatch]) -> StepStats:
         """One optimizer step over this data-parallel rank's micro-batches (collective)."""
@@ -349,8 +364,9 @@ class DeepSpeedEngine:
         self._token_norm = self._count_tokens(microbatches)
         lr = self.scheduler.get_last_lr()[0]
         local_loss = 0.0
-        aux_total = 0.0
         contributes = True
+        if self.is_moe:
+            self._set_aux_scale(len(microbatches))
         if self.pp > 1:
             self._pipe_losses = []
             batches = [(x.to(self.device), y.to(self.device)) for x, y in microbatches]
@@ -358,7 +374,6 @@ class DeepSpeedEngine:
             local_loss = sum(self._pipe_losses)
             contributes = self.engine.is_last_stage()
         else:
-            self._set_aux_scale(len(microbatches))
             for inputs, labels in microbatches:
                 logits = self.engine(inputs.to(self.device))
                 loss = token_loss_sum(logits, labels.to(self.device)) / self._token_norm
@@ -366,13 +381,13 @@ class DeepSpeedEngine:
                 self.engine.backward(loss * self.dp, scale_wrt_gas=False)
                 self.engine.step()
                 local_loss += float(loss.detach())
-                if self.is_moe:
-                    aux_total += self._model_ref.latest_aux_loss()
-        stats = torch.tensor([local_loss if contributes else 0.0, aux_total / len(microbatches)], dtype=torch.float64,
-                             device=self.device)
+        # MoE aux loss for logging, as the native engine: last micro-batch, summed over the layers
+        # of every pipeline stage, averaged over data-parallel replicas.
+        aux = self._latest_aux() if self.is_moe else 0.0
+        stats = torch.tensor([local_loss if contributes else 0.0, aux], dtype=torch.float64, device=self.device)
         dist.all_reduce(stats)
         norm = self.engine.get_global_grad_norm()
-        extra = {"moe_aux_loss": float(stats[1]) / dist.get_world_size()} if self.is_moe else {}
+        extra = {"moe_aux_loss": float(stats[1]) / self.dp} if self.is_moe else {}
         return StepStats(loss=float(stats[0]), grad_norm=float(norm) if norm is not None else float("nan"),
                          lr=lr, extra=extra)
 

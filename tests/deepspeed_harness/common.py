@@ -32,7 +32,10 @@ SLOW_CASES: Dict[str, List[str]] = {
     # optimizer states really go through the NVMe folder.
     "zero3_nvme": ["parallel.zero_stage=3", "offload=nvme", "offload.params=nvme", "offload.pin_memory=false",
                    "model.dim=256", "model.ffn_dim=2048"],
+    # The MoE model through DeepSpeed's pipeline engine (compared with the native pipeline: NATIVE_PIPELINE_MOE).
+    "pipeline_moe": ["model=debug_moe", "parallel.zero_stage=1", "parallel.pp=2", "backend=deepspeed"],
 }
+NATIVE_PIPELINE_MOE = ["model=debug_moe", "parallel.pp=2", "backend=native"]
 SAVE_AT = 2  # the resume case saves after this many steps
 
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import CASES, SAVE_AT, SLOW_CASES, rank_microbatches, spec_for  # noqa: E402
+from common import CASES, NATIVE_PIPELINE_MOE, SAVE_AT, SLOW_CASES, rank_microbatches, spec_for  # noqa: E402
 
 from launcher.runtime.dist import shutdown_distributed  # noqa: E402
 
@@ -40,8 +40,17 @@ def run_engine(engine, spec, plan, steps, start=0):
     out = []
     for step in range(start, steps):
         stats = engine.train_step(rank_microbatches(step, spec, plan, dp_rank_of(plan, dist.get_rank())))
-        out.append({"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr})
+        out.append({"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, **stats.extra})
     return out
+
+
+def moe_health_for(engine, spec):
+    """The runtime's MoE metrics over this engine's model parts (None for a dense model)."""
+    if spec.model.n_experts == 0:
+        return None
+    from launcher.runtime.moe_health import MoEHealth
+
+    return MoEHealth(engine.model_parts, spec.model.n_layers, spec.model.n_experts, dist.get_rank(), torch.device("cpu"))
 
 
 def run_case(name, overrides, work: Path, resume: bool):
@@ -64,12 +73,15 @@ def run_case(name, overrides, work: Path, resume: bool):
               "layout": plan.to_dict()["layout"], "built": engine.built(),
               "memory_parts": len(engine.model_parts), "memory_optimizers": len(engine.optimizers)}
     steps = spec.trainer.steps
+    health = moe_health_for(engine, spec)
     if resume:
         result["steps"] = run_engine(engine, spec, plan, SAVE_AT)
         engine.save(run_dir / "ckpt")
         result["steps"] += run_engine(engine, spec, plan, steps, SAVE_AT)
     else:
         result["steps"] = run_engine(engine, spec, plan, steps)
+    if health is not None:  # collective: the moe/* metrics of the whole run, as a log step sees them
+        result["moe_metrics"] = health.observe(steps)
     if spec.offload.nvme_path and "nvme" in (spec.offload.optimizer, spec.offload.params):
         # Swap files exist while the engine lives (DeepSpeed removes them at teardown).
         files = [f for f in Path(spec.offload.nvme_path).rglob("*") if f.is_file()]
@@ -107,19 +119,21 @@ def run_loaded(name, overrides, work: Path, checkpoint: Path):
     return result
 
 
-def run_native(work: Path):
+def run_native(work: Path, overrides=("parallel.zero_stage=3", "backend=native")):
     from launcher.engines.native import NativeEngine
     from launcher.plan.plan import build_plan
     from launcher.plan.resolve import check
     from launcher.runtime.entry import engine_options
 
-    spec = spec_for(["parallel.zero_stage=3", "backend=native"])
+    spec = spec_for(list(overrides))
     plan = build_plan(spec, check(spec))
     engine = NativeEngine(spec.model, spec.optim, plan.layout, torch.device("cpu"), engine_options(spec, work))
+    health = moe_health_for(engine, spec)
     steps = run_engine(engine, spec, plan, spec.trainer.steps)
+    result = {"steps": steps, "moe_metrics": health.observe(spec.trainer.steps) if health is not None else None}
     del engine
     gc.collect()
-    return {"steps": steps}
+    return result
 
 
 def main() -> int:
@@ -130,12 +144,15 @@ def main() -> int:
     parser.add_argument("--native", action="store_true")
     parser.add_argument("--load-from", type=Path)
     parser.add_argument("--load-cases", default="")
+    parser.add_argument("--native-pipeline-moe", action="store_true", help="first, the native engine on debug_moe, pp=2")
     args = parser.parse_args()
     from launcher.engines.deepspeed import init_deepspeed_distributed
 
     init_deepspeed_distributed("cpu")
     results = {}
     everything = {**CASES, **SLOW_CASES}
+    if args.native_pipeline_moe:  # before any DeepSpeed pipeline engine sets its process-global topology
+        results["native_pipeline_moe"] = run_native(args.work, NATIVE_PIPELINE_MOE)
     for name in [c for c in args.cases.split(",") if c]:
         results[name] = run_case(name, everything[name], args.work, resume=name == args.resume)
         dist.barrier()
