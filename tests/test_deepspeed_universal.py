@@ -1,8 +1,7 @@
 """DeepSpeed checkpoints resumed at another world size or ZeRO stage (universal checkpoints).
 
 Two real torchrun launches share one checkpoint: 2 ranks ZeRO-2 train 4 steps uninterrupted and
-save at step SAVE_AT (the same process also reloads it at the same layout, the plain path),
-then a ZeRO-3 engine on the same 2 ranks loads it (stage change: converted to a universal
+save at step SAVE_AT, then a ZeRO-3 engine on the same 2 ranks loads it (stage change: converted to a universal
 checkpoint); a 1-rank ZeRO-2 launch loads it again (world size change: the kept conversion is
 reused). Every continuation is compared with the uninterrupted run.
 """
@@ -39,11 +38,13 @@ def test_resume_action_decides_plain_universal_or_refuses():
     assert resume_action(_rec(), _rec(offload="cpu")) == SAME
     assert resume_action(_rec(), _rec(world=1, dp=1)) == UNIVERSAL
     assert resume_action(_rec(zero=2), _rec(zero=3)) == UNIVERSAL
-    assert resume_action(_rec(zero=3, world=4, dp=4), _rec(zero=1, world=2, dp=2)) == UNIVERSAL
+    assert resume_action(_rec(zero=1, world=4, dp=4), _rec(zero=3, world=2, dp=2)) == UNIVERSAL
+    assert resume_action(_rec(zero=3, world=2, dp=2), _rec(zero=3, world=1, dp=1)) == UNIVERSAL
     refusals = {
         "ZeRO-0": (_rec(zero=0), _rec(zero=0, world=1, dp=1)),
         "pipeline": (_rec(world=4, pp=2, zero=1), _rec(world=2, pp=2, dp=1, zero=1)),
         "NVMe": (_rec(zero=3, offload="nvme"), _rec(zero=3, world=1, dp=1, offload="nvme")),
+        "loads only at ZeRO-3": (_rec(zero=3), _rec(zero=2, world=1, dp=1)),
     }
     for what, (saved, now) in refusals.items():
         with pytest.raises(ValueError) as err:
@@ -65,7 +66,8 @@ def _launch(work: Path, nproc: int, *args: str) -> dict:
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("ds_universal")
     ckpt = work / "zero2" / "ckpt"
-    two = _launch(work, 2, "--cases", "zero2", "--resume", "zero2", "--load-from", str(ckpt), "--load-cases", "zero3")
+    two = _launch(work, 2, "--cases", "zero2", "--resume", "zero2", "--save-only", "--load-from", str(ckpt),
+                  "--load-cases", "zero3")
     converted = universal_dir(ckpt)
     stamp = converted.stat().st_mtime_ns
     one = _launch(work, 1, "--cases", "", "--load-from", str(ckpt), "--load-cases", "zero2")
@@ -84,8 +86,7 @@ def _assert_continues(resumed, uninterrupted, what):
 @pytest.mark.multiprocess
 def test_zero2_checkpoint_resumes_at_zero3_and_at_one_rank(runs):
     two, one = runs["two"], runs["one"]
-    uninterrupted = two["zero2"]["steps"][SAVE_AT:]
-    assert two["zero2"]["resumed"] == uninterrupted, "same-layout resume is no longer bit-identical"
+    uninterrupted = two["zero2"]["steps"][SAVE_AT:]  # (same-layout resume: test_deepspeed_runtime.py)
 
     z3 = two["loaded_zero3"]
     assert z3["load"] == "universal (converted)"

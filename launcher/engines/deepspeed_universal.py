@@ -6,14 +6,14 @@ DeepSpeed engine records what wrote each checkpoint (`deepspeed_layout.json` in 
 folder, covered by the checkpoint's manifest), and on resume compares it with the layout now:
 
 - same layout: DeepSpeed's plain load (bit-identical continuation);
-- another data-parallel size or ZeRO stage 1-3: the checkpoint is converted once with DeepSpeed's
+- another data-parallel size or ZeRO stage (1-2 -> 1-3, 3 -> 3): the checkpoint is converted once with DeepSpeed's
   `deepspeed.checkpoint.ds_to_universal` into `<engine folder>.universal/` beside it (written
   into a hidden `.incomplete_` folder and renamed when complete, so a crash never leaves a
   half-converted folder that looks usable; later resumes reuse it), and loaded with DeepSpeed's
   `checkpoint.load_universal`;
 - what DeepSpeed cannot convert or load that way is refused with one line and a Fix: ZeRO-0
-  (no ZeRO optimizer partitions to convert), the pipeline engine, NVMe-offloaded optimizer
-  states (they live in swap files the converter does not read).
+  (no ZeRO optimizer partitions to convert), ZeRO-3 -> ZeRO 1-2, the pipeline engine,
+  NVMe-offloaded optimizer states (they live in swap files the converter does not read).
 
 Importing this module does not import deepspeed.
 """
@@ -84,6 +84,12 @@ def resume_action(saved: Optional[Dict[str, Any]], now: Dict[str, Any]) -> str:
         raise ValueError(
             f"{head}. Optimizer states offloaded to NVMe are not converted or loaded by DeepSpeed's universal "
             f"checkpoint. {back}, or use offload.optimizer=cpu|none on both sides.")
+    if saved["zero_stage"] == 3 and now["zero_stage"] < 3:
+        # The ZeRO-3 conversion writes flat per-parameter tensors without the step and version
+        # metadata that ZeRO 1-2's universal load reads (measured with deepspeed 0.19.8).
+        raise ValueError(
+            f"{head}. DeepSpeed's universal conversion of a ZeRO-3 checkpoint loads only at ZeRO-3. {back}, or "
+            f"parallel.zero_stage=3 at any world size.")
     return UNIVERSAL
 
 

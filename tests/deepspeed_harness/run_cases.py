@@ -53,7 +53,7 @@ def moe_health_for(engine, spec):
     return MoEHealth(engine.model_parts, spec.model.n_layers, spec.model.n_experts, dist.get_rank(), torch.device("cpu"))
 
 
-def run_case(name, overrides, work: Path, resume: bool):
+def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False):
     from launcher.engines.deepspeed import DeepSpeedEngine
     from launcher.plan.plan import build_plan
     from launcher.plan.resolve import check
@@ -86,12 +86,13 @@ def run_case(name, overrides, work: Path, resume: bool):
         # Swap files exist while the engine lives (DeepSpeed removes them at teardown).
         files = [f for f in Path(spec.offload.nvme_path).rglob("*") if f.is_file()]
         result["nvme_bytes"] = sum(f.stat().st_size for f in files)
-    engine.export(run_dir / "export" / "model.pt", "fp32")
-    result["export"] = str(run_dir / "export" / "model.pt")
+    if not save_only:
+        engine.export(run_dir / "export" / "model.pt", "fp32")
+        result["export"] = str(run_dir / "export" / "model.pt")
     result["step_s"] = (time.time() - t0 - result["build_s"]) / steps
     del engine
     gc.collect()
-    if resume:
+    if resume and not save_only:
         fresh = build()
         fresh.load(run_dir / "ckpt")
         result["resumed"] = run_engine(fresh, spec, plan, steps, SAVE_AT)
@@ -142,6 +143,7 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--resume", default="")
     parser.add_argument("--native", action="store_true")
+    parser.add_argument("--save-only", action="store_true", help="the --resume case saves, but neither reloads nor exports")
     parser.add_argument("--load-from", type=Path)
     parser.add_argument("--load-cases", default="")
     parser.add_argument("--native-pipeline-moe", action="store_true", help="first, the native engine on debug_moe, pp=2")
@@ -154,7 +156,8 @@ def main() -> int:
     if args.native_pipeline_moe:  # before any DeepSpeed pipeline engine sets its process-global topology
         results["native_pipeline_moe"] = run_native(args.work, NATIVE_PIPELINE_MOE)
     for name in [c for c in args.cases.split(",") if c]:
-        results[name] = run_case(name, everything[name], args.work, resume=name == args.resume)
+        results[name] = run_case(name, everything[name], args.work, resume=name == args.resume,
+                                 save_only=args.save_only)
         dist.barrier()
     for name in [c for c in args.load_cases.split(",") if c]:
         results[f"loaded_{name}"] = run_loaded(name, everything[name], args.work, args.load_from)
