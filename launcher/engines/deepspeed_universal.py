@@ -56,8 +56,12 @@ def read_layout_record(directory: Path) -> Optional[Dict[str, Any]]:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("" if n == 1 else "s")
+
+
 def _describe(rec: Dict[str, Any]) -> str:
-    return (f"{rec['world_size']} ranks (data-parallel {rec['dp']}, pp {rec['pp']}), ZeRO-{rec['zero_stage']}"
+    return (f"{_ranks(rec['world_size'])} (data-parallel {rec['dp']}, pp {rec['pp']}), ZeRO-{rec['zero_stage']}"
             + (f", optimizer offloaded to {rec['offload_optimizer']}" if rec["offload_optimizer"] != "none" else ""))
 
 
@@ -71,7 +75,7 @@ def resume_action(saved: Optional[Dict[str, Any]], now: Dict[str, Any]) -> str:
     if all(saved[k] == now[k] for k in ("dp", "zero_stage", "pp")):
         return SAME
     head = f"checkpoint.resume: this DeepSpeed checkpoint was saved with {_describe(saved)}; this run has {_describe(now)}"
-    back = (f"Fix: resume with the saving layout ({saved['world_size']} ranks, parallel.zero_stage="
+    back = (f"Fix: resume with the saving layout ({_ranks(saved['world_size'])}, parallel.zero_stage="
             f"{saved['zero_stage']}, parallel.pp={saved['pp']})")
     if 0 in (saved["zero_stage"], now["zero_stage"]):
         raise ValueError(
