@@ -303,3 +303,21 @@ def test_moe_rehearsal_runs_a_fake_step_close_to_the_real_one(tmp_path):
     assert [row["rank"] for row in result["ranks"]] == [0, 1]
     for row in result["ranks"]:
         assert row["error"] is None and row["memory"]["activations"] > 0, row
+
+
+def test_plan_counts_tp_replicated_experts_in_unsharded_copies():
+    """TP replicates the experts (no expert-TP): the planner's unsharded working copies hold every
+    local expert on each TP rank, as its sharded states already did."""
+    from launcher.config.loader import compose_spec
+    from launcher.plan.layout import Layout
+    from launcher.plan.memory import working_state_memory
+    from launcher.plan.params import model_shape, stage_params
+
+    shape = model_shape(compose_spec(["model=mixtral_8x7b"]).model)
+    st = stage_params(shape, 2)[0]
+    assert st.routed > 0
+    lay = Layout(nodes=1, gpus_per_node=8, pp=2, dp_shard=2, tp=2, micro_batch_size=1, seq_len=4096,
+                 zero_stage=3, precision="bf16")
+    assert lay.fsdp_holds_unsharded  # the pipeline keeps units unsharded across micro-batches
+    want = (st.shared - st.tp_replicated) / 2 + st.tp_replicated + st.routed / lay.ep
+    assert working_state_memory(st, lay)["unsharded_params"] == int(want * 2)
