@@ -321,3 +321,21 @@ def test_plan_counts_tp_replicated_experts_in_unsharded_copies():
     assert lay.fsdp_holds_unsharded  # the pipeline keeps units unsharded across micro-batches
     want = (st.shared - st.tp_replicated) / 2 + st.tp_replicated + st.routed / lay.ep
     assert working_state_memory(st, lay)["unsharded_params"] == int(want * 2)
+
+
+def test_fp8_keeps_routed_experts_bf16_and_says_so(caplog):
+    """precision=fp8 on an MoE model: the routed experts stay bf16 and the log says why; the
+    shared expert's linears go fp8, the router stays bf16."""
+    import logging
+
+    from launcher.config.schema import Fp8Config
+    from launcher.parallel.fp8 import convert_to_float8
+
+    m = _moe(0.0, "auto")
+    with caplog.at_level(logging.INFO, logger="launcher.parallel.fp8"):
+        convert_to_float8(m, Fp8Config(emulate=True, min_features=16), device_type="cpu", fsdp_enabled=False)
+    assert "routed experts of 1 MoE layers stay bf16" in caplog.text
+    assert "_scaled_grouped_mm" in caplog.text
+    kinds = {n: type(mod).__name__ for n, mod in m.named_modules()}
+    assert kinds["shared_experts.w1"] == "Float8Linear" and kinds["router"] == "Linear"
+    assert all(isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor for p in m.experts.parameters())
