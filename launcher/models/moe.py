@@ -7,6 +7,12 @@ Routing (per forward call, over the call's b*s tokens):
   C = ceil(cf * tokens * top_k / n_experts) assignments; assignments beyond C are dropped
   in token order (earlier positions in the flattened [b*s] order win). A dropped assignment
   contributes zero: the token keeps its residual and its other experts. cf <= 0 is dropless.
+  Dropped assignments are not removed but moved after the kept ones (padding rows the experts
+  give zero output), so no shape depends on the routing and routing makes no host sync.
+- ``routing``: "topk" (above) or "balanced": assignment i of the token-major [T*k] list goes to
+  expert i mod E (``balanced_assignment``), with the router's scores as gates. Its per-expert
+  counts are known on the host without reading a value; tools that run on tensors without
+  values (the rehearsal's fake step) set it. Training always routes "topk".
 - Load balancing: Switch-style aux = coef * n_experts * sum_e f_e * P_e, where f_e is the
   fraction of assignments routed to e and P_e the mean router probability of e. It is not
   returned to the trainer: ``AddAuxLossGrad`` injects d(aux)/d(router) during backward, so
@@ -24,7 +30,9 @@ dropped by capacity (stays 0 when dropless), ``aux_loss_sum`` / ``aux_loss_calls
 Experts are stored as batched weights [n_experts, ...] so expert parallelism can shard
 them along dim 0. ``GroupedExperts.forward`` takes tokens already grouped by expert plus
 per-expert counts, and computes on the local shard when the weights are DTensors: the
-expert-parallel wrapper (launcher/parallel/ep.py) moves tokens between ranks around it.
+expert-parallel wrapper (launcher/parallel/ep.py) moves tokens between ranks around it. The
+computation (torch._grouped_mm, or a per-expert loop where it cannot run) is chosen in
+launcher/models/grouped_mm.py.
 """
 
 from __future__ import annotations
