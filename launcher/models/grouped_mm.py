@@ -24,6 +24,7 @@ has no rule for ``_grouped_mm``), so both paths compute in the same precision.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import List, Optional, Set, Tuple
 
@@ -50,6 +51,12 @@ def _is_fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or is_fake(t)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> Tuple[int, int]:
+    # Asked once per device, not per MoE layer and step.
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     device_type = t.device.type
     if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
@@ -74,7 +81,8 @@ def grouped_mm_problem(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> O
         if device_type == "cuda":
             if dtype not in _CUDA_DTYPES:
                 return f"_grouped_mm on CUDA needs bf16, got {dtype}"
-            if torch.cuda.get_device_capability(w1.device) < _CUDA_MIN_CAPABILITY:
+            index = w1.device.index if w1.device.index is not None else torch.cuda.current_device()
+            if _cuda_capability(index) < _CUDA_MIN_CAPABILITY:
                 return "_grouped_mm on CUDA needs compute capability >= 8.0"
         elif device_type == "cpu":
             if dtype not in _CPU_DTYPES:
@@ -109,7 +117,7 @@ def _swiglu_loop(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.
     # graph, so every rank produces a (zero) gradient for every parameter and FSDP's
     # reduce-scatter sees the same tensors on all ranks.
     if n_pad:
-        outs.append(chunks[-1].new_zeros(n_pad, w2.shape[1]).to(outs[0].dtype if outs else x.dtype))
+        outs.append(outs[0].new_zeros(n_pad, w2.shape[1]))
     return torch.cat(outs, dim=0)
 
 
