@@ -278,7 +278,7 @@ print(json.dumps({"real": real["activations"], "fake": fake["memory"]["activatio
 def test_moe_rehearsal_runs_a_fake_step_close_to_the_real_one(tmp_path):
     """One rank, debug_moe: the fake step runs (it was skipped for MoE) and its activation peak is
     the real top-k step's within MOE_FAKE_STEP_RTOL. With ep=2, `action=rehearse` measures an
-    activation peak on both ranks (balanced routing gives the dispatch static splits)."""
+    activation peak (balanced routing gives the dispatch static splits)."""
     from launcher.config.loader import compose_spec, save_spec
     from launcher.launch.rehearse import rehearse
     from launcher.plan.plan import build_plan
@@ -294,13 +294,16 @@ def test_moe_rehearsal_runs_a_fake_step_close_to_the_real_one(tmp_path):
     assert got["fake"] > 0
     assert abs(got["fake"] - got["real"]) <= MOE_FAKE_STEP_RTOL * got["real"], got
 
-    spec = compose_spec(["+recipe=debug", "model=debug_moe", "parallel.ep=2", "trainer.seq_len=64"])
+    # Rank 0 of the ep=2 layout (rank 1 holds the other experts the same way; CI time).
+    spec = compose_spec(["+recipe=debug", "model=debug_moe", "parallel.ep=2", "trainer.seq_len=64",
+                         "rehearse.ranks=[0]"])
     plan = build_plan(spec, None)
     save_spec(spec, tmp_path)
     plan.save(tmp_path)
     result = rehearse(spec, plan, tmp_path)
     assert result["ok"], result
-    assert [row["rank"] for row in result["ranks"]] == [0, 1]
+    assert [row["rank"] for row in result["ranks"]] == [0]
+    assert plan.layout.ep == 2 and plan.layout.world_size == 2
     for row in result["ranks"]:
         assert row["error"] is None and row["memory"]["activations"] > 0, row
 
