@@ -7,6 +7,12 @@ Routing (per forward call, over the call's b*s tokens):
   C = ceil(cf * tokens * top_k / n_experts) assignments; assignments beyond C are dropped
   in token order (earlier positions in the flattened [b*s] order win). A dropped assignment
   contributes zero: the token keeps its residual and its other experts. cf <= 0 is dropless.
+  Dropped assignments are not removed but moved after the kept ones (padding rows the experts
+  give zero output), so no shape depends on the routing and routing makes no host sync.
+- ``routing``: "topk" (above) or "balanced": assignment i of the token-major [T*k] list goes to
+  expert i mod E (``balanced_assignment``), with the router's scores as gates. Its per-expert
+  counts are known on the host without reading a value; tools that run on tensors without
+  values (the rehearsal's fake step) set it. Training always routes "topk".
 - Load balancing: Switch-style aux = coef * n_experts * sum_e f_e * P_e, where f_e is the
   fraction of assignments routed to e and P_e the mean router probability of e. It is not
   returned to the trainer: ``AddAuxLossGrad`` injects d(aux)/d(router) during backward, so
@@ -24,18 +30,21 @@ dropped by capacity (stays 0 when dropless), ``aux_loss_sum`` / ``aux_loss_calls
 Experts are stored as batched weights [n_experts, ...] so expert parallelism can shard
 them along dim 0. ``GroupedExperts.forward`` takes tokens already grouped by expert plus
 per-expert counts, and computes on the local shard when the weights are DTensors: the
-expert-parallel wrapper (launcher/parallel/ep.py) moves tokens between ranks around it.
+expert-parallel wrapper (launcher/parallel/ep.py) moves tokens between ranks around it. The
+computation (torch._grouped_mm, or a per-expert loop where it cannot run) is chosen in
+launcher/models/grouped_mm.py.
 """
 
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from launcher.models.grouped_mm import expert_swiglu
 from launcher.models.layers import FeedForward
 
 
@@ -59,6 +68,21 @@ class AddAuxLossGrad(torch.autograd.Function):
         return grad_out, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
+def balanced_assignment(n_tokens: int, top_k: int, n_experts: int, device) -> torch.Tensor:
+    """[n_tokens, top_k] experts where assignment i (token-major) goes to expert i % n_experts:
+    every expert gets n_tokens*top_k/n_experts assignments (the load the planner assumes) and a
+    token's top_k experts are distinct. Its counts are known without looking at any value, for
+    code that has shapes but no values (fake tensors)."""
+    flat = torch.arange(n_tokens * top_k, device=device) % n_experts
+    return flat.view(n_tokens, top_k)
+
+
+def balanced_counts(n_assignments: int, n_experts: int) -> List[int]:
+    """Per-expert assignments of ``balanced_assignment`` (host ints)."""
+    base, extra = divmod(n_assignments, n_experts)
+    return [base + (1 if e < extra else 0) for e in range(n_experts)]
+
+
 class GroupedExperts(nn.Module):
     """n_experts SwiGLU MLPs stored as w1/w3 [E, hidden, dim] and w2 [E, dim, hidden]."""
 
@@ -67,19 +91,15 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        # "auto": torch._grouped_mm where it runs, else a per-expert loop (launcher/models/grouped_mm.py).
+        self.implementation = "auto"
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] grouped by (local) expert; counts [local experts] rows per expert."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                sizes: Optional[List[int]] = None) -> torch.Tensor:
+        """x [N, dim] grouped by (local) expert; counts [local experts] rows per expert; rows
+        after sum(counts) are padding (zero output). ``sizes``: counts as host ints, if known."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        sizes: List[int] = counts.tolist()
-        outs = []
-        for e, chunk in enumerate(torch.split(x, sizes, dim=0)):
-            h = F.silu(chunk @ w1[e].t()) * (chunk @ w3[e].t())
-            outs.append(h @ w2[e].t())
-        # An expert with no token still runs on an empty chunk: that keeps its weights in
-        # the graph, so every rank produces a (zero) gradient for every parameter and
-        # FSDP's reduce-scatter sees the same tensors on all ranks.
-        return torch.cat(outs, dim=0)
+        return expert_swiglu(x, w1, w2, w3, counts, sizes, self.implementation)
 
 
 class MoE(nn.Module):
@@ -101,12 +121,19 @@ class MoE(nn.Module):
             FeedForward(dim, hidden * n_shared_experts) if n_shared_experts > 0 else None
         )
         self.last_aux_loss: "torch.Tensor | None" = None
-        self.last_dropped_fraction = 0.0
+        # Assignment order: "topk" (the router decides) or "balanced" (see balanced_assignment).
+        self.routing = "topk"
+        self._last_dropped: "torch.Tensor | None" = None
         # Assignments routed to each expert since the runtime last read them (launcher/runtime/moe_health.py).
         self.routed_tokens: "torch.Tensor | None" = None
         self.dropped_tokens: "torch.Tensor | None" = None
         self.aux_loss_sum: "torch.Tensor | None" = None
         self.aux_loss_calls = 0
+
+    @property
+    def last_dropped_fraction(self) -> float:
+        """Share of the last forward's assignments dropped by capacity (reading it syncs)."""
+        return 0.0 if self._last_dropped is None else float(self._last_dropped)
 
     def capacity(self, n_tokens: int) -> int:
         """Assignments one expert may take for a call with n_tokens tokens (0 = unlimited)."""
@@ -115,41 +142,60 @@ class MoE(nn.Module):
         return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # No host synchronisation here: every shape below follows from x's shape alone (the
+        # expert-parallel dispatch makes the layer's one sync, or the experts' loop fallback).
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n_tok = x.shape[0]
         scores = F.softmax(self.router(x).float(), dim=-1)  # [T, E]
-        weights, experts = torch.topk(scores, self.top_k, dim=-1)  # [T, k]
+        sizes: Optional[List[int]] = None  # per-expert counts as host ints, when known without a sync
+        if self.routing == "balanced":
+            experts = balanced_assignment(n_tok, self.top_k, self.n_experts, x.device)
+            weights = scores.gather(1, experts)
+            sizes = balanced_counts(n_tok * self.top_k, self.n_experts)
+        else:
+            weights, experts = torch.topk(scores, self.top_k, dim=-1)  # [T, k]
         if self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
 
         flat_expert = experts.reshape(-1)  # [T*k], token-major
+        n_assign = flat_expert.numel()
         order = torch.argsort(flat_expert, stable=True)  # group by expert, token order kept
-        counts = torch.bincount(flat_expert, minlength=self.n_experts)
+        # scatter_add, not bincount: bincount sizes its output from the data (a sync on CUDA).
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat_expert, torch.ones_like(flat_expert))
+        routed = counts.detach()
         # Training forwards only: validation (no_grad) must not mix held-out tokens into the load.
         recording = torch.is_grad_enabled()
         if recording:
-            routed = counts.detach()
             self.routed_tokens = routed if self.routed_tokens is None else self.routed_tokens + routed
-        sorted_expert = flat_expert[order]
         cap = self.capacity(n_tok)
+        kept_rows: Optional[torch.Tensor] = None
         if cap:
+            sorted_expert = flat_expert[order]
             starts = torch.cumsum(counts, 0) - counts
-            pos_in_expert = torch.arange(order.numel(), device=x.device) - starts[sorted_expert]
-            keep = pos_in_expert < cap
-            order = order[keep]
-            if recording:
-                dropped = (counts - counts.clamp(max=cap)).sum().detach()
-                self.dropped_tokens = dropped if self.dropped_tokens is None else self.dropped_tokens + dropped
+            pos_in_expert = torch.arange(n_assign, device=x.device) - starts[sorted_expert]
+            dropped_row = (pos_in_expert >= cap).to(torch.int8)
+            # Dropped assignments move to the end (kept ones stay grouped by expert, in token
+            # order): shapes stay fixed, the experts treat the tail as padding (zero output).
+            order = order[torch.argsort(dropped_row, stable=True)]
             counts = counts.clamp(max=cap)
-            self.last_dropped_fraction = float(1.0 - keep.float().mean())
+            if sizes is not None:
+                sizes = [min(s, cap) for s in sizes]
+            kept_rows = torch.arange(n_assign, device=x.device) < counts.sum()
+            dropped = (routed - counts).sum()
+            if recording:
+                self.dropped_tokens = dropped if self.dropped_tokens is None else self.dropped_tokens + dropped
+            self._last_dropped = dropped.float() / n_assign
         token_idx = order // self.top_k
-        y = self.experts(x[token_idx], counts)
+        y = self.experts(x[token_idx], counts, sizes)
         w = weights.reshape(-1)[order].unsqueeze(-1)
+        if kept_rows is not None:
+            w = torch.where(kept_rows.unsqueeze(-1), w, 0)
         out = torch.zeros_like(x).index_add_(0, token_idx, (y.float() * w).to(x.dtype))
 
-        # Switch load-balancing loss over this call's tokens.
-        frac = torch.bincount(flat_expert, minlength=self.n_experts).float() / flat_expert.numel()
+        # Switch load-balancing loss over this call's tokens (assignments before any drop).
+        frac = routed.float() / n_assign
         aux = self.aux_loss_coef * self.n_experts * (frac * scores.mean(0)).sum()
         self.last_aux_loss = aux.detach()
         if recording:

@@ -3,10 +3,13 @@
 The expert weights [n_experts, ...] become DTensors sharded along the expert dim on the ep
 mesh (rank j holds experts j*E/ep .. (j+1)*E/ep - 1), so checkpoints reshard freely between
 ep layouts. The MoE layer itself is unchanged: it routes its own tokens, sorts them by
-expert and calls ``experts(x_sorted, counts)``. Hooks around that call do the dispatch:
+expert and calls ``experts(x_sorted, counts, sizes)``. Hooks around that call do the dispatch:
 
 1. exchange per-expert counts with an all-to-all (each rank learns how many tokens it will
-   receive for each of its experts from each peer);
+   receive for each of its experts from each peer), then read what is sent and received to
+   the host with one ``.tolist()``: the layer's only host sync (the splits of step 2 and the
+   experts' chunk sizes all come from it). With balanced routing (``MoE.routing``, used
+   where tensors have no values) the counts are known on the host and this step is skipped;
 2. all-to-all the token rows (variable splits, autograd-aware: backward sends the
    gradients back the same way);
 3. regroup the received rows by local expert, run the local experts, undo the regrouping;
@@ -16,12 +19,14 @@ The ep ranks are carved out of dp_shard*cp (``launcher.parallel.mesh.expert_mesh
 experts are FSDP-sharded over the remaining dp_shard*cp/ep ranks. Expert gradients collect
 every ep rank's tokens through step 2's backward, which is why data-parallel gradients are
 summed (not averaged) in launcher/parallel/fsdp.py.
-Capacity dropping happens before dispatch, on each rank's own tokens.
+Capacity dropping happens before dispatch, on each rank's own tokens: the dropped rows sit
+after the kept ones and stay on their rank (zero output).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,35 +50,58 @@ class _Dispatch:
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
         self.local = n_experts // self.ep
+        self.rank = ep_mesh.get_local_rank()
         self.state = None
 
     def partition(self, name, module, mesh):
         for pname, p in list(module.named_parameters(recurse=False)):
             module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
 
-    def dispatch(self, module, inputs, mesh):
-        x, counts = inputs
-        counts = counts.to(torch.int64)
+    def _splits(self, counts: torch.Tensor, sizes: Optional[List[int]]):
+        """(send_splits, recv_matrix [source rank][local expert]) as host ints.
+
+        Routed counts: one all-to-all of the per-expert counts, then ONE .tolist() of a
+        tensor holding what this rank sends and what it receives (the layer's only host
+        sync). Static counts (``sizes``, from balanced routing: every ep rank routes the same
+        number of tokens the same way) need neither: each peer sends what this rank would."""
+        if sizes is not None:
+            send = [sum(sizes[r * self.local:(r + 1) * self.local]) for r in range(self.ep)]
+            mine = sizes[self.rank * self.local:(self.rank + 1) * self.local]
+            return send, [list(mine) for _ in range(self.ep)]
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
-        send_splits = counts.view(self.ep, self.local).sum(1).tolist()
-        recv_matrix = recv_counts.view(self.ep, self.local)  # [source rank, local expert]
-        recv_splits = recv_matrix.sum(1).tolist()
-        rows = _all_to_all_rows(x, recv_splits, send_splits, self.group)
+        host = torch.cat([counts.view(self.ep, self.local).sum(1), recv_counts]).tolist()
+        send, recv = host[:self.ep], host[self.ep:]
+        return send, [recv[r * self.local:(r + 1) * self.local] for r in range(self.ep)]
+
+    def dispatch(self, module, inputs, mesh):
+        x, counts = inputs[0], inputs[1].to(torch.int64)
+        sizes = inputs[2] if len(inputs) > 2 else None
+        send_splits, recv_rows = self._splits(counts, sizes)
+        recv_splits = [sum(r) for r in recv_rows]
+        n_send = sum(send_splits)  # rows after it are capacity padding: they stay here
+        rows = _all_to_all_rows(x[:n_send], recv_splits, send_splits, self.group)
         # Received rows are ordered (source, expert); the experts want (expert, source).
+        recv_flat = [c for r in recv_rows for c in r]
+        recv_matrix = torch.tensor(recv_flat, dtype=torch.int64, device=x.device).view(self.ep, self.local)
         seg = torch.arange(self.ep * self.local, device=x.device).view(self.ep, self.local)
-        seg_of_row = torch.repeat_interleave(seg.reshape(-1), recv_matrix.reshape(-1))
+        seg_of_row = torch.repeat_interleave(seg.reshape(-1), recv_matrix.reshape(-1),
+                                             output_size=sum(recv_splits))
         expert_of_seg = seg % self.local
         perm = torch.argsort(expert_of_seg.reshape(-1)[seg_of_row], stable=True)
-        self.state = (perm, send_splits, recv_splits)
-        return rows[perm], recv_matrix.sum(0)
+        self.state = (perm, send_splits, recv_splits, x.shape[0] - n_send)
+        local_sizes = [sum(r[e] for r in recv_rows) for e in range(self.local)]
+        return rows[perm], recv_matrix.sum(0), local_sizes
 
     def combine(self, module, out, mesh):
-        perm, send_splits, recv_splits = self.state
+        perm, send_splits, recv_splits, n_pad = self.state
         self.state = None
         unperm = torch.empty_like(out)
         unperm = unperm.index_copy(0, perm, out)
-        return _all_to_all_rows(unperm, send_splits, recv_splits, self.group)
+        back = _all_to_all_rows(unperm, send_splits, recv_splits, self.group)
+        if n_pad:
+            back = torch.cat([back, back.new_zeros(n_pad, back.shape[1])])
+        return back
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:

@@ -154,7 +154,9 @@ def largest_tensor(stage: StageParams, lay: Layout) -> float:
 def working_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
     """Unsharded parameter / gradient copies and communication buckets alive at the peak."""
     unit = stage.largest_unit / lay.tp  # experts of a unit are also split by ep, bound from above
-    local = stage.shared / lay.tp + stage.routed / (lay.tp * lay.ep)
+    # TP replicates norms and, in MoE blocks, router and experts (no expert-TP): as in
+    # model_state_memory, only the rest divides by tp.
+    local = (stage.shared - stage.tp_replicated) / lay.tp + stage.tp_replicated + stage.routed / lay.ep
     wb = working_dtype_bytes(lay)
     grad_wb = 4.0 if lay.precision == "fp32" else 2.0
     out: Dict[str, int] = {}

@@ -153,10 +153,26 @@ def _zero_grad_step(engine) -> None:
         opt.zero_grad(set_to_none=True)
 
 
+def balance_moe_routing(parts) -> str:
+    """Route every MoE layer of ``parts`` with balanced routing (launcher/models/moe.py
+    ``balanced_assignment``): fake tensors have no router values, so top-k cannot choose; the
+    balanced load (tokens*top_k/n_experts per expert, what the planner assumes) makes every
+    per-expert count, and so every dispatch split, known without values. Returns the note for
+    the report ("" without MoE layers)."""
+    n = 0
+    for part in parts:
+        for module in part.modules():
+            if hasattr(module, "routing") and hasattr(module, "routed_tokens"):
+                module.routing = "balanced"
+                n += 1
+    if not n:
+        return ""
+    return (f"MoE: the fake step routes balanced ({n} MoE layers; tokens*top_k/n_experts per expert, the "
+            f"plan's assumption); a real run's skewed routing moves expert-parallel activations")
+
+
 def fake_step_skip_reason(layout, model_cfg) -> str:
     """Why no fake training step runs for this layout ("" when one runs)."""
-    if getattr(model_cfg, "n_experts", 0):
-        return "MoE routing (per-expert token counts) depends on values fake tensors do not have"
     if layout.sharding_backend == "deepspeed":
         return "DeepSpeed's forward does not run on a fake process group"
     return ""
@@ -220,6 +236,9 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
         if activations and not skip:
             from launcher.runtime.memtrack import track_step_memory
 
+            note = balance_moe_routing(engine.model_parts)
+            if note:
+                notes.append(note)
             n_micro = max(1, min(layout.microbatches, fake_microbatches))
             if n_micro < layout.microbatches and layout.pp == 1:
                 notes.append(f"fake steps run {n_micro} of the {layout.microbatches} micro-batches per step "
