@@ -27,7 +27,7 @@ from torch import nn
 
 from launcher.config.hf_format import (CONFIG_FILE, DTYPES, INDEX_FILE, TOKENIZER_FILES,
                                        TensorMap, hf_config_for, tensor_maps, weight_files)
-from launcher.models.init import canonical_name
+from launcher.models.init import canonical_name, local_box
 from launcher.parallel.tensor_stream import SafetensorsStreamWriter, TensorGather
 
 log = logging.getLogger(__name__)
@@ -118,23 +118,6 @@ class HfReader:
         return self.read(m.hf_names[0], box)
 
 
-def _local_box(param: torch.Tensor) -> Tuple[torch.Tensor, List[Tuple[int, int]]]:
-    """(local tensor to fill, its box in global coordinates) for a plain tensor or DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        local = param.to_local()
-        if tuple(local.shape) != tuple(shape):  # padded FSDP storage: fill the unpadded view
-            local = local[tuple(slice(0, s) for s in shape)]
-        if not offset:  # this rank is outside the tensor's mesh
-            return local, [(0, 0)] * len(shape)
-        return local, [(o, o + s) for o, s in zip(offset, shape)]
-    return param, [(0, s) for s in param.shape]
-
-
 @torch.no_grad()
 def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
     """Fill every parameter of this rank's model parts from HF folder `folder` (only the
@@ -150,7 +133,7 @@ def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
             if m is None:
                 raise ValueError(f"parameter {cname} has no Hugging Face counterpart (model {model_cfg.name}). "
                                  f"Fix: model.init_from supports Llama and Mixtral shapes only.")
-            local, box = _local_box(param)
+            local, box = local_box(param)
             if local.numel() == 0:
                 continue
             value = reader.read_ours(m, box)

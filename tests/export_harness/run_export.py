@@ -50,7 +50,7 @@ def _check_file(parts, path: Path, fmt: str) -> dict:
     """Every tensor this rank holds equals the file's values at its box (no gather needed)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from launcher.parallel.hf_weights import _local_box
+    from launcher.models.init import local_box
 
     if fmt == "fp32":
         sd = torch.load(path, mmap=True)
@@ -66,7 +66,7 @@ def _check_file(parts, path: Path, fmt: str) -> dict:
     for part in parts:
         for name, t in get_model_state_dict(part).items():
             mine.add(name)
-            local, box = _local_box(t)
+            local, box = local_box(t)
             if name not in names or not torch.equal(read(name, box), local.detach().cpu()):
                 bad.append(name)
     return {"names_in_file": sorted(names), "names_held": sorted(mine), "mismatched": bad}
