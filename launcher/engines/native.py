@@ -378,7 +378,8 @@ class NativeEngine:
             s.step()  # recomputes the lr for step `last` into the optimizer's groups
 
     def export(self, path: Path, fmt: str) -> None:
-        """Consolidated fp32 weights on global rank 0: torch.save (fp32) or safetensors; or
+        """Consolidated fp32 weights written by global rank 0 tensor by tensor: torch.save's file
+        (fp32) or safetensors; or
         fmt "hf": `path`/hf in Hugging Face format, streamed one parameter at a time."""
         if fmt == "hf":
             from launcher.parallel.hf_weights import export_hf
@@ -386,14 +387,12 @@ class NativeEngine:
             export_hf(self.parts, self.world, Path(path) / "hf", self.model_cfg, self.options.export_dtype,
                       self.options.export_tokenizer_files)
             return
-        from launcher.parallel.export import gather_full_state_dict, write_state_dict
+        from launcher.parallel.export import export_state
         from launcher.parallel.phase import phase_barrier
 
-        full = gather_full_state_dict(self.parts, self.world)
-        if full is not None:
-            write_state_dict(full, Path(path), fmt)
+        export_state(self.parts, self.world, Path(path), fmt)  # streamed: one full tensor at a time
         if self.world is not None:
-            phase_barrier()  # rank 0 writes the whole model alone: not bounded by the collective timeout
+            phase_barrier()  # rank 0 finishes the file alone: not bounded by the collective timeout
 
     @property
     def model_parts(self) -> List[nn.Module]:

@@ -1,58 +1,77 @@
-"""Consolidate a sharded model (any layout) into one fp32 state dict and write it."""
+"""Consolidate a sharded model (any layout) into one fp32 file, streamed tensor by tensor.
+
+Global rank 0 writes the file while the tensors are gathered one at a time
+(launcher/parallel/tensor_stream.py), so no rank holds more than one full tensor: host memory
+per rank is bounded by the largest tensor, not the model. The formats are the usual single
+files: ``fp32`` is what torch.save(state_dict) writes, ``safetensors`` what
+safetensors.torch.save_file writes (both load with their usual loaders).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from launcher.parallel.tensor_stream import SafetensorsStreamWriter, Shape, TensorGather, TorchSaveStreamWriter
 
-def gather_full_state_dict(parts: List[nn.Module], world) -> Optional[Dict[str, torch.Tensor]]:
-    """Full fp32 CPU tensors on global rank 0 (None elsewhere). Collective over all ranks."""
+FORMATS = ("fp32", "safetensors")
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"export format {fmt!r} is not one of fp32|safetensors")
+
+
+def _writer(path: Path, fmt: str, names: List[str], shapes: Dict[str, Shape]):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "fp32":
+        return TorchSaveStreamWriter(path, names, shapes)
+    return SafetensorsStreamWriter(path, names, shapes, torch.float32)
+
+
+@torch.no_grad()
+def export_state(parts: Sequence[nn.Module], world, path: Path, fmt: str) -> None:
+    """Write the model's full fp32 state dict (names as get_model_state_dict gives them) to `path`
+    on global rank 0, one tensor at a time. Collective over all ranks (`world`: the mesh, or None
+    for one process)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import DTensor
 
-    local: Dict[str, torch.Tensor] = {}
+    _check_format(fmt)
+    gather = TensorGather(world)
+    local = {}
     for part in parts:
-        for name, t in get_model_state_dict(part).items():
-            if isinstance(t, DTensor):
-                t = t.full_tensor()  # collective on the tensor's own mesh
-            local[name] = t.detach().to("cpu", torch.float32)
-    if world is None:
-        return local
-    # Stages hold disjoint weights: collect one copy per pipeline stage on global rank 0.
-    pp = world["pp"]
-    coords_zero = all(world[d].get_local_rank() == 0 for d in ("dp_replicate", "dp_shard", "cp", "tp"))
-    if not coords_zero:
-        return None
-    if pp.size() == 1:
-        return local if dist.get_rank() == 0 else None
-    gathered = [None] * pp.size() if pp.get_local_rank() == 0 else None
-    dist.gather_object(local, gathered, dst=pp.mesh.flatten()[0].item(), group=pp.get_group())
-    if gathered is None:
-        return None
-    full: Dict[str, torch.Tensor] = {}
-    for d in gathered:
-        full.update(d)
-    return full
+        local.update(get_model_state_dict(part))  # references to this rank's shards, no copies
+    # Every stage's names and full shapes, so every rank knows the file's layout and the order of
+    # the collectives; a name held by two stages (tied embeddings) is taken from the first.
+    stages = gather.stage_lists([(n, tuple(t.shape)) for n, t in local.items()])
+    order: List[Tuple[str, Shape, int]] = []
+    seen = set()
+    for stage, entries in enumerate(stages):
+        for name, shape in entries:
+            if name not in seen:
+                seen.add(name)
+                order.append((name, tuple(shape), stage))
+    writer = None
+    if gather.rank == 0:
+        writer = _writer(Path(path), fmt, [n for n, _, _ in order], {n: s for n, s, _ in order})
+    for name, shape, owner in order:
+        full = gather.full(local.get(name) if owner == gather.pp_rank else None, shape, owner)
+        if writer is not None:
+            writer.write(name, full)
+        del full
+    if writer is not None:
+        writer.close()
 
 
 def write_state_dict(sd: Dict[str, torch.Tensor], path: Path, fmt: str) -> None:
-    """fmt "fp32": torch.save; "safetensors": safetensors.torch.save_file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "fp32":
-        torch.save(sd, path)
-    elif fmt == "safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError as e:
-            raise RuntimeError(
-                "checkpoint.export=safetensors needs the safetensors package: "
-                "`pip install safetensors`, or use checkpoint.export=fp32 (torch.save)"
-            ) from e
-        save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
-    else:
-        raise ValueError(f"export format {fmt!r} is not one of fp32|safetensors")
+    """Write a full state dict held in memory (fp32; written tensor by tensor, no second copy)
+    as fmt "fp32" (torch.save's file) or "safetensors"."""
+    _check_format(fmt)
+    items: Iterable = list(sd.items())
+    writer = _writer(Path(path), fmt, [k for k, _ in items], {k: tuple(v.shape) for k, v in items})
+    for k, v in items:
+        writer.write(k, v.detach().to("cpu", torch.float32))
+    writer.close()

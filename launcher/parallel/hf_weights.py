@@ -18,17 +18,17 @@ import json
 import logging
 import os
 import shutil
-import struct
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.config.hf_format import (CONFIG_FILE, DTYPES, INDEX_FILE, SAFETENSORS_DTYPES, TOKENIZER_FILES,
+from launcher.config.hf_format import (CONFIG_FILE, DTYPES, INDEX_FILE, TOKENIZER_FILES,
                                        TensorMap, hf_config_for, tensor_maps, weight_files)
-from launcher.models.init import canonical_name
+from launcher.models.init import canonical_name, local_box
+from launcher.parallel.tensor_stream import SafetensorsStreamWriter, TensorGather
 
 log = logging.getLogger(__name__)
 
@@ -118,23 +118,6 @@ class HfReader:
         return self.read(m.hf_names[0], box)
 
 
-def _local_box(param: torch.Tensor) -> Tuple[torch.Tensor, List[Tuple[int, int]]]:
-    """(local tensor to fill, its box in global coordinates) for a plain tensor or DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        local = param.to_local()
-        if tuple(local.shape) != tuple(shape):  # padded FSDP storage: fill the unpadded view
-            local = local[tuple(slice(0, s) for s in shape)]
-        if not offset:  # this rank is outside the tensor's mesh
-            return local, [(0, 0)] * len(shape)
-        return local, [(o, o + s) for o, s in zip(offset, shape)]
-    return param, [(0, s) for s in param.shape]
-
-
 @torch.no_grad()
 def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
     """Fill every parameter of this rank's model parts from HF folder `folder` (only the
@@ -150,7 +133,7 @@ def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
             if m is None:
                 raise ValueError(f"parameter {cname} has no Hugging Face counterpart (model {model_cfg.name}). "
                                  f"Fix: model.init_from supports Llama and Mixtral shapes only.")
-            local, box = _local_box(param)
+            local, box = local_box(param)
             if local.numel() == 0:
                 continue
             value = reader.read_ours(m, box)
@@ -184,48 +167,10 @@ def _shard_plan(maps: List[TensorMap], itemsize: int) -> List[List[str]]:
     return files
 
 
-class _SafetensorsWriter:
-    """Writes one safetensors file tensor by tensor: the header (shapes, dtype, offsets) is
-    known up front, so each tensor's bytes are appended as it arrives."""
-
-    def __init__(self, path: Path, names: List[str], shapes: Dict[str, Tuple[int, ...]], dtype: torch.dtype):
-        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        header, offset = {}, 0
-        for n in names:
-            numel = 1
-            for s in shapes[n]:
-                numel *= s
-            header[n] = {"dtype": SAFETENSORS_DTYPES[str(dtype).replace("torch.", "")],
-                         "shape": list(shapes[n]), "data_offsets": [offset, offset + numel * itemsize]}
-            offset += numel * itemsize
-        header["__metadata__"] = {"format": "pt"}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
-        self.fh = open(self.tmp, "wb")
-        self.fh.write(struct.pack("<Q", len(raw)))
-        self.fh.write(raw)
-        self.order, self.next = list(names), 0
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        assert name == self.order[self.next], f"{name} out of order (expected {self.order[self.next]})"
-        self.fh.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        self.next += 1
-
-    def close(self) -> None:
-        self.fh.close()
-        os.replace(self.tmp, self.path)
-
-
 def _owner_stages(parts: Sequence[nn.Module], world) -> Dict[str, int]:
     """Our canonical parameter name -> the pipeline stage rank (pp local rank) that holds it."""
     mine = [canonical_name(n) for part in parts for n, _ in part.named_parameters()]
-    if world is None or world["pp"].size() == 1:
-        return {n: 0 for n in mine}
-    pp = world["pp"]
-    gathered: List[Optional[List[str]]] = [None] * pp.size()
-    dist.all_gather_object(gathered, mine, group=pp.get_group())
-    return {n: stage for stage, names in enumerate(gathered) for n in names}
+    return {n: stage for stage, names in enumerate(TensorGather(world).stage_lists(mine)) for n in names}
 
 
 @torch.no_grad()
@@ -233,23 +178,18 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
               tokenizer_files: Sequence[Path] = ()) -> None:
     """Write `out_dir` (config.json, model-0000k-of-0000n.safetensors, model.safetensors.index.json,
     tokenizer files) from this rank's parts; collective over all ranks, global rank 0 writes."""
-    from torch.distributed.tensor import DTensor
-
     dtype = getattr(torch, DTYPES[dtype_name])
     maps = tensor_maps(model_cfg)
     owners = _owner_stages(parts, world)
     params = {canonical_name(n): p for part in parts for n, p in part.named_parameters()}
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    pp_rank = world["pp"].get_local_rank() if world is not None else 0
-    # The ranks with coordinate 0 on every non-pipeline dimension: one per stage, rank 0 among them.
-    leader = world is None or all(world[d].get_local_rank() == 0
-                                  for d in ("dp_replicate", "dp_shard", "cp", "tp"))
+    gather = TensorGather(world)
+    rank = gather.rank
     itemsize = torch.empty((), dtype=dtype).element_size()
     plan = _shard_plan(maps, itemsize)
     n_files = len(plan)
     file_of = {name: k for k, names in enumerate(plan) for name in names}
     shapes = {n: (m.shape[1:] if m.kind == "experts" else m.shape) for m in maps for n in m.hf_names}
-    writers: Dict[int, _SafetensorsWriter] = {}
+    writers: Dict[int, SafetensorsStreamWriter] = {}
     final_dir = Path(out_dir)
     # Written aside and renamed when complete: a crash never leaves a half export named export/hf.
     out_dir = final_dir.with_name(final_dir.name + ".incomplete")
@@ -265,22 +205,13 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
         owner = owners.get(m.ours)
         if owner is None:
             raise RuntimeError(f"no rank holds {m.ours}: the model parts do not cover the model")
-        full = None
-        if owner == pp_rank:
-            p = params[m.ours]
-            full = p.full_tensor() if isinstance(p, DTensor) else p  # collective on p's mesh
-            full = full.detach().to("cpu", torch.float32)
-        if world is not None and world["pp"].size() > 1 and leader:
-            pp = world["pp"]
-            if full is None:
-                full = torch.empty(m.shape, dtype=torch.float32)
-            dist.broadcast(full, src=dist.get_global_rank(pp.get_group(), owner), group=pp.get_group())
+        full = gather.full(params[m.ours] if owner == gather.pp_rank else None, tuple(m.shape), owner)
         if rank != 0:
             continue
         for name, t in to_hf_tensors(m, full):
             k = file_of[name]
             if k not in writers:
-                writers[k] = _SafetensorsWriter(out_dir / fname(k), plan[k], shapes, dtype)
+                writers[k] = SafetensorsStreamWriter(out_dir / fname(k), plan[k], shapes, dtype)
             writers[k].write(name, t.to(dtype))
             if writers[k].next == len(plan[k]):
                 writers[k].close()
