@@ -18,6 +18,11 @@ Checkpoints newer than the step a run started from belong to a timeline that run
 its first save they are moved, never deleted, to <root>/abandoned_<UTC time>/. Rank 0 holds an
 exclusive kernel lock on <root>/.lock for the whole run, so a second job refuses to use the
 folder. docs/checkpoints.md describes all of this for users.
+
+checkpoint.async=true (CheckpointManager(async_save=True)): `save` returns once the engine has
+staged its state in host memory; DCP writes it from a background thread and a finisher thread
+runs the protocol above (on a process group of its own, launcher/runtime/async_checkpoint.py).
+One save is in flight at a time; `wait` blocks until it is published, `poll` checks without blocking.
 """
 
 from __future__ import annotations
