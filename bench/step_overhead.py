@@ -212,6 +212,9 @@ def worker(args: argparse.Namespace) -> None:
     from launcher.runtime.dist import init_distributed, shutdown_distributed
 
     rank = init_distributed(args.device, timeout_s=600)
+    from launcher.parallel.phase import init_phase_group
+
+    init_phase_group(1800)  # as entry.run: the stop agreement and checkpoint waits use it
     run_dir = args.out.parent / "run"
     spec = compose(args, run_dir)
     plan = build_plan(spec, check(spec))

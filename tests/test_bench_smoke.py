@@ -103,3 +103,20 @@ def test_step_overhead_smoke_prints_the_ratio_line(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert (r["ranks"], r["timed_steps"], r["loss_step"]) == (2, 1, 2)
     assert r["bare_loss"] == pytest.approx(r["launcher_loss"], abs=1e-4)
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_blocking_smoke_prints_the_ratio_line(tmp_path):
+    """bench/checkpoint_blocking.py with one round of one step per kind on the debug model (2 ranks,
+    CPU): a synchronous and an asynchronous save run, and the last line is `blocking ratio R`.
+    No timing assertion: R is a benchmark result (bench/README.md)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "checkpoint_blocking.py"), "--rounds", "1", "--steps", "1",
+         "--warmup", "1", "--dim", "0", "--layers", "0", "--vocab", "0", "--json", str(tmp_path / "r.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    words = proc.stdout.strip().splitlines()[-1].split()
+    assert words[:2] == ["blocking", "ratio"] and len(words) == 3, proc.stdout
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["checkpoint_bytes"] > 0 and {k: len(v) for k, v in r["round_s"].items()} == {"none": 1, "sync": 1, "async": 1}

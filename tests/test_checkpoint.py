@@ -321,3 +321,11 @@ def test_train_refuses_a_checkpoint_dir_another_job_holds(tmp_path):
     # Refused by `train` before torchrun started: no rank ran, nothing was written beside the lock file.
     assert not list((tmp_path / "run").glob("logs/rank_*.log")), out[-3000:]
     assert _names(shared) == []
+
+
+def test_async_checkpoints_are_refused_for_deepspeed_with_a_fix():
+    from launcher.plan.resolve import validate
+
+    problems = validate(compose_spec(["+recipe=debug", "backend=deepspeed", "checkpoint.async=true"]))
+    assert len(problems) == 1 and problems[0].startswith("checkpoint.async=true") and "Fix: checkpoint.async=false" in problems[0]
+    assert validate(compose_spec(["+recipe=debug", "checkpoint.async=true"])) == []  # native: accepted

@@ -229,3 +229,34 @@ def test_sighup_to_train_checkpoints_and_leaves_no_orphans(run_dir):
     assert 2 <= stopped["step"] < 400, stopped
     assert verify_checkpoint(run_dir / "checkpoints" / f"step_{stopped['step']:08d}") is None
     assert _no_ranks_left(run_dir)
+
+
+def test_async_checkpoint_killed_mid_write_keeps_the_previous_one_and_resumes_exactly(reference_run, run_dir):
+    """checkpoint.async=true: training goes on while a save is written in the background; SIGKILL while
+    step 8's write is in flight leaves step 4 the newest valid checkpoint; the resumed run (async too)
+    reproduces the uninterrupted (synchronous) run's losses, and its checkpoints verify."""
+    run_dir.mkdir(parents=True)
+    root = run_dir / "checkpoints"
+    args = [*BASE, "checkpoint.async=true"]
+    # Test aid (launcher/runtime/async_checkpoint.py): every rank's write of step 4 starts 3 s late
+    # (steps 5-7 change the parameters meanwhile: only the staged copy gives the right checkpoint),
+    # the write of step 8 600 s late (in flight when the run is killed).
+    proc = _start([*args, "+cluster.env.LAUNCHER_DEBUG_SLOW_CKPT_WRITE='4:3,8:600'"], run_dir)
+    _wait_for(lambda: (root / "step_00000004").is_dir() and (root / ".incomplete_step_00000008").is_dir()
+              and 10 in losses_by_step(run_dir), 240, proc)  # step 10 trained while step 8 was being written
+    for pid in _torchrun_and_ranks(run_dir):  # a crash of every process: no stop request, no clean-up
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _no_ranks_left(run_dir)
+    assert "the write of step 8 waits 600 s" in (run_dir / "logs" / "rank_1.log").read_text()
+    assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000004"]
+    assert verify_checkpoint(root / "step_00000004") is None
+
+    run_train(args, run_dir, check=True)
+    assert f"resumed from {root / 'step_00000004'}" in (run_dir / "logs" / "rank_0.log").read_text()
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 13))
+    assert losses_by_step(run_dir) == losses_by_step(reference_run)
+    assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000004", "step_00000008", "step_00000012"]
+    assert all(verify_checkpoint(p) is None for p in root.glob("step_*"))
+    assert not list(root.glob(".incomplete_*"))

@@ -146,6 +146,12 @@ class CheckpointConfig:
     export: str = "none"  # none | fp32 | safetensors | hf: consolidated export at the end
     # dtype of the checkpoint.export=hf weights (bf16 | fp16 | fp32); applies to the export only.
     export_dtype: str = "bf16"
+    # checkpoint.async: training blocks only while a save is staged into host memory; DCP writes
+    # it in the background and it is renamed into place when every rank's write is done (native
+    # engine only). `async` is a Python keyword: the field is declared through the class namespace,
+    # kept out of the generated __init__, __repr__ and __eq__ (whose code could not name it) and read with getattr(cfg, "async").
+    __annotations__["async"] = "bool"
+    vars()["async"] = field(default=False, init=False, repr=False, compare=False)
 
 
 @dataclass

@@ -360,6 +360,27 @@ class NativeEngine:
 
         dcp.save(self._state(), checkpoint_id=str(directory))
 
+    def save_async(self, directory: Path, process_group: Any, storage_writer: Any) -> Any:
+        """Stage model, optimizer and LR-schedule state into host memory, then write it with DCP's
+        ``async_save`` from a background thread; returns the write's future (collective).
+
+        Training may go on as soon as this returns: the write reads the staged copy. The host
+        buffers (pinned on a GPU) are kept and reused by the next save, which must wait for this
+        one. process_group: a gloo group the training loop does not use (the write's collectives
+        run on another thread). storage_writer: a DCP FileSystemWriter for `directory`.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        stager = getattr(self, "_async_stager", None)
+        if stager is None:
+            pinned = self.device.type == "cuda"
+            stager = self._async_stager = DefaultStager(StagingOptions(
+                use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+                use_non_blocking_copy=False))
+        return dcp.async_save(self._state(), checkpoint_id=str(directory), storage_writer=storage_writer,
+                              process_group=process_group, async_stager=stager)
+
     def load(self, directory: Path) -> None:
         """Load a checkpoint written by ``save`` in any layout / world size (collective)."""
         import torch.distributed.checkpoint as dcp

@@ -88,7 +88,8 @@ def _sq_norm_local_view(grads: List[torch.Tensor]) -> torch.Tensor:
     for gs in by_mesh.values():
         # The DTensor norm knows its placements: Shard dims are summed across ranks,
         # Replicate dims are counted once. full_tensor() does that reduction.
-        n = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in gs]))
+        # One foreach call per mesh: a per-tensor norm costs one DTensor dispatch per parameter.
+        n = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)))
         n = n.full_tensor() if isinstance(n, DTensor) else n
         total = total + n.to(device) ** 2
     for g in plain:
@@ -113,6 +114,5 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     if max_norm > 0:
         coef = min(1.0, max_norm / (float(norm) + 1e-6))
         if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+            torch._foreach_mul_(grads, coef)  # one dispatch, not one per (DTensor) gradient
     return float(norm)

@@ -35,6 +35,11 @@ def init_phase_group(timeout_s: int) -> None:
         _group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=int(timeout_s)))
 
 
+def phase_group() -> Optional[Any]:
+    """The phase group (gloo, host memory), or None before init_phase_group / with one process."""
+    return _group
+
+
 def destroy_phase_group() -> None:
     """Forget the group (the process group itself is destroyed with the default one)."""
     global _group

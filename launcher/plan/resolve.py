@@ -133,7 +133,20 @@ def _layout_problems(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
     if problems or choices is None:
         return None, problems
     layout = build_layout(spec, mesh, accum, choices)
+    async_problems = async_checkpoint_problems(spec, layout)
+    if async_problems:
+        return None, async_problems
     return replace(layout, accumulate_unsharded=resolve_accumulate_unsharded(spec, layout)[0]), []
+
+
+def async_checkpoint_problems(spec: JobConfig, layout: Layout) -> List[str]:
+    """checkpoint.async=true needs the native engine: DeepSpeed's save_checkpoint writes in the
+    foreground and offers no staged background write with our atomic publish (refused, not ignored)."""
+    if not (spec.checkpoint.enabled and getattr(spec.checkpoint, "async")) or layout.sharding_backend != "deepspeed":
+        return []
+    return [f"checkpoint.async=true: asynchronous checkpoints are written by the native engine (DCP async_save), "
+            f"but this layout gives the model states to DeepSpeed (ZeRO-{layout.zero_stage}), whose checkpoints are "
+            f"written synchronously. Fix: checkpoint.async=false, or a layout the native engine runs (backend=native)."]
 
 
 def profile_rank_problems(profile: ProfileConfig, world: int) -> List[str]:

@@ -18,6 +18,11 @@ Checkpoints newer than the step a run started from belong to a timeline that run
 its first save they are moved, never deleted, to <root>/abandoned_<UTC time>/. Rank 0 holds an
 exclusive kernel lock on <root>/.lock for the whole run, so a second job refuses to use the
 folder. docs/checkpoints.md describes all of this for users.
+
+checkpoint.async=true (CheckpointManager(async_save=True)): `save` returns once the engine has
+staged its state in host memory; DCP writes it from a background thread and a finisher thread
+runs the protocol above (on a process group of its own, launcher/runtime/async_checkpoint.py).
+One save is in flight at a time; `wait` blocks until it is published, `poll` checks without blocking.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -79,6 +84,18 @@ def _broadcast(value: Any) -> Any:
 def _all_gather(value: Any) -> List[Any]:
     """Every rank's `value`, in rank order."""
     return phase_all_gather(value)
+
+
+class Collectives(NamedTuple):
+    """The three collectives of the save protocol, on one process group."""
+
+    barrier: Callable[[], None]
+    broadcast: Callable[[Any], Any]
+    all_gather: Callable[[Any], List[Any]]
+
+
+# Synchronous saves run the protocol on the main thread, through the phase group.
+PHASE_COLLECTIVES = Collectives(_barrier, _broadcast, _all_gather)
 
 
 def step_of(folder: Path) -> Optional[int]:
@@ -485,7 +502,8 @@ def publish(tmp: Path, final: Path) -> None:
 class CheckpointManager:
     """Saves, prunes, finds and loads checkpoints under one root folder."""
 
-    def __init__(self, root: Path, *, keep: int, verify_checksums: bool, rank: int, world_size: int):
+    def __init__(self, root: Path, *, keep: int, verify_checksums: bool, rank: int, world_size: int,
+                 async_save: bool = False, async_timeout_s: int = 1800):
         self.root = Path(root)
         self.keep = keep
         self.verify_checksums = verify_checksums
@@ -495,6 +513,20 @@ class CheckpointManager:
         # newer than it are another timeline, moved aside at this run's first save.
         self.start_step = 0
         self._timeline_settled = False
+        # checkpoint.async: saves finish in the background (save_async); `published` is the
+        # newest checkpoint known complete on this rank, as (step, path).
+        self.async_save = async_save
+        self.published: Optional[Tuple[int, Path]] = None
+        self._async_group = None
+        self._finisher = None
+        self._pending = None  # (step, Future) of the save in flight
+        if async_save:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from launcher.runtime.async_checkpoint import CheckpointGroup
+
+            self._async_group = CheckpointGroup(async_timeout_s)  # collective: every rank builds a manager
+            self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-finisher")
 
     def checkpoints(self) -> List[Path]:
         """Finished checkpoint folders, newest first (not yet verified)."""
@@ -564,7 +596,24 @@ class CheckpointManager:
         self._timeline_settled = True
 
     def save(self, step: int, engine: Engine, trainer_state: Dict[str, Any]) -> Path:
-        """Write a checkpoint for `step` atomically (collective over all ranks)."""
+        """Write a checkpoint for `step` atomically (collective over all ranks).
+
+        With async_save, returns once the state is staged in host memory: the folder appears at
+        the returned path when the background write and the protocol below complete (`poll`,
+        `wait`); the previous asynchronous save is waited for first.
+        """
+        if self.async_save:
+            return self._save_async(step, engine, trainer_state)
+        final, tmp = self._begin(step)
+        engine.save(tmp / "engine")
+        _debug_slow_save()
+        self._write_small_files(tmp, step, trainer_state, rng_state())
+        self._finish(tmp, final, step, PHASE_COLLECTIVES)
+        self.published = (step, final)
+        return final
+
+    def _begin(self, step: int) -> Tuple[Path, Path]:
+        """(final folder, temporary folder) of a save of `step`; rank 0 prepares the temporary one."""
         final = self.root / step_dir_name(step)
         tmp = self.root / f".incomplete_{step_dir_name(step)}"
         if self.rank == 0:
@@ -572,17 +621,21 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
         _barrier()
-        engine.save(tmp / "engine")
-        _debug_slow_save()
-        torch.save(rng_state(), tmp / "rng" / f"rank_{self.rank:05d}.pt")
+        return final, tmp
+
+    def _write_small_files(self, tmp: Path, step: int, trainer_state: Dict[str, Any], rng: Dict[str, Any]) -> None:
+        torch.save(rng, tmp / "rng" / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
-        _barrier()
+
+    def _finish(self, tmp: Path, final: Path, step: int, comm: "Collectives") -> None:
+        """Every rank wrote its files into `tmp`: checksum, manifest, publish as `final`, prune."""
+        comm.barrier()
         # One listing (rank 0's) for everyone: each rank listing a shared file system would cost
         # a metadata storm and could see different files.
-        listing = _broadcast(list_files(tmp) if self.rank == 0 else None)
+        listing = comm.broadcast(list_files(tmp) if self.rank == 0 else None)
         entries = checksum_files(tmp, self.rank, self.world_size, listing)
-        entries = {k: v for part in _all_gather(entries) for k, v in (part or {}).items()}
+        entries = {k: v for part in comm.all_gather(entries) for k, v in (part or {}).items()}
         if self.rank == 0:
             write_manifest(tmp, step, entries)
             for sub in [tmp, *[d for d in tmp.rglob("*") if d.is_dir()]]:
@@ -590,8 +643,62 @@ class CheckpointManager:
             publish(tmp, final)
             self._prune(final, step)
             log.info("saved checkpoint %s", final)
-        _barrier()
+        comm.barrier()
+
+    # ------------------------------------------------------------------ checkpoint.async=true
+    def _save_async(self, step: int, engine: Engine, trainer_state: Dict[str, Any]) -> Path:
+        save_async = getattr(engine, "save_async", None)
+        if save_async is None:
+            raise ValueError(
+                f"checkpoint.async=true: the {type(engine).__name__} cannot save asynchronously. "
+                f"Fix: checkpoint.async=false."
+            )
+        from launcher.runtime.async_checkpoint import storage_writer
+
+        self.wait()  # one save in flight at a time: the host buffers and the folder protocol are shared
+        final, tmp = self._begin(step)
+        group = self._async_group
+        upload = save_async(tmp / "engine", group.group, storage_writer(str(tmp / "engine"), step))
+        # The RNG state is this step's; trainer.json is tiny: both written now, before training moves on.
+        self._write_small_files(tmp, step, trainer_state, rng_state())
+        comm = Collectives(group.barrier, group.broadcast, group.all_gather)
+        done = self._finisher.submit(self._finish_async, upload, tmp, final, step, comm)
+        self._pending = (step, done)
+        log.info("checkpoint of step %d staged; writing %s in the background", step, tmp)
         return final
+
+    def _finish_async(self, upload: Any, tmp: Path, final: Path, step: int, comm: "Collectives") -> Path:
+        """Finisher thread: wait for this rank's DCP write, then the protocol on the checkpoint group."""
+        upload.result()
+        _debug_slow_save()
+        self._finish(tmp, final, step, comm)  # renamed into place only once every rank's write is done
+        return final
+
+    def _harvest(self, block: bool) -> Optional[Tuple[int, Path]]:
+        if self._pending is None:
+            return None
+        step, done = self._pending
+        if not block and not done.done():
+            return None
+        self._pending = None
+        final = done.result()  # re-raises a failed background save on the main thread
+        self.published = (step, final)
+        return self.published
+
+    def poll(self) -> Optional[Tuple[int, Path]]:
+        """(step, path) of an asynchronous save that has completed since the last poll/wait, else
+        None; never blocks (local: no collective). Raises the error of a failed background save."""
+        return self._harvest(block=False)
+
+    def wait(self) -> Optional[Tuple[int, Path]]:
+        """Block until the asynchronous save in flight (if any) is published; (step, path) or None.
+
+        Called before the next save, at a stop request and at the end of the run: the rank does
+        not go on (or exit) while its checkpoint is half-written.
+        """
+        if self._pending is not None and not self._pending[1].done():
+            log.info("waiting for the background save of step %d", self._pending[0])
+        return self._harvest(block=True)
 
     def _prune(self, newest: Path, step: int) -> None:
         """Keep `newest` and the keep-1 newest valid checkpoints before it; never delete `newest`.

@@ -251,8 +251,8 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
                             cpu_collectives=plan.layout.fsdp_wraps and plan.layout.offload_to_cpu)
     setup_logging(run_dir, rank.rank, spec.logging.level)
     # Single-rank phases (saves, tokenizing, export) wait on their own group with a longer timeout.
-    init_phase_group(phase_timeout_s(spec.cluster.collective_timeout_s,
-                                     int((plan.checkpoint or {}).get("shutdown_timeout_s", 0))))
+    phase_s = phase_timeout_s(spec.cluster.collective_timeout_s, int((plan.checkpoint or {}).get("shutdown_timeout_s", 0)))
+    init_phase_group(phase_s)
     if rank.world_size != plan.world_size:
         raise RuntimeError(
             f"started with {rank.world_size} ranks but the plan is for {plan.world_size}. "
@@ -285,6 +285,9 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         verify_checksums=spec.checkpoint.verify_checksums,
         rank=rank.rank,
         world_size=rank.world_size,
+        # checkpoint.async (a keyword in Python, hence getattr): saves finish in the background.
+        async_save=spec.checkpoint.enabled and bool(getattr(spec.checkpoint, "async")),
+        async_timeout_s=phase_s,
     )
     start_step = 0
     if spec.checkpoint.resume != "none":

@@ -2,7 +2,7 @@
 
 A stop is requested by SIGUSR1 or SIGTERM reaching a rank, or by the file
 <run_dir>/control/stop existing (the sbatch script's USR1 trap creates it). The ranks agree
-at the end of a step (one tiny all-reduce), save a checkpoint, rank 0 writes
+at the end of a step (one tiny all-reduce, in the background: see should_stop), save a checkpoint, rank 0 writes
 <run_dir>/control/stopped as JSON {"step", "reason"}, and every process exits 0 so the batch
 script can requeue the job. A repeated SIGTERM or SIGUSR1 is the same request, never an abort:
 SLURM signals every process of a step and torchrun forwards its own SIGTERM, so a rank often
@@ -77,13 +77,14 @@ class StopWatcher(StopSignals):
         self.stop_file = control_dir(run_dir) / STOP_FILE
         self.device = device
         self.reason: Optional[str] = None
+        self._agreement = None  # (async all-reduce work, its flag) started by the last should_stop
 
     def on_stop_signal(self, name: str) -> None:
         if self.reason is not None:  # the stop file asked first: keep stopping (and saving)
             log.warning("received %s: already stopping (%s)", name, self.reason)
             return
         self.reason = f"signal {name}"
-        log.warning("received %s: will checkpoint and stop after this step", name)
+        log.warning("received %s: will checkpoint and stop at the end of a step (the next one the ranks agree on)", name)
 
     def local_request(self) -> Optional[str]:
         if self.reason is None and self.stop_file.exists():
@@ -91,11 +92,30 @@ class StopWatcher(StopSignals):
         return self.reason
 
     def should_stop(self) -> bool:
-        """True on every rank if any rank has a stop request (collective)."""
-        flag = torch.tensor([1.0 if self.local_request() else 0.0], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        """True on every rank if any rank has asked to stop (collective: every rank calls it at the same steps).
+
+        The ranks agree through an all-reduce of a flag in host memory on the phase group (gloo)
+        that runs in the background between two calls: each call reads the agreement the previous
+        call started and starts the next one. So the loop never waits for this collective and the
+        device is never synchronised for it (it ran every step); the price is that a request is
+        acted on one check after the one where a rank first saw it (one step later).
+        """
+        from launcher.parallel.phase import phase_group
+
+        group = phase_group() if dist.is_initialized() else None
+        if group is None:  # one process, or no phase group: agree now, on the default group
+            flag = torch.tensor([1.0 if self.local_request() else 0.0], device=self.device)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return bool(flag.item() > 0)
+        agreed = False
+        if self._agreement is not None:
+            work, previous = self._agreement
+            work.wait()
+            agreed = bool(previous.item() > 0)
+        flag = torch.tensor([1.0 if self.local_request() else 0.0])
+        self._agreement = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), flag)
+        return agreed
 
 
 def write_stopped(run_dir: Path, step: int, reason: str) -> Path:

@@ -91,6 +91,7 @@ class Trainer:
         self.profiler = profiler
         self.stragglers = stragglers
         self.moe_health = moe_health
+        self._reported_save = None  # the (step, path) last given to health.saved
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
         return {
@@ -108,8 +109,27 @@ class Trainer:
             self.checkpoints.save(step, self.engine, self._trainer_state(step))
             return
         with self.health.phase("checkpoint save"):
-            path = self.checkpoints.save(step, self.engine, self._trainer_state(step))
-        self.health.saved(step, path)
+            self.checkpoints.save(step, self.engine, self._trainer_state(step))
+        self._note_saved()
+
+    def _note_saved(self, wait: bool = False) -> None:
+        """Name the newest complete checkpoint to the failure summary. checkpoint.async: a save
+        completes in the background (poll, no collective); wait=True blocks until it has (a stop
+        and the end of the run must not leave a half-written checkpoint behind)."""
+        if not self.cfg.checkpoint_enabled:
+            return
+        if self.checkpoints.async_save:
+            if wait and self.health is not None:
+                with self.health.phase("checkpoint save"):
+                    self.checkpoints.wait()
+            elif wait:
+                self.checkpoints.wait()
+            else:
+                self.checkpoints.poll()
+        published = self.checkpoints.published
+        if self.health is not None and published is not None and published != self._reported_save:
+            self.health.saved(*published)
+            self._reported_save = published
 
     def _tracked_step(self, microbatches):
         """One training step under the memory tracker; returns its stats and predicted-vs-measured."""
@@ -198,6 +218,8 @@ class Trainer:
             if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0:
                 self._save(step)
                 last_saved = step
+            elif self.checkpoints.async_save:
+                self._note_saved()
             if step < cfg.steps and self.stop.should_stop():
                 reason = self.stop.local_request() or "stop requested on another rank"
                 if not cfg.checkpoint_enabled:
@@ -209,6 +231,7 @@ class Trainer:
                 log.warning("stopping at step %d (%s): saving a checkpoint", step, reason)
                 if last_saved != step:
                     self._save(step)
+                self._note_saved(wait=True)
                 if self.rank == 0:
                     write_stopped(self.run_dir, step, reason)
                 return LoopResult(last_step=step, stopped_early=True, stop_reason=reason)
@@ -216,4 +239,5 @@ class Trainer:
             self.metrics.summary(self.stragglers.summary())
         if cfg.save_final and last_saved != step:
             self._save(step)
+        self._note_saved(wait=True)
         return LoopResult(last_step=step, stopped_early=False)
