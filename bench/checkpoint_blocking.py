@@ -25,16 +25,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
+
+from bench.torchrun_workers import run_workers  # noqa: E402
 
 KINDS = ("none", "sync", "async")
 
@@ -166,18 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    with tempfile.TemporaryDirectory(prefix="checkpoint_blocking_") as tmp:
-        out = Path(tmp) / "result.json"
-        cmd: List[str] = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc_per_node={args.ranks}", str(Path(__file__).resolve()), "--worker", "--out", str(out),
-                          *[a for a in (argv if argv is not None else sys.argv[1:])]]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                   TMPDIR=tmp)
-        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
-        if proc.returncode != 0 or not out.exists():
-            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-            return proc.returncode or 1
-        r = json.loads(out.read_text())
+    r = run_workers(__file__, args.ranks, list(argv if argv is not None else sys.argv[1:]), prefix="checkpoint_blocking_")
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
     med = r["median_round_s"]

@@ -52,3 +52,18 @@ def losses_by_step(run_dir: Path) -> Dict[int, float]:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@pytest.fixture
+def fake_two_ranks():
+    """Rank 0 of a 2-rank fake process group (no peers, collectives return at once) and its 1-D
+    CPU device mesh, for code that needs a real mesh but no second process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()

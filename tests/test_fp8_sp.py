@@ -50,18 +50,6 @@ def test_fp8_sp_plan_gathers_inputs_in_float8_with_float8_styles():
     assert "attention" not in block_plan(block, sequence_parallel=False, float8_comms=True)
 
 
-@pytest.fixture
-def fake_two_ranks():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_fp8_sp_step_runs_and_attention_and_mlp_receive_float8_gathered_inputs(fake_two_ranks):
     """Forward + backward of the fp8 + TP + SP model on 2 (fake) ranks: what the attention and MLP
     receive after their input preparation is a replicated DTensor of float8 data, i.e. the

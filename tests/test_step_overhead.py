@@ -20,18 +20,6 @@ from launcher.models import build_model
 from launcher.parallel.optim import clip_grad_norm
 
 
-@pytest.fixture
-def fake_two_ranks():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
-
-
 class _DTensorOps(TorchDispatchMode):
     """Counts the ops called on DTensors (each one a trip through DTensor's Python dispatch)."""
 

@@ -75,14 +75,36 @@ class TensorGather:
         return full if self.rank == 0 else None
 
 
-class SafetensorsStreamWriter:
+class _TensorFileWriter:
+    """What the streaming writers share: tensors arrive in the header's order with the header's
+    shape and dtype, and the file appears under its name (an atomic rename of NAME.tmp) only
+    once every tensor is written."""
+
+    def __init__(self, path: Path, names: List[str], shapes: Dict[str, Shape], dtype: torch.dtype):
+        self.path, self.tmp = Path(path), Path(path).with_name(Path(path).name + ".tmp")
+        self.order, self.next = list(names), 0
+        self.dtype, self.shapes = dtype, shapes
+
+    def _accept(self, name: str, t: torch.Tensor) -> None:
+        assert name == self.order[self.next], f"{name} out of order (expected {self.order[self.next]})"
+        assert tuple(t.shape) == tuple(self.shapes[name]) and t.dtype == self.dtype, (
+            f"{name}: {tuple(t.shape)} {t.dtype} does not match the header's {self.shapes[name]} {self.dtype}")
+        self.next += 1
+
+    def close(self) -> None:
+        assert self.next == len(self.order), f"{self.path}: {len(self.order) - self.next} tensors never written"
+        self.fh.close()
+        os.replace(self.tmp, self.path)
+
+
+class SafetensorsStreamWriter(_TensorFileWriter):
     """Writes one safetensors file tensor by tensor: the header (shapes, dtype, offsets) is
     known up front, so each tensor's bytes are appended as it arrives."""
 
     def __init__(self, path: Path, names: List[str], shapes: Dict[str, Shape], dtype: torch.dtype):
         from launcher.config.hf_format import SAFETENSORS_DTYPES
 
-        self.path, self.tmp = Path(path), Path(path).with_name(Path(path).name + ".tmp")
+        super().__init__(path, names, shapes, dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
         header, offset = {}, 0
         for n in names:
@@ -96,23 +118,13 @@ class SafetensorsStreamWriter:
         self.fh = open(self.tmp, "wb")
         self.fh.write(struct.pack("<Q", len(raw)))
         self.fh.write(raw)
-        self.order, self.next = list(names), 0
-        self.dtype, self.shapes = dtype, shapes
 
     def write(self, name: str, t: torch.Tensor) -> None:
-        assert name == self.order[self.next], f"{name} out of order (expected {self.order[self.next]})"
-        assert tuple(t.shape) == tuple(self.shapes[name]) and t.dtype == self.dtype, (
-            f"{name}: {tuple(t.shape)} {t.dtype} does not match the header's {self.shapes[name]} {self.dtype}")
+        self._accept(name, t)
         self.fh.write(_raw(t))
-        self.next += 1
-
-    def close(self) -> None:
-        assert self.next == len(self.order), f"{self.path}: {len(self.order) - self.next} tensors never written"
-        self.fh.close()
-        os.replace(self.tmp, self.path)
 
 
-class TorchSaveStreamWriter:
+class TorchSaveStreamWriter(_TensorFileWriter):
     """Writes the file torch.save(dict of fp32 CPU tensors) writes (torch.load reads it as
     usual, mmap=True included), tensor by tensor: torch.save runs first on fake tensors with
     ``torch.serialization.skip_data`` (the pickle and every storage record's place, no data);
@@ -121,7 +133,7 @@ class TorchSaveStreamWriter:
     def __init__(self, path: Path, names: List[str], shapes: Dict[str, Shape]):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        self.path, self.tmp = Path(path), Path(path).with_name(Path(path).name + ".tmp")
+        super().__init__(path, names, shapes, torch.float32)
         with FakeTensorMode():
             fake = {n: torch.empty(shapes[n], dtype=torch.float32) for n in names}
         with torch.serialization.skip_data(materialize_fake_tensors=True):
@@ -134,19 +146,9 @@ class TorchSaveStreamWriter:
                                f"this torch version's format is not the one the streaming export knows")
         self.offsets = {n: reader.get_record_offset(f"data/{i}") for i, n in enumerate(names)}
         del reader
-        self.shapes = shapes
-        self.order, self.next = list(names), 0
         self.fh = open(self.tmp, "r+b")
 
     def write(self, name: str, t: torch.Tensor) -> None:
-        assert name == self.order[self.next], f"{name} out of order (expected {self.order[self.next]})"
-        assert tuple(t.shape) == tuple(self.shapes[name]) and t.dtype == torch.float32, (
-            f"{name}: {tuple(t.shape)} {t.dtype} does not match the header's {self.shapes[name]} float32")
+        self._accept(name, t)
         self.fh.seek(self.offsets[name])
         self.fh.write(_raw(t))
-        self.next += 1
-
-    def close(self) -> None:
-        assert self.next == len(self.order), f"{self.path}: {len(self.order) - self.next} tensors never written"
-        self.fh.close()
-        os.replace(self.tmp, self.path)
