@@ -154,3 +154,36 @@ def test_a_deepspeed_layout_reports_what_was_and_was_not_checked():
     message = str(info.value)
     assert "checked: the generated DeepSpeed config (ZeRO-3, dp 2) is accepted by DeepSpeed's own config classes" in message
     assert "not checked: deepspeed.initialize and the partition sizes" in message and "Fix:" in message
+
+
+_COUNT_FORWARDS = r"""
+import json, sys
+from pathlib import Path
+from launcher.config.loader import compose_spec
+from launcher.models.transformer import Transformer
+from launcher.plan.plan import build_plan
+from launcher.runtime.entry import engine_options
+from launcher.runtime.rehearse import rehearse_rank
+
+calls = []
+forward = Transformer.forward
+Transformer.forward = lambda self, *a, **k: calls.append(1) or forward(self, *a, **k)
+spec = compose_spec(["+recipe=debug", "trainer.global_batch_size=8", "trainer.micro_batch_size=2"])
+plan = build_plan(spec, None)
+report = rehearse_rank(spec.model, spec.optim, plan.layout, engine_options(spec, Path(sys.argv[1])), 1)
+print(json.dumps({"forwards": len(calls), "microbatches": plan.layout.microbatches, "memory": report["memory"]}))
+"""
+
+
+def test_the_fake_step_runs_one_tracked_step_and_no_untracked_forward(tmp_path):
+    """Rank 1 of the debug model (FSDP2 over 2 fake ranks, 2 micro-batches): the optimizer states
+    come from zero gradients, so the whole rehearsal runs the forward of the tracked step only
+    (2 micro-batches), not a second, untracked step; the step's peak is still measured."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _COUNT_FORWARDS, str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["microbatches"] == 2 and out["forwards"] == 2, out
+    mem = out["memory"]
+    assert mem["activations"] > 0 and mem["peak"] >= mem["params"] + mem["grads"] + mem["activations"]
