@@ -140,20 +140,33 @@ def test_bad_rehearse_settings_exit_2_with_a_fix(tmp_path):
     assert proc.returncode == 2 and "names rank(s) [5] outside the world of 2 ranks" in proc.stderr, proc.stderr
 
 
-def test_a_deepspeed_layout_reports_what_was_and_was_not_checked():
-    """DeepSpeed layouts: the generated config goes through DeepSpeed's own config classes; the
-    rank then says the partition sizes were not rehearsed (no deepspeed.initialize on fake tensors)."""
+def test_a_deepspeed_zero2_layout_reports_what_was_and_was_not_checked():
+    """DeepSpeed ZeRO 0-2 layouts: the generated config goes through DeepSpeed's own config
+    classes; the rank then says the partition sizes were not rehearsed (DeepSpeed's module.to()
+    cannot swap fake parameters)."""
     from launcher.runtime.entry import engine_options
     from launcher.runtime.rehearse import rehearse_rank
 
-    spec = compose_spec(["+recipe=debug", "backend.sharding=deepspeed", "parallel.zero_stage=3"])
+    spec = compose_spec(["+recipe=debug", "backend.sharding=deepspeed", "parallel.zero_stage=2"])
     plan = build_plan(spec, None)
     assert plan.layout.sharding_backend == "deepspeed"
     with pytest.raises(NotImplementedError) as info:
         rehearse_rank(spec.model, spec.optim, plan.layout, engine_options(spec, Path("unused")), 0)
     message = str(info.value)
-    assert "checked: the generated DeepSpeed config (ZeRO-3, dp 2) is accepted by DeepSpeed's own config classes" in message
+    assert "checked: the generated DeepSpeed config (ZeRO-2, dp 2) is accepted by DeepSpeed's own config classes" in message
     assert "not checked: deepspeed.initialize and the partition sizes" in message and "Fix:" in message
+
+
+def test_a_deepspeed_zero3_layout_is_initialised_on_the_fake_group(tmp_path):
+    """DeepSpeed ZeRO-3 (bf16, 2 ranks): deepspeed.initialize runs on the fake group with fake
+    tensors, and each rank's partitions, read from DeepSpeed's optimizer, are the plan's bytes."""
+    _, plan, result = _rehearse(["+recipe=debug", "backend.sharding=deepspeed", "parallel.zero_stage=3",
+                                 "precision=bf16", "rehearse.activations=false"], tmp_path)
+    assert result["ok"], rehearsal_problems(result, plan.layout)
+    for row in result["ranks"]:
+        held = {k: row["memory"][k] for k in ("params", "grads", "optimizer")}
+        assert held == {k: row["predicted"][k] for k in ("params", "grads", "optimizer")}, row
+        assert held["params"] > 0 and row["memory"]["activations"] is None
 
 
 _COUNT_FORWARDS = r"""

@@ -32,12 +32,23 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
 def full_init_value(name: str, shape, cfg, seed: int, device: torch.device) -> torch.Tensor:
     """The full initial value of parameter `name` (canonical name): a function of the seed and
     the name only, so every layout and backend starts from identical weights."""
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     t = torch.empty(shape, dtype=torch.float32, device=device)
+    if _is_fake(t):
+        # The rehearsal (FakeTensorMode): no values to draw. trunc_normal_'s rejection loop
+        # reads values (mask.any()), which a fake tensor cannot give; torch's init skips meta
+        # tensors the same way. Real tensors never take this branch.
+        return t
     if name.endswith("norm.weight"):
         return t.fill_(1.0)
     std = cfg.init_std
