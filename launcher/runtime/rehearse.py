@@ -14,7 +14,10 @@ meta device and sharded; from materialisation on every tensor is a FakeTensor on
 Then, per rank: the bytes of parameters, gradients and optimizer states it holds
 (launcher/runtime/state_bytes.py, the same probe the real-run tests use), and with
 activations the peak of a fake training step by category (torch's MemTracker /
-FSDPMemTracker through launcher/runtime/memtrack.py: two steps, the second measured).
+FSDPMemTracker through launcher/runtime/memtrack.py: the optimizer states are created from
+zero gradients, then one tracked step; a pipeline schedule runs two, the second measured).
+DeepSpeed ZeRO-3 layouts run deepspeed.initialize on the fake group and report DeepSpeed's
+own partition sizes (no fake step).
 Without activations (or where no fake step can run) the optimizer is stepped once on
 zero gradients of the parameters' shapes, which creates its states.
 
