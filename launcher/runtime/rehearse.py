@@ -142,32 +142,6 @@ def _fake_pipeline_step_runner(engine, layout, vocab_size: int):
     return step
 
 
-def _set_up_pipeline_stages(engine, layout, vocab_size: int) -> None:
-    """What a schedule's first step does before its first micro-batch, and nothing else: each
-    stage's forward and backward infrastructure (receive buffers, gradient metadata), set up
-    from one micro-batch of fake tokens as torch's step does (private torch API: the schedule's
-    _initialize_stages / _initialize_stage). Replaces an untracked warm-up step through every
-    micro-batch; the tracked step then measures the same bytes (checked on pp=2 1F1B with
-    FSDP2 and interleaved 1F1B, every category equal)."""
-    import torch
-    from torch.distributed.pipelining.microbatch import _split_tensor
-    from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC
-
-    schedule = engine.pp_schedule
-    stages = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
-    rows = layout.micro_batch_size * engine.pp_microbatches
-    inputs = torch.randint(0, vocab_size, (rows, layout.seq_len))
-    labels = torch.randint(0, vocab_size, (rows, layout.seq_len))
-    for st in stages:
-        st.has_backward = schedule._has_backward
-        st.clear_runtime_states()
-    args, kwargs = schedule._split_inputs((inputs,) if engine.has_first else (), {})
-    targets = list(_split_tensor(labels, _TARGET_CHUNK_SPEC, schedule._n_microbatches)) if engine.has_last else None
-    init = getattr(schedule, "_initialize_stages", None) or schedule._initialize_stage
-    with engine._loss_parallel(), engine._autocast():
-        init(args[0], kwargs[0], targets[0] if targets else None)
-
-
 def _zero_grad_step(engine) -> None:
     """Create the optimizer states without a forward: zero gradients of the parameters' shapes."""
     import torch
@@ -315,16 +289,16 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
                 step = _fake_pipeline_step_runner(engine, layout, model_cfg.vocab_size)
             else:
                 step = _fake_step_runner(engine, layout, model_cfg.vocab_size, n_micro)
-            # No untracked warm-up step through every micro-batch: what it left behind for the
-            # tracked step is the optimizer states (AdamW makes them in its first step(); zero
-            # gradients of the parameters' shapes do that without a forward and backward) and,
-            # for a pipeline schedule, its stages' buffers (set up alone). That halves the fake
-            # step time with the same measured numbers (bench/rehearse_activations.py compares
-            # with a real step; docs/planner.md "Rehearsal").
-            if layout.pp > 1:
-                _set_up_pipeline_stages(engine, layout, model_cfg.vocab_size)
-            _zero_grad_step(engine)
-            measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=0)
+            warmup = 1
+            if layout.pp == 1:
+                # The untracked first step only creates the optimizer states (AdamW makes them in
+                # its first step()); zero gradients of the parameters' shapes do that without a
+                # forward and backward, which halves the fake step time. Same measured numbers
+                # (bench/rehearse_activations.py compares with a real step). A pipeline schedule
+                # also sets up its stages' buffers in its first step: it keeps the real warm-up.
+                _zero_grad_step(engine)
+                warmup = 0
+            measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup)
             memory["activations"] = int(measured["activations"])
             memory["peak"] = int(measured["total"])
             memory["other"] = int(measured["other"])
