@@ -6,8 +6,8 @@
 Targets (issue 12), wall time including interpreter start on our 2-core machines:
   train +recipe=llama70b action=rehearse                              (64 ranks)     < 3 min
   train +recipe=llama405b action=rehearse cluster.nodes=1024          (8,192 ranks)  < 5 min
-Also: mixtral8x7b with expert parallelism (ep=8), and a DeepSpeed ZeRO-3 layout (which the
-rehearsal does not build yet: its row shows the refusal). Prints one line per case (wall
+Also: mixtral8x7b with expert parallelism (ep=8), and a DeepSpeed ZeRO-3 layout
+(deepspeed.initialize on the fake group; no fake step). Prints one line per case (wall
 time, ranks rehearsed, ok, the process's peak RSS from /proc: the host memory stays bounded)
 and exits 0. Not a test: timings depend on the machine's load.
 """

@@ -225,3 +225,26 @@ def test_pipeline_engine_and_nvme_offload(slow_results, reference):
         assert res["zero3_nvme"]["nvme_bytes"] > 0, "nothing was swapped to the NVMe folder"
     else:
         pytest.fail("NVMe offload did not run: DeepSpeed's async_io op needs libaio. Fix: apt-get install libaio-dev (make test does this).")
+
+
+def test_rehearsal_holds_the_real_zero3_partitions(results, tmp_path):
+    """`action=rehearse` of the zero3 case (deepspeed.initialize on a fake group of 2, fake
+    tensors): each rank's partition bytes equal those of the real 2-process run above, and the
+    plan's prediction for that rank."""
+    from launcher.config.loader import save_spec
+    from launcher.launch.rehearse import rehearsal_problems, rehearse
+    from launcher.plan.plan import build_plan
+
+    spec = spec_for(CASES["zero3"] + ["rehearse.activations=false"])
+    plan = build_plan(spec, None)
+    save_spec(spec, tmp_path)
+    plan.save(tmp_path)
+    rehearsed = rehearse(spec, plan, tmp_path)
+    assert rehearsed["ok"], rehearsal_problems(rehearsed, plan.layout)
+    real = results["zero3"]["held_per_rank"]
+    assert len(real) == len(rehearsed["ranks"]) == 2
+    for held, row in zip(real, rehearsed["ranks"]):
+        got = {"params_numel": row["params_numel"], **{k: row["memory"][k] for k in ("params", "grads", "optimizer")}}
+        assert got == held, f"rank {row['rank']}: rehearsal {got} != real run {held}"
+        assert {k: held[k] for k in ("params", "grads", "optimizer")} == \
+            {k: row["predicted"][k] for k in ("params", "grads", "optimizer")}, row

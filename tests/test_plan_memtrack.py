@@ -60,3 +60,30 @@ def test_compare_drops_the_cuda_reserve_on_cpu():
     assert row["mem_activations_error"] == pytest.approx(0.1)
     gpu = compare_with_plan({"total": 100}, plan_memory, "cuda")
     assert gpu["mem_total_predicted"] == 1100
+
+
+def test_tracking_skips_the_per_module_peak_walk_with_the_same_peaks(monkeypatch):
+    """torch's per-op peak update walks every tracked module (quadratic in the layer count, the
+    bulk of a fake 70B step): track_step_memory keeps only the global peak, which gives the
+    same numbers as torch's own update."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import launcher.runtime.memtrack as memtrack
+
+    spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=1", "parallel.zero_stage=0"])
+    with torch.device("meta"):
+        model = build_model(spec.model)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = _train_step_fn(model, opt, 1, 32, spec.model.vocab_size, 1)
+    walks = []
+    original = MemTracker._update_peak_stats
+    monkeypatch.setattr(MemTracker, "_update_peak_stats", lambda self, st: walks.append(1) or original(self, st))
+    fast = track_step_memory(model, opt, step)
+    assert walks == [], "torch's per-module peak update ran"
+    # torch's own update (the reference): same peaks, category maxima and breakdown.
+    monkeypatch.setattr(memtrack, "_global_peak_update", lambda tracker: tracker._update_peak_stats)
+    reference = track_step_memory(model, opt, step)
+    assert walks, "the reference run did not use torch's update"
+    assert fast == reference

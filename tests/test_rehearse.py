@@ -140,17 +140,51 @@ def test_bad_rehearse_settings_exit_2_with_a_fix(tmp_path):
     assert proc.returncode == 2 and "names rank(s) [5] outside the world of 2 ranks" in proc.stderr, proc.stderr
 
 
-def test_a_deepspeed_layout_reports_what_was_and_was_not_checked():
-    """DeepSpeed layouts: the generated config goes through DeepSpeed's own config classes; the
-    rank then says the partition sizes were not rehearsed (no deepspeed.initialize on fake tensors)."""
+def test_a_deepspeed_zero2_layout_reports_what_was_and_was_not_checked():
+    """DeepSpeed ZeRO 0-2 layouts: the generated config goes through DeepSpeed's own config
+    classes; the rank then says the partition sizes were not rehearsed (DeepSpeed's module.to()
+    cannot swap fake parameters)."""
     from launcher.runtime.entry import engine_options
     from launcher.runtime.rehearse import rehearse_rank
 
-    spec = compose_spec(["+recipe=debug", "backend.sharding=deepspeed", "parallel.zero_stage=3"])
+    spec = compose_spec(["+recipe=debug", "backend.sharding=deepspeed", "parallel.zero_stage=2"])
     plan = build_plan(spec, None)
     assert plan.layout.sharding_backend == "deepspeed"
     with pytest.raises(NotImplementedError) as info:
         rehearse_rank(spec.model, spec.optim, plan.layout, engine_options(spec, Path("unused")), 0)
     message = str(info.value)
-    assert "checked: the generated DeepSpeed config (ZeRO-3, dp 2) is accepted by DeepSpeed's own config classes" in message
+    assert "checked: the generated DeepSpeed config (ZeRO-2, dp 2) is accepted by DeepSpeed's own config classes" in message
     assert "not checked: deepspeed.initialize and the partition sizes" in message and "Fix:" in message
+
+
+_COUNT_FORWARDS = r"""
+import json, sys
+from pathlib import Path
+from launcher.config.loader import compose_spec
+from launcher.models.transformer import Transformer
+from launcher.plan.plan import build_plan
+from launcher.runtime.entry import engine_options
+from launcher.runtime.rehearse import rehearse_rank
+
+calls = []
+forward = Transformer.forward
+Transformer.forward = lambda self, *a, **k: calls.append(1) or forward(self, *a, **k)
+spec = compose_spec(["+recipe=debug", "trainer.global_batch_size=8", "trainer.micro_batch_size=2"])
+plan = build_plan(spec, None)
+report = rehearse_rank(spec.model, spec.optim, plan.layout, engine_options(spec, Path(sys.argv[1])), 1)
+print(json.dumps({"forwards": len(calls), "microbatches": plan.layout.microbatches, "memory": report["memory"]}))
+"""
+
+
+def test_the_fake_step_runs_one_tracked_step_and_no_untracked_forward(tmp_path):
+    """Rank 1 of the debug model (FSDP2 over 2 fake ranks, 2 micro-batches): the optimizer states
+    come from zero gradients, so the whole rehearsal runs the forward of the tracked step only
+    (2 micro-batches), not a second, untracked step; the step's peak is still measured."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _COUNT_FORWARDS, str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["microbatches"] == 2 and out["forwards"] == 2, out
+    mem = out["memory"]
+    assert mem["activations"] > 0 and mem["peak"] >= mem["params"] + mem["grads"] + mem["activations"]

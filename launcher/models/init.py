@@ -65,6 +65,12 @@ def _std(name: str, cfg) -> float:
     return std
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
 def _draw_tile(name: str, shape: Tuple[int, ...], index: Tuple[int, ...], cfg, seed: int,
                device: torch.device) -> torch.Tensor:
     """Tile `index` of parameter `name` (clipped to the parameter's edge), from its own generator."""
@@ -86,6 +92,11 @@ def init_box(out: torch.Tensor, name: str, shape: Sequence[int], box: Box, cfg, 
     (start, stop) in the full parameter of `shape`), drawing only the tiles that overlap it, one
     at a time on `device`."""
     shape = tuple(shape)
+    if _is_fake(out):
+        # The rehearsal (FakeTensorMode): no values to draw. trunc_normal_'s rejection loop
+        # reads values (mask.any()), which a fake tensor cannot give; torch's init skips meta
+        # tensors the same way. Real tensors never take this branch.
+        return
     if name.endswith("norm.weight"):
         out.fill_(1.0)
         return

@@ -113,30 +113,55 @@ def _categorise(snapshot: Dict[Any, Dict[str, int]]) -> Dict[str, int]:
     return out
 
 
+def _global_peak_update(tracker) -> Callable[[Any], None]:
+    """MemTracker's per-op peak update without its per-module part.
+
+    torch's ``_update_peak_stats`` walks every module tracked so far on every op (to keep each
+    module's own peak), so a step costs O(ops x modules): quadratic in the layer count, the
+    larger part of a fake 70B step's time. Only the global peak is used here (the per-module
+    statistics are cleared before each root forward anyway), so only that is kept: the same
+    comparison and copy as torch's global part."""
+    from copy import deepcopy
+
+    def update(peak_state) -> None:
+        for dev, dev_snap in tracker._curr_mem_snap.items():
+            total = dev_snap.get("Total", 0)
+            if tracker._peak_mem.get(dev, 0) < total:
+                tracker._peak_mem[dev] = total
+                tracker._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+    return update
+
+
 def _record_category_maxima(tracker) -> Dict[str, int]:
     """Keep each category's own maximum over the step, not only its share at the total peak.
 
     The planner predicts each category at its largest (gradients complete, activations of
     every in-flight micro-batch); at the moment of the total peak some of them are not all
     alive (e.g. no gradients yet at the end of the first forward). MemTracker updates its
-    peak after every op; this wraps that update. Private torch API: if it moves, only the
-    at-peak breakdown is reported.
+    peak after every op; this replaces that update (global peak only, see
+    _global_peak_update) and records each category's maximum. Private torch API: if it moves, only the at-peak breakdown is reported.
     """
     maxima: Dict[str, int] = {}
     original = getattr(tracker, "_update_peak_stats", None)
     current = getattr(tracker, "_curr_mem_snap", None)
     if original is None or current is None:
         return maxima
+    peak_update = (_global_peak_update(tracker)
+                   if all(hasattr(tracker, a) for a in ("_peak_mem", "_peak_mem_snap")) else original)
+    category_of: Dict[Any, str] = {}  # reference type -> category, looked up once per type
 
     def update(peak_state):
-        original(peak_state)
+        peak_update(peak_state)
         sums: Dict[str, int] = {}
         for per_device in tracker._curr_mem_snap.values():
             for ref, nbytes in per_device.items():
-                if ref == "Total":
-                    continue
-                cat = _CATEGORY_OF.get(str(getattr(ref, "value", ref)), "other")
-                sums[cat] = sums.get(cat, 0) + int(nbytes)
+                cat = category_of.get(ref)
+                if cat is None:
+                    cat = category_of[ref] = ("" if ref == "Total" else
+                                              _CATEGORY_OF.get(str(getattr(ref, "value", ref)), "other"))
+                if cat:
+                    sums[cat] = sums.get(cat, 0) + nbytes
         for cat, v in sums.items():
             if v > maxima.get(cat, 0):
                 maxima[cat] = v

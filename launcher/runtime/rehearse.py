@@ -14,7 +14,10 @@ meta device and sharded; from materialisation on every tensor is a FakeTensor on
 Then, per rank: the bytes of parameters, gradients and optimizer states it holds
 (launcher/runtime/state_bytes.py, the same probe the real-run tests use), and with
 activations the peak of a fake training step by category (torch's MemTracker /
-FSDPMemTracker through launcher/runtime/memtrack.py: two steps, the second measured).
+FSDPMemTracker through launcher/runtime/memtrack.py: the optimizer states are created from
+zero gradients, then one tracked step; a pipeline schedule runs two, the second measured).
+DeepSpeed ZeRO-3 layouts run deepspeed.initialize on the fake group and report DeepSpeed's
+own partition sizes (no fake step).
 Without activations (or where no fake step can run) the optimizer is stepped once on
 zero gradients of the parameters' shapes, which creates its states.
 
@@ -178,14 +181,21 @@ def fake_step_skip_reason(layout, model_cfg) -> str:
     return ""
 
 
+def deepspeed_rehearsable(layout) -> bool:
+    """Whether deepspeed.initialize runs on fake tensors for this layout: ZeRO-3 without the
+    pipeline engine (zero.Init builds the partitions as fake tensors). ZeRO 0-2 and the pipeline
+    engine move the whole module with ``module.to(device)``, which cannot swap fake parameters
+    that DeepSpeed already holds weak references to."""
+    return layout.zero_stage == 3 and layout.pp == 1
+
+
 def check_deepspeed_rank(layout, options) -> None:
-    """What the rehearsal checks of a DeepSpeed layout, always raising (the rank's report).
+    """What the rehearsal checks of a DeepSpeed layout before building it.
 
     The generated DeepSpeed JSON goes through DeepSpeed's own config classes (as the launch
-    preflight does); a refusal names DeepSpeed's reason. When DeepSpeed accepts it, the rank
-    still reports what was not checked: deepspeed.initialize does run on a fake process group,
-    but only on real tensors (our layout-independent init and DeepSpeed's zero.Init read tensor
-    values, which fake tensors do not have), so the partition sizes are not rehearsed."""
+    preflight does); a refusal names DeepSpeed's reason. ZeRO-3 layouts are then built with
+    deepspeed.initialize on the fake group (rehearse_rank); for the others this raises what
+    was and was not checked (the rank's report)."""
     from launcher.engines.deepspeed import prepare_deepspeed_environment
     from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
 
@@ -198,12 +208,60 @@ def check_deepspeed_rank(layout, options) -> None:
             f"DeepSpeed refused the generated config (ZeRO-{layout.zero_stage}): {type(err).__name__}: "
             f"{' '.join(str(err).split())[:300]}. Fix: change the keys it names, or backend.sharding=native"
         ) from err
+    if deepspeed_rehearsable(layout):
+        return
     raise NotImplementedError(
         f"checked: the generated DeepSpeed config (ZeRO-{layout.zero_stage}, dp {data_parallel_size(layout)}) "
         f"is accepted by DeepSpeed's own config classes; not checked: deepspeed.initialize and the "
-        f"partition sizes (they need real tensor values on this path), so the plan's parameter, gradient "
+        f"partition sizes (at ZeRO 0-2 and with the pipeline engine DeepSpeed moves the whole module with "
+        f"module.to(), which cannot swap fake parameters), so the plan's parameter, gradient "
         f"and optimizer bytes for this rank are unverified. Fix: rehearse with backend.sharding=native to "
         f"check the sharding, or rely on action=plan for this layout")
+
+
+def deepspeed_zero3_bytes(ds_optimizer) -> Dict[str, int]:
+    """This rank's ZeRO-3 partitions as DeepSpeed built them (padding included): the flat
+    working-precision partition of its parameters (`params`), the flat fp32 master partition
+    with AdamW's two states of its shape (`optimizer`), and the fp32 gradient partition the
+    step reads (`grads`, DeepSpeed's fp32 copy of the partition's gradients). The
+    optimizer states are the master partition's shape by construction (AdamW's zeros_like);
+    DeepSpeed creates them in its first step, which does not run on a fake group."""
+    import torch
+
+    def nbytes(ts, dtype=None):
+        return sum(t.numel() * (torch.empty((), dtype=dtype).element_size() if dtype else t.element_size())
+                   for t in ts if t is not None)
+
+    master = list(ds_optimizer.fp32_partitioned_groups_flat)
+    working = list(ds_optimizer.fp16_partitioned_groups_flat)
+    return {"params_numel": sum(t.numel() for t in working if t is not None),
+            "params": nbytes(working), "grads": nbytes(master, torch.float32), "optimizer": 3 * nbytes(master)}
+
+
+def _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank: int) -> Dict[str, Any]:
+    """deepspeed.initialize on the fake group (ZeRO-3): the real DeepSpeedEngine constructor,
+    zero.Init partitioning every parameter as it is built, on fake tensors."""
+    import os
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from launcher.engines.deepspeed import DeepSpeedEngine
+
+    os.environ.setdefault("LOCAL_RANK", "0")  # zero.Init reads it (one CPU "device" per process)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        engine = DeepSpeedEngine(model_cfg, optim_cfg, layout, torch.device("cpu"), options)
+        held = deepspeed_zero3_bytes(engine.optimizers[0])
+    return {
+        "rank": rank,
+        "coords": layout.mesh.coordinates(rank),
+        "params_numel": held["params_numel"],
+        "memory": {"params": held["params"], "grads": held["grads"], "optimizer": held["optimizer"],
+                   "activations": None, "peak": None},
+        "error": None,
+        "notes": ["DeepSpeed: deepspeed.initialize ran on the fake group (ZeRO-3 partitions read from DeepSpeed's "
+                  "optimizer); no fake step (DeepSpeed's forward does not run on a fake process group)"],
+    }
 
 
 def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activations: bool = True,
@@ -225,6 +283,8 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
         check_deepspeed_rank(layout, options)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    if layout.sharding_backend == "deepspeed":
+        return _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     options = dataclasses.replace(options, fake_mode=fake)
     notes = []
@@ -248,7 +308,16 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
                 step = _fake_pipeline_step_runner(engine, layout, model_cfg.vocab_size)
             else:
                 step = _fake_step_runner(engine, layout, model_cfg.vocab_size, n_micro)
-            measured = track_step_memory(engine.model_parts, engine.optimizers, step)
+            warmup = 1
+            if layout.pp == 1:
+                # The untracked first step only creates the optimizer states (AdamW makes them in
+                # its first step()); zero gradients of the parameters' shapes do that without a
+                # forward and backward, which halves the fake step time. Same measured numbers
+                # (bench/rehearse_activations.py compares with a real step). A pipeline schedule
+                # also sets up its stages' buffers in its first step: it keeps the real warm-up.
+                _zero_grad_step(engine)
+                warmup = 0
+            measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup)
             memory["activations"] = int(measured["activations"])
             memory["peak"] = int(measured["total"])
             memory["other"] = int(measured["other"])

@@ -72,6 +72,14 @@ def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False)
     result = {"build_s": time.time() - t0, "backends": {k: v.impl for k, v in plan.backends.items()},
               "layout": plan.to_dict()["layout"], "built": engine.built(),
               "memory_parts": len(engine.model_parts), "memory_optimizers": len(engine.optimizers)}
+    if plan.layout.zero_stage == 3 and plan.layout.pp == 1:
+        # Each rank's ZeRO-3 partition bytes, for the rehearsal's comparison
+        # (tests/test_deepspeed_runtime.py::test_rehearsal_holds_the_real_zero3_partitions).
+        from launcher.runtime.rehearse import deepspeed_zero3_bytes
+
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, deepspeed_zero3_bytes(engine.optimizers[0]))
+        result["held_per_rank"] = per_rank
     steps = spec.trainer.steps
     health = moe_health_for(engine, spec)
     if resume:
