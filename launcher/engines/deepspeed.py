@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -488,51 +487,44 @@ class DeepSpeedEngine:
                 state["step"] = state["step"].clone()
 
     def export(self, path: Path, fmt: str) -> None:
-        """Consolidated fp32 model on rank 0: torch.save (fp32) or safetensors (collective)."""
-        from launcher.parallel.export import write_state_dict
-        from launcher.parallel.phase import phase_barrier
+        """The consolidated fp32 model, written by rank 0 as torch.save's file (fp32) or safetensors
+        (collective).
 
-        full = self.consolidated_state_dict(Path(path).parent / ".deepspeed_export")
-        if full is not None:
-            write_state_dict(full, Path(path), fmt)
-        phase_barrier()  # rank 0 writes the whole model alone: not bounded by the collective timeout
-
-    def consolidated_state_dict(self, scratch: Path) -> Optional[Dict[str, torch.Tensor]]:
-        """Full fp32 weights under the model's names on rank 0, None elsewhere (collective).
-
-        ZeRO 1-3: a checkpoint in `scratch`, consolidated with deepspeed.utils.zero_to_fp32
-        (the fp32 master weights). Stage 0 and the pipeline engine: the module's own weights.
+        Without pipelining the file is streamed one full parameter at a time, so no rank holds
+        more than the largest parameter: ZeRO 1-3 fetch the fp32 master weights
+        (deepspeed.utils.safe_get_full_fp32_param, a collective per parameter); ZeRO-3 with the
+        optimizer on NVMe (whose fp32 partitions live in swap files) and ZeRO-0 write the module's
+        own weights. The pipeline engine gathers each stage's weights on rank 0.
         """
-        if self.pp > 1:
-            return self._gather_pipeline_state()
-        if self.layout.zero_stage == 0:
-            return canonical_state_dict(self.engine.module.state_dict()) if dist.get_rank() == 0 else None
-        if self.layout.offload_optimizer == "nvme":
-            # zero_to_fp32 cannot read optimizer partitions that live in NVMe swap files.
-            return self._gather_zero3_params()
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
+        from launcher.parallel.export import write_state_dict, write_streamed
         from launcher.parallel.phase import phase_barrier
 
-        self.engine.save_checkpoint(str(scratch), tag=CHECKPOINT_TAG, save_latest=False)
-        dist.barrier()
-        full = None
-        if dist.get_rank() == 0:
-            full = canonical_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(scratch), tag=CHECKPOINT_TAG))
-            shutil.rmtree(scratch, ignore_errors=True)
-        phase_barrier()  # rank 0 consolidates alone
-        return full
+        if self.pp > 1:
+            full = self._gather_pipeline_state()
+            if full is not None:
+                write_state_dict(full, Path(path), fmt)
+        else:
+            params = {name.replace(_WRAPPED, ""): p for name, p in self.engine.module.named_parameters(remove_duplicate=False)}
+            shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in params.items()}
+            write_streamed(Path(path), fmt, shapes, lambda name: self._full_parameter(params[name]),
+                           writes=dist.get_rank() == 0)
+        phase_barrier()  # rank 0 finishes the file alone: not bounded by the collective timeout
 
-    def _gather_zero3_params(self) -> Optional[Dict[str, torch.Tensor]]:
-        """The live ZeRO-3 parameters, one full parameter at a time (the training dtype, as fp32)."""
+    def _full_parameter(self, param: torch.Tensor) -> torch.Tensor:
+        """One parameter's full value on every rank (collective under ZeRO 1-3)."""
         import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
 
-        full: Dict[str, torch.Tensor] = {}
-        for name, param in self.engine.module.named_parameters():
+        if self.layout.zero_stage == 0:
+            return param.detach()
+        if self.layout.offload_optimizer == "nvme":
             with deepspeed.zero.GatheredParameters([param]):
-                if dist.get_rank() == 0:
-                    full[name] = param.detach().clone()
-        return canonical_state_dict(full) if dist.get_rank() == 0 else None
+                return param.detach().clone()
+        full = safe_get_full_fp32_param(param)
+        if full is None:  # DeepSpeed linked no fp32 master to this parameter
+            raise RuntimeError(f"DeepSpeed ZeRO-{self.layout.zero_stage} holds no fp32 master weight for a "
+                               f"parameter of shape {tuple(param.shape)}: the export cannot read it")
+        return full
 
     def _gather_pipeline_state(self) -> Optional[Dict[str, torch.Tensor]]:
         module = self.engine.module

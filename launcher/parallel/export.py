@@ -10,7 +10,7 @@ safetensors.torch.save_file writes (both load with their usual loaders).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -69,9 +69,21 @@ def export_state(parts: Sequence[nn.Module], world, path: Path, fmt: str) -> Non
 def write_state_dict(sd: Dict[str, torch.Tensor], path: Path, fmt: str) -> None:
     """Write a full state dict held in memory (fp32; written tensor by tensor, no second copy)
     as fmt "fp32" (torch.save's file) or "safetensors"."""
+    write_streamed(path, fmt, {k: tuple(v.shape) for k, v in sd.items()}, sd.__getitem__, writes=True)
+
+
+def write_streamed(path: Path, fmt: str, shapes: Dict[str, Shape],
+                   fetch: Callable[[str], Optional[torch.Tensor]], writes: bool) -> None:
+    """Write the tensors `shapes` names (in that order), each as `fetch(name)` returns it, so only
+    one full tensor is held at a time. `fetch` may be a collective: every rank calls it for every
+    name in the same order; only the rank with ``writes`` (the others' fetch may return None)
+    opens and writes the file."""
     _check_format(fmt)
-    items: Iterable = list(sd.items())
-    writer = _writer(Path(path), fmt, [k for k, _ in items], {k: tuple(v.shape) for k, v in items})
-    for k, v in items:
-        writer.write(k, v.detach().to("cpu", torch.float32))
-    writer.close()
+    writer = _writer(Path(path), fmt, list(shapes), shapes) if writes else None
+    for name in shapes:
+        full = fetch(name)
+        if writer is not None:
+            writer.write(name, full.detach().to("cpu", torch.float32))
+        del full
+    if writer is not None:
+        writer.close()
