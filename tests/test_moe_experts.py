@@ -342,3 +342,82 @@ def test_fp8_keeps_routed_experts_bf16_and_says_so(caplog):
     kinds = {n: type(mod).__name__ for n, mod in m.named_modules()}
     assert kinds["shared_experts.w1"] == "Float8Linear" and kinds["router"] == "Linear"
     assert all(isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor for p in m.experts.parameters())
+
+
+def test_fp8_experts_wired_to_torchao_grouped_gemm_where_it_runs(monkeypatch, caplog):
+    """CUDA >= 8.9 with the grouped path: exactly the routed experts' w1/w2/w3 get torchao's fp8
+    grouped-GEMM wrapper (not the router, shared experts or dense layers), it survives
+    to_empty/init, and a forward and backward reach torchao's scaled grouped mm with the expert
+    weights and 16-row aligned groups. That kernel has no CPU version, so a recorder computes
+    it in high precision; CPU / older GPUs / the loop keep the experts bf16 and say why."""
+    import logging
+    import re
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    import torchao.prototype.moe_training.tensor as ao_tensor
+    from launcher.config.schema import ModelConfig
+    from launcher.models import build_model
+    from launcher.parallel.fp8 import convert_experts_to_float8
+
+    yaml = Path(__file__).resolve().parents[1] / "conf" / "model" / "debug_moe.yaml"
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(yaml)))
+
+    def model(convert_cc=None):
+        with torch.device("meta"):
+            m = build_model(cfg)
+        if convert_cc:
+            assert convert_experts_to_float8(m, device_type="cuda", compute_capability=convert_cc)
+        m.to_empty(device="cpu")
+        m.init_weights(0)
+        return m
+
+    def wrapped(m):
+        return {n for n, p in m.named_parameters() if type(p).__name__ == "Float8TrainingWeightWrapperTensor"}
+
+    ref = model()
+    with caplog.at_level(logging.INFO, logger="launcher.parallel.fp8"):
+        m = model(convert_cc=(9, 0))
+    assert "torchao's rowwise fp8 grouped GEMM" in caplog.text
+    routed = {n for n, _ in m.named_parameters() if re.search(r"\.moe\.experts\.w[123]$", n)}
+    assert len(routed) == 3 * (cfg.n_layers - cfg.n_dense_layers)
+    assert wrapped(m) == routed
+    # transpose (how the grouped path passes B) keeps the wrapper, so torch._grouped_mm reaches it.
+    assert type(m.layers["1"].moe.experts.w1.transpose(-2, -1)).__name__ == "Float8TrainingWeightWrapperTensor"
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert torch.equal(p._data if n in routed else p, q), n
+
+    calls = []
+
+    def recorder(A, B_t, config, offs=None, bias=None):
+        calls.append((B_t.data_ptr(), offs.clone()))
+        return torch._grouped_mm(A, B_t, offs=offs)  # what the fp8 kernel approximates
+
+    monkeypatch.setattr(ao_tensor, "_quantize_then_scaled_grouped_mm", recorder)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    out, want = m(tokens), ref(tokens)
+    assert len(calls) == len(routed)
+    assert {ptr for ptr, _ in calls} == {p._data.data_ptr() for n, p in m.named_parameters() if n in routed}
+    assert all(bool((offs % 16 == 0).all()) for _, offs in calls), "fp8 groups must be 16-row aligned"
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)  # the alignment changes no result
+    out.float().pow(2).mean().backward()
+    want.float().pow(2).mean().backward()
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        if n in routed:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5)
+
+    # Everywhere else the experts stay bf16, with the reason in the log.
+    for device_type, cc, loop, why in [("cpu", None, False, "no CPU kernel"), ("cuda", (8, 0), False, "< 8.9"),
+                                       ("cuda", (9, 0), True, "per-expert loop")]:
+        with torch.device("meta"):
+            plain = build_model(cfg)
+        if loop:
+            for mod in plain.modules():
+                if type(mod).__name__ == "GroupedExperts":
+                    mod.implementation = "loop"
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="launcher.parallel.fp8"):
+            assert convert_experts_to_float8(plain, device_type=device_type, compute_capability=cc) == []
+        assert "stay bf16" in caplog.text and why in caplog.text, caplog.text
+        assert not wrapped(plain)

@@ -121,8 +121,46 @@ def _swiglu_loop(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.
     return torch.cat(outs, dim=0)
 
 
+# torchao's fp8 grouped GEMM (the weight wrapper launcher/parallel/fp8.py puts on the experts)
+# needs every expert's row group to be a multiple of 16 rows; torchao 0.18 refuses to pad them
+# itself for fp8 (pad_token_groups_for_grouped_mm=True asserts), so the grouped path does.
+_FP8_GROUP_ROWS = 16
+
+
+def _fp8_wrapped(w: torch.Tensor) -> bool:
+    # By name: the models floor does not import torchao.
+    return type(w).__name__ == "Float8TrainingWeightWrapperTensor"
+
+
+def _aligned_rows(counts: torch.Tensor, n_rows: int, align: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of the n_rows rows goes when every expert's group is padded to `align` rows.
+
+    Returns (dest [n_rows] row index in the padded buffer, padded counts [E], padded buffer
+    rows). The buffer size n_rows + E*(align-1) is a bound, so no shape depends on the routing
+    and nothing syncs with the host; rows after sum(counts) land after the last padded group."""
+    n_experts = counts.shape[0]
+    padded = (counts + align - 1) // align * align
+    ends, pends = torch.cumsum(counts, 0), torch.cumsum(padded, 0)
+    rows = torch.arange(n_rows, device=counts.device)
+    # Expert of each row (n_experts for the capacity padding after the last group).
+    expert = torch.searchsorted(ends, rows, right=True)
+    zero = counts.new_zeros(1)
+    starts, pstarts = torch.cat([zero, ends]), torch.cat([zero, pends])
+    dest = pstarts[expert] + rows - starts[expert]
+    return dest, padded, n_rows + n_experts * (align - 1)
+
+
 def _swiglu_grouped(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
                     counts: torch.Tensor) -> torch.Tensor:
+    if _fp8_wrapped(w1):
+        dest, padded, n_buf = _aligned_rows(counts, x.shape[0], _FP8_GROUP_ROWS)
+        x_buf = x.new_zeros(n_buf, x.shape[1]).index_copy(0, dest, x)
+        return _swiglu_grouped_aligned(x_buf, w1, w2, w3, padded)[dest]
+    return _swiglu_grouped_aligned(x, w1, w2, w3, counts)
+
+
+def _swiglu_grouped_aligned(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                            counts: torch.Tensor) -> torch.Tensor:
     dtype = _compute_dtype(x)
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
     offs = torch.cumsum(counts, 0).to(torch.int32)

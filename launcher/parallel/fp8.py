@@ -12,10 +12,11 @@ What stays in bf16 and why:
   mantissa there costs loss for a small share of the FLOPs;
 - the MoE router: top-k selection is discontinuous, so a rounding error flips which expert a
   token goes to;
-- the MoE routed experts (``GroupedExperts``, batched [E, ...] weights, not nn.Linear): torchao's
-  fp8 grouped GEMM (torchao.prototype.moe_training, on torch._scaled_grouped_mm) has no CPU
-  kernel in torch 2.13 / torchao 0.18, so it cannot run or be tested here; it is not wired, and
-  ``fp8_expert_note`` says so in the log (shared experts are nn.Linear and do go fp8);
+- the MoE routed experts (``GroupedExperts``, batched [E, ...] weights, not nn.Linear) except on
+  CUDA >= 8.9 with the grouped path: there ``convert_experts_to_float8`` hands them to torchao's
+  fp8 grouped GEMM (torchao.prototype.moe_training, on torch._scaled_grouped_mm, which has no CPU
+  kernel in torch 2.13 / torchao 0.18, so only the wiring is tested here, not a GPU run);
+  elsewhere ``fp8_expert_note`` logs why they stay bf16 (shared experts are nn.Linear: fp8);
 - names listed in ``precision.fp8.exclude``;
 - linears whose in/out features are not multiples of 16 (the FP8 GEMM kernels require it) or
   are smaller than ``precision.fp8.min_features`` (the casts cost more than the GEMM saves).
@@ -276,23 +277,96 @@ def convert_to_float8(
             config=build_float8_linear_config(cfg, fsdp_enabled=fsdp_enabled, emulate=emulate),
         )
         log.info(report.summary())
-    note = fp8_expert_note(model)
-    if note:
-        log.info(note)
+    convert_experts_to_float8(model, device_type=device_type, compute_capability=compute_capability)
     # A plain attribute, not a buffer: it must stay out of state_dict and checkpoints.
     object.__setattr__(model, "float8_report", report)
     return model
 
 
-def fp8_expert_note(model: "nn.Module") -> Optional[str]:
+def fp8_experts_skip_reason(
+    experts: "nn.Module", device_type: str, compute_capability: Optional[Tuple[int, int]]
+) -> Optional[str]:
+    """Why the routed experts `experts` (a GroupedExperts) stay bf16 under fp8, None when
+    torchao's fp8 grouped GEMM can take them.
+
+    It needs CUDA with FP8 tensor cores (torch._scaled_grouped_mm has no CPU kernel and no
+    emulation), the grouped path of launcher/models/grouped_mm.py (the per-expert loop has no
+    torch._grouped_mm call for torchao to intercept), and expert dims that are multiples of 16.
+    """
+    import torch
+
+    from launcher.models.grouped_mm import grouped_mm_problem
+
+    if device_type != "cuda":
+        return (f"device '{device_type}': torchao's fp8 grouped GEMM needs torch._scaled_grouped_mm, "
+                "which has no CPU kernel")
+    if compute_capability is None or tuple(compute_capability) < FP8_MIN_COMPUTE_CAPABILITY:
+        return (f"compute capability {compute_capability} < 8.9: no FP8 tensor cores, and torchao's fp8 "
+                "grouped GEMM has no emulation")
+    if getattr(experts, "implementation", "auto") == "loop":
+        return "experts forced to the per-expert loop: no torch._grouped_mm call to intercept"
+    _, hidden, dim = experts.w1.shape
+    # The grouped path's own check, on meta bf16 stand-ins (training computes in bf16 on CUDA;
+    # the device checks passed above).
+    x = torch.empty(1, dim, dtype=torch.bfloat16, device="meta")
+    w1 = torch.empty(1, hidden, dim, dtype=torch.bfloat16, device="meta")
+    problem = grouped_mm_problem(x, w1, w1.transpose(-2, -1))
+    if problem:
+        return f"experts take the per-expert loop ({problem}): no torch._grouped_mm call to intercept"
+    if dim % FP8_DIM_MULTIPLE or hidden % FP8_DIM_MULTIPLE:
+        return f"dim={dim}, hidden={hidden} not divisible by {FP8_DIM_MULTIPLE}"
+    return None
+
+
+def convert_experts_to_float8(
+    model: "nn.Module", *, device_type: str, compute_capability: Optional[Tuple[int, int]]
+) -> List[str]:
+    """Give the routed experts' w1/w2/w3 torchao's fp8 grouped-GEMM weight wrapper where it can
+    run (see `fp8_experts_skip_reason`); log once what was converted or why not.
+
+    Call it before FSDP / EP wrapping, like the nn.Linear swap. torchao.prototype.moe_training's
+    Float8TrainingOpConfig swaps each Parameter's data for a Float8TrainingWeightWrapperTensor,
+    whose __torch_function__ routes ``torch._grouped_mm(A_2d, B_3d, offs=...)`` to its rowwise
+    fp8 scaled grouped GEMM (B = w.transpose(-2, -1), as our grouped path passes it; transpose
+    keeps the wrapper). pad_token_groups_for_grouped_mm stays False: torchao 0.18 asserts it is
+    unsupported for fp8, so our grouped path pads each expert's group to 16 rows itself
+    (grouped_mm.py). Returns the converted modules' names.
+    """
+    experts = [(fqn, m) for fqn, m in model.named_modules() if type(m).__name__ == "GroupedExperts"]
+    if not experts:
+        return []
+    convert, kept = [], {}
+    for fqn, module in experts:
+        reason = fp8_experts_skip_reason(module, device_type, compute_capability)
+        if reason is None:
+            convert.append(fqn)
+        else:
+            kept[fqn] = reason
+    if convert:
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.quantization import quantize_
+
+        names = set(convert)
+        quantize_(model, Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=False),
+                   filter_fn=lambda m, fqn: fqn in names)
+        log.info("precision=fp8: the routed experts (w1/w2/w3) of %d MoE layers use torchao's rowwise fp8 "
+                 "grouped GEMM (torchao.prototype.moe_training, CUDA compute capability %s); "
+                 "router kept bf16 by design, shared experts fp8 as nn.Linear", len(convert), compute_capability)
+    if kept:
+        log.info(fp8_expert_note(model, sorted(set(kept.values()))))
+    return convert
+
+
+def fp8_expert_note(model: "nn.Module", reasons: Optional[List[str]] = None) -> Optional[str]:
     """The log line saying that the model's routed MoE experts stay bf16 under fp8 (None
     without MoE layers)."""
     n = sum(1 for m in model.modules() if type(m).__name__ == "GroupedExperts")
     if not n:
         return None
-    return (f"precision=fp8: the routed experts of {n} MoE layers stay bf16 (their batched weights are "
-            f"not nn.Linear; torchao's fp8 grouped GEMM needs torch._scaled_grouped_mm, which has no CPU "
-            f"kernel, and is not wired for CUDA either); router kept bf16 by design, shared experts fp8")
+    why = "; ".join(reasons) if reasons else (
+        "torchao's fp8 grouped GEMM needs torch._scaled_grouped_mm on CUDA >= 8.9 (no CPU kernel)")
+    return (f"precision=fp8: the routed experts of {n} MoE layers stay bf16 ({why}); "
+            f"router kept bf16 by design, shared experts fp8")
 
 
 # --------------------------------------------------------------------------- per step
