@@ -57,6 +57,17 @@ def test_text_has_every_section(planned):
         render_plan(plan, spec, "yaml")
 
 
+def test_moe_under_tp_warns_that_experts_are_replicated_with_the_numbers_and_a_fix():
+    """The runtime has no expert-TP: under tp>1 every TP rank holds all routed experts of its ep
+    shard. The plan says so with the per-GPU expert parameters (mixtral8x7b, ep=8: one 176M-parameter
+    expert in each of 32 layers = 5.64B) and a fix; without tp, or for a dense model, no warning."""
+    tp2 = build_plan(compose_spec(["+recipe=mixtral8x7b", "parallel.tp=2"]))
+    note = [w for w in tp2.warnings if "replicated on every TP rank" in w]
+    assert len(note) == 1 and "5.64B" in note[0] and "2.82B" in note[0] and "Fix:" in note[0] and "parallel.ep" in note[0]
+    for overrides in (["+recipe=mixtral8x7b", "parallel.tp=1", "parallel.dp_shard=-1"], ["+recipe=llama70b"]):
+        assert not any("replicated on every TP rank" in w for w in build_plan(compose_spec(overrides)).warnings)
+
+
 def test_does_not_fit_is_reported_with_fixes():
     spec = compose_spec(["+recipe=llama70b", "cluster.nodes=1", "parallel.zero_stage=0",
                          "trainer.global_batch_size=8", "activation_checkpointing=none"])

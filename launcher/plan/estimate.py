@@ -76,7 +76,7 @@ def fill_from_layout(plan, spec, shape: ModelShape, lay: Layout) -> None:
     }
     t["model_flops_per_token"] = flops_per_token
     plan.time = t
-    plan.warnings = list(plan.warnings) + warnings_for(plan, spec, lay)
+    plan.warnings = list(plan.warnings) + warnings_for(plan, spec, lay) + replicated_experts_note(shape, lay)
 
 
 def warnings_for(plan, spec, lay: Layout) -> List[str]:
@@ -122,6 +122,18 @@ def warnings_for(plan, spec, lay: Layout) -> List[str]:
             f"TP collectives cross the network. Fix: parallel.tp <= {lay.gpus_per_node} and use pp or dp_shard instead."
         )
     return out
+
+
+def replicated_experts_note(shape: ModelShape, lay: Layout) -> List[str]:
+    """MoE under tensor parallelism: the routed experts are replicated over the tp ranks (the
+    runtime has no expert-TP); say what that costs and how to shard them instead."""
+    if lay.tp <= 1 or shape.n_moe_layers == 0:
+        return []
+    per_gpu = shape.n_moe_layers * shape.moe_block_routed / (lay.ep * lay.pp)
+    return [f"parallel.tp={lay.tp} with MoE: the routed experts are replicated on every TP rank (no expert-TP), "
+            f"each TP rank computes with about {per_gpu / 1e9:.2f}B unsharded expert parameters where expert-TP would use "
+            f"{per_gpu / lay.tp / 1e9:.2f}B; the planner counts them in full. Fix: shard the experts with a larger "
+            f"parallel.ep (experts / ep per rank) or use a lower parallel.tp."]
 
 
 def accumulate_unsharded_note(spec, lay: Layout) -> List[str]:
