@@ -146,7 +146,7 @@ FEATURES: Tuple[Feature, ...] = (
         "checkpoint", "Checkpoint format", "checkpoint.*", "checkpoint",
         "torch.distributed.checkpoint (DCP), reshardable across world sizes",
         "`engine.save_checkpoint` / `load_checkpoint` (ZeRO partitioned files); "
-        "consolidation with `zero_to_fp32`",
+        "per-parameter fp32 masters (`safe_get_full_fp32_param`)",
         "both export a consolidated fp32 / safetensors model",
     ),
 )
