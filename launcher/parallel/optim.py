@@ -72,8 +72,10 @@ def build_scheduler(opt: torch.optim.Optimizer, cfg, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(opt, fn)
 
 
-def _sq_norm_local_view(grads: List[torch.Tensor]) -> torch.Tensor:
-    """Sum of squared entries, counting every element of every full tensor once."""
+def _same_kind_groups(grads: List[torch.Tensor]) -> Tuple[List[List[torch.Tensor]], List[torch.Tensor]]:
+    """(DTensor gradients grouped by mesh and placements, plain tensors): a foreach op takes one
+    group at a time, since DTensor refuses lists that mix plain tensors or meshes (a pipeline
+    stage under TP holds both)."""
     from torch.distributed.tensor import DTensor
 
     by_mesh: Dict[Tuple, List[torch.Tensor]] = {}
@@ -83,9 +85,17 @@ def _sq_norm_local_view(grads: List[torch.Tensor]) -> torch.Tensor:
             by_mesh.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
         else:
             plain.append(g)
+    return list(by_mesh.values()), plain
+
+
+def _sq_norm_local_view(grads: List[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared entries, counting every element of every full tensor once."""
+    from torch.distributed.tensor import DTensor
+
+    dtensor_groups, plain = _same_kind_groups(grads)
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for gs in by_mesh.values():
+    for gs in dtensor_groups:
         # The DTensor norm knows its placements: Shard dims are summed across ranks,
         # Replicate dims are counted once. full_tensor() does that reduction.
         # One foreach call per mesh: a per-tensor norm costs one DTensor dispatch per parameter.
@@ -114,5 +124,8 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     if max_norm > 0:
         coef = min(1.0, max_norm / (float(norm) + 1e-6))
         if coef < 1.0:
-            torch._foreach_mul_(grads, coef)  # one dispatch, not one per (DTensor) gradient
+            dtensor_groups, plain = _same_kind_groups(grads)
+            for group in [*dtensor_groups, plain]:
+                if group:
+                    torch._foreach_mul_(group, coef)  # one dispatch per group, not one per (DTensor) gradient
     return float(norm)
