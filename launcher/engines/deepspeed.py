@@ -34,6 +34,7 @@ from torch import nn
 from launcher.engines.base import (EngineOptions, Microbatch, StepStats, aux_loss_scale, built_report,
                                    local_token_count, token_loss_sum)
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, write_deepspeed_config
+from launcher.models.moe import latest_aux_loss, set_aux_loss_scale
 from launcher.parallel.optim import build_adamw, param_groups
 from launcher.plan.layout import Layout
 
@@ -337,20 +338,11 @@ class DeepSpeedEngine:
         dist.all_reduce(t)
         return max(float(t) / self.pp, 1.0)  # every stage of a replica holds the same batch
 
-    def _moe_modules(self) -> List[nn.Module]:
-        """This rank's MoE layers (of the whole model, or of its pipeline stage)."""
-        return [m for m in self._model_ref.modules() if hasattr(m, "aux_loss_scale")]
-
     def _set_aux_scale(self, n_micro: int) -> None:
         # DeepSpeed averages over dp itself (pipeline or not), so only the micro-batch count is
         # divided out: the aux gradient is injected per micro-batch, outside the loss DeepSpeed scales.
-        for m in self._moe_modules():
-            m.aux_loss_scale = aux_loss_scale(n_micro, 1)
-
-    def _latest_aux(self) -> float:
-        """This rank's layers' load-balancing loss of the last micro-batch (as the native engine logs)."""
-        vals = [m.last_aux_loss for m in self._moe_modules() if m.last_aux_loss is not None]
-        return float(sum(float(v) for v in vals))
+        # The module may be a pipeline stage, not a Transformer: the model floor's functions take either.
+        set_aux_loss_scale(self._model_ref, aux_loss_scale(n_micro, 1))
 
     def train_step(self, microbatches: List[Microbatch]) -> StepStats:
         """One optimizer step over this data-parallel rank's micro-batches (collective)."""
@@ -382,7 +374,7 @@ class DeepSpeedEngine:
                 local_loss += float(loss.detach())
         # MoE aux loss for logging, as the native engine: last micro-batch, summed over the layers
         # of every pipeline stage, averaged over data-parallel replicas.
-        aux = self._latest_aux() if self.is_moe else 0.0
+        aux = latest_aux_loss(self._model_ref) if self.is_moe else 0.0
         stats = torch.tensor([local_loss if contributes else 0.0, aux], dtype=torch.float64, device=self.device)
         dist.all_reduce(stats)
         norm = self.engine.get_global_grad_norm()

@@ -207,3 +207,20 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.reshape(shape)
+
+
+def moe_layers_of(module: nn.Module) -> List[MoE]:
+    """The MoE layers inside `module`: a whole Transformer, one pipeline stage, or any wrapper."""
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def latest_aux_loss(module: nn.Module) -> float:
+    """Sum over `module`'s MoE layers of the last forward's load-balancing loss (0 without any)."""
+    vals = [m.last_aux_loss for m in moe_layers_of(module) if m.last_aux_loss is not None]
+    return float(sum(float(v) for v in vals)) if vals else 0.0
+
+
+def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
+    """Weight of the load-balancing gradient in every MoE layer of `module` (see AddAuxLossGrad)."""
+    for m in moe_layers_of(module):
+        m.aux_loss_scale = scale

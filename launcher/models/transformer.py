@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from launcher.models.layers import Attention, FeedForward, RMSNorm, model_rope_table
-from launcher.models.moe import MoE
+from launcher.models.moe import MoE, latest_aux_loss, set_aux_loss_scale
 
 
 class TransformerBlock(nn.Module):
@@ -85,9 +85,7 @@ class Transformer(nn.Module):
 
     def latest_aux_loss(self) -> float:
         """Sum over this module's MoE layers of the last forward's load-balancing loss."""
-        vals = [m.last_aux_loss for m in self.moe_layers() if m.last_aux_loss is not None]
-        return float(sum(float(v) for v in vals)) if vals else 0.0
+        return latest_aux_loss(self)
 
     def set_aux_loss_scale(self, scale: float) -> None:
-        for m in self.moe_layers():
-            m.aux_loss_scale = scale
+        set_aux_loss_scale(self, scale)

@@ -162,12 +162,13 @@ def balance_moe_routing(parts) -> str:
     balanced load (tokens*top_k/n_experts per expert, what the planner assumes) makes every
     per-expert count, and so every dispatch split, known without values. Returns the note for
     the report ("" without MoE layers)."""
+    from launcher.models.moe import moe_layers_of
+
     n = 0
     for part in parts:
-        for module in part.modules():
-            if hasattr(module, "routing") and hasattr(module, "routed_tokens"):
-                module.routing = "balanced"
-                n += 1
+        for layer in moe_layers_of(part):
+            layer.routing = "balanced"
+            n += 1
     if not n:
         return ""
     return (f"MoE: the fake step routes balanced ({n} MoE layers; tokens*top_k/n_experts per expert, the "
