@@ -153,6 +153,11 @@ class CheckpointConfig:
     __annotations__["async"] = "bool"
     vars()["async"] = field(default=False, init=False, repr=False, compare=False)
 
+    @property
+    def saves_async(self) -> bool:
+        """checkpoint.async in effect: checkpoints on and `async` set (the one place that reads the keyword)."""
+        return self.enabled and bool(getattr(self, "async"))
+
 
 @dataclass
 class OptimConfig:

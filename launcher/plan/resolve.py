@@ -142,7 +142,7 @@ def _layout_problems(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
 def async_checkpoint_problems(spec: JobConfig, layout: Layout) -> List[str]:
     """checkpoint.async=true needs the native engine: DeepSpeed's save_checkpoint writes in the
     foreground and offers no staged background write with our atomic publish (refused, not ignored)."""
-    if not (spec.checkpoint.enabled and getattr(spec.checkpoint, "async")) or layout.sharding_backend != "deepspeed":
+    if not spec.checkpoint.saves_async or layout.sharding_backend != "deepspeed":
         return []
     return [f"checkpoint.async=true: asynchronous checkpoints are written by the native engine (DCP async_save), "
             f"but this layout gives the model states to DeepSpeed (ZeRO-{layout.zero_stage}), whose checkpoints are "

@@ -285,8 +285,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         verify_checksums=spec.checkpoint.verify_checksums,
         rank=rank.rank,
         world_size=rank.world_size,
-        # checkpoint.async (a keyword in Python, hence getattr): saves finish in the background.
-        async_save=spec.checkpoint.enabled and bool(getattr(spec.checkpoint, "async")),
+        async_save=spec.checkpoint.saves_async,  # checkpoint.async: saves finish in the background
         async_timeout_s=phase_s,
     )
     start_step = 0
