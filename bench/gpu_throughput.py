@@ -77,6 +77,7 @@ class Settings:
     compile: bool  # False: every variant runs eager (smoke mode)
     tied: bool = False  # the model's tie_embeddings, filled once composed
     seed: int = 1234
+    extra: Tuple[str, ...] = ()  # --set overrides, applied after the variant's own
 
 
 @dataclass
@@ -111,6 +112,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="comma-separated subset of: " + ", ".join(v.name for v in VARIANTS))
     p.add_argument("--no-compile", action="store_true", help="run every variant eager (default in --smoke)")
     p.add_argument("--compile", action="store_true", help="with --smoke: keep torch.compile on")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra `train` override for every variant, e.g. --set model.n_layers=1 (repeatable)")
     p.add_argument("--append", type=Path, default=None, help="append the markdown record to this file")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     return p.parse_args(argv)
@@ -136,6 +139,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         warmup=args.warmup if args.warmup is not None else (1 if small else 5),
         steps=args.steps if args.steps is not None else (2 if small else 20),
         hardware=args.hardware,
+        extra=tuple(args.set),
         compile=compile_on,
     )
 
@@ -210,6 +214,7 @@ def compose_job(s: Settings, precision: str, compile: bool):
     ]
     if precision == "fp8" and s.device != "cuda":
         overrides.append("precision.fp8.emulate=true")  # numerics only on CPU
+    overrides.extend(s.extra)
     spec = compose_spec(overrides)
     if spec.model.max_seq_len < s.seq_len:
         raise SystemExit(f"--seq-len {s.seq_len} exceeds model.max_seq_len={spec.model.max_seq_len} of {s.model}")
@@ -478,6 +483,7 @@ def render_markdown(s: Settings, env: Dict[str, str], hw, params: int, flops_per
         f"- model `{s.model}` ({_count(params)} params), seq {s.seq_len}, micro-batch {s.micro_batch}, "
         f"{s.steps} timed steps after {s.warmup} warm-up; FLOPs/token {flops_per_token / 1e9:.3f} G "
         f"(launcher.plan.flops: 6N + 12·L·h·s)",
+        *([f"- overrides: `{' '.join(s.extra)}`"] if s.extra else []),
         f"- MFU against the dense BF16 peak of conf/hardware/{hw.name}.yaml: {hw.bf16_tflops:g} TFLOP/s "
         f"(fp8 rows too; the FP8 peak is {hw.fp8_tflops:g})",
         "",
@@ -529,7 +535,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         t0 = time.perf_counter()
         print(f"== {v.name} ...", file=sys.stderr, flush=True)
         results.append(run_variant(v, s, batches, flops_per_token, hw.bf16_tflops))
-        print(f"   {results[-1].status} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        r = results[-1]
+        print(f"   {r.status} in {time.perf_counter() - t0:.1f} s: tokens/s {_fmt(r.tokens_per_s, ',.0f')}, "
+              f"peak {_gib(r.peak_mem_bytes)} GiB", file=sys.stderr, flush=True)
 
     text = render_markdown(s, environment(), hw, params, flops_per_token, results)
     print(text)

@@ -120,3 +120,31 @@ def test_checkpoint_blocking_smoke_prints_the_ratio_line(tmp_path):
     assert words[:2] == ["blocking", "ratio"] and len(words) == 3, proc.stdout
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["checkpoint_bytes"] > 0 and {k: len(v) for k, v in r["round_s"].items()} == {"none": 1, "sync": 1, "async": 1}
+
+
+def test_gpu_moe_smoke_grouped_equals_the_loop():
+    """bench/gpu_moe.py --smoke (CPU, small MoE layer): the harness runs, the grouped GEMM's output
+    and expert-weight gradients equal the loop's, and fp8 is skipped with the reason (no CPU kernel)."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_moe.py"), "--smoke"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
+    assert set(rows) == {"loop", "grouped", "fp8"}, proc.stdout
+    ms, out_err, _x_err, *w_errs = (float(c) for c in rows["grouped"])
+    assert ms > 0 and out_err == 0.0 and all(e == 0.0 for e in w_errs), rows["grouped"]
+    assert rows["fp8"][0].startswith("skipped: device 'cpu'"), rows["fp8"]
+
+
+def test_rehearse_gpu_smoke_row_matches_the_real_step(tmp_path):
+    """bench/rehearse_gpu.py --smoke for one row (real side on the CPU): the harness runs, and on the
+    CPU the rehearsal's activation peak and peak equal the real step's (the GPU rows are in
+    docs/benchmarks.md)."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "rehearse_gpu.py"), "--smoke",
+                           "--rows", "debug s128 AC none", "--json", str(tmp_path / "r.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
+    real, fake, plan = row["real"], row["fake"], row["plan"]
+    assert real["activations"] > 0 and fake["activations"] == real["activations"], row
+    assert fake["peak"] == real["peak"] and plan["peak"] > 0, row

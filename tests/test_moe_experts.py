@@ -391,15 +391,18 @@ def test_fp8_experts_wired_to_torchao_grouped_gemm_where_it_runs(monkeypatch, ca
     calls = []
 
     def recorder(A, B_t, config, offs=None, bias=None):
-        calls.append((B_t.data_ptr(), offs.clone()))
+        calls.append((B_t.data_ptr(), offs.clone(), A.shape[0]))
         return torch._grouped_mm(A, B_t, offs=offs)  # what the fp8 kernel approximates
 
     monkeypatch.setattr(ao_tensor, "_quantize_then_scaled_grouped_mm", recorder)
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     out, want = m(tokens), ref(tokens)
     assert len(calls) == len(routed)
-    assert {ptr for ptr, _ in calls} == {p._data.data_ptr() for n, p in m.named_parameters() if n in routed}
-    assert all(bool((offs % 16 == 0).all()) for _, offs in calls), "fp8 groups must be 16-row aligned"
+    assert {ptr for ptr, _, _ in calls} == {p._data.data_ptr() for n, p in m.named_parameters() if n in routed}
+    assert all(bool((offs % 16 == 0).all()) for _, offs, _ in calls), "fp8 groups must be 16-row aligned"
+    # The token rows as a whole too: the weight gradient (grad_out^T @ A) takes them as its leading
+    # stride, and an H100 refused 16504 rows ("strides should be multiple of 16 bytes").
+    assert all(rows % 16 == 0 for _, _, rows in calls), [rows for _, _, rows in calls]
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)  # the alignment changes no result
     out.float().pow(2).mean().backward()
     want.float().pow(2).mean().backward()

@@ -159,6 +159,10 @@ class CheckpointConfig:
         return self.enabled and bool(getattr(self, "async"))
 
 
+# optim.implementation's values (launcher/parallel/optim.py adamw_kernel_flags says what each does).
+ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+
+
 @dataclass
 class OptimConfig:
     name: str = "adamw"
@@ -170,6 +174,9 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 10
     schedule: str = "cosine"  # cosine | linear | constant
+    # AdamW's kernels: auto (fused on CUDA, as torchtitan; torch's default foreach/per-tensor
+    # elsewhere) | fused | foreach | for_loop. Same update; fused reads each state once.
+    implementation: str = "auto"
 
 
 @dataclass

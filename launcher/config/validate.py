@@ -17,7 +17,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from launcher.config.cluster import check_cluster_config
 from launcher.config.errors import ConfigError
-from launcher.config.schema import JobConfig, ModelConfig
+from launcher.config.schema import ADAMW_IMPLEMENTATIONS, JobConfig, ModelConfig
 
 CHOICES = {
     "action": ("run", "plan", "search", "rehearse", "export"),
@@ -275,6 +275,9 @@ def _check_optimizer_values(spec: JobConfig, problems: List[str]) -> None:
         problems.append(f"optim.eps={o.eps} must be positive. Fix: e.g. optim.eps=1e-8.")
     if o.weight_decay < 0:
         problems.append(f"optim.weight_decay={o.weight_decay} must be >= 0. Fix: e.g. optim.weight_decay=0.1, or 0 for none.")
+    if o.implementation not in ADAMW_IMPLEMENTATIONS:
+        problems.append(f"optim.implementation={o.implementation!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}. "
+                        f"Fix: optim.implementation=auto (fused on CUDA).")
 
 
 def _check_misc_values(spec: JobConfig, problems: List[str]) -> None:

@@ -136,7 +136,7 @@ def _aligned_rows(counts: torch.Tensor, n_rows: int, align: int) -> Tuple[torch.
     """Where each of the n_rows rows goes when every expert's group is padded to `align` rows.
 
     Returns (dest [n_rows] row index in the padded buffer, padded counts [E], padded buffer
-    rows). The buffer size n_rows + E*(align-1) is a bound, so no shape depends on the routing
+    rows). The buffer size, n_rows + E*(align-1) rounded up to `align`, is a bound, so no shape depends on the routing
     and nothing syncs with the host; rows after sum(counts) land after the last padded group."""
     n_experts = counts.shape[0]
     padded = (counts + align - 1) // align * align
@@ -147,7 +147,11 @@ def _aligned_rows(counts: torch.Tensor, n_rows: int, align: int) -> Tuple[torch.
     zero = counts.new_zeros(1)
     starts, pstarts = torch.cat([zero, ends]), torch.cat([zero, pends])
     dest = pstarts[expert] + rows - starts[expert]
-    return dest, padded, n_rows + n_experts * (align - 1)
+    # The buffer's row count is a multiple of `align` too: torchao's weight-gradient GEMM
+    # (grad_out^T @ x) takes the rows as its leading stride, which fp8 needs 16-byte aligned
+    # ("strides should be multiple of 16 bytes" on an H100 otherwise).
+    n_buf = -(-(n_rows + n_experts * (align - 1)) // align) * align
+    return dest, padded, n_buf
 
 
 def _swiglu_grouped(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,

@@ -82,9 +82,12 @@ def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
     from launcher.engines.base import token_loss_sum
 
     shape = (layout.micro_batch_size, layout.seq_len)
-    inputs = torch.randint(0, vocab_size, shape)
-    labels = torch.randint(0, vocab_size, shape)
     model = engine.parts[0]
+    # The model's device: the CPU under the rehearsal's fake tensors, the GPU when a benchmark
+    # runs this same step for real (bench/rehearse_gpu.py).
+    device = next(model.parameters()).device
+    inputs = torch.randint(0, vocab_size, shape, device=device)
+    labels = torch.randint(0, vocab_size, shape, device=device)
 
     def step():
         for _ in range(microbatches):
