@@ -78,6 +78,7 @@ class Settings:
     tied: bool = False  # the model's tie_embeddings, filled once composed
     seed: int = 1234
     extra: Tuple[str, ...] = ()  # --set overrides, applied after the variant's own
+    profile_dir: Optional[str] = None  # --profile
 
 
 @dataclass
@@ -114,6 +115,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="with --smoke: keep torch.compile on")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra `train` override for every variant, e.g. --set model.n_layers=1 (repeatable)")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="after timing, profile 3 more steps per variant; write DIR/<variant>.txt "
+                        "(kernels by device time) and print each variant's top kernels to stderr")
     p.add_argument("--append", type=Path, default=None, help="append the markdown record to this file")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     return p.parse_args(argv)
@@ -140,6 +144,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         steps=args.steps if args.steps is not None else (2 if small else 20),
         hardware=args.hardware,
         extra=tuple(args.set),
+        profile_dir=str(args.profile) if args.profile else None,
         compile=compile_on,
     )
 
@@ -380,6 +385,25 @@ def time_steps(step: Callable, batches, warmup: int, device) -> Tuple[List[float
     return times, losses
 
 
+def profile_steps(step: Callable, batches, device, out_dir: Path, variant: str) -> None:
+    """Run `batches` under torch.profiler; write the op/kernel table sorted by device time to
+    out_dir/<variant>.txt and print its first rows to stderr (where the step time goes)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for batch in batches:
+            step(batch)
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / (variant.replace(" ", "_").replace("+", "plus") + ".txt")).write_text(table)
+    print(f"   profile of {len(batches)} steps, by {key}:\n" + "\n".join(table.splitlines()[:20]),
+          file=sys.stderr, flush=True)
+
+
 def run_variant(v: Variant, s: Settings, batches, flops_per_token: float, peak_tflops: float) -> Result:
     import torch
 
@@ -408,6 +432,8 @@ def run_variant(v: Variant, s: Settings, batches, flops_per_token: float, peak_t
                 step = launcher_step_fn(spec, device, Path(run_dir))
             res.params = getattr(step, "params", None)
             times, res.losses = time_steps(step, batches, s.warmup, device)
+            if s.profile_dir:
+                profile_steps(step, batches[-3:], device, Path(s.profile_dir), v.name)
     except Exception as err:  # one failing variant (OOM, no fp8 support) must not lose the others
         traceback.print_exc(file=sys.stderr)
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
