@@ -10,8 +10,11 @@ fresh process. Prints a markdown table; not a test.
 
     .venv/bin/python bench/rehearse_activations.py --multi
 
-Two ranks, bf16, AC none, FSDP2 (dp_shard 2) and TP (tp 2 with SP): a real 2-process gloo run
-(torchrun) tracks each rank's step as above; each rank is then rehearsed on a fake group of 2.
+Two ranks, bf16, AC none, FSDP2 (dp_shard 2), TP (tp 2) with and without SP, and PP (pp 2,
+1F1B and interleaved 1F1B with 2 virtual stages, the layout's 4 micro-batches): a real 2-process
+gloo run (torchrun) tracks each rank's step as above (a pipeline rank: the rehearsal's schedule
+step, after one untracked step like the rehearsal); each rank is then rehearsed on a fake group
+of 2 (docs/planner.md, "Rehearsal", has the table).
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-MULTI = {"fsdp2": {"parallel.dp_shard": 2}, "tp2_sp": {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}}
+MULTI = {"fsdp2": {"parallel.dp_shard": 2},
+         "tp2_sp": {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1},
+         "tp2": {"parallel.tp": 2, "parallel.sp": False, "parallel.dp_shard": 1},
+         "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "parallel.dp_shard": 1},
+         "pp2_interleaved_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b",
+                                  "parallel.pp_virtual_stages": 2, "parallel.dp_shard": 1}}
 
 
 def _layout(ac: str, precision: str, world: int = 1, extra=None):
@@ -48,7 +56,7 @@ def measure_multi(mode: str, name: str, rank: int = -1) -> dict:
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
     from launcher.runtime.memtrack import track_step_memory
-    from launcher.runtime.rehearse import _fake_step_runner, rehearse_rank
+    from launcher.runtime.rehearse import _fake_pipeline_step_runner, _fake_step_runner, rehearse_rank
 
     mcfg, lay = _layout("none", "bf16", 2, MULTI[name])
     opts, optim = EngineOptions(total_steps=10, seed=7), OptimConfig(lr=3e-3, warmup_steps=1)
@@ -57,7 +65,10 @@ def measure_multi(mode: str, name: str, rank: int = -1) -> dict:
     dist.init_process_group("gloo")
     torch.manual_seed(0)  # the same token batch on both ranks (the step runner draws it)
     eng = NativeEngine(mcfg, optim, lay, torch.device("cpu"), opts)
-    m = track_step_memory(eng.model_parts, eng.optimizers, _fake_step_runner(eng, lay, mcfg.vocab_size, 2))
+    if lay.pp > 1:  # the rehearsal's pipeline step (static stage shapes), a real warm-up step first
+        m = track_step_memory(eng.model_parts, eng.optimizers, _fake_pipeline_step_runner(eng, lay, mcfg.vocab_size))
+    else:
+        m = track_step_memory(eng.model_parts, eng.optimizers, _fake_step_runner(eng, lay, mcfg.vocab_size, 2))
     out = [None, None]
     dist.all_gather_object(out, {"activations": m["activations"], "peak": m["total"]})
     dist.barrier()

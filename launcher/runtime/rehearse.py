@@ -299,6 +299,7 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
         skip = fake_step_skip_reason(layout, model_cfg)
         if activations and not skip:
             from launcher.runtime.memtrack import track_step_memory
+            from launcher.runtime.fake_memory import fake_step_as_real
 
             note = balance_moe_routing(engine.model_parts)
             if note:
@@ -321,7 +322,9 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
                 # also sets up its stages' buffers in its first step: it keeps the real warm-up.
                 _zero_grad_step(engine)
                 warmup = 0
-            measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup)
+            # Measure what a real step holds, not fake-mode artefacts (launcher/runtime/fake_memory.py).
+            with fake_step_as_real():
+                measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup)
             memory["activations"] = int(measured["activations"])
             memory["peak"] = int(measured["total"])
             memory["other"] = int(measured["other"])

@@ -163,7 +163,61 @@ def run_layout(spec: dict) -> dict:
     else:
         per_rank = [held]
     out["held_per_rank"] = per_rank
+    if spec.get("track_rehearsal_step"):
+        tracked = rehearsal_step_memory(engine, layout, mcfg.vocab_size)
+        per_rank = [None] * dist.get_world_size() if dist.is_initialized() else [tracked]
+        if dist.is_initialized():
+            dist.all_gather_object(per_rank, tracked)
+        out["tracked_per_rank"] = per_rank
     return out
+
+
+def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
+    """The rehearsal's tracked step (launcher/runtime/rehearse.py: rehearse_rank) on this real
+    rank: the same step function, micro-batch count and warm-up, on real tensors; {activations,
+    peak} for tests/test_parallel_layouts.py::test_rehearsal_activation_peak_is_the_real_ones."""
+    from launcher.runtime.memtrack import track_step_memory
+    from launcher.runtime.rehearse import _fake_pipeline_step_runner, _fake_step_runner
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # the same token batch on every rank (the runners draw it)
+        if layout.pp > 1:  # the rehearsal warms a schedule up with one untracked step
+            step, warmup = _fake_pipeline_step_runner(engine, layout, vocab_size), 1
+        else:  # at most 2 micro-batches, as rehearse_rank; the optimizer states exist already
+            step, warmup = _fake_step_runner(engine, layout, vocab_size, max(1, min(layout.microbatches, 2))), 0
+    measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup)
+    return {"activations": int(measured["activations"]), "peak": int(measured["total"]),
+            "gloo_reduce_scatter_copy": largest_reduce_scatter_input_bytes(engine.model_parts, 4)}
+
+
+def largest_reduce_scatter_input_bytes(model_parts, reduce_bytes: int) -> int:
+    """Bytes of this rank's largest FSDP2 reduce-scatter input (0 without FSDP): one FSDP unit's
+    gradients unsharded over its data-parallel shards (local shard numel x shard-mesh size, even
+    shards), in `reduce_bytes`-byte elements (the harness's layouts reduce in fp32). Gloo's
+    reduce-scatter copies its input into a buffer of this size inside the collective (NCCL's
+    does not): the one allocation a real CPU run makes that the rehearsal does not model."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def dp_shards(p) -> int:  # mesh dimensions other than tp that shard p (FSDP's)
+        if not isinstance(p, DTensor):
+            return 1
+        names = p.device_mesh.mesh_dim_names or ()
+        n = 1
+        for i, pl in enumerate(p.placements):
+            if (pl.is_shard() or isinstance(pl, _StridedShard)) and names[i] != "tp":
+                n *= p.device_mesh.size(i)
+        return n
+
+    best = 0
+    for part in model_parts:
+        for unit in (m for m in part.modules() if isinstance(m, FSDPModule)):
+            inner = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)
+                     for p in m.parameters()}
+            numel = sum(p.to_local().numel() * dp_shards(p) for p in unit.parameters() if id(p) not in inner)
+            best = max(best, numel * reduce_bytes)
+    return best
 
 
 def main() -> int:
