@@ -22,6 +22,7 @@ exactly that of the global-mean loss.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -110,12 +111,20 @@ def apply_checkpointing(model: nn.Module, layout: Layout) -> None:
 
 def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
     """build_model on meta, then the native path's layout-independent initialisation."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from launcher.models import build_model
 
-    with torch.device("meta"):
+    # Plain meta tensors even inside the rehearsal's FakeTensorMode (a no-op in real runs): a
+    # FakeTensor parameter makes to_empty swap it in place (torch.utils.swap_tensors), which
+    # torch refuses once the fake mode's memo holds a weak reference to it; from plain meta
+    # parameters to_empty creates new (fake) ones instead.
+    with unset_fake_temporarily(), torch.device("meta"):
         model = build_model(model_cfg)
     model.to_empty(device=device)
-    if model_cfg.init_from:
+    if model_cfg.init_from and _holds_fake_tensors(model):
+        pass  # the rehearsal: fake tensors have no values to load (init_weights draws none either)
+    elif model_cfg.init_from:
         from launcher.parallel.hf_weights import load_hf_weights
 
         # ZeRO 0-2 and the pipeline engine hold the whole model on each rank before DeepSpeed
@@ -125,6 +134,50 @@ def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
         model.init_weights(seed, buffer_device=device)
     model.train()
     return model
+
+
+def _holds_fake_tensors(module: nn.Module) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(is_fake(p) for p in module.parameters())
+
+
+@contextlib.contextmanager
+def fake_module_stays_put(module: nn.Module, device: torch.device):
+    """While DeepSpeed initialises an engine around ``module`` on the rehearsal's fake tensors,
+    ``module.to(device)`` returns the module unchanged. Real tensors: nothing changes.
+
+    Why: ``DeepSpeedEngine._configure_distributed_model`` moves the module with
+    ``module.to(self.device)`` (ZeRO 0-2 and the pipeline engine; zero.Init models skip it).
+    torch's ``Module._apply`` swaps every FakeTensor parameter in place with
+    ``torch.utils.swap_tensors``, even when the conversion returns the same tensor, and
+    swap_tensors refuses a tensor that has weak references: DeepSpeed's debug name map
+    (``deepspeed.utils.debug.param_names``, a ``weakref.finalize`` per parameter, set earlier in
+    the same constructor) and the fake mode's memo hold them. The parameters and buffers
+    already are fake tensors on ``device``, so the move is a no-op; this is checked, and only
+    this module object's ``to`` is shadowed (an instance attribute), only inside the block.
+    """
+    if not _holds_fake_tensors(module):
+        yield
+        return
+    device = torch.device(device)
+    misplaced = sorted({str(t.device) for t in [*module.parameters(), *module.buffers()] if t.device != device})
+    if misplaced:
+        raise RuntimeError(f"fake module has tensors on {misplaced}, not {device}: DeepSpeed's module.to() "
+                           f"would have to move them")
+
+    def stay(*args, **kwargs):
+        targets = [*args, *kwargs.values()]
+        if any(not isinstance(a, (str, torch.device)) or torch.device(a) != device for a in targets):
+            raise RuntimeError(f"DeepSpeed asked for module.to({args}, {kwargs}) on fake tensors; only a move "
+                               f"to {device} (a no-op) is skipped")
+        return module
+
+    module.to = stay  # nn.Module.__setattr__ keeps a plain function in the instance __dict__
+    try:
+        yield
+    finally:
+        del module.__dict__["to"]
 
 
 def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, seed: int, offload_params: str,
@@ -286,10 +339,11 @@ class DeepSpeedEngine:
         from launcher.parallel.optim import build_scheduler
 
         self.scheduler = build_scheduler(optimizer, optim_cfg, options.total_steps)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, lr_scheduler=self.scheduler, config=self.config,
-            dist_init_required=False,
-        )
+        with fake_module_stays_put(module, device):  # real tensors: no effect
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=module, optimizer=optimizer, lr_scheduler=self.scheduler, config=self.config,
+                dist_init_required=False,
+            )
         if self.config["bf16"]["enabled"]:
             restore_fp32_rope(self.engine.module, model_cfg, device)
         self._token_norm = 1.0
