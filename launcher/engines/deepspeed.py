@@ -109,18 +109,63 @@ def apply_checkpointing(model: nn.Module, layout: Layout) -> None:
         apply_activation_checkpointing(model, layout.ac_mode, layout.ac_selective)
 
 
-def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
-    """build_model on meta, then the native path's layout-independent initialisation."""
+def build_meta_model(model_cfg) -> nn.Module:
+    """build_model on the meta device, as plain meta tensors even inside the rehearsal's
+    FakeTensorMode (in real runs the unset is a no-op): a FakeTensor parameter makes any later
+    move (to_empty, module.to) swap it in place (torch.utils.swap_tensors), which torch refuses
+    once a weak reference to it exists (the fake mode's memo holds some); from plain meta
+    parameters those moves create new (fake) ones instead."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from launcher.models import build_model
 
-    # Plain meta tensors even inside the rehearsal's FakeTensorMode (a no-op in real runs): a
-    # FakeTensor parameter makes to_empty swap it in place (torch.utils.swap_tensors), which
-    # torch refuses once the fake mode's memo holds a weak reference to it; from plain meta
-    # parameters to_empty creates new (fake) ones instead.
     with unset_fake_temporarily(), torch.device("meta"):
-        model = build_model(model_cfg)
+        return build_model(model_cfg)
+
+
+def _in_fake_mode() -> bool:
+    """Whether a FakeTensorMode is active (the rehearsal builds the engine inside one)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+@contextlib.contextmanager
+def fake_pipeline_counts_readable():
+    """While DeepSpeed's pipeline engine is constructed on the rehearsal's fake process group:
+    the one tensor ``PipelineEngine.__init__`` (deepspeed/runtime/pipe/engine.py) builds from
+    Python ints and reads back, its ``torch.LongTensor(data=[num_params, unique_params])``
+    all-reduced over the model-parallel group and then ``.tolist()``-ed for a log line, is made
+    a real tensor. Under FakeTensorMode it would be a fake tensor without values and
+    ``.tolist()`` raises DataDependentOutputException (aten._local_scalar_dense). On the fake
+    group the all-reduce leaves it unchanged, so the log line shows this stage's counts.
+
+    Scoped minimum: only the name ``torch`` inside deepspeed.runtime.pipe.engine is rebound,
+    to a proxy that forwards every attribute to torch except ``LongTensor``; restored after.
+    """
+    import types
+
+    import deepspeed.runtime.pipe.engine as pipe_engine
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    class _TorchWithRealLongTensor(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def LongTensor(*args, **kwargs):  # noqa: N802 - torch's name
+            with unset_fake_temporarily():
+                return torch.LongTensor(*args, **kwargs)
+
+    saved = pipe_engine.torch
+    pipe_engine.torch = _TorchWithRealLongTensor("torch")
+    try:
+        yield
+    finally:
+        pipe_engine.torch = saved
+
+
+def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
+    """build_model on meta, then the native path's layout-independent initialisation."""
+    model = build_meta_model(model_cfg)
     model.to_empty(device=device)
     if model_cfg.init_from and _holds_fake_tensors(model):
         pass  # the rehearsal: fake tensors have no values to load (init_weights draws none either)
@@ -153,7 +198,7 @@ def fake_module_stays_put(module: nn.Module, device: torch.device):
     ``torch.utils.swap_tensors``, even when the conversion returns the same tensor, and
     swap_tensors refuses a tensor that has weak references: DeepSpeed's debug name map
     (``deepspeed.utils.debug.param_names``, a ``weakref.finalize`` per parameter, set earlier in
-    the same constructor) and the fake mode's memo hold them. The parameters and buffers
+    the same constructor) holds one to every parameter, the fake mode's memo to some. The parameters and buffers
     already are fake tensors on ``device``, so the move is a no-op; this is checked, and only
     this module object's ``to`` is shadowed (an instance attribute), only inside the block.
     """
@@ -318,6 +363,10 @@ class DeepSpeedEngine:
         if lay.zero_stage == 3 and self.pp == 1:
             model = build_partitioned_model(model_cfg, self.config, device, options.seed, lay.offload_params,
                                             bool(options.offload.pin_memory))
+        elif self.pp > 1 and _in_fake_mode():
+            # The rehearsal: PipelineModule moves its stage's layers to the device itself
+            # (module.to in its constructor), which turns plain meta parameters into fake ones.
+            model = build_meta_model(model_cfg)
         else:
             model = materialise_model(model_cfg, device, options.seed)
         self.is_moe = model_cfg.n_experts > 0
@@ -339,7 +388,10 @@ class DeepSpeedEngine:
         from launcher.parallel.optim import build_scheduler
 
         self.scheduler = build_scheduler(optimizer, optim_cfg, options.total_steps)
-        with fake_module_stays_put(module, device):  # real tensors: no effect
+        pipeline_on_fake = self.pp > 1 and _in_fake_mode()
+        with fake_module_stays_put(module, device), \
+                (fake_pipeline_counts_readable() if pipeline_on_fake else contextlib.nullcontext()):
+            # Real tensors: neither has any effect.
             self.engine, self.optimizer, _, _ = deepspeed.initialize(
                 model=module, optimizer=optimizer, lr_scheduler=self.scheduler, config=self.config,
                 dist_init_required=False,

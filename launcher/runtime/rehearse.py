@@ -16,8 +16,8 @@ Then, per rank: the bytes of parameters, gradients and optimizer states it holds
 activations the peak of a fake training step by category (torch's MemTracker /
 FSDPMemTracker through launcher/runtime/memtrack.py: the optimizer states are created from
 zero gradients, then one tracked step; a pipeline schedule runs two, the second measured).
-DeepSpeed layouts (ZeRO 0-3, not the pipeline engine) run deepspeed.initialize on the fake
-group and report DeepSpeed's own partition sizes (no fake step).
+DeepSpeed layouts (ZeRO 0-3, the pipeline engine at ZeRO 0-1) run deepspeed.initialize on
+the fake group and report DeepSpeed's own partition sizes (no fake step).
 Without activations (or where no fake step can run) the optimizer is stepped once on
 zero gradients of the parameters' shapes, which creates its states.
 
@@ -182,30 +182,12 @@ def fake_step_skip_reason(layout, model_cfg) -> str:
     return ""
 
 
-def deepspeed_rehearsable(layout) -> bool:
-    """Whether deepspeed.initialize runs on fake tensors for this layout: ZeRO 0-3 without the
-    pipeline engine. (ZeRO-3: zero.Init builds the partitions as fake tensors; ZeRO 0-2: the
-    whole module as fake tensors, which DeepSpeed's module.to() leaves in place:
-    launcher.engines.deepspeed.fake_module_stays_put.) The pipeline engine: see
-    DEEPSPEED_PIPELINE_NOT_REHEARSED."""
-    return layout.pp == 1
-
-
-# Why the DeepSpeed pipeline engine is not built on the fake group (the rank's report).
-DEEPSPEED_PIPELINE_NOT_REHEARSED = (
-    "PipelineEngine.__init__ (deepspeed/runtime/pipe/engine.py) all-reduces its stage's parameter "
-    "counts over the model-parallel group and reads them back with .tolist() for a log line; on a "
-    "fake process group that tensor has no value (aten._local_scalar_dense on a FakeTensor raises "
-    "DataDependentOutputException), so the pipeline engine cannot be constructed there")
-
-
 def check_deepspeed_rank(layout, options) -> None:
     """What the rehearsal checks of a DeepSpeed layout before building it.
 
     The generated DeepSpeed JSON goes through DeepSpeed's own config classes (as the launch
-    preflight does); a refusal names DeepSpeed's reason. ZeRO-3 layouts are then built with
-    deepspeed.initialize on the fake group (rehearse_rank); for the others this raises what
-    was and was not checked (the rank's report)."""
+    preflight does); a refusal names DeepSpeed's reason. The layout is then built with
+    deepspeed.initialize on the fake group (_rehearse_deepspeed_rank)."""
     from launcher.engines.deepspeed import prepare_deepspeed_environment
     from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
 
@@ -218,14 +200,6 @@ def check_deepspeed_rank(layout, options) -> None:
             f"DeepSpeed refused the generated config (ZeRO-{layout.zero_stage}): {type(err).__name__}: "
             f"{' '.join(str(err).split())[:300]}. Fix: change the keys it names, or backend.sharding=native"
         ) from err
-    if deepspeed_rehearsable(layout):
-        return
-    raise NotImplementedError(
-        f"checked: the generated DeepSpeed config (ZeRO-{layout.zero_stage}, dp {data_parallel_size(layout)}, "
-        f"pp {layout.pp}) is accepted by DeepSpeed's own config classes; not checked: deepspeed.initialize "
-        f"of the pipeline engine and its partition sizes ({DEEPSPEED_PIPELINE_NOT_REHEARSED}), so the plan's "
-        f"parameter, gradient and optimizer bytes for this rank are unverified. Fix: rehearse with "
-        f"backend.sharding=native to check the sharding, or rely on action=plan for this layout")
 
 
 def deepspeed_zero3_bytes(ds_optimizer) -> Dict[str, int]:
