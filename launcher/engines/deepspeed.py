@@ -198,9 +198,11 @@ def fake_module_stays_put(module: nn.Module, device: torch.device):
     ``torch.utils.swap_tensors``, even when the conversion returns the same tensor, and
     swap_tensors refuses a tensor that has weak references: DeepSpeed's debug name map
     (``deepspeed.utils.debug.param_names``, a ``weakref.finalize`` per parameter, set earlier in
-    the same constructor) holds one to every parameter, the fake mode's memo to some. The parameters and buffers
-    already are fake tensors on ``device``, so the move is a no-op; this is checked, and only
-    this module object's ``to`` is shadowed (an instance attribute), only inside the block.
+    the same constructor) holds one to every parameter, the fake mode's memo to some. (Real
+    tensors take the ``param.data =`` branch, which no weak reference blocks.) The parameters
+    and buffers already are fake tensors on ``device``, so the move is a no-op; this is
+    checked, and only this module object's ``to`` is shadowed (an instance attribute), only
+    inside the block.
     """
     if not _holds_fake_tensors(module):
         yield
