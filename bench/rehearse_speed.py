@@ -6,8 +6,9 @@
 Targets (issue 12), wall time including interpreter start on our 2-core machines:
   train +recipe=llama70b action=rehearse                              (64 ranks)     < 3 min
   train +recipe=llama405b action=rehearse cluster.nodes=1024          (8,192 ranks)  < 5 min
-Also: mixtral8x7b with expert parallelism (ep=8), and a DeepSpeed ZeRO-3 layout
-(deepspeed.initialize on the fake group; no fake step). Prints one line per case (wall
+Also: mixtral8x7b with expert parallelism (ep=8), and llama8b's DeepSpeed layouts: ZeRO-3,
+ZeRO-1, ZeRO-2, ZeRO-2 with CPU optimizer offload, the pipeline engine (deepspeed.initialize on
+the fake group; no fake step). Prints one line per case (wall
 time, ranks rehearsed, ok, the process's peak RSS from /proc: the host memory stays bounded)
 and exits 0. Not a test: timings depend on the machine's load.
 """
@@ -31,6 +32,14 @@ CASES = [
     ("405b", "llama405b, 8192 ranks", ["+recipe=llama405b", "cluster.nodes=1024", "trainer.global_batch_size=2048"]),
     ("mixtral", "mixtral8x7b, 32 ranks, ep=8", ["+recipe=mixtral8x7b"]),
     ("zero3", "llama8b DeepSpeed ZeRO-3, 8 ranks", ["+recipe=llama8b", "backend.sharding=deepspeed"]),
+    ("zero1", "llama8b DeepSpeed ZeRO-1 (bf16: BF16_Optimizer), 8 ranks",
+     ["+recipe=llama8b", "backend.sharding=deepspeed", "parallel.zero_stage=1"]),
+    ("zero2", "llama8b DeepSpeed ZeRO-2, 8 ranks", ["+recipe=llama8b", "backend.sharding=deepspeed", "parallel.zero_stage=2"]),
+    ("zero2_offload", "llama8b DeepSpeed ZeRO-2 + CPU optimizer offload, 8 ranks",
+     ["+recipe=llama8b", "backend.sharding=deepspeed", "parallel.zero_stage=2", "offload=cpu",
+      "backend.offload=deepspeed"]),
+    ("ds_pipe", "llama8b DeepSpeed pipeline engine pp 2 x dp 4, ZeRO-1, 8 ranks",
+     ["+recipe=llama8b", "backend=deepspeed", "parallel.zero_stage=1", "parallel.pp=2", "activation_checkpointing=full"]),
 ]
 
 

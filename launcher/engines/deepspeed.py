@@ -22,6 +22,7 @@ exactly that of the global-mean loss.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -108,14 +109,67 @@ def apply_checkpointing(model: nn.Module, layout: Layout) -> None:
         apply_activation_checkpointing(model, layout.ac_mode, layout.ac_selective)
 
 
-def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
-    """build_model on meta, then the native path's layout-independent initialisation."""
+def build_meta_model(model_cfg) -> nn.Module:
+    """build_model on the meta device, as plain meta tensors even inside the rehearsal's
+    FakeTensorMode (in real runs the unset is a no-op): a FakeTensor parameter makes any later
+    move (to_empty, module.to) swap it in place (torch.utils.swap_tensors), which torch refuses
+    once a weak reference to it exists (the fake mode's memo holds some); from plain meta
+    parameters those moves create new (fake) ones instead."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from launcher.models import build_model
 
-    with torch.device("meta"):
-        model = build_model(model_cfg)
+    with unset_fake_temporarily(), torch.device("meta"):
+        return build_model(model_cfg)
+
+
+def _in_fake_mode() -> bool:
+    """Whether a FakeTensorMode is active (the rehearsal builds the engine inside one)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+@contextlib.contextmanager
+def fake_pipeline_counts_readable():
+    """While DeepSpeed's pipeline engine is constructed on the rehearsal's fake process group:
+    the one tensor ``PipelineEngine.__init__`` (deepspeed/runtime/pipe/engine.py) builds from
+    Python ints and reads back, its ``torch.LongTensor(data=[num_params, unique_params])``
+    all-reduced over the model-parallel group and then ``.tolist()``-ed for a log line, is made
+    a real tensor. Under FakeTensorMode it would be a fake tensor without values and
+    ``.tolist()`` raises DataDependentOutputException (aten._local_scalar_dense). On the fake
+    group the all-reduce leaves it unchanged, so the log line shows this stage's counts.
+
+    Scoped minimum: only the name ``torch`` inside deepspeed.runtime.pipe.engine is rebound,
+    to a proxy that forwards every attribute to torch except ``LongTensor``; restored after.
+    """
+    import types
+
+    import deepspeed.runtime.pipe.engine as pipe_engine
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    class _TorchWithRealLongTensor(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def LongTensor(*args, **kwargs):  # noqa: N802 - torch's name
+            with unset_fake_temporarily():
+                return torch.LongTensor(*args, **kwargs)
+
+    saved = pipe_engine.torch
+    pipe_engine.torch = _TorchWithRealLongTensor("torch")
+    try:
+        yield
+    finally:
+        pipe_engine.torch = saved
+
+
+def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
+    """build_model on meta, then the native path's layout-independent initialisation."""
+    model = build_meta_model(model_cfg)
     model.to_empty(device=device)
-    if model_cfg.init_from:
+    if model_cfg.init_from and _holds_fake_tensors(model):
+        pass  # the rehearsal: fake tensors have no values to load (init_weights draws none either)
+    elif model_cfg.init_from:
         from launcher.parallel.hf_weights import load_hf_weights
 
         # ZeRO 0-2 and the pipeline engine hold the whole model on each rank before DeepSpeed
@@ -125,6 +179,52 @@ def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
         model.init_weights(seed, buffer_device=device)
     model.train()
     return model
+
+
+def _holds_fake_tensors(module: nn.Module) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(is_fake(p) for p in module.parameters())
+
+
+@contextlib.contextmanager
+def fake_module_stays_put(module: nn.Module, device: torch.device):
+    """While DeepSpeed initialises an engine around ``module`` on the rehearsal's fake tensors,
+    ``module.to(device)`` returns the module unchanged. Real tensors: nothing changes.
+
+    Why: ``DeepSpeedEngine._configure_distributed_model`` moves the module with
+    ``module.to(self.device)`` (ZeRO 0-2 and the pipeline engine; zero.Init models skip it).
+    torch's ``Module._apply`` swaps every FakeTensor parameter in place with
+    ``torch.utils.swap_tensors``, even when the conversion returns the same tensor, and
+    swap_tensors refuses a tensor that has weak references: DeepSpeed's debug name map
+    (``deepspeed.utils.debug.param_names``, a ``weakref.finalize`` per parameter, set earlier in
+    the same constructor) holds one to every parameter, the fake mode's memo to some. (Real
+    tensors take the ``param.data =`` branch, which no weak reference blocks.) The parameters
+    and buffers already are fake tensors on ``device``, so the move is a no-op; this is
+    checked, and only this module object's ``to`` is shadowed (an instance attribute), only
+    inside the block.
+    """
+    if not _holds_fake_tensors(module):
+        yield
+        return
+    device = torch.device(device)
+    misplaced = sorted({str(t.device) for t in [*module.parameters(), *module.buffers()] if t.device != device})
+    if misplaced:
+        raise RuntimeError(f"fake module has tensors on {misplaced}, not {device}: DeepSpeed's module.to() "
+                           f"would have to move them")
+
+    def stay(*args, **kwargs):
+        targets = [*args, *kwargs.values()]
+        if any(not isinstance(a, (str, torch.device)) or torch.device(a) != device for a in targets):
+            raise RuntimeError(f"DeepSpeed asked for module.to({args}, {kwargs}) on fake tensors; only a move "
+                               f"to {device} (a no-op) is skipped")
+        return module
+
+    module.to = stay  # nn.Module.__setattr__ keeps a plain function in the instance __dict__
+    try:
+        yield
+    finally:
+        del module.__dict__["to"]
 
 
 def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, seed: int, offload_params: str,
@@ -265,6 +365,10 @@ class DeepSpeedEngine:
         if lay.zero_stage == 3 and self.pp == 1:
             model = build_partitioned_model(model_cfg, self.config, device, options.seed, lay.offload_params,
                                             bool(options.offload.pin_memory))
+        elif self.pp > 1 and _in_fake_mode():
+            # The rehearsal: PipelineModule moves its stage's layers to the device itself
+            # (module.to in its constructor), which turns plain meta parameters into fake ones.
+            model = build_meta_model(model_cfg)
         else:
             model = materialise_model(model_cfg, device, options.seed)
         self.is_moe = model_cfg.n_experts > 0
@@ -286,10 +390,14 @@ class DeepSpeedEngine:
         from launcher.parallel.optim import build_scheduler
 
         self.scheduler = build_scheduler(optimizer, optim_cfg, options.total_steps)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, lr_scheduler=self.scheduler, config=self.config,
-            dist_init_required=False,
-        )
+        pipeline_on_fake = self.pp > 1 and _in_fake_mode()
+        with fake_module_stays_put(module, device), \
+                (fake_pipeline_counts_readable() if pipeline_on_fake else contextlib.nullcontext()):
+            # Real tensors: neither has any effect.
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=module, optimizer=optimizer, lr_scheduler=self.scheduler, config=self.config,
+                dist_init_required=False,
+            )
         if self.config["bf16"]["enabled"]:
             restore_fp32_rope(self.engine.module, model_cfg, device)
         self._token_norm = 1.0

@@ -16,8 +16,8 @@ Then, per rank: the bytes of parameters, gradients and optimizer states it holds
 activations the peak of a fake training step by category (torch's MemTracker /
 FSDPMemTracker through launcher/runtime/memtrack.py: the optimizer states are created from
 zero gradients, then one tracked step; a pipeline schedule runs two, the second measured).
-DeepSpeed ZeRO-3 layouts run deepspeed.initialize on the fake group and report DeepSpeed's
-own partition sizes (no fake step).
+DeepSpeed layouts (ZeRO 0-3, the pipeline engine at ZeRO 0-1) run deepspeed.initialize on
+the fake group and report DeepSpeed's own partition sizes (no fake step).
 Without activations (or where no fake step can run) the optimizer is stepped once on
 zero gradients of the parameters' shapes, which creates its states.
 
@@ -185,21 +185,12 @@ def fake_step_skip_reason(layout, model_cfg) -> str:
     return ""
 
 
-def deepspeed_rehearsable(layout) -> bool:
-    """Whether deepspeed.initialize runs on fake tensors for this layout: ZeRO-3 without the
-    pipeline engine (zero.Init builds the partitions as fake tensors). ZeRO 0-2 and the pipeline
-    engine move the whole module with ``module.to(device)``, which cannot swap fake parameters
-    that DeepSpeed already holds weak references to."""
-    return layout.zero_stage == 3 and layout.pp == 1
-
-
 def check_deepspeed_rank(layout, options) -> None:
     """What the rehearsal checks of a DeepSpeed layout before building it.
 
     The generated DeepSpeed JSON goes through DeepSpeed's own config classes (as the launch
-    preflight does); a refusal names DeepSpeed's reason. ZeRO-3 layouts are then built with
-    deepspeed.initialize on the fake group (rehearse_rank); for the others this raises what
-    was and was not checked (the rank's report)."""
+    preflight does); a refusal names DeepSpeed's reason. The layout is then built with
+    deepspeed.initialize on the fake group (_rehearse_deepspeed_rank)."""
     from launcher.engines.deepspeed import prepare_deepspeed_environment
     from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
 
@@ -212,15 +203,6 @@ def check_deepspeed_rank(layout, options) -> None:
             f"DeepSpeed refused the generated config (ZeRO-{layout.zero_stage}): {type(err).__name__}: "
             f"{' '.join(str(err).split())[:300]}. Fix: change the keys it names, or backend.sharding=native"
         ) from err
-    if deepspeed_rehearsable(layout):
-        return
-    raise NotImplementedError(
-        f"checked: the generated DeepSpeed config (ZeRO-{layout.zero_stage}, dp {data_parallel_size(layout)}) "
-        f"is accepted by DeepSpeed's own config classes; not checked: deepspeed.initialize and the "
-        f"partition sizes (at ZeRO 0-2 and with the pipeline engine DeepSpeed moves the whole module with "
-        f"module.to(), which cannot swap fake parameters), so the plan's parameter, gradient "
-        f"and optimizer bytes for this rank are unverified. Fix: rehearse with backend.sharding=native to "
-        f"check the sharding, or rely on action=plan for this layout")
 
 
 def deepspeed_zero3_bytes(ds_optimizer) -> Dict[str, int]:
@@ -242,20 +224,86 @@ def deepspeed_zero3_bytes(ds_optimizer) -> Dict[str, int]:
             "params": nbytes(working), "grads": nbytes(master, torch.float32), "optimizer": 3 * nbytes(master)}
 
 
+def deepspeed_zero12_bytes(ds_optimizer) -> Dict[str, int]:
+    """This rank's ZeRO-1/2 state as DeepSpeed built it (padding included).
+
+    DeepSpeedZeroOptimizer (stage_1_and_2.py): `params` = the flat working-precision copy of the
+    whole model (``bit16_groups_flat``, every parameter a view into it); `optimizer` = the flat
+    fp32 master partition (``single_partition_of_fp32_groups``) and AdamW's two states of its
+    shape; `grads` = ZeRO-2: the fp32 gradient partition the step reads (master-partition
+    shape), ZeRO-1: the whole model's gradients in working precision (each rank accumulates all
+    of them; reduced at the step). BF16_Optimizer (bf16 at ZeRO-1, fp32 gradient accumulation):
+    `params` = ``bf16_groups_flat``, `optimizer` = 3 x ``fp32_groups_flat_partition``, `grads` =
+    the fp32 accumulation buffer ``fp32_groups_gradients_flat`` plus the bf16 gradients the
+    backward produces (2 bytes per element of the flat model). With the optimizer offloaded
+    (``cpu_offload``) the gradient partition and the optimizer states live on the host: `host`.
+    The optimizer states are the master partition's shape by construction (AdamW's
+    zeros_like); DeepSpeed creates them in its first step, which does not run on a fake group.
+    """
+    import torch
+
+    def nbytes(ts, dtype=None):
+        return sum(t.numel() * (torch.empty((), dtype=dtype).element_size() if dtype else t.element_size())
+                   for t in ts if t is not None)
+
+    if hasattr(ds_optimizer, "bf16_groups_flat"):  # deepspeed.runtime.bf16_optimizer.BF16_Optimizer
+        working = list(ds_optimizer.bf16_groups_flat)
+        master = list(ds_optimizer.fp32_groups_flat_partition)
+        grads = nbytes(ds_optimizer.fp32_groups_gradients_flat) + nbytes(working)
+        offload = False
+    else:  # deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer
+        working = list(ds_optimizer.bit16_groups_flat)
+        master = list(ds_optimizer.single_partition_of_fp32_groups)
+        grads = nbytes(master, torch.float32) if ds_optimizer.partition_gradients else nbytes(working)
+        offload = bool(ds_optimizer.cpu_offload)
+    held = {"params_numel": sum(t.numel() for t in working), "params": nbytes(working), "grads": grads,
+            "optimizer": 3 * nbytes(master), "host": 0}
+    if offload:
+        # ZeRO-Offload: the fp32 gradient partition and master/m/v are on the host (the plan's `host`).
+        held["host"] = nbytes(master, torch.float32) + held["optimizer"]
+        held["grads"] = 0 if ds_optimizer.partition_gradients else held["grads"]
+        held["optimizer"] = 0
+    return held
+
+
+def deepspeed_held_bytes(ds_optimizer, zero_stage: int) -> Dict[str, int]:
+    """What a DeepSpeed rank holds, read from the optimizer deepspeed.initialize returned:
+    ZeRO-3 and ZeRO-1/2 partitions (deepspeed_zero3_bytes, deepspeed_zero12_bytes)."""
+    if zero_stage == 3:
+        return deepspeed_zero3_bytes(ds_optimizer)
+    return deepspeed_zero12_bytes(ds_optimizer)
+
+
 def _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank: int) -> Dict[str, Any]:
-    """deepspeed.initialize on the fake group (ZeRO-3): the real DeepSpeedEngine constructor,
-    zero.Init partitioning every parameter as it is built, on fake tensors."""
+    """deepspeed.initialize on the fake group: the real DeepSpeedEngine constructor on fake
+    tensors (ZeRO-3: zero.Init partitioning every parameter as it is built; ZeRO 0-2: the whole
+    module materialised as fake tensors, then DeepSpeed's flat buffers and partitions).
+    The bytes are read from the optimizer DeepSpeed built (deepspeed_held_bytes); a plain torch
+    optimizer (ZeRO-0 in fp32) is stepped once on zero gradients to create its states."""
     import os
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from launcher.engines.deepspeed import DeepSpeedEngine
+    from launcher.runtime.state_bytes import StateBytesProbe
 
     os.environ.setdefault("LOCAL_RANK", "0")  # zero.Init reads it (one CPU "device" per process)
+    notes = [f"DeepSpeed: deepspeed.initialize ran on the fake group (ZeRO-{layout.zero_stage}); no fake step "
+             f"(DeepSpeed's forward does not run on a fake process group)"]
     with FakeTensorMode(allow_non_fake_inputs=True):
         engine = DeepSpeedEngine(model_cfg, optim_cfg, layout, torch.device("cpu"), options)
-        held = deepspeed_zero3_bytes(engine.optimizers[0])
+        ds_optimizer = engine.optimizers[0]
+        if isinstance(ds_optimizer, torch.optim.Optimizer):
+            probe = StateBytesProbe([ds_optimizer])
+            _zero_grad_step(engine)
+            held = probe.result()
+            notes.append("states of DeepSpeed's plain torch optimizer, created by one step on zero gradients")
+        else:
+            held = deepspeed_held_bytes(ds_optimizer, layout.zero_stage)
+            notes.append(f"partitions read from DeepSpeed's {type(ds_optimizer).__name__}")
+    if held.get("host"):
+        notes.append(f"optimizer offload: {held['host']} bytes of gradient partition and optimizer states on the host")
     return {
         "rank": rank,
         "coords": layout.mesh.coordinates(rank),
@@ -263,8 +311,7 @@ def _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank: int) -
         "memory": {"params": held["params"], "grads": held["grads"], "optimizer": held["optimizer"],
                    "activations": None, "peak": None},
         "error": None,
-        "notes": ["DeepSpeed: deepspeed.initialize ran on the fake group (ZeRO-3 partitions read from DeepSpeed's "
-                  "optimizer); no fake step (DeepSpeed's forward does not run on a fake process group)"],
+        "notes": notes,
     }
 
 

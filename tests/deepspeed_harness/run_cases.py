@@ -72,14 +72,13 @@ def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False)
     result = {"build_s": time.time() - t0, "backends": {k: v.impl for k, v in plan.backends.items()},
               "layout": plan.to_dict()["layout"], "built": engine.built(),
               "memory_parts": len(engine.model_parts), "memory_optimizers": len(engine.optimizers)}
-    if plan.layout.zero_stage == 3 and plan.layout.pp == 1:
-        # Each rank's ZeRO-3 partition bytes, for the rehearsal's comparison
-        # (tests/test_deepspeed_runtime.py::test_rehearsal_holds_the_real_zero3_partitions).
-        from launcher.runtime.rehearse import deepspeed_zero3_bytes
+    # Each rank's ZeRO partition bytes, for the rehearsal's comparison
+    # (tests/test_deepspeed_runtime.py: test_rehearsal_holds_the_real_*_partitions).
+    from launcher.runtime.rehearse import deepspeed_held_bytes
 
-        per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, deepspeed_zero3_bytes(engine.optimizers[0]))
-        result["held_per_rank"] = per_rank
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, deepspeed_held_bytes(engine.optimizers[0], plan.layout.zero_stage))
+    result["held_per_rank"] = per_rank
     steps = spec.trainer.steps
     health = moe_health_for(engine, spec)
     if resume:
@@ -88,6 +87,16 @@ def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False)
         result["steps"] += run_engine(engine, spec, plan, steps, SAVE_AT)
     else:
         result["steps"] = run_engine(engine, spec, plan, steps)
+    # After real steps: the bytes of the states the optimizer inside DeepSpeed's wrapper
+    # created (AdamW's exp_avg / exp_avg_sq of each fp32 master partition), which the
+    # rehearsal can only infer from the masters' shapes.
+    from launcher.runtime.state_bytes import StateBytesProbe
+
+    inner = StateBytesProbe(engine.optimizers)
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, {"states": inner.optimizer_state_bytes()})
+    inner.remove()
+    result["optimizer_after_steps_per_rank"] = states
     if health is not None:  # collective: the moe/* metrics of the whole run, as a log step sees them
         result["moe_metrics"] = health.observe(steps)
     if spec.offload.nvme_path and "nvme" in (spec.offload.optimizer, spec.offload.params):
