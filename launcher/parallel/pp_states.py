@@ -83,6 +83,10 @@ def smallest_equivalent_microbatches(order_for: Callable[[int], Optional[Dict[in
 
     order_for(n): the schedule's pipeline_order for n micro-batches, or None where the schedule
     refuses n."""
+    if last_stage in local_stages:
+        # The last stage keeps one output per micro-batch until the step ends: the state with
+        # n_microbatches - 1 kept outputs exists only with n_microbatches or more (no scan needed).
+        return n_microbatches
     full = order_for(n_microbatches)
     if full is None:
         return n_microbatches

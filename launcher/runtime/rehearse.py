@@ -114,9 +114,8 @@ def reduced_pipeline_schedule(engine, layout) -> Tuple[Any, int, str]:
 
     schedule = engine.pp_schedule
     full = engine.pp_microbatches
-    pp = layout.pp
-    n_stages = pp * layout.vpp
-    pp_rank = layout.mesh.coordinates(dist_rank())["pp"]
+    n_stages = layout.pp * layout.vpp
+    pp_rank = engine.world["pp"].get_local_rank()
     local = [st.stage_index for st in schedule_stages(schedule)]
 
     def order_for(n: int):
@@ -180,13 +179,6 @@ def per_microbatch_bytes(engine, layout, stages, n_run: int) -> Dict[str, int]:
     if engine.has_first:
         act += layout.micro_batch_size * layout.seq_len * 8  # int64 token ids
     return {"activations": act, "other": nbytes(grads) // n_run}
-
-
-def dist_rank() -> int:
-    """This process's rank in the (fake) default process group."""
-    import torch.distributed as dist
-
-    return dist.get_rank()
 
 
 def _fake_pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n_microbatches: int = 0):
