@@ -36,13 +36,14 @@ from launcher.runtime.entry import engine_options
 from launcher.runtime.rehearse import rehearse_rank
 
 CASES = {
-    # debug model, 1F1B over 2 stages, 8 micro-batches: rank 0 never holds more than 2 in flight
-    "debug_1f1b": ["+recipe=debug", "parallel.pp=2", "parallel.pp_schedule=1f1b", "trainer.global_batch_size=16"],
-    # four layers of Llama 3 405B's shapes (bf16, full AC), interleaved 1F1B with 2 chunks per rank
-    "llama405b_shapes_interleaved": [
-        "+recipe=debug", "model=llama3_405b", "model.n_layers=4", "precision=bf16", "activation_checkpointing=full",
-        "trainer.seq_len=64", "trainer.micro_batch_size=1", "trainer.global_batch_size=8", "parallel.pp=2",
-        "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"],
+    # debug model, interleaved 1F1B (2 chunks per rank), 8 micro-batches: rank 0 runs 6
+    "debug_interleaved": ["+recipe=debug", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                          "parallel.pp_virtual_stages=2", "trainer.global_batch_size=16"],
+    # two layers of Llama 3 405B's shapes (bf16, full AC), 1F1B, 4 micro-batches: rank 0 runs 3
+    "llama405b_shapes_1f1b": [
+        "+recipe=debug", "model=llama3_405b", "model.n_layers=2", "precision=bf16", "activation_checkpointing=full",
+        "trainer.seq_len=64", "trainer.micro_batch_size=1", "trainer.global_batch_size=4", "parallel.pp=2",
+        "parallel.pp_schedule=1f1b"],
 }
 out = {}
 for name, overrides in CASES.items():
@@ -86,7 +87,7 @@ def compared(tmp_path_factory) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["debug_1f1b", "llama405b_shapes_interleaved"])
+@pytest.mark.parametrize("case", ["debug_interleaved", "llama405b_shapes_1f1b"])
 def test_reduced_microbatch_count_reports_the_full_counts_bytes(compared, case):
     got = compared[case]
     full, reduced = got["full"]["memory"], got["reduced"]["memory"]
