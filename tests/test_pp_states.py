@@ -3,8 +3,8 @@
 launcher/parallel/pp_states.py picks, from torch's own schedule action lists, the smallest
 micro-batch count that passes a pipeline rank through the same memory states as the layout's
 count; the rehearsal runs that many and adds what the micro-batches not run hold for the whole
-step (their receive buffers and token slices). One subprocess (a fake process group of 2 ranks,
-pipeline rank 0) rehearses each case twice, reduced and with every micro-batch, through the real
+step (their receive buffers and token slices). One subprocess (a fake process group of 4 ranks,
+rank 0) rehearses each case twice, reduced and with every micro-batch, through the real
 engine and schedule; every category must be equal to the byte.
 """
 
@@ -36,14 +36,15 @@ from launcher.runtime.entry import engine_options
 from launcher.runtime.rehearse import rehearse_rank
 
 CASES = {
-    # debug model, interleaved 1F1B (2 chunks per rank), 8 micro-batches: rank 0 runs 6
-    "debug_interleaved": ["+recipe=debug", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
-                          "parallel.pp_virtual_stages=2", "trainer.global_batch_size=16"],
-    # two layers of Llama 3 405B's shapes (bf16, full AC), 1F1B, 4 micro-batches: rank 0 runs 3
+    # debug model, FSDP2 (dp_shard 2) x interleaved 1F1B (2 chunks per rank), 8 micro-batches: rank 0 runs 6
+    "debug_interleaved": ["+recipe=debug", "cluster.gpus_per_node=4", "parallel.dp_shard=2", "parallel.pp=2",
+                          "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+                          "trainer.global_batch_size=32"],
+    # two layers of Llama 3 405B's shapes (bf16, full AC), TP 2 + SP x 1F1B, 4 micro-batches: rank 0 runs 3
     "llama405b_shapes_1f1b": [
         "+recipe=debug", "model=llama3_405b", "model.n_layers=2", "precision=bf16", "activation_checkpointing=full",
-        "trainer.seq_len=64", "trainer.micro_batch_size=1", "trainer.global_batch_size=4", "parallel.pp=2",
-        "parallel.pp_schedule=1f1b"],
+        "trainer.seq_len=64", "trainer.micro_batch_size=1", "trainer.global_batch_size=4", "cluster.gpus_per_node=4",
+        "parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.pp_schedule=1f1b"],
 }
 out = {}
 for name, overrides in CASES.items():
@@ -57,10 +58,13 @@ for name, overrides in CASES.items():
     out[name] = dict(runs, microbatches=plan.layout.microbatches)
 
 # Counts the state comparison picks, from torch's action lists (every rank of pp=2, 8 micro-batches).
+import torch.distributed as dist
+PP2 = dist.new_group([0, 1])
+
 def order_for(name, n):
     v = 1 if name in ("gpipe", "1f1b") else 2
     stages = [PipelineStage(nn.Linear(2, 2), s, 2 * v, torch.device("cpu"), input_args=torch.empty(1, 2, device="meta"),
-                            output_args=torch.empty(1, 2, device="meta")) for s in chunks_of_rank(0, 2, v, name)]
+                            output_args=torch.empty(1, 2, device="meta"), group=PP2) for s in chunks_of_rank(0, 2, v, name)]
     try:
         sched = schedule_class(name)(stages[0] if v == 1 else stages, n_microbatches=n, loss_fn=lambda a, b: a.sum())
     except (ValueError, RuntimeError):
