@@ -40,9 +40,9 @@ CASES = {
     "debug_interleaved": ["+recipe=debug", "cluster.gpus_per_node=4", "parallel.dp_shard=2", "parallel.pp=2",
                           "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
                           "trainer.global_batch_size=32"],
-    # two layers of Llama 3 405B's shapes (bf16, full AC), TP 2 + SP x 1F1B, 4 micro-batches: rank 0 runs 3
+    # two layers of Llama 3 405B's shapes (bf16), TP 2 + SP x 1F1B, 4 micro-batches: rank 0 runs 3
     "llama405b_shapes_1f1b": [
-        "+recipe=debug", "model=llama3_405b", "model.n_layers=2", "precision=bf16", "activation_checkpointing=full",
+        "+recipe=debug", "model=llama3_405b", "model.n_layers=2", "precision=bf16",
         "trainer.seq_len=64", "trainer.micro_batch_size=1", "trainer.global_batch_size=4", "cluster.gpus_per_node=4",
         "parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.pp_schedule=1f1b"],
 }
