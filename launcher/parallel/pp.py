@@ -152,7 +152,6 @@ def build_schedule(parts: List[nn.Module], stage_ids: List[int], layout: Layout,
                    device: torch.device, loss_fn: Callable, n_microbatches: int):
     """(schedule, has_first_stage, has_last_stage) for this rank's materialised stage modules."""
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining import schedules as S
 
     pp, v = pp_mesh.size(), layout.vpp
     n_stages = pp * v
@@ -175,15 +174,42 @@ def build_schedule(parts: List[nn.Module], stage_ids: List[int], layout: Layout,
         inputs, outputs = stage_io_meta(sid, n_stages, layout, part.cfg)
         stages.append(PipelineStage(part, sid, n_stages, device, input_args=inputs, output_args=outputs,
                                     group=group))
-    cls = {
-        "gpipe": S.ScheduleGPipe,
-        "1f1b": S.Schedule1F1B,
-        "interleaved_1f1b": S.ScheduleInterleaved1F1B,
-        "zero_bubble": S.ScheduleInterleavedZeroBubble,
-        "zbv": S.ScheduleZBVZeroBubble,
-    }[layout.schedule]
+    cls = schedule_class(layout.schedule)
     target = stages[0] if layout.schedule in _SINGLE else stages
     schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     log.info("applied pipeline schedule %s: %d micro-batches, %d stage(s) on this rank",
              cls.__name__, n_microbatches, len(stages))
     return schedule, 0 in stage_ids, n_stages - 1 in stage_ids
+
+
+def schedule_class(name: str):
+    """torch's schedule class for parallel.pp_schedule ``name``."""
+    from torch.distributed.pipelining import schedules as S
+
+    return {
+        "gpipe": S.ScheduleGPipe,
+        "1f1b": S.Schedule1F1B,
+        "interleaved_1f1b": S.ScheduleInterleaved1F1B,
+        "zero_bubble": S.ScheduleInterleavedZeroBubble,
+        "zbv": S.ScheduleZBVZeroBubble,
+    }[name]
+
+
+def schedule_stages(schedule) -> list:
+    """The PipelineStage objects a built schedule runs (one for gpipe/1f1b, several when looped)."""
+    return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
+
+
+def schedule_with_microbatches(schedule, layout: Layout, n_microbatches: int):
+    """The same schedule class over the same stages and loss, with ``n_microbatches`` micro-batches
+    per step (raises what torch raises for a count the schedule does not accept)."""
+    stages = schedule_stages(schedule)
+    target = stages[0] if layout.schedule in _SINGLE else stages
+    return schedule_class(layout.schedule)(target, n_microbatches=n_microbatches, loss_fn=schedule._loss_fn,
+                                           scale_grads=False)
+
+
+def pipeline_order(schedule) -> dict:
+    """{pipeline rank: [action, ...]}: the compute order torch's schedule runs on every rank."""
+    order = getattr(schedule, "pipeline_order", None)
+    return order if order else schedule._get_pipeline_order()

@@ -209,6 +209,7 @@ def track_step_memory(
     *,
     warmup_steps: int = 1,
     tracked_steps: int = 1,
+    on_enter: Optional[Callable[[Any], None]] = None,
 ) -> Dict[str, int]:
     """Run `warmup_steps` untracked and `tracked_steps` tracked steps; return peak bytes per category.
 
@@ -218,7 +219,8 @@ def track_step_memory(
     Returns bytes: {params, grads, optimizer, activations, other} each at its own maximum during
     the tracked steps, `total` = the peak of their sum, `at_peak_<category>` = the breakdown at
     that peak, plus `cuda_max_allocated` when the model is on a GPU. Collective on multi-rank runs when
-    run_one_step is (every rank must call it).
+    run_one_step is (every rank must call it). on_enter(tracker), if given, runs once the tracker is
+    entered, before the tracked steps (to register tensors that persist across steps).
     """
     mods = _as_list(modules)
     opts = _torch_optimizers(_as_list(optimizers))
@@ -233,6 +235,8 @@ def track_step_memory(
     handle = _allow_repeated_root_forward(tracker, mods)
     try:
         with tracker:
+            if on_enter is not None:
+                on_enter(tracker)
             for _ in range(max(1, tracked_steps)):
                 run_one_step()
     finally:

@@ -33,7 +33,7 @@ import json
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 # The launcher module that refused a layout -> the keys that change what it builds.
 FIX_BY_MODULE = {
@@ -103,7 +103,96 @@ def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
     return step
 
 
-def _fake_pipeline_step_runner(engine, layout, vocab_size: int):
+def reduced_pipeline_schedule(engine, layout) -> Tuple[Any, int, str]:
+    """(schedule, micro-batches it runs, note) for the rehearsal's fake pipeline steps.
+
+    The peak of a pipeline rank is set by the states its schedule passes through (micro-batches
+    in flight per stage, pending weight gradients, outputs kept by the last stage); torch's
+    action lists give them without running anything (launcher/parallel/pp_states.py). When a
+    smaller count visits exactly the same states on this rank, the same schedule class over the
+    same stages runs that many: same peak and categories, a fraction of the time (a fake step
+    costs per op). Otherwise the engine's schedule runs all of the layout's micro-batches."""
+    from launcher.parallel.pp import pipeline_order, schedule_stages, schedule_with_microbatches
+    from launcher.parallel.pp_states import smallest_equivalent_microbatches
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    schedule = engine.pp_schedule
+    full = engine.pp_microbatches
+    if isinstance(schedule, PipelineScheduleMulti):
+        # The looped schedules keep every send's Work, which holds the sent tensor, until the
+        # step ends (launcher/runtime/fake_memory.py makes the fake group's Works do the same):
+        # each micro-batch adds to the peak, so no smaller count is equivalent.
+        return schedule, full, (f"pipeline: fake steps run all {full} micro-batches ({layout.schedule} keeps "
+                                f"every micro-batch's sent tensors until the step ends)")
+    n_stages = layout.pp * layout.vpp
+    pp_rank = engine.world["pp"].get_local_rank()
+    local = [st.stage_index for st in schedule_stages(schedule)]
+
+    def order_for(n: int):
+        if n == full:
+            return pipeline_order(schedule)
+        try:
+            return pipeline_order(schedule_with_microbatches(schedule, layout, n))
+        except (ValueError, RuntimeError, AssertionError):  # a count this schedule refuses
+            return None
+
+    n = smallest_equivalent_microbatches(order_for, full, pp_rank, local, n_stages - 1)
+    if n == full:
+        return schedule, full, (f"pipeline: fake steps run all {full} micro-batches ({layout.schedule}: no "
+                                f"smaller count passes through the same memory states on this rank)")
+    why = ("the same micro-batches in flight per stage, pending gradients and kept outputs as "
+           f"{full} (launcher/parallel/pp_states.py), so the same peak")
+    return (schedule_with_microbatches(schedule, layout, n), n,
+            f"pipeline: fake steps ran {n} of the {full} micro-batches per step ({layout.schedule}: {n} pass "
+            f"through {why})")
+
+
+def _recv_buffers(stages):
+    """(activation buffers, gradient buffers) the stages hold for every micro-batch: torch allocates
+    one receive buffer per micro-batch and stage input (and per output gradient) in the first step
+    and keeps them; a step reads them as its micro-batches arrive."""
+    import torch
+
+    def tensors(per_mb):
+        return [info.buffer for infos in per_mb.values() for info in infos
+                if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+
+    return ([t for st in stages for t in tensors(st.args_recv_info)],
+            [t for st in stages for t in tensors(st.grad_recv_info)])
+
+
+def register_recv_buffers(stages):
+    """track_step_memory's on_enter: count every micro-batch's receive buffers from the start of the
+    tracked step, as the device holds them (MemTracker would otherwise count each only once a
+    micro-batch first reads it, so the figure at the peak would depend on how many had arrived).
+    Activation buffers count as activations and gradient buffers as temporaries ("other"), the
+    categories MemTracker gives them when they are first read."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    def register(tracker) -> None:
+        acts, grads = _recv_buffers(stages)
+        for t in acts:
+            tracker._update_and_maybe_create_winfos(t, _MemRefType.ACT)
+        for t in grads:
+            tracker._update_and_maybe_create_winfos(t, _MemRefType.TEMP)
+
+    return register
+
+
+def per_microbatch_bytes(engine, layout, stages, n_run: int) -> Dict[str, int]:
+    """Bytes a pipeline step holds per micro-batch for the whole step, by category: the receive
+    buffers (activations and gradients, registered from the step's start) and, on the first stage,
+    the micro-batch's slice of token ids (the schedule splits the batch when the step starts)."""
+    acts, grads = _recv_buffers(stages)
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    act = nbytes(acts) // n_run
+    if engine.has_first:
+        act += layout.micro_batch_size * layout.seq_len * 8  # int64 token ids
+    return {"activations": act, "other": nbytes(grads) // n_run}
+
+
+def _fake_pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n_microbatches: int = 0):
     """One training step of the engine's pipeline schedule on fake token batches: the rank's
     real stage modules, schedule, micro-batch count, loss and optimizer.
 
@@ -115,7 +204,8 @@ def _fake_pipeline_step_runner(engine, layout, vocab_size: int):
     import torch
     from torch.distributed.pipelining._utils import InferenceMode
 
-    schedule = engine.pp_schedule
+    schedule = schedule if schedule is not None else engine.pp_schedule
+    n_microbatches = n_microbatches or engine.pp_microbatches
     stages = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
     for st in stages:
         if InferenceMode.needs_dynamic(st._user_meta, True):
@@ -127,7 +217,7 @@ def _fake_pipeline_step_runner(engine, layout, vocab_size: int):
             st._inference_mode = InferenceMode.STATIC
 
     schedule._warmup_p2p = vote
-    rows = layout.micro_batch_size * engine.pp_microbatches
+    rows = layout.micro_batch_size * n_microbatches
     shape = (rows, layout.seq_len)
     inputs = torch.randint(0, vocab_size, shape)
     labels = torch.randint(0, vocab_size, shape)
@@ -316,11 +406,13 @@ def _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank: int) -
 
 
 def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activations: bool = True,
-                  fake_microbatches: int = 2) -> Dict[str, Any]:
+                  fake_microbatches: int = 2, reduce_pipeline: bool = True) -> Dict[str, Any]:
     """Build rank `rank`'s engine on a fake process group of layout.world_size ranks and
     measure it. Returns {rank, coords, params_numel, memory: {params, grads, optimizer,
     activations, peak}, error: None, notes}. Raises what the engine raises (the caller turns
-    it into the rank's error). Initialises torch.distributed: one call per process."""
+    it into the rank's error). Initialises torch.distributed: one call per process.
+    reduce_pipeline=False runs a pipeline schedule with all of the layout's micro-batches
+    (the reference tests/test_pp_states.py compares the reduced count with)."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -356,8 +448,12 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
                 notes.append(f"fake steps run {n_micro} of the {layout.microbatches} micro-batches per step "
                              f"(the peak is reached by the second: gradients exist from then on)")
             if layout.pp > 1:
-                # The schedule runs all of the layout's micro-batches (fixed when it was built).
-                step = _fake_pipeline_step_runner(engine, layout, model_cfg.vocab_size)
+                # The smallest micro-batch count that passes through the same memory states.
+                schedule, n_pipe, note = (reduced_pipeline_schedule(engine, layout) if reduce_pipeline
+                                          else (engine.pp_schedule, engine.pp_microbatches, ""))
+                if note:
+                    notes.append(note)
+                step = _fake_pipeline_step_runner(engine, layout, model_cfg.vocab_size, schedule, n_pipe)
             else:
                 step = _fake_step_runner(engine, layout, model_cfg.vocab_size, n_micro)
             warmup = 1
@@ -369,9 +465,21 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
                 # also sets up its stages' buffers in its first step: it keeps the real warm-up.
                 _zero_grad_step(engine)
                 warmup = 0
+            on_enter = None
+            if layout.pp > 1:
+                from launcher.parallel.pp import schedule_stages
+
+                on_enter = register_recv_buffers(schedule_stages(schedule))
             # Measure what a real step holds, not fake-mode artefacts (launcher/runtime/fake_memory.py).
             with fake_step_as_real():
-                measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup)
+                measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup,
+                                             on_enter=on_enter)
+            if layout.pp > 1 and n_pipe < engine.pp_microbatches:
+                # What the micro-batches not run would hold for the whole step (constant over it).
+                extra = per_microbatch_bytes(engine, layout, schedule_stages(schedule), n_pipe)
+                for cat, b in extra.items():
+                    measured[cat] += (engine.pp_microbatches - n_pipe) * b
+                    measured["total"] += (engine.pp_microbatches - n_pipe) * b
             memory["activations"] = int(measured["activations"])
             memory["peak"] = int(measured["total"])
             memory["other"] = int(measured["other"])
