@@ -185,7 +185,14 @@ def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
             step, warmup = _fake_pipeline_step_runner(engine, layout, vocab_size), 1
         else:  # at most 2 micro-batches, as rehearse_rank; the optimizer states exist already
             step, warmup = _fake_step_runner(engine, layout, vocab_size, max(1, min(layout.microbatches, 2))), 0
-    measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup)
+    on_enter = None
+    if layout.pp > 1:  # the stages' receive buffers counted from the step's start, as rehearse_rank does
+        from launcher.parallel.pp import schedule_stages
+        from launcher.runtime.rehearse import register_recv_buffers
+
+        on_enter = register_recv_buffers(schedule_stages(engine.pp_schedule))
+    measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup,
+                                 on_enter=on_enter)
     return {"activations": int(measured["activations"]), "peak": int(measured["total"]),
             "gloo_reduce_scatter_copy": largest_reduce_scatter_input_bytes(engine.model_parts, 4)}
 
