@@ -205,3 +205,22 @@ def test_the_fake_step_runs_one_tracked_step_and_no_untracked_forward(tmp_path):
     assert out["microbatches"] == 2 and out["forwards"] == 2, out
     mem = out["memory"]
     assert mem["activations"] > 0 and mem["peak"] >= mem["params"] + mem["grads"] + mem["activations"]
+
+
+def test_ranks_with_the_same_local_shapes_share_one_fake_step(tmp_path):
+    """FSDP2 over 3 ranks of the debug model (dim 64, vocab 256: shards of 22, 22, 20 rows):
+    ranks 0 and 1 hold the same local shapes, so rank 1 reports rank 0's fake step instead of
+    running it again (one worker: rank 0 finishes first); rank 2's shards are smaller, so it
+    runs its own. The shared figures equal those of rank 1 rehearsed alone."""
+    overrides = ["+recipe=debug", "cluster.gpus_per_node=3", "parallel.dp_shard=3", "trainer.global_batch_size=6",
+                 "action=rehearse", "rehearse.workers=1"]
+    _, _, together = _rehearse(overrides + ["rehearse.ranks=all"], tmp_path / "all")
+    _, _, alone = _rehearse(overrides + ["rehearse.ranks=[1]"], tmp_path / "alone")
+    assert together["ok"] and alone["ok"]
+    notes = {r: json.loads((tmp_path / "all" / "rehearsal" / f"rank_{r}.json").read_text())["notes"] for r in range(3)}
+    assert any("fake step shared with rank 0" in n for n in notes[1]), notes[1]
+    assert not any("shared" in n for n in notes[0] + notes[2]), (notes[0], notes[2])
+    mem = {row["rank"]: row["memory"] for row in together["ranks"]}
+    assert mem[1] == mem[0] == alone["ranks"][0]["memory"]
+    assert mem[2]["params"] < mem[0]["params"], "rank 2's shards were expected to be the smaller ones"
+    assert mem[2]["activations"] > 0

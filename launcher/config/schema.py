@@ -368,7 +368,7 @@ class RehearseConfig:
 
     ranks: Any = "auto"  # auto (one per distinct shard shape) | all | a list of global ranks
     workers: int = 2  # rehearsal subprocesses at a time (one per rank, each its own process)
-    # Two fake-tensor training steps per rank (the second measured) for the activation peak.
+    # A tracked fake-tensor training step per distinct rank for the activation peak (false: states only).
     activations: bool = True
 
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
@@ -33,11 +34,12 @@ from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
 from launcher.plan.plan import Plan
 from launcher.plan.rehearsal import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors
+from launcher.runtime.rehearse import SHARED_STEPS_DIR
 
 log = logging.getLogger(__name__)
 
 REHEARSAL_FILENAME = "rehearsal.json"
-RANK_TIMEOUT_S = 900  # one rank's build and two fake steps; a 405B stage takes well under a minute
+RANK_TIMEOUT_S = 900  # one rank's build and fake step; a llama405b pipeline rank takes about a minute
 
 
 def _rank_env() -> Dict[str, str]:
@@ -75,9 +77,20 @@ def _died(rank: int, code: Optional[int], log_path: Path) -> Dict[str, Any]:
                 "see the rank's log; a C++ abort here would abort the real rank too")}}
 
 
-def run_ranks(run_dir: Path, ranks: List[int], workers: int, activations: bool) -> List[Dict[str, Any]]:
-    """Rehearse `ranks`, at most `workers` processes at a time; one report per rank, in rank order."""
-    pending, running, reports = list(ranks), [], {}
+def launch_order(ranks: List[int], coordinates: Callable[[int], Dict[str, int]]) -> List[int]:
+    """The ranks with every coordinate but the pipeline's at 0 first: a rank whose local shapes
+    equal such a rank's (same pipeline rank) then finds that rank's fake step done and reuses
+    it (launcher/runtime/rehearse.py, step_signature) instead of running the same step again."""
+    return sorted(ranks, key=lambda r: (any(v for k, v in coordinates(r).items() if k != "pp"), r))
+
+
+def run_ranks(run_dir: Path, ranks: List[int], workers: int, activations: bool,
+              order: Optional[List[int]] = None) -> List[Dict[str, Any]]:
+    """Rehearse `ranks` (started in `order`, default theirs), at most `workers` processes at a time;
+    one report per rank, in the order of `ranks`. Fake steps measured by an earlier rehearsal in
+    this run dir are dropped first."""
+    shutil.rmtree(Path(run_dir) / SHARED_STEPS_DIR, ignore_errors=True)
+    pending, running, reports = list(order or ranks), [], {}
     while pending or running:
         while pending and len(running) < max(1, workers):
             rank = pending.pop(0)
@@ -111,7 +124,8 @@ def rehearse(spec: JobConfig, plan: Plan, run_dir: Path) -> Dict[str, Any]:
         raise ConfigError(problems)
     ranks = rehearsal_ranks(lay, choice)
     t0 = time.monotonic()
-    reports = run_ranks(Path(run_dir), ranks, spec.rehearse.workers, spec.rehearse.activations)
+    reports = run_ranks(Path(run_dir), ranks, spec.rehearse.workers, spec.rehearse.activations,
+                        order=launch_order(ranks, lay.mesh.coordinates))
     shape = model_shape(spec.model)
     rows = []
     for rep in reports:

@@ -18,6 +18,7 @@ the tracked step is a steady-state step with every state already allocated.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
@@ -71,7 +72,67 @@ def _torch_optimizers(optimizers: Iterable[Any]) -> List[torch.optim.Optimizer]:
     return out
 
 
-def _make_tracker(modules: List[nn.Module], optimizers: List[torch.optim.Optimizer]):
+@functools.lru_cache(maxsize=None)
+def _lean_memtracker_class():
+    """torch's MemTracker with a cheaper per-op dispatch that records the same bytes.
+
+    MemTracker's ``__torch_dispatch__`` runs on every op of the tracked step. Two of its parts
+    cost more than the bookkeeping they do (a fake llama405b pipeline rank spent about a fifth of
+    its time in them): it walks the op's outputs with ``tree_map_only``, which also rebuilds
+    the output structure it then drops, and it looks up the active fake mode twice, each time
+    through a function that imports two modules and lists the whole mode stack. Here the outputs
+    are only iterated (same tensors, same order) and the fake mode is read once per op from
+    the dispatcher's FAKE slot (the mode stack is the same before and after the op runs).
+    Everything else (reference types, storages, the peak update) is torch's own.
+    tests/test_plan_memtrack.py holds both trackers to the same snapshot. Private torch API:
+    when its attributes are not as expected, torch's MemTracker is used unchanged. (The
+    FSDPMemTracker of a single FSDP2 root keeps torch's dispatch.)"""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_iter
+
+    needed = ("_track", "_update_peak_stats", "_mod_tracker", "_in_opt", "_in_ac")
+    probe = MemTracker()
+    if not all(hasattr(probe, a) for a in needed):  # pragma: no cover - torch changed MemTracker
+        return MemTracker
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
+
+    fake_key = torch._C._TorchDispatchModeKey.FAKE
+
+    def active_fake_mode():
+        # torch._guards.active_fake_mode scans the mode stack for the innermost FakeTensorMode.
+        # FakeTensorMode is an infrastructure mode: the innermost one entered sits in the
+        # stack's FAKE slot, which torch's stack listing ends with, so that slot is the answer.
+        return torch._C._get_dispatch_mode(fake_key)
+
+    class LeanMemTracker(MemTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+            if DTensor in types:  # let DTensor desugar into local ops first, as MemTracker does
+                return NotImplemented
+            fake = active_fake_mode()
+            # A fake wait_tensor returns a new tensor where a real one returns its input.
+            res = args[0] if (func is wait_tensor and fake) else func(*args, **(kwargs or {}))
+            if fake is self._fake_mode_on_entry:  # not DTensor's nested propagation mode
+                if self._in_opt:
+                    reftype = _MemRefType.OPT
+                elif self._mod_tracker.is_bw and not self._in_ac:
+                    reftype = _MemRefType.TEMP
+                else:
+                    reftype = _MemRefType.ACT
+                if isinstance(res, torch.Tensor):
+                    self._track(reftype, res)
+                else:
+                    for leaf in tree_iter(res):
+                        if isinstance(leaf, torch.Tensor):
+                            self._track(reftype, leaf)
+                self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
+            return res
+
+    return LeanMemTracker
+
+
+def _make_tracker(modules: List[nn.Module], optimizers: List[torch.optim.Optimizer], lean: bool = True):
+    """FSDPMemTracker for one FSDP2 root, else MemTracker (its lean dispatch unless lean=False)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     try:
@@ -82,7 +143,7 @@ def _make_tracker(modules: List[nn.Module], optimizers: List[torch.optim.Optimiz
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         return FSDPMemTracker(modules[0], optimizers[0] if optimizers else None)
-    tracker = MemTracker()
+    tracker = _lean_memtracker_class()() if lean else MemTracker()
     tracker.track_external(*modules, *optimizers)
     _track_master_weights(tracker, modules, optimizers)
     return tracker
@@ -121,14 +182,13 @@ def _global_peak_update(tracker) -> Callable[[Any], None]:
     larger part of a fake 70B step's time. Only the global peak is used here (the per-module
     statistics are cleared before each root forward anyway), so only that is kept: the same
     comparison and copy as torch's global part."""
-    from copy import deepcopy
-
     def update(peak_state) -> None:
         for dev, dev_snap in tracker._curr_mem_snap.items():
             total = dev_snap.get("Total", 0)
             if tracker._peak_mem.get(dev, 0) < total:
                 tracker._peak_mem[dev] = total
-                tracker._peak_mem_snap[dev] = deepcopy(dev_snap)
+                # torch deep-copies; the snapshot maps reference types to ints, so a copy is one.
+                tracker._peak_mem_snap[dev] = dict(dev_snap)
 
     return update
 

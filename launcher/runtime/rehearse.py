@@ -15,7 +15,9 @@ Then, per rank: the bytes of parameters, gradients and optimizer states it holds
 (launcher/runtime/state_bytes.py, the same probe the real-run tests use), and with
 activations the peak of a fake training step by category (torch's MemTracker /
 FSDPMemTracker through launcher/runtime/memtrack.py: the optimizer states are created from
-zero gradients, then one tracked step; a pipeline schedule runs two, the second measured).
+zero gradients, a pipeline's stages are set up as its first step would, then one tracked
+step). Ranks of one rehearsal with the same `step_signature` (pipeline rank, local shapes)
+share one fake step through the run dir.
 DeepSpeed layouts (ZeRO 0-3, the pipeline engine at ZeRO 0-1) run deepspeed.initialize on
 the fake group and report DeepSpeed's own partition sizes (no fake step).
 Without activations (or where no fake step can run) the optimizer is stepped once on
@@ -33,7 +35,7 @@ import json
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 # The launcher module that refused a layout -> the keys that change what it builds.
 FIX_BY_MODULE = {
@@ -49,6 +51,11 @@ FIX_BY_MODULE = {
     "launcher.engines.deepspeed": "change backend.* / parallel.zero_stage (DeepSpeed refused the generated config)",
 }
 DEFAULT_FIX = "change the parallel.* layout this rank cannot build (`train ... action=plan` shows it)"
+
+
+# Under the run dir: the fake steps measured so far, by step signature (launcher/launch/rehearse.py
+# empties it when a rehearsal starts).
+SHARED_STEPS_DIR = "rehearsal/steps"
 
 
 def error_report(err: BaseException, tb: Optional[Any] = None) -> Dict[str, Any]:
@@ -235,6 +242,29 @@ def _fake_pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n
     return step
 
 
+def set_up_pipeline_stages(engine, layout, schedule, n_microbatches: int) -> None:
+    """What a pipeline schedule's first step sets up and keeps, without running it: torch's stage
+    set-up (one receive buffer per micro-batch and stage input, one per output gradient; static
+    shapes, so nothing is sent or run). With the optimizer states from `_zero_grad_step`, the next
+    step is a steady-state step: the rehearsal tracks it instead of a second step after an untracked
+    one (llama405b rank 0: 77 s instead of 123 s, the same bytes). tests/test_parallel_layouts.py holds the
+    tracked step's activations and peak equal to those of a real rank after a real first step."""
+    import torch
+    from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, PipelineScheduleMulti, _split_tensor
+
+    rows = layout.micro_batch_size * n_microbatches
+    tokens = torch.zeros((rows, layout.seq_len), dtype=torch.long)
+    args_split, kwargs_split = schedule._split_inputs((tokens,) if engine.has_first else (), {})
+    target = next(iter(_split_tensor(tokens, _TARGET_CHUNK_SPEC, n_microbatches))) if engine.has_last else None
+    stages = schedule._stages if isinstance(schedule, PipelineScheduleMulti) else [schedule._stage]
+    for st in stages:
+        st.has_backward = schedule._has_backward
+    initialize = (schedule._initialize_stages if isinstance(schedule, PipelineScheduleMulti)
+                  else schedule._initialize_stage)
+    with engine._loss_parallel(), engine._autocast():
+        initialize(args_split[0], kwargs_split[0], target)
+
+
 def _zero_grad_step(engine) -> None:
     """Create the optimizer states without a forward: zero gradients of the parameters' shapes."""
     import torch
@@ -405,14 +435,110 @@ def _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank: int) -
     }
 
 
+def step_signature(engine, pp_rank: int) -> str:
+    """What a rank's fake step depends on beyond the run's config, which every rank shares: its
+    pipeline rank (stages, schedule position) and the local shape, stride and dtype of every
+    parameter and buffer (with the global shape). Two ranks with the same signature run the same
+    ops on the same shapes, so the same bytes (e.g. every tensor-parallel rank when TP divides
+    every sharded dimension; not the last FSDP shard when a dimension does not divide)."""
+    import hashlib
+    import itertools
+
+    from torch.distributed.tensor import DTensor
+
+    items: List[Any] = [("pp", pp_rank)]
+    for i, part in enumerate(engine.model_parts):
+        for name, t in itertools.chain(part.named_parameters(), part.named_buffers()):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            items.append((i, name, tuple(t.shape), tuple(local.shape), tuple(local.stride()), str(local.dtype)))
+    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+
+
+def _shared_step(shared_steps: Optional[Path], signature: str) -> Optional[Dict[str, Any]]:
+    """The fake step another rank of this rehearsal measured with the same signature, or None."""
+    path = shared_steps / f"{signature}.json" if shared_steps is not None else None
+    if path is None or not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def _save_shared_step(shared_steps: Optional[Path], signature: str, rank: int, memory: Dict[str, Any],
+                      notes: List[str]) -> None:
+    """Keep this rank's fake step for the ranks of the same signature (written atomically)."""
+    if shared_steps is None:
+        return
+    shared_steps.mkdir(parents=True, exist_ok=True)
+    path = shared_steps / f"{signature}.json"
+    tmp = path.with_suffix(f".{rank}.tmp")
+    tmp.write_text(json.dumps({"rank": rank, "memory": {k: memory[k] for k in ("activations", "peak", "other")},
+                               "notes": notes}))
+    tmp.replace(path)
+
+
+def _measure_fake_step(engine, layout, model_cfg, notes: List[str], fake_microbatches: int,
+                       reduce_pipeline: bool) -> Dict[str, int]:
+    """Run the rank's tracked fake training step; {activations, peak, other} in bytes. Creates the
+    optimizer states first (zero-gradient step) and, for a pipeline, the stages' buffers."""
+    from launcher.runtime.fake_memory import fake_step_as_real
+    from launcher.runtime.memtrack import track_step_memory
+
+    memory: Dict[str, int] = {}
+    note = balance_moe_routing(engine.model_parts)
+    if note:
+        notes.append(note)
+    n_micro = max(1, min(layout.microbatches, fake_microbatches))
+    if n_micro < layout.microbatches and layout.pp == 1:
+        notes.append(f"fake steps run {n_micro} of the {layout.microbatches} micro-batches per step "
+                     f"(the peak is reached by the second: gradients exist from then on)")
+    if layout.pp > 1:
+        # The smallest micro-batch count that passes through the same memory states.
+        schedule, n_pipe, note = (reduced_pipeline_schedule(engine, layout) if reduce_pipeline
+                                  else (engine.pp_schedule, engine.pp_microbatches, ""))
+        if note:
+            notes.append(note)
+        step = _fake_pipeline_step_runner(engine, layout, model_cfg.vocab_size, schedule, n_pipe)
+        # A schedule's first step also sets up its stages' receive buffers: set up alone.
+        set_up_pipeline_stages(engine, layout, schedule, n_pipe)
+    else:
+        step = _fake_step_runner(engine, layout, model_cfg.vocab_size, n_micro)
+    # No untracked first step: it would only create the optimizer states (AdamW makes them
+    # in its first step()) and the pipeline's buffers (above); zero gradients of the
+    # parameters' shapes create the states without a forward and backward, which halves
+    # the fake step time. Same measured numbers as after a real first step
+    # (bench/rehearse_activations.py, tests/test_parallel_layouts.py).
+    _zero_grad_step(engine)
+    on_enter = None
+    if layout.pp > 1:
+        from launcher.parallel.pp import schedule_stages
+
+        on_enter = register_recv_buffers(schedule_stages(schedule))
+    # Measure what a real step holds, not fake-mode artefacts (launcher/runtime/fake_memory.py).
+    with fake_step_as_real():
+        measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=0,
+                                     on_enter=on_enter)
+    if layout.pp > 1 and n_pipe < engine.pp_microbatches:
+        # What the micro-batches not run would hold for the whole step (constant over it).
+        extra = per_microbatch_bytes(engine, layout, schedule_stages(schedule), n_pipe)
+        for cat, b in extra.items():
+            measured[cat] += (engine.pp_microbatches - n_pipe) * b
+            measured["total"] += (engine.pp_microbatches - n_pipe) * b
+    memory["activations"] = int(measured["activations"])
+    memory["peak"] = int(measured["total"])
+    memory["other"] = int(measured["other"])
+    return memory
+
+
 def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activations: bool = True,
-                  fake_microbatches: int = 2, reduce_pipeline: bool = True) -> Dict[str, Any]:
+                  fake_microbatches: int = 2, reduce_pipeline: bool = True,
+                  shared_steps: Optional[Path] = None) -> Dict[str, Any]:
     """Build rank `rank`'s engine on a fake process group of layout.world_size ranks and
     measure it. Returns {rank, coords, params_numel, memory: {params, grads, optimizer,
     activations, peak}, error: None, notes}. Raises what the engine raises (the caller turns
     it into the rank's error). Initialises torch.distributed: one call per process.
     reduce_pipeline=False runs a pipeline schedule with all of the layout's micro-batches
-    (the reference tests/test_pp_states.py compares the reduced count with)."""
+    (the reference tests/test_pp_states.py compares the reduced count with). shared_steps: a
+    directory where the ranks of one rehearsal keep their fake steps by `step_signature`; a rank
+    whose signature is there reports that step instead of running the same one again."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -437,52 +563,22 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
         memory: Dict[str, Optional[int]] = {"activations": None, "peak": None}
         skip = fake_step_skip_reason(layout, model_cfg)
         if activations and not skip:
-            from launcher.runtime.memtrack import track_step_memory
-            from launcher.runtime.fake_memory import fake_step_as_real
-
-            note = balance_moe_routing(engine.model_parts)
-            if note:
-                notes.append(note)
-            n_micro = max(1, min(layout.microbatches, fake_microbatches))
-            if n_micro < layout.microbatches and layout.pp == 1:
-                notes.append(f"fake steps run {n_micro} of the {layout.microbatches} micro-batches per step "
-                             f"(the peak is reached by the second: gradients exist from then on)")
-            if layout.pp > 1:
-                # The smallest micro-batch count that passes through the same memory states.
-                schedule, n_pipe, note = (reduced_pipeline_schedule(engine, layout) if reduce_pipeline
-                                          else (engine.pp_schedule, engine.pp_microbatches, ""))
-                if note:
-                    notes.append(note)
-                step = _fake_pipeline_step_runner(engine, layout, model_cfg.vocab_size, schedule, n_pipe)
-            else:
-                step = _fake_step_runner(engine, layout, model_cfg.vocab_size, n_micro)
-            warmup = 1
-            if layout.pp == 1:
-                # The untracked first step only creates the optimizer states (AdamW makes them in
-                # its first step()); zero gradients of the parameters' shapes do that without a
-                # forward and backward, which halves the fake step time. Same measured numbers
-                # (bench/rehearse_activations.py compares with a real step). A pipeline schedule
-                # also sets up its stages' buffers in its first step: it keeps the real warm-up.
+            signature = step_signature(engine, layout.mesh.coordinates(rank)["pp"])
+            shared = _shared_step(shared_steps, signature)
+            if shared is not None:
+                # Same pipeline rank, same local shapes: the same ops on the same shapes.
                 _zero_grad_step(engine)
-                warmup = 0
-            on_enter = None
-            if layout.pp > 1:
-                from launcher.parallel.pp import schedule_stages
-
-                on_enter = register_recv_buffers(schedule_stages(schedule))
-            # Measure what a real step holds, not fake-mode artefacts (launcher/runtime/fake_memory.py).
-            with fake_step_as_real():
-                measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup,
-                                             on_enter=on_enter)
-            if layout.pp > 1 and n_pipe < engine.pp_microbatches:
-                # What the micro-batches not run would hold for the whole step (constant over it).
-                extra = per_microbatch_bytes(engine, layout, schedule_stages(schedule), n_pipe)
-                for cat, b in extra.items():
-                    measured[cat] += (engine.pp_microbatches - n_pipe) * b
-                    measured["total"] += (engine.pp_microbatches - n_pipe) * b
-            memory["activations"] = int(measured["activations"])
-            memory["peak"] = int(measured["total"])
-            memory["other"] = int(measured["other"])
+                memory.update(shared["memory"])
+                notes.extend(shared["notes"])
+                notes.append(f"fake step shared with rank {shared['rank']}: the same pipeline rank and the same "
+                             f"local shape, stride and dtype for every parameter and buffer, so the same ops on "
+                             f"the same shapes (step signature {signature})")
+            else:
+                step_notes: List[str] = []
+                memory.update(_measure_fake_step(engine, layout, model_cfg, step_notes, fake_microbatches,
+                                                 reduce_pipeline))
+                notes.extend(step_notes)
+                _save_shared_step(shared_steps, signature, rank, memory, step_notes)
         else:
             if activations:
                 notes.append(f"no fake step: {skip}")
@@ -511,7 +607,7 @@ def _rank_from_run_dir(run_dir: Path, rank: int, activations: bool) -> Dict[str,
     spec = load_spec(run_dir)
     plan = Plan.load(run_dir)
     return rehearse_rank(spec.model, spec.optim, plan.layout, engine_options(spec, run_dir), rank,
-                         activations=activations)
+                         activations=activations, shared_steps=run_dir / SHARED_STEPS_DIR)
 
 
 def main(argv=None) -> int:

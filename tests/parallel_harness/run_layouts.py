@@ -181,7 +181,9 @@ def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
 
     with torch.random.fork_rng():
         torch.manual_seed(0)  # the same token batch on every rank (the runners draw it)
-        if layout.pp > 1:  # the rehearsal warms a schedule up with one untracked step
+        # A real rank runs a real first step untracked; the rehearsal only sets the stages up
+        # (rehearse.set_up_pipeline_stages): the test holds the two equal.
+        if layout.pp > 1:
             step, warmup = _fake_pipeline_step_runner(engine, layout, vocab_size), 1
         else:  # at most 2 micro-batches, as rehearse_rank; the optimizer states exist already
             step, warmup = _fake_step_runner(engine, layout, vocab_size, max(1, min(layout.microbatches, 2))), 0
