@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -262,6 +263,78 @@ def _allow_repeated_root_forward(tracker, mods: List[nn.Module]):
     return register_module_forward_pre_hook(hook)
 
 
+class _NoHook:
+    """The handle of a gradient hook that was not registered."""
+
+    def remove(self) -> None:
+        pass
+
+
+@contextmanager
+def _module_grad_hooks_skip_leaves(tracker) -> Iterator[None]:
+    """While tracking, torch's ModTracker hooks no leaf tensor for a module's backward.
+
+    ModTracker (inside MemTracker) marks a module's backward as done with a gradient hook on
+    its inputs, which asks the autograd engine, for each of them, whether the running backward
+    will reach it. The engine refuses that question for a leaf tensor inside
+    ``torch.autograd.grad`` ("A leaf node was passed to _will_engine_execute_node ..."), and the
+    zero-bubble pipeline schedules (zero_bubble, zbv) compute a stage's input gradients with
+    ``autograd.grad``, where the stage's input (a receive buffer) is a leaf: every tracked step
+    of them failed, real or fake. Here leaves are left out of those hooks; a module whose inputs
+    are all leaves is marked done when the backward ends, the way ModTracker already treats a
+    module whose inputs need no gradient. Only ModTracker's module nesting moves; no tensor is
+    counted differently (the per-module statistics are not used here)."""
+    try:
+        from torch.distributed._tools import mod_tracker
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    original = getattr(mod_tracker, "register_multi_grad_hook", None)
+    at_backward_end = getattr(getattr(tracker, "_mod_tracker", None), "_post_bw_callbacks_to_enqueue", None)
+    if original is None or at_backward_end is None:  # pragma: no cover - torch changed ModTracker
+        yield
+        return
+
+    def register(tensors, fn, *args, **kwargs):
+        kept = [t for t in tensors if t.grad_fn is not None]
+        if kept:
+            return original(kept, fn, *args, **kwargs)
+        if kwargs.get("mode", args[0] if args else "all") == "all":
+            at_backward_end.append(fn)
+        return _NoHook()
+
+    mod_tracker.register_multi_grad_hook = register
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = original
+
+
+@contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while the block runs, with a collection before.
+
+    Some tensors of a step live in reference cycles and are freed only when the collector runs
+    (seen with torch's zero-bubble pipeline schedules, found by tracing the fake and the real
+    step op by op: docs/planner.md, "Rehearsal"). It runs after a count of Python object
+    allocations, which differs between fake and real tensors, so the tracked peak moved with it
+    (debug model, pp 2 zero_bubble rank 0: a collection freed 36,864 B of activations in the
+    fake step's first backward, which the real step kept until a collection in its next
+    forward). Paused, the tracked step holds such tensors until it ends: the figure is the same
+    for fake and real tensors and the upper bound over collection timings."""
+    import gc
+
+    was_enabled = gc.isenabled()
+    gc.collect()  # the warm-up steps' cyclic garbage is not the tracked step's
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()
+
+
 def track_step_memory(
     modules: Union[nn.Module, Sequence[nn.Module]],
     optimizers: Union[Any, Sequence[Any], None],
@@ -294,7 +367,7 @@ def track_step_memory(
     maxima = _record_category_maxima(tracker)
     handle = _allow_repeated_root_forward(tracker, mods)
     try:
-        with tracker:
+        with _cyclic_gc_paused(), _module_grad_hooks_skip_leaves(tracker), tracker:
             if on_enter is not None:
                 on_enter(tracker)
             for _ in range(max(1, tracked_steps)):
