@@ -66,7 +66,12 @@ def measure_multi(mode: str, name: str, rank: int = -1) -> dict:
     torch.manual_seed(0)  # the same token batch on both ranks (the step runner draws it)
     eng = NativeEngine(mcfg, optim, lay, torch.device("cpu"), opts)
     if lay.pp > 1:  # the rehearsal's pipeline step (static stage shapes), a real warm-up step first
-        m = track_step_memory(eng.model_parts, eng.optimizers, _fake_pipeline_step_runner(eng, lay, mcfg.vocab_size))
+        from launcher.parallel.pp import schedule_stages
+        from launcher.runtime.rehearse import register_recv_buffers
+
+        # The receive buffers counted from the step's start, as the rehearsal counts them.
+        m = track_step_memory(eng.model_parts, eng.optimizers, _fake_pipeline_step_runner(eng, lay, mcfg.vocab_size),
+                              on_enter=register_recv_buffers(schedule_stages(eng.pp_schedule)))
     else:
         m = track_step_memory(eng.model_parts, eng.optimizers, _fake_step_runner(eng, lay, mcfg.vocab_size, 2))
     out = [None, None]
