@@ -89,12 +89,17 @@ def test_tracking_skips_the_per_module_peak_walk_with_the_same_peaks(monkeypatch
     assert fast == reference
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
-def test_lean_tracker_dispatch_records_what_torchs_memtracker_records(monkeypatch, ac):
+@pytest.mark.parametrize("ac,tensors", [("none", "real"), ("full", "real"), ("none", "fake"), ("full", "fake")])
+def test_lean_tracker_dispatch_records_what_torchs_memtracker_records(monkeypatch, ac, tensors):
     """track_step_memory's MemTracker skips the costly parts of torch's per-op dispatch (a
     rebuilt output tree, repeated fake-mode look-ups; about a fifth of a fake 405B pipeline
     rank's time) and must record the same bytes: every category's maximum, the peak and its
-    breakdown, with and without activation checkpointing (its recompute is tracked apart)."""
+    breakdown, with and without activation checkpointing (its recompute is tracked apart), on
+    real tensors and on the rehearsal's fake ones (where the lean dispatch reads the fake mode
+    from the dispatcher's slot instead of torch's stack scan)."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     import launcher.runtime.memtrack as memtrack
@@ -104,15 +109,58 @@ def test_lean_tracker_dispatch_records_what_torchs_memtracker_records(monkeypatc
     spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=1", "parallel.zero_stage=0"])
     with torch.device("meta"):
         model = build_model(spec.model)
-    model.to_empty(device="cpu")
-    model.init_weights(0)
-    if ac != "none":
-        model = apply_activation_checkpointing(model, ac)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = _train_step_fn(model, opt, 2, 64, spec.model.vocab_size, 2)
-    track_step_memory(model, opt, step)  # AdamW's states exist from here on, for both runs
-    lean = track_step_memory(model, opt, step, warmup_steps=0)
-    monkeypatch.setattr(memtrack, "_lean_memtracker_class", lambda: MemTracker)
-    reference = track_step_memory(model, opt, step, warmup_steps=0)
+    with FakeTensorMode(allow_non_fake_inputs=True) if tensors == "fake" else contextlib.nullcontext():
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        assert isinstance(next(model.parameters()), FakeTensor) == (tensors == "fake")
+        if ac != "none":
+            model = apply_activation_checkpointing(model, ac)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = _train_step_fn(model, opt, 2, 64, spec.model.vocab_size, 2)
+        track_step_memory(model, opt, step)  # AdamW's states exist from here on, for both runs
+        lean = track_step_memory(model, opt, step, warmup_steps=0)
+        with monkeypatch.context() as patch:
+            patch.setattr(memtrack, "_lean_memtracker_class", lambda: MemTracker)
+            reference = track_step_memory(model, opt, step, warmup_steps=0)
     assert lean == reference
     assert lean["activations"] > 0 and lean["optimizer"] > 0
+
+
+def test_tracked_step_may_take_gradients_of_a_leaf_input_and_restores_what_it_patched():
+    """A pipeline stage's input is a leaf (its receive buffer), and the zero-bubble schedules
+    take its gradient with autograd.grad. torch's module tracker, inside MemTracker, hooks
+    module inputs in a way the autograd engine refuses for a leaf there ("A leaf node was
+    passed to _will_engine_execute_node"): track_step_memory leaves leaves out of those hooks.
+    What it patches for the step (that hook, the paused cyclic collector) is put back, also
+    when the step raises."""
+    import gc
+
+    from torch.autograd import graph
+    from torch.distributed._tools import mod_tracker
+
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)  # the receive buffer: a leaf
+    grads = []
+
+    def step():
+        out = stage(x)
+        (dx,) = torch.autograd.grad(out.sum(), x, retain_graph=True)  # input gradient first
+        grads.append(dx)
+        out.sum().backward()  # then the weights'
+        stage.zero_grad(set_to_none=True)
+
+    measured = track_step_memory(stage, None, step, warmup_steps=0)
+    assert grads and grads[0].shape == x.shape
+    assert measured["activations"] > 0
+    assert mod_tracker.register_multi_grad_hook is graph.register_multi_grad_hook
+    assert gc.isenabled()
+
+    def failing_step():
+        step()
+        raise RuntimeError("the step failed")
+
+    with pytest.raises(RuntimeError, match="the step failed"):
+        track_step_memory(stage, None, failing_step, warmup_steps=0)
+    assert mod_tracker.register_multi_grad_hook is graph.register_multi_grad_hook
+    assert gc.isenabled()

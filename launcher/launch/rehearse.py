@@ -79,8 +79,9 @@ def _died(rank: int, code: Optional[int], log_path: Path) -> Dict[str, Any]:
 
 def launch_order(ranks: List[int], coordinates: Callable[[int], Dict[str, int]]) -> List[int]:
     """The ranks with every coordinate but the pipeline's at 0 first: a rank whose local shapes
-    equal such a rank's (same pipeline rank) then finds that rank's fake step done and reuses
-    it (launcher/runtime/rehearse.py, step_signature) instead of running the same step again."""
+    equal such a rank's (same pipeline rank) then usually finds that rank's fake step done and
+    reuses it (launcher/runtime/rehearse.py, step_signature) instead of running the same step
+    again; one started beside that rank (workers > 1) runs its own, with the same bytes."""
     return sorted(ranks, key=lambda r: (any(v for k, v in coordinates(r).items() if k != "pp"), r))
 
 

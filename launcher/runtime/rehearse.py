@@ -201,29 +201,13 @@ def per_microbatch_bytes(engine, layout, stages, n_run: int) -> Dict[str, int]:
 
 def _fake_pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n_microbatches: int = 0):
     """One training step of the engine's pipeline schedule on fake token batches: the rank's
-    real stage modules, schedule, micro-batch count, loss and optimizer.
-
-    The fake group delivers no values, so torch's warm-up vote (each stage tells the next one
-    whether its shapes are static; a received value decides) cannot run: the stages were
-    built with static shapes (launcher.parallel.pp.stage_io_meta), so each is set STATIC, as
-    the vote would decide in a real run. Checked, not assumed: a stage torch would infer
-    dynamically is refused."""
+    real stage modules, schedule, micro-batch count, loss and optimizer (the shape vote set to
+    its static outcome: _vote_static_shapes)."""
     import torch
-    from torch.distributed.pipelining._utils import InferenceMode
 
     schedule = schedule if schedule is not None else engine.pp_schedule
     n_microbatches = n_microbatches or engine.pp_microbatches
-    stages = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
-    for st in stages:
-        if InferenceMode.needs_dynamic(st._user_meta, True):
-            raise RuntimeError(f"pipeline stage {st.stage_index} has no static input/output shapes; "
-                               f"its shape inference cannot run on a fake process group")
-
-    def vote(stages_, has_backward, p2p_done):
-        for st in stages_:
-            st._inference_mode = InferenceMode.STATIC
-
-    schedule._warmup_p2p = vote
+    _vote_static_shapes(schedule)
     rows = layout.micro_batch_size * n_microbatches
     shape = (rows, layout.seq_len)
     inputs = torch.randint(0, vocab_size, shape)
@@ -242,6 +226,30 @@ def _fake_pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n
     return step
 
 
+def _vote_static_shapes(schedule) -> None:
+    """Replace the schedule's shape vote by its outcome on statically built stages.
+
+    The fake group delivers no values, so torch's warm-up vote (each stage tells the next one
+    whether its shapes are static; a received value decides) cannot run: the stages were built
+    with static shapes (launcher.parallel.pp.stage_io_meta), so each is set STATIC, as the vote
+    would decide in a real run. Checked, not assumed: a stage torch would infer dynamically is
+    refused."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    from launcher.parallel.pp import schedule_stages
+
+    for st in schedule_stages(schedule):
+        if InferenceMode.needs_dynamic(st._user_meta, True):
+            raise RuntimeError(f"pipeline stage {st.stage_index} has no static input/output shapes; "
+                               f"its shape inference cannot run on a fake process group")
+
+    def vote(stages_, has_backward, p2p_done):
+        for st in stages_:
+            st._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = vote
+
+
 def set_up_pipeline_stages(engine, layout, schedule, n_microbatches: int) -> None:
     """What a pipeline schedule's first step sets up and keeps, without running it: torch's stage
     set-up (one receive buffer per micro-batch and stage input, one per output gradient; static
@@ -252,12 +260,14 @@ def set_up_pipeline_stages(engine, layout, schedule, n_microbatches: int) -> Non
     import torch
     from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, PipelineScheduleMulti, _split_tensor
 
+    from launcher.parallel.pp import schedule_stages
+
+    _vote_static_shapes(schedule)  # the set-up runs the vote; on a fake group it must not send
     rows = layout.micro_batch_size * n_microbatches
     tokens = torch.zeros((rows, layout.seq_len), dtype=torch.long)
     args_split, kwargs_split = schedule._split_inputs((tokens,) if engine.has_first else (), {})
     target = next(iter(_split_tensor(tokens, _TARGET_CHUNK_SPEC, n_microbatches))) if engine.has_last else None
-    stages = schedule._stages if isinstance(schedule, PipelineScheduleMulti) else [schedule._stage]
-    for st in stages:
+    for st in schedule_stages(schedule):
         st.has_backward = schedule._has_backward
     initialize = (schedule._initialize_stages if isinstance(schedule, PipelineScheduleMulti)
                   else schedule._initialize_stage)
