@@ -174,6 +174,11 @@ def _aio_buildable() -> bool:
 # which a later non-pipeline engine in the same process would pick up. The native pipeline on
 # the MoE model runs first in the same launch, as the MoE pipeline case's reference.
 SLOW_RUN = ["pipeline_zero1", "pipeline_moe"]
+# The first test to use slow_results builds it: one two-process launch of up to four cases and,
+# on a cold cache, DeepSpeed's async-I/O op build (275 s in CI on a quiet 2-core machine; over
+# 600 s with other test runs beside it). Its own limit is _torchrun's 900 s, whose failure shows
+# the launch's output; pytest's 600 s default would cut it first, with no output.
+SLOW_RESULTS_TIMEOUT_S = 1200
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +187,7 @@ def slow_results(tmp_path_factory):
     return _torchrun(tmp_path_factory.mktemp("deepspeed_slow"), "--cases", ",".join(cases), "--native-pipeline-moe")
 
 
+@pytest.mark.timeout(SLOW_RESULTS_TIMEOUT_S)
 def test_pipeline_moe_aux_loss_matches_native(slow_results):
     """debug_moe through DeepSpeed's pipeline (pp=2): the aux loss is weighted 1/accumulation steps
     (later steps' losses and aux follow the native pipeline's), logged (not 0), and the MoE layers
@@ -204,6 +210,7 @@ def test_pipeline_moe_aux_loss_matches_native(slow_results):
             f"{key}: DeepSpeed pipeline {metrics[key]} vs native {native['moe_metrics'][key]}")
 
 
+@pytest.mark.timeout(SLOW_RESULTS_TIMEOUT_S)
 def test_pipeline_engine_and_nvme_offload(slow_results, reference):
     """DeepSpeed's pipeline engine (pp=2, ZeRO-1) and ZeRO-3 with params + optimizer on NVMe (a local folder)."""
     res = slow_results
@@ -265,6 +272,7 @@ def test_rehearsal_holds_the_real_zero12_partitions(results, case, tmp_path):
     _assert_rehearsal_holds_the_real_partitions(results[case], case, CASES[case], tmp_path)
 
 
+@pytest.mark.timeout(SLOW_RESULTS_TIMEOUT_S)
 def test_rehearsal_holds_the_real_pipeline_partitions(slow_results, tmp_path):
     """DeepSpeed's pipeline engine (pp=2, ZeRO-1): each rank's stage built by PipelineModule from
     meta tensors, then PipelineEngine (launcher.engines.deepspeed.fake_pipeline_counts_readable)."""
