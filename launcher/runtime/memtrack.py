@@ -96,12 +96,10 @@ def _lean_memtracker_class():
         from torch.utils._pytree import tree_iter
 
         wait_tensor = torch.ops._c10d_functional.wait_tensor.default
+        probe = MemTracker()
+        for name in ("_track", "_update_peak_stats", "_mod_tracker", "_in_opt", "_in_ac"):
+            getattr(probe, name)
     except (ImportError, AttributeError):  # pragma: no cover - torch moved a private name
-        log.warning("memtrack: torch's MemTracker internals moved; using its own (slower) dispatch")
-        return MemTracker
-    needed = ("_track", "_update_peak_stats", "_mod_tracker", "_in_opt", "_in_ac")
-    probe = MemTracker()
-    if not all(hasattr(probe, a) for a in needed):  # pragma: no cover - torch changed MemTracker
         log.warning("memtrack: torch's MemTracker internals moved; using its own (slower) dispatch")
         return MemTracker
 
@@ -307,7 +305,7 @@ def _module_grad_hooks_skip_leaves(tracker) -> Iterator[None]:
         return
 
     def register(tensors, fn, *args, **kwargs):
-        if kwargs.get("mode", args[0] if args else "all") != "all":
+        if kwargs.get("mode", "all") != "all":  # keyword-only in torch's signature
             # Only the "all" mode asks the engine about each tensor; "any" (ModTracker's
             # output hooks) hooks each tensor on its own, leaves included.
             return original(tensors, fn, *args, **kwargs)
