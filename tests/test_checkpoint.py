@@ -21,13 +21,8 @@ from launcher.config.loader import compose_spec
 from launcher.plan.plan import build_plan
 from launcher.engines.native import NativeEngine
 from launcher.runtime import checkpoint as ckpt
-from launcher.runtime.checkpoint import (
-    CheckpointDirInUse,
-    CheckpointManager,
-    lock_checkpoint_dir,
-    share_of,
-    verify_checkpoint,
-)
+from launcher.runtime.checkpoint import CheckpointManager
+from launcher.runtime.checkpoint_folder import CheckpointDirInUse, lock_checkpoint_dir, share_of, verify_checkpoint
 from launcher.runtime.entry import build_batches, engine_options
 from tests.conftest import run_train
 
@@ -218,7 +213,7 @@ HOLD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from launcher.runtime.checkpoint import lock_checkpoint_dir
+    from launcher.runtime.checkpoint_folder import lock_checkpoint_dir
     lock = lock_checkpoint_dir(Path(sys.argv[1]), Path(sys.argv[2]))
     print("locked", flush=True)
     time.sleep(float(sys.argv[3]))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.runtime.checkpoint import verify_checkpoint
+from launcher.runtime.checkpoint_folder import verify_checkpoint
 from tests.conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
 
 pytestmark = pytest.mark.multiprocess

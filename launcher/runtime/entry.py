@@ -32,7 +32,8 @@ from launcher.parallel.hf_weights import tokenizer_files_for
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
 from launcher.plan.plan import Plan
-from launcher.runtime.checkpoint import CheckpointManager, checkpoint_root, lock_for_run
+from launcher.runtime.checkpoint import CheckpointManager, lock_for_run
+from launcher.runtime.checkpoint_folder import checkpoint_root
 from launcher.runtime.failure import FAILURE_DIR, FailureBundle, host_name
 from launcher.runtime.health import RunHealth
 from launcher.runtime.memory_snapshot import MemorySnapshot
