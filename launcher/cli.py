@@ -130,9 +130,9 @@ def _resolve_local_device(spec: JobConfig) -> JobConfig:
     """For local runs, decide `trainer.device=auto` here (the ranks run on this machine)."""
     if spec.cluster.name != "local" or spec.trainer.device != "auto":
         return spec
-    import torch
+    from launcher.launch.local import visible_gpu_count
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpu_count()
     device = "cuda" if gpus >= spec.cluster.gpus_per_node else "cpu"
     if 0 < gpus < spec.cluster.gpus_per_node:
         log.warning(
@@ -201,7 +201,7 @@ def _run(spec: JobConfig, run_dir: Path) -> int:
 
         return submit(spec, plan, run_dir)
     from launcher.launch.local import launch_local
-    from launcher.runtime.checkpoint import CheckpointDirInUse
+    from launcher.runtime.checkpoint_folder import CheckpointDirInUse
 
     try:
         code = launch_local(spec, plan, run_dir)

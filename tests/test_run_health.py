@@ -188,7 +188,7 @@ def test_first_failure_wins_and_each_kind_is_classified(tmp_path):
     import torch
 
     from launcher.runtime.failure import FailureBundle
-    from launcher.runtime.signals import StopWithoutCheckpoint
+    from launcher.runtime.stop_control import StopWithoutCheckpoint
 
     first = FailureBundle(tmp_path, rank=1, world_size=2)
     first.progress.last_step = 5

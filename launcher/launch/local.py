@@ -13,15 +13,38 @@ from typing import Mapping, Optional
 from launcher.config.schema import JobConfig
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.plan.plan import Plan
-from launcher.runtime.checkpoint import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
+from launcher.runtime.checkpoint_folder import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
 from launcher.runtime.watchdog import flight_recorder_env
-from launcher.runtime.signals import STOPPED_FILE, StopSignals, control_dir
+from launcher.runtime.stop_control import STOPPED_FILE, StopSignals, control_dir
 
 log = logging.getLogger(__name__)
 
 # Signals that ask a local run to stop gracefully (checkpoint, then exit): what `kill`,
 # a closed terminal or a process supervisor sends to `train`.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU while NVIDIA's driver is loaded
+
+
+def visible_gpu_count(gpus_dir: Path = NVIDIA_GPUS) -> int:
+    """The NVIDIA GPUs the ranks would see, without importing torch (the host side stays light):
+    the driver's GPU folders, narrowed by CUDA_VISIBLE_DEVICES when it is set."""
+    try:
+        present = sum(1 for _ in Path(gpus_dir).iterdir())
+    except OSError:  # no driver: no GPU
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    # CUDA stops at the first invalid entry ("-1" hides every GPU).
+    count = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        count += 1
+    return min(count, present)
 
 
 def rank_environment(run_dir: Path, device: str, extra: Optional[Mapping[str, str]] = None) -> dict:

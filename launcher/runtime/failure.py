@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from launcher.runtime.stop_control import StopWithoutCheckpoint
+
 log = logging.getLogger(__name__)
 
 FAILURE_DIR = "failure"
@@ -56,8 +58,6 @@ def classify(err: BaseException) -> str:
 
     if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
         return "oom"
-    from launcher.runtime.signals import StopWithoutCheckpoint
-
     if isinstance(err, StopWithoutCheckpoint):
         return "signal"
     return "exception"

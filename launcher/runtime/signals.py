@@ -12,62 +12,17 @@ keeps Python's default (KeyboardInterrupt, which ends the rank); SIGKILL is the 
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from launcher.runtime.stop_control import STOP_FILE, StopSignals, control_dir
+
 log = logging.getLogger(__name__)
-
-STOP_FILE = "stop"
-STOPPED_FILE = "stopped"
-
-
-class StopWithoutCheckpoint(RuntimeError):
-    """A stop was requested but checkpoints are off: the run ends with an error (nothing to resume)."""
-
-
-def control_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "control"
-
-
-class StopSignals:
-    """Handlers for `signals` (installed until uninstall) that turn the first into a stop request.
-
-    A repeat, of the same signal or another, is the same request: logged, never an abort.
-    Subclasses say what a request does in `on_stop_signal`.
-    """
-
-    def __init__(self, signals: Tuple[signal.Signals, ...]):
-        self.signals = signals
-        self.first_signal: Optional[str] = None
-        self._previous: Dict[signal.Signals, object] = {}
-
-    def install(self):
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
-        return self
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _on_signal(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.first_signal is not None:
-            log.warning("received %s again: already stopping (asked by %s; SIGKILL aborts)", name, self.first_signal)
-            return
-        self.first_signal = name
-        self.on_stop_signal(name)
-
-    def on_stop_signal(self, name: str) -> None:
-        raise NotImplementedError
-
 
 class StopWatcher(StopSignals):
     """Collects stop requests on this rank and agrees on them across ranks."""
@@ -116,12 +71,3 @@ class StopWatcher(StopSignals):
         flag = torch.tensor([1.0 if self.local_request() else 0.0])
         self._agreement = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), flag)
         return agreed
-
-
-def write_stopped(run_dir: Path, step: int, reason: str) -> Path:
-    path = control_dir(run_dir) / STOPPED_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": step, "reason": reason}))
-    tmp.replace(path)
-    return path

@@ -22,7 +22,8 @@ from launcher.runtime.validation import Validator
 from launcher.runtime.profiler import StepProfiler
 from launcher.runtime.stragglers import StragglerMonitor
 from launcher.runtime.moe_health import MoEHealth
-from launcher.runtime.signals import StopWatcher, StopWithoutCheckpoint, write_stopped
+from launcher.runtime.signals import StopWatcher
+from launcher.runtime.stop_control import StopWithoutCheckpoint, write_stopped
 from launcher.runtime.debug_hooks import before_step as debug_before_step
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,70 @@
+"""The torch-free half of graceful stops: the control files and the signal handler base.
+
+`train` on the host (launcher/launch/local.py) forwards stop signals to the ranks and reads
+their record of a stop; the ranks (launcher/runtime/signals.py StopWatcher) watch for the
+stop file and write that record. Both use these names, and the host must not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+log = logging.getLogger("launcher.runtime.signals")
+
+STOP_FILE = "stop"
+STOPPED_FILE = "stopped"
+
+
+class StopWithoutCheckpoint(RuntimeError):
+    """A stop was requested but checkpoints are off: the run ends with an error (nothing to resume)."""
+
+
+def control_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "control"
+
+
+class StopSignals:
+    """Handlers for `signals` (installed until uninstall) that turn the first into a stop request.
+
+    A repeat, of the same signal or another, is the same request: logged, never an abort.
+    Subclasses say what a request does in `on_stop_signal`.
+    """
+
+    def __init__(self, signals: Tuple[signal.Signals, ...]):
+        self.signals = signals
+        self.first_signal: Optional[str] = None
+        self._previous: Dict[signal.Signals, object] = {}
+
+    def install(self):
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.first_signal is not None:
+            log.warning("received %s again: already stopping (asked by %s; SIGKILL aborts)", name, self.first_signal)
+            return
+        self.first_signal = name
+        self.on_stop_signal(name)
+
+    def on_stop_signal(self, name: str) -> None:
+        raise NotImplementedError
+
+
+def write_stopped(run_dir: Path, step: int, reason: str) -> Path:
+    path = control_dir(run_dir) / STOPPED_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"step": step, "reason": reason}))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,62 @@
+"""`train` on the host (login node, laptop) imports no torch: it validates, plans, writes the run
+directory, renders or starts the ranks; only the ranks import torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.launch.local import visible_gpu_count
+from tests.conftest import read_metrics, train_env
+
+# Records, when `train` exits, whether the host process imported torch or DeepSpeed.
+WRAPPER = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: sys.stderr.write('HEAVY=' + repr(sorted(m for m in ('torch', 'deepspeed') "
+    "if m in sys.modules)) + '\\n'))\n"
+    "sys.argv = ['train'] + sys.argv[1:]\n"
+    "from launcher.cli import main\n"
+    "main()\n"
+)
+
+
+def _host_train(tmp_path: Path, args):
+    script = tmp_path / "wrapper.py"
+    script.write_text(WRAPPER)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), *args, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                          env=train_env(tmp_path), capture_output=True, text=True, timeout=300)
+    return proc, run_dir
+
+
+def test_local_run_host_imports_no_torch(tmp_path):
+    """A real local run (one rank trains two steps): the ranks train, the host never imports torch."""
+    proc, run_dir = _host_train(tmp_path, ["+recipe=debug", "cluster.gpus_per_node=1", "trainer.steps=2",
+                                           "trainer.global_batch_size=2", "logging.wandb.mode=disabled",
+                                           "checkpoint.interval=0"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    assert "HEAVY=[]" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_slurm_render_host_imports_no_torch(tmp_path):
+    proc, run_dir = _host_train(tmp_path, ["+recipe=debug", "cluster=slurm", "cluster.dry_run=true"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (run_dir / "plan.json").is_file()
+    assert "HEAVY=[]" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("visible, expected", [(None, 3), ("0,2", 2), ("", 0), ("1,-1,2", 1), ("0,1,2,3,4", 3)])
+def test_visible_gpu_count_reads_the_driver_and_cuda_visible_devices(tmp_path, monkeypatch, visible, expected):
+    gpus = tmp_path / "gpus"
+    for bus in ("0000:01:00.0", "0000:02:00.0", "0000:03:00.0"):
+        (gpus / bus).mkdir(parents=True)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert visible_gpu_count(gpus) == expected
+    assert visible_gpu_count(tmp_path / "no_driver") == 0
