@@ -61,6 +61,8 @@ def rank_environment(run_dir: Path, device: str, extra: Optional[Mapping[str, st
     if device == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
+    # torchrun sets 1 when unset, with a banner on every start; the same value, said by us, is quiet.
+    env.setdefault("OMP_NUM_THREADS", "1")
     for name, value in flight_recorder_env().items():  # the hang watchdog's collective record
         env.setdefault(name, value)
     env.update({str(k): str(v) for k, v in (extra or {}).items()})

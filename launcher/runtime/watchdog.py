@@ -8,7 +8,7 @@ so they fire together) writes into <run_dir>/failure/:
 
 - stacks_rank_<r>.txt: every thread's Python stack (faulthandler);
 - fr_trace_rank_<r>.json: the flight recorder's record of recent collectives, where the
-  process group keeps one (TORCH_FR_BUFFER_SIZE for gloo, TORCH_NCCL_TRACE_BUFFER_SIZE for NCCL);
+  process group keeps one (TORCH_FR_BUFFER_SIZE, for gloo and NCCL alike);
 - rank_<r>.json: the rank's last step, phase and last collective sequence number per group.
 
 Rank 0 waits a short grace for the other ranks' reports, names the ranks that did not arrive
@@ -50,8 +50,9 @@ FR_BUFFER_ENTRIES = "2000"
 def flight_recorder_env() -> Dict[str, str]:
     """Variables that make the process groups keep a flight recorder (set before they are created)."""
     return {
-        "TORCH_FR_BUFFER_SIZE": FR_BUFFER_ENTRIES,  # gloo (and the shared recorder)
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": FR_BUFFER_ENTRIES,
+        # One recorder for gloo and NCCL. Not the older TORCH_NCCL_TRACE_BUFFER_SIZE: torch 2.13
+        # reads this name first and warns on every rank that sets the older one.
+        "TORCH_FR_BUFFER_SIZE": FR_BUFFER_ENTRIES,
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     }
 
