@@ -32,7 +32,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("launcher")
 
 EXIT_INVALID_CONFIG = 2
-EXIT_CHECKPOINT_DIR_IN_USE = 3
 
 
 def _fail_config(problems: List[str]) -> None:
@@ -196,21 +195,9 @@ def _run(spec: JobConfig, run_dir: Path) -> int:
     plan.save(run_dir)
     if spec.trainer.rehearse:
         _rehearse_before_launch(spec, plan, run_dir)
-    if spec.cluster.name == "slurm":
-        from launcher.launch.slurm import submit
+    from launcher.launch.executor import executor_for
 
-        return submit(spec, plan, run_dir)
-    from launcher.launch.local import launch_local
-    from launcher.runtime.checkpoint_folder import CheckpointDirInUse
-
-    try:
-        code = launch_local(spec, plan, run_dir)
-    except CheckpointDirInUse as err:
-        sys.stderr.write(f"{err}\n")
-        return EXIT_CHECKPOINT_DIR_IN_USE
-    if code != 0:
-        sys.stderr.write(f"training failed (exit code {code}); rank logs: {run_dir / 'logs'}\n")
-    return code
+    return executor_for(spec.cluster.name).launch(spec, plan, run_dir)
 
 
 def _plan(spec: JobConfig, run_dir: Path) -> int:

@@ -245,11 +245,28 @@ class LoggingConfig:
 
 
 @dataclass
-class ClusterConfig:
-    name: str = "local"  # local | slurm
+class ClusterKeys:
+    """The cluster.* keys every executor reads (launcher/launch/executor.py)."""
+
+    name: str = "local"  # the executor: local | slurm
     nodes: int = 1
     gpus_per_node: int = 1  # local: number of ranks on this machine
-    # SLURM only.
+    env: Dict[str, str] = field(default_factory=dict)
+    # Names of environment variables forwarded to the job without writing their values.
+    secret_env: List[str] = field(default_factory=lambda: ["WANDB_API_KEY", "HF_TOKEN"])
+    # Shell lines a job script runs before the ranks start (executors without a script refuse them).
+    setup: List[str] = field(default_factory=list)
+    # Seconds a collective may wait for its peers before the process group fails it (torch's
+    # default is 30 min, which holds a whole allocation when one node dies). Long single-rank
+    # phases (checkpoint publish/prune, the folder lock, tokenizing, export) wait on a separate
+    # group with a longer timeout (launcher/parallel/phase.py), so they never trip it.
+    collective_timeout_s: int = 600
+
+
+@dataclass
+class SlurmKeys:
+    """The cluster.* keys only the SLURM executor reads (checked in launcher/config/slurm_keys.py)."""
+
     cpus_per_task: int = 0
     partition: str = ""
     account: str = ""
@@ -259,10 +276,6 @@ class ClusterConfig:
     exclusive: bool = False
     mem: str = ""
     job_name: str = ""
-    env: Dict[str, str] = field(default_factory=dict)
-    # Names of environment variables forwarded to the job without writing their values.
-    secret_env: List[str] = field(default_factory=lambda: ["WANDB_API_KEY", "HF_TOKEN"])
-    setup: List[str] = field(default_factory=list)
     container: str = ""
     sbatch_args: List[str] = field(default_factory=list)
     signal_seconds: int = 120
@@ -273,19 +286,20 @@ class ClusterConfig:
     python: str = ""  # interpreter on the compute nodes; "" = the one running `train`
     # 0: derived from the job id (20000 + job_id % 20000) so that jobs sharing a node differ.
     rdzv_port: int = 0
-    # Seconds a collective may wait for its peers before the process group fails it (torch's
-    # default is 30 min, which holds a whole allocation when one node dies). Long single-rank
-    # phases (checkpoint publish/prune, the folder lock, tokenizing, export) wait on a separate
-    # group with a longer timeout (launcher/parallel/phase.py), so they never trip it.
-    collective_timeout_s: int = 600
-    # SLURM: when the ranks fail (a node died, a collective timed out) and requeues are left
+    # When the ranks fail (a node died, a collective timed out) and requeues are left
     # (cluster.max_requeues), the job requeues itself; the rerun resumes from the newest
     # checkpoint. False: a failed job ends FAILED (resubmit by hand to resume).
     requeue_on_failure: bool = False
-    # SLURM: how the job finds its rendezvous host, the first node of the allocation:
+    # How the job finds its rendezvous host, the first node of the allocation:
     # "hostname" uses its SLURM node name (must resolve on the nodes); "nodeaddr" its NodeAddr
     # from `scontrol show node` (for sites whose node names do not resolve).
     rdzv_host_from: str = "hostname"
+
+
+@dataclass
+class ClusterConfig(SlurmKeys, ClusterKeys):
+    """`cluster.*` as users type it: the common keys plus each executor's own, flat (an executor's
+    keys are declared in its own dataclass above; a new executor adds its dataclass as a base)."""
 
 
 @dataclass

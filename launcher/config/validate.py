@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
-from launcher.config.cluster import check_cluster_config
+from launcher.config.executors import EXECUTOR_NAMES, cluster_key_problems
 from launcher.config.errors import ConfigError
 from launcher.config.schema import ADAMW_IMPLEMENTATIONS, JobConfig, ModelConfig
 
@@ -34,7 +34,7 @@ CHOICES = {
     "data.dtype": ("uint16", "uint32"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
-    "cluster.name": ("local", "slurm"),
+    "cluster.name": EXECUTOR_NAMES,
     "cluster.rdzv_host_from": ("hostname", "nodeaddr"),
     "backend.default": ("auto", "native", "deepspeed"),
     "checkpoint.export": ("none", "fp32", "safetensors", "hf"),
@@ -256,13 +256,8 @@ def _check_device(spec: JobConfig, problems: List[str]) -> None:
 
 
 def _check_cluster(spec: JobConfig, problems: List[str]) -> None:
-    if spec.action == "run" and spec.cluster.name == "local" and spec.cluster.nodes != 1:
-        problems.append(
-            f"cluster=local runs on this machine only, but cluster.nodes={spec.cluster.nodes}. "
-            f"Fix: cluster.nodes=1, or cluster=slurm for several nodes."
-        )
-    if spec.cluster.name == "slurm":
-        problems.extend(check_cluster_config(spec.cluster))
+    """The chosen executor's own cluster.* rules (launcher/config/executors.py)."""
+    problems.extend(cluster_key_problems(spec.cluster, spec.action))
 
 
 def _check_optimizer_values(spec: JobConfig, problems: List[str]) -> None:
@@ -370,24 +365,6 @@ def _check_rehearse(spec: JobConfig, problems: List[str]) -> None:
     if r.workers < 1:
         problems.append(f"rehearse.workers={r.workers} must be at least 1 (rehearsal processes at a time). "
                         f"Fix: e.g. rehearse.workers=2.")
-
-
-def _check_local_cluster(spec: JobConfig, problems: List[str]) -> None:
-    """cluster=local: refuse what only a job script would use, and secrets written as values."""
-    c = spec.cluster
-    if c.name != "local":
-        return
-    if c.setup:
-        problems.append(
-            f"cluster.setup has {len(c.setup)} line(s) but cluster=local runs no job script to put them in. "
-            f"Fix: run them in your shell before `train` (or set variables with cluster.env), and remove cluster.setup."
-        )
-    for name in c.env:
-        if name in c.secret_env:
-            problems.append(
-                f"cluster.env.{name} would write a secret's value into the run dir (config.yaml); remove it and "
-                f"`export {name}=...` in the shell that runs `train` (the ranks inherit it)."
-            )
 
 
 def _check_run_inputs(spec: JobConfig, problems: List[str]) -> None:
@@ -536,7 +513,6 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_optimizer_values,
     _check_misc_values,
     _check_hardware,
-    _check_local_cluster,
     _check_run_inputs,
     _check_observability,
     _check_hf_io,

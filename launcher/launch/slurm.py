@@ -27,14 +27,7 @@ from typing import Any, Dict, List, Optional
 
 import jinja2
 
-from launcher.config.cluster import (  # noqa: F401 - re-exported for callers of the launcher
-    _ENV_NAME,
-    _JOB_ID,
-    _JOB_NAME_BAD,
-    SlurmConfigError,
-    check_cluster_config,
-    sanitize_job_name,
-)
+from launcher.config.slurm_keys import SlurmConfigError, sanitize_job_name, slurm_key_problems
 from launcher.config.schema import ClusterConfig, JobConfig
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.paths import slurm_dir
@@ -270,7 +263,7 @@ def _jinja_env(template_dir: Path) -> jinja2.Environment:
 def render_script(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[Path] = None) -> str:
     """The sbatch script text. Raises SlurmConfigError listing every bad cluster.* value."""
     cwd = Path(cwd or os.getcwd()).resolve()
-    problems = check_cluster_config(spec.cluster) + container_mount_problems(spec.cluster, Path(run_dir).resolve(), cwd)
+    problems = slurm_key_problems(spec.cluster) + container_mount_problems(spec.cluster, Path(run_dir).resolve(), cwd)
     if problems:
         raise SlurmConfigError(problems)
     path = template_path(spec.cluster)

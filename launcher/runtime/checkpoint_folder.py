@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from launcher.job_env import job_facts
+
 log = logging.getLogger("launcher.runtime.checkpoint")  # one logger name for the whole checkpoint story
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -204,13 +206,25 @@ class FolderLock:
 
 def holder_record(run_dir: Path) -> Dict[str, Any]:
     """Who takes the lock: written into the lock file so that a refused job can name us."""
+    facts = job_facts()
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None,
+        "executor": facts.executor,
+        "job_id": facts.job_id,
         "run_dir": str(run_dir),
         "since": _utc_now().strftime("%Y-%m-%d %H:%M:%S UTC"),
     }
+
+
+_EXECUTOR_TITLES = {"slurm": "SLURM"}  # how a holder's executor is written in messages
+
+
+def _holder_job(record: Dict[str, Any]) -> Tuple[Optional[str], Optional[str]]:
+    """(executor, job id) of a lock record; records written before the executor seam said slurm_job_id."""
+    if record.get("slurm_job_id"):
+        return "slurm", str(record["slurm_job_id"])
+    return record.get("executor"), record.get("job_id")
 
 
 def _read_holder(fd: int) -> Dict[str, Any]:
@@ -222,12 +236,13 @@ def _read_holder(fd: int) -> Dict[str, Any]:
 
 
 def describe_holder(record: Dict[str, Any]) -> str:
-    """One line naming a lock holder: host, pid, SLURM job, run dir and since when."""
+    """One line naming a lock holder: host, pid, scheduler job, run dir and since when."""
     if not record:
         return "a process that has not written its name yet"
-    slurm = f"SLURM job {record['slurm_job_id']}" if record.get("slurm_job_id") else "no SLURM job"
+    executor, job_id = _holder_job(record)
+    job = f"{_EXECUTOR_TITLES.get(executor, executor)} job {job_id}" if job_id else "no scheduler job"
     return (
-        f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, {slurm}, "
+        f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, {job}, "
         f"run dir {record.get('run_dir', '?')}, since {record.get('since', '?')}"
     )
 
@@ -275,7 +290,7 @@ def lock_checkpoint_dir(root: Path, run_dir: Path, same_job_wait_s: float = 120.
     """Take the exclusive lock on checkpoint folder `root` (created if missing) for this process.
 
     Raises CheckpointDirInUse naming the holder when another live process has it. A holder with
-    this job's SLURM job id is the previous incarnation of a requeued job still exiting: wait up
+    this job's scheduler job id is the previous incarnation of a requeued job still exiting: wait up
     to same_job_wait_s for the kernel to release its lock.
     """
     root = Path(root)
@@ -285,7 +300,7 @@ def lock_checkpoint_dir(root: Path, run_dir: Path, same_job_wait_s: float = 120.
     deadline = time.monotonic() + same_job_wait_s
     while not _try_lock_or_warn(fd, root):
         holder = _read_holder(fd)
-        same_job = me["slurm_job_id"] is not None and holder.get("slurm_job_id") == me["slurm_job_id"]
+        same_job = me["job_id"] is not None and _holder_job(holder) == (me["executor"], me["job_id"])
         if not (same_job and time.monotonic() < deadline):
             os.close(fd)
             raise CheckpointDirInUse(_in_use_message(root, holder))

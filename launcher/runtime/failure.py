@@ -16,13 +16,13 @@ import datetime
 import json
 import logging
 import os
-import socket
 import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from launcher.job_env import job_facts
 from launcher.runtime.stop_control import StopWithoutCheckpoint
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,8 @@ def failure_dir(run_dir: Path) -> Path:
 
 
 def host_name() -> str:
-    """This node's name as SLURM knows it (several nodes can share `hostname` on a dev cluster)."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    """This node's name as the scheduler knows it (several nodes can share `hostname` on a dev cluster)."""
+    return job_facts().node_name
 
 
 @dataclass

@@ -1,7 +1,5 @@
-"""The SLURM keys of `cluster.*`: the checks that need no launcher, only the config.
-
-Moved here from launcher/launch/slurm.py so that the validator (config/) does not import
-the launch layer above it; the launcher re-exports these names.
+"""The SLURM executor's `cluster.*` keys (schema.SlurmKeys): the checks that need no launcher,
+only the config, so that the validator (config/) does not import the launch layer above it.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ def sanitize_job_name(name: str, fallback: str = "train") -> str:
 # --- validation ---------------------------------------------------------------------------
 
 
-def check_cluster_config(cluster: ClusterConfig) -> List[str]:
+def slurm_key_problems(cluster: ClusterConfig) -> List[str]:
     """Every problem in the SLURM keys, each naming the key, the value and a fix.
 
     Cross-field rules of the whole job live in launcher/config/validate.py; these are the

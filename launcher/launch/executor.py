@@ -1,0 +1,70 @@
+"""Executors: how a planned job gets its ranks started, behind one small protocol.
+
+`train` validates and plans, writes the run directory, then hands the job to the executor that
+`cluster.name` names. An executor:
+- declares its own `cluster.*` keys (a dataclass base of schema.ClusterConfig) and their checks
+  (launcher/config/executors.py, so the validator needs nothing from this layer);
+- `launch`es the job: runs the ranks here and waits (local), or renders a job script and submits
+  it (slurm); it returns the exit code `train` ends with;
+- gives its processes an environment from which launcher/job_env.py reads the facts the runtime
+  needs (job id, node name, restart count), so the runtime never reads a scheduler's variables.
+docs/executors.md says how a Kubernetes or cloud batch executor plugs in.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Dict, Protocol
+
+from launcher.config.schema import JobConfig
+from launcher.launch.local import launch_local
+from launcher.launch.slurm import submit
+from launcher.plan.plan import Plan
+from launcher.runtime.checkpoint_folder import CheckpointDirInUse
+
+EXIT_CHECKPOINT_DIR_IN_USE = 3
+
+
+class Executor(Protocol):
+    name: str
+
+    def launch(self, spec: JobConfig, plan: Plan, run_dir: Path) -> int:
+        """Start the job of this plan in `run_dir` (written: config.yaml, plan.json); the exit code."""
+
+
+class LocalExecutor:
+    """cluster=local: cluster.gpus_per_node ranks on this machine through torchrun; waits for them."""
+
+    name = "local"
+
+    def launch(self, spec: JobConfig, plan: Plan, run_dir: Path) -> int:
+        try:
+            code = launch_local(spec, plan, run_dir)
+        except CheckpointDirInUse as err:
+            sys.stderr.write(f"{err}\n")
+            return EXIT_CHECKPOINT_DIR_IN_USE
+        if code != 0:
+            sys.stderr.write(f"training failed (exit code {code}); rank logs: {run_dir / 'logs'}\n")
+        return code
+
+
+class SlurmExecutor:
+    """cluster=slurm: renders slurm/sbatch.sh.j2 (or cluster.template) and submits it with sbatch."""
+
+    name = "slurm"
+
+    def launch(self, spec: JobConfig, plan: Plan, run_dir: Path) -> int:
+        return submit(spec, plan, run_dir)
+
+
+EXECUTORS: Dict[str, Executor] = {executor.name: executor for executor in (LocalExecutor(), SlurmExecutor())}
+
+
+def executor_for(name: str) -> Executor:
+    """The executor registered as cluster.name=`name` (the validator has refused any other name)."""
+    try:
+        return EXECUTORS[name]
+    except KeyError:
+        raise ValueError(f"cluster.name={name!r} is not one of {', '.join(EXECUTORS)}. "
+                         f"Fix: cluster=local or cluster=slurm.") from None
