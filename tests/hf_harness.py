@@ -82,7 +82,7 @@ def _source_tensors(folder: str) -> dict:
 
 
 def run_job(job: dict) -> dict:
-    from launcher.config.hf_format import hf_model_fields, read_hf_config
+    from launcher.hf.format import hf_model_fields, read_hf_config
     from launcher.config.schema import ModelConfig, OptimConfig
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
@@ -113,7 +113,7 @@ def run_job(job: dict) -> dict:
     engine = NativeEngine(cfg, OptimConfig(lr=1e-2, warmup_steps=0), layout, torch.device("cpu"), options)
     result = {"built": engine.built()}
     # Loading again (same values) to count what each rank fetched from disk.
-    from launcher.parallel.hf_weights import load_hf_weights
+    from launcher.hf.weights import load_hf_weights
 
     read = [None] * dist.get_world_size()
     dist.all_gather_object(read, load_hf_weights(engine.parts, folder, cfg))

@@ -21,7 +21,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from launcher.config.hf_format import folder_problems, hf_model_fields, hf_shapes, read_hf_config, tensor_maps
+from launcher.hf.format import folder_problems, hf_model_fields, hf_shapes, read_hf_config, tensor_maps
 from launcher.config.schema import ModelConfig, RopeScalingConfig
 from tests.conftest import REPO, TRAIN, run_train, train_env
 
@@ -136,7 +136,7 @@ def test_real_model_configs_map_name_for_name_on_meta(name):
     transformers tensor has exactly one source in our model with the right shape, and back."""
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    from launcher.config.hf_format import hf_config_for
+    from launcher.hf.format import hf_config_for
     from launcher.models import build_model
 
     cfg = _model_cfg(name)
@@ -164,7 +164,7 @@ def test_real_model_configs_map_name_for_name_on_meta(name):
 def test_one_rank_logits_and_exact_round_trip(hf_models, which, tmp_path):
     from launcher.models import build_model
     from launcher.models.layers import model_rope_table
-    from launcher.parallel.hf_weights import export_hf, load_hf_weights
+    from launcher.hf.weights import export_hf, load_hf_weights
 
     folder = hf_models[which]
     cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
@@ -225,7 +225,7 @@ def test_bad_folders_exit_2_before_launch(hf_models, tmp_path):
 
 def test_a_file_truncated_after_the_check_is_a_clear_rank_error(hf_models, tmp_path):
     from launcher.models import build_model
-    from launcher.parallel.hf_weights import load_hf_weights
+    from launcher.hf.weights import load_hf_weights
 
     folder = _copy(hf_models["mixtral"], tmp_path / "late")
     cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
@@ -374,7 +374,7 @@ def test_rope_scaling_read_in_both_spellings_written_back_and_validated(hf_model
     """Llama 3.1's rope_scaling: config.json's `rope_parameters` (transformers 5) and `rope_scaling`
     (4.x) give the same model.rope_scaling; model=hf fills it; export writes it in both spellings;
     a named model without it is a mismatch; other rope types are refused by name; bad values exit 2."""
-    from launcher.config.hf_format import hf_config_for, unsupported_features
+    from launcher.hf.format import hf_config_for, unsupported_features
     from launcher.config.loader import compose_spec
     from launcher.config.validate import validate
 

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from launcher.config.schema import ModelConfig, OptimConfig
 from launcher.parallel.cp import context_parallel_unsupported_reason, shard_positions
 from launcher.parallel.fsdp import check_zero_stage
-from launcher.parallel.optim import lr_factor
+from launcher.engines.optim import lr_factor
 from launcher.parallel.pp import layers_per_stage, stage_ids_for_rank
 from launcher.parallel.tp import check_tensor_parallel
 from launcher.plan.params import model_shape, stage_params

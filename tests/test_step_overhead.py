@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from launcher.config.loader import compose_spec
 from launcher.models import build_model
-from launcher.parallel.optim import clip_grad_norm
+from launcher.engines.optim import clip_grad_norm
 
 
 class _DTensorOps(TorchDispatchMode):
@@ -69,7 +69,7 @@ def test_stop_agreement_is_read_at_the_next_check(fake_two_ranks, tmp_path, monk
 
 def test_adamw_is_fused_on_cuda_and_every_implementation_makes_the_same_update():
     from launcher.config.schema import OptimConfig
-    from launcher.parallel.optim import adamw_kernel_flags, build_adamw
+    from launcher.engines.optim import adamw_kernel_flags, build_adamw
 
     assert adamw_kernel_flags("auto", "cuda") == {"fused": True}
     assert adamw_kernel_flags("auto", "cpu") == {}  # torch's default: the rehearsal's fake tensors too

@@ -29,7 +29,7 @@ def to_spec(cfg: DictConfig) -> JobConfig:
     unknown = unknown_keys(cfg)
     if unknown:
         raise ConfigError(unknown)
-    from launcher.config.hf_format import fill_from_hf
+    from launcher.hf.format import fill_from_hf
 
     fill_from_hf(cfg)  # model=hf: shape keys (and data.tokenizer) from model.init_from's config.json
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]

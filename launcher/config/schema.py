@@ -63,7 +63,7 @@ class ModelConfig:
     aux_loss_coef: float = 0.01
     init_std: float = 0.02
     # A local Hugging Face folder (config.json + *.safetensors, Llama or Mixtral) whose weights
-    # replace the random initialisation; "" = random init (launcher/config/hf_format.py).
+    # replace the random initialisation; "" = random init (launcher/hf/format.py).
     init_from: str = ""
     # RoPE scaling (launcher/models/layers.py scale_rope_frequencies); default: none.
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
@@ -159,7 +159,7 @@ class CheckpointConfig:
         return self.enabled and bool(getattr(self, "async"))
 
 
-# optim.implementation's values (launcher/parallel/optim.py adamw_kernel_flags says what each does).
+# optim.implementation's values (launcher/engines/optim.py adamw_kernel_flags says what each does).
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 
 

@@ -459,7 +459,7 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
 
 def _check_hf_io(spec: JobConfig, problems: List[str]) -> None:
     """model.init_from (a Hugging Face folder: read before launch, headers only) and action=export."""
-    from launcher.config.hf_format import folder_problems
+    from launcher.hf.format import folder_problems
 
     # action=run only: plan/search never read the weights (and search validates many layouts).
     if spec.model.init_from and spec.action == "run":

@@ -11,7 +11,7 @@ Constructor (what the rank runtime builds when ``layout.sharding_backend == "dee
 - the model is ``launcher.models.build_model`` built on meta and materialised with the same
   layout-independent ``init_weights(seed)`` as the native path; the optimizer is the native
   path's AdamW (same parameter groups), or DeepSpeedCPUAdam when the optimizer is offloaded;
-  the LR schedule is ``launcher.parallel.optim.lr_factor`` (the one formula both paths use);
+  the LR schedule is ``launcher.engines.optim.lr_factor`` (the one formula both paths use);
 - ``layout.pp > 1`` builds a DeepSpeed ``PipelineModule`` (ZeRO <= 1, checked by the resolver).
 
 Loss convention (as native): the reported loss is the mean over every counted token of the
@@ -36,7 +36,7 @@ from launcher.engines.base import (EngineOptions, Microbatch, StepStats, aux_los
                                    local_token_count, token_loss_sum)
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, write_deepspeed_config
 from launcher.models.moe import latest_aux_loss, set_aux_loss_scale
-from launcher.parallel.optim import build_adamw, param_groups
+from launcher.engines.optim import build_adamw, param_groups
 from launcher.plan.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
     if model_cfg.init_from and _holds_fake_tensors(model):
         pass  # the rehearsal: fake tensors have no values to load (init_weights draws none either)
     elif model_cfg.init_from:
-        from launcher.parallel.hf_weights import load_hf_weights
+        from launcher.hf.weights import load_hf_weights
 
         # ZeRO 0-2 and the pipeline engine hold the whole model on each rank before DeepSpeed
         # partitions it, so each rank reads the whole model here.
@@ -245,8 +245,8 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
     rank = dist.get_rank()
     hf = None
     if model_cfg.init_from and rank == 0:
-        from launcher.config.hf_format import tensor_maps
-        from launcher.parallel.hf_weights import HfReader
+        from launcher.hf.format import tensor_maps
+        from launcher.hf.weights import HfReader
 
         # model.init_from: rank 0 reads one full parameter at a time, as the random init draws it.
         hf = (HfReader(model_cfg.init_from), {m.ours: m for m in tensor_maps(model_cfg)})
@@ -387,7 +387,7 @@ class DeepSpeedEngine:
             module = model
         self._model_ref = module
         optimizer = build_optimizer(module, optim_cfg, lay.offload_optimizer)
-        from launcher.parallel.optim import build_scheduler
+        from launcher.engines.optim import build_scheduler
 
         self.scheduler = build_scheduler(optimizer, optim_cfg, options.total_steps)
         pipeline_on_fake = self.pp > 1 and _in_fake_mode()
@@ -596,7 +596,7 @@ class DeepSpeedEngine:
         optimizer on NVMe (whose fp32 partitions live in swap files) and ZeRO-0 write the module's
         own weights. The pipeline engine gathers each stage's weights on rank 0.
         """
-        from launcher.parallel.export import write_state_dict, write_streamed
+        from launcher.hf.export import write_state_dict, write_streamed
         from launcher.parallel.phase import phase_barrier
 
         if self.pp > 1:

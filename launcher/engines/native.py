@@ -29,7 +29,7 @@ from launcher.engines.base import (EngineOptions, Microbatch, StepStats, aux_los
                                    local_token_count, token_loss_sum)
 from launcher.models import build_model
 from launcher.parallel.mesh import submesh
-from launcher.parallel.optim import build_adamw, build_scheduler, clip_grad_norm
+from launcher.engines.optim import build_adamw, build_scheduler, clip_grad_norm
 from launcher.plan.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class NativeEngine:
             if options.fake_mode is not None:
                 pass  # fake tensors have no values to initialise or load
             elif model_cfg.init_from:
-                from launcher.parallel.hf_weights import load_hf_weights
+                from launcher.hf.weights import load_hf_weights
 
                 # Each rank reads only the slices its shards hold (no random init first).
                 n = load_hf_weights([part], model_cfg.init_from, model_cfg)
@@ -403,12 +403,12 @@ class NativeEngine:
         (fp32) or safetensors; or
         fmt "hf": `path`/hf in Hugging Face format, streamed one parameter at a time."""
         if fmt == "hf":
-            from launcher.parallel.hf_weights import export_hf
+            from launcher.hf.weights import export_hf
 
             export_hf(self.parts, self.world, Path(path) / "hf", self.model_cfg, self.options.export_dtype,
                       self.options.export_tokenizer_files)
             return
-        from launcher.parallel.export import export_state
+        from launcher.hf.export import export_state
         from launcher.parallel.phase import phase_barrier
 
         export_state(self.parts, self.world, Path(path), fmt)  # streamed: one full tensor at a time

@@ -28,7 +28,7 @@ from launcher.engines import build_engine as build_engine_for_layout
 from launcher.engines.base import Engine, EngineOptions
 from launcher.config.schema import DataConfig, JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
-from launcher.parallel.hf_weights import tokenizer_files_for
+from launcher.hf.weights import tokenizer_files_for
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
 from launcher.plan.plan import Plan

@@ -96,7 +96,7 @@ def _reference_steps(spec, steps: int):
     import torch.nn.functional as F
 
     from launcher.engines.deepspeed import canonical_state_dict, materialise_model
-    from launcher.parallel.optim import build_adamw, build_scheduler
+    from launcher.engines.optim import build_adamw, build_scheduler
 
     model = materialise_model(spec.model, torch.device("cpu"), spec.trainer.seed)
     opt = build_adamw(model, spec.optim)

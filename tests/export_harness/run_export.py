@@ -77,7 +77,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     # Warm-up: the writers' first use imports modules (fake tensors, safetensors): not the export's cost.
-    from launcher.parallel.export import write_state_dict
+    from launcher.hf.export import write_state_dict
 
     write_state_dict({"w": torch.zeros(4)}, out_dir / f"warmup{rank}.pt", "fp32")
     write_state_dict({"w": torch.zeros(4)}, out_dir / f"warmup{rank}.safetensors", "safetensors")

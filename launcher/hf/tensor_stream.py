@@ -102,7 +102,7 @@ class SafetensorsStreamWriter(_TensorFileWriter):
     known up front, so each tensor's bytes are appended as it arrives."""
 
     def __init__(self, path: Path, names: List[str], shapes: Dict[str, Shape], dtype: torch.dtype):
-        from launcher.config.hf_format import SAFETENSORS_DTYPES
+        from launcher.hf.format import SAFETENSORS_DTYPES
 
         super().__init__(path, names, shapes, dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()

@@ -9,7 +9,7 @@
   safetensors shard (header written first, from the shapes the config determines), so no
   rank ever holds more than one full parameter.
 
-Names, shapes and which transform applies: launcher/config/hf_format.py (the one mapping).
+Names, shapes and which transform applies: launcher/hf/format.py (the one mapping).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.config.hf_format import (CONFIG_FILE, DTYPES, INDEX_FILE, TOKENIZER_FILES,
+from launcher.hf.format import (CONFIG_FILE, DTYPES, INDEX_FILE, TOKENIZER_FILES,
                                        TensorMap, hf_config_for, tensor_maps, weight_files)
 from launcher.models.init import canonical_name, local_box
-from launcher.parallel.tensor_stream import SafetensorsStreamWriter, TensorGather
+from launcher.hf.tensor_stream import SafetensorsStreamWriter, TensorGather
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Consolidate a sharded model (any layout) into one fp32 file, streamed tensor by tensor.
 
 Global rank 0 writes the file while the tensors are gathered one at a time
-(launcher/parallel/tensor_stream.py), so no rank holds more than one full tensor: host memory
+(launcher/hf/tensor_stream.py), so no rank holds more than one full tensor: host memory
 per rank is bounded by the largest tensor, not the model. The formats are the usual single
 files: ``fp32`` is what torch.save(state_dict) writes, ``safetensors`` what
 safetensors.torch.save_file writes (both load with their usual loaders).
@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from launcher.parallel.tensor_stream import SafetensorsStreamWriter, Shape, TensorGather, TorchSaveStreamWriter
+from launcher.hf.tensor_stream import SafetensorsStreamWriter, Shape, TensorGather, TorchSaveStreamWriter
 
 FORMATS = ("fp32", "safetensors")
 

@@ -2,7 +2,7 @@
 
 Pure Python (no torch): the launcher checks a `model.init_from` folder before launch, and
 `action=plan` stays instant. The tensor transforms themselves (RoPE permutation, expert
-stacking) live in launcher/parallel/hf_weights.py and follow the `kind` of each entry here.
+stacking) live in launcher/hf/weights.py and follow the `kind` of each entry here.
 
 Supported architectures: Llama (dense, GQA, tied or untied embeddings) and Mixtral (every
 block a top-k MoE without shared experts). Conventions that differ from ours:
