@@ -11,7 +11,7 @@ AdamW, two micro-batches per step):
     real   NativeEngine on the GPU; one untracked step, then one step tracked by
            launcher.runtime.memtrack.track_step_memory (MemTracker categories), which also
            reads torch.cuda.max_memory_allocated over that step
-    fake   launcher.runtime.rehearse.rehearse_rank: what `action=rehearse` reports for the rank
+    fake   launcher.rehearse.rank.rehearse_rank: what `action=rehearse` reports for the rank
     plan   launcher.plan.plan.build_plan: the planner's per-category prediction
 
 The step function is the rehearsal's own (`_fake_step_runner`) in both, so the only
@@ -80,7 +80,7 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
                 "activations": int(mem["activations"]), "peak": int(mem["total"]) - unallocated}
     layout = resolve(spec)
     if mode == "fake":
-        from launcher.runtime.rehearse import rehearse_rank
+        from launcher.rehearse.rank import rehearse_rank
 
         got = rehearse_rank(spec.model, optim, layout, opts, 0, activations=True,
                             fake_microbatches=MICROBATCHES)["memory"]
@@ -89,7 +89,7 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
 
     from launcher.engines.native import NativeEngine
     from launcher.runtime.memtrack import track_step_memory
-    from launcher.runtime.rehearse import _fake_step_runner
+    from launcher.rehearse.rank import _fake_step_runner
 
     dist.init_process_group("gloo" if device == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1)
     dev = torch.device(device)

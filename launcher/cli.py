@@ -227,9 +227,9 @@ def _search(spec: JobConfig) -> int:
 
 
 def _rehearse(spec: JobConfig, run_dir: Path) -> int:
-    """Plan, then build the chosen ranks on a fake process group (launcher/launch/rehearse.py);
+    """Plan, then build the chosen ranks on a fake process group (launcher/rehearse/driver.py);
     exit 2 with one line per rank that cannot be built."""
-    from launcher.launch.rehearse import rehearsal_problems, rehearse, render_rehearsal
+    from launcher.rehearse.driver import rehearsal_problems, rehearse, render_rehearsal
     from launcher.plan.plan import build_plan
 
     plan = build_plan(spec, _resolved(spec))
@@ -256,7 +256,7 @@ def _rehearse(spec: JobConfig, run_dir: Path) -> int:
 def _rehearse_before_launch(spec: JobConfig, plan, run_dir: Path) -> None:
     """trainer.rehearse=true: rehearse first (rehearsal.json, which rank 0 logs to W&B); exit 2
     before anything is launched when a rank cannot be built or does not fit."""
-    from launcher.launch.rehearse import fit_problems, rehearsal_problems, rehearse, render_rehearsal
+    from launcher.rehearse.driver import fit_problems, rehearsal_problems, rehearse, render_rehearsal
 
     try:
         result = rehearse(spec, plan, run_dir)

@@ -3,7 +3,7 @@
     python tests/rehearsal_harness.py CASES.json OUT.json
 
 CASES: [{"name", "model", "model_overrides", "layout": Layout.to_dict(), "compile", "steps"}].
-Every rank of each layout is rehearsed (launcher.runtime.rehearse.rehearse_rank) with the
+Every rank of each layout is rehearsed (launcher.rehearse.rank.rehearse_rank) with the
 engine options the real harness (tests/parallel_harness/run_layouts.py) used; OUT: {name:
 [report of rank 0, rank 1, ...]}. Cases without "steps" are rehearsed states-only, one fake
 process group after the other in this process; cases with "steps" run the rehearsal's fake
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from launcher.config.schema import OptimConfig  # noqa: E402
 from launcher.engines.base import EngineOptions  # noqa: E402
 from launcher.plan.layout import Layout  # noqa: E402
-from launcher.runtime.rehearse import rehearse_rank  # noqa: E402
+from launcher.rehearse.rank import rehearse_rank  # noqa: E402
 from tests.parallel_harness.run_layouts import model_config  # noqa: E402
 
 

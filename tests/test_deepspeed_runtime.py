@@ -239,7 +239,7 @@ def _assert_rehearsal_holds_the_real_partitions(run: dict, case: str, overrides,
     each rank's partition bytes equal those DeepSpeed built in the real 2-process run, the
     plan's prediction for that rank, and the optimizer states the real run's steps created."""
     from launcher.config.loader import save_spec
-    from launcher.launch.rehearse import rehearsal_problems, rehearse
+    from launcher.rehearse.driver import rehearsal_problems, rehearse
     from launcher.plan.plan import build_plan
 
     spec = spec_for(list(overrides) + ["rehearse.activations=false"])

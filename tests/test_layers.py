@@ -19,6 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "launcher"
 FLOOR = {
+    "rehearse": 5,
     "hf": 1,
     "job_env": 0,
     "cli": 7,

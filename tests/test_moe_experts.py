@@ -242,7 +242,7 @@ def test_expert_parallel_dispatch_one_sync_per_layer_same_results(tmp_path):
 
 # --------------------------------------------------------------------------- rehearsal fake step
 
-# The rehearsal's MoE fake step (balanced routing, launcher/runtime/rehearse.py) against the same
+# The rehearsal's MoE fake step (balanced routing, launcher/rehearse/rank.py) against the same
 # step on real tensors (top-k routing), one rank: measured 1.8e-4 relative on the activation
 # peak (the grouped GEMM's padding masks, which the fake fp32 step replaces by the loop; with
 # the loop both are equal to the byte). docs/planner.md states this tolerance.
@@ -256,7 +256,7 @@ from launcher.engines.base import EngineOptions
 from launcher.engines.native import NativeEngine
 from launcher.plan.resolve import resolve
 from launcher.runtime.memtrack import track_step_memory
-from launcher.runtime.rehearse import _fake_step_runner, rehearse_rank
+from launcher.rehearse.rank import _fake_step_runner, rehearse_rank
 from tests.layout_for import job_spec
 from tests.parallel_harness.run_layouts import model_config
 
@@ -280,7 +280,7 @@ def test_moe_rehearsal_runs_a_fake_step_close_to_the_real_one(tmp_path):
     the real top-k step's within MOE_FAKE_STEP_RTOL. With ep=2, `action=rehearse` measures an
     activation peak (balanced routing gives the dispatch static splits)."""
     from launcher.config.loader import compose_spec, save_spec
-    from launcher.launch.rehearse import rehearse
+    from launcher.rehearse.driver import rehearse
     from launcher.plan.plan import build_plan
 
     repo = Path(__file__).resolve().parents[1]

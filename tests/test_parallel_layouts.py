@@ -205,7 +205,7 @@ def test_refused_layouts_say_why(results, name):
         f"{SPECS[name]['expect_error']!r}, got {err or results[name]}"
 
 
-# Layouts whose every rank is rehearsed on a fake process group (launcher/runtime/rehearse.py)
+# Layouts whose every rank is rehearsed on a fake process group (launcher/rehearse/rank.py)
 # and compared with what the real ranks held: dense and MoE, FSDP2 x TP(+SP), HSDP, EP, PP with
 # virtual stages, uneven FSDP shards (odd sizes) and the dim-1 expert shards.
 REHEARSED = ("fsdp2_tp2_dense", "tp2_sp_dense", "hsdp2x2_moe", "ep2_fsdp2_tp2_moe", "pp2_ep2_moe",
@@ -223,7 +223,7 @@ REHEARSED_WITH_STEPS = ("tp2_sp_dense", "fsdp2_tp2_dense", "pp2_interleaved_1f1b
 # and warm-up, real tensors) and the rehearsal's activation peak and total peak must equal
 # theirs: docs/planner.md ("Rehearsal") documents a tolerance of 0 for TP/SP and pipeline
 # layouts, and for FSDP2 a real CPU peak higher by at most gloo's copy of one reduce-scatter
-# input (NCCL makes none). Before launcher/runtime/fake_memory.py the rehearsal counted DTensor's
+# input (NCCL makes none). Before launcher/rehearse/fake_memory.py the rehearsal counted DTensor's
 # global-shape propagation (TP/SP: +8.8 % activations) and missed the tensors real P2P Works
 # hold (interleaved 1F1B: -4 to -6 % peak). With the collector running during the tracked step
 # (launcher/runtime/memtrack.py pauses it) the zero-bubble ranks differed by chance of its timing

@@ -1,6 +1,6 @@
 """The rehearsal's reduced pipeline micro-batch count reports the bytes of the full count, exactly.
 
-launcher/parallel/pp_states.py picks, from torch's own schedule action lists, the smallest
+launcher/rehearse/pp_states.py picks, from torch's own schedule action lists, the smallest
 micro-batch count that passes a pipeline rank through the same memory states as the layout's
 count; the rehearsal runs that many and adds what the micro-batches not run hold for the whole
 step (their receive buffers and token slices). One subprocess (a fake process group of 4 ranks,
@@ -30,10 +30,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from launcher.config.loader import compose_spec
 from launcher.parallel.pp import chunks_of_rank, pipeline_order, schedule_class
-from launcher.parallel.pp_states import smallest_equivalent_microbatches
+from launcher.rehearse.pp_states import smallest_equivalent_microbatches
 from launcher.plan.plan import build_plan
 from launcher.runtime.entry import engine_options
-from launcher.runtime.rehearse import rehearse_rank
+from launcher.rehearse.rank import rehearse_rank
 
 CASES = {
     # debug model, FSDP2 (dp_shard 2) x 1F1B, 8 micro-batches: rank 0 runs 3

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from launcher.config.loader import compose_spec, save_spec
-from launcher.launch.rehearse import rehearsal_problems, rehearse
+from launcher.rehearse.driver import rehearsal_problems, rehearse
 from launcher.plan.plan import build_plan
-from launcher.plan.rehearsal import rehearsal_ranks
+from launcher.rehearse.ranks import rehearsal_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
@@ -181,7 +181,7 @@ from launcher.config.loader import compose_spec
 from launcher.models.transformer import Transformer
 from launcher.plan.plan import build_plan
 from launcher.runtime.entry import engine_options
-from launcher.runtime.rehearse import rehearse_rank
+from launcher.rehearse.rank import rehearse_rank
 
 calls = []
 forward = Transformer.forward

@@ -56,7 +56,7 @@ class EngineOptions:
     work_dir: Optional[Path] = None  # where the DeepSpeed engine writes its JSON (the run dir)
     export_dtype: str = "bf16"  # checkpoint.export=hf weights: bf16 | fp16 | fp32
     export_tokenizer_files: Tuple[Path, ...] = ()  # copied into an hf export
-    # The rehearsal's FakeTensorMode (launcher/runtime/rehearse.py): the native engine enters it
+    # The rehearsal's FakeTensorMode (launcher/rehearse/rank.py): the native engine enters it
     # once the model is sharded (meshes and sharding need real rank tensors), so materialisation,
     # optimizer and steps use fake tensors; the caller exits it. None in real runs.
     fake_mode: Optional[Any] = None

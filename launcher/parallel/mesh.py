@@ -52,7 +52,7 @@ def build_device_mesh(mesh: MeshPlan, device_type: str) -> DeviceMesh:
 
 def _real_tensors():
     """A DeviceMesh holds a real tensor of rank ids (it reads its values): build it outside any
-    FakeTensorMode, which the rehearsal (launcher/runtime/rehearse.py) runs the engine under.
+    FakeTensorMode, which the rehearsal (launcher/rehearse/rank.py) runs the engine under.
     A no-op in real runs."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 

@@ -198,7 +198,7 @@ def log_rehearsal(run_dir: Path, metrics: MetricsLogger) -> None:
     path = Path(run_dir) / "rehearsal.json"
     if not path.exists():
         return
-    from launcher.plan.rehearsal import rehearsal_table
+    from launcher.rehearse.ranks import rehearsal_table
 
     result = json.loads(path.read_text())
     columns, rows = rehearsal_table(result)

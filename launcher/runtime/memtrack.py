@@ -21,10 +21,12 @@ from __future__ import annotations
 import functools
 import logging
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
+
+from launcher.runtime.state_bytes import torch_optimizers
 
 log = logging.getLogger("launcher")
 
@@ -57,20 +59,6 @@ def _as_list(x) -> List[Any]:
     if isinstance(x, (list, tuple)):
         return list(x)
     return [x]
-
-
-def _torch_optimizers(optimizers: Iterable[Any]) -> List[torch.optim.Optimizer]:
-    """torch optimizers to track; a wrapper (e.g. DeepSpeed's ZeRO optimizer) is unwrapped once."""
-    out = []
-    for opt in optimizers:
-        if isinstance(opt, torch.optim.Optimizer):
-            out.append(opt)
-        elif isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
-            out.append(opt.optimizer)
-        else:
-            log.warning("memtrack: cannot track optimizer of type %s; its states count as untracked",
-                        type(opt).__name__)
-    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -370,7 +358,7 @@ def track_step_memory(
     entered, before the tracked steps (to register tensors that persist across steps).
     """
     mods = _as_list(modules)
-    opts = _torch_optimizers(_as_list(optimizers))
+    opts = torch_optimizers(_as_list(optimizers))
     for _ in range(max(0, warmup_steps)):
         run_one_step()
     on_cuda = any(p.is_cuda for m in mods for p in m.parameters())

@@ -5,7 +5,7 @@
     probe.result()   # {"params_numel", "params", "grads", "optimizer"}
 
 The same probe measures a real run (tests/parallel_harness) and the rehearsal
-(launcher/runtime/rehearse.py), so the two are compared on one definition:
+(launcher/rehearse/rank.py), so the two are compared on one definition:
 
 - params: the local part (``DTensor.to_local()``) of every distinct tensor the optimizers
   step, i.e. the shards FSDP2 keeps between steps (the unsharded working copies are the
@@ -19,9 +19,12 @@ DeepSpeed's wrappers are unwrapped once (``.optimizer``), like the memory tracke
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, Iterable, List
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -34,12 +37,15 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def torch_optimizers(optimizers: Iterable[Any]) -> List[torch.optim.Optimizer]:
-    """The torch optimizers behind `optimizers` (a wrapper with ``.optimizer`` is unwrapped)."""
+    """The torch optimizers behind `optimizers` (a wrapper with ``.optimizer``, e.g. DeepSpeed's
+    ZeRO optimizer, is unwrapped once); the probe and the memory tracker both measure these."""
     out = []
     for opt in optimizers:
         inner = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer):
             out.append(inner)
+        else:
+            log.warning("cannot measure an optimizer of type %s; its states count as untracked", type(opt).__name__)
     return out
 
 

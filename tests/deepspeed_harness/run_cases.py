@@ -74,7 +74,7 @@ def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False)
               "memory_parts": len(engine.model_parts), "memory_optimizers": len(engine.optimizers)}
     # Each rank's ZeRO partition bytes, for the rehearsal's comparison
     # (tests/test_deepspeed_runtime.py: test_rehearsal_holds_the_real_*_partitions).
-    from launcher.runtime.rehearse import deepspeed_held_bytes
+    from launcher.rehearse.rank import deepspeed_held_bytes
 
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, deepspeed_held_bytes(engine.optimizers[0], plan.layout.zero_stage))

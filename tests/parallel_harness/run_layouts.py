@@ -173,11 +173,11 @@ def run_layout(spec: dict) -> dict:
 
 
 def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
-    """The rehearsal's tracked step (launcher/runtime/rehearse.py: rehearse_rank) on this real
+    """The rehearsal's tracked step (launcher/rehearse/rank.py: rehearse_rank) on this real
     rank: the same step function, micro-batch count and warm-up, on real tensors; {activations,
     peak} for tests/test_parallel_layouts.py::test_rehearsal_activation_peak_is_the_real_ones."""
     from launcher.runtime.memtrack import track_step_memory
-    from launcher.runtime.rehearse import _fake_pipeline_step_runner, _fake_step_runner
+    from launcher.rehearse.rank import _fake_pipeline_step_runner, _fake_step_runner
 
     with torch.random.fork_rng():
         torch.manual_seed(0)  # the same token batch on every rank (the runners draw it)
@@ -190,7 +190,7 @@ def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
     on_enter = None
     if layout.pp > 1:  # the stages' receive buffers counted from the step's start, as rehearse_rank does
         from launcher.parallel.pp import schedule_stages
-        from launcher.runtime.rehearse import register_recv_buffers
+        from launcher.rehearse.rank import register_recv_buffers
 
         on_enter = register_recv_buffers(schedule_stages(engine.pp_schedule))
     measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup,

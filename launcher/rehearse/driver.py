@@ -4,7 +4,7 @@
     print(render_rehearsal(result))
 
 The run dir holds config.yaml and plan.json as for a real run; every chosen rank runs
-`python -m launcher.runtime.rehearse` (launcher/runtime/rehearse.py) in a subprocess of its
+`python -m launcher.rehearse.rank` (launcher/rehearse/rank.py) in a subprocess of its
 own, `rehearse.workers` at a time, so a rank whose build aborts in C++ (or is killed) is
 that rank's reported problem. rehearsal.json:
 
@@ -33,8 +33,8 @@ from launcher.plan.memory import GiB
 from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
 from launcher.plan.plan import Plan
-from launcher.plan.rehearsal import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors
-from launcher.runtime.rehearse import SHARED_STEPS_DIR
+from launcher.rehearse.ranks import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors
+from launcher.rehearse.rank import SHARED_STEPS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _start(run_dir: Path, rank: int, activations: bool) -> Tuple[subprocess.Pope
     work.mkdir(parents=True, exist_ok=True)
     out, log_path = work / f"rank_{rank}.json", work / f"rank_{rank}.log"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "launcher.runtime.rehearse", "--run-dir", str(run_dir), "--rank", str(rank),
+    cmd = [sys.executable, "-m", "launcher.rehearse.rank", "--run-dir", str(run_dir), "--rank", str(rank),
            "--out", str(out)]
     if not activations:
         cmd.append("--no-activations")
@@ -80,7 +80,7 @@ def _died(rank: int, code: Optional[int], log_path: Path) -> Dict[str, Any]:
 def launch_order(ranks: List[int], coordinates: Callable[[int], Dict[str, int]]) -> List[int]:
     """The ranks with every coordinate but the pipeline's at 0 first: a rank whose local shapes
     equal such a rank's (same pipeline rank) then usually finds that rank's fake step done and
-    reuses it (launcher/runtime/rehearse.py, step_signature) instead of running the same step
+    reuses it (launcher/rehearse/rank.py, step_signature) instead of running the same step
     again; one started beside that rank (workers > 1) runs its own, with the same bytes."""
     return sorted(ranks, key=lambda r: (any(v for k, v in coordinates(r).items() if k != "pp"), r))
 

@@ -3,7 +3,7 @@
     with fake_step_as_real():
         measured = track_step_memory(engine.model_parts, engine.optimizers, step)
 
-The rehearsal (launcher/runtime/rehearse.py) runs the rank's real step on fake tensors under
+The rehearsal (launcher/rehearse/rank.py) runs the rank's real step on fake tensors under
 its own FakeTensorMode, on a fake process group, and tracks it with torch's MemTracker. Two
 things then differ from a real run (found op by op with bench/rehearse_activations.py --multi;
 numbers in docs/planner.md, "Rehearsal"), and both are corrected here, for the tracked step only:

@@ -1,8 +1,8 @@
 """One rank of a rehearsal: the real engine code at the real world size, on fake tensors.
 
-    python -m launcher.runtime.rehearse --run-dir DIR --rank R --out FILE [--no-activations]
+    python -m launcher.rehearse.rank --run-dir DIR --rank R --out FILE [--no-activations]
 
-started by launcher/launch/rehearse.py, one process per rank (a C++ abort then takes down
+started by launcher/rehearse/driver.py, one process per rank (a C++ abort then takes down
 that rank's report only). It reads the run dir's config.yaml and plan.json like a real rank,
 joins a fake process group of the plan's world size as rank R (torch's FakeStore and
 "fake" backend: collectives return at once, nothing is sent), and builds the engine the
@@ -53,7 +53,7 @@ FIX_BY_MODULE = {
 DEFAULT_FIX = "change the parallel.* layout this rank cannot build (`train ... action=plan` shows it)"
 
 
-# Under the run dir: the fake steps measured so far, by step signature (launcher/launch/rehearse.py
+# Under the run dir: the fake steps measured so far, by step signature (launcher/rehearse/driver.py
 # empties it when a rehearsal starts).
 SHARED_STEPS_DIR = "rehearsal/steps"
 
@@ -115,12 +115,12 @@ def reduced_pipeline_schedule(engine, layout) -> Tuple[Any, int, str]:
 
     The peak of a pipeline rank is set by the states its schedule passes through (micro-batches
     in flight per stage, pending weight gradients, outputs kept by the last stage); torch's
-    action lists give them without running anything (launcher/parallel/pp_states.py). When a
+    action lists give them without running anything (launcher/rehearse/pp_states.py). When a
     smaller count visits exactly the same states on this rank, the same schedule class over the
     same stages runs that many: same peak and categories, a fraction of the time (a fake step
     costs per op). Otherwise the engine's schedule runs all of the layout's micro-batches."""
     from launcher.parallel.pp import pipeline_order, schedule_stages, schedule_with_microbatches
-    from launcher.parallel.pp_states import smallest_equivalent_microbatches
+    from launcher.rehearse.pp_states import smallest_equivalent_microbatches
 
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
@@ -128,7 +128,7 @@ def reduced_pipeline_schedule(engine, layout) -> Tuple[Any, int, str]:
     full = engine.pp_microbatches
     if isinstance(schedule, PipelineScheduleMulti):
         # The looped schedules keep every send's Work, which holds the sent tensor, until the
-        # step ends (launcher/runtime/fake_memory.py makes the fake group's Works do the same):
+        # step ends (launcher/rehearse/fake_memory.py makes the fake group's Works do the same):
         # each micro-batch adds to the peak, so no smaller count is equivalent.
         return schedule, full, (f"pipeline: fake steps run all {full} micro-batches ({layout.schedule} keeps "
                                 f"every micro-batch's sent tensors until the step ends)")
@@ -149,7 +149,7 @@ def reduced_pipeline_schedule(engine, layout) -> Tuple[Any, int, str]:
         return schedule, full, (f"pipeline: fake steps run all {full} micro-batches ({layout.schedule}: no "
                                 f"smaller count passes through the same memory states on this rank)")
     why = ("the same micro-batches in flight per stage, pending gradients and kept outputs as "
-           f"{full} (launcher/parallel/pp_states.py), so the same peak")
+           f"{full} (launcher/rehearse/pp_states.py), so the same peak")
     return (schedule_with_microbatches(schedule, layout, n), n,
             f"pipeline: fake steps ran {n} of the {full} micro-batches per step ({layout.schedule}: {n} pass "
             f"through {why})")
@@ -489,7 +489,7 @@ def _measure_fake_step(engine, layout, model_cfg, notes: List[str], fake_microba
                        reduce_pipeline: bool) -> Dict[str, int]:
     """Run the rank's tracked fake training step; {activations, peak, other} in bytes. Creates the
     optimizer states first (zero-gradient step) and, for a pipeline, the stages' buffers."""
-    from launcher.runtime.fake_memory import fake_step_as_real
+    from launcher.rehearse.fake_memory import fake_step_as_real
     from launcher.runtime.memtrack import track_step_memory
 
     memory: Dict[str, int] = {}
@@ -522,7 +522,7 @@ def _measure_fake_step(engine, layout, model_cfg, notes: List[str], fake_microba
         from launcher.parallel.pp import schedule_stages
 
         on_enter = register_recv_buffers(schedule_stages(schedule))
-    # Measure what a real step holds, not fake-mode artefacts (launcher/runtime/fake_memory.py).
+    # Measure what a real step holds, not fake-mode artefacts (launcher/rehearse/fake_memory.py).
     with fake_step_as_real():
         measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=0,
                                      on_enter=on_enter)

@@ -1,0 +1,13 @@
+"""The rehearsal: the real rank code at the real world size on a fake process group, on a CPU.
+
+- driver.py: `action=rehearse` / `trainer.rehearse=true` on the host: picks the ranks, runs one
+  subprocess per rank, compares each with the plan, renders the table and rehearsal.json;
+- ranks.py: which ranks to rehearse and what the plan predicts for each (pure Python);
+- rank.py: one rank (`python -m launcher.rehearse.rank`): builds its engine under fake tensors,
+  measures the states it holds and a tracked fake step;
+- fake_memory.py: corrections that make a fake step hold what a real one holds;
+- pp_states.py: the smallest pipeline micro-batch count with the same peak.
+
+The bytes are measured by the same code a real run uses (launcher/runtime/state_bytes.py and
+launcher/runtime/memtrack.py). docs/planner.md, "Rehearsal", is the user guide.
+"""
