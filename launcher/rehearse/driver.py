@@ -34,12 +34,15 @@ from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
 from launcher.plan.plan import Plan
 from launcher.rehearse.ranks import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors
-from launcher.rehearse.rank import SHARED_STEPS_DIR
 
 log = logging.getLogger(__name__)
 
 REHEARSAL_FILENAME = "rehearsal.json"
 RANK_TIMEOUT_S = 900  # one rank's build and fake step; a llama405b pipeline rank takes about a minute
+
+# Under the run dir: the fake steps measured so far, by step signature (the ranks share them;
+# emptied when a rehearsal starts). Here, not in rank.py, so the host imports no torch.
+SHARED_STEPS_DIR = "rehearsal/steps"
 
 
 def _rank_env() -> Dict[str, str]:

@@ -31,11 +31,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import itertools
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import _MemRefType
+from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, PipelineScheduleMulti, _split_tensor
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from launcher.config.loader import load_spec
+from launcher.engines import build_engine
+from launcher.engines.base import token_loss_sum
+from launcher.models.moe import moe_layers_of
+from launcher.parallel.pp import pipeline_order, schedule_stages, schedule_with_microbatches
+from launcher.plan.plan import Plan
+from launcher.rehearse.driver import SHARED_STEPS_DIR
+from launcher.rehearse.fake_memory import fake_step_as_real
+from launcher.rehearse.pp_states import smallest_equivalent_microbatches
+from launcher.runtime.entry import engine_options
+from launcher.runtime.memtrack import track_step_memory
+from launcher.runtime.state_bytes import StateBytesProbe, torch_optimizers
 
 # The launcher module that refused a layout -> the keys that change what it builds.
 FIX_BY_MODULE = {
@@ -52,10 +77,6 @@ FIX_BY_MODULE = {
 }
 DEFAULT_FIX = "change the parallel.* layout this rank cannot build (`train ... action=plan` shows it)"
 
-
-# Under the run dir: the fake steps measured so far, by step signature (launcher/rehearse/driver.py
-# empties it when a rehearsal starts).
-SHARED_STEPS_DIR = "rehearsal/steps"
 
 
 def error_report(err: BaseException, tb: Optional[Any] = None) -> Dict[str, Any]:
@@ -84,9 +105,7 @@ def error_report(err: BaseException, tb: Optional[Any] = None) -> Dict[str, Any]
 def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
     """One training step of the native engine on fake token batches (no pipeline): the
     engine's own autocast and loss-parallel contexts, its loss, then the optimizer step."""
-    import torch
 
-    from launcher.engines.base import token_loss_sum
 
     shape = (layout.micro_batch_size, layout.seq_len)
     model = engine.parts[0]
@@ -119,10 +138,7 @@ def reduced_pipeline_schedule(engine, layout) -> Tuple[Any, int, str]:
     smaller count visits exactly the same states on this rank, the same schedule class over the
     same stages runs that many: same peak and categories, a fraction of the time (a fake step
     costs per op). Otherwise the engine's schedule runs all of the layout's micro-batches."""
-    from launcher.parallel.pp import pipeline_order, schedule_stages, schedule_with_microbatches
-    from launcher.rehearse.pp_states import smallest_equivalent_microbatches
 
-    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
     schedule = engine.pp_schedule
     full = engine.pp_microbatches
@@ -159,7 +175,6 @@ def _recv_buffers(stages):
     """(activation buffers, gradient buffers) the stages hold for every micro-batch: torch allocates
     one receive buffer per micro-batch and stage input (and per output gradient) in the first step
     and keeps them; a step reads them as its micro-batches arrive."""
-    import torch
 
     def tensors(per_mb):
         return [info.buffer for infos in per_mb.values() for info in infos
@@ -175,7 +190,6 @@ def register_recv_buffers(stages):
     micro-batch first reads it, so the figure at the peak would depend on how many had arrived).
     Activation buffers count as activations and gradient buffers as temporaries ("other"), the
     categories MemTracker gives them when they are first read."""
-    from torch.distributed._tools.mem_tracker import _MemRefType
 
     def register(tracker) -> None:
         acts, grads = _recv_buffers(stages)
@@ -203,7 +217,6 @@ def _fake_pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n
     """One training step of the engine's pipeline schedule on fake token batches: the rank's
     real stage modules, schedule, micro-batch count, loss and optimizer (the shape vote set to
     its static outcome: _vote_static_shapes)."""
-    import torch
 
     schedule = schedule if schedule is not None else engine.pp_schedule
     n_microbatches = n_microbatches or engine.pp_microbatches
@@ -234,9 +247,7 @@ def _vote_static_shapes(schedule) -> None:
     with static shapes (launcher.parallel.pp.stage_io_meta), so each is set STATIC, as the vote
     would decide in a real run. Checked, not assumed: a stage torch would infer dynamically is
     refused."""
-    from torch.distributed.pipelining._utils import InferenceMode
 
-    from launcher.parallel.pp import schedule_stages
 
     for st in schedule_stages(schedule):
         if InferenceMode.needs_dynamic(st._user_meta, True):
@@ -257,10 +268,7 @@ def set_up_pipeline_stages(engine, layout, schedule, n_microbatches: int) -> Non
     step is a steady-state step: the rehearsal tracks it instead of a second step after an untracked
     one (llama405b rank 0: 77 s instead of 123 s, the same bytes). tests/test_parallel_layouts.py holds the
     tracked step's activations and peak equal to those of a real rank after a real first step."""
-    import torch
-    from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, PipelineScheduleMulti, _split_tensor
 
-    from launcher.parallel.pp import schedule_stages
 
     _vote_static_shapes(schedule)  # the set-up runs the vote; on a fake group it must not send
     rows = layout.micro_batch_size * n_microbatches
@@ -277,9 +285,7 @@ def set_up_pipeline_stages(engine, layout, schedule, n_microbatches: int) -> Non
 
 def _zero_grad_step(engine) -> None:
     """Create the optimizer states without a forward: zero gradients of the parameters' shapes."""
-    import torch
 
-    from launcher.runtime.state_bytes import torch_optimizers
 
     for opt in torch_optimizers(engine.optimizers):
         for group in opt.param_groups:
@@ -295,7 +301,6 @@ def balance_moe_routing(parts) -> str:
     balanced load (tokens*top_k/n_experts per expert, what the planner assumes) makes every
     per-expert count, and so every dispatch split, known without values. Returns the note for
     the report ("" without MoE layers)."""
-    from launcher.models.moe import moe_layers_of
 
     n = 0
     for part in parts:
@@ -342,7 +347,6 @@ def deepspeed_zero3_bytes(ds_optimizer) -> Dict[str, int]:
     step reads (`grads`, DeepSpeed's fp32 copy of the partition's gradients). The
     optimizer states are the master partition's shape by construction (AdamW's zeros_like);
     DeepSpeed creates them in its first step, which does not run on a fake group."""
-    import torch
 
     def nbytes(ts, dtype=None):
         return sum(t.numel() * (torch.empty((), dtype=dtype).element_size() if dtype else t.element_size())
@@ -370,7 +374,6 @@ def deepspeed_zero12_bytes(ds_optimizer) -> Dict[str, int]:
     The optimizer states are the master partition's shape by construction (AdamW's
     zeros_like); DeepSpeed creates them in its first step, which does not run on a fake group.
     """
-    import torch
 
     def nbytes(ts, dtype=None):
         return sum(t.numel() * (torch.empty((), dtype=dtype).element_size() if dtype else t.element_size())
@@ -410,13 +413,9 @@ def _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank: int) -
     module materialised as fake tensors, then DeepSpeed's flat buffers and partitions).
     The bytes are read from the optimizer DeepSpeed built (deepspeed_held_bytes); a plain torch
     optimizer (ZeRO-0 in fp32) is stepped once on zero gradients to create its states."""
-    import os
 
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from launcher.engines.deepspeed import DeepSpeedEngine
-    from launcher.runtime.state_bytes import StateBytesProbe
 
     os.environ.setdefault("LOCAL_RANK", "0")  # zero.Init reads it (one CPU "device" per process)
     notes = [f"DeepSpeed: deepspeed.initialize ran on the fake group (ZeRO-{layout.zero_stage}); no fake step "
@@ -451,10 +450,7 @@ def step_signature(engine, pp_rank: int) -> str:
     parameter and buffer (with the global shape). Two ranks with the same signature run the same
     ops on the same shapes, so the same bytes (e.g. every tensor-parallel rank when TP divides
     every sharded dimension; not the last FSDP shard when a dimension does not divide)."""
-    import hashlib
-    import itertools
 
-    from torch.distributed.tensor import DTensor
 
     items: List[Any] = [("pp", pp_rank)]
     for i, part in enumerate(engine.model_parts):
@@ -489,8 +485,6 @@ def _measure_fake_step(engine, layout, model_cfg, notes: List[str], fake_microba
                        reduce_pipeline: bool) -> Dict[str, int]:
     """Run the rank's tracked fake training step; {activations, peak, other} in bytes. Creates the
     optimizer states first (zero-gradient step) and, for a pipeline, the stages' buffers."""
-    from launcher.rehearse.fake_memory import fake_step_as_real
-    from launcher.runtime.memtrack import track_step_memory
 
     memory: Dict[str, int] = {}
     note = balance_moe_routing(engine.model_parts)
@@ -519,7 +513,6 @@ def _measure_fake_step(engine, layout, model_cfg, notes: List[str], fake_microba
     _zero_grad_step(engine)
     on_enter = None
     if layout.pp > 1:
-        from launcher.parallel.pp import schedule_stages
 
         on_enter = register_recv_buffers(schedule_stages(schedule))
     # Measure what a real step holds, not fake-mode artefacts (launcher/rehearse/fake_memory.py).
@@ -549,13 +542,7 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
     (the reference tests/test_pp_states.py compares the reduced count with). shared_steps: a
     directory where the ranks of one rehearsal keep their fake steps by `step_signature`; a rank
     whose signature is there reports that step instead of running the same one again."""
-    import torch
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from launcher.engines import build_engine
-    from launcher.runtime.state_bytes import StateBytesProbe
 
     world = layout.world_size
     if layout.sharding_backend == "deepspeed":
@@ -610,9 +597,6 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
 
 
 def _rank_from_run_dir(run_dir: Path, rank: int, activations: bool) -> Dict[str, Any]:
-    from launcher.config.loader import load_spec
-    from launcher.plan.plan import Plan
-    from launcher.runtime.entry import engine_options
 
     spec = load_spec(run_dir)
     plan = Plan.load(run_dir)
