@@ -14,7 +14,8 @@ Two ranks, bf16, AC none, FSDP2 (dp_shard 2), TP (tp 2) with and without SP, and
 1F1B and interleaved 1F1B with 2 virtual stages, the layout's 4 micro-batches): a real 2-process
 gloo run (torchrun) tracks each rank's step as above (a pipeline rank: the rehearsal's schedule
 step, after one untracked step like the rehearsal); each rank is then rehearsed on a fake group
-of 2 (docs/planner.md, "Rehearsal", has the table).
+of 2 (docs/notes/2026-11-rehearsal-findings.md has the table of 2026-11-23; docs/planner.md,
+"Rehearsal", the tolerance it supports).
 """
 
 from __future__ import annotations

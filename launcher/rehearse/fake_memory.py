@@ -6,7 +6,8 @@
 The rehearsal (launcher/rehearse/rank.py) runs the rank's real step on fake tensors under
 its own FakeTensorMode, on a fake process group, and tracks it with torch's MemTracker. Two
 things then differ from a real run (found op by op with bench/rehearse_activations.py --multi;
-numbers in docs/planner.md, "Rehearsal"), and both are corrected here, for the tracked step only:
+numbers in docs/notes/2026-11-rehearsal-findings.md), and both are corrected here, for the
+tracked step only:
 
 1. DTensor's sharding propagation (tensor parallelism, loss parallel). For every DTensor op
    torch runs the op once more on fake tensors of the *global* shapes to learn the output's

@@ -316,7 +316,7 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
     Some tensors of a step live in reference cycles and are freed only when the collector runs
     (seen with torch's zero-bubble pipeline schedules, found by tracing the fake and the real
-    step op by op: docs/planner.md, "Rehearsal"). It runs after a count of Python object
+    step op by op: docs/notes/2026-11-rehearsal-findings.md). It runs after a count of Python object
     allocations, which differs between fake and real tensors, so the tracked peak moved with it
     (debug model, pp 2 zero_bubble rank 0: a collection freed 36,864 B of activations in the
     fake step's first backward, which the real step kept until a collection in its next
