@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -315,7 +315,7 @@ class NativeEngine:
                     f"layout's {n_micro} micro-batches, which does not divide: pass the step's "
                     f"micro-batches as planned (micro_batch_size x accumulation sequences)")
             self._set_aux_scale(n_micro)
-            for mb_loss in self._run_pipeline("step", microbatches):
+            for mb_loss in self._run_pipeline("step", microbatches)[0]:
                 local_loss += _plain(mb_loss.detach())
 
         # Global loss: each data-parallel sample counted once (tp rank 0, last pp stage).
@@ -354,9 +354,10 @@ class NativeEngine:
             extra["moe_aux_loss"] = float(stats[1]) / ranks
         return StepStats(loss=float(stats[0]), grad_norm=grad_norm, lr=lr, extra=extra, source_loss=source_loss)
 
-    def _run_pipeline(self, method: str, microbatches: List[Microbatch]) -> list:
+    def _run_pipeline(self, method: str, microbatches: List[Microbatch]) -> Tuple[list, Any]:
         """One pass of the pipeline schedule (`method`: "step" trains, "eval" is forward only) over
-        this rank's sequences; returns the last stage's per-micro-batch losses (empty elsewhere).
+        this rank's sequences; returns the last stage's per-micro-batch losses and its merged
+        outputs (logits; what the schedule returns: ([], None) on other stages).
 
         Positions and document ids are given to the schedule as model keyword arguments on every
         rank: torch splits them into micro-batches like the inputs and passes each stage its
@@ -384,8 +385,8 @@ class NativeEngine:
             kwargs.update(target=labels, losses=losses)
         args = (inputs,) if self.has_first else ()
         with self._loss_parallel(), self._autocast():
-            getattr(self.pp_schedule, method)(*args, **kwargs)
-        return losses
+            outputs = getattr(self.pp_schedule, method)(*args, **kwargs)
+        return losses, outputs
 
     def eval_step(self, microbatches: List[Microbatch]) -> float:
         """Mean token loss over the global batch of these micro-batches, forward only (collective).
@@ -408,7 +409,7 @@ class NativeEngine:
                 for mb in microbatches:
                     local_loss += _plain(self._forward_loss(model, mb, backward=False))
             else:
-                for mb_loss in self._run_pipeline("eval", microbatches):
+                for mb_loss in self._run_pipeline("eval", microbatches)[0]:
                     local_loss += _plain(mb_loss.detach())
         counted = self.tp_rank == 0 and self.has_last
         contrib = float(local_loss) if counted else 0.0
