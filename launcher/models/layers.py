@@ -16,6 +16,7 @@ exactly the plain causal one (``is_causal=True``, the shared [s, d/2, 2] table).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -108,15 +109,18 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 ATTENTION_KERNELS = ("auto", "sdpa", "flex")
 
 
-def document_attention_mask(document_ids: torch.Tensor, kernel: str = "auto"):
+def document_attention_mask(document_ids: torch.Tensor, kernel: str = "auto", dtype: Optional[torch.dtype] = None):
     """The block-causal mask of packed rows, built once per forward and shared by every layer:
     query i may attend to key j when j <= i and both lie in the same document
     (document_ids int [b, s]).
 
     kernel "flex" (what "auto" picks on CUDA): a FlexAttention BlockMask, whose blocks that
     cross documents are skipped entirely; "sdpa" (what "auto" picks elsewhere: FlexAttention has
-    no CPU backward in torch 2.13): a boolean tensor [b, 1, s, s] for SDPA's attn_mask (True =
-    attend). Both give the same attention, to rounding."""
+    no CPU backward in torch 2.13): a tensor [b, 1, s, s] for SDPA's attn_mask, boolean (True =
+    attend) or, with `dtype` (the attention's dtype), additive (0 / -inf). SDPA turns a boolean
+    mask into an additive one in every call and saves that copy for backward (s x s per layer);
+    an additive mask in the query's dtype is used as it is, so all layers save the same tensor.
+    All give the same attention, to rounding."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention kernel {kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
     if kernel == "auto":
@@ -125,7 +129,10 @@ def document_attention_mask(document_ids: torch.Tensor, kernel: str = "auto"):
     b, s = docs.shape
     if kernel == "sdpa":
         causal = torch.ones(s, s, dtype=torch.bool, device=docs.device).tril()
-        return ((docs.unsqueeze(2) == docs.unsqueeze(1)) & causal).unsqueeze(1)
+        allowed = ((docs.unsqueeze(2) == docs.unsqueeze(1)) & causal).unsqueeze(1)
+        if dtype is None:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=docs.device).masked_fill_(~allowed, float("-inf"))
 
     def same_document_causal(bi, hi, qi, ki):
         return (docs[bi, qi] == docs[bi, ki]) & (ki <= qi)
@@ -158,7 +165,8 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, g
     if _is_block_mask(mask):
         out = _flex_functions()[0](q, k, v, block_mask=mask, enable_gqa=groups > 1)
         return out.to(q.dtype)
-    mask = mask.to(q.device)
+    if mask.dtype != torch.bool and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)  # SDPA wants an additive mask in the query's dtype
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if expand_kv:

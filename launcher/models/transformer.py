@@ -53,6 +53,15 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
+def _attention_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype the attention will compute in: autocast's where it is on (q, k, v come out of
+    autocast linears), else the hidden state's (e.g. bf16 under FSDP's mixed precision)."""
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return h.dtype
+
+
 class Transformer(nn.Module):
     """Decoder-only LM: forward(tokens int64 [b, s]) -> logits [b, s, vocab]."""
 
@@ -80,7 +89,7 @@ class Transformer(nn.Module):
             for block in self.layers.values():
                 h = block(h, rope)
         else:
-            mask = document_attention_mask(document_ids, self.attention_kernel)
+            mask = document_attention_mask(document_ids, self.attention_kernel, dtype=_attention_dtype(h))
             for block in self.layers.values():
                 h = block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
