@@ -77,7 +77,7 @@ def build_engine(cfg, world: int, **dotted):
     from tests.layout_for import layout_for
 
     layout = layout_for(cfg, world, **dotted)
-    options = EngineOptions(total_steps=10, grad_clip=1.0, seed=SEED, n_sources=3)
+    options = EngineOptions(total_steps=10, grad_clip=1.0, seed=SEED, n_sources=3, compile=layout.compile)
     return NativeEngine(cfg, OptimConfig(lr=3e-3, warmup_steps=1), layout, torch.device("cpu"), options)
 
 

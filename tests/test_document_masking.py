@@ -147,8 +147,8 @@ def test_engine_loss_and_source_loss_on_one_rank(key):
     assert st.source_loss == pytest.approx(ev.source_loss, rel=1e-6)
 
 
-def test_engine_masking_with_ac_and_compile():
-    """Selective (op) checkpointing and torch.compile pass the mask through the blocks: same loss."""
+def test_engine_masking_with_activation_checkpointing():
+    """Selective (op) and full checkpointing recompute the blocks with the same mask: same loss and grads."""
     cfg = _cfg("dense_gqa")
     loss, _ = _reference_losses(cfg)
     _, mbs = packed_rows(cfg.vocab_size)
@@ -156,6 +156,16 @@ def test_engine_masking_with_ac_and_compile():
     assert ac.loss == pytest.approx(loss, rel=1e-5)
     full = build_engine(cfg, 1, **{"activation_checkpointing.mode": "full"}).train_step(mbs)
     assert full.grad_norm == pytest.approx(ac.grad_norm, rel=1e-5)
+
+
+def test_engine_masking_with_compile():
+    """Compiled blocks take the mask and the per-row RoPE table as inputs (~10 s of compiling)."""
+    cfg = _cfg("dense_gqa")
+    _, mbs = packed_rows(cfg.vocab_size)
+    eager = build_engine(cfg, 1).train_step(mbs)
+    compiled = build_engine(cfg, 1, **{"trainer.compile": True}).train_step(mbs)
+    assert compiled.loss == pytest.approx(eager.loss, rel=1e-5)
+    assert compiled.grad_norm == pytest.approx(eager.grad_norm, rel=1e-5)
 
 
 def test_deepspeed_pipeline_with_document_masking_is_refused_before_launch():
@@ -213,3 +223,48 @@ def test_parallel_layouts_mask_like_one_rank(two_ranks, spec):
     assert got["train"]["loss"] == pytest.approx(one.loss, rel=1e-5)
     assert got["train"]["grad_norm"] == pytest.approx(one.grad_norm, rel=1e-4)
     assert {int(s): v for s, v in got["train"]["source_loss"].items()} == pytest.approx(one.source_loss, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+def test_planner_costs_the_mask_the_model_saves():
+    """The plan's mask bytes are the one tensor every layer's attention saves for backward, and the
+    mask adds exactly that per micro-batch in flight to the activations (and time to the step)."""
+    from dataclasses import replace as dc_replace
+
+    from launcher.plan.memory import document_mask_bytes, estimate_memory
+    from launcher.plan.params import model_shape
+    from launcher.config.loader import compose_spec
+    from launcher.plan.params import stage_params
+    from launcher.plan.perf import document_mask_s, microbatch_compute_s
+    from tests.layout_for import layout_for
+
+    cfg = _cfg("dense_gqa")
+    lay = layout_for(cfg, 1, **{"data.document_masking": True})
+    assert lay.document_mask == "sdpa"  # job_spec plans a CPU run
+    assert layout_for(cfg, 1, **{"data.document_masking": True, "trainer.device": "cuda"}).document_mask == "flex"
+    assert layout_for(cfg, 1).document_mask == "none"
+
+    model = plain_model(cfg)
+    _, mbs = packed_rows(cfg.vocab_size)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        model(mbs[0].inputs, positions=mbs[0].positions, document_ids=mbs[0].document_ids)
+    masks = {t.data_ptr(): t for t in saved if t.dim() == 4 and t.shape[1] == 1}
+    assert len(masks) == 1, "every layer must save the same mask tensor"
+    (mask,) = masks.values()
+    assert mask.numel() * mask.element_size() == document_mask_bytes(lay)
+
+    shape = model_shape(cfg)
+    plain = dc_replace(lay, document_mask="none")
+    grown = estimate_memory(shape, lay)[0].activations - estimate_memory(shape, plain)[0].activations
+    assert grown == int(document_mask_bytes(lay))
+    hw = compose_spec([]).hardware
+    st = stage_params(shape, 1, 1, lay.schedule, ())[0]
+    extra = microbatch_compute_s(shape, st, lay, hw) - microbatch_compute_s(shape, st, plain, hw)
+    assert extra == pytest.approx(document_mask_s(st, lay, hw)) and extra > 0
+    flex = dc_replace(lay, document_mask="flex")
+    assert document_mask_s(st, flex, hw) == 0.0  # costed as plain causal attention (an upper bound)
+    assert 0 < document_mask_bytes(flex) < document_mask_bytes(lay)
+
