@@ -95,10 +95,40 @@ def engine_logits(engine, mbs) -> Tuple[bool, torch.Tensor]:
         return True, torch.cat(outs)
 
 
+def run_deepspeed(spec: dict, cfg) -> dict:
+    """The DeepSpeed engine on the packed batch: rank r of dp ranks takes its share of the rows.
+    spec["masking"] false: the rows without positions/ids (sources only). A step the engine
+    refuses is recorded as {"refused": message}."""
+    from launcher.config.schema import OptimConfig
+    from launcher.engines.base import EngineOptions
+    from launcher.engines.deepspeed import DeepSpeedEngine
+    from tests.layout_for import layout_for
+
+    layout = layout_for(cfg, dist.get_world_size(), **spec["dotted"])
+    options = EngineOptions(total_steps=10, grad_clip=1.0, seed=SEED, n_sources=3)
+    engine = DeepSpeedEngine(cfg, OptimConfig(lr=3e-3, warmup_steps=1), layout, torch.device("cpu"), options)
+    _, mbs = packed_rows(cfg.vocab_size)
+    if not spec.get("masking", True):
+        mbs = [mb._replace(positions=None, document_ids=None) for mb in mbs]
+    dp_rank = layout.mesh.coordinates(dist.get_rank())["dp_shard"]
+    per = len(mbs) // layout.dp
+    mine = mbs[dp_rank * per:(dp_rank + 1) * per]
+    out = {"layout": {"sharding": layout.sharding_backend, "pp": layout.pp_backend, "ac": layout.ac_backend}}
+    try:
+        ev = engine.eval_stats(mine)
+        st = engine.train_step(mine)
+    except RuntimeError as e:
+        return {**out, "refused": str(e)}
+    return {**out, "eval": {"loss": ev.loss, "tokens": ev.tokens, "source_loss": ev.source_loss},
+            "train": {"loss": st.loss, "grad_norm": st.grad_norm, "source_loss": st.source_loss}}
+
+
 def run_layout(spec: dict) -> dict:
     from tests.test_models import model_cfg
 
     cfg = model_cfg(spec["model"])
+    if spec.get("kind") == "deepspeed":
+        return run_deepspeed(spec, cfg)
     mesh = spec["mesh"]
     dotted = {"parallel.tp": mesh.get("tp", 1), "parallel.pp": mesh.get("pp", 1),
               "parallel.sp": spec.get("sp", False), "parallel.pp_schedule": spec.get("pp_schedule", "1f1b")}

@@ -194,19 +194,41 @@ LAYOUTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    work = tmp_path_factory.mktemp("masking")
-    specs, out = work / "layouts.json", work / "results.json"
-    specs.write_text(json.dumps(LAYOUTS))
+# DeepSpeed in the same launch: ZeRO-1 over dp=2 with its own checkpointing (positions and ids
+# through deepspeed.checkpointing); its pipeline engine with sources only (masking is refused).
+DEEPSPEED = [
+    {"name": "ds_zero1_ac_dense", "kind": "deepspeed", "model": "debug",
+     "dotted": {"parallel.zero_stage": 1, "activation_checkpointing.mode": "full"}},
+    {"name": "ds_pp2_sources_dense", "kind": "deepspeed", "model": "debug", "masking": False,
+     "dotted": {"parallel.pp": 2, "parallel.zero_stage": 1, "backend.pp": "deepspeed"}},
+    {"name": "ds_pp2_masking_refused", "kind": "deepspeed", "model": "debug",
+     "dotted": {"parallel.pp": 2, "parallel.zero_stage": 1, "backend.pp": "deepspeed"}},
+]
+
+
+def _launch(specs: list, work: Path) -> dict:
+    """One 2-rank torchrun of tests/masking_harness.py over `specs`; its results by layout name."""
+    layouts, out = work / "layouts.json", work / "results.json"
+    layouts.write_text(json.dumps(specs))
     env = dict(os.environ, TMPDIR=str(work))
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "masking_harness.py"), str(specs), str(out)]
+           str(REPO / "tests" / "masking_harness.py"), str(layouts), str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"2-rank launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _launch(LAYOUTS, tmp_path_factory.mktemp("masking"))
+
+
+@pytest.fixture(scope="module")
+def deepspeed_two_ranks(tmp_path_factory):
+    # Its own launch: DeepSpeed's import and initialisation cost more than the native layouts.
+    return _launch(DEEPSPEED, tmp_path_factory.mktemp("masking_deepspeed"))
 
 
 @pytest.mark.multiprocess
@@ -268,3 +290,35 @@ def test_planner_costs_the_mask_the_model_saves():
     assert document_mask_s(st, flex, hw) == 0.0  # costed as plain causal attention (an upper bound)
     assert 0 < document_mask_bytes(flex) < document_mask_bytes(lay)
 
+
+
+def _check_against_one_rank(got: dict, cfg, mbs) -> None:
+    one = build_engine(cfg, 1)
+    ev = one.eval_stats(mbs)
+    st = one.train_step(mbs)
+    assert got["eval"]["loss"] == pytest.approx(ev.loss, rel=1e-5)
+    assert {int(s): v for s, v in got["eval"]["source_loss"].items()} == pytest.approx(ev.source_loss, rel=1e-5)
+    assert got["train"]["loss"] == pytest.approx(st.loss, rel=1e-5)
+    assert got["train"]["grad_norm"] == pytest.approx(st.grad_norm, rel=1e-4)
+    assert {int(s): v for s, v in got["train"]["source_loss"].items()} == pytest.approx(st.source_loss, rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_deepspeed_zero1_with_masking_matches_one_rank(deepspeed_two_ranks):
+    got = deepspeed_two_ranks["ds_zero1_ac_dense"]
+    assert "error" not in got, got.get("traceback", got.get("error"))
+    assert got["layout"] == {"sharding": "deepspeed", "pp": "deepspeed", "ac": "deepspeed"}
+    cfg = model_cfg("debug")
+    _check_against_one_rank(got, cfg, packed_rows(cfg.vocab_size)[1])
+
+
+@pytest.mark.multiprocess
+def test_deepspeed_pipeline_reports_source_loss_and_refuses_masking(deepspeed_two_ranks):
+    got = deepspeed_two_ranks["ds_pp2_sources_dense"]
+    assert "error" not in got, got.get("traceback", got.get("error"))
+    assert got["layout"]["pp"] == "deepspeed"
+    cfg = model_cfg("debug")
+    plain = [mb._replace(positions=None, document_ids=None) for mb in packed_rows(cfg.vocab_size)[1]]
+    _check_against_one_rank(got, cfg, plain)
+    refused = deepspeed_two_ranks["ds_pp2_masking_refused"]
+    assert "refused" in refused and "Fix:" in refused["refused"], refused
