@@ -3,7 +3,7 @@
 Usage (2 ranks, gloo; every layout in the file uses 2 ranks):
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/masking_harness.py LAYOUTS.json OUT.json
 
-Per layout (keys: name, model, mesh {tp, pp}, sp, pp_schedule) the native engine is built from the
+Per layout (keys: name, model, mesh {parallel.* degrees}, sp, pp_schedule) the native engine is built from the
 real resolver's Layout and given the same packed batch as the 1-rank reference in the test:
 - `logits_max_diff`: the engine's logits of the packed rows (document masking, positions reset at
   each document) vs each document run alone through a plain 1-rank model with the same weights;
@@ -95,6 +95,15 @@ def engine_logits(engine, mbs) -> Tuple[bool, torch.Tensor]:
         return True, torch.cat(outs)
 
 
+def rank_rows(layout, items: list) -> list:
+    """This rank's share of the batch's rows (or of any per-row list): data-parallel rank r of dp
+    takes the r-th contiguous slice; TP, PP and CP ranks of one replica take the same rows."""
+    c = layout.mesh.coordinates(dist.get_rank())
+    dp_rank = c["dp_replicate"] * layout.dp_shard + c["dp_shard"]
+    per = len(items) // layout.dp
+    return items[dp_rank * per:(dp_rank + 1) * per]
+
+
 def run_deepspeed(spec: dict, cfg) -> dict:
     """The DeepSpeed engine on the packed batch: rank r of dp ranks takes its share of the rows.
     spec["masking"] false: the rows without positions/ids (sources only). A step the engine
@@ -110,9 +119,7 @@ def run_deepspeed(spec: dict, cfg) -> dict:
     _, mbs = packed_rows(cfg.vocab_size)
     if not spec.get("masking", True):
         mbs = [mb._replace(positions=None, document_ids=None) for mb in mbs]
-    dp_rank = layout.mesh.coordinates(dist.get_rank())["dp_shard"]
-    per = len(mbs) // layout.dp
-    mine = mbs[dp_rank * per:(dp_rank + 1) * per]
+    mine = rank_rows(layout, mbs)
     out = {"layout": {"sharding": layout.sharding_backend, "pp": layout.pp_backend, "ac": layout.ac_backend}}
     try:
         ev = engine.eval_stats(mine)
@@ -129,11 +136,11 @@ def run_layout(spec: dict) -> dict:
     cfg = model_cfg(spec["model"])
     if spec.get("kind") == "deepspeed":
         return run_deepspeed(spec, cfg)
-    mesh = spec["mesh"]
-    dotted = {"parallel.tp": mesh.get("tp", 1), "parallel.pp": mesh.get("pp", 1),
-              "parallel.sp": spec.get("sp", False), "parallel.pp_schedule": spec.get("pp_schedule", "1f1b")}
+    dotted = {f"parallel.{k}": v for k, v in spec["mesh"].items()}
+    dotted.update({"parallel.sp": spec.get("sp", False), "parallel.pp_schedule": spec.get("pp_schedule", "1f1b")})
     engine = build_engine(cfg, dist.get_world_size(), **dotted)
     docs, mbs = packed_rows(cfg.vocab_size)
+    docs, mbs = rank_rows(engine.layout, docs), rank_rows(engine.layout, mbs)
     holds, logits = engine_logits(engine, mbs)
     diff = float((logits - reference_logits(plain_model(cfg), docs)).abs().max()) if holds else None
     diffs = [None] * dist.get_world_size()

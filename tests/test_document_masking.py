@@ -2,8 +2,9 @@
 
 A packed row with a block-causal mask and positions restarting at each document must give the
 logits of each document run alone (fp32, 1e-5): in one process for dense GQA, MHA and MoE
-models, and under tp=2 (with and without SP) and pp=2 (one 2-rank gloo launch for all of them,
-tests/masking_harness.py). Without ids/positions the path is bit for bit today's.
+models, and under tp=2 (with and without SP), pp=2 and FSDP2 + EP (one 2-rank gloo launch for all
+of them, tests/masking_harness.py; DeepSpeed in a second one). Without ids/positions the
+path is bit for bit today's.
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ LAYOUTS = [
     {"name": "tp2_sp_moe", "model": "debug_moe", "mesh": {"tp": 2}, "sp": True},
     {"name": "pp2_dense", "model": "debug", "mesh": {"pp": 2}, "pp_schedule": "1f1b"},
     {"name": "pp2_moe", "model": "debug_moe", "mesh": {"pp": 2}, "pp_schedule": "gpipe"},
+    # FSDP2 over 2 data-parallel ranks, experts split over ep=2 (each rank its own rows).
+    {"name": "fsdp2_ep2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "ep": 2}},
 ]
 
 
