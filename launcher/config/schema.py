@@ -191,6 +191,8 @@ class DataConfig:
     # Held-out data for trainer.val_every, read like `path` under `source`; "" with source=embedded:
     # the embedded corpus's validation split (launcher/data/validation.py).
     val_path: str = ""
+    document_masking: bool = False
+    reset_positions: bool = False
 
 
 @dataclass

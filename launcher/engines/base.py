@@ -15,21 +15,27 @@ Both expose ``model_parts`` (this rank's modules) and ``optimizers`` (torch opti
 wrappers with ``.optimizer``), which the memory tracker reads (trainer.track_memory), and
 ``built()``: what the engine actually built, in Layout terms, so tests can compare it with
 plan.json.
+
+Micro-batches are ``launcher.data.batch.Microbatch`` records (inputs, labels and the optional
+positions / document_ids / sources); a plain ``(inputs, labels)`` tuple still works and means
+no masking, default positions and no mixture (``as_microbatch``). Engines hand positions and
+document ids to the model in every path; with ``sources`` set they also report the mean loss
+per mixture source (``StepStats.source_loss``, ``EvalStats``), gathered with the step's one
+loss all-reduce.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from launcher.config.schema import ActivationCheckpointingConfig, Fp8Config, OffloadConfig
-
-Microbatch = Tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), int64 [micro_batch, seq_len]
+from launcher.data.batch import Microbatch
 
 IGNORE_INDEX = -100  # labels equal to this are not counted in the loss
 
@@ -40,6 +46,22 @@ class StepStats:
     grad_norm: float  # global L2 norm of the gradients before clipping
     lr: float  # learning rate used for this step
     extra: Dict[str, float] = field(default_factory=dict)  # e.g. moe_aux_loss
+    # Mixture source index -> mean token loss over the global batch of that source's rows this
+    # step (sources with no counted token this step are left out); empty without Microbatch.sources.
+    source_loss: Dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class EvalStats:
+    """``Engine.eval_stats``: the forward-only loss of a batch, overall and per mixture source.
+
+    To combine several batches (a validation pass), weight each batch's per-source loss by its
+    ``source_tokens``: mean = sum(loss * tokens) / sum(tokens) per source."""
+
+    loss: float  # mean token loss over the global batch (what eval_step returns)
+    tokens: float  # counted tokens (labels != -100) in the global batch
+    source_loss: Dict[int, float] = field(default_factory=dict)  # source -> mean token loss
+    source_tokens: Dict[int, float] = field(default_factory=dict)  # source -> counted tokens
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,10 @@ class EngineOptions:
     work_dir: Optional[Path] = None  # where the DeepSpeed engine writes its JSON (the run dir)
     export_dtype: str = "bf16"  # checkpoint.export=hf weights: bf16 | fp16 | fp32
     export_tokenizer_files: Tuple[Path, ...] = ()  # copied into an hf export
+    # Mixture sources in the run (len(data.mix); 0: unknown or no mix). Sizes the per-source loss
+    # sums so they ride on the step's loss all-reduce; when 0 and Microbatch.sources is set, one
+    # extra tiny MAX all-reduce per step agrees on the count.
+    n_sources: int = 0
     # The rehearsal's FakeTensorMode (launcher/rehearse/rank.py): the native engine enters it
     # once the model is sharded (meshes and sharding need real rank tensors), so materialisation,
     # optimizer and steps use fake tensors; the caller exits it. None in real runs.
@@ -73,6 +99,10 @@ class Engine(Protocol):
 
     def eval_step(self, microbatches: List[Microbatch]) -> float:
         """Mean token loss over the global batch, forward only; no state changes (collective)."""
+
+    def eval_stats(self, microbatches: List[Microbatch]) -> EvalStats:
+        """eval_step's loss plus token counts and, with Microbatch.sources, the per-source losses
+        (collective)."""
 
     def save(self, directory: Path) -> None:
         """Write model, optimizer and LR-schedule state into `directory` (collective)."""
@@ -96,9 +126,86 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
+def as_microbatch(mb) -> Microbatch:
+    """`mb` as a Microbatch: a Microbatch as it is, a plain (inputs, labels) tuple as one with
+    no positions, document ids or sources (what callers that predate the record pass)."""
+    return mb if isinstance(mb, Microbatch) else Microbatch(*mb)
+
+
+def as_microbatches(microbatches: Sequence) -> List[Microbatch]:
+    """as_microbatch over a step's micro-batches; they must agree on which optional fields are
+    set (one step is either masked or not, mixed or not)."""
+    mbs = [as_microbatch(mb) for mb in microbatches]
+    for name in ("positions", "document_ids", "sources"):
+        present = {getattr(mb, name) is not None for mb in mbs}
+        if len(present) > 1:
+            raise ValueError(f"the step's micro-batches disagree on Microbatch.{name}: some set it, some not. "
+                             f"Fix: the data side must set it on every micro-batch of a run or on none")
+    return mbs
+
+
+def model_kwargs(mb: Microbatch, device: torch.device) -> Dict[str, torch.Tensor]:
+    """The keyword arguments the model's forward takes from a micro-batch: positions and
+    document_ids where set (none at all for a plain micro-batch, so its call is unchanged)."""
+    out = {}
+    if mb.positions is not None:
+        out["positions"] = mb.positions.to(device)
+    if mb.document_ids is not None:
+        out["document_ids"] = mb.document_ids.to(device)
+    return out
+
+
 def local_token_count(microbatches: List[Microbatch]) -> int:
     """Tokens that count in the loss on this rank (labels != IGNORE_INDEX)."""
-    return sum(int((lab != IGNORE_INDEX).sum()) for _, lab in microbatches)
+    return sum(int((as_microbatch(mb).labels != IGNORE_INDEX).sum()) for mb in microbatches)
+
+
+def step_source_count(microbatches: List[Microbatch], n_sources: int) -> int:
+    """How many mixture sources this step's per-source sums cover: `n_sources` (the run's mix
+    size, EngineOptions.n_sources) when known, else 1 + the largest source index on this rank
+    (the engine then agrees on it across ranks with one MAX all-reduce); 0 without sources."""
+    mbs = [as_microbatch(mb) for mb in microbatches]
+    if not mbs or mbs[0].sources is None:
+        return 0
+    local = 1 + max(int(mb.sources.max()) for mb in mbs)
+    if n_sources and local > n_sources:
+        raise ValueError(f"Microbatch.sources holds source index {local - 1} but the run has {n_sources} "
+                         f"sources (EngineOptions.n_sources). Fix: number the sources 0..{n_sources - 1}")
+    return n_sources or local
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy [b, s] in fp32 (0 where the label is IGNORE_INDEX); a DTensor under
+    loss parallelism. Its sum is token_loss_sum's value (to rounding)."""
+    per = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                          reduction="none")
+    return per.view(labels.shape)
+
+
+def source_sums(per_token: torch.Tensor, labels: torch.Tensor, sources: torch.Tensor, n_sources: int) -> torch.Tensor:
+    """[2 * n_sources] fp64: the summed token losses of each source's rows, then their counted
+    tokens (per_token [b, s] plain, labels [b, s], sources [b] source index per row)."""
+    counted = (labels != IGNORE_INDEX)
+    row_loss = per_token.double().sum(1)
+    row_tokens = counted.sum(1).double()
+    src = sources.to(per_token.device).long()
+    out = torch.zeros(2 * n_sources, dtype=torch.float64, device=per_token.device)
+    out[:n_sources].index_add_(0, src, row_loss)
+    out[n_sources:].index_add_(0, src, row_tokens)
+    return out
+
+
+def source_means(sums: torch.Tensor) -> Tuple[Dict[int, float], Dict[int, float]]:
+    """({source: mean token loss}, {source: counted tokens}) from all-reduced source_sums (host);
+    sources without a counted token are left out."""
+    n = sums.numel() // 2
+    values = sums.tolist()
+    loss, tokens = {}, {}
+    for i in range(n):
+        if values[n + i] > 0:
+            loss[i] = values[i] / values[n + i]
+            tokens[i] = values[n + i]
+    return loss, tokens
 
 
 def aux_loss_scale(n_microbatches: int, averaging_ranks: int) -> float:

@@ -14,6 +14,11 @@ Constructor (what the rank runtime builds when ``layout.sharding_backend == "dee
   the LR schedule is ``launcher.engines.optim.lr_factor`` (the one formula both paths use);
 - ``layout.pp > 1`` builds a DeepSpeed ``PipelineModule`` (ZeRO <= 1, checked by the resolver).
 
+Packed documents: without pipelining, positions and document ids go to the model's forward as
+on the native path. DeepSpeed's pipeline engine passes one activation tuple between stages and
+is not given them: document masking with it is refused before launch (launcher/config/validate.py)
+and again here. Mixture sources (per-source loss) work on both paths.
+
 Loss convention (as native): the reported loss is the mean over every counted token of the
 global batch. DeepSpeed averages gradients over data-parallel ranks and (pipeline) divides by
 the accumulation steps, so each micro-batch's backward loss is rescaled to make the gradient
@@ -32,8 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.engines.base import (EngineOptions, Microbatch, StepStats, aux_loss_scale, built_report,
-                                   local_token_count, token_loss_sum)
+from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, StepStats, as_microbatches,
+                                   aux_loss_scale, built_report, local_token_count, model_kwargs, source_means,
+                                   source_sums, step_source_count, token_loss_sum, token_losses)
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, write_deepspeed_config
 from launcher.models.moe import latest_aux_loss, set_aux_loss_scale
 from launcher.engines.optim import build_adamw, param_groups
@@ -88,8 +94,10 @@ def _apply_deepspeed_checkpointing(model: nn.Module, mode: str, selective: str) 
             continue
         inner = block.forward
 
-        def forward(x, rope, _inner=inner):
-            return deepspeed.checkpointing.checkpoint(_inner, x, rope)
+        def forward(x, rope, mask=None, _inner=inner):
+            if mask is None:
+                return deepspeed.checkpointing.checkpoint(_inner, x, rope)
+            return deepspeed.checkpointing.checkpoint(_inner, x, rope, mask)
 
         block.forward = forward
         wrapped += 1
@@ -401,6 +409,8 @@ class DeepSpeedEngine:
         if self.config["bf16"]["enabled"]:
             restore_fp32_rope(self.engine.module, model_cfg, device)
         self._token_norm = 1.0
+        self._n_sources = 0  # per-source loss sums of the running step (0: no mixture sources)
+        self._source_sums = None
         self._pipe_losses: List[float] = []
         self.last_load = ""  # how the last `load` went: plain | universal (converted|reused)
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
@@ -436,10 +446,66 @@ class DeepSpeedEngine:
 
     # ------------------------------------------------------------------ step
     def _pipe_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = token_loss_sum(logits, labels) / self._token_norm
+        if self._n_sources and labels.shape[1] == logits.shape[1] + 1:
+            # Mixture sources ride as one more label column (the pipeline hands the loss only labels).
+            loss = self._loss_with_sources(logits, labels[:, :-1], labels[:, -1])
+        else:
+            loss = token_loss_sum(logits, labels) / self._token_norm
         self._pipe_losses.append(float(loss.detach()))
         # The pipeline engine averages over dp and divides by the accumulation steps.
         return loss * (self.dp * self.gas)
+
+    def _loss_with_sources(self, logits: torch.Tensor, labels: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+        """Sum of token losses / global tokens, accumulating the per-source sums on the device."""
+        per = token_losses(logits, labels)
+        self._source_sums += source_sums(per.detach(), labels, sources, self._n_sources)
+        return per.sum() / self._token_norm
+
+    def _start_sources(self, microbatches: List[Microbatch]) -> None:
+        """Size this step's per-source sums (see NativeEngine._start_sources)."""
+        n = step_source_count(microbatches, self.options.n_sources)
+        if n and not self.options.n_sources:
+            t = torch.tensor([n], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            n = int(t)
+        self._n_sources = n
+        self._source_sums = torch.zeros(2 * n, dtype=torch.float64, device=self.device) if n else None
+
+    def _pipeline_batches(self, microbatches: List[Microbatch]) -> list:
+        """(inputs, labels) per micro-batch for the pipeline engine's data iterator; with sources the
+        labels carry each row's source index as one more column (see _pipe_loss)."""
+        out = []
+        for mb in microbatches:
+            if mb.positions is not None or mb.document_ids is not None:
+                raise RuntimeError(
+                    "document masking / position reset is not supported with DeepSpeed's pipeline engine "
+                    "(backend.pp=deepspeed): its stages pass one activation tuple and take no document ids. "
+                    "Fix: use the native pipeline (backend.pp=native), parallel.pp=1, or "
+                    "data.document_masking=false and data.reset_positions=false")
+            labels = mb.labels
+            if self._n_sources:
+                labels = torch.cat([labels, mb.sources.to(labels.dtype).unsqueeze(1)], dim=1)
+            out.append((mb.inputs.to(self.device), labels.to(self.device)))
+        return out
+
+    def _forward_loss_sum(self, mb: Microbatch) -> torch.Tensor:
+        """One micro-batch's forward and summed token loss (no pipeline)."""
+        logits = self.engine(mb.inputs.to(self.device), **model_kwargs(mb, self.device))
+        labels = mb.labels.to(self.device)
+        if self._n_sources:
+            per = token_losses(logits, labels)
+            self._source_sums += source_sums(per.detach(), labels, mb.sources, self._n_sources)
+            return per.sum()
+        return token_loss_sum(logits, labels)
+
+    def _reduce(self, head: List[float], contributes: bool) -> torch.Tensor:
+        """All-reduce `head` (this rank's loss terms) and, with sources, the per-source sums."""
+        stats = torch.tensor(head, dtype=torch.float64, device=self.device)
+        if self._n_sources:
+            sums = self._source_sums if contributes else torch.zeros_like(self._source_sums)
+            stats = torch.cat([stats, sums])
+        dist.all_reduce(stats)
+        return stats.cpu()
 
     def _count_tokens(self, microbatches: List[Microbatch]) -> float:
         t = torch.tensor([float(local_token_count(microbatches))], dtype=torch.float64, device=self.device)
@@ -460,7 +526,9 @@ class DeepSpeedEngine:
                 f"{self.gas} (global {self.layout.global_batch_size} = micro {self.layout.micro_batch_size}"
                 f" x {self.gas} x dp {self.dp}); pass exactly that many"
             )
+        microbatches = as_microbatches(microbatches)
         self._token_norm = self._count_tokens(microbatches)
+        self._start_sources(microbatches)
         lr = self.scheduler.get_last_lr()[0]
         local_loss = 0.0
         contributes = True
@@ -468,14 +536,12 @@ class DeepSpeedEngine:
             self._set_aux_scale(len(microbatches))
         if self.pp > 1:
             self._pipe_losses = []
-            batches = [(x.to(self.device), y.to(self.device)) for x, y in microbatches]
-            self.engine.train_batch(data_iter=iter(batches))
+            self.engine.train_batch(data_iter=iter(self._pipeline_batches(microbatches)))
             local_loss = sum(self._pipe_losses)
             contributes = self.engine.is_last_stage()
         else:
-            for inputs, labels in microbatches:
-                logits = self.engine(inputs.to(self.device))
-                loss = token_loss_sum(logits, labels.to(self.device)) / self._token_norm
+            for mb in microbatches:
+                loss = self._forward_loss_sum(mb) / self._token_norm
                 # DeepSpeed averages gradients over dp ranks: scale up so they are summed.
                 self.engine.backward(loss * self.dp, scale_wrt_gas=False)
                 self.engine.step()
@@ -483,32 +549,39 @@ class DeepSpeedEngine:
         # MoE aux loss for logging, as the native engine: last micro-batch, summed over the layers
         # of every pipeline stage, averaged over data-parallel replicas.
         aux = latest_aux_loss(self._model_ref) if self.is_moe else 0.0
-        stats = torch.tensor([local_loss if contributes else 0.0, aux], dtype=torch.float64, device=self.device)
-        dist.all_reduce(stats)
+        stats = self._reduce([local_loss if contributes else 0.0, aux], contributes)
+        source_loss = source_means(stats[2:])[0] if self._n_sources else {}
+        self._n_sources, self._source_sums = 0, None
         norm = self.engine.get_global_grad_norm()
         extra = {"moe_aux_loss": float(stats[1]) / self.dp} if self.is_moe else {}
         return StepStats(loss=float(stats[0]), grad_norm=float(norm) if norm is not None else float("nan"),
-                         lr=lr, extra=extra)
+                         lr=lr, extra=extra, source_loss=source_loss)
 
     def eval_step(self, microbatches: List[Microbatch]) -> float:
         """Mean token loss over the global batch, forward only (collective); training state untouched."""
+        return self.eval_stats(microbatches).loss
+
+    def eval_stats(self, microbatches: List[Microbatch]) -> EvalStats:
+        """eval_step's loss with the global token count and, with sources, per-source losses and counts."""
+        microbatches = as_microbatches(microbatches)
         self._token_norm = self._count_tokens(microbatches)
+        self._start_sources(microbatches)
         local_loss = 0.0
         contributes = True
         with torch.no_grad():
             if self.pp > 1:
                 self._pipe_losses = []
-                batches = [(x.to(self.device), y.to(self.device)) for x, y in microbatches]
-                self.engine.eval_batch(data_iter=iter(batches))
+                self.engine.eval_batch(data_iter=iter(self._pipeline_batches(microbatches)))
                 local_loss = sum(self._pipe_losses)
                 contributes = self.engine.is_last_stage()
             else:
-                for inputs, labels in microbatches:
-                    logits = self.engine(inputs.to(self.device))
-                    local_loss += float(token_loss_sum(logits, labels.to(self.device))) / self._token_norm
-        total = torch.tensor([local_loss if contributes else 0.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        return float(total[0])
+                for mb in microbatches:
+                    local_loss += float(self._forward_loss_sum(mb)) / self._token_norm
+        total = self._reduce([local_loss if contributes else 0.0], contributes)
+        source_loss, source_tokens = source_means(total[1:]) if self._n_sources else ({}, {})
+        self._n_sources, self._source_sums = 0, None
+        return EvalStats(loss=float(total[0]), tokens=self._token_norm, source_loss=source_loss,
+                         source_tokens=source_tokens)
 
     # ------------------------------------------------------------------ state
     def save(self, directory: Path) -> None:

@@ -2,9 +2,12 @@
 
     NativeEngine(model_cfg, optim_cfg, layout, device, options)   # see launcher/engines/base.py
 
-``train_step(microbatches)`` takes this data-parallel rank's micro-batches, each (inputs,
-labels) int64 [micro_batch, seq_len]; every rank of a TP/PP/CP group passes the same ones.
-Labels equal to -100 are ignored. The loss is the mean over every counted token of the
+``train_step(microbatches)`` takes this data-parallel rank's micro-batches, each a
+``Microbatch`` (inputs, labels int64 [micro_batch, seq_len], optional positions / document_ids
+/ sources) or a plain (inputs, labels) tuple; every rank of a TP/PP/CP group passes the same
+ones. Labels equal to -100 are ignored. Positions and document ids go to the model's forward
+in every path (the pipeline hands them to every stage, see ``_run_pipeline``); with sources
+the step also reports the loss per mixture source. The loss is the mean over every counted token of the
 global batch, identical on all ranks. With pipelining, the rank's sequences of one step are
 split into ``layout.pp_microbatches`` micro-batches (the resolver's one rule).
 
@@ -19,14 +22,15 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.engines.base import (EngineOptions, Microbatch, StepStats, aux_loss_scale, built_report,
-                                   local_token_count, token_loss_sum)
+from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, StepStats, as_microbatches,
+                                   aux_loss_scale, built_report, local_token_count, model_kwargs, source_means,
+                                   source_sums, step_source_count, token_loss_sum, token_losses)
 from launcher.models import build_model
 from launcher.parallel.mesh import submesh
 from launcher.engines.optim import build_adamw, build_scheduler, clip_grad_norm
@@ -112,6 +116,9 @@ class NativeEngine:
         self.optimizers = [build_adamw(p, optim_cfg) for p in self.parts]
         self.schedulers = [build_scheduler(o, optim_cfg, options.total_steps) for o in self.optimizers]
         self._token_norm = 1.0
+        # Per-source loss sums of the running step (pipeline loss function), sized per step.
+        self._n_sources = 0
+        self._source_sums = None
         self._accumulation = None  # launcher.parallel.fsdp.UnshardedAccumulation, built on first use
         self._fp8_all_gather = False
         if lay.fp8_impl == "torchao":
@@ -207,8 +214,54 @@ class NativeEngine:
         return nullcontext()
 
     def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum of token losses / tokens in the global batch (grads are summed over DP)."""
+        """Sum of token losses / tokens in the global batch (grads are summed over DP).
+
+        In a step with mixture sources, `labels` carries one more column than the logits: each
+        row's source index (the pipeline's target is split into micro-batches by rows, so the
+        source travels with its labels, whatever order the schedule runs micro-batches in);
+        the per-source sums are added to self._source_sums."""
+        if self._n_sources and labels.shape[1] == logits.shape[1] + 1:
+            return self._loss_with_sources(logits, labels[:, :-1], labels[:, -1])
         return token_loss_sum(logits, labels) / self._token_norm
+
+    def _loss_with_sources(self, logits: torch.Tensor, labels: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+        """The loss (as _loss_fn), accumulating this micro-batch's per-source sums on the device."""
+        per = token_losses(logits, labels)
+        self._source_sums += source_sums(_plain(per.detach()), labels, sources, self._n_sources)
+        return per.sum() / self._token_norm
+
+    def _start_sources(self, microbatches: List[Microbatch]) -> None:
+        """Size this step's per-source sums (0: no mixture sources in these micro-batches)."""
+        n = step_source_count(microbatches, self.options.n_sources)
+        if n and not self.options.n_sources and self.world is not None:
+            t = torch.tensor([n], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # ranks agree on the count (n_sources unknown)
+            n = int(t)
+        self._n_sources = n
+        self._source_sums = torch.zeros(2 * n, dtype=torch.float64, device=self.device) if n else None
+
+    def _check_masking_supported(self, mb: Microbatch) -> None:
+        if self.mesh_plan.cp > 1 and (mb.positions is not None or mb.document_ids is not None):
+            raise RuntimeError(
+                "document masking / position reset (Microbatch.document_ids, positions) is not supported "
+                "with context parallelism (parallel.cp > 1): ring attention takes no document mask. "
+                "Fix: set parallel.cp=1, or data.document_masking=false and data.reset_positions=false")
+
+    def _forward_loss(self, model: nn.Module, mb: Microbatch, backward: bool) -> torch.Tensor:
+        """One micro-batch's forward and loss, and its backward when training."""
+        self._check_masking_supported(mb)
+        inputs, labels = mb.inputs.to(self.device), mb.labels.to(self.device)
+        kwargs = model_kwargs(mb, self.device)
+        with self._context_parallel(model, inputs, labels), self._loss_parallel():
+            with self._autocast():
+                logits = model(inputs, **kwargs)
+            if self._n_sources:
+                loss = self._loss_with_sources(logits, labels, mb.sources)
+            else:
+                loss = self._loss_fn(logits, labels)
+            if backward:
+                loss.backward()  # inside the context-parallel and loss-parallel regions
+        return loss
 
     def _count_tokens(self, microbatches: List[Microbatch]) -> float:
         t = torch.tensor(float(local_token_count(microbatches)), dtype=torch.float64, device=self.device)
@@ -236,7 +289,9 @@ class NativeEngine:
 
     def train_step(self, microbatches: List[Microbatch]) -> StepStats:
         """One optimizer step over this data-parallel rank's micro-batches (collective)."""
+        microbatches = as_microbatches(microbatches)
         self._token_norm = self._count_tokens(microbatches)
+        self._start_sources(microbatches)
         lr = self.schedulers[0].get_last_lr()[0]
         # Accumulated on the device: no host sync per micro-batch.
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -244,29 +299,23 @@ class NativeEngine:
             self._set_aux_scale(len(microbatches))
             model = self.parts[0]
             accumulation = self._unsharded_accumulation()
-            for i, (inputs, labels) in enumerate(microbatches):
+            for i, mb in enumerate(microbatches):
                 if accumulation is not None:
                     accumulation.before(last=i == len(microbatches) - 1)
-                inputs, labels = inputs.to(self.device), labels.to(self.device)
-                with self._context_parallel(model, inputs, labels), self._loss_parallel():
-                    with self._autocast():
-                        logits = model(inputs)
-                    loss = self._loss_fn(logits, labels)
-                    loss.backward()
+                loss = self._forward_loss(model, mb, backward=True)
                 local_loss += _plain(loss.detach())
             if accumulation is not None:
                 accumulation.after()
         else:
-            inputs = torch.cat([x for x, _ in microbatches]).to(self.device)
-            labels = torch.cat([y for _, y in microbatches]).to(self.device)
             n_micro = self.pp_microbatches
-            if inputs.shape[0] % n_micro:
+            rows = sum(mb.inputs.shape[0] for mb in microbatches)
+            if rows % n_micro:
                 raise ValueError(
-                    f"the pipeline splits this rank's {inputs.shape[0]} sequences per step into the "
+                    f"the pipeline splits this rank's {rows} sequences per step into the "
                     f"layout's {n_micro} micro-batches, which does not divide: pass the step's "
                     f"micro-batches as planned (micro_batch_size x accumulation sequences)")
             self._set_aux_scale(n_micro)
-            for mb_loss in self._run_pipeline("step", inputs, labels):
+            for mb_loss in self._run_pipeline("step", microbatches)[0]:
                 local_loss += _plain(mb_loss.detach())
 
         # Global loss: each data-parallel sample counted once (tp rank 0, last pp stage).
@@ -276,10 +325,16 @@ class NativeEngine:
         aux = sum(p.latest_aux_loss() for p in self.parts) if (self.is_moe and counted) else 0.0
         contrib = float(local_loss) if (counted and self.has_last) else 0.0
         stats = torch.tensor([contrib, aux], dtype=torch.float64)
+        if self._n_sources:  # per-source sums ride on the same all-reduce (counted ranks only)
+            sums = self._source_sums.cpu() if (counted and self.has_last) else torch.zeros(2 * self._n_sources,
+                                                                                         dtype=torch.float64)
+            stats = torch.cat([stats, sums])
         if self.world is not None:
             stats = stats.to(self.device)
             dist.all_reduce(stats)
             stats = stats.cpu()
+        source_loss = source_means(stats[2:])[0] if self._n_sources else {}
+        self._n_sources, self._source_sums = 0, None
         pp_group = self.world["pp"].get_group() if self.mesh_plan.pp > 1 else None
         params = [p for part in self.parts for p in part.parameters()]
         grad_norm = clip_grad_norm(params, self.grad_clip, pp_group=pp_group)
@@ -297,19 +352,41 @@ class NativeEngine:
         if self.is_moe:
             ranks = submesh(self.world, "dp_cp").size() if self.world is not None else 1
             extra["moe_aux_loss"] = float(stats[1]) / ranks
-        return StepStats(loss=float(stats[0]), grad_norm=grad_norm, lr=lr, extra=extra)
+        return StepStats(loss=float(stats[0]), grad_norm=grad_norm, lr=lr, extra=extra, source_loss=source_loss)
 
-    def _run_pipeline(self, method: str, inputs: torch.Tensor, labels: torch.Tensor) -> list:
+    def _run_pipeline(self, method: str, microbatches: List[Microbatch]) -> Tuple[list, Any]:
         """One pass of the pipeline schedule (`method`: "step" trains, "eval" is forward only) over
-        this rank's sequences; returns the last stage's per-micro-batch losses (empty elsewhere)."""
-        losses: list = []
+        this rank's sequences; returns the last stage's per-micro-batch losses and its merged
+        outputs (logits; what the schedule returns: ([], None) on other stages).
+
+        Positions and document ids are given to the schedule as model keyword arguments on every
+        rank: torch splits them into micro-batches like the inputs and passes each stage its
+        micro-batch's slice (kwargs reach every stage, positional inputs only the first). Every rank
+        of a pipeline group holds the step's micro-batches anyway, so nothing extra is sent between
+        stages, and each stage builds the attention mask for its own layers from the ids (a mask
+        sent as an activation would cost s*s bytes per micro-batch on the wire). Mixture sources
+        ride as one more target column (see _loss_fn)."""
+        dev = self.device
+        for mb in microbatches:
+            self._check_masking_supported(mb)
+        inputs = torch.cat([mb.inputs for mb in microbatches]).to(dev)
         kwargs = {}
+        first = microbatches[0]
+        if first.positions is not None:
+            kwargs["positions"] = torch.cat([mb.positions for mb in microbatches]).to(dev)
+        if first.document_ids is not None:
+            kwargs["document_ids"] = torch.cat([mb.document_ids for mb in microbatches]).to(dev)
+        losses: list = []
         if self.has_last:
+            labels = torch.cat([mb.labels for mb in microbatches]).to(dev)
+            if self._n_sources:
+                sources = torch.cat([mb.sources for mb in microbatches]).to(dev, labels.dtype)
+                labels = torch.cat([labels, sources.unsqueeze(1)], dim=1)
             kwargs.update(target=labels, losses=losses)
         args = (inputs,) if self.has_first else ()
         with self._loss_parallel(), self._autocast():
-            getattr(self.pp_schedule, method)(*args, **kwargs)
-        return losses
+            outputs = getattr(self.pp_schedule, method)(*args, **kwargs)
+        return losses, outputs
 
     def eval_step(self, microbatches: List[Microbatch]) -> float:
         """Mean token loss over the global batch of these micro-batches, forward only (collective).
@@ -317,29 +394,37 @@ class NativeEngine:
         No gradients, no optimizer or schedule change, no random numbers: training is unaffected.
         With pipelining only the last stage computes the loss; the all-reduce gives it to every rank.
         """
+        return self.eval_stats(microbatches).loss
+
+    def eval_stats(self, microbatches: List[Microbatch]) -> EvalStats:
+        """eval_step's loss with the global token count and, with Microbatch.sources, the loss and
+        token count per mixture source (one all-reduce, as eval_step)."""
+        microbatches = as_microbatches(microbatches)
         self._token_norm = self._count_tokens(microbatches)
+        self._start_sources(microbatches)
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         with torch.no_grad():
             if self.pp_schedule is None:
                 model = self.parts[0]
-                for inputs, labels in microbatches:
-                    inputs, labels = inputs.to(self.device), labels.to(self.device)
-                    with self._context_parallel(model, inputs, labels), self._loss_parallel():
-                        with self._autocast():
-                            logits = model(inputs)
-                        local_loss += _plain(self._loss_fn(logits, labels))
+                for mb in microbatches:
+                    local_loss += _plain(self._forward_loss(model, mb, backward=False))
             else:
-                inputs = torch.cat([x for x, _ in microbatches]).to(self.device)
-                labels = torch.cat([y for _, y in microbatches]).to(self.device)
-                for mb_loss in self._run_pipeline("eval", inputs, labels):
+                for mb_loss in self._run_pipeline("eval", microbatches)[0]:
                     local_loss += _plain(mb_loss.detach())
-        contrib = float(local_loss) if (self.tp_rank == 0 and self.has_last) else 0.0
+        counted = self.tp_rank == 0 and self.has_last
+        contrib = float(local_loss) if counted else 0.0
         total = torch.tensor([contrib], dtype=torch.float64)
+        if self._n_sources:
+            sums = self._source_sums.cpu() if counted else torch.zeros(2 * self._n_sources, dtype=torch.float64)
+            total = torch.cat([total, sums])
         if self.world is not None:
             total = total.to(self.device)
             dist.all_reduce(total)
             total = total.cpu()
-        return float(total[0])
+        source_loss, source_tokens = source_means(total[1:]) if self._n_sources else ({}, {})
+        self._n_sources, self._source_sums = 0, None
+        return EvalStats(loss=float(total[0]), tokens=self._token_norm, source_loss=source_loss,
+                         source_tokens=source_tokens)
 
     # ---------------------------------------------------------------- state
     def _state(self):

@@ -5,11 +5,18 @@ Nothing here knows about parallelism. Two conventions make the parallel wrappers
   sequence parallelism, where the block input is a sequence shard);
 - head counts are derived from the projected tensors' local sizes, so column-wise tensor
   parallelism (fewer local heads per rank) needs no change here.
+
+Document masking (data.document_masking, data.reset_positions): attention optionally takes a
+mask built once per forward by ``document_attention_mask`` from per-token document ids
+(block-causal: a token sees the earlier tokens of its own document only), and RoPE a per-row
+table gathered at per-token positions (``rope_at_positions``). Without them the code path is
+exactly the plain causal one (``is_causal=True``, the shared [s, d/2, 2] table).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -77,25 +84,110 @@ def model_rope_table(cfg, device=None) -> torch.Tensor:
                       scaling=getattr(cfg, "rope_scaling", None))
 
 
+def rope_at_positions(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per-row RoPE table [b, s, d/2, 2]: the rows of `table` [max_seq_len, d/2, 2] at
+    `positions` (int [b, s], e.g. restarting at 0 at each packed document)."""
+    return table[positions.long()]
+
+
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x [b, s, h, d] by the angles in table [s, d/2, 2]."""
+    """Rotate pairs of channels of x [b, s, h, d] by the angles in table [s, d/2, 2] (positions
+    0..s-1 in every row) or [b, s, d/2, 2] (per-row positions, from rope_at_positions)."""
     b, s, h, d = x.shape
     xf = x.float().reshape(b, s, h, d // 2, 2)
-    cos = table[:s, :, 0].view(1, s, 1, d // 2)
-    sin = table[:s, :, 1].view(1, s, 1, d // 2)
+    if table.dim() == 4:
+        cos = table[:, :s, :, 0].view(b, s, 1, d // 2)
+        sin = table[:, :s, :, 1].view(b, s, 1, d // 2)
+    else:
+        cos = table[:s, :, 0].view(1, s, 1, d // 2)
+        sin = table[:s, :, 1].view(1, s, 1, d // 2)
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.reshape(b, s, h, d).type_as(x)
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, expand_kv: bool = False) -> torch.Tensor:
+ATTENTION_KERNELS = ("auto", "sdpa", "flex")
+
+
+def document_attention_mask(document_ids: torch.Tensor, kernel: str = "auto", dtype: Optional[torch.dtype] = None):
+    """The block-causal mask of packed rows, built once per forward and shared by every layer:
+    query i may attend to key j when j <= i and both lie in the same document
+    (document_ids int [b, s]).
+
+    kernel "flex" (what "auto" picks on CUDA): a FlexAttention BlockMask, whose blocks that
+    cross documents are skipped entirely; "sdpa" (what "auto" picks elsewhere: FlexAttention has
+    no CPU backward in torch 2.13): a tensor [b, 1, s, s] for SDPA's attn_mask, boolean (True =
+    attend) or, with `dtype` (the attention's dtype), additive (0 / -inf). SDPA turns a boolean
+    mask into an additive one in every call and saves that copy for backward (s x s per layer);
+    an additive mask in the query's dtype is used as it is, so all layers save the same tensor.
+    All give the same attention, to rounding."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel {kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+    if kernel == "auto":
+        kernel = "flex" if document_ids.device.type == "cuda" else "sdpa"
+    docs = document_ids
+    b, s = docs.shape
+    if kernel == "sdpa":
+        causal = torch.ones(s, s, dtype=torch.bool, device=docs.device).tril()
+        allowed = ((docs.unsqueeze(2) == docs.unsqueeze(1)) & causal).unsqueeze(1)
+        if dtype is None:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=docs.device).masked_fill_(~allowed, float("-inf"))
+
+    def same_document_causal(bi, hi, qi, ki):
+        return (docs[bi, qi] == docs[bi, ki]) & (ki <= qi)
+
+    # H=None: one mask broadcast over the heads, so it serves any number of local heads (TP).
+    return _flex_functions()[1](same_document_causal, b, None, s, s, device=docs.device)
+
+
+_FLEX = None
+
+
+def _flex_functions():
+    """(flex_attention, create_block_mask), compiled once on first use: uncompiled, flex_attention
+    materialises the whole score matrix, and create_block_mask the [b, s, s] mask."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        _FLEX = (torch.compile(flex_attention, dynamic=False), torch.compile(create_block_mask, dynamic=False))
+    return _FLEX
+
+
+def _is_block_mask(mask) -> bool:
+    return type(mask).__name__ == "BlockMask"
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, groups: int,
+                      expand_kv: bool) -> torch.Tensor:
+    """Attention under a document mask from document_attention_mask (FlexAttention or SDPA)."""
+    if _is_block_mask(mask):
+        out = _flex_functions()[0](q, k, v, block_mask=mask, enable_gqa=groups > 1)
+        return out.to(q.dtype)
+    if mask.dtype != torch.bool and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)  # SDPA wants an additive mask in the query's dtype
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if expand_kv:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, expand_kv: bool = False,
+                      mask=None) -> torch.Tensor:
     """Causal SDPA with q [b, hq, s, d] and k, v [b, hkv, s, d], hq a multiple of hkv.
 
     By default SDPA's ``enable_gqa`` shares each K/V head among its query group without
     materialising copies; ``expand_kv`` copies K/V per query head (repeat_interleave) for the
     paths whose attention does not accept enable_gqa (context parallelism's ring attention).
+    ``mask``: None (plain causal attention), or a document mask from document_attention_mask.
     """
     groups = q.shape[1] // k.shape[1]
+    if mask is not None:
+        return _masked_attention(q, k, v, mask, groups, expand_kv)
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if expand_kv:
@@ -121,7 +213,9 @@ class Attention(nn.Module):
         # ring attention has no enable_gqa support, so K/V are copied to every query head there.
         self.expand_kv = False
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
+        """x [b, s, dim]; rope: [s, d/2, 2] or per-row [b, s, d/2, 2]; mask: None (causal) or
+        document_attention_mask's mask."""
         b = x.shape[0]
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # Local sizes: under tensor parallelism each rank holds a subset of the heads, and
@@ -132,7 +226,7 @@ class Attention(nn.Module):
         v = v.view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
-        o = grouped_attention(q, k, v, expand_kv=self.expand_kv)
+        o = grouped_attention(q, k, v, expand_kv=self.expand_kv, mask=mask)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -8,6 +8,14 @@ entries but keep the others' names), ``norm``, ``output``. Every block has
 
 A pipeline stage holds a subset of these modules (missing ones are None): the first stage
 takes tokens, later ones take the previous stage's hidden state.
+
+Packed documents: ``forward(tokens, positions=None, document_ids=None)``. ``positions`` [b, s]
+gives each token's RoPE position (restarting at each document with data.reset_positions);
+``document_ids`` [b, s] keeps attention inside each document (block-causal). Both are
+full-sequence tensors of the micro-batch; any stage (or part) takes them, so a pipeline stage
+rebuilds the mask for its own layers. The mask is built once per forward and shared by every
+layer. ``attention_kernel`` picks how a mask is applied: "auto" (FlexAttention on CUDA, SDPA with
+a boolean mask elsewhere), "sdpa" or "flex".
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from launcher.models.layers import Attention, FeedForward, RMSNorm, model_rope_table
+from launcher.models.layers import (Attention, FeedForward, RMSNorm, document_attention_mask, model_rope_table,
+                                    rope_at_positions)
 from launcher.models.moe import MoE, latest_aux_loss, set_aux_loss_scale
 
 
@@ -35,10 +44,22 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
+        if mask is None:
+            h = x + self.attention(self.attention_norm(x), rope)
+        else:  # a keyword: TP's input hooks on `attention` lay out its positional inputs only
+            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         ffn = self.moe if self.is_moe else self.feed_forward
         return h + ffn(self.ffn_norm(h))
+
+
+def _attention_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype the attention will compute in: autocast's where it is on (q, k, v come out of
+    autocast linears), else the hidden state's (e.g. bf16 under FSDP's mixed precision)."""
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return h.dtype
 
 
 class Transformer(nn.Module):
@@ -58,11 +79,19 @@ class Transformer(nn.Module):
         # Non-persistent: recomputed by init_weights, never checkpointed. Context parallelism
         # shards this buffer along the sequence together with the tokens.
         self.register_buffer("rope", model_rope_table(cfg), persistent=False)
+        self.attention_kernel = "auto"  # how a document mask is applied (document_attention_mask)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for block in self.layers.values():
-            h = block(h, self.rope)
+        rope = self.rope if positions is None else rope_at_positions(self.rope, positions)
+        if document_ids is None:
+            for block in self.layers.values():
+                h = block(h, rope)
+        else:
+            mask = document_attention_mask(document_ids, self.attention_kernel, dtype=_attention_dtype(h))
+            for block in self.layers.values():
+                h = block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -84,6 +84,11 @@ class Layout:
     # elementwise ops; precision.fp8.recipe sets the float8 casting work.
     compile: bool = False
     fp8_recipe: str = "tensorwise"
+    # data.document_masking: how the runtime applies the block-causal mask (launcher/models/layers.py
+    # document_attention_mask), which the planner costs: "none" (plain causal attention), "sdpa"
+    # (CPU: SDPA with one [micro_batch, 1, s, s] mask per micro-batch), "flex" (CUDA: FlexAttention's
+    # block mask, a few int32 per 128x128 block).
+    document_mask: str = "none"
 
     # ------------------------------------------------------------------ derived, one formula each
     @property

@@ -260,6 +260,26 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
     return tokens * (norms + linear_inputs + attn + ffn)
 
 
+FLEX_BLOCK = 128  # FlexAttention's default block size (torch.nn.attention.flex_attention)
+
+
+def document_mask_bytes(lay: Layout) -> float:
+    """Bytes of one micro-batch's document mask (data.document_masking) on one GPU.
+
+    "sdpa" (CPU): the additive mask [micro_batch, 1, s, s] in the activation dtype, built once per
+    forward and shared by every layer (SDPA saves it for backward; its flash kernel keeps no s x s
+    scores). "flex" (CUDA): the BlockMask's int32 tables, [micro_batch, 1, s/128] block counts and
+    [micro_batch, 1, s/128, s/128] indices, for the partial and full blocks, forward and backward
+    (4 of each). Context parallelism with masking is refused, so the sequence is whole."""
+    b, s = lay.micro_batch_size, lay.seq_len
+    if lay.document_mask == "sdpa":
+        return float(b * s * s * lay.act_bytes)
+    if lay.document_mask == "flex":
+        n = -(-s // FLEX_BLOCK)
+        return float(4 * 4 * b * (n + n * n))
+    return 0.0
+
+
 def layer_modes(n_layers: int, lay: Layout) -> List[str]:
     """The recomputation mode of each block of a stage."""
     if lay.ac_mode == "full":
@@ -320,7 +340,9 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     inflight = inflight_microbatches(lay, stage.rank)
     tokens = lay.micro_batch_size * lay.seq_len / lay.cp
     a, t = lay.act_bytes, lay.tp
-    out = {"layers": int(per_mb * inflight)}
+    # The document mask is built once per micro-batch and stage and saved by every layer's attention
+    # (the same tensor): one per micro-batch in flight.
+    out = {"layers": int((per_mb + document_mask_bytes(lay)) * inflight)}
     if stage.has_output:
         # Final norm (fp32) + output-layer input + the saved fp32 log-softmax output, per micro-batch
         # in flight on the last model chunk. Only the last model chunk holds the head: under 1F1B-like schedules (interleaved, zbv

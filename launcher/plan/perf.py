@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from launcher.plan.elementwise import elementwise_s
+from launcher.plan.elementwise import HBM_EFFICIENCY, elementwise_s
 from launcher.plan.flops import attention_flops_per_token, peak_tflops
 from launcher.plan.layout import Layout
 from launcher.plan.params import ModelShape, StageParams, stage_params
@@ -187,7 +187,24 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     matmul_s = (block_flops / block_peak + (attn_flops + head_flops) / other_peak) / split
     memory_bound_s = elementwise_s(shape, lay, hw, st.n_layers, elementwise_recompute_fraction(lay),
                                    st.has_output, tokens / lay.cp)
-    return matmul_s + memory_bound_s
+    return matmul_s + memory_bound_s + document_mask_s(st, lay, hw)
+
+
+def document_mask_s(st: StageParams, lay: Layout, hw: Any) -> float:
+    """Memory-bound seconds the document mask adds to one micro-batch of a stage (data.document_masking).
+
+    "sdpa": building the [micro_batch, 1, s, s] mask (two boolean s x s temporaries and the additive
+    mask written), then every layer's attention reading it in forward, backward and any recompute.
+    "flex": nothing added: FlexAttention skips the blocks that cross documents, so the plain causal
+    attention FLOPs (attention_flops_per_token, which counts the whole s x s) are an upper bound;
+    its block-mask build is O((s/128)^2). Its FLOP saving (it depends on the document lengths) is
+    not modelled."""
+    if lay.document_mask != "sdpa":
+        return 0.0
+    mask = lay.micro_batch_size * lay.seq_len ** 2
+    built = mask * (2 + lay.act_bytes)
+    reads = mask * lay.act_bytes * st.n_layers * (2 + recompute_fraction(lay))
+    return (built + reads) / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
 
 
 def bubble_slots(lay: Layout) -> float:

@@ -242,7 +242,17 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
         zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
         compile=bool(spec.trainer.compile),
         fp8_recipe=str(pr.fp8.recipe),
+        document_mask=document_mask_kernel(spec),
     )
+
+
+def document_mask_kernel(spec: JobConfig) -> str:
+    """The Layout's document_mask: "none" without data.document_masking, else the kernel the model
+    picks (launcher/models/layers.py): SDPA with a boolean mask on CPU (FlexAttention has no CPU
+    backward), FlexAttention on GPUs (trainer.device cuda or auto: plans target GPUs)."""
+    if not bool(getattr(spec.data, "document_masking", False)):
+        return "none"
+    return "sdpa" if spec.trainer.device == "cpu" else "flex"
 
 
 def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str, BackendChoice]) -> Layout:

@@ -79,6 +79,7 @@ class _Switches:
     qg: bool
     hpz: int
     fp8_impl: str
+    document_masking: bool  # data.document_masking or data.reset_positions (ids/positions per token)
 
     @classmethod
     def read(cls, spec, mesh: MeshPlan) -> "_Switches":
@@ -105,6 +106,8 @@ class _Switches:
             qg=bool(b.zeropp_quantized_gradients),
             hpz=int(b.zeropp_hierarchical_partition),
             fp8_impl=str(b.fp8_impl),
+            document_masking=bool(getattr(spec.data, "document_masking", False)
+                                  or getattr(spec.data, "reset_positions", False)),
         )
 
 
@@ -230,11 +233,16 @@ def _needs(s: _Switches) -> List[_Need]:
             ds_why.append(f"DeepSpeed's pipeline engine has no virtual stages (parallel.pp_virtual_stages={s.pp_virtual_stages})")
         if s.pp_layers:
             ds_why.append("DeepSpeed's pipeline engine partitions layers itself (parallel.pp_layers must be [])")
+        if s.document_masking:
+            # Its stages pass one activation tuple; the launcher hands them no document ids/positions.
+            ds_why.append("DeepSpeed's pipeline engine takes no per-token document ids or positions "
+                          "(data.document_masking / data.reset_positions)")
         n.blocked[DEEPSPEED] = "; ".join(ds_why) or None
         n.unblock[DEEPSPEED] = ([f"parallel.zero_stage={min(z, 1)}"] if z > 1 else []) + (
             ["parallel.pp_schedule=1f1b"] if s.pp_schedule != "1f1b" else []) + (
             ["parallel.pp_virtual_stages=1"] if s.pp_virtual_stages != 1 else []) + (
-            ["parallel.pp_layers=[]"] if s.pp_layers else [])
+            ["parallel.pp_layers=[]"] if s.pp_layers else []) + (
+            ["data.document_masking=false data.reset_positions=false"] if s.document_masking else [])
         if n.unblock[DEEPSPEED]:
             n.unblock[DEEPSPEED] = [" ".join(n.unblock[DEEPSPEED])]
         n.fixes = ["parallel.pp=1"]
