@@ -30,7 +30,7 @@ CHOICES = {
     "activation_checkpointing.mode": ("none", "selective", "full"),
     "optim.name": ("adamw",),
     "optim.schedule": ("cosine", "linear", "constant"),
-    "data.source": ("embedded", "tokens", "text"),
+    "data.source": ("embedded", "tokens", "text", "indexed"),
     "data.dtype": ("uint16", "uint32"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
