@@ -212,6 +212,6 @@ def _repeat_line(out: List[str], what: str, needed: float, windows: int, seq: in
         return
     epochs = needed / windows
     if epochs > max_epochs:
-        out.append(f"{what}: the planned steps read {needed * seq / 1e9:.3g}B tokens of its {windows * seq / 1e9:.3g}B "
+        out.append(f"{what}: the planned steps read {needed * seq:,.0f} tokens of its {windows * seq:,} "
                    f"({epochs:.2f} epochs, more than data.max_epochs={max_epochs:g}): the model sees the same data "
                    f"{epochs:.1f} times. Fix: add data, lower trainer.steps or the source's weight, or raise data.max_epochs.")
