@@ -78,6 +78,7 @@ def worker(run_dir: Path) -> None:
     from launcher.plan.plan import Plan
     from launcher.runtime.dist import init_distributed, resolve_device_type, shutdown_distributed
     from launcher.runtime.entry import build_batches, build_engine
+    from launcher.runtime.batches import engine_batches
     from launcher.runtime.memtrack import process_peak_rss_bytes, track_step_memory
 
     spec = load_spec(run_dir)
@@ -88,7 +89,7 @@ def worker(run_dir: Path) -> None:
     step = {"i": 1}  # StepBatches.for_step is 1-based
 
     def one_step():
-        engine.train_step(batches.for_step(step["i"]))
+        engine.train_step(engine_batches(batches.for_step(step["i"])))
         step["i"] += 1
 
     # The Engine contract (launcher/engines/base.py): both engines expose their modules and optimizers.

@@ -123,7 +123,8 @@ def bare_loop(spec, rank, batches):
 
     def run(first: int, last: int) -> None:
         for step in range(first, last + 1):
-            for inputs, labels in batches.for_step(step):
+            for mb in batches.for_step(step):
+                inputs, labels = mb.inputs, mb.labels
                 logits = model(inputs.to(rank.device))
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(rank.device).flatten())
                 loss.backward()
@@ -193,12 +194,13 @@ def engine_loop(spec, plan, rank, run_dir: Path, batches):
     """A third copy: the launcher's engine alone (Engine.train_step per step, no Trainer around it),
     which splits the overhead into the engine's part and the loop's part."""
     from launcher.runtime import entry
+    from launcher.runtime.batches import engine_batches
 
     engine = entry.build_engine(spec, plan, rank, run_dir / "engine_only")
 
     def run(first: int, last: int) -> None:
         for step in range(first, last + 1):
-            engine.train_step(batches.for_step(step))
+            engine.train_step(engine_batches(batches.for_step(step)))
 
     return run
 

@@ -28,6 +28,7 @@ from launcher.runtime.checkpoint import (
     share_of,
     verify_checkpoint,
 )
+from launcher.runtime.batches import engine_batches
 from launcher.runtime.entry import build_batches, engine_options
 from tests.conftest import run_train
 
@@ -60,7 +61,7 @@ def test_resumed_run_moves_a_newer_broken_timeline_aside_and_keeps_its_own(tmp_p
     engine, batches = engine_and_batches
     root = tmp_path / "ckpt"
     manager = _manager(root, keep=1)
-    engine.train_step(batches.for_step(1))
+    engine.train_step(engine_batches(batches.for_step(1)))
     _save(manager, engine, 2)
     # A newer checkpoint of an abandoned run, corrupted: resume must skip it...
     broken = root / "step_00000008"
@@ -70,7 +71,7 @@ def test_resumed_run_moves_a_newer_broken_timeline_aside_and_keeps_its_own(tmp_p
     assert resumed.select_resume("auto") == root / "step_00000002"
     resumed.load(root / "step_00000002", engine, seed=0)
     # ...and saving step 3 with keep=1 keeps step 3 itself; step 8 is moved aside, not deleted.
-    engine.train_step(batches.for_step(3))
+    engine.train_step(engine_batches(batches.for_step(3)))
     _save(resumed, engine, 3)
     assert [p.name for p in resumed.checkpoints()] == ["step_00000003"]
     assert verify_checkpoint(root / "step_00000003") is None
@@ -183,7 +184,7 @@ def test_resave_killed_between_moving_the_old_folder_and_the_rename_keeps_a_chec
     assert restarted.select_resume("auto") == root / "step_00000002"
     assert verify_checkpoint(root / "step_00000002") is None
     restarted.load(root / "step_00000002", engine, seed=0)
-    engine.train_step(batches.for_step(3))
+    engine.train_step(engine_batches(batches.for_step(3)))
     _save(restarted, engine, 3)
     assert _names(root) == ["step_00000003"]  # no leftovers, step 2 pruned by keep=1 only now
     assert _manager(root, keep=1).select_resume("auto") == root / "step_00000003"

@@ -4,7 +4,6 @@ every problem at once) or, where only the rank can see it, with the file named."
 
 from __future__ import annotations
 
-import json
 import struct
 import subprocess
 
