@@ -128,3 +128,17 @@ def test_paths_without_data_and_document_options_without_boundaries_exit_2(tmp_p
                      "context parallelism does not take a document mask"):
         assert fragment in out, (fragment, out[-4000:])
     assert "Traceback" not in out
+
+
+def test_plan_warns_when_a_source_would_repeat_more_than_max_epochs(tmp_path):
+    from launcher.config.loader import compose_spec
+    from launcher.plan.plan import build_plan
+
+    small = write_corpus(tmp_path / "small", [random_documents(40, 200, 5)])  # ~4,000 tokens: ~31 windows of 128
+    big = write_corpus(tmp_path / "big", [random_documents(4000, 200, 6)])
+    mix = f"data.mix=[{{path:{small},weight:0.5}},{{path:{big},weight:0.5}}]"
+    spec = compose_spec(["+recipe=debug", "data=indexed", mix, "trainer.steps=40"])  # 320 samples
+    warnings = [w for w in build_plan(spec).warnings if "data.max_epochs" in w]
+    assert len(warnings) == 1 and "source 'small'" in warnings[0], warnings
+    relaxed = compose_spec(["+recipe=debug", "data=indexed", mix, "trainer.steps=40", "data.max_epochs=10"])
+    assert not [w for w in build_plan(relaxed).warnings if "data.max_epochs" in w]
