@@ -142,3 +142,36 @@ def test_source_rows_read_only_their_own_data(tmp_path):
     assert mb.sources.tolist().count(0) == 2 and mb.sources.tolist().count(1) == 8
     for row, src in zip(mb.inputs, mb.sources):
         assert bool(((row >= 200) if int(src) else (row < 200)).all())
+
+
+@pytest.mark.multiprocess
+def test_train_on_a_mix_then_resume_on_one_rank_with_new_weights(tmp_path):
+    """`train` end to end (2 ranks, then 1): per-source tokens and data_wait_ms in metrics.jsonl,
+    read positions in the checkpoint, and a resume at another world size with other weights warns
+    and holds the new shares from there."""
+    from tests.conftest import read_metrics, run_train
+
+    web = write_corpus(tmp_path / "web", [random_documents(300, 250, 1)])
+    code = write_corpus(tmp_path / "code", [random_documents(300, 250, 2)])
+    run_dir = tmp_path / "run"
+    common = ["+recipe=debug", "data=indexed", "data.document_masking=true", "data.reset_positions=true",
+              "data.max_epochs=1000", "trainer.log_every=1", "checkpoint.interval=3"]
+    run_train([*common, f"data.mix=[{{path:{web},weight:0.7}},{{path:{code},weight:0.3}}]", "trainer.steps=6",
+               "trainer.val_every=3", f"data.val_mix=[{{path:{web},weight:1}}]"], run_dir, check=True)
+    records = {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+    assert sorted(records) == [1, 2, 3, 4, 5, 6]
+    for step, r in records.items():
+        assert r["data_wait_ms"] >= 0
+        counts = [r["data/web/tokens"] // 128, r["data/code/tokens"] // 128]
+        assert sum(counts) == 8 * step and _within_one_sample(counts, [0.7, 0.3])
+    stored = json.loads((run_dir / "checkpoints" / "step_00000006" / "trainer.json").read_text())["data"]
+    assert stored["mixture"]["counts"] == [records[6]["data/web/tokens"] // 128, records[6]["data/code/tokens"] // 128]
+
+    proc = run_train([*common, f"data.mix=[{{path:{web},weight:0.5}},{{path:{code},weight:0.5}}]", "trainer.steps=10",
+                      "cluster.gpus_per_node=1"], run_dir, check=True)
+    assert "the data mix differs from the checkpoint's: web: weight 0.7 -> 0.5; code: weight 0.3 -> 0.5" in proc.stdout
+    later = {r["step"]: r for r in read_metrics(run_dir) if "loss" in r and r["step"] > 6}
+    assert sorted(later) == [7, 8, 9, 10]
+    for r in later.values():
+        counts = [r["data/web/tokens"] // 128, r["data/code/tokens"] // 128]
+        assert _within_one_sample(counts, [0.5, 0.5], since=stored["mixture"]["counts"])
