@@ -123,7 +123,8 @@ def bare_loop(spec, rank, batches):
 
     def run(first: int, last: int) -> None:
         for step in range(first, last + 1):
-            for inputs, labels in batches.for_step(step):
+            for mb in batches.for_step(step):
+                inputs, labels = mb.inputs, mb.labels
                 logits = model(inputs.to(rank.device))
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(rank.device).flatten())
                 loss.backward()

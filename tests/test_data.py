@@ -16,7 +16,7 @@ def _batches(arrays, dp_rank, dp_size, micro, accum, seed=7, global_batch=8, seq
 
 
 def _rows(microbatches):
-    return torch.cat([inp for inp, _ in microbatches])
+    return torch.cat([mb.inputs for mb in microbatches])
 
 
 def test_layouts_see_the_same_global_batch():
@@ -27,7 +27,7 @@ def test_layouts_see_the_same_global_batch():
 
 
 def test_labels_are_inputs_shifted_by_one():
-    inp, lab = _batches([embedded_tokens(5_000)], 0, 1, 2, 1).for_step(1)[0]
+    inp, lab = _batches([embedded_tokens(5_000)], 0, 1, 2, 1).for_step(1)[0][:2]
     assert inp.shape == lab.shape == (2, 16)
     assert torch.equal(inp[:, 1:], lab[:, :-1])
 
@@ -47,8 +47,8 @@ def test_epochs_wrap_with_a_new_order():
     windows = TokenWindows(arrays, 16)
     assert windows.n_windows == 12
     loader = _batches(arrays, 0, 1, 1, 1, global_batch=1)
-    epoch0 = [int(loader.for_step(s)[0][0][0, 0]) for s in range(1, 13)]
-    epoch1 = [int(loader.for_step(s)[0][0][0, 0]) for s in range(13, 25)]
+    epoch0 = [int(loader.for_step(s)[0].inputs[0, 0]) for s in range(1, 13)]
+    epoch1 = [int(loader.for_step(s)[0].inputs[0, 0]) for s in range(13, 25)]
     assert sorted(epoch0) == sorted(epoch1) == [16 * i for i in range(12)]
     assert epoch0 != epoch1
 

@@ -195,15 +195,22 @@ def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(train_jobs:
 
 
 def test_crashing_rank_fails_the_job_with_its_error_in_the_main_log(slurm_cluster: SlurmCluster, tmp_path):
-    # Passes validation (the folder exists), fails inside the ranks: it holds no token shards.
+    # Passes validation (Megatron-written data has no manifest recording its largest token id),
+    # fails inside the ranks: the first batch holds ids beyond model.vocab_size.
+    import numpy as np
+
+    from launcher.data.indexed import write_indexed_dataset
+
     run_dir = tmp_path / "run"
-    (tmp_path / "no-such-shards").mkdir()
-    job_id = submit_train(run_dir, "data.source=tokens", f"data.path={tmp_path}/no-such-shards")
+    (tmp_path / "megatron").mkdir()
+    write_indexed_dataset(tmp_path / "megatron" / "web", [np.arange(300, 3000, dtype=np.uint16)] * 4, np.uint16)
+    job_id = submit_train(run_dir, "data.source=indexed", f"data.path={tmp_path}/megatron")
     info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT_S)
     log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert info.state == "FAILED" and info.rc != 0, (info, log)
     assert "the ranks failed" in log
-    assert f"FileNotFoundError: data.path={tmp_path}/no-such-shards" in log, log
+    assert f"{tmp_path}/megatron/web.bin (source 'megatron') holds token id" in log, log
+    assert "model.vocab_size=256" in log, log
 
 
 def test_sbatch_rejection_is_reported_with_a_fix(slurm_cluster: SlurmCluster, tmp_path):

@@ -180,9 +180,19 @@ class OptimConfig:
 
 
 @dataclass
+class MixSourceConfig:
+    """One source of a data mixture (data.mix / data.val_mix)."""
+
+    path: str = MISSING  # an indexed dataset: a folder written by action=prepare, or a Megatron PREFIX/folder
+    weight: float = 1.0  # relative share of samples (normalised over the mix; must be > 0)
+    name: str = ""  # metric name (data/<name>/tokens, loss/<name>); "" = the path's last folder name
+
+
+@dataclass
 class DataConfig:
     # embedded: a text corpus generated in-package (no download);
-    # tokens: memory-mapped token shards at `path`; text: raw text at `path` + `tokenizer`.
+    # tokens: memory-mapped token shards at `path`; text: raw text at `path` + `tokenizer`;
+    # indexed: Megatron indexed datasets (.bin/.idx, e.g. written by action=prepare) at `path` or in `mix`.
     source: str = "embedded"
     path: str = ""
     dtype: str = "uint16"  # uint16 | uint32 (token shards)
@@ -191,8 +201,17 @@ class DataConfig:
     # Held-out data for trainer.val_every, read like `path` under `source`; "" with source=embedded:
     # the embedded corpus's validation split (launcher/data/validation.py).
     val_path: str = ""
+    # data.source=indexed: a weighted blend of indexed datasets (instead of data.path); every step's
+    # share of each source is within one sample of weight x samples so far (launcher/data/mixture.py).
+    mix: List[MixSourceConfig] = field(default_factory=list)
+    # Held-out sources for per-source validation loss (val_loss/<name>); weights blend the batches.
+    val_mix: List[MixSourceConfig] = field(default_factory=list)
+    # Attention stays inside each document of a packed row (needs document boundaries: data.source=indexed).
     document_masking: bool = False
+    # RoPE positions restart at 0 at each document start (and at each row start, as Megatron does).
     reset_positions: bool = False
+    # action=plan warns when the planned steps would read a source more than this many times over.
+    max_epochs: float = 1.0
 
 
 @dataclass

@@ -30,7 +30,7 @@ CHOICES = {
     "activation_checkpointing.mode": ("none", "selective", "full"),
     "optim.name": ("adamw",),
     "optim.schedule": ("cosine", "linear", "constant"),
-    "data.source": ("embedded", "tokens", "text"),
+    "data.source": ("embedded", "tokens", "text", "indexed"),
     "data.dtype": ("uint16", "uint32"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
@@ -437,7 +437,7 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
             f"trainer.val_steps={t.val_steps} must be at least 1 when trainer.val_every={t.val_every}. "
             f"Fix: e.g. trainer.val_steps=4, or trainer.val_every=0.")
     d = spec.data
-    if t.val_every > 0 and d.source != "embedded" and not d.val_path:
+    if t.val_every > 0 and d.source != "embedded" and not d.val_path and not d.val_mix:
         problems.append(
             f"trainer.val_every={t.val_every} with data.source={d.source} needs held-out data but data.val_path is "
             f"empty. Fix: data.val_path=<{d.source} data not used for training>, or trainer.val_every=0.")
@@ -453,7 +453,8 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
         problems.append(
             f"profile.steps={list(pr.steps)} must be [first, last] with 1 <= first <= last. Fix: e.g. profile.steps=[10,12].")
     # profile.ranks against the world size: launcher.plan.resolve (it owns the world size).
-    if spec.action == "run" and d.val_path and not os.path.exists(d.val_path):
+    # data.source=indexed takes PREFIXes too: launcher/data/checks.py checks those paths.
+    if spec.action == "run" and d.val_path and d.source != "indexed" and not os.path.exists(d.val_path):
         problems.append(f"data.val_path={d.val_path} does not exist. Fix: point data.val_path at held-out {d.source} data.")
 
 

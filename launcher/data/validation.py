@@ -14,7 +14,7 @@ from typing import List
 import numpy as np
 
 from launcher.config.schema import DataConfig
-from launcher.data.dataset import shard_files
+from launcher.data.tokens import shard_files
 
 EMBEDDED_VAL_SEED = 1  # the training corpus is generated from seed 0
 EMBEDDED_VAL_MIN_TOKENS = 65_536

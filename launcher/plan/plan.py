@@ -134,6 +134,9 @@ def build_plan(spec: JobConfig, layout: Optional[Layout] = None) -> Plan:
 
     estimate.fill(plan, spec)
     fill_checkpoint_time(plan, spec)
+    from launcher.data.checks import repeat_warnings  # sources the planned steps read over and over
+
+    plan.warnings = list(plan.warnings) + repeat_warnings(spec, spec.trainer.steps, layout.global_batch_size)
     return plan
 
 

@@ -303,6 +303,9 @@ def resolve_all(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
     problems = validate_config(spec)
     if basic_problems(spec):
         return None, problems  # the derivation needs valid choices and positive degrees
+    from launcher.data.checks import data_problems  # the data files (read before launch, cached)
+
+    problems += data_problems(spec)
     layout, derived = _layout_problems(spec)
     problems += derived
     return (None if problems else layout), problems

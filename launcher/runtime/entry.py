@@ -17,17 +17,16 @@ import socket
 import sys
 import traceback
 from dataclasses import asdict
-from typing import Callable, List, Optional
+from typing import Optional
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from launcher.config.loader import load_spec
 from launcher.engines import build_engine as build_engine_for_layout
 from launcher.engines.base import Engine, EngineOptions
-from launcher.config.schema import DataConfig, JobConfig
-from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
+from launcher.config.schema import JobConfig
+from launcher.data.dataset import BatchSlice, StepBatches, data_step_batches, load_token_arrays
 from launcher.hf.weights import tokenizer_files_for
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
@@ -84,6 +83,7 @@ def engine_options(spec: JobConfig, run_dir: Path) -> EngineOptions:
         export_dtype=spec.checkpoint.export_dtype,
         export_tokenizer_files=tuple(tokenizer_files_for(spec.data.tokenizer if spec.data.source == "text" else "",
                                                          spec.model.init_from)),
+        n_sources=len(spec.data.mix),  # per-source loss sums ride on the step's loss all-reduce
     )
 
 
@@ -122,18 +122,15 @@ def data_parallel_rank(plan: Plan, rank: int) -> int:
     return coords["dp_replicate"] * mesh.dp_shard + coords["dp_shard"]
 
 
-def step_batches_from(spec: JobConfig, plan: Plan, rank: int, run_dir: Path,
-                      load_arrays: Callable[[DataConfig, Path], List[np.ndarray]]) -> StepBatches:
-    """This rank's step batches over the token arrays `load_arrays` gives (training or held-out data)."""
+def step_batches_from(spec: JobConfig, plan: Plan, rank: int, run_dir: Path, validation: bool = False) -> StepBatches:
+    """This rank's step batches of the training data (validation=True: the held-out data)."""
     cache_dir = Path(run_dir) / "data_cache"
     if spec.data.source == "text":
         # Tokenize once (rank 0) into the cache; the other ranks then map the same shard.
         if rank == 0:
-            load_arrays(spec.data, cache_dir)
+            load = load_val_token_arrays if validation else load_token_arrays
+            load(spec.data, cache_dir)
         phase_barrier()  # rank 0 may tokenize for long: not bounded by the collective timeout
-    arrays = load_arrays(spec.data, cache_dir)
-    check_vocab(arrays, spec.model.vocab_size)
-    windows = TokenWindows(arrays, spec.trainer.seq_len)
     lay = plan.layout
     part = BatchSlice(
         dp_rank=data_parallel_rank(plan, rank),
@@ -141,20 +138,31 @@ def step_batches_from(spec: JobConfig, plan: Plan, rank: int, run_dir: Path,
         micro_batch_size=lay.micro_batch_size,
         grad_accum_steps=lay.microbatches,
     )
-    return StepBatches(windows, spec.trainer.seed, lay.global_batch_size, part)
+    return data_step_batches(spec.data, seq_len=spec.trainer.seq_len, seed=spec.trainer.seed,
+                             global_batch_size=lay.global_batch_size, part=part,
+                             vocab_size=spec.model.vocab_size, cache_dir=cache_dir, validation=validation)
 
 
 def build_batches(spec: JobConfig, plan: Plan, rank: int, run_dir: Path) -> StepBatches:
     """The training data of this rank."""
-    return step_batches_from(spec, plan, rank, run_dir, load_token_arrays)
+    return step_batches_from(spec, plan, rank, run_dir)
 
 
 def build_validator(spec: JobConfig, plan: Plan, rank: int, run_dir: Path, engine: Engine) -> Optional[Validator]:
     """Fixed held-out batches for trainer.val_every (None when validation is off)."""
     if spec.trainer.val_every <= 0:
         return None
-    source = step_batches_from(spec, plan, rank, run_dir, load_val_token_arrays)
+    source = step_batches_from(spec, plan, rank, run_dir, validation=True)
     return Validator.from_step_batches(engine, source, spec.trainer.val_steps)
+
+
+def resume_data(batches: StepBatches, state: dict, rank: int) -> None:
+    """Continue each mixture source from its checkpointed read position; warn (rank 0) when the
+    mix differs from the checkpoint's (other weights: a new stage of the run, allowed)."""
+    notes = batches.resume(int(state["step"]), state.get("data"))
+    if notes and rank == 0:
+        log.warning("the data mix differs from the checkpoint's: %s. The new weights hold from step %d on "
+                    "(each source continues from its stored read position).", "; ".join(notes), int(state["step"]) + 1)
 
 
 def build_profiler(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path,
@@ -298,6 +306,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
             health.saved(state["step"], path)
             start_step = state["step"]
             check_same_data_position(state, plan)
+            resume_data(batches, state, rank.rank)
             log.info("resumed from %s at step %d", path, start_step)
         elif rank.rank == 0:
             log.info("no checkpoint to resume from in %s: starting at step 0", checkpoints.root)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from launcher.data.dataset import StepBatches
+from launcher.data.prefetch import Prefetcher, should_pin
 from launcher.plan.flops import achieved_tflops, mfu
 from launcher.runtime.checkpoint import CheckpointManager
 from launcher.engines.base import Engine
@@ -101,7 +102,22 @@ class Trainer:
             "tokens_seen": step * self.cfg.tokens_per_step,
             "world_size": self.cfg.world_size,
             "mesh": self.cfg.mesh,
+            **self._data_state(step),
         }
+
+    def _data_state(self, step: int) -> Dict[str, Any]:
+        """Each mixture source's read position after `step` (launcher/data/mixture.py)."""
+        state = getattr(self.batches, "checkpoint_state", lambda _: None)(step)
+        return {"data": state} if state else {}
+
+    def _data_metrics(self, step: int, stats) -> Dict[str, float]:
+        """data/<name>/tokens (consumed so far) and loss/<name> (this step's per-source loss)."""
+        out = dict(getattr(self.batches, "step_metrics", lambda _: {})(step))
+        names = getattr(self.batches, "names", [])
+        for index, loss in (getattr(stats, "source_loss", None) or {}).items():
+            if 0 <= int(index) < len(names):
+                out[f"loss/{names[int(index)]}"] = loss
+        return out
 
     def _save(self, step: int) -> None:
         if not self.cfg.checkpoint_enabled:
@@ -165,13 +181,21 @@ class Trainer:
 
     def fit(self) -> LoopResult:
         cfg = self.cfg
+        if self.start_step >= cfg.steps:
+            log.info("nothing to do: resumed at step %d of %d", self.start_step, cfg.steps)
+            return LoopResult(last_step=self.start_step, stopped_early=False)
+        loader = Prefetcher(self.batches, self.start_step + 1, cfg.steps, pin=should_pin(cfg.device_type))
+        try:
+            return self._loop(loader)
+        finally:
+            loader.close()
+
+    def _loop(self, loader: Prefetcher) -> LoopResult:
+        cfg = self.cfg
         step = self.start_step
         last_saved = self.start_step
-        if step >= cfg.steps:
-            log.info("nothing to do: resumed at step %d of %d", step, cfg.steps)
-            return LoopResult(last_step=step, stopped_early=False)
         for step in range(self.start_step + 1, cfg.steps + 1):
-            microbatches = self.batches.for_step(step)
+            microbatches, data_wait_ms = loader.get(step)
             memory_row: Dict[str, Any] = {}
             debug_before_step(self.rank, step)
             if self.profiler is not None:
@@ -200,6 +224,7 @@ class Trainer:
                     "tokens_per_s": cfg.tokens_per_step / elapsed,
                     "step_time_s": elapsed,
                     "tokens_seen": step * cfg.tokens_per_step,
+                    "data_wait_ms": data_wait_ms,
                 }
                 if cfg.flops_per_token:
                     per_gpu = record["tokens_per_s"] / cfg.world_size
@@ -207,6 +232,7 @@ class Trainer:
                     if cfg.peak_tflops_per_gpu:
                         record["mfu"] = mfu(per_gpu, cfg.flops_per_token, cfg.peak_tflops_per_gpu)
                 record.update(stats.extra)
+                record.update(self._data_metrics(step, stats))
                 record.update(memory_row)
                 record.update(val_row)
                 if self.stragglers is not None:  # collective: every rank logs at the same steps
