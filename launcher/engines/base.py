@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +40,40 @@ from launcher.data.batch import Microbatch
 IGNORE_INDEX = -100  # labels equal to this are not counted in the loss
 
 
-@dataclass
 class StepStats:
-    loss: float  # mean LM loss over every token of the global batch; identical on all ranks
-    grad_norm: float  # global L2 norm of the gradients before clipping
-    lr: float  # learning rate used for this step
-    extra: Dict[str, float] = field(default_factory=dict)  # e.g. moe_aux_loss
-    # Mixture source index -> mean token loss over the global batch of that source's rows this
-    # step (sources with no counted token this step are left out); empty without Microbatch.sources.
-    source_loss: Dict[int, float] = field(default_factory=dict)
+    """One optimizer step's statistics, identical on all ranks.
+
+    An engine may hand device tensors (and a function for the per-source losses): reading
+    `loss`, `grad_norm`, `extra` or `source_loss` turns them into Python numbers, which on a GPU
+    waits for the device. The trainer reads them at log steps only, so the other steps never
+    stop the host from queueing the next one.
+    """
+
+    def __init__(self, loss: Any, grad_norm: Any, lr: float, extra: Optional[Dict[str, Any]] = None,
+                 source_loss: Union[Dict[int, float], Callable[[], Dict[int, float]], None] = None):
+        self._loss = loss  # mean LM loss over every token of the global batch
+        self._grad_norm = grad_norm  # global L2 norm of the gradients before clipping
+        self.lr = float(lr)  # learning rate used for this step
+        self._extra = dict(extra or {})  # e.g. moe_aux_loss
+        # Mixture source index -> mean token loss over the global batch of that source's rows this
+        # step (sources with no counted token this step are left out); empty without Microbatch.sources.
+        self._source_loss = source_loss if source_loss is not None else {}
+
+    @property
+    def loss(self) -> float:
+        return float(self._loss)
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self._grad_norm)
+
+    @property
+    def extra(self) -> Dict[str, float]:
+        return {key: float(value) for key, value in self._extra.items()}
+
+    @property
+    def source_loss(self) -> Dict[int, float]:
+        return dict(self._source_loss() if callable(self._source_loss) else self._source_loss)
 
 
 @dataclass

@@ -263,12 +263,14 @@ class NativeEngine:
                 loss.backward()  # inside the context-parallel and loss-parallel regions
         return loss
 
-    def _count_tokens(self, microbatches: List[Microbatch]) -> float:
-        t = torch.tensor(float(local_token_count(microbatches)), dtype=torch.float64, device=self.device)
+    def _count_tokens(self, microbatches: List[Microbatch]) -> torch.Tensor:
+        # A fill on the device, not a copy from the host (the labels' count is known on the host).
+        t = torch.full((), float(local_token_count(microbatches)), dtype=torch.float64, device=self.device)
         # Over "dp", not "dp_cp": CP ranks receive the same full sequences.
         if self.world is not None and submesh(self.world, "dp").size() > 1:
             dist.all_reduce(t, group=submesh(self.world, "dp").get_group())
-        return max(float(t), 1.0)
+        # On the device: the losses divide by it there (a float would wait for the device).
+        return t.clamp_min(1.0).to(torch.float32)
 
     def _set_aux_scale(self, n_micro: int) -> None:
         if not self.is_moe:
@@ -322,18 +324,20 @@ class NativeEngine:
         # MoE aux loss for logging: last micro-batch, summed over layers (and stages),
         # averaged over data-parallel ranks.
         counted = self.tp_rank == 0
-        aux = sum(p.latest_aux_loss() for p in self.parts) if (self.is_moe and counted) else 0.0
-        contrib = float(local_loss) if (counted and self.has_last) else 0.0
-        stats = torch.tensor([contrib, aux], dtype=torch.float64)
-        if self._n_sources:  # per-source sums ride on the same all-reduce (counted ranks only)
-            sums = self._source_sums.cpu() if (counted and self.has_last) else torch.zeros(2 * self._n_sources,
-                                                                                         dtype=torch.float64)
-            stats = torch.cat([stats, sums])
+        dev = self.device
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        # Kept on the device and reduced there: StepStats reads them when the trainer logs.
+        aux = sum((p.latest_aux_loss().to(dev) for p in self.parts), zero) if (self.is_moe and counted) else zero
+        contrib = local_loss if (counted and self.has_last) else zero
+        pieces = [contrib.reshape(1), aux.reshape(1)]
+        n_sources = self._n_sources
+        if n_sources:  # per-source sums ride on the same all-reduce (counted ranks only)
+            pieces.append(self._source_sums if (counted and self.has_last)
+                          else torch.zeros(2 * n_sources, dtype=torch.float64, device=dev))
+        stats = torch.cat(pieces)
         if self.world is not None:
-            stats = stats.to(self.device)
             dist.all_reduce(stats)
-            stats = stats.cpu()
-        source_loss = source_means(stats[2:])[0] if self._n_sources else {}
+        source_loss = (lambda: source_means(stats[2:].cpu())[0]) if n_sources else {}
         self._n_sources, self._source_sums = 0, None
         pp_group = self.world["pp"].get_group() if self.mesh_plan.pp > 1 else None
         params = [p for part in self.parts for p in part.parameters()]
@@ -351,8 +355,8 @@ class NativeEngine:
         extra = {}
         if self.is_moe:
             ranks = submesh(self.world, "dp_cp").size() if self.world is not None else 1
-            extra["moe_aux_loss"] = float(stats[1]) / ranks
-        return StepStats(loss=float(stats[0]), grad_norm=grad_norm, lr=lr, extra=extra, source_loss=source_loss)
+            extra["moe_aux_loss"] = stats[1] / ranks
+        return StepStats(loss=stats[0], grad_norm=grad_norm, lr=lr, extra=extra, source_loss=source_loss)
 
     def _run_pipeline(self, method: str, microbatches: List[Microbatch]) -> Tuple[list, Any]:
         """One pass of the pipeline schedule (`method`: "step" trains, "eval" is forward only) over
@@ -423,7 +427,7 @@ class NativeEngine:
             total = total.cpu()
         source_loss, source_tokens = source_means(total[1:]) if self._n_sources else ({}, {})
         self._n_sources, self._source_sums = 0, None
-        return EvalStats(loss=float(total[0]), tokens=self._token_norm, source_loss=source_loss,
+        return EvalStats(loss=float(total[0]), tokens=float(self._token_norm), source_loss=source_loss,
                          source_tokens=source_tokens)
 
     # ---------------------------------------------------------------- state

@@ -128,12 +128,15 @@ def _sq_norm_local_view(grads: List[torch.Tensor]) -> torch.Tensor:
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
-                   pp_group: Optional[dist.ProcessGroup] = None) -> float:
-    """Clip to a global L2 norm over all shards and pipeline stages; return the norm before.
+                   pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Clip to a global L2 norm over all shards and pipeline stages; return the norm before, as a
+    0-dim tensor on the gradients' device (reading it is the caller's host sync, at log steps).
 
     Parameters replicated across tensor-parallel ranks (plain tensors or Replicate DTensors)
     count once; pipeline stages hold disjoint parameters, so their squared norms are summed
-    over ``pp_group``. ``max_norm <= 0`` only measures.
+    over ``pp_group``. ``max_norm <= 0`` only measures. The gradients are always multiplied by
+    min(1, max_norm / norm), computed on the device, as torch's own clip_grad_norm_ does: deciding
+    on the host whether to scale would wait for the device every step.
     """
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
@@ -141,11 +144,12 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt()
-    if max_norm > 0:
-        coef = min(1.0, max_norm / (float(norm) + 1e-6))
-        if coef < 1.0:
-            dtensor_groups, plain = _same_kind_groups(grads)
-            for group in [*dtensor_groups, plain]:
-                if group:
-                    torch._foreach_mul_(group, coef)  # one dispatch per group, not one per (DTensor) gradient
-    return float(norm)
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        dtensor_groups, plain = _same_kind_groups(grads)
+        for group in [*dtensor_groups, plain]:
+            if group:
+                # one dispatch per group, not one per (DTensor) gradient; a 0-dim coefficient
+                # replicates implicitly onto DTensors
+                torch._foreach_mul_(group, coef.to(group[0].device))
+    return norm

@@ -214,10 +214,14 @@ def moe_layers_of(module: nn.Module) -> List[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
-def latest_aux_loss(module: nn.Module) -> float:
-    """Sum over `module`'s MoE layers of the last forward's load-balancing loss (0 without any)."""
+def latest_aux_loss(module: nn.Module) -> torch.Tensor:
+    """Sum over `module`'s MoE layers of the last forward's load-balancing loss, a 0-dim fp64
+    tensor on the layers' device (0 without any): summed there, so logging it costs no host sync
+    until it is read."""
     vals = [m.last_aux_loss for m in moe_layers_of(module) if m.last_aux_loss is not None]
-    return float(sum(float(v) for v in vals)) if vals else 0.0
+    if not vals:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([v.reshape(()).to(torch.float64) for v in vals]).sum()
 
 
 def set_aux_loss_scale(module: nn.Module, scale: float) -> None:

@@ -112,7 +112,7 @@ class Transformer(nn.Module):
     def moe_layers(self):
         return [b.moe for b in self.layers.values() if getattr(b, "is_moe", False)]
 
-    def latest_aux_loss(self) -> float:
+    def latest_aux_loss(self) -> torch.Tensor:
         """Sum over this module's MoE layers of the last forward's load-balancing loss."""
         return latest_aux_loss(self)
 

@@ -194,6 +194,10 @@ class Trainer:
         cfg = self.cfg
         step = self.start_step
         last_saved = self.start_step
+        # Step time is measured over the steps since the last log, ended by reading the step's
+        # stats (which waits for the device): the other steps never wait for it. Validation and
+        # checkpoint saves inside the window are timed apart and left out.
+        window_start, window_steps, set_apart = time.perf_counter(), 0, 0.0
         for step in range(self.start_step + 1, cfg.steps + 1):
             microbatches, data_wait_ms = loader.get(step)
             memory_row: Dict[str, Any] = {}
@@ -202,23 +206,27 @@ class Trainer:
                 self.profiler.before_step(step)
             if self.stragglers is not None:
                 self.stragglers.step_started()
-            t0 = time.perf_counter()
             if cfg.track_memory and step == self.start_step + 2:
                 stats, memory_row = self._tracked_step(microbatches)
             else:
                 stats = self.engine.train_step(microbatches)
-            elapsed = time.perf_counter() - t0
+            window_steps += 1
             if self.stragglers is not None:
                 self.stragglers.step_finished()
             if self.profiler is not None:
                 self.profiler.after_step(step)
             if self.health is not None:
                 self.health.step_done(step)
+            t_val = time.perf_counter()
             val_row = self._validate(step)
+            if val_row:
+                set_apart += time.perf_counter() - t_val
             if step % cfg.log_every == 0 or step == cfg.steps or step == 1 or val_row:
+                loss = stats.loss  # waits for the device: every step of the window is done
+                elapsed = max(time.perf_counter() - window_start - set_apart, 1e-9) / window_steps
                 record = {
                     "step": step,
-                    "loss": stats.loss,
+                    "loss": loss,
                     "lr": stats.lr,
                     "grad_norm": stats.grad_norm,
                     "tokens_per_s": cfg.tokens_per_step / elapsed,
@@ -240,10 +248,13 @@ class Trainer:
                 if self.moe_health is not None:  # collective too
                     record.update(self.moe_health.observe(step))
                 self.metrics.log(record)
+                window_start, window_steps, set_apart = time.perf_counter(), 0, 0.0
             elif memory_row:
                 self.metrics.log(dict(memory_row, step=step), console=False)
             if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0:
+                t_save = time.perf_counter()
                 self._save(step)
+                set_apart += time.perf_counter() - t_save
                 last_saved = step
             elif self.checkpoints.async_save:
                 self._note_saved()
