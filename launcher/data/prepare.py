@@ -183,7 +183,10 @@ def _init_worker(tokenizer_path: str, text_key: str, bos_id: Optional[int], eos_
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
-    _WORKER.update(tok=Tokenizer.from_file(tokenizer_path), key=text_key, bos=bos_id, eos=eos_id, dtype=np.dtype(dtype))
+    tok = Tokenizer.from_file(tokenizer_path)
+    # encode_batch_fast (tokenizers >= 0.21) skips the offsets prepare does not use; same ids.
+    _WORKER.update(tok=tok, encode_batch=getattr(tok, "encode_batch_fast", tok.encode_batch), key=text_key,
+                   bos=bos_id, eos=eos_id, dtype=np.dtype(dtype))
 
 
 def _text_of(kind: int, payload: object, key: str) -> Tuple[Optional[str], str]:
@@ -228,7 +231,7 @@ def _encode_chunk(items: List[Tuple[int, object]]) -> Tuple[np.ndarray, np.ndarr
             texts.append(text)  # type: ignore[arg-type]
             slots.append(j)
     try:
-        encodings = w["tok"].encode_batch_fast(texts, add_special_tokens=False)
+        encodings = w["encode_batch"](texts, add_special_tokens=False)
     except Exception:  # a text the tokenizer refuses (a lone surrogate from a JSON escape): find it
         encodings = []
         kept = []
