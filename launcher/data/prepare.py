@@ -41,8 +41,8 @@ FORMAT = "launcher-indexed"
 VERSION = 1
 BAD_RECORD_CHOICES = ("fail", "skip")
 # A chunk (the unit of work a tokenizer process gets) ends at this many records or bytes.
-CHUNK_RECORDS = 1024
-CHUNK_BYTES = 2 << 20
+CHUNK_RECORDS = 256
+CHUNK_BYTES = 256 << 10
 # Chunks in flight per worker: keeps every worker busy and memory bounded (Pool.imap would
 # read the whole input ahead).
 IN_FLIGHT_PER_WORKER = 3
