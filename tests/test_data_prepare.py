@@ -137,7 +137,7 @@ def test_kill_9_mid_prepare_then_rerun_gives_the_uninterrupted_output(tmp_path, 
     args = [TRAIN, "action=prepare", f"prepare.input={raw}", f"prepare.output={out}", f"prepare.tokenizer={tok}",
             "prepare.workers=2", "prepare.shard_tokens=2000", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.Popen(args, cwd=tmp_path, env=train_env(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True)  # own group: cleanup
     deadline = time.monotonic() + 120
     listed = 0
     while time.monotonic() < deadline and proc.poll() is None:
@@ -149,8 +149,17 @@ def test_kill_9_mid_prepare_then_rerun_gives_the_uninterrupted_output(tmp_path, 
             break
         time.sleep(0.02)
     assert listed and proc.poll() is None, proc.communicate()[0].decode()[-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)  # the command and its tokenizer processes
+    workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(workers) >= 2, workers  # the tokenizer processes
+    os.kill(proc.pid, signal.SIGKILL)  # the command only: its workers must not outlive it
     proc.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+        time.sleep(0.05)
+    alive = [w for w in workers if Path(f"/proc/{w}").exists()]
+    if alive:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert not alive, f"worker processes {alive} outlived the killed prepare"
     killed = json.loads((out / MANIFEST).read_text())
     assert not killed["complete"] and 0 < len(killed["shards"]) < len(reference["shards"])
 

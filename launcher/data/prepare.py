@@ -265,8 +265,14 @@ class _Encoders:
             self._saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
             _init_worker(*initargs)
         else:
-            # spawn: the reader's libraries (pyarrow's thread pools) must not be forked mid-use.
-            self.pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, initargs)
+            # fork where there is one: a worker starts in milliseconds instead of re-importing the
+            # `train` command (Hydra, OmegaConf) as spawn does. The pool is made before any input
+            # is read, so no reader library is mid-use in another thread; the workers load their
+            # own tokenizer and never use the library's thread pool (TOKENIZERS_PARALLELISM=false).
+            # A worker closes its copy of the task pipe's write end (multiprocessing.pool.worker), so
+            # when this process dies, even by kill -9, the workers read EOF and exit.
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            self.pool = multiprocessing.get_context(method).Pool(workers, _init_worker, initargs)
 
     def map(self, chunks: Iterator[Tuple["_Chunk", list]]) -> Iterator[Tuple["_Chunk", tuple]]:
         if self.pool is None:
