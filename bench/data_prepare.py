@@ -15,8 +15,10 @@ machine load hits both alike:
   EOS, shard and index writing, hashing, manifest, worker start-up: the whole command minus Hydra.
 
 Tokens counted on both sides are the tokenizer's ids (prepare's added EOS not counted). A side's
-figure is the median over its rounds. The last line is `prepare / library tokens/s ratio R`
-(target >= 0.7, issue 26).
+figure is the median over its rounds. Each round also prints both sides' CPU seconds (this process's
+threads plus prepare's reaped workers) and the paired wall-time ratio of the round; on a shared,
+busy machine these disturb less than the rates. The last line is `prepare / library tokens/s
+ratio R` (target >= 0.7, issue 26).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -90,6 +93,12 @@ def train_tokenizer(texts: Sequence[str], vocab: int, folder: Path) -> Path:
     return folder
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process (all its threads) and of its reaped children (prepare's workers)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def time_library(tokenizer_file: Path, texts: List[str]) -> dict:
     from tokenizers import Tokenizer
 
@@ -99,23 +108,23 @@ def time_library(tokenizer_file: Path, texts: List[str]) -> dict:
     for name in ("encode_batch_fast", "encode_batch"):
         if not hasattr(tok, name):
             continue
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         encodings = getattr(tok, name)(texts, add_special_tokens=False)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
         tokens = sum(len(e.ids) for e in encodings)
         if best is None or dt < best["seconds"]:
-            best = {"encoder": name, "seconds": dt, "tokens": tokens}
+            best = {"encoder": name, "seconds": dt, "cpu_seconds": cpu, "tokens": tokens}
     return best
 
 
 def time_prepare(raw: Path, tokenizer: str, out: Path, workers: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     manifest = run_prepare(PrepareConfig(input=str(raw), output=str(out), tokenizer=tokenizer, workers=workers),
                            progress=False)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     added = 1 + int(manifest["tokenizer"]["add_bos"])
-    return {"seconds": dt, "tokens": manifest["tokens"] - added * manifest["documents"],
+    return {"seconds": dt, "cpu_seconds": cpu, "tokens": manifest["tokens"] - added * manifest["documents"],
             "documents": manifest["documents"]}
 
 
@@ -146,14 +155,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lib.append(time_library(tok_file, texts))
         prep.append(time_prepare(raw, tokenizer, work / "out", args.workers))
         print(f"round {r + 1}: library {lib[-1]['encoder']} {lib[-1]['tokens'] / lib[-1]['seconds']:,.0f} tokens/s "
-              f"({lib[-1]['seconds']:.2f} s); prepare {prep[-1]['tokens'] / prep[-1]['seconds']:,.0f} tokens/s "
-              f"({prep[-1]['seconds']:.2f} s)", flush=True)
+              f"({lib[-1]['seconds']:.2f} s, {lib[-1]['cpu_seconds']:.2f} CPU s); prepare "
+              f"{prep[-1]['tokens'] / prep[-1]['seconds']:,.0f} tokens/s ({prep[-1]['seconds']:.2f} s, "
+              f"{prep[-1]['cpu_seconds']:.2f} CPU s); this round's ratio "
+              f"{lib[-1]['seconds'] / prep[-1]['seconds']:.3f}", flush=True)
     assert all(p["tokens"] == lib[0]["tokens"] for p in prep), "prepare and the library counted different tokens"
     lib_rate = statistics.median(x["tokens"] / x["seconds"] for x in lib)
     prep_rate = statistics.median(x["tokens"] / x["seconds"] for x in prep)
     ratio = prep_rate / lib_rate
+    # CPU time per token: what a busy machine disturbs least (both sides' waiting is left out).
+    cpu_ratio = statistics.median(x["cpu_seconds"] for x in lib) / statistics.median(x["cpu_seconds"] for x in prep)
     result = {"documents": len(texts), "mb": sum(map(len, texts)) / 1e6, "tokens": lib[0]["tokens"], "cores": cores,
-              "workers": workers, "library_tokens_per_s": lib_rate, "prepare_tokens_per_s": prep_rate, "ratio": ratio,
+              "workers": workers, "library_tokens_per_s": lib_rate, "prepare_tokens_per_s": prep_rate,
+              "ratio": ratio, "cpu_ratio": cpu_ratio,
               "rounds": {"library": lib, "prepare": prep}}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
@@ -161,6 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     print(f"library (tokenizers {lib[0]['encoder']}, {cores} threads): {lib_rate:,.0f} tokens/s; "
           f"prepare ({workers} workers, whole command minus Hydra): {prep_rate:,.0f} tokens/s")
+    print(f"library / prepare CPU seconds (same tokens): {cpu_ratio:.3f}")
     print(f"prepare / library tokens/s ratio {ratio:.3f}")
     return 0
 

@@ -201,6 +201,11 @@ def test_bad_records_fail_naming_file_and_line_or_are_skipped_and_counted(tmp_pa
     assert by_name["b.parquet"]["first_skipped"] == "row 2: 'text' is null, not a string"
     assert manifest["skipped"] == 6 and manifest["documents"] == 4
 
+    # The fix the failure gives works on the same output folder: it continues, and equals a fresh run.
+    run_prepare(PrepareConfig(input=str(tmp_path / "raw"), output=str(tmp_path / "fail"), tokenizer=str(tok),
+                              workers=1, on_bad_record="skip"), progress=False)
+    assert folder_bytes(tmp_path / "fail") == folder_bytes(tmp_path / "skip")
+
 
 def test_a_changed_input_or_tokenizer_is_refused_before_work(tmp_path, corpus):
     _, tok, _ = corpus
@@ -284,3 +289,16 @@ def test_slurm_renders_a_one_node_cpu_job_without_secrets(tmp_path, corpus, monk
 
 def bash_syntax_ok(path: Path) -> bool:
     return subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+
+
+def test_bench_data_prepare_smoke_prints_the_ratio_line(tmp_path):
+    """bench/data_prepare.py on a tiny corpus: it runs and both sides count the same tokens. No
+    timing assertion: R is a benchmark result (docs/benchmarks.md)."""
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "bench" / "data_prepare.py"), "--mb", "0.2", "--rounds", "1",
+                           "--vocab", "400", "--workers", "2", "--files", "3", "--json", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=300, env=train_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "prepare / library tokens/s ratio" in proc.stdout.splitlines()[-1]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["tokens"] > 0 and result["rounds"]["prepare"][0]["tokens"] == result["tokens"]

@@ -149,7 +149,11 @@ def resume_problems(out_dir: Path, sources: List[dict], tok: TokenizerInfo, sett
         problems.append(f"prepare.output={out_dir} was prepared with another tokenizer ({old_tok.get('path')}, "
                         f"sha256 {str(old_tok.get('sha256'))[:12]}..., add_bos {old_tok.get('add_bos')}) than "
                         f"prepare.tokenizer ({tok.path}, sha256 {tok.sha256[:12]}..., add_bos {tok.add_bos}). {fix}")
-    old_settings = manifest.get("settings", {})
+    old_settings = dict(manifest.get("settings", {}))
+    if not manifest.get("skipped"):
+        # No record skipped yet: the shards so far are the same under fail and skip, so a run stopped
+        # by on_bad_record=fail continues with on_bad_record=skip (the fix its message gives).
+        old_settings["on_bad_record"] = settings.get("on_bad_record")
     changed = [f"prepare.{k}: {old_settings.get(k)!r} -> {v!r}" for k, v in settings.items() if old_settings.get(k) != v]
     if changed:
         problems.append(f"prepare.output={out_dir} was prepared with other settings ({'; '.join(changed)}). "
@@ -570,7 +574,7 @@ def run_prepare(cfg: PrepareConfig, progress: Optional[bool] = None) -> dict:
                     start = offset
                     shards.append(writer.finish())
                     writer = None
-                    # Skipped records after this document are counted again by a resumed run: it re-reads them.
+                    # The counts so far cover the records up to this document: a resumed run reads on after it.
                     position = (chunk.source, chunk.numbers[j])
                     _write_manifest(out_dir, _manifest(tok, dtype, settings, stats, shards, position, False))
                     bar.shard(shards[-1])
