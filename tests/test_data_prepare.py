@@ -302,3 +302,30 @@ def test_bench_data_prepare_smoke_prints_the_ratio_line(tmp_path):
     assert "prepare / library tokens/s ratio" in proc.stdout.splitlines()[-1]
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["tokens"] > 0 and result["rounds"]["prepare"][0]["tokens"] == result["tokens"]
+
+
+def test_a_vocabulary_over_65500_writes_int32_and_a_tokenizer_without_eos_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(70_000)}
+    vocab["<|endoftext|>"] = 70_000
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "big.json"))  # no tokenizer_config.json: EOS found by its usual name
+    (tmp_path / "doc.txt").write_text("w69999 w1 w65535")
+    manifest = run_prepare(PrepareConfig(input=str(tmp_path / "doc.txt"), output=str(tmp_path / "out"),
+                                         tokenizer=str(tmp_path / "big.json"), workers=1), progress=False)
+    ds = IndexedDataset(tmp_path / "out" / "shard_00000")
+    assert manifest["dtype"] == "int32" and ds.dtype == np.int32
+    assert ds.tokens.tolist() == [69999, 1, 65535, 70000] and manifest["max_token_id"] == 70000
+
+    del vocab["<|endoftext|>"]
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "no_eos.json"))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "notes.md").write_text("not ours")
+    problems = prepare_problems(PrepareConfig(input=str(tmp_path / "doc.txt"), output=str(tmp_path / "elsewhere"),
+                                              tokenizer=str(tmp_path / "no_eos.json")))
+    assert len(problems) == 1 and "end-of-document id" in problems[0] and "Fix:" in problems[0]
+    problems = prepare_problems(PrepareConfig(input=str(tmp_path / "doc.txt"), output=str(tmp_path / "elsewhere"),
+                                              tokenizer=str(tmp_path / "big.json")))
+    assert len(problems) == 1 and "other files (notes.md)" in problems[0] and "Fix:" in problems[0]
