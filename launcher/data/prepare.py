@@ -135,7 +135,8 @@ def resume_problems(out_dir: Path, sources: List[dict], tok: TokenizerInfo, sett
     except (ValueError, OSError) as err:
         return [f"prepare.output={out_dir}: its {MANIFEST} cannot be read ({err}). {fix}"]
     if manifest is None:
-        others = sorted(p.name for p in out_dir.iterdir() if not p.name.startswith(SHARD_PREFIX))
+        # A prepare writes its manifest before its first shard, so files without one are someone else's.
+        others = sorted(p.name for p in out_dir.iterdir())
         if others:
             shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
             return [f"prepare.output={out_dir} is a folder with other files ({shown}) and no {MANIFEST}. "
