@@ -3,6 +3,7 @@
     train +recipe=llama70b parallel.tp=8
     train +recipe=llama70b cluster=slurm cluster.nodes=16
     train +recipe=llama405b action=plan cluster.nodes=64 plan.format=json
+    train action=prepare prepare.input=/raw/web prepare.output=/data/web prepare.tokenizer=/models/llama3
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def _point_problems(overrides: List[str]) -> List[str]:
         return err.problems
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         return [_composition_problem(err)]
+    if spec.action == "prepare":
+        return _prepare_problems(spec)
     layout, problems = resolve_all(spec)
     if layout is not None:
         _PRECHECKED.append((spec, layout))
@@ -226,6 +229,34 @@ def _search(spec: JobConfig) -> int:
     return 0
 
 
+def _prepare_problems(spec: JobConfig) -> List[str]:
+    """action=prepare needs only prepare.* (and cluster.* to submit it): no model, layout or data.* rules."""
+    from launcher.data.prepare import prepare_problems
+
+    problems = prepare_problems(spec.prepare)
+    if spec.cluster.name == "slurm":
+        from launcher.config.cluster import check_cluster_config
+
+        problems += check_cluster_config(spec.cluster)
+    return problems
+
+
+def _prepare(spec: JobConfig, run_dir: Path) -> int:
+    """action=prepare: tokenize prepare.input into prepare.output here, or as a SLURM job (cluster=slurm)."""
+    if spec.cluster.name == "slurm":
+        from launcher.launch.prepare_job import submit_prepare
+
+        return submit_prepare(spec, run_dir)
+    from launcher.data.prepare import PrepareError, report_failure, run_prepare
+
+    try:
+        run_prepare(spec.prepare)
+    except PrepareError as err:
+        report_failure(err.problems)
+        return EXIT_INVALID_CONFIG
+    return 0
+
+
 def _rehearse(spec: JobConfig, run_dir: Path) -> int:
     """Plan, then build the chosen ranks on a fake process group (launcher/rehearse/driver.py);
     exit 2 with one line per rank that cannot be built."""
@@ -280,6 +311,8 @@ def hydra_main(cfg: DictConfig) -> None:
         print(f"run directory: {run_dir}")
     elif spec.action == "rehearse":
         code = _rehearse(spec, run_dir)
+    elif spec.action == "prepare":
+        code = _prepare(spec, run_dir)
     else:
         code = _plan(spec, run_dir) if spec.action == "plan" else _search(spec)
     if code:

@@ -408,10 +408,29 @@ class RehearseConfig:
 
 
 @dataclass
+class PrepareConfig:
+    """action=prepare: raw local files -> Megatron indexed shards + manifest.json (launcher/data/prepare.py)."""
+
+    input: str = ""  # a file, a folder (searched recursively) or a glob of .jsonl .jsonl.gz .jsonl.zst .parquet .txt
+    output: str = ""  # the dataset folder (what data.path or a data.mix entry's path then takes)
+    # A local tokenizer.json, or a Hugging Face folder with tokenizer.json (+ tokenizer_config.json
+    # for eos_token / bos_token / add_bos_token); never downloaded.
+    tokenizer: str = ""
+    text_key: str = "text"  # the JSON key / parquet column holding each document's text
+    workers: int = 0  # tokenizer processes; 0 = every core this process may use
+    # About this many tokens per shard (documents are never split, so a shard may run over by
+    # one document); also the resume granularity after a kill.
+    shard_tokens: int = 250_000_000
+    on_bad_record: str = "fail"  # fail (exit 2 naming the file and line) | skip (counted per file)
+
+
+@dataclass
 class JobConfig:
     """The whole job, as composed by Hydra from conf/train.yaml."""
 
-    action: str = "run"  # run | plan | search | rehearse | export (checkpoint.resume -> checkpoint.export, no training)
+    # run | plan | search | rehearse | export (checkpoint.resume -> checkpoint.export, no training)
+    # | prepare (prepare.input -> a tokenized dataset at prepare.output; no model, no GPU)
+    action: str = "run"
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -431,6 +450,7 @@ class JobConfig:
     run_name: str = ""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     rehearse: RehearseConfig = field(default_factory=RehearseConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
 
 
 def set_dotted(spec: "JobConfig", key: str, value: Any) -> None:

@@ -20,7 +20,7 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import ADAMW_IMPLEMENTATIONS, JobConfig, ModelConfig
 
 CHOICES = {
-    "action": ("run", "plan", "search", "rehearse", "export"),
+    "action": ("run", "plan", "search", "rehearse", "export", "prepare"),
     "precision.name": ("fp32", "bf16", "fp8"),
     "precision.reduce_dtype": ("fp32", "bf16"),
     "precision.fp8.recipe": ("tensorwise", "rowwise"),
