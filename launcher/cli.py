@@ -230,31 +230,18 @@ def _search(spec: JobConfig) -> int:
 
 
 def _prepare_problems(spec: JobConfig) -> List[str]:
-    """action=prepare needs only prepare.* (and cluster.* to submit it): no model, layout or data.* rules."""
+    """action=prepare needs only prepare.* and the executor's cluster.* keys: no model, layout or data.* rules."""
+    from launcher.config.executors import cluster_key_problems
     from launcher.data.prepare import prepare_problems
 
-    problems = prepare_problems(spec.prepare)
-    if spec.cluster.name == "slurm":
-        from launcher.config.cluster import check_cluster_config
-
-        problems += check_cluster_config(spec.cluster)
-    return problems
+    return prepare_problems(spec.prepare) + cluster_key_problems(spec.cluster, spec.action)
 
 
 def _prepare(spec: JobConfig, run_dir: Path) -> int:
-    """action=prepare: tokenize prepare.input into prepare.output here, or as a SLURM job (cluster=slurm)."""
-    if spec.cluster.name == "slurm":
-        from launcher.launch.prepare_job import submit_prepare
+    """action=prepare: tokenize prepare.input into prepare.output, here or as a job (the executor's choice)."""
+    from launcher.launch.executor import executor_for
 
-        return submit_prepare(spec, run_dir)
-    from launcher.data.prepare import PrepareError, report_failure, run_prepare
-
-    try:
-        run_prepare(spec.prepare)
-    except PrepareError as err:
-        report_failure(err.problems)
-        return EXIT_INVALID_CONFIG
-    return 0
+    return executor_for(spec.cluster.name).prepare(spec, run_dir)
 
 
 def _rehearse(spec: JobConfig, run_dir: Path) -> int:

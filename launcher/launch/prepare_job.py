@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from launcher.config.cluster import SlurmConfigError, check_cluster_config, sanitize_job_name
+from launcher.config.slurm_keys import SlurmConfigError, sanitize_job_name, slurm_key_problems
 from launcher.config.loader import save_spec
 from launcher.config.schema import JobConfig
 from launcher.launch.slurm import _jinja_env, container_mount_problems, escape_sbatch_pattern, run_sbatch
@@ -53,7 +53,7 @@ def prepare_sbatch_options(spec: JobConfig, run_dir: Path, cwd: Path) -> List[Di
 def render_prepare_script(spec: JobConfig, run_dir: Path, cwd: Path) -> str:
     """The prepare job's script. Raises SlurmConfigError listing every bad cluster.* value."""
     c = spec.cluster
-    problems = check_cluster_config(c) + container_mount_problems(c, run_dir, cwd)
+    problems = slurm_key_problems(c) + container_mount_problems(c, run_dir, cwd)
     if problems:
         raise SlurmConfigError(problems)
     srun = ["srun", "--nodes=1", "--ntasks=1"]
