@@ -146,9 +146,10 @@ def test_source_rows_read_only_their_own_data(tmp_path):
 
 @pytest.mark.multiprocess
 def test_train_on_a_mix_then_resume_on_one_rank_with_new_weights(tmp_path):
-    """`train` end to end (2 ranks, then 1): per-source tokens and data_wait_ms in metrics.jsonl,
-    read positions in the checkpoint, and a resume at another world size with other weights warns
-    and holds the new shares from there."""
+    """`train` end to end (2 ranks, then 1): per-source tokens, per-source loss and data_wait_ms in
+    metrics.jsonl, read positions in the checkpoint, a resume with document masking that is
+    bit-identical to the uninterrupted run, and a resume at another world size with other weights
+    that warns and holds the new shares from there."""
     from tests.conftest import read_metrics, run_train
 
     web = write_corpus(tmp_path / "web", [random_documents(300, 250, 1)])
@@ -160,10 +161,21 @@ def test_train_on_a_mix_then_resume_on_one_rank_with_new_weights(tmp_path):
                "trainer.val_every=3", f"data.val_mix=[{{path:{web},weight:1}}]"], run_dir, check=True)
     records = {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
     assert sorted(records) == [1, 2, 3, 4, 5, 6]
+    assert records[3]["val_loss/web"] > 0 and records[6]["val_loss/web"] > 0  # data.val_mix: per source
     for step, r in records.items():
         assert r["data_wait_ms"] >= 0
         counts = [r["data/web/tokens"] // 128, r["data/code/tokens"] // 128]
         assert sum(counts) == 8 * step and _within_one_sample(counts, [0.7, 0.3])
+        assert r["loss/web"] > 0 and r["loss/code"] > 0  # per-source loss of this step's rows
+    # With document masking and position reset, a run stopped at step 3 and resumed equals the
+    # uninterrupted run bit for bit.
+    mix = f"data.mix=[{{path:{web},weight:0.7}},{{path:{code},weight:0.3}}]"
+    halves = tmp_path / "run_halves"
+    run_train([*common, mix, "trainer.steps=3"], halves, check=True)
+    run_train([*common, mix, "trainer.steps=6"], halves, check=True)
+    resumed = {r["step"]: r for r in read_metrics(halves) if "loss" in r and r["step"] > 3}
+    assert [resumed[s]["loss"] for s in (4, 5, 6)] == [records[s]["loss"] for s in (4, 5, 6)]
+    assert [resumed[s]["loss/code"] for s in (4, 5, 6)] == [records[s]["loss/code"] for s in (4, 5, 6)]
     stored = json.loads((run_dir / "checkpoints" / "step_00000006" / "trainer.json").read_text())["data"]
     assert stored["mixture"]["counts"] == [records[6]["data/web/tokens"] // 128, records[6]["data/code/tokens"] // 128]
 
