@@ -21,7 +21,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher.config.errors import ConfigError
+from launcher.config.errors import ConfigError, print_problems
 from launcher.config.loader import compose_spec, save_spec, to_spec, user_overrides
 from launcher.config.schema import JobConfig
 from launcher.config.store import available_recipes, register_configs
@@ -36,11 +36,7 @@ EXIT_INVALID_CONFIG = 2
 
 
 def _fail_config(problems: List[str]) -> None:
-    n = len(problems)
-    sys.stderr.write(f"Invalid configuration ({n} problem{'s' if n > 1 else ''}):\n")
-    for p in problems:
-        sys.stderr.write(f"  - {p}\n")
-    sys.stderr.flush()
+    print_problems("Invalid configuration", problems)
     sys.exit(EXIT_INVALID_CONFIG)
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable, List
+import sys
+from typing import Iterable, List, Sequence
 
 
 class ConfigError(Exception):
@@ -11,3 +12,13 @@ class ConfigError(Exception):
     def __init__(self, problems: Iterable[str]):
         self.problems: List[str] = list(problems)
         super().__init__("\n".join(self.problems))
+
+
+def print_problems(headline: str, problems: Sequence[str]) -> None:
+    """`headline (N problems):` then one indented line per problem, on stderr: how every refusal
+    (an invalid configuration, a stopped prepare) is shown."""
+    n = len(problems)
+    sys.stderr.write(f"{headline} ({n} problem{'s' if n > 1 else ''}):\n")
+    for problem in problems:
+        sys.stderr.write(f"  - {problem}\n")
+    sys.stderr.flush()

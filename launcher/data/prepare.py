@@ -31,6 +31,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from launcher.config.errors import print_problems
 from launcher.config.schema import PrepareConfig
 from launcher.data.indexed import token_dtype_for_vocab, write_index
 from launcher.data.readers import JSON_LINE, TEXT_BYTES, SourceReader, file_format, input_files, parquet_schema_problem
@@ -632,11 +633,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def report_failure(problems: Sequence[str]) -> None:
     """Print why prepare stopped (one line per problem), as the CLI's config errors are printed."""
-    n = len(problems)
-    sys.stderr.write(f"Prepare stopped ({n} problem{'s' if n > 1 else ''}):\n")
-    for p in problems:
-        sys.stderr.write(f"  - {p}\n")
-    sys.stderr.flush()
+    print_problems("Prepare stopped", problems)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -19,7 +18,8 @@ from typing import Any, Dict, List, Optional
 from launcher.config.slurm_keys import SlurmConfigError, sanitize_job_name, slurm_key_problems
 from launcher.config.loader import save_spec
 from launcher.config.schema import JobConfig
-from launcher.launch.slurm import _jinja_env, container_mount_problems, escape_sbatch_pattern, run_sbatch
+from launcher.launch.slurm import (_jinja_env, container_mount_problems, escape_sbatch_pattern, sbatch_unless_dry_run,
+                                   write_executable)
 from launcher.paths import slurm_dir
 
 TEMPLATE = "prepare.sh.j2"
@@ -90,20 +90,10 @@ def submit_prepare(spec: JobConfig, run_dir: Path) -> int:
         return 2
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_spec(spec, run_dir)
-    script = run_dir / SCRIPT_NAME
-    tmp = script.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.chmod(0o755)
-    tmp.replace(script)
-    if spec.cluster.dry_run:
-        print(f"dry run: prepare script rendered to {script} (not submitted)")
-        print(text, end="")
-        return 0
-    try:
-        job_id = run_sbatch(script, cwd)
-    except (RuntimeError, subprocess.TimeoutExpired, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    script = write_executable(run_dir / SCRIPT_NAME, text)
+    code, job_id = sbatch_unless_dry_run(script, cwd, spec.cluster.dry_run, "prepare script")
+    if job_id is None:
+        return code
     log = run_dir / "logs" / f"prepare-{job_id}.out"
     print(f"submitted SLURM prepare job {job_id}")
     print(f"  script: {script}")

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import jinja2
 
@@ -277,11 +277,16 @@ def write_script(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[Path]
     text = render_script(spec, plan, run_dir, cwd)
     paths.logs_dir.mkdir(parents=True, exist_ok=True)
     (paths.run_dir / "control").mkdir(parents=True, exist_ok=True)
-    tmp = paths.script.with_suffix(".tmp")
+    return write_executable(paths.script, text)
+
+
+def write_executable(path: Path, text: str) -> Path:
+    """Write a job script atomically (aside, then renamed in), executable."""
+    tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
     tmp.chmod(0o755)
-    tmp.replace(paths.script)
-    return paths.script
+    tmp.replace(path)
+    return path
 
 
 # --- submission ---------------------------------------------------------------------------
@@ -336,6 +341,20 @@ def run_sbatch(script: Path, cwd: Path) -> str:
     return parse_job_id(proc.stdout)
 
 
+def sbatch_unless_dry_run(script: Path, cwd: Path, dry_run: bool, what: str) -> Tuple[int, Optional[str]]:
+    """(exit code, job id) of submitting `script`: with cluster.dry_run it is printed instead
+    (0, None); an sbatch failure is printed (1, None)."""
+    if dry_run:
+        print(f"dry run: {what} rendered to {script} (not submitted)")
+        print(script.read_text(), end="")
+        return 0, None
+    try:
+        return 0, run_sbatch(script, cwd)
+    except (RuntimeError, subprocess.TimeoutExpired, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1, None
+
+
 def submit(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
     """Render <run_dir>/job.sbatch and submit it (unless cluster.dry_run). Returns an exit code.
 
@@ -349,15 +368,9 @@ def submit(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
             print(f"error: {line}", file=sys.stderr)
         return 2
     paths = slurm_paths(spec.cluster, run_dir)
-    if spec.cluster.dry_run:
-        print(f"dry run: sbatch script rendered to {script} (not submitted)")
-        print(script.read_text(), end="")
-        return 0
-    try:
-        job_id = run_sbatch(script, cwd)
-    except (RuntimeError, subprocess.TimeoutExpired, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    code, job_id = sbatch_unless_dry_run(script, cwd, spec.cluster.dry_run, "sbatch script")
+    if job_id is None:
+        return code
     logs = paths.log_paths(job_id)
     info = {
         "job_id": job_id,

@@ -167,13 +167,20 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, g
         return out.to(q.dtype)
     if mask.dtype != torch.bool and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)  # SDPA wants an additive mask in the query's dtype
+    return _grouped_sdpa(q, k, v, groups, expand_kv, attn_mask=mask)
+
+
+def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, expand_kv: bool,
+                  **mask_args) -> torch.Tensor:
+    """SDPA with each K/V head shared by `groups` query heads: enable_gqa, or copies per query
+    head with `expand_kv`; `mask_args` is is_causal=True or attn_mask=MASK."""
     if groups == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, **mask_args)
     if expand_kv:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, **mask_args)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **mask_args)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, expand_kv: bool = False,
@@ -188,13 +195,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, expa
     groups = q.shape[1] // k.shape[1]
     if mask is not None:
         return _masked_attention(q, k, v, mask, groups, expand_kv)
-    if groups == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if expand_kv:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return _grouped_sdpa(q, k, v, groups, expand_kv, is_causal=True)
 
 
 class Attention(nn.Module):
