@@ -141,6 +141,6 @@ def test_cli_runs_the_preflight_before_launching():
 
     calls = [n.func.id for n in ast.walk(ast.parse(inspect.getsource(cli._run)))
              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
-    assert calls.index("_check_before_launch") < calls.index("launch_local")
+    assert calls.index("_check_before_launch") < calls.index("executor_for")  # the executor starts the ranks
     for fn in (cli._plan, cli._search):
         assert "_check_before_launch" not in inspect.getsource(fn)
