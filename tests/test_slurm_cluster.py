@@ -262,3 +262,31 @@ def test_two_node_job_requeues_on_failure_with_the_rendezvous_at_the_first_node_
         assert len(set(nodes)) == JOB_NODES, runs  # one task per node
         # Node nI has the address 127.0.1.I (dev-cluster.sh); the first node hosts the rendezvous.
         assert {endpoint for _, endpoint in seen} == {f"127.0.1.{nodes[0][1:]}:{port}"}, runs
+
+
+def test_prepare_runs_as_a_one_node_cpu_job_and_writes_what_a_local_prepare_writes(slurm_cluster: SlurmCluster,
+                                                                                   tmp_path):
+    """`train action=prepare cluster=slurm` submits a real job on the dev cluster; its dataset
+    folder equals, byte for byte, the one the same prepare writes locally."""
+    from launcher.data.prepare import run_prepare
+    from tests.conftest import TRAIN, train_env
+    from tests.test_data_prepare import cfg, folder_bytes, make_corpus, make_tokenizer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    make_corpus(tmp_path / "raw", 40)
+    run_prepare(cfg(tmp_path, tok, "local", workers=2))
+    proc = subprocess.run(
+        [TRAIN, "action=prepare", f"prepare.input={tmp_path / 'raw'}", f"prepare.output={tmp_path / 'on_slurm'}",
+         f"prepare.tokenizer={tok}", "prepare.workers=2", "cluster=slurm", "cluster.exclusive=false",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=train_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    job_id = re.search(r"submitted SLURM prepare job (\d+)", proc.stdout).group(1)
+    info = slurm_cluster.wait(job_id, timeout=300)
+    log = (tmp_path / "run" / "logs" / f"prepare-{job_id}.out")
+    assert info.state == "COMPLETED" and info.rc == 0, log.read_text()[-3000:] if log.exists() else info.fields
+    assert folder_bytes(tmp_path / "on_slurm") != {}
+    assert folder_bytes(tmp_path / "on_slurm").keys() == folder_bytes(tmp_path / "local").keys()
+    for name, data in folder_bytes(tmp_path / "local").items():
+        if name != "manifest.json":  # the manifest names its own folder's inputs and times
+            assert folder_bytes(tmp_path / "on_slurm")[name] == data, name
