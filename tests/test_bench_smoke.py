@@ -106,6 +106,29 @@ def test_step_overhead_smoke_prints_the_ratio_line(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_step_overhead_data_path_smoke_prints_the_ratio_line(tmp_path):
+    """bench/step_overhead.py --data-path with one timed step per side (2 ranks, CPU): the launcher
+    on a 3-source indexed mix with document masking and the same launcher on those micro-batches
+    held in memory train the same model to the same loss, and the last line is `data path ratio R`.
+    No timing assertion: R is a benchmark result (bench/README.md)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "step_overhead.py"), "--data-path", "--rounds", "1", "--steps", "1",
+         "--warmup", "1", "--log-every", "1", "--json", str(tmp_path / "r.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    words = proc.stdout.strip().splitlines()[-1].split()
+    assert words[:3] == ["data", "path", "ratio"] and len(words) == 4 and float(words[3]) > 0, proc.stdout
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["indexed_step_s"] > 0 and r["in_memory_step_s"] > 0
+    assert (r["ranks"], r["timed_steps"], r["loss_step"]) == (2, 1, 2)
+    assert [name for name, _ in r["sources"]] == ["web", "code", "math"]
+    assert max(r["documents_per_row_step1"]) > 1  # packed rows: the document mask is really in play
+    # The same batches through the same model: the data path changes no number.
+    assert r["indexed_loss"] == r["in_memory_loss"]
+
+
+@pytest.mark.multiprocess
 def test_checkpoint_blocking_smoke_prints_the_ratio_line(tmp_path):
     """bench/checkpoint_blocking.py with one round of one step per kind on the debug model (2 ranks,
     CPU): a synchronous and an asynchronous save run, and the last line is `blocking ratio R`.
