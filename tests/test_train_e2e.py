@@ -92,10 +92,15 @@ def test_kill_then_resume_reproduces_uninterrupted_losses(reference_run, run_dir
     run_dir.mkdir(parents=True)
     proc = _start(BASE, run_dir)
     _wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").is_dir(), 240, proc)
-    os.killpg(proc.pid, signal.SIGKILL)  # a crash: no chance to clean up
+    os.killpg(proc.pid, signal.SIGKILL)  # a crash of `train`: no chance to clean up
     proc.wait()
     steps_before = max(losses_by_step(run_dir))
     assert steps_before < 12
+    # The kernel tells torchrun its parent died (SIGTERM): the ranks stop instead of training on as
+    # orphans that hold the checkpoint folder (before, the resume below raced them for its lock).
+    assert _no_ranks_left(run_dir, timeout=120)
+    stopped = json.loads((run_dir / "control" / "stopped").read_text())
+    assert stopped["reason"] == "signal SIGTERM" and stopped["step"] < 12  # checkpointed and stopped early
 
     run_train(BASE, run_dir, check=True)
     log = (run_dir / "logs" / "rank_0.log").read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -100,6 +101,22 @@ def stopped_step(run_dir: Path) -> Optional[dict]:
         return None
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _stop_when_train_dies() -> None:
+    """In torchrun's process, before it starts: the kernel sends it SIGTERM when `train` dies,
+    even by SIGKILL. torchrun runs in a session of its own (so a terminal's signals reach it only
+    through `train`), and without this a killed `train` would leave the ranks training as orphans
+    that hold the devices and the checkpoint folder's lock; with it they checkpoint and stop, as on
+    any SIGTERM. Not available off Linux: there the ranks outlive a killed `train`."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def launch_local(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
     """Start cluster.gpus_per_node ranks; returns the exit code (non-zero if any rank failed).
 
@@ -121,7 +138,7 @@ def launch_local(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
                          shutdown_timeout_s=shutdown_timeout_of(plan))
     env = rank_environment(run_dir, spec.trainer.device, spec.cluster.env)
     log.info("starting %d local ranks: %s", spec.cluster.gpus_per_node, " ".join(argv))
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_stop_when_train_dies)
     forwarder = StopForwarder(proc.pid).install()
     try:
         code = proc.wait()
