@@ -17,7 +17,9 @@ from launcher.config.loader import compose_spec
 from launcher.config.schema import Fp8Config
 from launcher.models import build_model
 from launcher.parallel.fp8 import convert_to_float8
-from launcher.parallel.tp import apply_tensor_parallel, block_plan
+from launcher.models.llama.tp import block_plan
+from launcher.parallel.tp import BlockStyles
+from launcher.parallel.tp import apply_tensor_parallel
 
 torchao_tp = pytest.importorskip("torchao.float8.float8_tensor_parallel")
 
@@ -31,7 +33,7 @@ def _float8_model(recipe: str = "tensorwise"):
 
 def test_fp8_sp_plan_gathers_inputs_in_float8_with_float8_styles():
     block = _float8_model().layers["0"]
-    plan = block_plan(block, sequence_parallel=True, float8_comms=True)
+    plan = block_plan(block, BlockStyles(block, True), sequence_parallel=True)
     for name, users in (("attention", "wq"), ("feed_forward", "w1")):
         assert type(plan[name]) is torchao_tp.PrepareFloat8ModuleInput, name
         assert plan[name].fwd_config_submodule_fqn == users
@@ -42,12 +44,13 @@ def test_fp8_sp_plan_gathers_inputs_in_float8_with_float8_styles():
 
     # Without float8 comms (CPU/gloo), or with rowwise scaling (one scale per row does not survive a
     # gather of sequence shards), the inputs are gathered in high precision by the plain style.
-    plain = block_plan(block, sequence_parallel=True, float8_comms=False)
+    plain = block_plan(block, BlockStyles(block, False), sequence_parallel=True)
     assert type(plain["attention"]) is PrepareModuleInput and type(plain["feed_forward"]) is PrepareModuleInput
     assert type(plain["attention.wq"]) is ColwiseParallel and type(plain["attention.wo"]) is RowwiseParallel
-    rowwise = block_plan(_float8_model("rowwise").layers["0"], sequence_parallel=True, float8_comms=True)
+    rowwise_block = _float8_model("rowwise").layers["0"]
+    rowwise = block_plan(rowwise_block, BlockStyles(rowwise_block, True), sequence_parallel=True)
     assert type(rowwise["attention"]) is PrepareModuleInput and type(rowwise["feed_forward"]) is PrepareModuleInput
-    assert "attention" not in block_plan(block, sequence_parallel=False, float8_comms=True)
+    assert "attention" not in block_plan(block, BlockStyles(block, True), sequence_parallel=False)
 
 
 def test_fp8_sp_step_runs_and_attention_and_mlp_receive_float8_gathered_inputs(fake_two_ranks):

@@ -1,10 +1,10 @@
 """Hugging Face weights in (model.init_from) and out (checkpoint.export=hf, action=export).
 
-Tiny random Llama (GQA; untied, tied) and Mixtral models are built locally with transformers'
+Tiny random Llama (GQA; untied, tied), Mixtral, Qwen3 and Qwen3-MoE models are built locally with transformers'
 own config classes and saved with save_pretrained (nothing is downloaded). Our logits must equal
 transformers' within 1e-5 (fp32) on 1 rank and in dp_shard=2, tp=2, pp=2 and ep=2 layouts (one
 torchrun launch), exports must round-trip byte for byte, and bad folders exit 2 before launch.
-The real sizes (llama3_8b/70b/405b, mixtral_8x7b) are mapped on the meta device.
+The real sizes (Llama 3, Mixtral, Qwen3 dense and MoE) are mapped on the meta device.
 """
 
 from __future__ import annotations
@@ -72,7 +72,25 @@ def hf_models(tmp_path_factory):
     scaled = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False))
     out["llama31_rope"] = root / "llama31_rope"
     scaled.save_pretrained(out["llama31_rope"])
+    # Qwen3: head_dim 16 != hidden / heads (8), q/k RMSNorm. Qwen3-MoE: block 0 dense
+    # (mlp_only_layers), the others 4 experts top-2, renormalised (norm_topk_prob).
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    qwen = dict(TINY, head_dim=16, rope_theta=1000000.0, rms_norm_eps=1e-6)
+    _randomize_norms(Qwen3ForCausalLM(Qwen3Config(**qwen, tie_word_embeddings=False))).save_pretrained(out.setdefault("qwen3", root / "qwen3"))
+    moe = Qwen3MoeConfig(**dict(qwen, num_hidden_layers=3), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                         mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=False)
+    _randomize_norms(Qwen3MoeForCausalLM(moe)).save_pretrained(out.setdefault("qwen3_moe", root / "qwen3_moe"))
     return out
+
+
+def _randomize_norms(model):
+    """RMSNorm weights start at 1: random ones make a swapped or missing norm (q_norm vs k_norm) show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return model
 
 
 def _hf_tensors(folder: Path) -> dict:
@@ -105,22 +123,25 @@ def _hf_logits(folder, toks):
 
 def _hf_on_disk_shapes(model) -> dict:
     """(name -> shape) as save_pretrained writes them: transformers 5 fuses Mixtral experts in memory
-    (mlp.experts.gate_up_proj [E, 2F, D] = w1|w3, down_proj [E, D, F]) and stores them per expert
-    under block_sparse_moe (transformers' conversion_mapping for mixtral)."""
+    (mlp.experts.gate_up_proj [E, 2F, D] = gate|up, down_proj [E, D, F]) and stores them per expert:
+    Mixtral under block_sparse_moe as w1/w3/w2, Qwen3-MoE under mlp as gate_proj/up_proj/down_proj
+    (transformers' conversion_mapping)."""
+    mixtral = model.config.model_type == "mixtral"
+    moe, gate, up, down = (("block_sparse_moe", "w1", "w3", "w2") if mixtral else ("mlp", "gate_proj", "up_proj", "down_proj"))
     out = {}
     for name, p in model.state_dict().items():
         shape = tuple(p.shape)
         if ".mlp.experts." in name or ".mlp.gate." in name:
-            base = name.split(".mlp.")[0] + ".block_sparse_moe."
+            base = name.split(".mlp.")[0] + f".{moe}."
             if name.endswith("gate.weight"):
                 out[base + "gate.weight"] = shape
             elif name.endswith("gate_up_proj"):
                 for e in range(shape[0]):
-                    out[f"{base}experts.{e}.w1.weight"] = (shape[1] // 2, shape[2])
-                    out[f"{base}experts.{e}.w3.weight"] = (shape[1] // 2, shape[2])
+                    out[f"{base}experts.{e}.{gate}.weight"] = (shape[1] // 2, shape[2])
+                    out[f"{base}experts.{e}.{up}.weight"] = (shape[1] // 2, shape[2])
             elif name.endswith("down_proj"):
                 for e in range(shape[0]):
-                    out[f"{base}experts.{e}.w2.weight"] = shape[1:]
+                    out[f"{base}experts.{e}.{down}.weight"] = shape[1:]
             else:
                 raise AssertionError(f"unexpected transformers expert tensor {name}")
         else:
@@ -130,23 +151,26 @@ def _hf_on_disk_shapes(model) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b", "llama3_405b", "mixtral_8x7b"])
+@pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b", "llama3_405b", "mixtral_8x7b", "qwen3_0_6b", "qwen3_8b",
+                                  "qwen3_32b", "qwen3_30b_a3b", "qwen3_235b_a22b"])
 def test_real_model_configs_map_name_for_name_on_meta(name):
     """Our conf/model/NAME.yaml and transformers' config of the same size map one to one: every
-    transformers tensor has exactly one source in our model with the right shape, and back."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+    transformers tensor has exactly one source in our model with the right shape, and back (so
+    the parameter counts are transformers' too)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from launcher.hf.format import hf_config_for
     from launcher.models import build_model
 
     cfg = _model_cfg(name)
     hf_cfg = hf_config_for(cfg, "bfloat16")
-    config = (MixtralConfig if cfg.n_experts else LlamaConfig)(**{k: v for k, v in hf_cfg.items() if k != "architectures"})
+    config = AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "architectures"})
+    assert type(config).__name__.lower().startswith(cfg.family.replace("_", "")), (cfg.family, type(config))
     assert {k: getattr(cfg, k) for k in hf_model_fields(config.to_dict())} | {"max_seq_len": cfg.max_seq_len} == \
         hf_model_fields(config.to_dict()) | {"max_seq_len": cfg.max_seq_len}
     with torch.device("meta"):
         ours = build_model(cfg)
-        theirs = (MixtralForCausalLM if cfg.n_experts else LlamaForCausalLM)(config)
+        theirs = AutoModelForCausalLM.from_config(config)
     maps = tensor_maps(cfg)
     assert {m.ours: m.shape for m in maps} == {n: tuple(p.shape) for n, p in ours.named_parameters()}
     mapped = {}
@@ -160,7 +184,7 @@ def test_real_model_configs_map_name_for_name_on_meta(name):
 # ----------------------------------------------------------------------------- one rank, in process
 
 
-@pytest.mark.parametrize("which", ["llama", "llama_tied_bf16", "mixtral", "llama31_rope"])
+@pytest.mark.parametrize("which", ["llama", "llama_tied_bf16", "mixtral", "llama31_rope", "qwen3", "qwen3_moe"])
 def test_one_rank_logits_and_exact_round_trip(hf_models, which, tmp_path):
     from launcher.models import build_model
     from launcher.models.layers import model_rope_table
@@ -245,7 +269,7 @@ def test_a_file_truncated_after_the_check_is_a_clear_rank_error(hf_models, tmp_p
 @pytest.mark.multiprocess
 def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
     """tp=2 (sharded source, then 2 steps and an fp32 export that transformers loads), dp_shard=2
-    (tied, bf16 on disk), pp=2 and ep=2 (Mixtral): logits equal transformers' after loading, and
+    (tied, bf16 on disk), pp=2, ep=2 (Mixtral, Qwen3-MoE) and tp=2 (Qwen3): logits equal transformers' after loading, and
     the exports of the untrained models are byte-identical to their sources."""
     jobs = [
         {"name": "tp2_train", "folder": str(hf_models["llama"]), "mesh": {"tp": 2}, "train_steps": 2,
@@ -257,6 +281,11 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
          "export_dtype": "fp32"},
         # Llama 3.1-style RoPE scaling through the engine's own build (meta model, init, load).
         {"name": "tp2_llama31_rope", "folder": str(hf_models["llama31_rope"]), "mesh": {"tp": 2},
+         "export_dtype": "fp32"},
+        # Qwen3: q/k norms under TP (per-head weights replicated), head_dim decoupled from dim.
+        {"name": "tp2_qwen3", "folder": str(hf_models["qwen3"]), "mesh": {"tp": 2}, "export_dtype": "fp32"},
+        # Qwen3-MoE: a dense block then expert blocks, experts split over ep=2.
+        {"name": "ep2_qwen3_moe", "folder": str(hf_models["qwen3_moe"]), "mesh": {"dp_shard": 2, "ep": 2},
          "export_dtype": "fp32"},
         # DeepSpeed ZeRO-3 (parameters partitioned as built; rank 0 reads one full tensor at a time).
         {"name": "deepspeed_zero3", "folder": str(hf_models["llama"]), "mesh": {"dp_shard": 2},
@@ -293,7 +322,7 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
     r = out["tp2_train"]
     assert r["weights_moved"] > 1e-3  # training changed the model, so the export check below means something
     assert r["export_max_diff"] <= 1e-5
-    for name in ("dp_shard2_tied_bf16", "pp2", "ep2_mixtral", "tp2_llama31_rope"):
+    for name in ("dp_shard2_tied_bf16", "pp2", "ep2_mixtral", "tp2_llama31_rope", "tp2_qwen3", "ep2_qwen3_moe"):
         job = next(j for j in jobs if j["name"] == name)
         _assert_byte_identical(Path(job["folder"]), Path(job["export_dir"]) / "hf")
 

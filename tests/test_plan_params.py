@@ -38,6 +38,17 @@ def test_published_sizes():
     assert got["llama3_405b"].total == 405_853_388_800
     assert got["mixtral_8x7b"].total == 46_702_792_704
     assert got["mixtral_8x7b"].active == 12_879_925_248
+    # Qwen3 model cards: 0.6B (0.44B without embeddings, tied), 8.2B (6.95B without embedding and
+    # output), 32.8B (31.2B), 30.5B with 3.3B active (3.35B, truncated), 235B with 22B active.
+    qwen = {n: model_shape(compose_spec([f"model={n}"]).model) for n in
+            ("qwen3_0_6b", "qwen3_8b", "qwen3_32b", "qwen3_30b_a3b", "qwen3_235b_a22b")}
+    assert round((qwen["qwen3_0_6b"].total - qwen["qwen3_0_6b"].embedding) / 1e9, 2) == 0.44
+    for name, total, body in (("qwen3_8b", 8.2, 6.95), ("qwen3_32b", 32.8, 31.2)):
+        s = qwen[name]
+        assert round(s.total / 1e9, 1) == total
+        assert round((s.total - s.embedding - s.output) / 1e9, len(str(body).split(".")[1])) == body
+    assert (round(qwen["qwen3_30b_a3b"].total / 1e9, 1), round(qwen["qwen3_30b_a3b"].active / 1e9, 2)) == (30.5, 3.35)
+    assert (round(qwen["qwen3_235b_a22b"].total / 1e9), round(qwen["qwen3_235b_a22b"].active / 1e9)) == (235, 22)
 
 
 def test_gqa_and_tied_embeddings_by_hand():

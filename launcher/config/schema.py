@@ -37,6 +37,9 @@ class ModelConfig:
     """Model shape. Defined once per model in conf/model/*.yaml; read by planner and builder."""
 
     name: str = MISSING
+    # The model family (launcher/models/<family>/: definition, tensor-parallel plan, Hugging Face
+    # maps, parameter formulas): llama | mixtral | qwen3 | deepseek_v3. A config without it is llama.
+    family: str = "llama"
     n_layers: int = MISSING
     dim: int = MISSING
     n_heads: int = MISSING
@@ -67,6 +70,16 @@ class ModelConfig:
     init_from: str = ""
     # RoPE scaling (launcher/models/layers.py scale_rope_frequencies); default: none.
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    # Size of one attention head; 0 = dim // n_heads (Llama). Qwen3 sets it (128) independently.
+    head_dim: int = 0
+    # Per-head RMSNorm of queries and keys before RoPE (Qwen3).
+    qk_norm: bool = False
+    # MoE routing: renormalise the top-k router scores to sum to 1 (Mixtral, Qwen3-MoE as released).
+    norm_topk_prob: bool = True
+    # Which blocks are MoE (n_experts > 0): block i >= n_dense_layers, not in mlp_only_layers, with
+    # (i + 1) % moe_layer_step == 0 (Qwen3-MoE's decoder_sparse_step and mlp_only_layers).
+    moe_layer_step: int = 1
+    mlp_only_layers: List[int] = field(default_factory=list)
 
 
 @dataclass

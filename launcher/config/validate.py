@@ -18,6 +18,8 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 from launcher.config.executors import EXECUTOR_NAMES, cluster_key_problems
 from launcher.config.errors import ConfigError
 from launcher.config.schema import ADAMW_IMPLEMENTATIONS, JobConfig, ModelConfig
+from launcher.models.family import family_problems
+from launcher.models.shape import head_dim_of, moe_layer_ids
 
 CHOICES = {
     "action": ("run", "plan", "search", "rehearse", "export", "prepare"),
@@ -127,10 +129,16 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
     problems.extend(tensor_parallel_problems(m, p.tp))
     if min(m.n_heads, m.n_kv_heads) < 1:
         pass  # reported by _check_positive; the head arithmetic below would divide by zero
-    elif m.dim % m.n_heads:
-        problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}. Fix: choose n_heads dividing dim.")
-    elif (m.dim // m.n_heads) % 2:
-        problems.append(f"model head_dim = dim/n_heads = {m.dim // m.n_heads} must be even for RoPE. Fix: change model.dim or model.n_heads.")
+    elif m.head_dim < 0:
+        problems.append(f"model.head_dim={m.head_dim} must be >= 0. Fix: model.head_dim=0 (dim / n_heads) or the per-head width.")
+    elif m.head_dim == 0 and m.dim % m.n_heads:
+        problems.append(
+            f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}. "
+            f"Fix: choose n_heads dividing dim, or set model.head_dim (Qwen3 and Gemma decouple it from dim).")
+    elif head_dim_of(m) % 2:
+        problems.append(
+            f"model head_dim = {head_dim_of(m)} ({'model.head_dim' if m.head_dim else 'dim/n_heads'}) must be even "
+            f"for RoPE. Fix: change model.head_dim, or model.dim / model.n_heads.")
     if min(m.n_heads, m.n_kv_heads) >= 1 and m.n_heads % m.n_kv_heads:
         problems.append(
             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}. "
@@ -181,13 +189,22 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
                 f"parallel.ep={p.ep}: model.n_experts={m.n_experts} is not divisible by {p.ep}. "
                 f"Fix: choose parallel.ep in {_fmt_choices(_divisors(m.n_experts))}."
             )
+    problems.extend(family_problems(m))
     if m.n_experts:
         if not 1 <= m.top_k <= m.n_experts:
             problems.append(f"model.top_k={m.top_k} must be within [1, n_experts={m.n_experts}]. Fix: e.g. model.top_k=2.")
         if m.moe_ffn_dim < 1:
             problems.append("model.moe_ffn_dim must be set for an MoE model (n_experts > 0). Fix: model.moe_ffn_dim=<expert hidden size>.")
-        if m.n_dense_layers >= m.n_layers:
-            problems.append(f"model.n_dense_layers={m.n_dense_layers} leaves no MoE layer of n_layers={m.n_layers}. Fix: lower model.n_dense_layers.")
+        if m.moe_layer_step < 1:
+            problems.append(f"model.moe_layer_step={m.moe_layer_step} must be at least 1. Fix: model.moe_layer_step=1 (every layer MoE).")
+        elif m.n_dense_layers >= m.n_layers or not moe_layer_ids(m):
+            problems.append(
+                f"model.n_dense_layers={m.n_dense_layers}, moe_layer_step={m.moe_layer_step} and mlp_only_layers="
+                f"{list(m.mlp_only_layers)} leave no MoE layer of n_layers={m.n_layers}. "
+                f"Fix: lower model.n_dense_layers, or set model.n_experts=0 for a dense model.")
+    outside = sorted(i for i in m.mlp_only_layers if not 0 <= i < m.n_layers)
+    if outside:
+        problems.append(f"model.mlp_only_layers has layer ids {outside} outside 0..{m.n_layers - 1}. Fix: list layer ids of this model.")
 
 
 def _check_batch_and_sequence(spec: JobConfig, problems: List[str]) -> None:

@@ -1,21 +1,35 @@
-"""Model definitions (no parallelism here). ``build_model(cfg)`` is the one entry point."""
+"""Model definitions (no parallelism here). ``build_model(cfg)`` is the one entry point.
+
+Each family lives in its own folder behind launcher/models/family.py's registry, keyed by
+model.family. This package imports no torch itself: the planner reads the families' pure-Python
+parts (Hugging Face maps, parameter formulas) through it.
+"""
 
 from __future__ import annotations
 
-from torch import nn
-
-from launcher.models.transformer import Transformer, TransformerBlock
+from typing import Any
 
 
-def build_model(cfg) -> nn.Module:
-    """Build the decoder described by a ``ModelConfig`` (dense, or MoE when n_experts > 0).
+def build_model(cfg) -> Any:
+    """Build the decoder described by a ``ModelConfig`` (its family's model class).
 
     Works under ``with torch.device("meta")``: parameters are then shapes only; call
     ``model.to_empty(device=...)`` and ``model.init_weights(seed)`` after sharding.
     """
+    from launcher.models.family import family_of
+
     if cfg.n_experts > 0 and cfg.top_k <= 0:
         raise ValueError(f"model {cfg.name!r}: n_experts={cfg.n_experts} needs top_k >= 1 (set model.top_k)")
-    return Transformer(cfg)
+    return family_of(cfg).model_class()(cfg)
+
+
+def __getattr__(name: str) -> Any:
+    # `from launcher.models import Transformer` keeps working without importing torch up front.
+    if name in ("Transformer", "TransformerBlock"):
+        from launcher.models import transformer
+
+        return getattr(transformer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["build_model", "Transformer", "TransformerBlock"]

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from launcher.models.shape import head_dim_of
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (no mean subtraction, no bias), computed in fp32."""
@@ -78,9 +80,9 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None, scali
 
 
 def model_rope_table(cfg, device=None) -> torch.Tensor:
-    """The RoPE table of model config `cfg` (dim, n_heads, max_seq_len, rope_theta, rope_scaling):
+    """The RoPE table of model config `cfg` (head size, max_seq_len, rope_theta, rope_scaling):
     the one place every builder and loader takes it from."""
-    return rope_table(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device=device,
+    return rope_table(head_dim_of(cfg), cfg.max_seq_len, cfg.rope_theta, device=device,
                       scaling=getattr(cfg, "rope_scaling", None))
 
 
@@ -199,17 +201,23 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, expa
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention through F.scaled_dot_product_attention."""
+    """Causal grouped-query attention through F.scaled_dot_product_attention.
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+    head_dim: size of one head (0: dim // n_heads). qk_norm (Qwen3): an RMSNorm over each query
+    and key head (one weight [head_dim] shared by the heads), before RoPE."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int = 0, qk_norm: bool = False,
+                 norm_eps: float = 1e-6):
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
-        self.head_dim = dim // n_heads
+        self.head_dim = head_dim or dim // n_heads
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         # True only under context parallelism (launcher.parallel.cp.use_expanded_kv): torch's
         # ring attention has no enable_gqa support, so K/V are copied to every query head there.
         self.expand_kv = False
@@ -225,6 +233,8 @@ class Attention(nn.Module):
         q = q.view(b, s, -1, self.head_dim)
         k = k.view(b, s, -1, self.head_dim)
         v = v.view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
         o = grouped_attention(q, k, v, expand_kv=self.expand_kv, mask=mask)

@@ -1,8 +1,9 @@
 """Mixture-of-experts feed-forward: top-k token-choice router, batched experts, shared experts.
 
 Routing (per forward call, over the call's b*s tokens):
-- scores = softmax(router(x)) in fp32; each token picks its top_k experts; with top_k > 1
-  the chosen scores are renormalised to sum to 1 (Mixtral style).
+- scores = softmax(router(x)) in fp32; each token picks its top_k experts; with top_k > 1 and
+  ``norm_topk_prob`` (model.norm_topk_prob, default true) the chosen scores are renormalised to
+  sum to 1 (Mixtral, Qwen3-MoE as released); without it they stay softmax probabilities.
 - Capacity (``ModelConfig.capacity_factor``): with cf > 0 each expert takes at most
   C = ceil(cf * tokens * top_k / n_experts) assignments; assignments beyond C are dropped
   in token order (earlier positions in the flattened [b*s] order win). A dropped assignment
@@ -107,13 +108,14 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int,
                  n_shared_experts: int = 0, capacity_factor: float = 0.0,
-                 aux_loss_coef: float = 0.01):
+                 aux_loss_coef: float = 0.01, norm_topk_prob: bool = True):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be in [1, n_experts={n_experts}]")
         self.n_experts, self.top_k = n_experts, top_k
         self.capacity_factor = capacity_factor
         self.aux_loss_coef = aux_loss_coef
+        self.norm_topk_prob = norm_topk_prob
         self.aux_loss_scale = 1.0
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden, n_experts)
@@ -155,7 +157,7 @@ class MoE(nn.Module):
             sizes = balanced_counts(n_tok * self.top_k, self.n_experts)
         else:
             weights, experts = torch.topk(scores, self.top_k, dim=-1)  # [T, k]
-        if self.top_k > 1:
+        if self.norm_topk_prob and self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
 
         flat_expert = experts.reshape(-1)  # [T*k], token-major

@@ -1,4 +1,5 @@
-"""Llama-style decoder (dense or MoE), defined once from ``ModelConfig``.
+"""Llama-style decoder (dense or MoE), defined once from ``ModelConfig``: the model of the llama,
+mixtral and qwen3 families (Qwen3 adds per-head QK-norm and a free head size).
 
 Module names follow torchtitan so checkpoints read naturally and load across layouts:
 ``tok_embeddings``, ``layers`` (a ModuleDict keyed "0".."L-1": pipeline stages delete
@@ -28,6 +29,7 @@ from torch import nn
 from launcher.models.layers import (Attention, FeedForward, RMSNorm, document_attention_mask, model_rope_table,
                                     rope_at_positions)
 from launcher.models.moe import MoE, latest_aux_loss, set_aux_loss_scale
+from launcher.models.shape import head_dim_of, moe_layer_ids
 
 
 class TransformerBlock(nn.Module):
@@ -35,12 +37,14 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads)
+        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, head_dim_of(cfg),
+                                   bool(getattr(cfg, "qk_norm", False)), cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.is_moe = cfg.n_experts > 0 and layer_id >= cfg.n_dense_layers
+        self.is_moe = layer_id in moe_layer_ids(cfg)
         if self.is_moe:
             self.moe = MoE(cfg.dim, cfg.moe_ffn_dim or cfg.ffn_dim, cfg.n_experts, cfg.top_k,
-                           cfg.n_shared_experts, cfg.capacity_factor, cfg.aux_loss_coef)
+                           cfg.n_shared_experts, cfg.capacity_factor, cfg.aux_loss_coef,
+                           norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", True)))
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
@@ -67,8 +71,9 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        if cfg.dim % cfg.n_heads:
-            raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
+        if not getattr(cfg, "head_dim", 0) and cfg.dim % cfg.n_heads:
+            raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads} "
+                             f"(set model.head_dim for heads of another size)")
         self.cfg = cfg
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})

@@ -1,6 +1,7 @@
 """Tensor parallelism (Megatron-style, with DTensor) and sequence parallelism for the decoder.
 
-Plan per block: wq/wk/wv and w1/w3 column-wise (each rank owns n_heads/tp query heads,
+This module applies the plan and holds the styles every family's plan is made of; the plan of
+one block is the family's (launcher/models/<family>/tp.py). Llama's plan per block: wq/wk/wv and w1/w3 column-wise (each rank owns n_heads/tp query heads,
 n_kv_heads/tp kv heads and ffn_dim/tp hidden units), wo and w2 row-wise (one all-reduce,
 or reduce-scatter under SP, per sub-layer). The embedding is row-wise (vocab-sharded) and
 the output layer column-wise with vocab-sharded logits, consumed by ``loss_parallel`` so
@@ -28,11 +29,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+
+from launcher.models.family import family_of
 
 log = logging.getLogger(__name__)
 
@@ -71,24 +73,38 @@ def _float8_tensorwise(module: nn.Module) -> bool:
     return module.config.cast_config_input.scaling_granularity == ScalingGranularity.TENSORWISE
 
 
-def _prepare_input(block: nn.Module, path: str, users: tuple, fp8: bool, **kw):
-    """The SP all-gather of a sub-layer's input (`path`, e.g. attention): torchao's
-    PrepareFloat8ModuleInput when every linear that reads it (`users`) is a tensorwise Float8Linear,
-    so the input is cast to float8 once, before the gather (half the bytes of bf16 on the wire)."""
-    module = block.get_submodule(path)
-    if fp8 and all(_float8_tensorwise(module.get_submodule(u)) for u in users):
-        from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+class BlockStyles:
+    """The parallel styles a family's block plan is made of, bound to one block.
 
-        return PrepareFloat8ModuleInput(fwd_config_submodule_fqn=users[0], **kw)
-    return PrepareModuleInput(**kw)
+    A family's plan (launcher/models/<family>/tp.py) names which sub-modules are column-wise,
+    row-wise or gather their input; these methods turn that into torch's styles, or torchao's
+    float8 ones where the linear is a Float8Linear and float8_comms is on, so the model layer
+    needs nothing from this package.
+    """
 
+    def __init__(self, block: nn.Module, float8_comms: bool):
+        self.block = block
+        self.float8_comms = float8_comms
 
-def _col(block: nn.Module, path: str, fp8: bool, **kw):
-    return _styles(block.get_submodule(path), fp8)[0](**kw)
+    def colwise(self, path: str, **kw):
+        """ColwiseParallel (or torchao's float8 one) for the linear at `path`."""
+        return _styles(self.block.get_submodule(path), self.float8_comms)[0](**kw)
 
+    def rowwise(self, path: str, **kw):
+        """RowwiseParallel (or torchao's float8 one) for the linear at `path`."""
+        return _styles(self.block.get_submodule(path), self.float8_comms)[1](**kw)
 
-def _row(block: nn.Module, path: str, fp8: bool, **kw):
-    return _styles(block.get_submodule(path), fp8)[1](**kw)
+    def prepare_input(self, path: str, users: tuple, **kw):
+        """The SP all-gather of a sub-layer's input (`path`, e.g. attention): torchao's
+        PrepareFloat8ModuleInput when every linear that reads it (`users`) is a tensorwise
+        Float8Linear, so the input is cast to float8 once, before the gather (half the bytes of
+        bf16 on the wire)."""
+        module = self.block.get_submodule(path)
+        if self.float8_comms and all(_float8_tensorwise(module.get_submodule(u)) for u in users):
+            from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+            return PrepareFloat8ModuleInput(fwd_config_submodule_fqn=users[0], **kw)
+        return PrepareModuleInput(**kw)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
@@ -98,7 +114,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     Linears already converted to float8 (launcher.parallel.fp8, applied before TP) get
     torchao's float8 column/row-wise styles; the embedding and output layer stay high
     precision. float8_comms (default: off on CPU, where gloo has no float8 collectives) picks the
-    float8 styles (block_plan); a test on a fake process group sets it on CPU.
+    float8 styles (the family's block_plan); a test on a fake process group sets it on CPU.
+    Each decoder block gets its family's plan (launcher/models/<family>/tp.py).
     """
     check_tensor_parallel(model.cfg, tp_mesh.size())
     fp8 = tp_mesh.device_type != "cpu" if float8_comms is None else float8_comms
@@ -117,47 +134,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     if top:
         parallelize_module(model, tp_mesh, top)
 
+    block_plan = family_of(model.cfg).tp_block_plan()
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel=sequence_parallel, float8_comms=fp8))
+        parallelize_module(block, tp_mesh, block_plan(block, BlockStyles(block, fp8), sequence_parallel=sequence_parallel))
     log.info("applied tensor parallelism (tp=%d) to %d blocks, sequence_parallel=%s, loss_parallel=%s",
              tp_mesh.size(), len(model.layers), sequence_parallel, loss_parallel)
     return model
-
-
-def block_plan(block: nn.Module, *, sequence_parallel: bool, float8_comms: bool) -> dict:
-    """The parallelize_module plan of one decoder block (sub-module path -> ParallelStyle).
-
-    float8_comms: tensorwise Float8Linears get torchao's float8 styles, and under SP the inputs of
-    attention and MLP are all-gathered in float8 (PrepareFloat8ModuleInput); false on CPU (gloo
-    has no float8 collectives).
-    """
-    fp8 = float8_comms
-    seq = Shard(1) if sequence_parallel else Replicate()
-    plan = {
-        "attention.wq": _col(block, "attention.wq", fp8),
-        "attention.wk": _col(block, "attention.wk", fp8),
-        "attention.wv": _col(block, "attention.wv", fp8),
-        "attention.wo": _row(block, "attention.wo", fp8, output_layouts=seq),
-    }
-    if sequence_parallel:
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
-        plan["attention"] = _prepare_input(block, "attention", ("wq", "wk", "wv"), fp8,
-                                           input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
-    if block.is_moe:
-        if sequence_parallel:
-            # Gather the sequence for routing, slice the output back to this rank's part.
-            plan["moe"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                use_local_input=True, output_layouts=(Replicate(),),
-                desired_output_layouts=(Shard(1),), use_local_output=True)
-    else:
-        plan.update({
-            "feed_forward.w1": _col(block, "feed_forward.w1", fp8),
-            "feed_forward.w3": _col(block, "feed_forward.w3", fp8),
-            "feed_forward.w2": _row(block, "feed_forward.w2", fp8, output_layouts=seq),
-        })
-        if sequence_parallel:
-            plan["feed_forward"] = _prepare_input(block, "feed_forward", ("w1", "w3"), fp8,
-                                                  input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return plan

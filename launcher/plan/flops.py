@@ -10,7 +10,8 @@ Pure Python (no torch): the planner, the runtime's MFU metric and bench/ all imp
   without the input embedding table, since a lookup is not a matmul. With tied embeddings
   the table is also the output projection, so it is counted once.
 - 12 * L * h * s: attention scores QK^T and the weighted sum with V, each 2 * s * h per token
-  per layer forward, times 3 for forward + backward (h = model dim, s = sequence length).
+  per layer forward, times 3 for forward + backward (s = sequence length; h = heads x head size,
+  the model dim for Llama; with different q.k and v widths, as in MLA, their mean).
   The full s x s product is counted, as in the PaLM / Megatron MFU convention, even though
   a causal kernel skips about half of it: MFU numbers stay comparable with published ones.
 
@@ -52,15 +53,18 @@ def param_counts(model: Any) -> ParamCounts:
     )
 
 
-def attention_flops_per_token(n_layers: int, dim: int, seq_len: int) -> float:
-    """12 * L * h * s: attention-score FLOPs per token, forward + backward."""
-    return 12.0 * n_layers * dim * seq_len
+def attention_flops_per_token(n_layers: int, width: float, seq_len: int) -> float:
+    """12 * L * h * s: attention-score FLOPs per token, forward + backward; `width` is h, the
+    mean of the q.k width and the v width (launcher.plan.params.attention_width)."""
+    return 12.0 * n_layers * width * seq_len
 
 
 def training_flops_per_token(model: Any, seq_len: int) -> float:
     """Model FLOPs to train on one token (forward + backward), see the module docstring."""
+    from launcher.plan.params import attention_width, model_shape
+
     n = param_counts(model).matmul_active
-    return 6.0 * n + attention_flops_per_token(int(model.n_layers), int(model.dim), seq_len)
+    return 6.0 * n + attention_flops_per_token(int(model.n_layers), attention_width(model_shape(model)), seq_len)
 
 
 def achieved_tflops(tokens_per_s: float, flops_per_token: float) -> float:

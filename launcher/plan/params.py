@@ -6,18 +6,19 @@ check both. The breakdown separates what tensor, pipeline and expert parallelism
 differently: the embedding table lives on the first pipeline stage, the output layer on the
 last; routed experts are spread over the expert-parallel ranks; everything else is per block.
 
-Layout of the Llama-style blocks (see launcher/models/): two RMSNorm weights, attention
-wq/wo (dim x dim) and wk/wv (dim x n_kv_heads*head_dim), no biases; a SwiGLU FFN with three
-matrices; MoE blocks (from `n_dense_layers` on, when n_experts > 0) replace the FFN with a
-router (dim x n_experts), n_experts routed and n_shared_experts shared SwiGLU experts of
-width moe_ffn_dim.
+The per-component counts come from the model's family (launcher/models/<family>/params.py:
+attention, norms, dense FFN, router, one expert, tables); which blocks are MoE from
+launcher/models/shape.py. Every block has attention and two norms, and either a dense FFN or
+a router with n_experts routed and n_shared_experts shared experts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, List, Tuple
+from typing import Any, FrozenSet, List, Tuple
+
+from launcher.models.shape import head_dim_of, moe_layer_ids
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class ModelShape:
     n_shared_experts: int
     tie_embeddings: bool
     capacity_factor: float  # <= 0: dropless
+    moe_layers: FrozenSet[int]  # indices of the MoE blocks (launcher/models/shape.py moe_layer_ids)
     # Parameter counts per component.
     attention: int  # wq + wk + wv + wo of one block
     block_norms: int  # the two RMSNorm weights of one block
@@ -48,6 +50,11 @@ class ModelShape:
     embedding: int  # input table
     output: int  # output projection (0 when tied)
     final_norm: int
+    # Attention widths per token: q.k scores over qk_width (heads x head size), the weighted sum
+    # of v over v_width; and the largest attention weight (elements, before TP).
+    qk_width: int
+    v_width: int
+    largest_attention_tensor: int
 
     @property
     def dense_block(self) -> int:
@@ -88,45 +95,44 @@ class ModelShape:
         return self.n_kv_heads * self.head_dim
 
     def is_moe_layer(self, index: int) -> bool:
-        return self.n_experts > 0 and index >= self.n_dense_layers
+        return index in self.moe_layers
 
 
 def model_shape(model: Any) -> ModelShape:
-    """Build the breakdown from a ModelConfig (or anything with its field names)."""
-    dim, layers = int(model.dim), int(model.n_layers)
-    n_heads, n_kv = int(model.n_heads), int(model.n_kv_heads)
-    head_dim = dim // n_heads
+    """Build the breakdown from a ModelConfig (or anything with its field names): the counts are
+    the model family's (launcher/models/<family>/params.py), the block kinds launcher/models/shape.py's."""
+    from launcher.models.family import family_of
+
+    counts = family_of(model).params_module().component_counts(model)
+    layers = int(model.n_layers)
     n_experts = int(getattr(model, "n_experts", 0) or 0)
-    n_dense = layers if n_experts == 0 else min(layers, int(getattr(model, "n_dense_layers", 0) or 0))
+    moe_ids = moe_layer_ids(model)
     # The builder falls back to ffn_dim when moe_ffn_dim is unset.
     moe_ffn = (int(getattr(model, "moe_ffn_dim", 0) or 0) or int(model.ffn_dim)) if n_experts else 0
-    vocab = int(model.vocab_size)
-    tied = bool(getattr(model, "tie_embeddings", False))
     return ModelShape(
         n_layers=layers,
-        n_dense_layers=n_dense,
-        n_moe_layers=layers - n_dense,
-        dim=dim,
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=head_dim,
+        n_dense_layers=layers - len(moe_ids),
+        n_moe_layers=len(moe_ids),
+        dim=int(model.dim),
+        n_heads=int(model.n_heads),
+        n_kv_heads=int(model.n_kv_heads),
+        head_dim=head_dim_of(model),
         ffn_dim=int(model.ffn_dim),
         moe_ffn_dim=moe_ffn,
-        vocab_size=vocab,
+        vocab_size=int(model.vocab_size),
         n_experts=n_experts,
         top_k=int(getattr(model, "top_k", 0) or 0) if n_experts else 0,
         n_shared_experts=int(getattr(model, "n_shared_experts", 0) or 0) if n_experts else 0,
-        tie_embeddings=tied,
+        tie_embeddings=bool(getattr(model, "tie_embeddings", False)),
         capacity_factor=float(getattr(model, "capacity_factor", 0.0) or 0.0),
-        attention=2 * dim * n_heads * head_dim + 2 * dim * n_kv * head_dim,
-        block_norms=2 * dim,
-        dense_ffn=3 * dim * int(model.ffn_dim),
-        router=dim * n_experts,
-        expert=3 * dim * moe_ffn,
-        embedding=vocab * dim,
-        output=0 if tied else vocab * dim,
-        final_norm=dim,
+        moe_layers=moe_ids,
+        **counts,
     )
+
+
+def attention_width(shape: ModelShape) -> float:
+    """h of the attention-FLOPs formula (launcher/plan/flops.py): the mean of the q.k and v widths."""
+    return (shape.qk_width + shape.v_width) / 2
 
 
 @dataclass(frozen=True)
@@ -208,7 +214,7 @@ def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b
             replicated += shape.final_norm
             largest = max(largest, extra + shape.final_norm)
         n_moe = sum(1 for i in layers if shape.is_moe_layer(i))
-        tensors = [shape.dim * shape.n_heads * shape.head_dim] if layers else [0]
+        tensors = [shape.largest_attention_tensor] if layers else [0]
         if n_moe < len(layers):
             tensors.append(shape.dim * shape.ffn_dim)
         if n_moe:

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from launcher.plan.elementwise import HBM_EFFICIENCY, elementwise_s
 from launcher.plan.flops import attention_flops_per_token, peak_tflops
 from launcher.plan.layout import Layout
-from launcher.plan.params import ModelShape, StageParams, stage_params
+from launcher.plan.params import ModelShape, StageParams, attention_width, stage_params
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -173,7 +173,7 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     """Forward + backward of one micro-batch on one GPU of a pipeline rank."""
     tokens = lay.micro_batch_size * lay.seq_len
     block, head = stage_matmul_params(shape, st)
-    attn = attention_flops_per_token(st.n_layers, shape.dim, lay.seq_len)
+    attn = attention_flops_per_token(st.n_layers, attention_width(shape), lay.seq_len)
     rf = recompute_fraction(lay)
     # Recomputing a forward costs a third of forward+backward.
     block_flops = (6.0 * block * (1 + rf / 3) + 2.0 * alternate_mm_recompute_params(shape, st, lay)) * tokens

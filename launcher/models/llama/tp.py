@@ -1,0 +1,57 @@
+"""Tensor-parallel plan of one Llama-style decoder block (also Mixtral's and Qwen3's).
+
+wq/wk/wv and w1/w3 column-wise (each rank owns n_heads/tp query heads, n_kv_heads/tp kv heads
+and ffn_dim/tp hidden units), wo and w2 row-wise (one all-reduce, or reduce-scatter under SP,
+per sub-layer). MoE blocks: router and experts replicated over the TP ranks (shard experts with
+parallel.ep); under SP the MoE input is all-gathered and its output sliced back. QK-norm
+(Qwen3): the per-head norm weights are replicated DTensors applied to the head-sharded q/k, so
+their gradients are summed over the TP ranks (each rank sees only its heads).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel
+
+
+
+def block_plan(block: nn.Module, styles, *, sequence_parallel: bool) -> dict:
+    """The parallelize_module plan of one decoder block (sub-module path -> ParallelStyle).
+
+    styles: launcher.parallel.tp.BlockStyles bound to this block (column-/row-wise linears and SP
+    input gathers, in float8 where the linears are Float8Linears and the comms allow it).
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "attention.wq": styles.colwise("attention.wq"),
+        "attention.wk": styles.colwise("attention.wk"),
+        "attention.wv": styles.colwise("attention.wv"),
+        "attention.wo": styles.rowwise("attention.wo", output_layouts=seq),
+    }
+    if getattr(block.attention, "q_norm", None) is not None:
+        # q/k arrive [b, s, local heads, head_dim]: "sequence" dim 2 is the head dim TP shards.
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+        plan["attention"] = styles.prepare_input("attention", ("wq", "wk", "wv"),
+                                                 input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+    if block.is_moe:
+        if sequence_parallel:
+            # Gather the sequence for routing, slice the output back to this rank's part.
+            plan["moe"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                use_local_input=True, output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),), use_local_output=True)
+    else:
+        plan.update({
+            "feed_forward.w1": styles.colwise("feed_forward.w1"),
+            "feed_forward.w3": styles.colwise("feed_forward.w3"),
+            "feed_forward.w2": styles.rowwise("feed_forward.w2", output_layouts=seq),
+        })
+        if sequence_parallel:
+            plan["feed_forward"] = styles.prepare_input("feed_forward", ("w1", "w3"),
+                                                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return plan
