@@ -69,6 +69,17 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
         {"name": "pp2_ep2_moe", "model": "debug_moe", "mesh": {"pp": 2, "dp_shard": 2, "ep": 2},
          "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "ac": "full"},
     ]
+    # Qwen3-MoE's block on the debug sizes: head_dim 24 (not dim / n_heads = 16), q/k RMSNorm,
+    # renormalised top-k, no shared expert, block 1 dense by mlp_only_layers.
+    qwen3_moe = {"family": "qwen3", "head_dim": 24, "qk_norm": True, "norm_topk_prob": True,
+                 "n_shared_experts": 0, "n_dense_layers": 0, "mlp_only_layers": [1]}
+    one.append({"name": "ref_qwen3moe", "model": "debug_moe", "model_overrides": qwen3_moe})
+    four += [
+        {"name": "ep2_fsdp2_tp2_qwen3moe", "model": "debug_moe", "model_overrides": qwen3_moe,
+         "mesh": {"dp_shard": 2, "tp": 2, "ep": 2}, "sp": True},
+        {"name": "pp2_ep2_fsdp2_qwen3moe", "model": "debug_moe", "model_overrides": qwen3_moe,
+         "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b"},
+    ]
     two += [
         {"name": "ep2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "ep": 2}},
         # bf16 mixed precision: compared with the fp32 reference at a bf16 tolerance (bf16 keeps
@@ -139,7 +150,7 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
 
 
 def reference_of(name: str) -> str:
-    for suffix in ("_tied", "_odd", "_2experts"):
+    for suffix in ("_tied", "_odd", "_2experts", "_qwen3moe"):
         if name.endswith(suffix):
             return "ref" + suffix
     return "ref_moe" if name.endswith("_moe") else "ref_dense"
