@@ -1,8 +1,8 @@
 """Document masking (data.document_masking, data.reset_positions) and per-source loss.
 
 A packed row with a block-causal mask and positions restarting at each document must give the
-logits of each document run alone (fp32, 1e-5): in one process for dense GQA, MHA and MoE
-models, and under tp=2 (with and without SP), pp=2 and FSDP2 + EP (one 2-rank gloo launch for all
+logits of each document run alone (fp32, 1e-5): in one process for dense GQA, MHA, MoE and
+Qwen3-MoE models, and under tp=2 (with and without SP), pp=2 and FSDP2 + EP (one 2-rank gloo launch for all
 of them, tests/masking_harness.py; DeepSpeed in a second one). Without ids/positions the
 path is bit for bit today's.
 """
@@ -32,6 +32,9 @@ CONFIGS = {
     "dense_gqa": ("debug", {}),  # 4 query heads over 2 kv heads
     "dense_mha": ("debug", {"n_kv_heads": 4}),
     "moe": ("debug_moe", {}),  # dropless (capacity_factor 0): routing is per token
+    # Qwen3-MoE's block: q/k norms, head_dim (24) wider than dim / n_heads (16), no shared expert.
+    "qwen3_moe": ("debug_moe", {"family": "qwen3", "qk_norm": True, "head_dim": 24, "n_shared_experts": 0,
+                                "n_dense_layers": 0, "mlp_only_layers": [1]}),
 }
 
 
