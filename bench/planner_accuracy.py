@@ -3,8 +3,10 @@
     .venv/bin/python bench/planner_accuracy.py           # table of predicted vs published, ratios
     .venv/bin/python bench/planner_accuracy.py --check   # exit 1 when a row is outside the tolerances
     .venv/bin/python bench/planner_accuracy.py --markdown  # the table for docs/planner.md
+    .venv/bin/python bench/planner_accuracy.py --bands     # the error bands (launcher/plan/bands.py)
 
-Reads bench/reference/published.csv: one row per published measurement (source, table,
+Reads bench/reference/published.csv (published measurements) and measured.csv (our own GPU
+records, docs/benchmarks.md): one row per measurement (source, table,
 model, hardware, the `train` overrides that express its layout, metric, value, note) and
 plans each row in process (compose + build_plan, as `train action=plan` does, no
 interpreter per row). Every row is planned at seq_len 8192 unless its overrides say otherwise.
@@ -29,6 +31,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 PUBLISHED = REPO / "bench" / "reference" / "published.csv"
+MEASURED = REPO / "bench" / "reference" / "measured.csv"
+REFERENCE_FILES = (PUBLISHED, MEASURED)
+FIGURE = {"tps_per_gpu": "time", "memory_gib": "memory"}  # metric -> the plan figure its band widens
 TOLERANCE = {"tps_per_gpu": 0.20, "memory_gib": 0.10}
 ORDER_NOT_HELD = "checked; order not held: "
 BASE_OVERRIDES = ("action=plan", "trainer.seq_len=8192", "cluster.gpus_per_node=8", "plan.plots=false")
@@ -49,6 +54,7 @@ class Row:
     # cannot express the published run" (printed, not held)
     status: str
     predicted: float = 0.0
+    kind: str = ""  # launcher/plan/bands.py layout_kind of the planned layout
 
     @property
     def checked(self) -> bool:
@@ -67,11 +73,14 @@ class Row:
         return abs(self.ratio - 1.0) <= TOLERANCE[self.metric]
 
 
-def read_rows(path: Path = PUBLISHED) -> List[Row]:
-    """The published rows, in file order."""
-    with open(path, newline="") as f:
-        return [Row(r["source"], r["table"], r["model"], r["hardware"], tuple(r["overrides"].split()),
-                    r["metric"], float(r["value"]), r["layout"], r["status"]) for r in csv.DictReader(f)]
+def read_rows(paths: Sequence[Path] = REFERENCE_FILES) -> List[Row]:
+    """The reference rows of every file, in file order."""
+    rows: List[Row] = []
+    for path in paths:
+        with open(path, newline="") as f:
+            rows += [Row(r["source"], r["table"], r["model"], r["hardware"], tuple(r["overrides"].split()),
+                         r["metric"], float(r["value"]), r["layout"], r["status"]) for r in csv.DictReader(f)]
+    return rows
 
 
 def overrides_for(row: Row) -> List[str]:
@@ -83,14 +92,18 @@ def predict(rows: Sequence[Row]) -> None:
     """Fill each row's `predicted` from one plan per distinct layout."""
     from launcher.config.loader import compose_spec
     from launcher.plan.memory import GiB
+    from launcher.plan.bands import layout_kind
     from launcher.plan.plan import build_plan
 
     plans: Dict[Tuple[str, ...], object] = {}
     for row in rows:
         key = tuple(overrides_for(row))
         if key not in plans:
-            plans[key] = build_plan(compose_spec(list(key)))
+            spec = compose_spec(list(key))
+            plans[key] = build_plan(spec)
+            plans[key].n_experts = spec.model.n_experts
         plan = plans[key]
+        row.kind = layout_kind(plan.layout, plan.n_experts)
         if row.metric == "tps_per_gpu":
             row.predicted = plan.time["tokens_per_s_per_gpu"]
         elif row.metric == "memory_gib":
@@ -128,6 +141,20 @@ def check(rows: Sequence[Row]) -> List[str]:
     return out + ordering_problems(rows)
 
 
+def derive_bands(rows: Sequence[Row]) -> Dict[str, Dict[str, object]]:
+    """launcher/plan/bands.py's BANDS from predicted rows: per layout kind, the lowest and highest
+    predicted/measured ratio of each figure (2 decimals), over every row (approximated ones too:
+    they are real distances between plan and measurement)."""
+    out: Dict[str, Dict[str, object]] = {}
+    for r in rows:
+        band = out.setdefault(r.kind, {"rows": 0})
+        lo, hi = band.get(FIGURE[r.metric], (r.ratio, r.ratio))
+        band[FIGURE[r.metric]] = (min(lo, r.ratio), max(hi, r.ratio))
+        band["rows"] += 1
+    return {kind: {k: (round(v[0], 2), round(v[1], 2)) if isinstance(v, tuple) else v for k, v in band.items()}
+            for kind, band in out.items()}
+
+
 def format_table(rows: Sequence[Row], markdown: bool = False) -> str:
     head = ("table", "layout", "metric", "published", "predicted", "ratio", "within")
     lines = []
@@ -149,11 +176,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 when a row is outside the tolerances")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
-    ap.add_argument("--csv", type=Path, default=PUBLISHED)
+    ap.add_argument("--bands", action="store_true", help="print the error bands these rows give (launcher/plan/bands.py)")
+    ap.add_argument("--csv", type=Path, nargs="+", default=list(REFERENCE_FILES))
     ap.add_argument("--metric", choices=sorted(TOLERANCE), help="only the rows of this metric")
     args = ap.parse_args(argv)
     rows = [r for r in read_rows(args.csv) if args.metric in (None, r.metric)]
     predict(rows)
+    if args.bands:
+        for kind, band in derive_bands(rows).items():
+            print(f"    {kind!r}: {band},")
+        return 0
     print(format_table(rows, markdown=args.markdown))
     problems = check(rows)
     for p in problems:

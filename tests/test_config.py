@@ -92,6 +92,15 @@ RULES = [
     (["trainer.straggler_factor=0.5"], ["trainer.straggler_factor=0.5", "above 1"]),
     (["profile.enabled=true", "profile.steps=[5,2]"], ["profile.steps=[5, 2]", "first <= last"]),
     (["profile.enabled=true", "profile.ranks=[7]"], ["profile.ranks has [7]", "0..1"]),
+    # Budget keys (launcher/plan/budget.py).
+    (["trainer.tokens=-5"], ["trainer.tokens=-5", ">= 0"]),
+    (["hardware.usd_per_gpu_hour=-1"], ["hardware.usd_per_gpu_hour=-1", "null for no cost"]),
+    # Model families (launcher/models/family.py) and the Qwen3 keys.
+    (["model.family=gpt2"], ["model.family='gpt2'", "llama, mixtral, qwen3", "qwen3_moe -> qwen3"]),
+    (["model.head_dim=15"], ["head_dim = 15", "even for RoPE"]),
+    (["model.n_heads=3", "model.n_kv_heads=3"], ["model.dim=64 is not divisible by model.n_heads=3", "model.head_dim"]),
+    (["model=debug_moe", "model.mlp_only_layers=[0,9]"], ["mlp_only_layers has layer ids [9]", "0..3"]),
+    (["model=debug_moe", "model.n_dense_layers=0", "model.mlp_only_layers=[0,1,2,3]"], ["leave no MoE layer", "n_layers=4"]),
 ]
 
 

@@ -50,11 +50,23 @@ def test_published_rows_within_tolerance_and_order(rows):
     assert {(r.table, r.metric) for r in checked} >= {("1", "tps_per_gpu"), ("3", "tps_per_gpu"),
                                                       ("4", "tps_per_gpu"), ("4", "memory_gib")}
     for r in rows:
-        assert r.source.startswith("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table ")
+        assert r.source.startswith(("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table ",
+                                    "ours: docs/benchmarks.md 2026-11-23, bench/gpu_throughput.py on one H100"))
         assert r.ordered or ((r.status.startswith("approximated: ") or r.status.startswith(planner_accuracy.ORDER_NOT_HELD))
                              and len(r.status) > 40), r.status
     # The 8B memory rows are held since the runtime has torchtitan's selective AC (op_alternate_mm).
     assert {("1", "memory_gib"), ("3", "memory_gib")} <= {(r.table, r.metric) for r in checked}
+
+
+def test_error_bands_are_what_the_accuracy_rows_give(rows):
+    """launcher/plan/bands.py's table equals the spread of predicted/measured ratios per layout
+    kind over these rows (`bench/planner_accuracy.py --bands` prints it): the bands the plan shows
+    cannot drift from the measurements. Our own one-GPU H100 rows are in it."""
+    from launcher.plan.bands import BANDS
+
+    assert planner_accuracy.derive_bands(rows) == BANDS
+    assert {r.kind for r in rows if r.table == "H100-1"} == {"single_gpu"}
+    assert BANDS["single_gpu"]["rows"] == 6
 
 
 def test_check_fails_outside_tolerance(rows):

@@ -118,6 +118,53 @@ def test_train_action_plan_json_command(tmp_path):
     assert d["world_size"] == 8192 and d["params_total"] == 405_853_388_800
 
 
+def test_token_budget_sets_the_steps_and_the_plan_gives_time_and_cost_with_ranges():
+    """trainer.tokens decides trainer.steps (rounded up to whole steps); the plan prints the wall
+    time, GPU-hours and dollars to it, each with the range the accuracy rows of this kind of
+    layout give; without a price there is no dollar figure."""
+    overrides = ["+recipe=llama70b", "cluster.nodes=16", "trainer.tokens=15000000000000"]
+    spec = compose_spec(overrides + ["hardware.usd_per_gpu_hour=2.5"])
+    per_step = spec.trainer.global_batch_size * spec.trainer.seq_len
+    assert spec.trainer.steps == -(-15_000_000_000_000 // per_step) and spec.trainer.steps * per_step >= 15e12
+    plan = build_plan(spec)
+    d = json.loads(render_plan(plan, spec, "json"))
+    b, t, mem = d["budget"], d["time"], d["memory"]
+    assert set(b) >= {"tokens", "steps", "wall_s", "wall_s_range", "gpu_hours", "usd", "usd_range"}
+    assert b["steps"] == spec.trainer.steps and b["tokens"] == spec.trainer.steps * per_step
+    assert b["wall_s"] == pytest.approx(b["steps"] * t["step_s"])
+    assert b["gpu_hours"] == pytest.approx(b["wall_s"] * 128 / 3600)
+    assert b["usd"] == pytest.approx(b["gpu_hours"] * 2.5)
+    # The ranges: the step time scaled by the fsdp+tp ("2d") band's predicted/measured ratios.
+    from launcher.plan.bands import ratio_band
+
+    lo, hi, measured = ratio_band("2d", "time")
+    assert measured and t["band"]["kind"] == "2d"
+    assert t["step_s_range"] == pytest.approx([t["step_s"] * lo, t["step_s"] * hi])
+    assert b["wall_s_range"] == pytest.approx([b["steps"] * x for x in t["step_s_range"]])
+    assert b["usd_range"] == pytest.approx([h * 2.5 for h in b["gpu_hours_range"]])
+    assert b["usd_range"][0] < b["usd_range"][1]
+    assert mem["total_range"][0] < mem["total_range"][1]
+    text = render_plan(plan, spec, "text")
+    assert f"{b['steps']:,} steps" in text and f"${b['usd']:,.0f}" in text and "GPU-hours" in text
+    assert f"step                   {t['step_s']:.3f} ({t['step_s_range'][0]:.3f}-{t['step_s_range'][1]:.3f})" in text
+    unpriced = compose_spec(overrides)
+    assert build_plan(unpriced).budget["usd"] is None
+    assert "set hardware.usd_per_gpu_hour for the cost" in render_plan(build_plan(unpriced), unpriced, "text")
+
+
+def test_unmeasured_kinds_get_a_wider_band_and_say_so():
+    """MoE and CP layouts have no accuracy row yet: their band is wider than any measured one and
+    the plan says it is not measured."""
+    from launcher.plan.bands import BANDS, ratio_band
+
+    spec = compose_spec(["+recipe=mixtral8x7b"])
+    plan = build_plan(spec)
+    assert plan.time["band"] == {**plan.time["band"], "kind": "moe", "measured": False, "rows": 0}
+    lo, hi, _ = ratio_band("moe", "time")
+    assert lo < min(b["time"][0] for b in BANDS.values()) and hi > max(b["time"][1] for b in BANDS.values())
+    assert "no measured moe row yet" in render_plan(plan, spec, "text")
+
+
 def test_planner_never_imports_torch():
     code = ("import sys; from launcher.config.loader import compose_spec; from launcher.plan.plan import build_plan; "
             "from launcher.plan.report import render_plan; from launcher.plan.search import search_layouts; "

@@ -32,7 +32,21 @@ def to_spec(cfg: DictConfig) -> JobConfig:
     from launcher.hf.format import fill_from_hf
 
     fill_from_hf(cfg)  # model=hf: shape keys (and data.tokenizer) from model.init_from's config.json
+    steps_from_token_budget(cfg)
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def steps_from_token_budget(cfg: DictConfig) -> None:
+    """trainer.tokens > 0: trainer.steps = ceil(tokens / tokens per step), decided here once so the
+    LR schedule, the data checks and the plan all see the same count (the last step may pass the
+    budget by less than one step's tokens)."""
+    trainer = cfg.get("trainer")
+    if trainer is None or not trainer.get("tokens") or int(trainer.tokens) <= 0:
+        return
+    per_step = int(trainer.global_batch_size) * int(trainer.seq_len)
+    if per_step <= 0:
+        return  # the validator names the bad batch or sequence length
+    trainer.steps = -(-int(trainer.tokens) // per_step)
 
 
 def unknown_keys(cfg: DictConfig, prefix: str = "") -> List[str]:

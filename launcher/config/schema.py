@@ -11,7 +11,7 @@ Nothing here imports torch: the planner and ``action=plan`` must stay instant.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -230,6 +230,10 @@ class DataConfig:
 @dataclass
 class TrainerConfig:
     steps: int = 100
+    # A token budget instead of a step count: when > 0, trainer.steps becomes
+    # ceil(tokens / (global_batch_size * seq_len)) (launcher/config/loader.py) and the plan prints
+    # the wall time, GPU-hours and cost to it.
+    tokens: int = 0
     global_batch_size: int = 8
     micro_batch_size: int = 1
     seq_len: int = 2048
@@ -364,6 +368,9 @@ class HardwareConfig:
     # Dense TF32 tensor-core peak: what precision=fp32 matmuls run at (torch's default
     # allow_tf32 for cuDNN, `torch.backends.cuda.matmul.allow_tf32` for matmuls). H100 SXM: 494.
     tf32_tflops: float = 494.0
+    # Price of one GPU-hour on this cluster (your contract, cloud list price...): the plan turns
+    # its GPU-hours into money with it. None: no cost line.
+    usd_per_gpu_hour: Optional[float] = None
 
 
 @dataclass

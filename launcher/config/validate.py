@@ -120,6 +120,13 @@ def _check_positive(spec: JobConfig, problems: List[str]) -> None:
         problems.append(f"optim.warmup_steps={spec.optim.warmup_steps} must be >= 0. Fix: optim.warmup_steps=0 for no warm-up.")
     if spec.checkpoint.interval < 0:
         problems.append(f"checkpoint.interval={spec.checkpoint.interval} must be >= 0. Fix: a step count, or 0 to disable periodic saves.")
+    if spec.trainer.tokens < 0:
+        problems.append(f"trainer.tokens={spec.trainer.tokens} must be >= 0. Fix: a token budget (e.g. trainer.tokens=2e12 "
+                        f"as an integer: 2000000000000), or 0 to train trainer.steps steps.")
+    price = spec.hardware.usd_per_gpu_hour
+    if price is not None and not price >= 0:
+        problems.append(f"hardware.usd_per_gpu_hour={price} must be >= 0. Fix: your price of one GPU-hour, e.g. "
+                        f"hardware.usd_per_gpu_hour=2.5, or null for no cost line.")
     if spec.trainer.grad_clip < 0:
         problems.append(f"trainer.grad_clip={spec.trainer.grad_clip} must be >= 0. Fix: e.g. trainer.grad_clip=1.0, or 0 to disable clipping.")
 
@@ -189,7 +196,6 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
                 f"parallel.ep={p.ep}: model.n_experts={m.n_experts} is not divisible by {p.ep}. "
                 f"Fix: choose parallel.ep in {_fmt_choices(_divisors(m.n_experts))}."
             )
-    problems.extend(family_problems(m))
     if m.n_experts:
         if not 1 <= m.top_k <= m.n_experts:
             problems.append(f"model.top_k={m.top_k} must be within [1, n_experts={m.n_experts}]. Fix: e.g. model.top_k=2.")
@@ -516,7 +522,12 @@ def _check_rope_scaling(spec: JobConfig, problems: List[str]) -> None:
                         f"must be at least 1. Fix: the pre-training context, e.g. 8192 (Llama 3.1-3.3).")
 
 
+def _check_family(spec: JobConfig, problems: List[str]) -> None:
+    problems.extend(family_problems(spec.model))  # the planner's formulas come from the family
+
+
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
+    _check_family,
     _check_choices,
     _check_accumulate_unsharded,
     _check_positive,

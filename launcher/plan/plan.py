@@ -21,7 +21,8 @@ from launcher.plan.mesh import MeshPlan
 
 PLAN_FILENAME = "plan.json"
 # The Plan's own sections besides the layout, in plan.json order.
-ESTIMATE_KEYS = ("params_total", "params_active", "memory", "comm", "pipeline", "time", "checkpoint", "warnings")
+ESTIMATE_KEYS = ("params_total", "params_active", "memory", "comm", "pipeline", "time", "checkpoint", "budget",
+                 "warnings")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class Plan:
     time: Dict[str, Any] = field(default_factory=dict)
     # Predicted checkpoint size, save and stop time (launcher/plan/checkpoint_time.py).
     checkpoint: Dict[str, Any] = field(default_factory=dict)
+    # Steps, wall time, GPU-hours and cost of the run (launcher/plan/budget.py).
+    budget: Dict[str, Any] = field(default_factory=dict)
     warnings: List[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ views of the layout
@@ -134,6 +137,10 @@ def build_plan(spec: JobConfig, layout: Optional[Layout] = None) -> Plan:
 
     estimate.fill(plan, spec)
     fill_checkpoint_time(plan, spec)
+    from launcher.plan.budget import budget
+
+    plan.budget = budget(spec.trainer.steps, layout.tokens_per_step, plan.time["step_s"], plan.time["step_s_range"],
+                         layout.world_size, spec.hardware.usd_per_gpu_hour)
     from launcher.data.checks import repeat_warnings  # sources the planned steps read over and over
 
     plan.warnings = list(plan.warnings) + repeat_warnings(spec, spec.trainer.steps, layout.global_batch_size)

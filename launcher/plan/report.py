@@ -74,6 +74,7 @@ def render_plan(plan, spec, fmt: str = "text") -> str:
         _comm_section(plan),
         _time_section(plan, spec),
         _checkpoint_section(plan),
+        _budget_section(plan, spec),
         ASSUMPTIONS,
     ]
     if plan.warnings:
@@ -140,7 +141,8 @@ def _memory_section(plan, spec) -> str:
         ("activations", _gib(mem["activations"]),
          f"blocks {_gib(detail.get('activations_layers', 0))}, head {_gib(detail.get('activations_head', 0))}"),
         ("other", _gib(mem["other"]), other_parts),
-        ("total", _gib(mem["total"]), f"of {_gib(mem['capacity'])}"),
+        ("total", _gib(mem["total"]), f"of {_gib(mem['capacity'])}; measured peaks of this kind of layout: "
+                                      f"{_gib_range(mem.get('total_range'))}"),
     ]
     if mem.get("host"):
         rows.append(("offloaded", _gib(mem["host"]), "on the host (CPU RAM / NVMe), not on the GPU"))
@@ -183,12 +185,48 @@ def _time_section(plan, spec) -> str:
         ("pipeline bubble", f"{t['bubble_s']:.3f}"),
         ("exposed communication", f"{t['exposed_comm_s']:.3f}"),
         ("optimizer step", f"{t['optimizer_s']:.3f}"),
-        ("step", f"{t['step_s']:.3f}"),
+        ("step", f"{t['step_s']:.3f} ({_range(t.get('step_s_range'), '.3f')})"),
     ]
     return (pipe + "\n\nTime per step (seconds)\n" + _table(("part", "s"), rows)
-            + f"\n  throughput: {t['tokens_per_s']:,.0f} tokens/s, {t['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU, "
+            + f"\n  throughput: {t['tokens_per_s']:,.0f} tokens/s ({_range(t.get('tokens_per_s_range'), ',.0f')}), "
+              f"{t['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU, "
               f"{t['model_tflops_per_s_per_gpu']:.0f} model TFLOP/s per GPU"
-            + f"\n  MFU: {t['mfu']:.1%} of {t['peak_tflops']:.0f} TFLOP/s dense {spec.precision.name if spec.precision.name == 'fp8' else 'bf16'} peak")
+            + f"\n  MFU: {t['mfu']:.1%} of {t['peak_tflops']:.0f} TFLOP/s dense {spec.precision.name if spec.precision.name == 'fp8' else 'bf16'} peak"
+            + _band_line(t.get("band")))
+
+
+def _range(pair, fmt: str) -> str:
+    return "-" if not pair else f"{format(pair[0], fmt)}-{format(pair[1], fmt)}"
+
+
+def _gib_range(pair) -> str:
+    return "-" if not pair else f"{pair[0] / GiB:.1f}-{pair[1] / GiB:.1f} GiB"
+
+
+def _band_line(band) -> str:
+    """Where the ranges in brackets come from (launcher/plan/bands.py, docs/planner.md)."""
+    if not band:
+        return ""
+    if band["measured"]:
+        return (f"\n  ranges in brackets: what was measured for {band['kind']} layouts ({band['rows']} accuracy rows, "
+                f"bench/planner_accuracy.py --bands)")
+    return (f"\n  ranges in brackets: no measured {band['kind']} row yet, so the widest band of any kind, "
+            f"25 % wider (bench/planner_accuracy.py --bands)")
+
+
+def _budget_section(plan, spec) -> str:
+    b = plan.budget
+    if not b:
+        return ""
+    hours = b["wall_s"] / 3600
+    lo, hi = (s / 3600 for s in b["wall_s_range"])
+    source = f"trainer.tokens={spec.trainer.tokens:,}" if spec.trainer.tokens else f"trainer.steps={b['steps']:,}"
+    text = (f"Budget ({source}): {b['steps']:,} steps, {b['tokens']:,} tokens; {hours:,.1f} h of training steps "
+            f"({lo:,.1f}-{hi:,.1f}), {b['gpu_hours']:,.0f} GPU-hours ({_range(b['gpu_hours_range'], ',.0f')})")
+    if b["usd"] is None:
+        return text + "; set hardware.usd_per_gpu_hour for the cost"
+    return text + (f", ${b['usd']:,.0f} (${b['usd_range'][0]:,.0f}-${b['usd_range'][1]:,.0f}) at "
+                   f"${b['usd_per_gpu_hour']:g}/GPU-hour")
 
 
 def _checkpoint_section(plan) -> str:
@@ -229,10 +267,13 @@ def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
     for i, c in enumerate(best, 1):
         lay = c.layout
         pipe = f"{lay.pp}" + (f"x{lay.vpp} {lay.schedule}" if lay.pp > 1 else "")
-        rows.append((i, f"{c.tokens_per_s_per_gpu:,.0f}", f"{c.mfu:.1%}", f"{c.step_s:.2f}",
-                     f"{c.memory['total'] / GiB:.1f}", pipe, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp,
+        rows.append((i, f"{c.tokens_per_s_per_gpu:,.0f}", f"{c.mfu:.1%}",
+                     f"{c.step_s:.2f} ({_range(c.step_s_range, '.2f')})",
+                     f"{c.memory['total'] / GiB:.1f} ({_range([b / GiB for b in c.memory_total_range], '.1f')})", pipe, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp,
                      lay.ep, lay.zero_stage, lay.ac_mode, lay.micro_batch_size, c.backends.get("sharding", "native")))
     table = _table(("#", "tok/s/GPU", "MFU", "step s", "mem GiB", "pp", "dp_rep", "dp_shard", "cp", "tp", "ep",
                     "zero", "AC", "mbs", "sharding"), rows, "rrrrrlrrrrrrlrl")
     cmds = "\n".join(f"  {i}: train {c.train_overrides}" for i, c in enumerate(best, 1))
+    table += ("\n  (ranges: step time and peak memory measured for layouts of the same kind, scaled to each "
+              "prediction: bench/planner_accuracy.py --bands, docs/planner.md)")
     return f"{head}\n{table}\n\nOverrides that select each layout (add them to your command)\n{cmds}\n\n{ASSUMPTIONS}"

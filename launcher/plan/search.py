@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
 from launcher.config.validate import cp_pipeline_problems, tensor_parallel_problems, tied_pipeline_problems
+from launcher.plan.bands import layout_kind, value_range
 from launcher.plan.estimate import capacity_bytes, reserved_bytes
 from launcher.plan.flops import training_flops_per_token
 from launcher.plan.layout import Layout
@@ -51,6 +52,19 @@ class Candidate:
     mfu: float
     bubble_fraction: float
     backends: Dict[str, str] = field(default_factory=dict)  # feature -> backend (features in use)
+    kind: str = "fsdp"  # the accuracy kind of the layout (launcher/plan/bands.py)
+    reserved: int = 0  # bytes outside the allocator (the memory band is of the allocator's share)
+
+    @property
+    def step_s_range(self) -> List[float]:
+        """Step times measured for layouts of this kind, scaled to this prediction."""
+        return list(value_range(self.step_s, self.kind, "time"))
+
+    @property
+    def memory_total_range(self) -> List[float]:
+        """Peak memory measured for layouts of this kind, scaled to this prediction."""
+        low, high = value_range(self.memory["total"] - self.reserved, self.kind, "memory")
+        return [low + self.reserved, high + self.reserved]
 
     @property
     def train_overrides(self) -> str:
@@ -69,6 +83,9 @@ class Candidate:
             "memory": dict(self.memory),
             "capacity": self.capacity,
             "step_s": self.step_s,
+            "step_s_range": self.step_s_range,
+            "memory_total_range": self.memory_total_range,
+            "band_kind": self.kind,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu,
             "bubble_fraction": self.bubble_fraction,
@@ -283,6 +300,7 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
                         mfu=t["mfu"],
                         bubble_fraction=(t["bubble_s"] / t["compute_s"]) if t["compute_s"] else 0.0,
                         backends={k: c.backend for k, c in choices.items() if getattr(c, "impl", "") != "off"},
+                        kind=layout_kind(lay, spec.model.n_experts), reserved=reserve,
                     ))
                     break
     out.sort(key=_rank_key)

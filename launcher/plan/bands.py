@@ -1,0 +1,73 @@
+"""Error bands: how far the planner's time and memory have been from measurements, by layout kind.
+
+Pure Python. Each band is the range of predicted / measured ratios over the accuracy rows of one
+kind of layout (bench/reference/published.csv and measured.csv, planned by
+bench/planner_accuracy.py, which prints this table with --bands; tests/test_plan_accuracy.py
+asserts the table below equals what the rows give, so it cannot drift from them). A prediction
+P with ratios in [lo, hi] means the measured value was between P / hi and P / lo.
+
+Step time: the ratio is predicted tokens/s over measured (a ratio below 1: the planner is
+pessimistic, the run was faster). Memory: predicted over measured allocator peak.
+
+Kinds with no measured row (context parallel, mixture of experts) get UNMEASURED_WIDENING of the
+widest band of any kind, labelled unmeasured in the plan, until rows of theirs exist; a band
+from rows that agree closely is widened to MIN_HALF_WIDTH either side of its middle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+# kind -> {"time": (lo, hi), "memory": (lo, hi), "rows": number of accuracy rows behind it}
+BANDS: Dict[str, Dict[str, Any]] = {
+    "single_gpu": {"time": (0.85, 0.92), "memory": (1.13, 1.47), "rows": 6},
+    "fsdp": {"time": (0.85, 0.91), "memory": (1.01, 1.1), "rows": 12},
+    "2d": {"time": (0.82, 0.82), "memory": (0.92, 0.92), "rows": 2},
+    "3d": {"time": (0.85, 0.86), "memory": (0.84, 0.95), "rows": 4},
+}
+KINDS = ("single_gpu", "fsdp", "2d", "3d", "cp", "moe")
+# A kind without rows: the union of the measured bands, each side pushed 25 % further out.
+UNMEASURED_WIDENING = 0.25
+# A band narrower than this around its middle (one row, or rows that agree) is widened to it:
+# one agreeing row says little about the next layout of its kind.
+MIN_HALF_WIDTH = 0.05
+
+
+def layout_kind(layout: Any, n_experts: int) -> str:
+    """The accuracy kind of a layout: moe > cp > 3d (pipeline) > 2d (tensor parallel) > fsdp > single_gpu."""
+    if n_experts > 0:
+        return "moe"
+    if layout.cp > 1:
+        return "cp"
+    if layout.pp > 1:
+        return "3d"
+    if layout.tp > 1:
+        return "2d"
+    return "single_gpu" if layout.world_size == 1 else "fsdp"
+
+
+def ratio_band(kind: str, figure: str) -> Tuple[float, float, bool]:
+    """(lo, hi, measured) predicted/measured ratios for `figure` ("time" or "memory") of `kind`."""
+    if kind in BANDS:
+        lo, hi = BANDS[kind][figure]
+        mid = (lo + hi) / 2
+        return min(lo, mid - MIN_HALF_WIDTH), max(hi, mid + MIN_HALF_WIDTH), True
+    lo = min(b[figure][0] for b in BANDS.values())
+    hi = max(b[figure][1] for b in BANDS.values())
+    return lo * (1 - UNMEASURED_WIDENING), hi * (1 + UNMEASURED_WIDENING), False
+
+
+def band_summary(kind: str) -> Dict[str, Any]:
+    """plan.json's `band`: the kind, whether rows of it were measured, and how many."""
+    return {"kind": kind, "measured": kind in BANDS, "rows": BANDS.get(kind, {}).get("rows", 0),
+            "time_ratio": list(ratio_band(kind, "time")[:2]), "memory_ratio": list(ratio_band(kind, "memory")[:2])}
+
+
+def value_range(predicted: float, kind: str, figure: str) -> Tuple[float, float]:
+    """The range the measured value fell in for predictions of this kind: (P / hi, P / lo).
+
+    For step time the ratio is of tokens/s, so the step time range is (P * lo, P * hi)."""
+    lo, hi, _ = ratio_band(kind, figure)
+    if figure == "time":
+        return predicted * lo, predicted * hi
+    return predicted / hi, predicted / lo
