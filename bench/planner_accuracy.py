@@ -4,6 +4,7 @@
     .venv/bin/python bench/planner_accuracy.py --check   # exit 1 when a row is outside the tolerances
     .venv/bin/python bench/planner_accuracy.py --markdown  # the table for docs/planner.md
     .venv/bin/python bench/planner_accuracy.py --bands     # the error bands (launcher/plan/bands.py)
+    .venv/bin/python bench/planner_accuracy.py --bands --runs RUN_DIR...  # with your cluster's runs
 
 Reads bench/reference/published.csv (published measurements) and measured.csv (our own GPU
 records, docs/benchmarks.md): one row per measurement (source, table,
@@ -141,6 +142,38 @@ def check(rows: Sequence[Row]) -> List[str]:
     return out + ordering_problems(rows)
 
 
+def rows_from_runs(run_dirs: Sequence[Path]) -> List[Row]:
+    """Rows from finished runs (their run_summary.json, launcher/runtime/run_score.py): each run's
+    measured tokens/s per GPU and peak memory against its own config planned again here, so a
+    cluster's runs join the table and --bands gives that cluster's error bands. Printed and
+    banded, never held to the published tolerances (status "run")."""
+    import json
+
+    from launcher.config.loader import load_spec
+    from launcher.plan.bands import layout_kind
+    from launcher.plan.memory import GiB
+    from launcher.plan.plan import build_plan
+
+    rows: List[Row] = []
+    for run_dir in run_dirs:
+        summary = json.loads((Path(run_dir) / "run_summary.json").read_text())
+        spec = load_spec(Path(run_dir))
+        plan = build_plan(spec)
+        kind = layout_kind(plan.layout, spec.model.n_experts)
+        figures = summary["figures"]
+        status = f"run: measured by {run_dir} on {summary['device']} (printed and banded, not held)"
+        base = dict(source=f"run {run_dir}", table="runs", model=spec.model.name, hardware=spec.hardware.name,
+                    overrides=(), note=Path(run_dir).name, status=status, kind=kind)
+        tokens = figures["tokens_per_s_per_gpu"]["measured"]
+        if tokens:
+            rows.append(Row(metric="tps_per_gpu", value=tokens, predicted=plan.time["tokens_per_s_per_gpu"], **base))
+        peak = figures["peak_memory_bytes"]["measured"]
+        if peak:  # the allocator's share, as the published rows report it
+            rows.append(Row(metric="memory_gib", value=peak / GiB,
+                            predicted=(plan.memory["total"] - plan.memory["detail"]["reserved"]) / GiB, **base))
+    return rows
+
+
 def derive_bands(rows: Sequence[Row]) -> Dict[str, Dict[str, object]]:
     """launcher/plan/bands.py's BANDS from predicted rows: per layout kind, the lowest and highest
     predicted/measured ratio of each figure (2 decimals), over every row (approximated ones too:
@@ -178,10 +211,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     ap.add_argument("--bands", action="store_true", help="print the error bands these rows give (launcher/plan/bands.py)")
     ap.add_argument("--csv", type=Path, nargs="+", default=list(REFERENCE_FILES))
+    ap.add_argument("--runs", type=Path, nargs="+", default=[],
+                    help="run directories with run_summary.json: add their measurements (your cluster's bands)")
     ap.add_argument("--metric", choices=sorted(TOLERANCE), help="only the rows of this metric")
     args = ap.parse_args(argv)
     rows = [r for r in read_rows(args.csv) if args.metric in (None, r.metric)]
     predict(rows)
+    rows += [r for r in rows_from_runs(args.runs) if args.metric in (None, r.metric)]
     if args.bands:
         for kind, band in derive_bands(rows).items():
             print(f"    {kind!r}: {band},")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launcher.runtime.checkpoint_folder import verify_checkpoint
-from tests.conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
+from tests.conftest import REPO, TRAIN, losses_by_step, read_metrics, run_train, train_env
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,6 +45,38 @@ def test_debug_run_trains_and_writes_its_run_dir(reference_run):
     assert ckpts == ["step_00000004", "step_00000008", "step_00000012"]
     # A run that ends well leaves no failure/ folder (its presence means something went wrong).
     assert not (reference_run / "failure").exists()
+
+
+def test_the_run_is_scored_against_its_plan(reference_run):
+    """run_summary.json holds measured vs predicted tokens/s per GPU (the median of the windows
+    after step 1), their ratio and whether it fell in the plan's band; each logged step carries
+    plan/tokens_per_s_ratio. On CPU there is no MFU or GPU memory to measure, and it says so;
+    bench/planner_accuracy.py --runs turns the run into an accuracy row of its layout kind."""
+    import statistics
+    import sys as _sys
+
+    summary = json.loads((reference_run / "run_summary.json").read_text())
+    plan = json.loads((reference_run / "plan.json").read_text())
+    records = read_metrics(reference_run)
+    tokens = summary["figures"]["tokens_per_s_per_gpu"]
+    measured = statistics.median(r["tokens_per_s"] / 2 for r in records[1:])
+    assert tokens["measured"] == pytest.approx(measured)
+    assert tokens["predicted"] == pytest.approx(plan["time"]["tokens_per_s_per_gpu"])
+    assert tokens["ratio"] == pytest.approx(measured / tokens["predicted"])
+    low, high = (x / 2 for x in plan["time"]["tokens_per_s_range"])
+    assert tokens["range"] == pytest.approx([low, high]) and tokens["in_band"] is (low <= measured <= high)
+    assert summary["log_steps"] == 11 and summary["device"] == "cpu" and "the plan is for hardware=" in summary["note"]
+    assert summary["figures"]["mfu"]["measured"] is None and summary["figures"]["peak_memory_bytes"]["measured"] is None
+    for r in records:
+        assert r["plan/tokens_per_s_ratio"] == pytest.approx(r["tokens_per_s"] / 2 / tokens["predicted"])
+        assert r["plan/tokens_per_s_in_band"] in (0.0, 1.0)
+    _sys.path.insert(0, str(REPO / "bench"))
+    import planner_accuracy
+
+    (row,) = planner_accuracy.rows_from_runs([reference_run])
+    assert (row.metric, row.kind, row.table) == ("tps_per_gpu", "fsdp", "runs")
+    assert row.value == pytest.approx(measured) and row.predicted == pytest.approx(tokens["predicted"])
+    assert planner_accuracy.derive_bands([row])["fsdp"]["time"] == (round(row.ratio, 2), round(row.ratio, 2))
 
 
 def test_ranks_built_the_layout_in_plan_json(reference_run):

@@ -45,6 +45,7 @@ from launcher.runtime.validation import Validator
 from launcher.runtime.profiler import StepProfiler, default_profile_ranks
 from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
 from launcher.runtime.moe_health import MoEHealth
+from launcher.runtime.run_score import RunScore
 from launcher.runtime import debug_hooks
 from launcher.data.validation import load_val_token_arrays
 from launcher.runtime.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
@@ -353,6 +354,8 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         stragglers=build_stragglers(spec, rank, metrics),
         moe_health=MoEHealth(engine.model_parts, spec.model.n_layers, spec.model.n_experts, rank.rank, rank.device,
                              log_table=metrics.log_table) if spec.model.n_experts > 0 else None,
+        score=RunScore(run_dir, plan.time, plan.memory, rank.world_size, rank.device.type, spec.hardware.name,
+                       rank.rank),
     )
     try:
         result = trainer.fit()

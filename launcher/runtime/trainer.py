@@ -23,6 +23,7 @@ from launcher.runtime.validation import Validator
 from launcher.runtime.profiler import StepProfiler
 from launcher.runtime.stragglers import StragglerMonitor
 from launcher.runtime.moe_health import MoEHealth
+from launcher.runtime.run_score import RunScore
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.stop_control import StopWithoutCheckpoint, write_stopped
 from launcher.runtime.debug_hooks import before_step as debug_before_step
@@ -78,6 +79,7 @@ class Trainer:
         profiler: Optional[StepProfiler] = None,
         stragglers: Optional[StragglerMonitor] = None,
         moe_health: Optional[MoEHealth] = None,
+        score: Optional[RunScore] = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -93,6 +95,7 @@ class Trainer:
         self.profiler = profiler
         self.stragglers = stragglers
         self.moe_health = moe_health
+        self.score = score  # measured vs planned: plan/* metrics and run_summary.json
         self._reported_save = None  # the (step, path) last given to health.saved
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
@@ -247,6 +250,8 @@ class Trainer:
                     record.update(self.stragglers.observe(step))
                 if self.moe_health is not None:  # collective too
                     record.update(self.moe_health.observe(step))
+                if self.score is not None:
+                    record.update(self.score.observe(record))
                 self.metrics.log(record)
                 window_start, window_steps, set_apart = time.perf_counter(), 0, 0.0
             elif memory_row:
@@ -272,10 +277,19 @@ class Trainer:
                 self._note_saved(wait=True)
                 if self.rank == 0:
                     write_stopped(self.run_dir, step, reason)
+                self._score()
                 return LoopResult(last_step=step, stopped_early=True, stop_reason=reason)
         if self.stragglers is not None and self.rank == 0:
             self.metrics.summary(self.stragglers.summary())
         if cfg.save_final and last_saved != step:
             self._save(step)
         self._note_saved(wait=True)
+        self._score()
         return LoopResult(last_step=step, stopped_early=False)
+
+    def _score(self) -> None:
+        """run_summary.json (a collective: every rank gives its peak memory)."""
+        if self.score is not None:
+            path = self.score.finish()
+            if path is not None:
+                log.info("measured vs planned: %s", path)
