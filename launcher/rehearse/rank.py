@@ -287,12 +287,39 @@ def _zero_grad_step(engine) -> None:
     """Create the optimizer states without a forward: zero gradients of the parameters' shapes."""
 
 
+    replicated = _replicated_grad_params(getattr(engine, "model_parts", []))
     for opt in torch_optimizers(engine.optimizers):
         for group in opt.param_groups:
             for p in group["params"]:
-                p.grad = torch.zeros_like(p)
+                p.grad = _replicated_zeros(p) if id(p) in replicated else torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+
+def _replicated_grad_params(parts) -> set:
+    """ids of the parameters whose real gradient is replicated though the parameter is sharded:
+    a tensor-parallel embedding (RowwiseParallel, Shard(0) over the vocabulary) outside FSDP.
+    DTensor's embedding backward yields a Replicate gradient there (the full [vocab, dim] table on
+    every TP rank), which a zero gradient shaped like the parameter would miss; under FSDP2 the
+    reduce-scatter gives the gradient the parameter's own placement."""
+    out = set()
+    for part in parts:
+        if any(type(m).__name__.startswith("FSDP") for m in part.modules()):
+            continue
+        for module in part.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, torch.nn.Embedding) and hasattr(weight, "placements") and \
+                    any(getattr(pl, "dim", None) == 0 for pl in weight.placements):
+                out.add(id(weight))
+    return out
+
+
+def _replicated_zeros(p):
+    """A zero DTensor of p's global shape, replicated where p is sharded on dim 0."""
+    from torch.distributed.tensor import Replicate, zeros
+
+    placements = [Replicate() if getattr(pl, "dim", None) == 0 else pl for pl in p.placements]
+    return zeros(p.shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=placements)
 
 
 def balance_moe_routing(parts) -> str:
