@@ -339,3 +339,44 @@ def test_an_exception_repeating_at_the_same_step_after_a_restart_stops_restartin
     assert rank0.count("resumed from") == 1  # the restart resumed from step 2's checkpoint, once
     assert _no_ranks_left(run_dir)
 
+
+HANG_S = 8  # trainer.hang_timeout_s of the frozen-rank test
+
+
+def test_a_frozen_rank_is_ended_by_the_watchdog_restarted_and_resumes_exactly(reference_run, run_dir):
+    """SIGSTOP one rank mid-run (a silent node): rank 0's watchdog fires after trainer.hang_timeout_s,
+    names the silent rank, and exits non-zero; `train` ends the frozen rank (it cannot take torchrun's
+    SIGTERM), starts the ranks again (a hang is a fault, not a repeating bug) and they finish with the
+    uninterrupted run's losses."""
+    run_dir.mkdir(parents=True)
+    proc = _start([*BASE, "cluster.max_restarts=1", f"trainer.hang_timeout_s={HANG_S}"], run_dir)
+    _wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").is_dir() and 5 in losses_by_step(run_dir), 240, proc)
+    pids = _rank_pids(run_dir)
+    assert len(pids) == 2, pids
+    os.kill(pids[1], signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    frozen_after = max(losses_by_step(run_dir))
+    try:
+        _wait_for(lambda: (run_dir / "resilience.jsonl").exists(), HANG_S + 90, proc)
+        restarted_after = time.monotonic() - frozen_at
+        code = proc.wait(timeout=400)
+    finally:
+        for pid in pids:  # never leave a stopped process behind, whatever failed above
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    out = proc.stdout.read()
+    assert code == 0, out[-4000:]
+    assert frozen_after < 12
+    # The watchdog's bound, rank 0's wait for the silent rank's report, then the exit: not
+    # torchrun's shutdown timeout (121 s here), which a frozen rank would have cost.
+    assert restarted_after < HANG_S + 60, restarted_after
+    failure = _events(run_dir)[0]
+    assert failure["event"] == "failure" and failure["action"] == "restart", failure
+    assert failure["cause"]["what"] == "hang" and failure["cause"]["error"].startswith("no progress for")
+    hang = json.loads((run_dir / "failure" / "before_restart_1" / "summary.json").read_text())
+    assert hang["ranks_without_report"] == [1], hang
+    assert losses_by_step(run_dir) == losses_by_step(reference_run)
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 13))
+    assert _no_ranks_left(run_dir)
