@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.runtime.resilience import RESTART, STOP_EXHAUSTED, STOP_REPEATING, RestartReport, decide, read_events
+from launcher.runtime.resilience import (RESTART, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING, RestartReport, decide,
+                                         read_events)
 
 
 def _summary(run_dir: Path, what: str, error: str, last_step: int, rank: int = 1) -> Path:
@@ -94,3 +95,12 @@ def test_the_batch_scripts_command_exits_0_to_restart_and_1_to_stop(tmp_path):
     stop = run(1)
     assert stop.returncode == 1 and stop.stdout.startswith("launcher: error: the ranks failed"), stop
     assert "cluster.max_restarts=1 reached" in stop.stdout
+
+
+def test_a_lost_node_is_not_restarted_in_the_job_and_is_recorded(tmp_path):
+    _summary(tmp_path, "exception", "RuntimeError: Connection closed by peer", 5, rank=0)
+    decision = decide(tmp_path, 0, 3, 1, lost_nodes=["n2"])
+    assert decision.action == STOP_NODE_LOST and "SLURM no longer hears from n2: not restarting" in decision.message
+    assert "cluster.requeue_on_failure=true" in decision.message
+    event = read_events(tmp_path)[-1]
+    assert event["action"] == STOP_NODE_LOST and event["cause"]["lost_nodes"] == ["n2"]

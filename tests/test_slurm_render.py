@@ -178,6 +178,7 @@ def test_a_failed_srun_step_is_followed_by_the_restart_decision_and_a_new_step(t
                              f"--run-dir {shlex.quote(run_dir)}")
     assert '--restarts-done "$RESTARTS_DONE" --max-restarts "$MAX_RESTARTS" --exit-code "$SRUN_RC"' in script
     assert 'export LAUNCHER_RESTART="$RESTARTS_DONE"' in script
+    assert '--attempt-started "$STEP_STARTED" --lost-nodes "$LOST_NODES"' in script
     assert "MAX_RESTARTS=3" in render(make_spec(), tmp_path / "default")
 
 

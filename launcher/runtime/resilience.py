@@ -34,6 +34,7 @@ RESILIENCE_FILE = "resilience.jsonl"
 DETERMINISTIC_KINDS = ("exception", "oom")
 
 RESTART, STOP_REPEATING, STOP_EXHAUSTED = "restart", "stop: repeating failure", "stop: max_restarts reached"
+STOP_NODE_LOST = "stop: node lost"
 
 
 def _now() -> Dict[str, Any]:
@@ -131,17 +132,26 @@ def _set_failure_aside(run_dir: Path, restart: int) -> None:
 
 
 def decide(run_dir: Path, restarts_done: int, max_restarts: int, exit_code: int,
-           attempt_started: Optional[float] = None) -> Decision:
+           attempt_started: Optional[float] = None, lost_nodes: Optional[List[str]] = None) -> Decision:
     """After a failed attempt: restart (the ranks resume from the newest checkpoint) or stop.
 
+    `lost_nodes`: nodes of the allocation the scheduler no longer hears from; a new attempt would
+    include them (no spare nodes yet), so the job is not restarted in place.
     Writes the failure event to resilience.jsonl and, on a restart, sets the failure bundle aside.
     """
     cause = failure_cause(run_dir, exit_code, attempt_started)
+    if lost_nodes:
+        cause["lost_nodes"] = list(lost_nodes)
     previous = [e for e in read_events(run_dir) if e.get("event") == "failure"]
     same = signature(cause) is not None and previous and signature(previous[-1].get("cause", {})) == signature(cause)
     where = f"rank {cause.get('rank')} on {cause.get('node')}" if cause.get("rank") is not None else "no rank named"
     what = f"{cause.get('what')} ({where}, last step {cause.get('last_step')}): {cause.get('error')}"
-    if same:
+    if lost_nodes:
+        action = STOP_NODE_LOST
+        message = (f"the ranks failed: {what}; SLURM no longer hears from {' '.join(lost_nodes)}: not restarting "
+                   f"in the job (a new step would include it; spare nodes are not built yet). "
+                   f"cluster.requeue_on_failure=true requeues the job onto live nodes.")
+    elif same:
         action = STOP_REPEATING
         message = (f"repeating failure: the same {what} happened again at the same step after a restart. "
                    f"This is a bug in the run, not a fault of a node: not restarting. Fix the cause "
@@ -219,8 +229,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--exit-code", required=True, type=int)
     parser.add_argument("--attempt-started", type=float, default=None,
                         help="unix time the failed attempt started (an older failure summary is not its cause)")
+    parser.add_argument("--lost-nodes", default="",
+                        help="space-separated nodes the scheduler no longer hears from (no restart in the job)")
     args = parser.parse_args(argv)
-    decision = decide(args.run_dir, args.restarts_done, args.max_restarts, args.exit_code, args.attempt_started)
+    decision = decide(args.run_dir, args.restarts_done, args.max_restarts, args.exit_code, args.attempt_started,
+                      args.lost_nodes.split())
     print(f"launcher: {'error: ' if not decision.restart else ''}{decision.message}", flush=True)
     return 0 if decision.restart else 1
 
