@@ -15,12 +15,22 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Tuple
 
 
+# How many in-job restarts of the ranks came before this attempt: every executor that restarts
+# the ranks inside its job (launcher/launch/local.py, slurm/sbatch.sh.j2) sets it.
+IN_JOB_RESTARTS_ENV = "LAUNCHER_RESTART"
+
+
+def _in_job_restarts(env: Mapping[str, str]) -> int:
+    return int(env.get(IN_JOB_RESTARTS_ENV) or 0)
+
+
 @dataclass(frozen=True)
 class JobFacts:
     executor: str  # the cluster.name that started this process: local | slurm | ...
     job_id: Optional[str]  # the scheduler's job id (None for a local run)
     node_name: str  # the node as the scheduler names it (dev-cluster nodes can share one hostname)
     restart_count: int  # how often the scheduler restarted (requeued) this job
+    in_job_restarts: int = 0  # how often the executor restarted the ranks inside this job run
 
 
 def _slurm_facts(env: Mapping[str, str]) -> Optional[JobFacts]:
@@ -29,7 +39,7 @@ def _slurm_facts(env: Mapping[str, str]) -> Optional[JobFacts]:
     if not job_id:
         return None
     return JobFacts("slurm", job_id, env.get("SLURMD_NODENAME") or socket.gethostname(),
-                    int(env.get("SLURM_RESTART_COUNT") or 0))
+                    int(env.get("SLURM_RESTART_COUNT") or 0), _in_job_restarts(env))
 
 
 ENV_READERS: Tuple[Callable[[Mapping[str, str]], Optional[JobFacts]], ...] = (_slurm_facts,)
@@ -42,4 +52,4 @@ def job_facts(env: Optional[Mapping[str, str]] = None) -> JobFacts:
         facts = read(env)
         if facts is not None:
             return facts
-    return JobFacts("local", None, socket.gethostname(), 0)
+    return JobFacts("local", None, socket.gethostname(), 0, _in_job_restarts(env))

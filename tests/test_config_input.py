@@ -153,6 +153,13 @@ BAD_VALUES = [
     (["cluster.setup=[module load x]"], ["cluster.setup", "cluster=local"]),
     (["+cluster.env.WANDB_API_KEY=abc"], ["cluster.env.WANDB_API_KEY", "secret"]),
     (["cluster=slurm", "+cluster.env.HF_TOKEN=abc"], ["cluster.env.HF_TOKEN", "secret"]),
+    # A checkpoint folder the ranks could not create: refused here, not in every rank's traceback.
+    (["checkpoint.dir=/proc/nope"], ["checkpoint.dir=/proc/nope", "cannot be created or written",
+                                     "/proc is not writable", "Fix: a folder you can write"]),
+    (["cluster=slurm", "checkpoint.dir=/proc/nope/deeper"], ["checkpoint.dir=/proc/nope/deeper", "Fix:"]),
+    ([f"checkpoint.dir={Path(__file__).resolve()}/ckpt"], ["checkpoint.dir=", "is a file, not a folder", "Fix:"]),
+    (["cluster.max_restarts=-1"], ["cluster.max_restarts=-1", "must be >= 0", "Fix:"]),
+    (["cluster=slurm", "cluster.max_restarts=-2"], ["cluster.max_restarts=-2", "Fix:"]),
 ]
 
 
@@ -175,6 +182,11 @@ def test_good_values_stay_valid(tmp_path):
         "+cluster.env.FOO=1",
     ) == []
     assert _problems("cluster=slurm", "cluster.setup=[module load x]") == []
+    # A checkpoint folder that does not exist yet but can be made is fine, and the check makes nothing.
+    assert _problems(f"checkpoint.dir={tmp_path / 'new' / 'ckpt'}", "cluster.max_restarts=2") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000010"]
+    # checkpoint.enabled=false writes no checkpoint: the folder is not the ranks' business then.
+    assert _problems("checkpoint.dir=/proc/nope", "checkpoint.enabled=false") == []
 
 
 def _tokenizer(path: Path, n_tokens: int) -> Path:
@@ -237,6 +249,8 @@ CLI_CASES = [
     ["cluster=slurm", "cluster.dry_run=true", f"+cluster.env.WANDB_API_KEY={SECRET}"],
     ["-m", "model.n_heads=4,0"],
     ["-m", "cluster=slurm", "cluster.dry_run=true", "parallel.tp=1,3,2"],
+    ["checkpoint.dir=/proc/nope"],
+    ["cluster=slurm", "cluster.dry_run=true", "checkpoint.dir=/proc/nope", "cluster.max_restarts=-1"],
 ]
 
 

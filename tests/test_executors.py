@@ -34,6 +34,10 @@ def test_each_executor_checks_only_its_keys():
     assert cluster_key_problems(local, "plan") == [problems[1]]  # a plan may describe several nodes
     slurm = ClusterConfig(name="slurm", nodes=2, setup=["module load cuda"], max_requeues=-1)
     assert [p.split("=")[0] for p in cluster_key_problems(slurm, "run")] == ["cluster.max_requeues"]
+    # Keys every executor reads are checked whichever executor runs.
+    for name in EXECUTOR_NAMES:
+        problems = cluster_key_problems(ClusterConfig(name=name, max_restarts=-1), "run")
+        assert [p.split("=")[0] for p in problems] == ["cluster.max_restarts"] and "Fix:" in problems[0]
 
 
 def test_job_facts_from_slurm_and_from_a_local_run():

@@ -237,6 +237,11 @@ def test_node_deaths_name_the_node_requeue_and_resume_with_the_local_losses(node
     for node in (run.killed, run.stopped):
         assert log.count(f"node(s) {node} stopped responding") == 1, log
     assert log.count("cluster.requeue_on_failure: requeueing job") == 2, log
+    # No in-job restart onto a dead node (cluster.max_restarts=3 is SLURM's default): each loss is
+    # recorded with its node, and the requeue takes over.
+    events = [json.loads(line) for line in (run.run_dir / "resilience.jsonl").read_text().splitlines()]
+    assert [(e["action"], e["cause"]["lost_nodes"]) for e in events] == [
+        ("stop: node lost", [run.killed]), ("stop: node lost", [run.stopped])], events
     rank0 = (run.run_dir / "logs" / "rank_0.log").read_text()
     resumed = re.findall(r"resumed from \S+ at step (\d+)", rank0)
     assert [int(s) for s in resumed] == [run.killed_after, run.stopped_after], resumed

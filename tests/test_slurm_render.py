@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,9 +147,13 @@ def test_options_gpu_cluster_and_container(tmp_path):
     opts = sbatch_lines(script)
     assert opts["gpus-per-node"] == '"8"' and opts["nodes"] == '"2"' and opts["cpus-per-task"] == '"16"'
     assert "no-requeue" in opts and "requeue" not in opts
-    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    srun = next(line.strip() for line in script.splitlines() if line.strip().startswith("srun "))
     assert "--ntasks=2" in srun and "--cpus-per-task=16" in srun
     assert "--container-image=nvcr.io/nvidia/pytorch:24.05-py3" in srun
+    # The in-job restart decision needs the launcher's Python: in the image, one task on one node.
+    decide = next(line.strip() for line in script.splitlines() if "-m launcher.runtime.resilience" in line)
+    assert decide.startswith("srun --nodes=1 --ntasks=1 --container-image=nvcr.io/nvidia/pytorch:24.05-py3 ")
+    assert " python -m launcher.runtime.resilience decide --run-dir " in decide
 
 
 def test_launch_uses_torchrun_with_c10d_on_first_node(tmp_path):
@@ -159,6 +165,21 @@ def test_launch_uses_torchrun_with_c10d_on_first_node(tmp_path):
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
     assert "RDZV_PORT=29611" in script
     assert 'export PET_RDZV_ID="${SLURM_JOB_ID}"' in script
+
+
+def test_a_failed_srun_step_is_followed_by_the_restart_decision_and_a_new_step(tmp_path):
+    """cluster.max_restarts (3 on SLURM) reaches the script; after a failed step it asks
+    launcher.runtime.resilience (this Python, quoted) and loops to a new srun step."""
+    script = render(make_spec("cluster.max_restarts=2"), tmp_path / "run dir")
+    assert "MAX_RESTARTS=2" in script
+    decide = next(line.strip() for line in script.splitlines() if "-m launcher.runtime.resilience" in line)
+    run_dir = str((tmp_path / "run dir").resolve())
+    assert decide.startswith(f"{shlex.quote(sys.executable)} -m launcher.runtime.resilience decide "
+                             f"--run-dir {shlex.quote(run_dir)}")
+    assert '--restarts-done "$RESTARTS_DONE" --max-restarts "$MAX_RESTARTS" --exit-code "$SRUN_RC"' in script
+    assert 'export LAUNCHER_RESTART="$RESTARTS_DONE"' in script
+    assert '--attempt-started "$STEP_STARTED" --lost-nodes "$LOST_NODES"' in script
+    assert "MAX_RESTARTS=3" in render(make_spec(), tmp_path / "default")
 
 
 def test_dry_run_prints_script_and_submits_nothing(tmp_path, capsys, monkeypatch):
@@ -302,7 +323,7 @@ def test_container_mounts_refuse_a_run_dir_with_comma_or_colon(tmp_path, capsys)
         assert f"the run directory {str(run_dir.resolve())!r} contains {name[1]!r}" in err
         assert "Fix: choose a run directory without them" in err and "Traceback" not in err
         assert not (run_dir / "job.sbatch").exists()
-    srun = next(l for l in render(spec, tmp_path / "plain").splitlines() if l.startswith("srun "))
+    srun = next(l.strip() for l in render(spec, tmp_path / "plain").splitlines() if l.strip().startswith("srun "))
     assert "--container-mounts=" in srun
 
 

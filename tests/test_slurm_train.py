@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -102,22 +103,55 @@ def signal_mid_run(cluster: SlurmCluster, job_id: str, run_dir: Path) -> int:
     return rows[-1]["step"]
 
 
+def rank_pid(run_dir: Path, rank: int) -> int:
+    """The process of global rank `rank` of the job training in `run_dir` (not its torchrun)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"launcher.runtime.entry" not in argv or str(run_dir).encode() not in argv:
+                continue
+            if f"RANK={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except (OSError, ValueError):
+            continue  # ended while we looked, or not a process folder
+    assert len(found) == 1, f"rank {rank} of {run_dir}: processes {found}"
+    return found[0]
+
+
+def kill_rank_mid_run(cluster: SlurmCluster, job_id: str, run_dir: Path) -> int:
+    """SIGKILL global rank 1 once the step-4 checkpoint exists and step 5 is logged; returns the
+    last logged step."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not ((run_dir / "checkpoints" / "step_00000004").is_dir() and 5 in losses_by_step(run_dir)):
+        state = cluster.job(job_id).state
+        assert state in ("PENDING", "RUNNING"), f"job {job_id} {state} before its rank was killed\n{job_logs(run_dir, job_id)}"
+        assert time.monotonic() < deadline, f"job {job_id} reached no step 5 in {JOB_TIMEOUT_S} s"
+        time.sleep(0.2)
+    os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
+    return max(losses_by_step(run_dir))
+
+
 @pytest.fixture(scope="module")
 def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, TrainJob]:
-    """Two debug runs of the same layout submitted together (they share the queue's idle time):
+    """Three debug runs of the same layout submitted together (they share the queue's idle time):
     "reference" runs uninterrupted on one node (2 ranks); "preempted" runs on both nodes
-    (1 rank each) and gets USR1 after its third step.
+    (1 rank each) and gets USR1 after its third step; "restarted" runs on both nodes (1 rank
+    each, cluster.max_restarts=1) and its rank 1 is SIGKILLed after step 5.
 
     Both are submitted with a secret in the environment (HF_TOKEN, in cluster.secret_env).
     """
     base = tmp_path_factory.mktemp("slurm_train")
-    dirs = {"reference": base / "reference" / "run", "preempted": base / "preempted" / "run"}
+    dirs = {"reference": base / "reference" / "run", "preempted": base / "preempted" / "run",
+            "restarted": base / "restarted" / "run"}
     previous = os.environ.get("HF_TOKEN")
     os.environ["HF_TOKEN"] = SECRET
     try:
         ids = {
             "reference": submit_train(dirs["reference"]),
             "preempted": submit_train(dirs["preempted"], f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1"),
+            "restarted": submit_train(dirs["restarted"], f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1",
+                                      "cluster.max_restarts=1"),
         }
     finally:
         if previous is None:
@@ -125,11 +159,14 @@ def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, Train
         else:
             os.environ["HF_TOKEN"] = previous
     t0 = time.monotonic()
-    signalled_at = signal_mid_run(slurm_cluster, ids["preempted"], dirs["preempted"])
+    signalled_at = {"preempted": signal_mid_run(slurm_cluster, ids["preempted"], dirs["preempted"])}
+    signalled_at["restarted"] = kill_rank_mid_run(slurm_cluster, ids["restarted"], dirs["restarted"])
     jobs = {}
     for name in dirs:
-        info = wait_done(slurm_cluster, ids[name], dirs[name])
-        jobs[name] = TrainJob(ids[name], dirs[name], info, signalled_at if name == "preempted" else 0)
+        # The restarted job's end is its test's to judge: a failure there fails that test only.
+        info = (slurm_cluster.wait(ids[name], timeout=JOB_TIMEOUT_S) if name == "restarted"
+                else wait_done(slurm_cluster, ids[name], dirs[name]))
+        jobs[name] = TrainJob(ids[name], dirs[name], info, signalled_at.get(name, 0))
         print(f"{name} job {ids[name]}: done after {time.monotonic() - t0:.1f} s, restarts={info.restarts}")
     return jobs
 
@@ -194,6 +231,28 @@ def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(train_jobs:
     assert max(diffs.values()) == 0.0, f"losses differ after resume from step {stopped['step']}: {diffs}"
 
 
+def test_a_killed_rank_restarts_in_the_allocation_without_a_requeue_and_resumes_exactly(train_jobs: Dict[str, TrainJob]):
+    """cluster.max_restarts=1 on 2 nodes: rank 1 SIGKILLed after step 5 -> the batch script starts a
+    new srun step in the same allocation (SLURM never requeues), the ranks resume from the newest
+    checkpoint, and the losses equal the uninterrupted reference's."""
+    job, ref = train_jobs["restarted"], train_jobs["reference"]
+    log = job.main_log
+    assert job.info.state == "COMPLETED" and job.info.rc == 0, f"{job.info}\n{job_logs(job.run_dir, job.job_id)}"
+    assert job.signalled_at < STEPS - 4, f"training reached step {job.signalled_at} of {STEPS} before the kill: raise STEPS"
+    assert job.info.restarts == 0 and "requeueing job" not in log, log
+    assert "restarting them (restart 1 of 1)" in log and "in-job restart 1 of 1: a new srun step" in log, log
+    events = [json.loads(line) for line in (job.run_dir / "resilience.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("action")) for e in events] == [("failure", "restart"), ("resumed", None)], events
+    resumed = events[1]
+    assert 4 <= resumed["step"] <= job.signalled_at and resumed["restart"] == 1, events
+    records = read_metrics(job.run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    after = [r for r in records if "resilience/restarts" in r]
+    assert len(after) == 1 and after[0]["step"] == resumed["step"] + 1, after
+    assert after[0]["resilience/restarts"] == 1 and 0 < after[0]["resilience/downtime_s"] < JOB_TIMEOUT_S, after
+    assert losses_by_step(job.run_dir) == losses_by_step(ref.run_dir)
+
+
 def test_crashing_rank_fails_the_job_with_its_error_in_the_main_log(slurm_cluster: SlurmCluster, tmp_path):
     # Passes validation (Megatron-written data has no manifest recording its largest token id),
     # fails inside the ranks: the first batch holds ids beyond model.vocab_size.
@@ -209,6 +268,10 @@ def test_crashing_rank_fails_the_job_with_its_error_in_the_main_log(slurm_cluste
     log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert info.state == "FAILED" and info.rc != 0, (info, log)
     assert "the ranks failed" in log
+    # cluster.max_restarts=3 (SLURM's default) allows restarts, but the same exception at the same
+    # step after the first one is a bug, not a fault: one restart, then the job ends.
+    assert "restarting them (restart 1 of 3)" in log and "repeating failure" in log, log
+    assert "restart 2 of 3" not in log, log
     assert f"{tmp_path}/megatron/web.bin (source 'megatron') holds token id" in log, log
     assert "model.vocab_size=256" in log, log
 

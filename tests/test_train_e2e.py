@@ -297,3 +297,118 @@ def test_async_checkpoint_killed_mid_write_keeps_the_previous_one_and_resumes_ex
     assert [p.name for p in sorted(root.glob("step_*"))] == ["step_00000004", "step_00000008", "step_00000012"]
     assert all(verify_checkpoint(p) is None for p in root.glob("step_*"))
     assert not list(root.glob(".incomplete_*"))
+
+
+# --- In-job restart (cluster.max_restarts; launcher/runtime/resilience.py) -----------------------
+
+
+def _rank_pids(run_dir: Path) -> list:
+    """The rank processes of the run: the children of its one torchrun agent."""
+    agent = subprocess.run(["pgrep", "-f", f"torch.distributed.run .*{run_dir}"], capture_output=True, text=True)
+    assert len(agent.stdout.split()) == 1, agent.stdout
+    ranks = subprocess.run(["pgrep", "-P", agent.stdout.strip()], capture_output=True, text=True)
+    return [int(p) for p in ranks.stdout.split()]
+
+
+def _events(run_dir: Path) -> list:
+    return [json.loads(line) for line in _lines(run_dir / "resilience.jsonl")]
+
+
+def test_a_killed_rank_is_restarted_in_the_run_and_resumes_exactly(reference_run, run_dir):
+    """SIGKILL one rank mid-run with cluster.max_restarts=1: `train` starts the ranks again, they
+    resume from the newest checkpoint and finish; the losses are the uninterrupted run's."""
+    run_dir.mkdir(parents=True)
+    proc = _start([*BASE, "cluster.max_restarts=1"], run_dir)
+    _wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").is_dir() and 5 in losses_by_step(run_dir), 240, proc)
+    pids = _rank_pids(run_dir)
+    assert len(pids) == 2, pids
+    os.kill(pids[1], signal.SIGKILL)  # one rank dies: no summary of its own, no clean-up
+    killed_after = max(losses_by_step(run_dir))
+    code = proc.wait(timeout=400)
+    out = proc.stdout.read()
+    assert code == 0, out[-4000:]
+    assert killed_after < 12, "the run ended before the kill: nothing was restarted"
+    assert "restarting them (restart 1 of 1)" in out, out[-4000:]
+    assert _no_ranks_left(run_dir)
+
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 13))  # no duplicated steps
+    assert losses_by_step(run_dir) == losses_by_step(reference_run)
+    after = [r for r in records if "resilience/restarts" in r]
+    assert len(after) == 1 and after[0]["resilience/restarts"] == 1, after  # once, the first logged step
+    failure, resumed = _events(run_dir)
+    assert failure["event"] == "failure" and failure["action"] == "restart" and failure["restart"] == 1
+    assert failure["cause"]["exit_code"] != 0 and failure["cause"]["error"]
+    assert resumed["event"] == "resumed" and resumed["step"] in (4, 8) and resumed["node"]
+    assert after[0]["step"] == resumed["step"] + 1
+    assert after[0]["resilience/lost_steps"] == resumed["lost_steps"] >= 0
+    assert 0 < after[0]["resilience/downtime_s"] < 400
+    rank0 = (run_dir / "logs" / "rank_0.log").read_text()
+    newest = run_dir / "checkpoints" / "step_{:08d}".format(resumed["step"])
+    assert f"resumed from {newest}" in rank0
+    assert (run_dir / "failure" / "before_restart_1").is_dir()  # the first attempt's evidence, kept aside
+
+
+def test_an_exception_repeating_at_the_same_step_after_a_restart_stops_restarting(run_dir):
+    """One rank raises before step 3: restart once (max_restarts=3 would allow more), the same
+    exception at the same step again -> "repeating failure", non-zero exit, no further restart."""
+    run_dir.mkdir(parents=True)
+    args = ["+recipe=debug", "trainer.steps=4", "trainer.log_every=1", "checkpoint.interval=2",
+            "cluster.max_restarts=3", "+cluster.env.LAUNCHER_DEBUG_RAISE=1:3"]
+    proc = run_train(args, run_dir, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "repeating failure" in out and "not restarting" in out, out[-4000:]
+    assert "restart 2 of 3" not in out
+    events = _events(run_dir)
+    assert [(e["event"], e.get("action")) for e in events] == [
+        ("failure", "restart"), ("resumed", None), ("failure", "stop: repeating failure")], events
+    assert events[1]["step"] == 2 and events[1]["lost_steps"] == 0
+    first, second = events[0]["cause"], events[-1]["cause"]
+    assert first["error"] == second["error"] == "RuntimeError: LAUNCHER_DEBUG_RAISE: rank 1 fails before step 3"
+    assert first["rank"] == second["rank"] == 1 and first["last_step"] == second["last_step"] == 2
+    rank0 = (run_dir / "logs" / "rank_0.log").read_text()
+    assert rank0.count("resumed from") == 1  # the restart resumed from step 2's checkpoint, once
+    assert _no_ranks_left(run_dir)
+
+
+HANG_S = 8  # trainer.hang_timeout_s of the frozen-rank test
+
+
+def test_a_frozen_rank_is_ended_by_the_watchdog_restarted_and_resumes_exactly(reference_run, run_dir):
+    """SIGSTOP one rank mid-run (a silent node): rank 0's watchdog fires after trainer.hang_timeout_s,
+    names the silent rank, and exits non-zero; `train` ends the frozen rank (it cannot take torchrun's
+    SIGTERM), starts the ranks again (a hang is a fault, not a repeating bug) and they finish with the
+    uninterrupted run's losses."""
+    run_dir.mkdir(parents=True)
+    proc = _start([*BASE, "cluster.max_restarts=1", f"trainer.hang_timeout_s={HANG_S}"], run_dir)
+    _wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").is_dir() and 5 in losses_by_step(run_dir), 240, proc)
+    pids = _rank_pids(run_dir)
+    assert len(pids) == 2, pids
+    os.kill(pids[1], signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    frozen_after = max(losses_by_step(run_dir))
+    try:
+        _wait_for(lambda: (run_dir / "resilience.jsonl").exists(), HANG_S + 90, proc)
+        restarted_after = time.monotonic() - frozen_at
+        code = proc.wait(timeout=400)
+    finally:
+        for pid in pids:  # never leave a stopped process behind, whatever failed above
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    out = proc.stdout.read()
+    assert code == 0, out[-4000:]
+    assert frozen_after < 12
+    # The watchdog's bound, rank 0's wait for the silent rank's report, then the exit: not
+    # torchrun's shutdown timeout (121 s here), which a frozen rank would have cost.
+    assert restarted_after < HANG_S + 60, restarted_after
+    failure = _events(run_dir)[0]
+    assert failure["event"] == "failure" and failure["action"] == "restart", failure
+    assert failure["cause"]["what"] == "hang" and failure["cause"]["error"].startswith("no progress for")
+    hang = json.loads((run_dir / "failure" / "before_restart_1" / "summary.json").read_text())
+    assert hang["ranks_without_report"] == [1], hang
+    assert losses_by_step(run_dir) == losses_by_step(reference_run)
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 13))
+    assert _no_ranks_left(run_dir)

@@ -22,7 +22,19 @@ KEY_CHECKS: Dict[str, Callable[[ClusterConfig, str], List[str]]] = {
 EXECUTOR_NAMES = tuple(KEY_CHECKS)
 
 
+def common_key_problems(cluster: ClusterConfig) -> List[str]:
+    """The problems of the keys every executor reads (schema.ClusterKeys) that no other rule checks."""
+    problems: List[str] = []
+    if cluster.max_restarts < 0:
+        problems.append(
+            f"cluster.max_restarts={cluster.max_restarts} must be >= 0 (in-job restarts after a failure; "
+            f"0: a failure ends the run). Fix: e.g. cluster.max_restarts=3, or cluster.max_restarts=0."
+        )
+    return problems
+
+
 def cluster_key_problems(cluster: ClusterConfig, action: str) -> List[str]:
-    """The problems of the chosen executor's keys (an unknown cluster.name is the validator's own rule)."""
+    """The problems of the common keys and of the chosen executor's own (an unknown cluster.name
+    is the validator's own rule)."""
     check = KEY_CHECKS.get(cluster.name)
-    return check(cluster, action) if check else []
+    return common_key_problems(cluster) + (check(cluster, action) if check else [])

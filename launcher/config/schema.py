@@ -299,6 +299,10 @@ class ClusterKeys:
     # phases (checkpoint publish/prune, the folder lock, tokenizing, export) wait on a separate
     # group with a longer timeout (launcher/parallel/phase.py), so they never trip it.
     collective_timeout_s: int = 600
+    # In-job restarts after a failure (a rank's exception or death, a hang the watchdog ends):
+    # the executor starts the ranks again in the same allocation and they resume from the newest
+    # checkpoint (docs/slurm.md, "Failures"). conf/cluster/slurm.yaml sets 3; locally 0.
+    max_restarts: int = 0
 
 
 @dataclass

@@ -20,6 +20,7 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import ADAMW_IMPLEMENTATIONS, JobConfig, ModelConfig
 from launcher.models.family import family_problems
 from launcher.models.shape import head_dim_of, moe_layer_ids
+from launcher.config.writable import folder_problem
 
 CHOICES = {
     "action": ("run", "plan", "search", "rehearse", "export", "prepare"),
@@ -405,6 +406,15 @@ def _check_run_inputs(spec: JobConfig, problems: List[str]) -> None:
             f"checkpoint.resume={resume} is not a folder. Fix: checkpoint.resume=auto (the newest checkpoint in "
             f"the run's checkpoint folder), checkpoint.resume=none, or the path of an existing step_* folder."
         )
+    # '' is <run dir>/checkpoints, inside the folder `train` itself creates. Checked from this
+    # machine: on a cluster, the path must also be writable on the compute nodes (a shared mount).
+    if spec.checkpoint.enabled:
+        problem = folder_problem(
+            "checkpoint.dir", spec.checkpoint.dir,
+            "a folder you can write on a file system every node mounts, or checkpoint.dir='' for "
+            "<run dir>/checkpoints.")
+        if problem:
+            problems.append(problem)
 
 
 def _check_tokenizer(path: str, vocab_size: int, problems: List[str]) -> None:

@@ -8,14 +8,18 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from launcher.config.schema import JobConfig
+from launcher.job_env import IN_JOB_RESTARTS_ENV
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint_folder import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
-from launcher.runtime.watchdog import flight_recorder_env
+from launcher.runtime.resilience import decide
+from launcher.runtime.failure import FAILURE_DIR, SUMMARY_FILE
+from launcher.runtime.watchdog import HANG_EXIT_CODE, REPORT_GRACE_S, flight_recorder_env
 from launcher.runtime.stop_control import STOPPED_FILE, StopSignals, control_dir
 
 log = logging.getLogger(__name__)
@@ -125,7 +129,9 @@ def launch_local(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
     torchrun runs in its own process group: Ctrl-C here is passed on to it (it stops every
     rank), and if the ranks do not end within 30 s the whole group is killed, ranks included.
     SIGTERM / SIGHUP ask for a graceful stop (StopForwarder); a run whose ranks checkpointed
-    and stopped returns 0. torchrun tears down all ranks when one fails.
+    and stopped returns 0. torchrun tears down all ranks when one fails; then, while
+    cluster.max_restarts allows and the failure is not a repeat of the last one, the ranks are
+    started again and resume from the newest checkpoint (launcher/runtime/resilience.py).
     """
     if spec.checkpoint.enabled:
         # Refuse before any rank starts (the ranks' own lock is the real guard).
@@ -137,22 +143,83 @@ def launch_local(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
     argv = torchrun_argv(run_dir, nproc_per_node=spec.cluster.gpus_per_node,
                          shutdown_timeout_s=shutdown_timeout_of(plan))
     env = rank_environment(run_dir, spec.trainer.device, spec.cluster.env)
-    log.info("starting %d local ranks: %s", spec.cluster.gpus_per_node, " ".join(argv))
+    restarts = 0
+    while True:
+        env[IN_JOB_RESTARTS_ENV] = str(restarts)
+        log.info("starting %d local ranks%s: %s", spec.cluster.gpus_per_node,
+                 f" (restart {restarts})" if restarts else "", " ".join(argv))
+        started = time.time()
+        code, asked_to_stop = _run_once(argv, env, run_dir)
+        outcome = stop_outcome(run_dir, code)
+        # A stop asked for (signal, Ctrl-C) or a clean end is never restarted.
+        if outcome == 0 or asked_to_stop:
+            return outcome
+        decision = decide(run_dir, restarts, spec.cluster.max_restarts, code, attempt_started=started)
+        (log.warning if decision.restart else log.error)("%s", decision.message)
+        if not decision.restart:
+            return code
+        restarts += 1
+
+
+def _run_once(argv: List[str], env: Dict[str, str], run_dir: Path) -> Tuple[int, bool]:
+    """One torchrun with its ranks, to its end: (exit code, whether a stop or Ctrl-C was asked for)."""
     proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_stop_when_train_dies)
     forwarder = StopForwarder(proc.pid).install()
     try:
-        code = proc.wait()
+        return _wait_ending_hangs(proc, run_dir), forwarder.first_signal is not None
     except KeyboardInterrupt:
         log.warning("interrupted: stopping all ranks")
         os.killpg(proc.pid, signal.SIGINT)
         try:
-            return proc.wait(timeout=30)
+            return proc.wait(timeout=30), True
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            return proc.wait()
+            return proc.wait(), True
     finally:
         forwarder.uninstall()
-    return stop_outcome(run_dir, code)
+
+
+# After the hang watchdog's evidence, how long the ranks' own way out (launcher/runtime/watchdog.py)
+# may take before the executor ends the attempt: from the first rank's stacks, rank 0's wait for
+# the others' reports plus their wait for its summary; from rank 0's hang summary, the exits.
+HANG_EXIT_GRACE_S = REPORT_GRACE_S + 45.0
+HANG_SUMMARY_GRACE_S = 15.0
+
+
+def _hang_summary_written(failure: Path, since: float) -> bool:
+    path = failure / SUMMARY_FILE
+    try:
+        return path.stat().st_mtime >= since - 1.0 and json.loads(path.read_text()).get("what") == "hang"
+    except (OSError, ValueError):
+        return False
+
+
+def _wait_ending_hangs(proc: subprocess.Popen, run_dir: Path, poll_s: float = 1.0) -> int:
+    """proc.wait(), except after a hang: a rank frozen for good (SIGSTOP, a stuck driver call in
+    the kernel) cannot take torchrun's SIGTERM, and torchrun would wait its whole --shutdown-timeout
+    (the plan's save time) before its SIGKILL. Once the watchdog has fired and its grace passed,
+    the attempt is ended here, ranks included, so a restart (or the exit) comes without that wait."""
+    started = time.time()
+    failure = Path(run_dir) / FAILURE_DIR
+    stacks_seen: Optional[float] = None
+    summary_seen: Optional[float] = None
+    while True:
+        try:
+            return proc.wait(timeout=poll_s)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if stacks_seen is None and any(p.stat().st_mtime >= started - 1.0 for p in failure.glob("stacks_rank_*.txt")):
+            stacks_seen = now
+        if stacks_seen is not None and summary_seen is None and _hang_summary_written(failure, started):
+            summary_seen = now
+        if (summary_seen is not None and now - summary_seen > HANG_SUMMARY_GRACE_S) or (
+                stacks_seen is not None and now - stacks_seen > HANG_EXIT_GRACE_S):
+            log.error("the hang watchdog fired %.0f s ago and torchrun still waits for its ranks (one is frozen "
+                      "and cannot take SIGTERM): killing torchrun and the ranks", now - stacks_seen)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return HANG_EXIT_CODE
 
 
 def stop_outcome(run_dir: Path, code: int) -> int:

@@ -190,14 +190,19 @@ def srun_argv(spec: JobConfig, cwd: Path, run_dir: Path) -> List[str]:
     ]
     if c.cpus_per_task > 0:
         argv.append(f"--cpus-per-task={c.cpus_per_task}")
-    if c.container:
-        mounts = sorted({str(run_dir), str(cwd)})
-        argv += [
-            f"--container-image={c.container}",
-            "--container-mounts=" + ",".join(f"{m}:{m}" for m in mounts),
-            f"--container-workdir={cwd}",
-        ]
-    return argv
+    return argv + container_args(c, cwd, run_dir)
+
+
+def container_args(c: ClusterConfig, cwd: Path, run_dir: Path) -> List[str]:
+    """srun options that run a step inside cluster.container (pyxis); none without one."""
+    if not c.container:
+        return []
+    mounts = sorted({str(run_dir), str(cwd)})
+    return [
+        f"--container-image={c.container}",
+        "--container-mounts=" + ",".join(f"{m}:{m}" for m in mounts),
+        f"--container-workdir={cwd}",
+    ]
 
 
 def launch_argv(spec: JobConfig, plan: Plan, run_dir: Path) -> List[str]:
@@ -216,6 +221,18 @@ def launch_argv(spec: JobConfig, plan: Plan, run_dir: Path) -> List[str]:
         python=python,
         shutdown_timeout_s=shutdown_timeout_of(plan),
     )
+
+
+def resilience_argv(spec: JobConfig, cwd: Path, run_dir: Path) -> List[str]:
+    """The batch script's restart decision after a failed srun step (launcher/runtime/resilience.py):
+    it appends `--restarts-done N --max-restarts M --exit-code C`. With a container the launcher's
+    Python lives in the image, so the decision runs there too, as one task on one node."""
+    c = spec.cluster
+    python = c.python or ("python" if c.container else sys.executable)
+    prefix: List[str] = []
+    if c.container:
+        prefix = ["srun", "--nodes=1", "--ntasks=1", *container_args(c, cwd, run_dir)]
+    return [*prefix, python, "-m", "launcher.runtime.resilience", "decide", "--run-dir", str(run_dir)]
 
 
 def template_context(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[Path] = None) -> Dict[str, Any]:
@@ -238,6 +255,8 @@ def template_context(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[P
         "setup": [str(s) for s in c.setup],
         "srun_argv": srun_argv(spec, cwd, paths.run_dir),
         "launch_argv": launch_argv(spec, plan, paths.run_dir),
+        "resilience_argv": resilience_argv(spec, cwd, paths.run_dir),
+        "max_restarts": int(c.max_restarts),
         "nproc_per_node": plan.gpus_per_node,
         "rdzv_port": int(c.rdzv_port),
         "max_requeues": int(c.max_requeues),

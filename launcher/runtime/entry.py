@@ -46,6 +46,8 @@ from launcher.runtime.profiler import StepProfiler, default_profile_ranks
 from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
 from launcher.runtime.moe_health import MoEHealth
 from launcher.runtime.run_score import RunScore
+from launcher.runtime.resilience import RestartReport
+from launcher.job_env import job_facts
 from launcher.runtime import debug_hooks
 from launcher.data.validation import load_val_token_arrays
 from launcher.runtime.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
@@ -299,18 +301,29 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         async_timeout_s=phase_s,
     )
     start_step = 0
-    if spec.checkpoint.resume != "none":
-        path = checkpoints.select_resume(spec.checkpoint.resume)
+    restarts = job_facts().in_job_restarts
+    # After an in-job restart the newest checkpoint is this run's own progress: resume=none or an
+    # older PATH would throw it away (and set newer checkpoints aside) on every restart.
+    resume = "auto" if restarts else spec.checkpoint.resume
+    if resume != "none":
+        path = checkpoints.select_resume(resume)
         if path is not None:
             with health.phase("resume"):
                 state = checkpoints.load(path, engine, spec.trainer.seed)
             health.saved(state["step"], path)
             start_step = state["step"]
+            # The failure bundle's "last step" counts from here: a failure before the first step
+            # after a resume is at this step (the in-job restart compares failures by step).
+            bundle.progress.last_step = start_step
             check_same_data_position(state, plan)
             resume_data(batches, state, rank.rank)
             log.info("resumed from %s at step %d", path, start_step)
         elif rank.rank == 0:
             log.info("no checkpoint to resume from in %s: starting at step 0", checkpoints.root)
+    restart_report = RestartReport(run_dir, restarts, rank.rank, host_name())
+    restart_report.resumed_at(start_step)
+    if restarts and rank.rank == 0:
+        log.warning("in-job restart %d: resumed at step %d", restarts, start_step)
 
     metrics = MetricsLogger(
         run_dir,
@@ -356,6 +369,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
                              log_table=metrics.log_table) if spec.model.n_experts > 0 else None,
         score=RunScore(run_dir, plan.time, plan.memory, rank.world_size, rank.device.type, spec.hardware.name,
                        rank.rank),
+        restart_report=restart_report,
     )
     try:
         result = trainer.fit()

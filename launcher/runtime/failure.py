@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -84,6 +85,7 @@ class FailureBundle:
         return {
             "what": what,
             "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "unix_time": round(time.time(), 3),  # the start of an in-job restart's downtime (resilience.py)
             "rank": self.rank,
             "host": host_name(),
             "world_size": self.world_size,

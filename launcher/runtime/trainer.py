@@ -24,6 +24,7 @@ from launcher.runtime.profiler import StepProfiler
 from launcher.runtime.stragglers import StragglerMonitor
 from launcher.runtime.moe_health import MoEHealth
 from launcher.runtime.run_score import RunScore
+from launcher.runtime.resilience import RestartReport
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.stop_control import StopWithoutCheckpoint, write_stopped
 from launcher.runtime.debug_hooks import before_step as debug_before_step
@@ -80,6 +81,7 @@ class Trainer:
         stragglers: Optional[StragglerMonitor] = None,
         moe_health: Optional[MoEHealth] = None,
         score: Optional[RunScore] = None,
+        restart_report: Optional[RestartReport] = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -96,6 +98,7 @@ class Trainer:
         self.stragglers = stragglers
         self.moe_health = moe_health
         self.score = score  # measured vs planned: plan/* metrics and run_summary.json
+        self.restart_report = restart_report  # resilience/* metrics after an in-job restart
         self._reported_save = None  # the (step, path) last given to health.saved
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
@@ -246,6 +249,8 @@ class Trainer:
                 record.update(self._data_metrics(step, stats))
                 record.update(memory_row)
                 record.update(val_row)
+                if self.restart_report is not None:  # once: the first logged step after a restart
+                    record.update(self.restart_report.metrics())
                 if self.stragglers is not None:  # collective: every rank logs at the same steps
                     record.update(self.stragglers.observe(step))
                 if self.moe_health is not None:  # collective too

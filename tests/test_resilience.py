@@ -1,0 +1,106 @@
+"""The in-job restart decision (launcher/runtime/resilience.py) on real run folders: what it reads
+from the failure bundle, when it stops, what it writes. The multi-process runs that use it are in
+tests/test_train_e2e.py (local) and tests/test_slurm_train.py (SLURM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launcher.runtime.resilience import (RESTART, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING, RestartReport, decide,
+                                         read_events)
+
+
+def _summary(run_dir: Path, what: str, error: str, last_step: int, rank: int = 1) -> Path:
+    folder = run_dir / "failure"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "summary.json"
+    path.write_text(json.dumps({"what": what, "error": error, "rank": rank, "host": "n2", "last_step": last_step,
+                                "unix_time": time.time()}))
+    (folder / f"traceback_rank_{rank}.txt").write_text("Traceback ...\n")
+    return path
+
+
+def test_an_exception_is_restarted_once_and_stops_when_it_repeats_at_the_same_step(tmp_path):
+    _summary(tmp_path, "exception", "RuntimeError: boom", 7)
+    first = decide(tmp_path, 0, 3, 1)
+    assert first.action == RESTART and "restart 1 of 3" in first.message
+    # The bundle is set aside for the next attempt, its evidence kept.
+    assert not (tmp_path / "failure" / "summary.json").exists()
+    assert (tmp_path / "failure" / "before_restart_1" / "traceback_rank_1.txt").is_file()
+    _summary(tmp_path, "exception", "RuntimeError: boom", 7)
+    second = decide(tmp_path, 1, 3, 1)
+    assert second.action == STOP_REPEATING
+    assert second.message.startswith("repeating failure") and "not restarting" in second.message
+    assert "rank 1 on n2, last step 7" in second.message
+    assert [e["action"] for e in read_events(tmp_path)] == [RESTART, STOP_REPEATING]
+
+
+def test_the_same_exception_at_another_step_or_a_repeated_hang_is_restarted(tmp_path):
+    _summary(tmp_path, "exception", "RuntimeError: boom", 7)
+    assert decide(tmp_path, 0, 3, 1).restart
+    _summary(tmp_path, "exception", "RuntimeError: boom", 9)  # progress was made: a fault, not a bug
+    assert decide(tmp_path, 1, 3, 1).restart
+    _summary(tmp_path, "hang", "no progress for 9 s (trainer.hang_timeout_s=8)", 9)
+    assert decide(tmp_path, 2, 4, 3).restart
+    _summary(tmp_path, "hang", "no progress for 9 s (trainer.hang_timeout_s=8)", 9)
+    assert decide(tmp_path, 3, 4, 3).restart  # a hang never proves a bug
+
+
+def test_no_summary_means_a_killed_rank_and_max_restarts_bounds_the_restarts(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    first = decide(tmp_path, 0, 1, -9)
+    assert first.restart and first.event["cause"]["what"] == "exit" and first.event["cause"]["last_step"] == 3
+    assert "wrote no failure summary" in first.event["cause"]["error"]
+    second = decide(tmp_path, 1, 1, -9)
+    assert second.action == STOP_EXHAUSTED and "cluster.max_restarts=1 reached" in second.message
+    off = decide(tmp_path, 0, 0, 1)
+    assert off.action == STOP_EXHAUSTED and "cluster.max_restarts=0 (in-job restarts off)" in off.message
+
+
+def test_a_summary_older_than_the_attempt_is_not_its_cause(tmp_path):
+    path = _summary(tmp_path, "exception", "RuntimeError: from an earlier launch", 4)
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    decision = decide(tmp_path, 0, 2, -9, attempt_started=time.time() - 5)
+    assert decision.event["cause"]["what"] == "exit", decision.event
+
+
+def test_restart_report_gives_the_metrics_once_after_a_restart(tmp_path):
+    _summary(tmp_path, "exception", "RuntimeError: boom", 7, rank=0)
+    decide(tmp_path, 0, 3, 1)
+    report = RestartReport(tmp_path, 1, rank=0, node="n1")
+    report.resumed_at(4)
+    resumed = read_events(tmp_path)[-1]
+    assert resumed["event"] == "resumed" and resumed["step"] == 4 and resumed["lost_steps"] == 3
+    metrics = report.metrics()
+    assert metrics["resilience/restarts"] == 1 and metrics["resilience/lost_steps"] == 3
+    assert 0 <= metrics["resilience/downtime_s"] < 60
+    assert report.metrics() == {}  # once
+    assert RestartReport(tmp_path, 0, rank=0, node="n1").metrics() == {}  # no restart: no metrics
+
+
+def test_the_batch_scripts_command_exits_0_to_restart_and_1_to_stop(tmp_path):
+    def run(done: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "launcher.runtime.resilience", "decide", "--run-dir", str(tmp_path),
+                               "--restarts-done", str(done), "--max-restarts", "1", "--exit-code", "1",
+                               "--attempt-started", str(time.time() - 60)], capture_output=True, text=True, timeout=60)
+
+    again = run(0)
+    assert again.returncode == 0 and "restarting them (restart 1 of 1)" in again.stdout, again
+    stop = run(1)
+    assert stop.returncode == 1 and stop.stdout.startswith("launcher: error: the ranks failed"), stop
+    assert "cluster.max_restarts=1 reached" in stop.stdout
+
+
+def test_a_lost_node_is_not_restarted_in_the_job_and_is_recorded(tmp_path):
+    _summary(tmp_path, "exception", "RuntimeError: Connection closed by peer", 5, rank=0)
+    decision = decide(tmp_path, 0, 3, 1, lost_nodes=["n2"])
+    assert decision.action == STOP_NODE_LOST and "SLURM no longer hears from n2: not restarting" in decision.message
+    assert "cluster.requeue_on_failure=true" in decision.message
+    event = read_events(tmp_path)[-1]
+    assert event["action"] == STOP_NODE_LOST and event["cause"]["lost_nodes"] == ["n2"]
