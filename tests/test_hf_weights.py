@@ -81,15 +81,37 @@ def hf_models(tmp_path_factory):
     moe = Qwen3MoeConfig(**dict(qwen, num_hidden_layers=3), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                          mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=False)
     _randomize_norms(Qwen3MoeForCausalLM(moe)).save_pretrained(out.setdefault("qwen3_moe", root / "qwen3_moe"))
+    # DeepSeek-V3: MLA (q_lora_rank 16, or 0 as V2-Lite), YaRN with a pre-training context (8)
+    # shorter than the test's 16 tokens and mscale != mscale_all_dim (both magnitudes matter), a
+    # dense first block, then 8 experts in 4 groups (top-2 groups, top-2 experts), a shared
+    # expert, random correction biases (routing depends on them).
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    for name, q_rank in (("deepseek_v3", 16), ("deepseek_v3_q0", None)):
+        config = DeepseekV3Config(**DEEPSEEK_V3, q_lora_rank=q_rank)
+        _randomize_norms(DeepseekV3ForCausalLM(config)).save_pretrained(out.setdefault(name, root / name))
     return out
 
 
+DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0}
+DEEPSEEK_V3 = dict(TINY, num_hidden_layers=3, num_key_value_heads=4, moe_intermediate_size=16, n_shared_experts=1,
+                   n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                   kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rms_norm_eps=1e-6,
+                   rope_parameters=DEEPSEEK_V3_YARN, tie_word_embeddings=False, routed_scaling_factor=2.5,
+                   initializer_range=0.1)  # weights large enough that RoPE and routing move the logits
+
+
 def _randomize_norms(model):
-    """RMSNorm weights start at 1: random ones make a swapped or missing norm (q_norm vs k_norm) show."""
+    """RMSNorm weights start at 1: random ones make a swapped or missing norm (q_norm vs k_norm) show.
+    DeepSeek-V3's correction biases start at 0: random ones make the expert choice depend on them."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.3, 0.3)
     return model
 
 
@@ -133,8 +155,8 @@ def _hf_on_disk_shapes(model) -> dict:
         shape = tuple(p.shape)
         if ".mlp.experts." in name or ".mlp.gate." in name:
             base = name.split(".mlp.")[0] + f".{moe}."
-            if name.endswith("gate.weight"):
-                out[base + "gate.weight"] = shape
+            if name.endswith("gate.weight") or name.endswith("gate.e_score_correction_bias"):
+                out[base + name.split(".mlp.")[1]] = shape
             elif name.endswith("gate_up_proj"):
                 for e in range(shape[0]):
                     out[f"{base}experts.{e}.{gate}.weight"] = (shape[1] // 2, shape[2])
@@ -184,7 +206,8 @@ def test_real_model_configs_map_name_for_name_on_meta(name):
 # ----------------------------------------------------------------------------- one rank, in process
 
 
-@pytest.mark.parametrize("which", ["llama", "llama_tied_bf16", "mixtral", "llama31_rope", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("which", ["llama", "llama_tied_bf16", "mixtral", "llama31_rope", "qwen3", "qwen3_moe",
+                                   "deepseek_v3", "deepseek_v3_q0"])
 def test_one_rank_logits_and_exact_round_trip(hf_models, which, tmp_path):
     from launcher.models import build_model
     from launcher.models.layers import model_rope_table
@@ -208,6 +231,8 @@ def test_one_rank_logits_and_exact_round_trip(hf_models, which, tmp_path):
         with torch.no_grad():
             assert (model(toks) - theirs).abs().max() > 1e-4
         model.rope = scaled
+    if which.startswith("deepseek_v3"):
+        _check_deepseek_v3_details(model, cfg, toks, theirs, which)
     dtype = "bf16" if which.endswith("bf16") else "fp32"
     export_hf([model], None, tmp_path / "hf", cfg, dtype)
     _assert_byte_identical(folder, tmp_path / "hf")
@@ -216,6 +241,33 @@ def test_one_rank_logits_and_exact_round_trip(hf_models, which, tmp_path):
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
     assert "lm_head.weight" not in index["weight_map"] if cfg.tie_embeddings else "lm_head.weight" in index["weight_map"]
+
+
+def _check_deepseek_v3_details(model, cfg, toks, theirs, which):
+    """What the DeepSeek-V3 parity covers: the correction bias is loaded (a buffer, and it changes
+    the routing), YaRN and its mscale^2 softmax scale are in effect, MLA as configured."""
+    from launcher.models.layers import model_rope_table
+
+    assert cfg.family == "deepseek_v3" and cfg.rope_scaling.type == "yarn" and cfg.n_group == 4 and cfg.topk_group == 2
+    assert cfg.q_lora_rank == (16 if which == "deepseek_v3" else 0) and cfg.n_dense_layers == 1
+    moe = model.layers["1"].moe
+    assert "e_score_correction_bias" not in dict(moe.named_parameters())
+    assert "layers.1.moe.e_score_correction_bias" in model.state_dict()  # checkpointed with the model
+    assert moe.e_score_correction_bias.abs().max() > 0.05
+    with torch.no_grad():
+        biases = [m.e_score_correction_bias.clone() for m in model.moe_layers()]
+        for m in model.moe_layers():
+            m.e_score_correction_bias.zero_()
+        assert (model(toks) - theirs).abs().max() > 1e-4  # the bias decides some experts
+        for m, b in zip(model.moe_layers(), biases):
+            m.e_score_correction_bias.copy_(b)
+        plain = model_rope_table(ModelConfig(**{**cfg.__dict__, "rope_scaling": RopeScalingConfig()}))
+        scaled, model.rope = model.rope, plain
+        assert (model(toks) - theirs).abs().max() > 1e-4
+        model.rope = scaled
+        block = model.layers["0"].attention
+        assert block.softmax_scale != block.qk_head ** -0.5  # mscale_all_dim=1 at factor 4
+        assert (model(toks) - theirs).abs().max() <= 1e-5
 
 
 # ----------------------------------------------------------------------------- bad folders
