@@ -174,7 +174,7 @@ def _hf_on_disk_shapes(model) -> dict:
 
 
 @pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b", "llama3_405b", "mixtral_8x7b", "qwen3_0_6b", "qwen3_8b",
-                                  "qwen3_32b", "qwen3_30b_a3b", "qwen3_235b_a22b"])
+                                  "qwen3_32b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "deepseek_v3_small"])
 def test_real_model_configs_map_name_for_name_on_meta(name):
     """Our conf/model/NAME.yaml and transformers' config of the same size map one to one: every
     transformers tensor has exactly one source in our model with the right shape, and back (so
@@ -194,7 +194,9 @@ def test_real_model_configs_map_name_for_name_on_meta(name):
         ours = build_model(cfg)
         theirs = AutoModelForCausalLM.from_config(config)
     maps = tensor_maps(cfg)
-    assert {m.ours: m.shape for m in maps} == {n: tuple(p.shape) for n, p in ours.named_parameters()}
+    state = set(ours.state_dict())  # persistent buffers too (DeepSeek-V3's e_score_correction_bias)
+    assert {m.ours: m.shape for m in maps} == {n: tuple(p.shape) for n, p in ours.named_parameters()} | \
+        {n: tuple(b.shape) for n, b in ours.named_buffers() if n in state}
     mapped = {}
     for m in maps:
         for hf_name, shape in hf_shapes(m):
