@@ -277,25 +277,39 @@ class MoE(nn.Module):
 
 
 @torch.no_grad()
-def update_correction_bias(module: nn.Module, speed: float, reduce=None) -> None:
-    """Aux-loss-free balancing, after an optimizer step: in every MoE layer of `module` with an
-    e_score_correction_bias, bias_e += speed * sign(mean load - load_e) over the assignments since
-    the last update (step_load), then step_load is cleared. Outside autograd and the optimizer.
+def update_correction_bias(parts, speed: float, n_layers: int, n_experts: int, reduce=None, device=None) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3), after an optimizer step: in every MoE layer of the
+    model `parts` (a model, or this rank's pipeline stages) with an e_score_correction_bias,
+    bias_e += speed * sign(mean load - load_e) over the assignments since the last update
+    (step_load), then step_load is cleared. Outside autograd and the optimizer (the bias is a
+    buffer).
 
-    reduce: None, or a function summing a tensor in place over the ranks that saw other tokens
-    (it gets one [layers, E] float tensor; every rank calls it, with layers in module order), so
-    every replica of a router moves its bias alike. Summing over ranks that saw the same tokens
-    (tensor parallelism) scales a layer's loads uniformly, which sign() ignores."""
-    layers = [m for m in moe_layers_of(module) if m.e_score_correction_bias is not None]
-    if not layers:
+    The loads go in one [n_layers, n_experts] float tensor (row = the block's index in the whole model,
+    zero for blocks elsewhere), so every rank passes the same shape to `reduce`: None, or a
+    function summing it in place over all ranks (every pipeline stage, data-, context- and
+    expert-parallel rank), after which every replica of a router moves its bias alike. Tensor-
+    parallel ranks see the same tokens: summing them scales a row uniformly, which sign() ignores."""
+    from launcher.models.init import canonical_name
+
+    parts = parts if isinstance(parts, (list, tuple)) else [parts]
+    layers = {}
+    for part in parts:
+        for name, m in part.named_modules():
+            if isinstance(m, MoE) and m.e_score_correction_bias is not None:
+                fields = canonical_name(name).split(".")
+                layers[int(fields[fields.index("layers") + 1])] = m
+    if not layers and reduce is None:
         return
-    bias0 = layers[0].e_score_correction_bias
-    loads = torch.stack([(m.step_load if m.step_load is not None
-                          else torch.zeros(m.n_experts, dtype=torch.int64, device=bias0.device)).to(torch.float32)
-                         for m in layers])
+    if device is None:  # `device`: where `reduce` runs (a stage without MoE layers has no bias to ask)
+        device = next(iter(layers.values())).e_score_correction_bias.device if layers else torch.device("cpu")
+    loads = torch.zeros(n_layers, n_experts, dtype=torch.float32, device=device)
+    for i, m in layers.items():
+        if m.step_load is not None:
+            loads[i, :m.n_experts] = m.step_load.to(device, torch.float32)
     if reduce is not None:
         reduce(loads)
-    for m, load in zip(layers, loads):
+    for i, m in layers.items():
+        load = loads[i, :m.n_experts].to(m.e_score_correction_bias.device)
         m.e_score_correction_bias.add_(speed * torch.sign(load.mean() - load))
         m.step_load = None
 
