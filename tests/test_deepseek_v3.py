@@ -253,3 +253,48 @@ def test_mla_under_tensor_parallelism_equals_one_rank(sequence_parallel):
     assert out["logits"] <= 1e-5, out
     bad = {k: v for k, v in out["grads"].items() if v > 1e-5}
     assert not bad, bad
+
+
+# ----------------------------------------------------------------------------- the `train` command
+
+
+@pytest.mark.multiprocess
+def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path):
+    """`train model=hf model.init_from=<tiny DeepSeek-V3> model.bias_update_speed=0.01`, 3 steps, fp32
+    export: every correction bias moved by whole steps of 0.01 (at most 3), and transformers reads the
+    export as our model does (logits within 1e-5)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from launcher.hf.format import hf_model_fields, read_hf_config
+    from launcher.hf.weights import load_hf_weights
+    from tests.conftest import run_train
+    from tests.test_hf_weights import DEEPSEEK_V3, WORDS, _hf_logits, _hf_tensors, _randomize_norms, _save_tokenizer
+
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    _randomize_norms(DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_V3, q_lora_rank=16))).save_pretrained(src)
+    _save_tokenizer(src)
+    text = tmp_path / "corpus.txt"
+    text.write_text(" ".join(WORDS[i % len(WORDS)] for i in range(3000)))
+    run = tmp_path / "run"
+    run_train(["model=hf", f"model.init_from={src}", "model.bias_update_speed=0.01", "data=text", f"data.path={text}",
+               "trainer.steps=3", "trainer.seq_len=16", "trainer.global_batch_size=2", "precision=fp32",
+               "checkpoint.export=hf", "checkpoint.export_dtype=fp32", "cluster.gpus_per_node=1",
+               "logging.progress=false", "plan.plots=false", "logging.wandb.mode=disabled"], run, check=True, timeout=600)
+    export = run / "export" / "hf"
+    before, after = _hf_tensors(src), _hf_tensors(export)
+    keys = [k for k in before if k.endswith("e_score_correction_bias")]
+    assert len(keys) == 2
+    for k in keys:
+        steps = (after[k] - before[k]) / 0.01
+        assert (steps - steps.round()).abs().max() < 1e-3 and steps.abs().max() <= 3 + 1e-3, (k, steps)
+        assert steps.abs().max() > 0.5, k  # it moved
+    cfg = ModelConfig(name="hf", init_from=str(export), **hf_model_fields(read_hf_config(export)))
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    load_hf_weights([model], str(export), cfg)
+    toks = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(toks)
+    assert (ours - _hf_logits(export, toks)).abs().max() <= 1e-5
