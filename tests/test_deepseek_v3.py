@@ -114,7 +114,8 @@ def test_aux_loss_free_balancing_moves_a_skewed_router_toward_uniform():
     torch.manual_seed(0)
     moe = MoE(8, 4, 16, 2, 1, score_func="sigmoid", routed_scaling_factor=2.5, correction_bias=True,
               aux_loss="sequence", aux_loss_coef=0.0)
-    holder = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.ModuleDict({"moe": moe})})})
+    holder = torch.nn.Module()  # a one-block model: update_correction_bias finds blocks by layer_id
+    holder.moe, holder.layer_id = moe, 0
     with torch.no_grad():
         for p in moe.parameters():  # the experts are allocated empty
             p.normal_(0, 0.1)
@@ -174,8 +175,7 @@ def test_update_sums_loads_through_reduce_with_one_shape_everywhere():
     assert torch.equal(model.layers["1"].moe.e_score_correction_bias, torch.sign(7.5 - torch.arange(16).float()) * 0.5)
     assert torch.equal(model.layers["2"].moe.e_score_correction_bias,
                        torch.sign(7.5 - torch.arange(16).flip(0).float()) * 0.5)
-    stage = torch.nn.Module()  # a stage with only the dense block
-    stage.layers = torch.nn.ModuleDict({"0": model.layers["0"]})
+    stage = torch.nn.Sequential(model.layers["0"])  # a stage with only the dense block
     seen.clear()
     update_correction_bias([stage], 0.5, cfg.n_layers, cfg.n_experts, lambda t: seen.append(t.shape))
     assert seen == [(3, 16)]

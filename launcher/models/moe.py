@@ -289,15 +289,13 @@ def update_correction_bias(parts, speed: float, n_layers: int, n_experts: int, r
     function summing it in place over all ranks (every pipeline stage, data-, context- and
     expert-parallel rank), after which every replica of a router moves its bias alike. Tensor-
     parallel ranks see the same tokens: summing them scales a row uniformly, which sign() ignores."""
-    from launcher.models.init import canonical_name
-
     parts = parts if isinstance(parts, (list, tuple)) else [parts]
     layers = {}
     for part in parts:
-        for name, m in part.named_modules():
+        for block in part.modules():  # decoder blocks (any wrapper or stage module around them)
+            m = getattr(block, "moe", None) if hasattr(block, "layer_id") else None
             if isinstance(m, MoE) and m.e_score_correction_bias is not None:
-                fields = canonical_name(name).split(".")
-                layers[int(fields[fields.index("layers") + 1])] = m
+                layers[int(block.layer_id)] = m
     if not layers and reduce is None:
         return
     if device is None:  # `device`: where `reduce` runs (a stage without MoE layers has no bias to ask)
