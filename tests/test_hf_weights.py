@@ -272,6 +272,24 @@ def _check_deepseek_v3_details(model, cfg, toks, theirs, which):
         assert (model(toks) - theirs).abs().max() <= 1e-5
 
 
+def test_deepseek_v3_bf16_export_is_transformers_own_bf16_save(hf_models, tmp_path):
+    """transformers keeps DeepSeek-V3's router weight and correction bias in float32 in a bf16
+    model (_keep_in_fp32_modules_strict); a bf16 export does too: byte for byte its save_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    from launcher.hf.weights import export_hf, load_hf_weights
+    from launcher.models import build_model
+
+    folder = hf_models["deepseek_v3"]
+    AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).save_pretrained(tmp_path / "theirs")
+    cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
+    model = build_model(cfg)
+    load_hf_weights([model], str(folder), cfg)
+    export_hf([model], None, tmp_path / "ours", cfg, "bf16")
+    _assert_byte_identical(tmp_path / "theirs", tmp_path / "ours")
+    assert _hf_tensors(tmp_path / "ours")["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
 # ----------------------------------------------------------------------------- bad folders
 
 

@@ -176,7 +176,7 @@ def _shard_plan(maps: List[TensorMap], itemsize: int) -> List[List[str]]:
     size = 0
     for m in maps:
         for name in m.hf_names:
-            n = itemsize
+            n = 4 if m.keep_fp32 else itemsize
             for s in (m.shape[1:] if m.kind == "experts" else m.shape):
                 n *= s
             if files[-1] and size + n > MAX_SHARD_BYTES:
@@ -211,6 +211,7 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
     n_files = len(plan)
     file_of = {name: k for k, names in enumerate(plan) for name in names}
     shapes = {n: (m.shape[1:] if m.kind == "experts" else m.shape) for m in maps for n in m.hf_names}
+    fp32 = {n: torch.float32 for m in maps if m.keep_fp32 for n in m.hf_names}
     writers: Dict[int, SafetensorsStreamWriter] = {}
     final_dir = Path(out_dir)
     # Written aside and renamed when complete: a crash never leaves a half export named export/hf.
@@ -233,13 +234,13 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
         for name, t in to_hf_tensors(m, full):
             k = file_of[name]
             if k not in writers:
-                writers[k] = SafetensorsStreamWriter(out_dir / fname(k), plan[k], shapes, dtype)
-            writers[k].write(name, t.to(dtype))
+                writers[k] = SafetensorsStreamWriter(out_dir / fname(k), plan[k], shapes, dtype, fp32)
+            writers[k].write(name, t.to(fp32.get(name, dtype)))
             if writers[k].next == len(plan[k]):
                 writers[k].close()
         del full
     if rank == 0:
-        index = {"metadata": {"total_size": sum(itemsize * _numel(s) for s in shapes.values())},
+        index = {"metadata": {"total_size": sum((4 if n in fp32 else itemsize) * _numel(s) for n, s in shapes.items())},
                  "weight_map": {n: fname(file_of[n]) for n in sorted(file_of)}}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
         (out_dir / CONFIG_FILE).write_text(json.dumps(_export_config(model_cfg, DTYPES[dtype_name]), indent=2))

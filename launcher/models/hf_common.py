@@ -24,13 +24,16 @@ class TensorMap:
     """One of our parameters and the on-disk HF tensor(s) it comes from.
 
     kind: "plain" (same layout), "rope" (q/k: per-head row permutation, `heads` heads),
-    "experts" (ours [E, a, b] stacks hf_names[e], each [a, b])."""
+    "experts" (ours [E, a, b] stacks hf_names[e], each [a, b]).
+    keep_fp32: written in float32 whatever the export dtype (transformers'
+    _keep_in_fp32_modules_strict: DeepSeek-V3's router weight and correction bias)."""
 
     ours: str
     hf_names: Tuple[str, ...]
     shape: Tuple[int, ...]  # our shape
     kind: str = "plain"
     heads: int = 0
+    keep_fp32: bool = False
 
 
 def hf_rope_theta(hf: Dict[str, Any]) -> Optional[float]:

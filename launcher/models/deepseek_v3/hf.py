@@ -154,7 +154,11 @@ def mla_maps(model, p: str, h: str) -> List[TensorMap]:
 def deepseek_moe_maps(model, p: str, h: str) -> List[TensorMap]:
     mlp = h + "mlp."
     out = stacked_expert_maps(model, p, mlp + "gate.weight", lambda e, w: f"{mlp}experts.{e}.{_EXPERT_NAMES[w]}.weight")
-    out.insert(1, TensorMap(p + "moe.e_score_correction_bias", (mlp + "gate.e_score_correction_bias",), (model.n_experts,)))
+    # transformers keeps the router and its bias in float32 (_keep_in_fp32_modules_strict): so does a
+    # bf16 export (a bf16 bias could not hold bias_update_speed's small steps).
+    out[0] = TensorMap(out[0].ours, out[0].hf_names, out[0].shape, keep_fp32=True)
+    out.insert(1, TensorMap(p + "moe.e_score_correction_bias", (mlp + "gate.e_score_correction_bias",), (model.n_experts,),
+                            keep_fp32=True))
     if model.n_shared_experts > 0:
         f = (model.moe_ffn_dim or model.ffn_dim) * model.n_shared_experts
         s = mlp + "shared_experts."
