@@ -298,3 +298,48 @@ def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path
     with torch.no_grad():
         ours = model(toks)
     assert (ours - _hf_logits(export, toks)).abs().max() <= 1e-5
+
+
+def test_multi_token_prediction_weights_are_skipped_with_one_log_line(tmp_path, caplog):
+    """The released folder holds the multi-token-prediction block at model.layers.{n_layers}; we build
+    none: the folder passes the check, the load skips those tensors with one log line."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from launcher.hf.format import folder_problems, hf_model_fields, read_hf_config
+    from launcher.hf.weights import load_hf_weights
+    from tests.test_hf_weights import DEEPSEEK_V3
+
+    torch.manual_seed(0)
+    folder = tmp_path / "mtp"
+    DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_V3, q_lora_rank=16)).save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({"model.layers.3.eh_proj.weight": torch.zeros(32, 64), "model.layers.3.enorm.weight": torch.ones(32),
+                    "model.layers.3.shared_head.head.weight": torch.zeros(96, 32)})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
+    assert folder_problems(cfg, str(folder)) == []
+    model = build_model(cfg)
+    with caplog.at_level(logging.INFO, logger="launcher.hf.weights"):
+        load_hf_weights([model], str(folder), cfg)
+    lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(lines) == 1 and "3 tensor(s)" in lines[0] and "model.layers.3" in lines[0], lines
+
+
+def test_document_masking_keeps_mla_attention_inside_each_document():
+    """Two packed documents (positions restarting) give each document's logits alone (SDPA mask
+    path; MLA's value heads are smaller than its query/key heads)."""
+    model, cfg = _model()
+    model.eval()
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, cfg.vocab_size, (1, 6), generator=gen), torch.randint(0, cfg.vocab_size, (1, 10), generator=gen)
+    packed = torch.cat([a, b], dim=1)
+    docs = torch.tensor([[0] * 6 + [1] * 10])
+    positions = torch.cat([torch.arange(6), torch.arange(10)]).unsqueeze(0)
+    model.attention_kernel = "sdpa"
+    with torch.no_grad():
+        together = model(packed, positions=positions, document_ids=docs)
+        alone = torch.cat([model(a), model(b)], dim=1)
+    assert (together - alone).abs().max() <= 1e-5
