@@ -251,6 +251,8 @@ class MoE(nn.Module):
         """[T, top_k] experts of each token: the top_k of scores (+ e_score_correction_bias, for the
         choice only), within the topk_group groups whose two best biased scores sum highest when
         n_group > 1 (transformers' DeepseekV3TopkRouter, step for step)."""
+        if self.e_score_correction_bias is None and self.n_group == 1:
+            return torch.topk(scores, self.top_k, dim=-1)[1]  # Mixtral / Qwen3-MoE: best first, as always
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_group > 1:
             n_tok = choice.shape[0]
