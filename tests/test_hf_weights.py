@@ -81,15 +81,37 @@ def hf_models(tmp_path_factory):
     moe = Qwen3MoeConfig(**dict(qwen, num_hidden_layers=3), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                          mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=False)
     _randomize_norms(Qwen3MoeForCausalLM(moe)).save_pretrained(out.setdefault("qwen3_moe", root / "qwen3_moe"))
+    # DeepSeek-V3: MLA (q_lora_rank 16, or 0 as V2-Lite), YaRN with a pre-training context (8)
+    # shorter than the test's 16 tokens and mscale != mscale_all_dim (both magnitudes matter), a
+    # dense first block, then 8 experts in 4 groups (top-2 groups, top-2 experts), a shared
+    # expert, random correction biases (routing depends on them).
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    for name, q_rank in (("deepseek_v3", 16), ("deepseek_v3_q0", None)):
+        config = DeepseekV3Config(**DEEPSEEK_V3, q_lora_rank=q_rank)
+        _randomize_norms(DeepseekV3ForCausalLM(config)).save_pretrained(out.setdefault(name, root / name))
     return out
 
 
+DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0}
+DEEPSEEK_V3 = dict(TINY, num_hidden_layers=3, num_key_value_heads=4, moe_intermediate_size=16, n_shared_experts=1,
+                   n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                   kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rms_norm_eps=1e-6,
+                   rope_parameters=DEEPSEEK_V3_YARN, tie_word_embeddings=False, routed_scaling_factor=2.5,
+                   initializer_range=0.1)  # weights large enough that RoPE and routing move the logits
+
+
 def _randomize_norms(model):
-    """RMSNorm weights start at 1: random ones make a swapped or missing norm (q_norm vs k_norm) show."""
+    """RMSNorm weights start at 1: random ones make a swapped or missing norm (q_norm vs k_norm) show.
+    DeepSeek-V3's correction biases start at 0: random ones make the expert choice depend on them."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.3, 0.3)
     return model
 
 
@@ -133,8 +155,8 @@ def _hf_on_disk_shapes(model) -> dict:
         shape = tuple(p.shape)
         if ".mlp.experts." in name or ".mlp.gate." in name:
             base = name.split(".mlp.")[0] + f".{moe}."
-            if name.endswith("gate.weight"):
-                out[base + "gate.weight"] = shape
+            if name.endswith("gate.weight") or name.endswith("gate.e_score_correction_bias"):
+                out[base + name.split(".mlp.")[1]] = shape
             elif name.endswith("gate_up_proj"):
                 for e in range(shape[0]):
                     out[f"{base}experts.{e}.{gate}.weight"] = (shape[1] // 2, shape[2])
@@ -152,7 +174,7 @@ def _hf_on_disk_shapes(model) -> dict:
 
 
 @pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b", "llama3_405b", "mixtral_8x7b", "qwen3_0_6b", "qwen3_8b",
-                                  "qwen3_32b", "qwen3_30b_a3b", "qwen3_235b_a22b"])
+                                  "qwen3_32b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "deepseek_v3_small"])
 def test_real_model_configs_map_name_for_name_on_meta(name):
     """Our conf/model/NAME.yaml and transformers' config of the same size map one to one: every
     transformers tensor has exactly one source in our model with the right shape, and back (so
@@ -172,7 +194,9 @@ def test_real_model_configs_map_name_for_name_on_meta(name):
         ours = build_model(cfg)
         theirs = AutoModelForCausalLM.from_config(config)
     maps = tensor_maps(cfg)
-    assert {m.ours: m.shape for m in maps} == {n: tuple(p.shape) for n, p in ours.named_parameters()}
+    state = set(ours.state_dict())  # persistent buffers too (DeepSeek-V3's e_score_correction_bias)
+    assert {m.ours: m.shape for m in maps} == {n: tuple(p.shape) for n, p in ours.named_parameters()} | \
+        {n: tuple(b.shape) for n, b in ours.named_buffers() if n in state}
     mapped = {}
     for m in maps:
         for hf_name, shape in hf_shapes(m):
@@ -184,7 +208,8 @@ def test_real_model_configs_map_name_for_name_on_meta(name):
 # ----------------------------------------------------------------------------- one rank, in process
 
 
-@pytest.mark.parametrize("which", ["llama", "llama_tied_bf16", "mixtral", "llama31_rope", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("which", ["llama", "llama_tied_bf16", "mixtral", "llama31_rope", "qwen3", "qwen3_moe",
+                                   "deepseek_v3", "deepseek_v3_q0"])
 def test_one_rank_logits_and_exact_round_trip(hf_models, which, tmp_path):
     from launcher.models import build_model
     from launcher.models.layers import model_rope_table
@@ -208,6 +233,8 @@ def test_one_rank_logits_and_exact_round_trip(hf_models, which, tmp_path):
         with torch.no_grad():
             assert (model(toks) - theirs).abs().max() > 1e-4
         model.rope = scaled
+    if which.startswith("deepseek_v3"):
+        _check_deepseek_v3_details(model, cfg, toks, theirs, which)
     dtype = "bf16" if which.endswith("bf16") else "fp32"
     export_hf([model], None, tmp_path / "hf", cfg, dtype)
     _assert_byte_identical(folder, tmp_path / "hf")
@@ -216,6 +243,51 @@ def test_one_rank_logits_and_exact_round_trip(hf_models, which, tmp_path):
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
     assert "lm_head.weight" not in index["weight_map"] if cfg.tie_embeddings else "lm_head.weight" in index["weight_map"]
+
+
+def _check_deepseek_v3_details(model, cfg, toks, theirs, which):
+    """What the DeepSeek-V3 parity covers: the correction bias is loaded (a buffer, and it changes
+    the routing), YaRN and its mscale^2 softmax scale are in effect, MLA as configured."""
+    from launcher.models.layers import model_rope_table
+
+    assert cfg.family == "deepseek_v3" and cfg.rope_scaling.type == "yarn" and cfg.n_group == 4 and cfg.topk_group == 2
+    assert cfg.q_lora_rank == (16 if which == "deepseek_v3" else 0) and cfg.n_dense_layers == 1
+    moe = model.layers["1"].moe
+    assert "e_score_correction_bias" not in dict(moe.named_parameters())
+    assert "layers.1.moe.e_score_correction_bias" in model.state_dict()  # checkpointed with the model
+    assert moe.e_score_correction_bias.abs().max() > 0.05
+    with torch.no_grad():
+        biases = [m.e_score_correction_bias.clone() for m in model.moe_layers()]
+        for m in model.moe_layers():
+            m.e_score_correction_bias.zero_()
+        assert (model(toks) - theirs).abs().max() > 1e-4  # the bias decides some experts
+        for m, b in zip(model.moe_layers(), biases):
+            m.e_score_correction_bias.copy_(b)
+        plain = model_rope_table(ModelConfig(**{**cfg.__dict__, "rope_scaling": RopeScalingConfig()}))
+        scaled, model.rope = model.rope, plain
+        assert (model(toks) - theirs).abs().max() > 1e-4
+        model.rope = scaled
+        block = model.layers["0"].attention
+        assert block.softmax_scale != block.qk_head ** -0.5  # mscale_all_dim=1 at factor 4
+        assert (model(toks) - theirs).abs().max() <= 1e-5
+
+
+def test_deepseek_v3_bf16_export_is_transformers_own_bf16_save(hf_models, tmp_path):
+    """transformers keeps DeepSeek-V3's router weight and correction bias in float32 in a bf16
+    model (_keep_in_fp32_modules_strict); a bf16 export does too: byte for byte its save_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    from launcher.hf.weights import export_hf, load_hf_weights
+    from launcher.models import build_model
+
+    folder = hf_models["deepseek_v3"]
+    AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).save_pretrained(tmp_path / "theirs")
+    cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
+    model = build_model(cfg)
+    load_hf_weights([model], str(folder), cfg)
+    export_hf([model], None, tmp_path / "ours", cfg, "bf16")
+    _assert_byte_identical(tmp_path / "theirs", tmp_path / "ours")
+    assert _hf_tensors(tmp_path / "ours")["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
 
 
 # ----------------------------------------------------------------------------- bad folders
@@ -287,6 +359,11 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         # Qwen3-MoE: a dense block then expert blocks, experts split over ep=2.
         {"name": "ep2_qwen3_moe", "folder": str(hf_models["qwen3_moe"]), "mesh": {"dp_shard": 2, "ep": 2},
          "export_dtype": "fp32"},
+        # DeepSeek-V3: MLA heads over tp=2 (down-projections, their norms and the shared RoPE key
+        # replicated), then 8 grouped experts over ep=2 (correction biases loaded into every replica).
+        {"name": "tp2_deepseek_v3", "folder": str(hf_models["deepseek_v3"]), "mesh": {"tp": 2}, "export_dtype": "fp32"},
+        {"name": "ep2_deepseek_v3", "folder": str(hf_models["deepseek_v3"]), "mesh": {"dp_shard": 2, "ep": 2},
+         "export_dtype": "fp32"},
         # DeepSpeed ZeRO-3 (parameters partitioned as built; rank 0 reads one full tensor at a time).
         {"name": "deepspeed_zero3", "folder": str(hf_models["llama"]), "mesh": {"dp_shard": 2},
          "backend": "deepspeed", "zero_stage": 3, "export_dtype": "fp32"},
@@ -318,11 +395,14 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         assert all(mesh[k] == v for k, v in job["mesh"].items()), (job["name"], mesh)
         # Each rank fetched its shards only: about half the model (norms and, under EP, the
         # non-expert weights are replicated), never all of it.
-        assert all(0 < n < 0.75 * r["model_elements"] for n in r["elements_read"]), (job["name"], r)
+        # (MLA's replicated down-projections and, under TP, the replicated experts: a bit more.)
+        share = 0.85 if job["name"] == "tp2_deepseek_v3" else 0.75
+        assert all(0 < n < share * r["model_elements"] for n in r["elements_read"]), (job["name"], r)
     r = out["tp2_train"]
     assert r["weights_moved"] > 1e-3  # training changed the model, so the export check below means something
     assert r["export_max_diff"] <= 1e-5
-    for name in ("dp_shard2_tied_bf16", "pp2", "ep2_mixtral", "tp2_llama31_rope", "tp2_qwen3", "ep2_qwen3_moe"):
+    for name in ("dp_shard2_tied_bf16", "pp2", "ep2_mixtral", "tp2_llama31_rope", "tp2_qwen3", "ep2_qwen3_moe",
+                 "tp2_deepseek_v3", "ep2_deepseek_v3"):
         job = next(j for j in jobs if j["name"] == name)
         _assert_byte_identical(Path(job["folder"]), Path(job["export_dir"]) / "hf")
 

@@ -49,6 +49,11 @@ def test_published_sizes():
         assert round((s.total - s.embedding - s.output) / 1e9, len(str(body).split(".")[1])) == body
     assert (round(qwen["qwen3_30b_a3b"].total / 1e9, 1), round(qwen["qwen3_30b_a3b"].active / 1e9, 2)) == (30.5, 3.35)
     assert (round(qwen["qwen3_235b_a22b"].total / 1e9), round(qwen["qwen3_235b_a22b"].active / 1e9)) == (235, 22)
+    # DeepSeek-V3: 671B total, 37B active (the paper's counts, without the multi-token-prediction
+    # block); DeepSeek-V2-Lite's shape: 15.7B total.
+    ds = model_shape(compose_spec(["model=deepseek_v3"]).model)
+    assert (round(ds.total / 1e9), int(ds.active / 1e9)) == (671, 37)
+    assert round(model_shape(compose_spec(["model=deepseek_v3_small"]).model).total / 1e9, 1) == 15.7
 
 
 def test_gqa_and_tied_embeddings_by_hand():

@@ -22,14 +22,27 @@ class RopeScalingConfig:
 
     type: none (plain RoPE) | llama3 (Llama 3.1-3.3: wavelengths longer than
     original_max_position_embeddings / low_freq_factor are stretched by `factor`, shorter than
-    original_max_position_embeddings / high_freq_factor kept, the band between interpolated).
-    The other defaults are Llama 3.1's values. Read from config.json by model=hf / model.init_from."""
+    original_max_position_embeddings / high_freq_factor kept, the band between interpolated)
+    | yarn (DeepSeek-V3, model.family=deepseek_v3 only: frequencies with fewer than beta_slow
+    rotations over original_max_position_embeddings are divided by `factor`, those with more than
+    beta_fast kept, a linear ramp between; cos/sin scaled by mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) and the softmax scale by mscale(factor, mscale_all_dim)^2,
+    mscale(f, m) = 0.1 m ln f + 1 -- transformers' yarn and DeepseekV3Attention).
+    The other defaults are Llama 3.1's values (yarn's: DeepSeek-V3's). Read from config.json by
+    model=hf / model.init_from."""
 
     type: str = "none"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn only (transformers' names; 0 for mscale / mscale_all_dim: not given).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    # Round the correction range to whole dimensions (transformers' default, DeepSeek's code).
+    truncate: bool = True
 
 
 @dataclass
@@ -80,6 +93,31 @@ class ModelConfig:
     # (i + 1) % moe_layer_step == 0 (Qwen3-MoE's decoder_sparse_step and mlp_only_layers).
     moe_layer_step: int = 1
     mlp_only_layers: List[int] = field(default_factory=list)
+    # Multi-head latent attention (DeepSeek-V2/V3, model.family=deepseek_v3; transformers' names).
+    # Queries: dim -> q_lora_rank (RMSNorm) -> n_heads x (qk_nope_head_dim + qk_rope_head_dim),
+    # or one dim -> heads projection when q_lora_rank is 0 (V2-Lite). Keys and values: dim ->
+    # kv_lora_rank (RMSNorm) -> n_heads x (qk_nope_head_dim + v_head_dim), plus one shared RoPE
+    # key of qk_rope_head_dim from dim. kv_lora_rank 0: not MLA (every other family).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # MoE router scores: softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3: experts chosen on
+    # score + e_score_correction_bias, weighted by the score, renormalised with norm_topk_prob,
+    # times routed_scaling_factor).
+    score_func: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    # Group-limited routing: experts in n_group groups, each token picks topk_group groups first
+    # (by the sum of each group's two best scores) and its top_k experts inside them. 1, 1: off.
+    n_group: int = 1
+    topk_group: int = 1
+    # Aux-loss-free balancing (sigmoid routers): after each optimizer step every MoE layer's
+    # e_score_correction_bias moves by bias_update_speed * sign(mean load - expert load); 0: off.
+    bias_update_speed: float = 0.0
+    # Weight of DeepSeek-V3's sequence-wise balance loss (sigmoid routers; replaces the Switch loss
+    # of aux_loss_coef there).
+    aux_loss_alpha: float = 0.0
 
 
 @dataclass

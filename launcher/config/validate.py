@@ -212,6 +212,54 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
     outside = sorted(i for i in m.mlp_only_layers if not 0 <= i < m.n_layers)
     if outside:
         problems.append(f"model.mlp_only_layers has layer ids {outside} outside 0..{m.n_layers - 1}. Fix: list layer ids of this model.")
+    problems.extend(mla_and_routing_problems(m))
+
+
+def mla_and_routing_problems(m: ModelConfig) -> List[str]:
+    """DeepSeek-V3's keys: MLA sizes (family deepseek_v3 only), router score function, group-limited
+    routing and aux-loss-free balancing (sigmoid routers of the deepseek_v3 family)."""
+    problems: List[str] = []
+    deepseek = m.family == "deepseek_v3"
+    mla_keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if deepseek:
+        for key in mla_keys[1:]:
+            if getattr(m, key) < 1:
+                problems.append(f"model.family=deepseek_v3 needs model.{key} >= 1 (multi-head latent attention). "
+                                f"Fix: the checkpoint's value, e.g. conf/model/deepseek_v3.yaml's.")
+        if m.q_lora_rank < 0:
+            problems.append(f"model.q_lora_rank={m.q_lora_rank} must be >= 0. Fix: 0 (no query compression) or the rank.")
+        if m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2:
+            problems.append(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE. Fix: an even size, e.g. 64.")
+    else:
+        set_keys = [k for k in mla_keys if getattr(m, k)]
+        if set_keys:
+            problems.append(f"model.{set_keys[0]}={getattr(m, set_keys[0])}: multi-head latent attention is the "
+                            f"deepseek_v3 family's, not {m.family}'s. Fix: model.family=deepseek_v3, or "
+                            f"{', '.join(f'model.{k}=0' for k in set_keys)}.")
+    if m.score_func not in ("softmax", "sigmoid"):
+        problems.append(f"model.score_func={m.score_func!r} is not one of softmax, sigmoid. Fix: model.score_func=softmax.")
+    elif m.n_experts and not deepseek and (m.score_func != "softmax" or m.n_group != 1 or m.topk_group != 1
+                                             or m.bias_update_speed or m.routed_scaling_factor != 1.0):
+        problems.append(f"model.family={m.family}: sigmoid scores, group-limited routing (n_group, topk_group), "
+                        f"routed_scaling_factor and bias_update_speed are the deepseek_v3 family's router. "
+                        f"Fix: model.family=deepseek_v3, or leave those keys at their defaults.")
+    if m.n_experts:
+        if m.n_group < 1 or m.n_experts % m.n_group or not 1 <= m.topk_group <= m.n_group:
+            problems.append(f"model.n_group={m.n_group} must divide model.n_experts={m.n_experts} and model.topk_group="
+                            f"{m.topk_group} lie in [1, n_group]. Fix: e.g. n_group=8, topk_group=4 (DeepSeek-V3).")
+        elif m.n_group > 1 and m.n_experts // m.n_group < 2:
+            problems.append(f"model.n_group={m.n_group} leaves {m.n_experts // m.n_group} expert per group (a group is "
+                            f"scored by its two best experts). Fix: model.n_group <= {m.n_experts // 2}.")
+        elif m.n_group > 1 and m.top_k > m.topk_group * (m.n_experts // m.n_group):
+            problems.append(f"model.top_k={m.top_k} exceeds the {m.topk_group * (m.n_experts // m.n_group)} experts of "
+                            f"topk_group={m.topk_group} groups. Fix: raise model.topk_group or lower model.top_k.")
+    if m.bias_update_speed < 0 or m.aux_loss_alpha < 0:
+        problems.append(f"model.bias_update_speed={m.bias_update_speed} and model.aux_loss_alpha={m.aux_loss_alpha} "
+                        f"must be >= 0. Fix: e.g. 0.001 and 0.0001 (DeepSeek-V3).")
+    if m.bias_update_speed and m.score_func != "sigmoid":
+        problems.append(f"model.bias_update_speed={m.bias_update_speed} moves the sigmoid router's correction bias. "
+                        f"Fix: model.score_func=sigmoid, or model.bias_update_speed=0.")
+    return problems
 
 
 def _check_batch_and_sequence(spec: JobConfig, problems: List[str]) -> None:
@@ -513,12 +561,21 @@ def _check_rope_scaling(spec: JobConfig, problems: List[str]) -> None:
     r = spec.model.rope_scaling
     if r.type == "none":
         return
+    if r.type == "yarn" and spec.model.family == "deepseek_v3":
+        if r.factor < 1:
+            problems.append(f"model.rope_scaling.factor={r.factor} must be at least 1. Fix: the checkpoint's value, "
+                            f"e.g. model.rope_scaling.factor=40 (DeepSeek-V3).")
+        if r.original_max_position_embeddings < 1 or not 0 < r.beta_slow < r.beta_fast:
+            problems.append(f"model.rope_scaling: yarn needs original_max_position_embeddings >= 1 and 0 < beta_slow < "
+                            f"beta_fast (got {r.original_max_position_embeddings}, {r.beta_slow}, {r.beta_fast}). "
+                            f"Fix: DeepSeek-V3's 4096, 1, 32.")
+        return
     if r.type != "llama3":
         if spec.model.name == "hf" and spec.model.init_from and spec.action == "run":
             return  # taken from config.json: _check_hf_io's folder check names it (one line per problem)
         problems.append(f"model.rope_scaling.type={r.type!r} is not implemented (supported: none, llama3; "
-                        f"linear, dynamic, yarn and longrope are not). Fix: model.rope_scaling.type=none, or "
-                        f"llama3 for a Llama 3.1-3.3 checkpoint.")
+                        f"yarn with model.family=deepseek_v3; linear, dynamic and longrope are not). "
+                        f"Fix: model.rope_scaling.type=none, or llama3 for a Llama 3.1-3.3 checkpoint.")
         return
     if r.factor < 1:
         problems.append(f"model.rope_scaling.factor={r.factor} must be at least 1 (it stretches long wavelengths). "

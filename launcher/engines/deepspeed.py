@@ -518,6 +518,17 @@ class DeepSpeedEngine:
         # The module may be a pipeline stage, not a Transformer: the model floor's functions take either.
         set_aux_loss_scale(self._model_ref, aux_loss_scale(n_micro, 1))
 
+    def _update_correction_bias(self) -> None:
+        """Aux-loss-free balancing (model.bias_update_speed > 0), as the native engine: after the
+        step, loads summed over every rank (collective)."""
+        speed = float(getattr(self.model_cfg, "bias_update_speed", 0.0) or 0.0)
+        if not (self.is_moe and speed > 0):
+            return
+        from launcher.models.moe import update_correction_bias
+
+        update_correction_bias([self._model_ref], speed, int(self.model_cfg.n_layers), int(self.model_cfg.n_experts),
+                               dist.all_reduce if dist.get_world_size() > 1 else None, device=self.device)
+
     def train_step(self, microbatches: List[Microbatch]) -> StepStats:
         """One optimizer step over this data-parallel rank's micro-batches (collective)."""
         if len(microbatches) != self.gas:
@@ -546,6 +557,7 @@ class DeepSpeedEngine:
                 self.engine.backward(loss * self.dp, scale_wrt_gas=False)
                 self.engine.step()
                 local_loss += float(loss.detach())
+        self._update_correction_bias()
         # MoE aux loss for logging, as the native engine: last micro-batch, summed over the layers
         # of every pipeline stage, averaged over data-parallel replicas.
         aux = latest_aux_loss(self._model_ref) if self.is_moe else 0.0

@@ -279,6 +279,22 @@ class NativeEngine:
         for part in self.parts:
             part.set_aux_loss_scale(aux_loss_scale(n_micro, ranks))
 
+    def _update_correction_bias(self) -> None:
+        """Aux-loss-free balancing (model.bias_update_speed > 0, DeepSeek-V3's sigmoid routers):
+        every router's correction bias moves against its expert's load error over this step's
+        tokens, summed over all ranks (one all-reduce of [n_layers, n_experts] per step)."""
+        speed = float(getattr(self.model_cfg, "bias_update_speed", 0.0) or 0.0)
+        if not (self.is_moe and speed > 0):
+            return
+        from launcher.models.moe import update_correction_bias
+
+        reduce = None
+        if self.world is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            def reduce(t: torch.Tensor) -> None:
+                dist.all_reduce(t)
+        update_correction_bias(self.parts, speed, int(self.model_cfg.n_layers), int(self.model_cfg.n_experts), reduce,
+                               device=self.device)
+
     def _unsharded_accumulation(self):
         """The per-micro-batch FSDP2 sync switches when the Layout holds the step unsharded."""
         if not (self.layout.accumulate_unsharded and self.fsdp and self.pp_schedule is None):
@@ -352,6 +368,7 @@ class NativeEngine:
                 precompute_float8_scales(part)
         for s in self.schedulers:
             s.step()
+        self._update_correction_bias()
         extra = {}
         if self.is_moe:
             ranks = submesh(self.world, "dp_cp").size() if self.world is not None else 1

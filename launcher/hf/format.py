@@ -41,7 +41,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 SHAPE_KEYS = ("family", "n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "ffn_dim",
               "vocab_size", "tie_embeddings", "rope_theta", "norm_eps", "n_experts", "top_k", "n_shared_experts",
               "moe_ffn_dim", "n_dense_layers", "norm_topk_prob", "moe_layer_step", "mlp_only_layers",
-              "rope_scaling")
+              "rope_scaling", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "score_func", "routed_scaling_factor", "n_group", "topk_group")
+# What a family's map leaves out is at ModelConfig's default (the MLA and DeepSeek router keys for
+# Llama-like families).
+_SHAPE_DEFAULTS = {"q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0,
+                   "score_func": "softmax", "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1}
 # Filled by model=hf but not compared: a shorter model.max_seq_len only sizes the RoPE table.
 FILL_ONLY_KEYS = ("max_seq_len",)
 
@@ -73,7 +78,7 @@ def _family_for_config(hf: Dict[str, Any]):
 
 def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
     """model.* values a config.json describes (its family's map, chosen by `model_type`)."""
-    fields = _family_for_config(hf).hf_module().hf_model_fields(hf)
+    fields = {**_SHAPE_DEFAULTS, **_family_for_config(hf).hf_module().hf_model_fields(hf)}
     from launcher.config.schema import RopeScalingConfig
 
     return dict(fields, rope_scaling=RopeScalingConfig(**fields["rope_scaling"]))

@@ -80,15 +80,20 @@ class _TensorFileWriter:
     shape and dtype, and the file appears under its name (an atomic rename of NAME.tmp) only
     once every tensor is written."""
 
-    def __init__(self, path: Path, names: List[str], shapes: Dict[str, Shape], dtype: torch.dtype):
+    def __init__(self, path: Path, names: List[str], shapes: Dict[str, Shape], dtype: torch.dtype,
+                 dtypes: Optional[Dict[str, torch.dtype]] = None):
         self.path, self.tmp = Path(path), Path(path).with_name(Path(path).name + ".tmp")
         self.order, self.next = list(names), 0
         self.dtype, self.shapes = dtype, shapes
+        self.dtypes = dtypes or {}  # per-tensor exceptions to `dtype`
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return self.dtypes.get(name, self.dtype)
 
     def _accept(self, name: str, t: torch.Tensor) -> None:
         assert name == self.order[self.next], f"{name} out of order (expected {self.order[self.next]})"
-        assert tuple(t.shape) == tuple(self.shapes[name]) and t.dtype == self.dtype, (
-            f"{name}: {tuple(t.shape)} {t.dtype} does not match the header's {self.shapes[name]} {self.dtype}")
+        assert tuple(t.shape) == tuple(self.shapes[name]) and t.dtype == self.dtype_of(name), (
+            f"{name}: {tuple(t.shape)} {t.dtype} does not match the header's {self.shapes[name]} {self.dtype_of(name)}")
         self.next += 1
 
     def close(self) -> None:
@@ -101,15 +106,15 @@ class SafetensorsStreamWriter(_TensorFileWriter):
     """Writes one safetensors file tensor by tensor: the header (shapes, dtype, offsets) is
     known up front, so each tensor's bytes are appended as it arrives."""
 
-    def __init__(self, path: Path, names: List[str], shapes: Dict[str, Shape], dtype: torch.dtype):
+    def __init__(self, path: Path, names: List[str], shapes: Dict[str, Shape], dtype: torch.dtype,
+                 dtypes: Optional[Dict[str, torch.dtype]] = None):
         from launcher.hf.format import SAFETENSORS_DTYPES
 
-        super().__init__(path, names, shapes, dtype)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        super().__init__(path, names, shapes, dtype, dtypes)
         header, offset = {}, 0
         for n in names:
-            nbytes = _numel(shapes[n]) * itemsize
-            header[n] = {"dtype": SAFETENSORS_DTYPES[str(dtype).replace("torch.", "")],
+            nbytes = _numel(shapes[n]) * torch.empty((), dtype=self.dtype_of(n)).element_size()
+            header[n] = {"dtype": SAFETENSORS_DTYPES[str(self.dtype_of(n)).replace("torch.", "")],
                          "shape": list(shapes[n]), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         header["__metadata__"] = {"format": "pt"}

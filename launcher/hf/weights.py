@@ -126,8 +126,9 @@ def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
 
     maps = {m.ours: m for m in tensor_maps(model_cfg)}
     reader = HfReader(folder)
+    _log_unmapped(reader.files, maps.values(), folder)
     for part in parts:
-        for name, param in part.named_parameters():
+        for name, param in _mapped_tensors(part, maps):
             cname = canonical_name(name)
             m = maps.get(cname)
             if m is None:
@@ -146,6 +147,25 @@ def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
     return reader.elements_read
 
 
+def _mapped_tensors(part: nn.Module, maps) -> List[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter of `part` and of its buffers that the HF maps name
+    (DeepSeek-V3's e_score_correction_bias: state, not a parameter; RoPE tables are not mapped)."""
+    out = list(part.named_parameters())
+    out += [(n, b) for n, b in part.named_buffers() if canonical_name(n) in maps]
+    return out
+
+
+def _log_unmapped(files: Dict[str, str], maps, folder: str) -> None:
+    """One log line for the folder's tensors no parameter reads (e.g. DeepSeek-V3's
+    multi-token-prediction block, model.layers.61.*, which we do not build)."""
+    known = {n for m in maps for n in m.hf_names}
+    extra = sorted(n for n in files if n not in known)
+    if extra:
+        layers = sorted({".".join(n.split(".")[:3]) for n in extra if n.startswith("model.layers.")})
+        log.info("model.init_from=%s: skipping %d tensor(s) our model does not have (%s), e.g. %s", folder,
+                 len(extra), "multi-token-prediction " + ", ".join(layers) if layers else "not built", extra[0])
+
+
 # ----------------------------------------------------------------------------- export
 
 
@@ -156,7 +176,7 @@ def _shard_plan(maps: List[TensorMap], itemsize: int) -> List[List[str]]:
     size = 0
     for m in maps:
         for name in m.hf_names:
-            n = itemsize
+            n = 4 if m.keep_fp32 else itemsize
             for s in (m.shape[1:] if m.kind == "experts" else m.shape):
                 n *= s
             if files[-1] and size + n > MAX_SHARD_BYTES:
@@ -167,9 +187,10 @@ def _shard_plan(maps: List[TensorMap], itemsize: int) -> List[List[str]]:
     return files
 
 
-def _owner_stages(parts: Sequence[nn.Module], world) -> Dict[str, int]:
-    """Our canonical parameter name -> the pipeline stage rank (pp local rank) that holds it."""
-    mine = [canonical_name(n) for part in parts for n, _ in part.named_parameters()]
+def _owner_stages(parts: Sequence[nn.Module], world, mapped=frozenset()) -> Dict[str, int]:
+    """Our canonical parameter (or `mapped` buffer) name -> the pipeline stage rank (pp local
+    rank) that holds it."""
+    mine = [canonical_name(n) for part in parts for n, _ in _mapped_tensors(part, mapped)]
     return {n: stage for stage, names in enumerate(TensorGather(world).stage_lists(mine)) for n in names}
 
 
@@ -180,8 +201,9 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
     tokenizer files) from this rank's parts; collective over all ranks, global rank 0 writes."""
     dtype = getattr(torch, DTYPES[dtype_name])
     maps = tensor_maps(model_cfg)
-    owners = _owner_stages(parts, world)
-    params = {canonical_name(n): p for part in parts for n, p in part.named_parameters()}
+    mapped = {m.ours for m in maps}
+    owners = _owner_stages(parts, world, mapped)
+    params = {canonical_name(n): p for part in parts for n, p in _mapped_tensors(part, mapped)}
     gather = TensorGather(world)
     rank = gather.rank
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -189,6 +211,7 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
     n_files = len(plan)
     file_of = {name: k for k, names in enumerate(plan) for name in names}
     shapes = {n: (m.shape[1:] if m.kind == "experts" else m.shape) for m in maps for n in m.hf_names}
+    fp32 = {n: torch.float32 for m in maps if m.keep_fp32 for n in m.hf_names}
     writers: Dict[int, SafetensorsStreamWriter] = {}
     final_dir = Path(out_dir)
     # Written aside and renamed when complete: a crash never leaves a half export named export/hf.
@@ -211,13 +234,13 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
         for name, t in to_hf_tensors(m, full):
             k = file_of[name]
             if k not in writers:
-                writers[k] = SafetensorsStreamWriter(out_dir / fname(k), plan[k], shapes, dtype)
-            writers[k].write(name, t.to(dtype))
+                writers[k] = SafetensorsStreamWriter(out_dir / fname(k), plan[k], shapes, dtype, fp32)
+            writers[k].write(name, t.to(fp32.get(name, dtype)))
             if writers[k].next == len(plan[k]):
                 writers[k].close()
         del full
     if rank == 0:
-        index = {"metadata": {"total_size": sum(itemsize * _numel(s) for s in shapes.values())},
+        index = {"metadata": {"total_size": sum((4 if n in fp32 else itemsize) * _numel(s) for n, s in shapes.items())},
                  "weight_map": {n: fname(file_of[n]) for n in sorted(file_of)}}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
         (out_dir / CONFIG_FILE).write_text(json.dumps(_export_config(model_cfg, DTYPES[dtype_name]), indent=2))

@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any, Dict, List, Optional, Tuple
 
 # The family folders, in the order they are listed to users.
-FAMILY_PACKAGES = ("llama", "mixtral", "qwen3")
+FAMILY_PACKAGES = ("llama", "mixtral", "qwen3", "deepseek_v3")
 DEFAULT_FAMILY = "llama"
 
 

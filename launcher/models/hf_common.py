@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 # The RoPE scaling types our model implements (HF rope_type -> model.rope_scaling.type) and their fields.
 ROPE_TYPES = {"default": "none", "llama3": "llama3"}
 LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# YaRN (DeepSeek-V3; the deepseek_v3 family only): model.rope_scaling.type "yarn" and its fields.
+YARN_ROPE_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 @dataclass(frozen=True)
@@ -22,13 +24,16 @@ class TensorMap:
     """One of our parameters and the on-disk HF tensor(s) it comes from.
 
     kind: "plain" (same layout), "rope" (q/k: per-head row permutation, `heads` heads),
-    "experts" (ours [E, a, b] stacks hf_names[e], each [a, b])."""
+    "experts" (ours [E, a, b] stacks hf_names[e], each [a, b]).
+    keep_fp32: written in float32 whatever the export dtype (transformers'
+    _keep_in_fp32_modules_strict: DeepSeek-V3's router weight and correction bias)."""
 
     ours: str
     hf_names: Tuple[str, ...]
     shape: Tuple[int, ...]  # our shape
     kind: str = "plain"
     heads: int = 0
+    keep_fp32: bool = False
 
 
 def hf_rope_theta(hf: Dict[str, Any]) -> Optional[float]:
@@ -62,6 +67,16 @@ def rope_scaling_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
     original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
     if original:
         out["original_max_position_embeddings"] = int(original)
+    if rope_type == "yarn":
+        # transformers: beta_fast/beta_slow `or` 32/1, mscale*/truncate as given, a missing factor
+        # is max_position_embeddings / original_max_position_embeddings.
+        out["beta_fast"] = float(params.get("beta_fast") or 32)
+        out["beta_slow"] = float(params.get("beta_slow") or 1)
+        out["mscale"] = float(params.get("mscale") or 0)
+        out["mscale_all_dim"] = float(params.get("mscale_all_dim") or 0)
+        out["truncate"] = bool(params.get("truncate", True))
+        if params.get("factor") is None and original and hf.get("max_position_embeddings"):
+            out["factor"] = float(hf["max_position_embeddings"]) / float(original)
     return out
 
 
@@ -74,6 +89,12 @@ def rope_scaling_summary(scaling) -> Dict[str, Any]:
     kind = str(get("type")) if scaling is not None else "none"
     if kind == "none":
         return {"type": "none"}
+    if kind == "yarn":
+        return {"type": kind, "factor": float(get("factor")),
+                "original_max_position_embeddings": int(get("original_max_position_embeddings")),
+                "beta_fast": float(get("beta_fast")), "beta_slow": float(get("beta_slow")),
+                "mscale": float(get("mscale")), "mscale_all_dim": float(get("mscale_all_dim")),
+                "truncate": bool(get("truncate"))}
     return {"type": kind, "factor": float(get("factor")), "low_freq_factor": float(get("low_freq_factor")),
             "high_freq_factor": float(get("high_freq_factor")),
             "original_max_position_embeddings": int(get("original_max_position_embeddings"))}
@@ -86,6 +107,12 @@ def hf_rope_entries(model) -> Dict[str, Any]:
     summary = rope_scaling_summary(getattr(model, "rope_scaling", None))
     if summary["type"] == "none":
         return {"rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta}, "rope_scaling": None}
+    if summary["type"] == "yarn":
+        fields = {k: summary[k] for k in YARN_ROPE_FIELDS}
+        if not summary["truncate"]:
+            fields["truncate"] = False
+        return {"rope_parameters": {"rope_type": "yarn", "rope_theta": model.rope_theta, **fields},
+                "rope_scaling": {"rope_type": "yarn", **fields}}
     hf_type = next(k for k, v in ROPE_TYPES.items() if v == summary["type"])
     fields = {k: summary[k] for k in LLAMA3_ROPE_FIELDS}
     return {"rope_parameters": {"rope_type": hf_type, "rope_theta": model.rope_theta, **fields},
@@ -111,6 +138,12 @@ def common_unsupported(hf: Dict[str, Any], rope_types: Tuple[str, ...] = tuple(R
         lacking = [k for k in LLAMA3_ROPE_FIELDS[:3] if params.get(k) is None]
         if lacking:
             out.append(f"RoPE scaling rope_type='llama3' without {', '.join(lacking)}")
+    elif rope_type == "yarn":
+        if params.get("attention_factor") is not None:
+            out.append(f"RoPE scaling rope_type='yarn' with attention_factor={params['attention_factor']!r} "
+                       f"(ours derives it from factor, mscale and mscale_all_dim)")
+        if params.get("factor") is None and not hf.get("max_position_embeddings"):
+            out.append("RoPE scaling rope_type='yarn' without factor")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial is not None and partial != 1 and partial != 1.0:
         out.append(f"partial_rotary_factor={partial!r} (ours rotates the whole head)")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.models.shape import head_dim_of
+from launcher.models.shape import head_dim_of, rope_dim_of  # noqa: F401
 
 
 class RMSNorm(nn.Module):
@@ -44,19 +44,53 @@ def _scaling_value(scaling, key: str):
     return scaling[key] if isinstance(scaling, dict) else getattr(scaling, key)
 
 
-def scale_rope_frequencies(inv: torch.Tensor, scaling) -> torch.Tensor:
-    """Apply model.rope_scaling to RoPE inverse frequencies `inv` (fp32).
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_frequencies(inv: torch.Tensor, dim: int, theta: float, scaling) -> torch.Tensor:
+    """transformers' _compute_yarn_parameters (DeepSeek-V3's yarn): per frequency, between the
+    extrapolated (kept) and interpolated (divided by factor) value along a linear ramp over the
+    dimensions whose rotations within original_max_position_embeddings lie between beta_fast
+    and beta_slow (rounded out to whole dimensions with truncate)."""
+    factor = float(_scaling_value(scaling, "factor"))
+    old_len = float(_scaling_value(scaling, "original_max_position_embeddings"))
+    beta_fast = float(_scaling_value(scaling, "beta_fast") or 32)
+    beta_slow = float(_scaling_value(scaling, "beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if bool(_scaling_value(scaling, "truncate")):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv.device) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    # The same expressions as transformers' (inv_freq_interpolation = 1 / (factor * base^(2i/d))).
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device=inv.device, dtype=torch.float32) / dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def scale_rope_frequencies(inv: torch.Tensor, scaling, theta: float = 10000.0) -> torch.Tensor:
+    """Apply model.rope_scaling to RoPE inverse frequencies `inv` (fp32; `theta`: their base).
 
     type "none": unchanged. type "llama3" (Llama 3.1-3.3 long context): wavelengths shorter than
     original_max_position_embeddings / high_freq_factor are kept, those longer than
     original_max_position_embeddings / low_freq_factor are stretched by `factor`, and the band
     between is interpolated smoothly -- the same arithmetic as Meta's reference code and
-    transformers' `_compute_llama3_parameters`, so logits match a Hugging Face checkpoint."""
+    transformers' `_compute_llama3_parameters`, so logits match a Hugging Face checkpoint.
+    type "yarn" (DeepSeek-V3): _yarn_frequencies; its cos/sin magnitude is rope_magnitude's."""
     kind = str(_scaling_value(scaling, "type")) if scaling is not None else "none"
     if kind == "none":
         return inv
+    if kind == "yarn":
+        return _yarn_frequencies(inv, 2 * inv.shape[0], theta, scaling)
     if kind != "llama3":  # validate.py refuses other types before launch
-        raise ValueError(f"model.rope_scaling.type={kind!r} is not one of none, llama3")
+        raise ValueError(f"model.rope_scaling.type={kind!r} is not one of none, llama3, yarn")
     factor = float(_scaling_value(scaling, "factor"))
     low = float(_scaling_value(scaling, "low_freq_factor"))
     high = float(_scaling_value(scaling, "high_freq_factor"))
@@ -69,20 +103,50 @@ def scale_rope_frequencies(inv: torch.Tensor, scaling) -> torch.Tensor:
     return torch.where(medium, smoothed, out)
 
 
+def rope_magnitude(scaling) -> float:
+    """The factor cos and sin are multiplied by (transformers' attention_factor): 1 except for
+    yarn, mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given, else
+    mscale(factor)."""
+    kind = str(_scaling_value(scaling, "type")) if scaling is not None else "none"
+    if kind != "yarn":
+        return 1.0
+    factor = float(_scaling_value(scaling, "factor"))
+    mscale, mscale_all_dim = float(_scaling_value(scaling, "mscale")), float(_scaling_value(scaling, "mscale_all_dim"))
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def softmax_scale_factor(scaling) -> float:
+    """What DeepSeek-V3 multiplies the softmax scale 1/sqrt(qk head size) by: mscale(factor,
+    mscale_all_dim)^2 under yarn with mscale_all_dim given (transformers' yarn_apply_mscale), else 1."""
+    kind = str(_scaling_value(scaling, "type")) if scaling is not None else "none"
+    if kind == "none":
+        return 1.0
+    mscale_all_dim = float(_scaling_value(scaling, "mscale_all_dim") or 0) if kind == "yarn" else 0.0
+    if not mscale_all_dim:
+        return 1.0
+    m = yarn_mscale(float(_scaling_value(scaling, "factor")), mscale_all_dim)
+    return m * m
+
+
 def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None, scaling=None) -> torch.Tensor:
     """cos/sin table [max_seq_len, head_dim // 2, 2] (fp32) for rotary embeddings; `scaling`:
     model.rope_scaling (None: plain RoPE)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    inv = scale_rope_frequencies(inv, scaling)
+    inv = scale_rope_frequencies(inv, scaling, theta)
     pos = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     ang = torch.outer(pos, inv)
-    return torch.stack([ang.cos(), ang.sin()], dim=-1)
+    table = torch.stack([ang.cos(), ang.sin()], dim=-1)
+    magnitude = rope_magnitude(scaling)
+    return table if magnitude == 1.0 else table * magnitude
 
 
 def model_rope_table(cfg, device=None) -> torch.Tensor:
-    """The RoPE table of model config `cfg` (head size, max_seq_len, rope_theta, rope_scaling):
-    the one place every builder and loader takes it from."""
-    return rope_table(head_dim_of(cfg), cfg.max_seq_len, cfg.rope_theta, device=device,
+    """The RoPE table of model config `cfg` (rotary size, max_seq_len, rope_theta, rope_scaling):
+    the one place every builder and loader takes it from. The rotary size is the head size, or
+    under MLA (DeepSeek) qk_rope_head_dim (launcher/models/shape.py rope_dim_of)."""
+    return rope_table(rope_dim_of(cfg), cfg.max_seq_len, cfg.rope_theta, device=device,
                       scaling=getattr(cfg, "rope_scaling", None))
 
 
@@ -162,14 +226,16 @@ def _is_block_mask(mask) -> bool:
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, groups: int,
-                      expand_kv: bool) -> torch.Tensor:
-    """Attention under a document mask from document_attention_mask (FlexAttention or SDPA)."""
+                      expand_kv: bool, scale: Optional[float] = None) -> torch.Tensor:
+    """Attention under a document mask from document_attention_mask (FlexAttention or SDPA);
+    `scale`: the softmax scale (None: 1/sqrt(q's head size))."""
+    extra = {} if scale is None else {"scale": scale}
     if _is_block_mask(mask):
-        out = _flex_functions()[0](q, k, v, block_mask=mask, enable_gqa=groups > 1)
+        out = _flex_functions()[0](q, k, v, block_mask=mask, enable_gqa=groups > 1, **extra)
         return out.to(q.dtype)
     if mask.dtype != torch.bool and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)  # SDPA wants an additive mask in the query's dtype
-    return _grouped_sdpa(q, k, v, groups, expand_kv, attn_mask=mask)
+    return _grouped_sdpa(q, k, v, groups, expand_kv, attn_mask=mask, **extra)
 
 
 def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, expand_kv: bool,

@@ -108,14 +108,41 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int,
                  n_shared_experts: int = 0, capacity_factor: float = 0.0,
-                 aux_loss_coef: float = 0.01, norm_topk_prob: bool = True):
+                 aux_loss_coef: float = 0.01, norm_topk_prob: bool = True, *,
+                 score_func: str = "softmax", routed_scaling_factor: float = 1.0, n_group: int = 1,
+                 topk_group: int = 1, correction_bias: bool = False, aux_loss: str = "switch"):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be in [1, n_experts={n_experts}]")
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func={score_func!r} is not one of softmax, sigmoid")
+        if n_group < 1 or n_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"n_group={n_group} must divide n_experts={n_experts} and topk_group={topk_group} "
+                             f"lie in [1, n_group]")
+        if n_group > 1 and n_experts // n_group < 2:
+            raise ValueError(f"group-limited routing scores a group by its two best experts: n_experts / n_group "
+                             f"= {n_experts // n_group} must be at least 2")
+        if n_group > 1 and top_k > topk_group * (n_experts // n_group):
+            raise ValueError(f"top_k={top_k} exceeds the experts of topk_group={topk_group} groups")
         self.n_experts, self.top_k = n_experts, top_k
         self.capacity_factor = capacity_factor
         self.aux_loss_coef = aux_loss_coef
         self.norm_topk_prob = norm_topk_prob
+        self.score_func = score_func
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.n_group, self.topk_group = int(n_group), int(topk_group)
+        # "switch": coef * E * sum_e f_e P_e over the call's tokens; "sequence": DeepSeek-V3's
+        # sequence-wise balance loss (per sequence, scores normalised over the experts).
+        self.aux_loss_kind = aux_loss
+        # DeepSeek-V3's aux-loss-free balancing: added to the scores to choose experts only (never
+        # to the weights), moved after each optimizer step by update_correction_bias. A persistent
+        # buffer: checkpointed with the model, never seen by the optimizer.
+        if correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+        # Assignments per expert since the last bias update (training forwards; [E] int64).
+        self.step_load: "torch.Tensor | None" = None
         self.aux_loss_scale = 1.0
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden, n_experts)
@@ -149,15 +176,20 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n_tok = x.shape[0]
-        scores = F.softmax(self.router(x).float(), dim=-1)  # [T, E]
+        logits = self.router(x).float()
+        scores = logits.sigmoid() if self.score_func == "sigmoid" else F.softmax(logits, dim=-1)  # [T, E]
         sizes: Optional[List[int]] = None  # per-expert counts as host ints, when known without a sync
         if self.routing == "balanced":
             experts = balanced_assignment(n_tok, self.top_k, self.n_experts, x.device)
-            weights = scores.gather(1, experts)
             sizes = balanced_counts(n_tok * self.top_k, self.n_experts)
         else:
-            weights, experts = torch.topk(scores, self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob and self.top_k > 1:
+            experts = self.choose_experts(scores)  # [T, k]
+        weights = scores.gather(1, experts)
+        if self.score_func == "sigmoid":
+            if self.norm_topk_prob:  # transformers' DeepseekV3TopkRouter (1e-20 included)
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            weights = weights * self.routed_scaling_factor
+        elif self.norm_topk_prob and self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
 
         flat_expert = experts.reshape(-1)  # [T*k], token-major
@@ -171,6 +203,8 @@ class MoE(nn.Module):
         recording = torch.is_grad_enabled()
         if recording:
             self.routed_tokens = routed if self.routed_tokens is None else self.routed_tokens + routed
+            if self.e_score_correction_bias is not None:
+                self.step_load = routed if self.step_load is None else self.step_load + routed
         cap = self.capacity(n_tok)
         kept_rows: Optional[torch.Tensor] = None
         if cap:
@@ -196,9 +230,12 @@ class MoE(nn.Module):
             w = torch.where(kept_rows.unsqueeze(-1), w, 0)
         out = torch.zeros_like(x).index_add_(0, token_idx, (y.float() * w).to(x.dtype))
 
-        # Switch load-balancing loss over this call's tokens (assignments before any drop).
-        frac = routed.float() / n_assign
-        aux = self.aux_loss_coef * self.n_experts * (frac * scores.mean(0)).sum()
+        if self.aux_loss_kind == "sequence":
+            aux = self._sequence_aux_loss(scores, experts, shape)
+        else:
+            # Switch load-balancing loss over this call's tokens (assignments before any drop).
+            frac = routed.float() / n_assign
+            aux = self.aux_loss_coef * self.n_experts * (frac * scores.mean(0)).sum()
         self.last_aux_loss = aux.detach()
         if recording:
             self.aux_loss_sum = aux.detach() if self.aux_loss_sum is None else self.aux_loss_sum + aux.detach()
@@ -209,6 +246,72 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.reshape(shape)
+
+    def choose_experts(self, scores: torch.Tensor) -> torch.Tensor:
+        """[T, top_k] experts of each token: the top_k of scores (+ e_score_correction_bias, for the
+        choice only), within the topk_group groups whose two best biased scores sum highest when
+        n_group > 1 (transformers' DeepseekV3TopkRouter, step for step)."""
+        if self.e_score_correction_bias is None and self.n_group == 1:
+            return torch.topk(scores, self.top_k, dim=-1)[1]  # Mixtral / Qwen3-MoE: best first, as always
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            n_tok = choice.shape[0]
+            grouped = choice.view(n_tok, self.n_group, self.n_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+            group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n_tok, self.n_experts)
+            choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+        return torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+
+    def _sequence_aux_loss(self, scores: torch.Tensor, experts: torch.Tensor, shape) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss, alpha * mean over sequences of sum_e f_e P_e:
+        f_e = E / (top_k * T) * (tokens of the sequence choosing e), P_e = mean over its tokens of the
+        scores normalised over all experts. A flat input counts as one sequence."""
+        seqs = shape[0] if len(shape) == 3 else 1
+        s = scores.view(seqs, -1, self.n_experts)
+        tokens = s.shape[1]
+        chosen = torch.zeros(seqs * tokens, self.n_experts, device=scores.device, dtype=scores.dtype)
+        chosen.scatter_(1, experts, 1.0)
+        f = chosen.view(seqs, tokens, self.n_experts).sum(1) * (self.n_experts / (self.top_k * tokens))
+        p = (s / (s.sum(-1, keepdim=True) + 1e-20)).mean(1)
+        return self.aux_loss_coef * (f.detach() * p).sum(-1).mean()
+
+
+@torch.no_grad()
+def update_correction_bias(parts, speed: float, n_layers: int, n_experts: int, reduce=None, device=None) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3), after an optimizer step: in every MoE layer of the
+    model `parts` (a model, or this rank's pipeline stages) with an e_score_correction_bias,
+    bias_e += speed * sign(mean load - load_e) over the assignments since the last update
+    (step_load), then step_load is cleared. Outside autograd and the optimizer (the bias is a
+    buffer).
+
+    The loads go in one [n_layers, n_experts] float tensor (row = the block's index in the whole model,
+    zero for blocks elsewhere), so every rank passes the same shape to `reduce`: None, or a
+    function summing it in place over all ranks (every pipeline stage, data-, context- and
+    expert-parallel rank), after which every replica of a router moves its bias alike. Tensor-
+    parallel ranks see the same tokens: summing them scales a row uniformly, which sign() ignores."""
+    parts = parts if isinstance(parts, (list, tuple)) else [parts]
+    layers = {}
+    for part in parts:
+        for block in part.modules():  # decoder blocks (any wrapper or stage module around them)
+            m = getattr(block, "moe", None) if hasattr(block, "layer_id") else None
+            if isinstance(m, MoE) and m.e_score_correction_bias is not None:
+                layers[int(block.layer_id)] = m
+    if not layers and reduce is None:
+        return
+    if device is None:  # `device`: where `reduce` runs (a stage without MoE layers has no bias to ask)
+        device = next(iter(layers.values())).e_score_correction_bias.device if layers else torch.device("cpu")
+    loads = torch.zeros(n_layers, n_experts, dtype=torch.float32, device=device)
+    for i, m in layers.items():
+        if m.step_load is not None:
+            loads[i, :m.n_experts] = m.step_load.to(device, torch.float32)
+    if reduce is not None:
+        reduce(loads)
+    for i, m in layers.items():
+        load = loads[i, :m.n_experts].to(m.e_score_correction_bias.device)
+        m.e_score_correction_bias.add_(speed * torch.sign(load.mean() - load))
+        m.step_load = None
 
 
 def moe_layers_of(module: nn.Module) -> List[MoE]:

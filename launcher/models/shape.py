@@ -16,6 +16,22 @@ def head_dim_of(model: Any) -> int:
     return explicit or int(model.dim) // int(model.n_heads)
 
 
+def is_mla(model: Any) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3): model.kv_lora_rank > 0."""
+    return int(getattr(model, "kv_lora_rank", 0) or 0) > 0
+
+
+def rope_dim_of(model: Any) -> int:
+    """Channels RoPE rotates per head: the head size, or under MLA qk_rope_head_dim (the decoupled
+    RoPE part of each query head and the shared RoPE key)."""
+    return int(model.qk_rope_head_dim) if is_mla(model) else head_dim_of(model)
+
+
+def mla_qk_head_dim(model: Any) -> int:
+    """Size of one MLA query/key head: qk_nope_head_dim + qk_rope_head_dim."""
+    return int(model.qk_nope_head_dim) + int(model.qk_rope_head_dim)
+
+
 def moe_layer_ids(model: Any) -> FrozenSet[int]:
     """Indices of the blocks whose feed-forward is a mixture of experts (empty for a dense model).
 

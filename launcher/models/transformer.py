@@ -67,16 +67,23 @@ def _attention_dtype(h: torch.Tensor) -> torch.dtype:
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM: forward(tokens int64 [b, s]) -> logits [b, s, vocab]."""
+    """Decoder-only LM: forward(tokens int64 [b, s]) -> logits [b, s, vocab].
 
-    def __init__(self, cfg):
-        super().__init__()
+    A family whose blocks differ (DeepSeek-V3's MLA) subclasses it with its own ``block_class``."""
+
+    block_class = TransformerBlock
+
+    def check_shape(self, cfg) -> None:
         if not getattr(cfg, "head_dim", 0) and cfg.dim % cfg.n_heads:
             raise ValueError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads} "
                              f"(set model.head_dim for heads of another size)")
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.check_shape(cfg)
         self.cfg = cfg
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_class(cfg, i) for i in range(cfg.n_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

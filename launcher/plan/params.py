@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, FrozenSet, List, Tuple
 
-from launcher.models.shape import head_dim_of, moe_layer_ids
+from launcher.models.shape import head_dim_of, is_mla, mla_qk_head_dim, moe_layer_ids
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,9 @@ def model_shape(model: Any) -> ModelShape:
         dim=int(model.dim),
         n_heads=int(model.n_heads),
         n_kv_heads=int(model.n_kv_heads),
-        head_dim=head_dim_of(model),
+        # MLA: the query/key head (nope + rope channels), what the activation formulas that read
+        # n_heads x head_dim and n_kv_heads x head_dim (kv_dim) should see (v heads are a bit smaller).
+        head_dim=mla_qk_head_dim(model) if is_mla(model) else head_dim_of(model),
         ffn_dim=int(model.ffn_dim),
         moe_ffn_dim=moe_ffn,
         vocab_size=int(model.vocab_size),

@@ -1,0 +1,345 @@
+"""DeepSeek-V3's router and balancing (launcher/models/moe.py, launcher/models/deepseek_v3/).
+
+Parity with transformers (logits, exports, the real configs on the meta device) is in
+tests/test_hf_weights.py; here: group-limited routing on the routing indices (and equal to
+transformers' DeepseekV3TopkRouter), aux-loss-free balancing on a constructed skewed router (the
+bias moves load toward uniform, outside the optimizer, saved with the model), the sequence-wise
+balance loss by hand, and MLA under tensor parallelism (2 gloo ranks, with and without SP) equal
+to one rank in logits and gradients.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from launcher.config.schema import ModelConfig, RopeScalingConfig
+from launcher.models import build_model
+from launcher.models.moe import MoE, update_correction_bias
+
+TINY = dict(name="tiny_dsv3", family="deepseek_v3", n_layers=3, dim=32, n_heads=4, n_kv_heads=4, ffn_dim=48,
+            vocab_size=96, max_seq_len=32, norm_eps=1e-6, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=6, n_experts=16, top_k=4, n_shared_experts=1, moe_ffn_dim=16,
+            n_dense_layers=1, score_func="sigmoid", routed_scaling_factor=2.5, n_group=4, topk_group=2,
+            bias_update_speed=0.01, aux_loss_alpha=0.0, aux_loss_coef=0.0,
+            rope_scaling=RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=8, beta_fast=32.0,
+                                           beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
+
+
+def _model(seed: int = 0, **overrides):
+    cfg = ModelConfig(**{**TINY, **overrides})
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model, cfg
+
+
+def _router(n_experts=16, top_k=4, n_group=4, topk_group=2, seed=0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(8, 4, n_experts, top_k, 1, score_func="sigmoid", routed_scaling_factor=2.5, n_group=n_group,
+              topk_group=topk_group, correction_bias=True, aux_loss="sequence")
+    with torch.no_grad():
+        for p in moe.parameters():  # the experts are allocated empty
+            p.normal_(0, 0.1)
+        moe.router.weight.normal_()
+        moe.e_score_correction_bias.uniform_(-0.2, 0.2)
+    return moe
+
+
+@pytest.mark.parametrize("n_group,topk_group", [(4, 2), (4, 1), (8, 3)])
+def test_group_limited_routing_never_spans_more_than_topk_group_groups(n_group, topk_group):
+    """On the routing indices: every token's top_k experts lie in at most topk_group groups, those
+    groups are the best by their two best biased scores, and the indices are transformers'."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    moe = _router(n_experts=16, top_k=4, n_group=n_group, topk_group=topk_group)
+    x = torch.randn(512, 8, generator=torch.Generator().manual_seed(1))
+    scores = moe.router(x).float().sigmoid()
+    experts = moe.choose_experts(scores)
+    size = 16 // n_group
+    groups = experts // size
+    spans = torch.tensor([len(set(row.tolist())) for row in groups])
+    assert spans.max() <= topk_group and experts.shape == (512, 4)
+    assert (spans == topk_group).any()  # the limit binds
+    # The chosen groups are the best topk_group by the sum of their two best biased scores.
+    biased = (scores + moe.e_score_correction_bias).view(512, n_group, size)
+    best = biased.topk(2, dim=-1)[0].sum(-1).topk(topk_group, dim=-1)[1]
+    for row, allowed in zip(groups, best):
+        assert set(row.tolist()) <= set(allowed.tolist())
+    # transformers' router: the same experts, and the same weights as our forward's.
+    config = DeepseekV3Config(hidden_size=8, n_routed_experts=16, num_experts_per_tok=4, n_group=n_group,
+                              topk_group=topk_group, routed_scaling_factor=2.5, norm_topk_prob=True)
+    ref = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        ref.weight.copy_(moe.router.weight)
+        ref.e_score_correction_bias.copy_(moe.e_score_correction_bias)
+    _, ref_weights, ref_idx = ref(x)
+    assert torch.equal(experts.sort(-1)[0], ref_idx.sort(-1)[0])
+    ours_w = scores.gather(1, experts)
+    ours_w = ours_w / (ours_w.sum(-1, keepdim=True) + 1e-20) * 2.5
+    assert torch.allclose(ours_w.gather(1, experts.argsort(-1)), ref_weights.gather(1, ref_idx.argsort(-1)))
+
+
+def test_correction_bias_chooses_experts_but_does_not_weight_them():
+    moe = _router(n_group=1, topk_group=1)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        moe.e_score_correction_bias.zero_()
+        moe.e_score_correction_bias[3] = 10.0  # expert 3 always chosen
+        scores = moe.router(x).float().sigmoid()
+        experts = moe.choose_experts(scores)
+    assert (experts == 3).any(-1).all()
+    # The gate of expert 3 is its plain sigmoid score (renormalised, scaled), not score + 10.
+    w = scores.gather(1, experts)
+    w = w / w.sum(-1, keepdim=True) * 2.5
+    assert w.max() < 2.5
+
+
+def _imbalance(load: torch.Tensor) -> float:
+    return float(load.max() / load.float().mean())
+
+
+def test_aux_loss_free_balancing_moves_a_skewed_router_toward_uniform():
+    """A router built to send most tokens to experts 0-3: after each step the correction bias
+    moves against each expert's load error (update_correction_bias, as the engine calls it after
+    the optimizer); the load evens out, the optimizer never touches the bias, and the bias is in
+    the state dict (so checkpoints save it) and survives a save/load bit for bit."""
+    torch.manual_seed(0)
+    moe = MoE(8, 4, 16, 2, 1, score_func="sigmoid", routed_scaling_factor=2.5, correction_bias=True,
+              aux_loss="sequence", aux_loss_coef=0.0)
+    holder = torch.nn.Module()  # a one-block model: update_correction_bias finds blocks by layer_id
+    holder.moe, holder.layer_id = moe, 0
+    with torch.no_grad():
+        for p in moe.parameters():  # the experts are allocated empty
+            p.normal_(0, 0.1)
+        moe.router.weight.normal_(0, 0.3)
+        moe.router.weight[:4, 0] += 1.0  # experts 0-3 favour what every token leans toward
+        moe.router.weight[4:, 0] -= 1.0
+    opt = torch.optim.AdamW(holder.parameters(), lr=1e-4)
+    assert not any(p is moe.e_score_correction_bias for g in opt.param_groups for p in g["params"])
+    gen = torch.Generator().manual_seed(1)
+    speed, loads = 0.01, []
+    for step in range(150):
+        x = torch.randn(4, 32, 8, generator=gen)
+        x[..., 0] += 1.5
+        moe(x).pow(2).mean().backward()
+        loads.append(moe.step_load.float())
+        before = moe.e_score_correction_bias.clone()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(before, moe.e_score_correction_bias)  # never the optimizer's
+        update_correction_bias([holder], speed, 1, 16)
+        assert moe.step_load is None
+        d = moe.e_score_correction_bias - before
+        assert (((d.abs() - speed).abs() < 1e-6) | (d == 0)).all()  # +-speed (or 0 at the mean)
+    first = _imbalance(loads[0])
+    last = sum(_imbalance(l) for l in loads[-10:]) / 10
+    assert first > 2.5, first  # skewed to begin with: experts 0-3 take most assignments
+    assert last < 2.0 and last < 0.4 * first, (first, last)  # 16 assignments per expert: ~1.6 is noise
+    assert moe.e_score_correction_bias[:4].max() < 0 < moe.e_score_correction_bias[4:].min()
+    # A persistent buffer: in the state dict (what checkpoints save), restored bit for bit.
+    model, cfg = _model()
+    with torch.no_grad():
+        for m in model.moe_layers():
+            m.e_score_correction_bias.uniform_(-1, 1)
+    state = model.state_dict()
+    assert "layers.1.moe.e_score_correction_bias" in state and "layers.2.moe.e_score_correction_bias" in state
+    assert not any(n.endswith("e_score_correction_bias") for n, _ in model.named_parameters())
+    fresh, _ = _model(seed=5)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a.e_score_correction_bias, b.e_score_correction_bias)
+               for a, b in zip(fresh.moe_layers(), model.moe_layers()))
+
+
+def test_update_sums_loads_through_reduce_with_one_shape_everywhere():
+    """`reduce` gets one [n_layers, n_experts] tensor whatever the rank holds (a pipeline stage
+    without MoE blocks too), rows at the blocks' global indices."""
+    model, cfg = _model()
+    seen = []
+    model.layers["1"].moe.step_load = torch.arange(16)
+    model.layers["2"].moe.step_load = None
+
+    def reduce(t):
+        seen.append(t.clone())
+        t[2] += torch.arange(16).flip(0).float()  # "another rank" routed to layer 2
+
+    update_correction_bias([model], 0.5, cfg.n_layers, cfg.n_experts, reduce)
+    assert seen[0].shape == (3, 16) and torch.equal(seen[0][1], torch.arange(16).float()) and not seen[0][2].any()
+    assert torch.equal(model.layers["1"].moe.e_score_correction_bias, torch.sign(7.5 - torch.arange(16).float()) * 0.5)
+    assert torch.equal(model.layers["2"].moe.e_score_correction_bias,
+                       torch.sign(7.5 - torch.arange(16).flip(0).float()) * 0.5)
+    stage = torch.nn.Sequential(model.layers["0"])  # a stage with only the dense block
+    seen.clear()
+    update_correction_bias([stage], 0.5, cfg.n_layers, cfg.n_experts, lambda t: seen.append(t.shape))
+    assert seen == [(3, 16)]
+
+
+def test_sequence_wise_balance_loss_by_hand():
+    moe = _router(n_group=1, topk_group=1)
+    moe.aux_loss_coef = 0.3
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(4))
+    moe(x)
+    scores = moe.router(x.reshape(-1, 8)).float().sigmoid()
+    experts = moe.choose_experts(scores)
+    want = 0.0
+    for b in range(2):
+        s, e = scores[5 * b:5 * b + 5], experts[5 * b:5 * b + 5]
+        f = torch.zeros(16).index_add_(0, e.flatten(), torch.ones(e.numel())) * 16 / (4 * 5)
+        p = (s / s.sum(-1, keepdim=True)).mean(0)
+        want += 0.3 * float((f * p).sum()) / 2
+    assert abs(float(moe.last_aux_loss) - want) < 1e-6
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank: int, port: int, sequence_parallel: bool, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from launcher.parallel.tp import apply_tensor_parallel
+
+        torch.manual_seed(0)
+        model, cfg = _model()
+        with torch.no_grad():  # routing that matters, as in a loaded checkpoint
+            for m in model.moe_layers():
+                m.e_score_correction_bias.uniform_(-0.2, 0.2)
+        ref = _model()[0]
+        ref.load_state_dict(model.state_dict())
+        tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel, loss_parallel=False)
+        logits = model(tokens)
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        logits.float().pow(2).mean().backward()
+        want = ref(tokens)
+        want.pow(2).mean().backward()
+        grads = {}
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name] = float((g - q.grad).abs().max())
+        if rank == 0:
+            out["logits"] = float((logits - want).abs().max())
+            out["grads"] = grads
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_mla_under_tensor_parallelism_equals_one_rank(sequence_parallel):
+    """Heads sharded over 2 ranks (wq_b, wkv_b column-wise, wo row-wise; the down-projections, their
+    norms and the shared RoPE key replicated, its gradient summed): logits and every gradient
+    equal one rank's."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_tp_worker, args=(_free_port(), sequence_parallel, out), nprocs=2, join=True)
+        out = dict(out)
+    assert out["logits"] <= 1e-5, out
+    bad = {k: v for k, v in out["grads"].items() if v > 1e-5}
+    assert not bad, bad
+
+
+# ----------------------------------------------------------------------------- the `train` command
+
+
+@pytest.mark.multiprocess
+def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path):
+    """`train model=hf model.init_from=<tiny DeepSeek-V3> model.bias_update_speed=0.01`, 3 steps, fp32
+    export: every correction bias moved by whole steps of 0.01 (at most 3), and transformers reads the
+    export as our model does (logits within 1e-5)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from launcher.hf.format import hf_model_fields, read_hf_config
+    from launcher.hf.weights import load_hf_weights
+    from tests.conftest import run_train
+    from tests.test_hf_weights import DEEPSEEK_V3, WORDS, _hf_logits, _hf_tensors, _randomize_norms, _save_tokenizer
+
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    _randomize_norms(DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_V3, q_lora_rank=16))).save_pretrained(src)
+    _save_tokenizer(src)
+    text = tmp_path / "corpus.txt"
+    text.write_text(" ".join(WORDS[i % len(WORDS)] for i in range(3000)))
+    run = tmp_path / "run"
+    run_train(["model=hf", f"model.init_from={src}", "model.bias_update_speed=0.01", "data=text", f"data.path={text}",
+               "trainer.steps=3", "trainer.seq_len=16", "trainer.global_batch_size=2", "precision=fp32",
+               "checkpoint.export=hf", "checkpoint.export_dtype=fp32", "cluster.gpus_per_node=1",
+               "logging.progress=false", "plan.plots=false", "logging.wandb.mode=disabled"], run, check=True, timeout=600)
+    export = run / "export" / "hf"
+    before, after = _hf_tensors(src), _hf_tensors(export)
+    keys = [k for k in before if k.endswith("e_score_correction_bias")]
+    assert len(keys) == 2
+    for k in keys:
+        steps = (after[k] - before[k]) / 0.01
+        assert (steps - steps.round()).abs().max() < 1e-3 and steps.abs().max() <= 3 + 1e-3, (k, steps)
+        assert steps.abs().max() > 0.5, k  # it moved
+    cfg = ModelConfig(name="hf", init_from=str(export), **hf_model_fields(read_hf_config(export)))
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    load_hf_weights([model], str(export), cfg)
+    toks = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(toks)
+    assert (ours - _hf_logits(export, toks)).abs().max() <= 1e-5
+
+
+def test_multi_token_prediction_weights_are_skipped_with_one_log_line(tmp_path, caplog):
+    """The released folder holds the multi-token-prediction block at model.layers.{n_layers}; we build
+    none: the folder passes the check, the load skips those tensors with one log line."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from launcher.hf.format import folder_problems, hf_model_fields, read_hf_config
+    from launcher.hf.weights import load_hf_weights
+    from tests.test_hf_weights import DEEPSEEK_V3
+
+    torch.manual_seed(0)
+    folder = tmp_path / "mtp"
+    DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_V3, q_lora_rank=16)).save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({"model.layers.3.eh_proj.weight": torch.zeros(32, 64), "model.layers.3.enorm.weight": torch.ones(32),
+                    "model.layers.3.shared_head.head.weight": torch.zeros(96, 32)})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
+    assert folder_problems(cfg, str(folder)) == []
+    model = build_model(cfg)
+    with caplog.at_level(logging.INFO, logger="launcher.hf.weights"):
+        load_hf_weights([model], str(folder), cfg)
+    lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(lines) == 1 and "3 tensor(s)" in lines[0] and "model.layers.3" in lines[0], lines
+
+
+def test_document_masking_keeps_mla_attention_inside_each_document():
+    """Two packed documents (positions restarting) give each document's logits alone (SDPA mask
+    path; MLA's value heads are smaller than its query/key heads)."""
+    model, cfg = _model()
+    model.eval()
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, cfg.vocab_size, (1, 6), generator=gen), torch.randint(0, cfg.vocab_size, (1, 10), generator=gen)
+    packed = torch.cat([a, b], dim=1)
+    docs = torch.tensor([[0] * 6 + [1] * 10])
+    positions = torch.cat([torch.arange(6), torch.arange(10)]).unsqueeze(0)
+    model.attention_kernel = "sdpa"
+    with torch.no_grad():
+        together = model(packed, positions=positions, document_ids=docs)
+        alone = torch.cat([model(a), model(b)], dim=1)
+    assert (together - alone).abs().max() <= 1e-5
