@@ -138,7 +138,7 @@ def test_cli_reuses_the_prechecked_layout(monkeypatch):
     assert len(calls) == 1 and layout == resolve(spec)
 
 
-@pytest.mark.parametrize("recipe", ["debug", "llama8b", "llama70b", "llama405b", "mixtral8x7b", "qwen3_8b", "qwen3_30b_a3b"])
+@pytest.mark.parametrize("recipe", ["debug", "llama8b", "llama70b", "llama405b", "mixtral8x7b", "qwen3_8b", "qwen3_30b_a3b", "deepseek_v3"])
 def test_every_recipe_resolves_to_a_consistent_layout(recipe):
     """Each recipe's Layout: one world size, the batch arithmetic closes, and plan.json reads it back."""
     from launcher.config.store import available_recipes
