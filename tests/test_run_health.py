@@ -237,7 +237,10 @@ def test_an_expert_that_gets_no_tokens_is_warned_about(caplog):
             assert row["moe/idle_experts"] == 1 and row["moe/expert_share_min"] == 0.0
     warnings = [r.getMessage() for r in caplog.records if "received no tokens" in r.getMessage()]
     assert warnings == [f"MoE layer 1: expert 0 received no tokens for {IDLE_LOGS} log steps in a row (step {IDLE_LOGS}); "
-                        "check the router and the load-balancing loss (model.aux_loss_coef)"]
+                        "check the router and its load balancing (model.aux_loss_coef)"]
+    # A sigmoid router with a correction bias (DeepSeek-V3) is balanced by other keys: the hint names them.
+    model.layers["1"].moe.e_score_correction_bias = torch.zeros(4)
+    assert health._balancing_keys(1) == "model.bias_update_speed, model.aux_loss_alpha"
 
 
 def test_moe_load_metrics_math_on_hand_made_counts():

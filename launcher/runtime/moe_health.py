@@ -76,13 +76,22 @@ class MoEHealth:
             for expert in range(self.n_experts):
                 if self._idle[layer, expert] == IDLE_LOGS and self.rank == 0:
                     log.warning("MoE layer %d: expert %d received no tokens for %d log steps in a row (step %d); "
-                                "check the router and the load-balancing loss (model.aux_loss_coef)",
-                                layer, expert, IDLE_LOGS, step)
+                                "check the router and its load balancing (%s)",
+                                layer, expert, IDLE_LOGS, step, self._balancing_keys(layer))
         if self.log_table is not None and self.rank == 0:
             data = [[layer, expert, int(counts[layer, expert])] for layer in rows for expert in range(self.n_experts)]
             self.log_table("moe/tokens_per_expert", ["layer", "expert", "tokens"], data)
         return {"moe/expert_share_min": float(share.min()), "moe/expert_share_max": float(share.max()),
                 "moe/idle_experts": int(idle[rows].sum()), **load}
+
+
+    def _balancing_keys(self, layer: int) -> str:
+        """The keys that balance this layer's router: a sigmoid router with a correction bias
+        (DeepSeek-V3) balances by the bias and the sequence-wise loss, a softmax one by the aux loss."""
+        module = dict(self.layers).get(layer)
+        if getattr(module, "e_score_correction_bias", None) is not None:
+            return "model.bias_update_speed, model.aux_loss_alpha"
+        return "model.aux_loss_coef"
 
 
 def _drain(module: nn.Module, row: torch.Tensor, n_experts: int) -> None:
