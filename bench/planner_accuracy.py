@@ -89,29 +89,34 @@ def overrides_for(row: Row) -> List[str]:
     return [f"model={row.model}", f"hardware={row.hardware}", *BASE_OVERRIDES, *row.overrides]
 
 
-def predict(rows: Sequence[Row]) -> None:
-    """Fill each row's `predicted` from one plan per distinct layout."""
-    from launcher.config.loader import compose_spec
+def predicted_value(plan, metric: str) -> float:
+    """The plan's figure a row of `metric` is compared with: tokens/s per GPU, or the allocator's
+    share of the peak in GiB (total minus hardware.reserved_gb), as the measurements report it."""
     from launcher.plan.memory import GiB
-    from launcher.plan.bands import layout_kind
+
+    if metric == "tps_per_gpu":
+        return plan.time["tokens_per_s_per_gpu"]
+    if metric == "memory_gib":
+        return (plan.memory["total"] - plan.memory["detail"]["reserved"]) / GiB
+    raise ValueError(f"unknown metric {metric!r} (tps_per_gpu | memory_gib)")
+
+
+def predict(rows: Sequence[Row]) -> None:
+    """Fill each row's `predicted` and layout kind from one plan per distinct layout."""
+    from launcher.config.loader import compose_spec
     from launcher.plan.plan import build_plan
 
     plans: Dict[Tuple[str, ...], object] = {}
     for row in rows:
         key = tuple(overrides_for(row))
         if key not in plans:
-            spec = compose_spec(list(key))
-            plans[key] = build_plan(spec)
-            plans[key].n_experts = spec.model.n_experts
+            plans[key] = build_plan(compose_spec(list(key)))
         plan = plans[key]
-        row.kind = layout_kind(plan.layout, plan.n_experts)
-        if row.metric == "tps_per_gpu":
-            row.predicted = plan.time["tokens_per_s_per_gpu"]
-        elif row.metric == "memory_gib":
-            mem = plan.memory
-            row.predicted = (mem["total"] - mem["detail"]["reserved"]) / GiB
-        else:
-            raise ValueError(f"{row.source}: unknown metric {row.metric!r} (tps_per_gpu | memory_gib)")
+        row.kind = plan.time["band"]["kind"]
+        try:
+            row.predicted = predicted_value(plan, row.metric)
+        except ValueError as err:
+            raise ValueError(f"{row.source}: {err}") from err
 
 
 def ordering_problems(rows: Sequence[Row]) -> List[str]:
@@ -150,7 +155,6 @@ def rows_from_runs(run_dirs: Sequence[Path]) -> List[Row]:
     import json
 
     from launcher.config.loader import load_spec
-    from launcher.plan.bands import layout_kind
     from launcher.plan.memory import GiB
     from launcher.plan.plan import build_plan
 
@@ -159,18 +163,17 @@ def rows_from_runs(run_dirs: Sequence[Path]) -> List[Row]:
         summary = json.loads((Path(run_dir) / "run_summary.json").read_text())
         spec = load_spec(Path(run_dir))
         plan = build_plan(spec)
-        kind = layout_kind(plan.layout, spec.model.n_experts)
         figures = summary["figures"]
         status = f"run: measured by {run_dir} on {summary['device']} (printed and banded, not held)"
         base = dict(source=f"run {run_dir}", table="runs", model=spec.model.name, hardware=spec.hardware.name,
-                    overrides=(), note=Path(run_dir).name, status=status, kind=kind)
+                    overrides=(), note=Path(run_dir).name, status=status, kind=plan.time["band"]["kind"])
         tokens = figures["tokens_per_s_per_gpu"]["measured"]
         if tokens:
-            rows.append(Row(metric="tps_per_gpu", value=tokens, predicted=plan.time["tokens_per_s_per_gpu"], **base))
+            rows.append(Row(metric="tps_per_gpu", value=tokens, predicted=predicted_value(plan, "tps_per_gpu"), **base))
         peak = figures["peak_memory_bytes"]["measured"]
         if peak:  # the allocator's share, as the published rows report it
-            rows.append(Row(metric="memory_gib", value=peak / GiB,
-                            predicted=(plan.memory["total"] - plan.memory["detail"]["reserved"]) / GiB, **base))
+            rows.append(Row(metric="memory_gib", value=peak / GiB, predicted=predicted_value(plan, "memory_gib"),
+                            **base))
     return rows
 
 

@@ -288,10 +288,9 @@ class NativeEngine:
             return
         from launcher.models.moe import update_correction_bias
 
-        reduce = None
-        if self.world is not None and dist.is_initialized() and dist.get_world_size() > 1:
-            def reduce(t: torch.Tensor) -> None:
-                dist.all_reduce(t)
+        # Summed in place over every rank (dist.all_reduce's default op); None on one rank.
+        reduce = dist.all_reduce if self.world is not None and dist.is_initialized() and dist.get_world_size() > 1 \
+            else None
         update_correction_bias(self.parts, speed, int(self.model_cfg.n_layers), int(self.model_cfg.n_experts), reduce,
                                device=self.device)
 

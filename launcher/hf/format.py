@@ -23,11 +23,9 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
-from launcher.models.hf_common import (  # noqa: F401  the vocabulary, re-exported for launcher/hf/*
-    LLAMA3_ROPE_FIELDS, ROPE_TYPES, TensorMap, common_unsupported, hf_rope_entries, hf_rope_params, hf_rope_theta,
-    rope_scaling_fields, rope_scaling_summary)
+from launcher.models.hf_common import TensorMap, rope_scaling_summary  # TensorMap: launcher/hf/weights.py reads it here
 from launcher.models.family import DEFAULT_FAMILY, family_for_hf_type, family_of, get_family, hf_model_types
 from launcher.models.shape import head_dim_of
 

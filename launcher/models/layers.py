@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.models.shape import head_dim_of, rope_dim_of  # noqa: F401
+from launcher.models.shape import rope_dim_of
 
 
 class RMSNorm(nn.Module):

@@ -57,6 +57,13 @@ def ratio_band(kind: str, figure: str) -> Tuple[float, float, bool]:
     return lo * (1 - UNMEASURED_WIDENING), hi * (1 + UNMEASURED_WIDENING), False
 
 
+def memory_range(total: float, reserved: float, kind: str) -> Tuple[float, float]:
+    """The peak-memory range for a predicted total: the band applies to the allocator's share
+    (total minus the fixed reserve outside it, hardware.reserved_gb), as the rows measure it."""
+    low, high = value_range(total - reserved, kind, "memory")
+    return low + reserved, high + reserved
+
+
 def band_summary(kind: str) -> Dict[str, Any]:
     """plan.json's `band`: the kind, whether rows of it were measured, and how many."""
     return {"kind": kind, "measured": kind in BANDS, "rows": BANDS.get(kind, {}).get("rows", 0),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from launcher.plan.bands import band_summary, layout_kind, value_range
+from launcher.plan.bands import band_summary, layout_kind, memory_range, value_range
 from launcher.plan.flops import training_flops_per_token
 from launcher.plan.layout import Layout
 from launcher.plan.memory import GiB, StageMemory, estimate_memory, inflight_microbatches, most_loaded
@@ -81,9 +81,7 @@ def fill_from_layout(plan, spec, shape: ModelShape, lay: Layout) -> None:
     t["tokens_per_s_range"] = [lay.tokens_per_step / t["step_s_range"][1], lay.tokens_per_step / t["step_s_range"][0]]
     t["band"] = band_summary(kind)
     plan.time = t
-    reserved = plan.memory["detail"].get("reserved", 0)
-    low, high = value_range(plan.memory["total"] - reserved, kind, "memory")  # the bands are of the allocator's share
-    plan.memory["total_range"] = [low + reserved, high + reserved]
+    plan.memory["total_range"] = list(memory_range(plan.memory["total"], plan.memory["detail"].get("reserved", 0), kind))
     plan.warnings = list(plan.warnings) + warnings_for(plan, spec, lay) + replicated_experts_note(shape, lay)
 
 

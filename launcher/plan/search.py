@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
 from launcher.config.validate import cp_pipeline_problems, tensor_parallel_problems, tied_pipeline_problems
-from launcher.plan.bands import layout_kind, value_range
+from launcher.plan.bands import layout_kind, memory_range, value_range
 from launcher.plan.estimate import capacity_bytes, reserved_bytes
 from launcher.plan.flops import training_flops_per_token
 from launcher.plan.layout import Layout
@@ -63,8 +63,7 @@ class Candidate:
     @property
     def memory_total_range(self) -> List[float]:
         """Peak memory measured for layouts of this kind, scaled to this prediction."""
-        low, high = value_range(self.memory["total"] - self.reserved, self.kind, "memory")
-        return [low + self.reserved, high + self.reserved]
+        return list(memory_range(self.memory["total"], self.reserved, self.kind))
 
     @property
     def train_overrides(self) -> str:

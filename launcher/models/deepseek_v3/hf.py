@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from launcher.models.hf_common import TensorMap, common_unsupported, hf_rope_entries, hf_rope_theta, rope_scaling_fields
-from launcher.models.llama.hf import dense_ffn_maps, stacked_expert_maps
-from launcher.models.shape import mla_qk_head_dim, moe_layer_ids
+from launcher.models.llama.hf import decoder_tensor_maps, stacked_expert_maps
+from launcher.models.shape import mla_qk_head_dim
 
 _EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
@@ -170,15 +170,5 @@ def deepseek_moe_maps(model, p: str, h: str) -> List[TensorMap]:
 
 def tensor_maps(model) -> List[TensorMap]:
     """Every parameter (and the correction-bias buffers) of a deepseek_v3 ModelConfig with its HF
-    source, in HF file order."""
-    out = [TensorMap("tok_embeddings.weight", ("model.embed_tokens.weight",), (model.vocab_size, model.dim))]
-    moe_ids = moe_layer_ids(model)
-    for i in range(model.n_layers):
-        p, h = f"layers.{i}.", f"model.layers.{i}."
-        out += mla_maps(model, p, h)
-        out.append(TensorMap(p + "ffn_norm.weight", (h + "post_attention_layernorm.weight",), (model.dim,)))
-        out += deepseek_moe_maps(model, p, h) if i in moe_ids else dense_ffn_maps(model, p, h)
-    out.append(TensorMap("norm.weight", ("model.norm.weight",), (model.dim,)))
-    if not model.tie_embeddings:
-        out.append(TensorMap("output.weight", ("lm_head.weight",), (model.vocab_size, model.dim)))
-    return out
+    source, in HF file order: Llama's decoder layout with MLA and DeepSeek's MoE blocks."""
+    return decoder_tensor_maps(model, deepseek_moe_maps, mla_maps)

@@ -21,10 +21,7 @@ group-limited routing and routed_scaling_factor; the first n_dense_layers blocks
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from launcher.models.layers import FeedForward, RMSNorm, _grouped_sdpa, _masked_attention, apply_rope, softmax_scale_factor

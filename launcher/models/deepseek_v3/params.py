@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from launcher.models.llama.params import decoder_counts
 from launcher.models.shape import mla_qk_head_dim
 
 
@@ -33,21 +34,13 @@ def mla_counts(model: Any) -> Dict[str, int]:
 
 
 def component_counts(model: Any) -> Dict[str, int]:
-    """Elements of each component (see launcher/plan/params.py ModelShape for the keys)."""
-    dim, heads = int(model.dim), int(model.n_heads)
-    n_experts = int(getattr(model, "n_experts", 0) or 0)
-    moe_ffn = (int(getattr(model, "moe_ffn_dim", 0) or 0) or int(model.ffn_dim)) if n_experts else 0
-    vocab = int(model.vocab_size)
+    """Elements of each component (see launcher/plan/params.py ModelShape for the keys): MLA's
+    attention, the rest as Llama's decoder counts it."""
+    heads = int(model.n_heads)
     mla = mla_counts(model)
     return {
         "attention": sum(mla.values()),
-        "block_norms": 2 * dim,
-        "dense_ffn": 3 * dim * int(model.ffn_dim),
-        "router": dim * n_experts,
-        "expert": 3 * dim * moe_ffn,
-        "embedding": vocab * dim,
-        "output": 0 if getattr(model, "tie_embeddings", False) else vocab * dim,
-        "final_norm": dim,
+        **decoder_counts(model),
         "qk_width": heads * mla_qk_head_dim(model),
         "v_width": heads * int(model.v_head_dim),
         "largest_attention_tensor": max(v for k, v in mla.items() if not k.endswith("norm")),

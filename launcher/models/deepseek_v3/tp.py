@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput, SequenceParallel
+from torch.distributed.tensor.parallel import PrepareModuleInput
 from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from launcher.models.llama.tp import norms_and_ffn_plan
 
 
 class SumGradOverTP(ParallelStyle):
@@ -41,24 +43,8 @@ def block_plan(block: nn.Module, styles, *, sequence_parallel: bool) -> dict:
         "attention.rope_key": SumGradOverTP(),
     }
     if sequence_parallel:
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
         # Local output: the replicated down-projections take plain tensors.
         plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
                                                use_local_output=True)
-    if block.is_moe:
-        if sequence_parallel:
-            plan["moe"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                use_local_input=True, output_layouts=(Replicate(),),
-                desired_output_layouts=(Shard(1),), use_local_output=True)
-    else:
-        plan.update({
-            "feed_forward.w1": styles.colwise("feed_forward.w1"),
-            "feed_forward.w3": styles.colwise("feed_forward.w3"),
-            "feed_forward.w2": styles.rowwise("feed_forward.w2", output_layouts=seq),
-        })
-        if sequence_parallel:
-            plan["feed_forward"] = styles.prepare_input("feed_forward", ("w1", "w3"),
-                                                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan.update(norms_and_ffn_plan(block, styles, sequence_parallel=sequence_parallel))
     return plan

@@ -160,14 +160,16 @@ def mixtral_moe_maps(model, p: str, h: str) -> List[TensorMap]:
     return stacked_expert_maps(model, p, moe + "gate.weight", lambda e, w: f"{moe}experts.{e}.{w}.weight")
 
 
-def decoder_tensor_maps(model, moe_maps: Callable[[Any, str, str], List[TensorMap]]) -> List[TensorMap]:
+def decoder_tensor_maps(model, moe_maps: Callable[[Any, str, str], List[TensorMap]],
+                        attn_maps: Callable[[Any, str, str], List[TensorMap]] = attention_maps) -> List[TensorMap]:
     """Every parameter of a Llama-like decoder with its HF source, in HF file order (embedding,
-    blocks, final norm, head); MoE blocks named by `moe_maps`. Tied models have no lm_head."""
+    blocks, final norm, head); each block's attention sub-layer (its input norm included) named
+    by `attn_maps`, MoE blocks by `moe_maps`. Tied models have no lm_head."""
     out = [TensorMap("tok_embeddings.weight", ("model.embed_tokens.weight",), (model.vocab_size, model.dim))]
     moe_ids = moe_layer_ids(model)
     for i in range(model.n_layers):
         p, h = f"layers.{i}.", f"model.layers.{i}."
-        out += attention_maps(model, p, h)
+        out += attn_maps(model, p, h)
         out.append(TensorMap(p + "ffn_norm.weight", (h + "post_attention_layernorm.weight",), (model.dim,)))
         out += moe_maps(model, p, h) if i in moe_ids else dense_ffn_maps(model, p, h)
     out.append(TensorMap("norm.weight", ("model.norm.weight",), (model.dim,)))

@@ -15,7 +15,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput, SequenceParallel
 
 
-
 def block_plan(block: nn.Module, styles, *, sequence_parallel: bool) -> dict:
     """The parallelize_module plan of one decoder block (sub-module path -> ParallelStyle).
 
@@ -34,10 +33,21 @@ def block_plan(block: nn.Module, styles, *, sequence_parallel: bool) -> dict:
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sequence_parallel:
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
         plan["attention"] = styles.prepare_input("attention", ("wq", "wk", "wv"),
                                                  input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+    plan.update(norms_and_ffn_plan(block, styles, sequence_parallel=sequence_parallel))
+    return plan
+
+
+def norms_and_ffn_plan(block: nn.Module, styles, *, sequence_parallel: bool) -> dict:
+    """The block's plan outside attention, shared by every family with this block layout (RMSNorms
+    before attention and FFN; a SwiGLU FFN or an MoE): SP norms, the FFN column-/row-wise, and
+    under SP the MoE's sequence gathered for routing and its output sliced back."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {}
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
     if block.is_moe:
         if sequence_parallel:
             # Gather the sequence for routing, slice the output back to this rank's part.
