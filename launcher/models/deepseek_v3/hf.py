@@ -20,30 +20,20 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from launcher.models.hf_common import TensorMap, common_unsupported, hf_rope_entries, hf_rope_theta, rope_scaling_fields
-from launcher.models.llama.hf import decoder_tensor_maps, stacked_expert_maps
+from launcher.models.hf_common import TensorMap, common_unsupported, hf_rope_entries
+from launcher.models.llama.hf import decoder_fields, decoder_tensor_maps, stacked_expert_maps
 from launcher.models.shape import mla_qk_head_dim
 
 _EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
-    """model.* values a DeepSeek-V3 config.json describes."""
-    heads = int(hf["num_attention_heads"])
+    """model.* values a DeepSeek-V3 config.json describes: Llama's decoder keys, then MLA's and
+    the router's."""
     n_experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
-    return {
-        "family": "deepseek_v3",
-        "n_layers": int(hf["num_hidden_layers"]),
-        "dim": int(hf["hidden_size"]),
-        "n_heads": heads,
-        "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
-        "head_dim": 0,
-        "qk_norm": False,
-        "ffn_dim": int(hf["intermediate_size"]),
-        "vocab_size": int(hf["vocab_size"]),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "rope_theta": hf_rope_theta(hf) or 10000.0,
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+    fields = decoder_fields(hf, "deepseek_v3")
+    fields.update({
+        "head_dim": 0,  # MLA's head sizes are its own keys (transformers' head_dim is the RoPE part)
         "n_experts": n_experts,
         "top_k": int(hf.get("num_experts_per_tok") or 0) if n_experts else 0,
         "n_shared_experts": int(hf.get("n_shared_experts") or 0) if n_experts else 0,
@@ -51,9 +41,7 @@ def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
         "n_dense_layers": int(hf.get("first_k_dense_replace") or 0) if n_experts else 0,
         "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
         "moe_layer_step": int(hf.get("moe_layer_freq") or 1),
-        "mlp_only_layers": [],
         "max_seq_len": int(hf.get("max_position_embeddings", 4096)),
-        "rope_scaling": rope_scaling_fields(hf),
         "q_lora_rank": int(hf.get("q_lora_rank") or 0),
         "kv_lora_rank": int(hf["kv_lora_rank"]),
         "qk_nope_head_dim": int(hf["qk_nope_head_dim"]),
@@ -63,7 +51,8 @@ def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "n_group": int(hf.get("n_group") or 1),
         "topk_group": int(hf.get("topk_group") or 1),
-    }
+    })
+    return fields
 
 
 def unsupported_features(hf: Dict[str, Any]) -> List[str]:
