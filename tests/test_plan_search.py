@@ -95,3 +95,76 @@ def test_problem_outside_the_layout_is_raised_not_hidden():
     spec = compose_spec(["+recipe=llama70b", "cluster.nodes=32", "action=run"])
     with pytest.raises(ConfigError, match="data.path"):
         search_layouts(spec, limit=5)
+
+
+# ----------------------------------------------------------------------------- plan.objective
+
+OBJECTIVE_ARGS = ["model=llama3_8b", "cluster.gpus_per_node=8", "plan.search_nodes=[1,2,4]", "trainer.seq_len=8192",
+                  "trainer.global_batch_size=64", "trainer.tokens=1000000000000", "hardware.usd_per_gpu_hour=2.5",
+                  "action=search"]
+# What each objective's table column holds (from the candidate's own budget), best first = ascending.
+OBJECTIVE_COLUMN = {
+    "throughput": lambda c: -c.tokens_per_s_per_gpu,
+    "time": lambda c: c.budget["wall_s"],
+    "cost": lambda c: c.budget["usd"],
+}
+
+
+@pytest.fixture(scope="module")
+def by_objective():
+    out = {}
+    for objective in OBJECTIVE_COLUMN:
+        spec = compose_spec(OBJECTIVE_ARGS + [f"plan.objective={objective}"])
+        out[objective] = (spec, search_layouts(spec, limit=8))
+    return out
+
+
+def test_each_objective_ranks_by_its_own_column(by_objective):
+    for objective, (spec, cands) in by_objective.items():
+        assert len(cands) == 8, objective
+        column = [OBJECTIVE_COLUMN[objective](c) for c in cands]
+        assert column == sorted(column), objective
+        # The figures are the plan's: the chosen layout planned alone gives the same budget.
+        for c in cands[:2]:
+            chosen = _apply(spec, c.train_overrides)
+            assert validate(chosen) == [], c.train_overrides
+            b = build_plan(chosen).budget
+            assert b["tokens"] >= spec.trainer.tokens
+            for key in ("steps", "wall_s", "gpu_hours", "usd"):
+                assert b[key] == pytest.approx(c.budget[key], rel=1e-6), (objective, key)
+
+
+def test_more_gpus_finish_sooner_but_cost_more(by_objective):
+    """Across node counts the orders must differ: the fastest layout to the budget uses more GPUs
+    than the cheapest one, and pays for them."""
+    cheapest, fastest = by_objective["cost"][1][0], by_objective["time"][1][0]
+    assert fastest.layout.world_size > cheapest.layout.world_size
+    assert fastest.budget["wall_s"] < cheapest.budget["wall_s"]
+    assert fastest.budget["usd"] > cheapest.budget["usd"]
+    order = {o: [c.train_overrides for c in cands] for o, (_, cands) in by_objective.items()}
+    assert order["time"] != order["cost"]
+    assert {c.layout.nodes for _, cands in by_objective.values() for c in cands} > {1}
+    for o, (_, cands) in by_objective.items():
+        assert all(f"cluster.nodes={c.layout.nodes}" in c.train_overrides for c in cands), o
+
+
+def test_objective_column_in_the_table(by_objective):
+    for objective, head in (("time", "wall h"), ("cost", "USD")):
+        spec, cands = by_objective[objective]
+        text = render_search(cands, spec, "text", 3)
+        assert f"plan.objective={objective}" in text and head in text.splitlines()[1]
+        d = json.loads(render_search(cands, spec, "json", 3))
+        assert d["objective"] == objective and d["candidates"][0]["budget"]["wall_s"] > 0
+    spec, cands = by_objective["cost"]
+    best = cands[0].budget
+    assert f"{best['usd']:,.0f} ({best['usd_range'][0]:,.0f}-{best['usd_range'][1]:,.0f})" in render_search(
+        cands, spec, "text", 1)
+
+
+def test_objective_values_are_checked_before_the_search():
+    problems = validate(compose_spec(["model=llama3_8b", "action=search", "plan.objective=money"]))
+    assert any("plan.objective='money'" in p and "throughput, cost, time" in p and "Fix" in p for p in problems)
+    # Cost needs a price: refused before any layout is enumerated, naming the key to set.
+    problems = validate(compose_spec(["model=llama3_8b", "action=search", "plan.objective=cost"]))
+    assert any("Fix: hardware.usd_per_gpu_hour=" in p for p in problems)
+    assert validate(compose_spec(["model=llama3_8b", "action=search", "plan.objective=time"])) == []

@@ -446,6 +446,14 @@ class PlanConfig:
     # action=search keeps only layouts whose estimate leaves this fraction of GPU memory free
     # (allocator fragmentation, what the model does not see).
     search_headroom: float = 0.05
+    # action=search ranks layouts by: throughput (tokens/s per GPU), time (wall time of the training
+    # steps to the budget, trainer.tokens or trainer.steps) or cost (USD to that budget: needs
+    # hardware.usd_per_gpu_hour). Throughput, time and cost only order layouts differently when the
+    # GPU count varies: see search_nodes.
+    objective: str = "throughput"
+    # action=search also tries these cluster.nodes values (empty: cluster.nodes only); each
+    # layout's overrides then carry its cluster.nodes.
+    search_nodes: List[int] = field(default_factory=list)
 
 
 @dataclass

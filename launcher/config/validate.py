@@ -22,6 +22,9 @@ from launcher.models.family import family_problems
 from launcher.models.shape import head_dim_of, moe_layer_ids
 from launcher.config.writable import folder_problem
 
+# What action=search ranks by (launcher/plan/search.py rank_key).
+PLAN_OBJECTIVES = ("throughput", "cost", "time")
+
 CHOICES = {
     "action": ("run", "plan", "search", "rehearse", "export", "prepare"),
     "precision.name": ("fp32", "bf16", "fp8"),
@@ -43,6 +46,7 @@ CHOICES = {
     "checkpoint.export": ("none", "fp32", "safetensors", "hf"),
     "checkpoint.export_dtype": ("bf16", "fp16", "fp32"),
     "plan.format": ("text", "json"),
+    "plan.objective": PLAN_OBJECTIVES,
     # Names logging.Logger.setLevel accepts (it is case-sensitive).
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
 }
@@ -387,6 +391,15 @@ def _check_misc_values(spec: JobConfig, problems: List[str]) -> None:
             f"plan.search_headroom={spec.plan.search_headroom} must be within [0, 1) (a fraction of GPU memory). "
             f"Fix: e.g. plan.search_headroom=0.05."
         )
+    if spec.action == "search" and spec.plan.objective == "cost" and spec.hardware.usd_per_gpu_hour is None:
+        problems.append(
+            "plan.objective=cost ranks layouts by USD to the budget, but hardware.usd_per_gpu_hour is not set "
+            "(null). Fix: hardware.usd_per_gpu_hour=<price of one GPU-hour>, e.g. hardware.usd_per_gpu_hour=2.5, "
+            "or plan.objective=time.")
+    bad_nodes = [n for n in spec.plan.search_nodes if int(n) < 1]
+    if bad_nodes:
+        problems.append(f"plan.search_nodes={list(spec.plan.search_nodes)} holds {bad_nodes}: node counts must be at "
+                        f"least 1. Fix: e.g. plan.search_nodes=[1,2,4].")
 
 
 HARDWARE_POSITIVE = (

@@ -241,6 +241,26 @@ def _checkpoint_section(plan) -> str:
 # ----------------------------------------------------------------------------- action=search
 
 
+# The search table's column for a plan.objective other than throughput (tok/s/GPU is always shown).
+OBJECTIVE_COLUMNS = {"time": "wall h", "cost": "USD"}
+
+
+def _objective_label(spec) -> str:
+    budget_of = (f"trainer.tokens={spec.trainer.tokens:,}" if spec.trainer.tokens
+                 else f"trainer.steps={spec.trainer.steps:,}")
+    return {"throughput": "tokens/s per GPU (plan.objective=throughput)",
+            "time": f"wall time of the training steps to {budget_of} (plan.objective=time)",
+            "cost": f"USD to {budget_of} at ${spec.hardware.usd_per_gpu_hour}/GPU-hour (plan.objective=cost)",
+            }[spec.plan.objective]
+
+
+def _objective_cell(b, objective: str) -> str:
+    """The budget figure plan.objective ranks by, with its range (launcher/plan/budget.py)."""
+    if objective == "time":
+        return f"{b['wall_s'] / 3600:,.1f} ({_range([s / 3600 for s in b['wall_s_range']], ',.1f')})"
+    return f"{b['usd']:,.0f} ({_range(b['usd_range'], ',.0f')})"
+
+
 def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
     """`action=search` output: the best `top_k` layouts with the overrides that select each."""
     from launcher.plan.resolve import world_size
@@ -254,25 +274,36 @@ def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
             "world_size": world,
             "global_batch_size": spec.trainer.global_batch_size,
             "seq_len": spec.trainer.seq_len,
+            "objective": spec.plan.objective,
             "candidates": [c.as_dict() for c in best],
         }, indent=2)
     if fmt != "text":
         raise ValueError(f"plan.format={fmt!r} is not one of text, json. Fix: plan.format=text or plan.format=json.")
-    head = (f"Search: {spec.model.name} on {world} GPUs ({spec.hardware.name}), global batch "
-            f"{spec.trainer.global_batch_size} x {spec.trainer.seq_len} tokens")
+    nodes = sorted({int(n) for n in spec.plan.search_nodes})
+    gpus = (f"{', '.join(str(n * spec.cluster.gpus_per_node) for n in nodes)} GPUs" if nodes
+            else f"{world} GPUs")
+    head = (f"Search: {spec.model.name} on {gpus} ({spec.hardware.name}), global batch "
+            f"{spec.trainer.global_batch_size} x {spec.trainer.seq_len} tokens, ranked by {_objective_label(spec)}")
     if not best:
         return (head + "\n  no valid layout fits. Fix: more nodes, offload (offload.optimizer=cpu), a shorter "
                 "trainer.seq_len, or a smaller trainer.global_batch_size; `action=plan` shows the memory of one layout.")
+    objective = spec.plan.objective
     rows = []
     for i, c in enumerate(best, 1):
         lay = c.layout
         pipe = f"{lay.pp}" + (f"x{lay.vpp} {lay.schedule}" if lay.pp > 1 else "")
-        rows.append((i, f"{c.tokens_per_s_per_gpu:,.0f}", f"{c.mfu:.1%}",
+        tps = f"{c.tokens_per_s_per_gpu:,.0f}"
+        if objective == "throughput":
+            tps += f" ({_range(c.tokens_per_s_per_gpu_range, ',.0f')})"
+        lead = [i] + ([_objective_cell(c.budget, objective)] if objective != "throughput" else [])
+        lead += [lay.world_size] if nodes else []
+        rows.append((*lead, tps, f"{c.mfu:.1%}",
                      f"{c.step_s:.2f} ({_range(c.step_s_range, '.2f')})",
                      f"{c.memory['total'] / GiB:.1f} ({_range([b / GiB for b in c.memory_total_range], '.1f')})", pipe, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp,
                      lay.ep, lay.zero_stage, lay.ac_mode, lay.micro_batch_size, c.backends.get("sharding", "native")))
-    table = _table(("#", "tok/s/GPU", "MFU", "step s", "mem GiB", "pp", "dp_rep", "dp_shard", "cp", "tp", "ep",
-                    "zero", "AC", "mbs", "sharding"), rows, "rrrrrlrrrrrrlrl")
+    heads = ["#"] + ([OBJECTIVE_COLUMNS[objective]] if objective != "throughput" else []) + (["GPUs"] if nodes else [])
+    table = _table((*heads, "tok/s/GPU", "MFU", "step s", "mem GiB", "pp", "dp_rep", "dp_shard", "cp", "tp", "ep",
+                    "zero", "AC", "mbs", "sharding"), rows, "r" * len(heads) + "rrrrlrrrrrrlrl")
     cmds = "\n".join(f"  {i}: train {c.train_overrides}" for i, c in enumerate(best, 1))
     table += ("\n  (ranges: step time and peak memory measured for layouts of the same kind, scaled to each "
               "prediction: bench/planner_accuracy.py --bands, docs/planner.md)")

@@ -1,10 +1,17 @@
-"""`action=search`: enumerate parallel layouts, keep the valid ones that fit, rank by throughput.
+"""`action=search`: enumerate parallel layouts, keep the valid ones that fit, rank by plan.objective.
 
 Enumerated per cluster and model: tp (divides the heads, KV heads and FFN widths, at most
 one node), cp (sequence divisible by 2*cp; GPU only), pp (divides what is left, at most
 one block per stage) with its schedule and virtual stages, dp_replicate x dp_shard (HSDP)
 for the rest, ep (MoE: divides the experts and dp_shard*cp), zero_stage, activation
-checkpointing, micro-batch size (the global batch stays fixed).
+checkpointing, micro-batch size (the global batch stays fixed); with plan.search_nodes, the
+node count too.
+
+Objective (plan.objective): throughput ranks by tokens/s per GPU; time by the wall time of the
+training steps to the budget (launcher/plan/budget.py: trainer.steps, which trainer.tokens sets);
+cost by the GPU-hours (hence USD) to it. On one GPU count the three orders agree (the global
+batch is fixed, so each is a function of the step time); across node counts more GPUs finish
+sooner but usually cost more, and the orders differ.
 
 Speed: llama405b on 2,048 GPUs has ~10^5 combinations. The estimators are cheap but not
 free, so the search works in three passes:
@@ -23,8 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
-from launcher.config.validate import cp_pipeline_problems, tensor_parallel_problems, tied_pipeline_problems
+from launcher.config.validate import (PLAN_OBJECTIVES, cp_pipeline_problems, tensor_parallel_problems,
+                                      tied_pipeline_problems)
 from launcher.plan.bands import layout_kind, memory_range, value_range
+from launcher.plan.budget import budget
 from launcher.plan.estimate import capacity_bytes, reserved_bytes
 from launcher.plan.flops import training_flops_per_token
 from launcher.plan.layout import Layout
@@ -54,11 +63,19 @@ class Candidate:
     backends: Dict[str, str] = field(default_factory=dict)  # feature -> backend (features in use)
     kind: str = "fsdp"  # the accuracy kind of the layout (launcher/plan/bands.py)
     reserved: int = 0  # bytes outside the allocator (the memory band is of the allocator's share)
+    # Steps, wall time, GPU-hours and cost to the budget (launcher/plan/budget.py), with ranges.
+    budget: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def step_s_range(self) -> List[float]:
         """Step times measured for layouts of this kind, scaled to this prediction."""
         return list(value_range(self.step_s, self.kind, "time"))
+
+    @property
+    def tokens_per_s_per_gpu_range(self) -> List[float]:
+        """Tokens/s per GPU measured for layouts of this kind (the step time band, inverted)."""
+        lo, hi = self.step_s_range
+        return [self.tokens_per_s_per_gpu * self.step_s / hi, self.tokens_per_s_per_gpu * self.step_s / lo]
 
     @property
     def memory_total_range(self) -> List[float]:
@@ -73,6 +90,8 @@ class Candidate:
     def as_dict(self) -> Dict[str, Any]:
         return {
             "overrides": self.train_overrides,
+            "world_size": self.layout.world_size,
+            "nodes": self.layout.nodes,
             "mesh": {k: getattr(self.layout, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")},
             "zero_stage": self.layout.zero_stage,
             "activation_checkpointing": self.layout.ac_mode,
@@ -86,6 +105,8 @@ class Candidate:
             "memory_total_range": self.memory_total_range,
             "band_kind": self.kind,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "tokens_per_s_per_gpu_range": self.tokens_per_s_per_gpu_range,
+            "budget": dict(self.budget),
             "mfu": self.mfu,
             "bubble_fraction": self.bubble_fraction,
             "backends": dict(self.backends),
@@ -201,7 +222,8 @@ def candidate_spec(spec, lay: Layout):
     )
     ac = dataclasses.replace(spec.activation_checkpointing, mode=lay.ac_mode)
     tr = dataclasses.replace(spec.trainer, micro_batch_size=lay.micro_batch_size)
-    return dataclasses.replace(spec, parallel=p, activation_checkpointing=ac, trainer=tr)
+    cl = dataclasses.replace(spec.cluster, nodes=lay.nodes)
+    return dataclasses.replace(spec, parallel=p, activation_checkpointing=ac, trainer=tr, cluster=cl)
 
 
 # ----------------------------------------------------------------------------- search
@@ -232,8 +254,28 @@ def _with_backends(lay: Layout, choices: Dict[str, Any], spec) -> Layout:
     return dataclasses.replace(lay, **backend_fields(choices, spec.offload.optimizer, lay.pp))
 
 
+def node_counts(spec) -> List[int]:
+    """The cluster.nodes values the search tries: plan.search_nodes, or cluster.nodes alone."""
+    return sorted({int(n) for n in spec.plan.search_nodes}) or [spec.cluster.nodes]
+
+
 def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
-    """Every fitting layout with its estimates, best first (not yet validated)."""
+    """Every fitting layout with its estimates on every node count, best first by plan.objective
+    (not yet validated)."""
+    out: List[Candidate] = []
+    stats: Dict[str, int] = {}
+    for nodes in node_counts(spec):
+        on_nodes = dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, nodes=nodes))
+        cands, st = _evaluate_world(on_nodes, with_nodes=bool(spec.plan.search_nodes))
+        out += cands
+        for k, v in st.items():
+            stats[k] = stats.get(k, 0) + v
+    out.sort(key=rank_key(spec.plan.objective))
+    return _dedupe(out), stats
+
+
+def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, int]]:
+    """Every fitting layout on spec's cluster, unsorted; `with_nodes`: its overrides name cluster.nodes."""
     shape: ModelShape = model_shape(spec.model)
     hw = spec.hardware
     # Leave headroom for allocator fragmentation and what the model does not see.
@@ -252,6 +294,9 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
         resets["parallel.microbatches"] = -1
     if spec.parallel.pp_layers:
         resets["parallel.pp_layers"] = "[]"
+    if with_nodes:
+        resets["cluster.nodes"] = spec.cluster.nodes
+    steps, price = spec.trainer.steps, spec.hardware.usd_per_gpu_hour
     zeros = [spec.parallel.zero_stage] if spec.offload.optimizer != "none" or spec.offload.params != "none" else [0, 1, 2, 3]
     for tp, cp, pp, dp_rep, dp_shard, ep, sched, vpp in mesh_options(spec):
         stats["meshes"] += 1
@@ -289,7 +334,7 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
                     # Pass 2: the first AC mode that fits dominates the heavier-recompute ones.
                     stats["timed"] += 1
                     t = estimate_time(shape, lay, hw, flops_tok, tokens_per_step, ranks=(0, pp - 1))
-                    out.append(Candidate(
+                    cand = Candidate(
                         layout=lay,
                         overrides={**lay.overrides(), **resets},
                         memory=mem.as_dict(),
@@ -300,18 +345,37 @@ def evaluate_layouts(spec) -> Tuple[List[Candidate], Dict[str, int]]:
                         bubble_fraction=(t["bubble_s"] / t["compute_s"]) if t["compute_s"] else 0.0,
                         backends={k: c.backend for k, c in choices.items() if getattr(c, "impl", "") != "off"},
                         kind=layout_kind(lay, spec.model.n_experts), reserved=reserve,
-                    ))
+                    )
+                    cand.budget = budget(steps, tokens_per_step, cand.step_s, cand.step_s_range,
+                                         lay.world_size, price)
+                    out.append(cand)
                     break
-    out.sort(key=_rank_key)
-    return _dedupe(out), stats
+    return out, stats
 
 
-def _rank_key(c: Candidate) -> tuple:
-    """Throughput first, then (for equal estimates) the simpler layout (fewer CP / pipeline / TP
-    ranks), then the lower memory."""
-    lay = c.layout
-    return (-float(f"{c.tokens_per_s_per_gpu:.6g}"), lay.cp, lay.pp * lay.vpp, lay.tp, lay.ep,
-            lay.dp_replicate, c.memory["total"])
+def objective_value(c: Candidate, objective: str) -> float:
+    """What plan.objective ranks by, lower first: minus tokens/s per GPU (throughput), the wall
+    seconds to the budget (time), or its GPU-hours (cost: USD = GPU-hours x one price, so the same
+    order, and defined before hardware.usd_per_gpu_hour is)."""
+    if objective == "throughput":
+        return -c.tokens_per_s_per_gpu
+    if objective == "time":
+        return c.budget["wall_s"]
+    return c.budget["gpu_hours"]  # cost
+
+
+def rank_key(objective: str):
+    """Sort key for plan.objective: the objective first, then (for equal estimates) the simpler
+    layout (fewer CP / pipeline / TP ranks), the lower memory, and the fewer GPUs."""
+    if objective not in PLAN_OBJECTIVES:  # fail here, not halfway through a sort
+        raise ValueError(f"plan.objective={objective!r} is not one of {', '.join(PLAN_OBJECTIVES)}. "
+                         f"Fix: set plan.objective to one of them.")
+
+    def key(c: Candidate) -> tuple:
+        lay = c.layout
+        return (float(f"{objective_value(c, objective):.6g}"), lay.cp, lay.pp * lay.vpp, lay.tp, lay.ep,
+                lay.dp_replicate, c.memory["total"], lay.world_size)
+    return key
 
 
 def _dedupe(cands: List[Candidate]) -> List[Candidate]:
@@ -321,7 +385,7 @@ def _dedupe(cands: List[Candidate]) -> List[Candidate]:
     out = []
     for c in cands:
         lay = c.layout
-        key = (lay.pp, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp, lay.ep, lay.schedule, lay.vpp,
+        key = (lay.nodes, lay.pp, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp, lay.ep, lay.schedule, lay.vpp,
                lay.micro_batch_size, lay.ac_mode, round(c.step_s, 6), c.memory["total"])
         if key in seen:
             continue
@@ -331,7 +395,7 @@ def _dedupe(cands: List[Candidate]) -> List[Candidate]:
 
 
 def search_layouts(spec, limit: Optional[int] = None, stats: Optional[Dict[str, int]] = None) -> List[Candidate]:
-    """Valid, fitting layouts ranked by estimated throughput (tokens/s per GPU), best first.
+    """Valid, fitting layouts ranked by plan.objective (default: tokens/s per GPU), best first.
 
     Returns at most `limit` candidates (default: max(plan.top_k, 20)); each passed
     `launcher.config.validate.validate` with its overrides applied to `spec`. Raises
