@@ -5,6 +5,8 @@
     .venv/bin/python bench/planner_accuracy.py --markdown  # the table for docs/planner.md
     .venv/bin/python bench/planner_accuracy.py --bands     # the error bands (launcher/plan/bands.py)
     .venv/bin/python bench/planner_accuracy.py --bands --runs RUN_DIR...  # with your cluster's runs
+    .venv/bin/python bench/planner_accuracy.py --fit --runs RUN_DIR... [--fit-out conf/hardware/mine.yaml]
+        # hardware.achievable_fraction fitted to your runs: the override line (and a hardware yaml)
 
 Reads bench/reference/published.csv (published measurements) and measured.csv (our own GPU
 records, docs/benchmarks.md): one row per measurement (source, table,
@@ -147,21 +149,25 @@ def check(rows: Sequence[Row]) -> List[str]:
     return out + ordering_problems(rows)
 
 
+def _runs(run_dirs: Sequence[Path]):
+    """(run_dir, run_summary.json content, the run's resolved config) per run directory."""
+    import json
+
+    from launcher.config.loader import load_spec
+
+    return [(Path(d), json.loads((Path(d) / "run_summary.json").read_text()), load_spec(Path(d))) for d in run_dirs]
+
+
 def rows_from_runs(run_dirs: Sequence[Path]) -> List[Row]:
     """Rows from finished runs (their run_summary.json, launcher/runtime/run_score.py): each run's
     measured tokens/s per GPU and peak memory against its own config planned again here, so a
     cluster's runs join the table and --bands gives that cluster's error bands. Printed and
     banded, never held to the published tolerances (status "run")."""
-    import json
-
-    from launcher.config.loader import load_spec
     from launcher.plan.memory import GiB
     from launcher.plan.plan import build_plan
 
     rows: List[Row] = []
-    for run_dir in run_dirs:
-        summary = json.loads((Path(run_dir) / "run_summary.json").read_text())
-        spec = load_spec(Path(run_dir))
+    for run_dir, summary, spec in _runs(run_dirs):
         plan = build_plan(spec)
         figures = summary["figures"]
         status = f"run: measured by {run_dir} on {summary['device']} (printed and banded, not held)"
@@ -175,6 +181,89 @@ def rows_from_runs(run_dirs: Sequence[Path]) -> List[Row]:
             rows.append(Row(metric="memory_gib", value=peak / GiB, predicted=predicted_value(plan, "memory_gib"),
                             **base))
     return rows
+
+
+# The hardware.* factor --fit fits: the fraction of the dense matmul peak reached, which sets the
+# compute time, the bulk of a step. hardware.comm_efficiency is kept: one measured tokens/s per run
+# cannot tell a slower link from slower matmuls; set it from a collective benchmark (nccl-tests).
+FIT_KEY = "achievable_fraction"
+FIT_BOUNDS = (1e-3, 1.0)  # the validator's (0, 1]
+FIT_DIGITS = 4
+
+
+@dataclass
+class Fit:
+    """hardware.FIT_KEY fitted to the runs of one hardware preset."""
+
+    hardware: str
+    runs: int
+    before: float  # the runs' own value of the factor
+    value: float  # fitted: median predicted/measured tokens/s = 1
+    median_ratio_before: float
+    median_ratio_after: float
+    problem: str = ""  # why the fit stopped at a bound (the runs are outside what the factor can explain)
+
+    @property
+    def override(self) -> str:
+        return f"hardware={self.hardware} hardware.{FIT_KEY}={self.value:.{FIT_DIGITS}f}"
+
+
+def _with_factor(spec, value: float):
+    import dataclasses
+
+    return dataclasses.replace(spec, hardware=dataclasses.replace(spec.hardware, **{FIT_KEY: value}))
+
+
+def fit_hardware(run_dirs: Sequence[Path]) -> List[Fit]:
+    """hardware.FIT_KEY per hardware preset such that the median over its runs of predicted /
+    measured tokens/s per GPU is 1 (bisection: predicted tokens/s rises with the factor). Runs
+    without a measured tokens/s, or not run on a GPU, are left out (a CPU run says nothing of a GPU)."""
+    import statistics
+
+    from launcher.plan.plan import build_plan
+    from launcher.plan.resolve import resolve
+
+    groups: Dict[str, List[Tuple[object, object, float]]] = {}
+    for _, summary, spec in _runs(run_dirs):
+        measured = summary["figures"]["tokens_per_s_per_gpu"]["measured"]
+        if measured and summary.get("device") == "cuda":
+            groups.setdefault(spec.hardware.name, []).append((spec, resolve(spec), measured))
+    fits = []
+    for hardware, runs in groups.items():
+        def median_ratio(value: float) -> float:
+            return statistics.median(predicted_value(build_plan(_with_factor(spec, value), layout), "tps_per_gpu") / m
+                                     for spec, layout, m in runs)
+
+        before = getattr(runs[0][0].hardware, FIT_KEY)
+        lo, hi = FIT_BOUNDS
+        problem = ""
+        if median_ratio(hi) < 1:
+            lo = hi
+            problem = (f"even hardware.{FIT_KEY}={hi} predicts slower than measured: the runs' time is not in "
+                       f"their matmuls (check hardware.comm_efficiency, hardware.hbm_gbps, the peaks)")
+        elif median_ratio(lo) > 1:
+            hi = lo
+            problem = f"even hardware.{FIT_KEY}={lo} predicts faster than measured: a stall the plan does not model"
+        while hi - lo > 10 ** -(FIT_DIGITS + 2):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if median_ratio(mid) < 1 else (lo, mid)
+        value = round((lo + hi) / 2, FIT_DIGITS)
+        fits.append(Fit(hardware, len(runs), before, value, median_ratio(before), median_ratio(value), problem))
+    return fits
+
+
+def write_hardware_yaml(fit: Fit, run_dirs: Sequence[Path], path: Path) -> None:
+    """A conf/hardware preset: the runs' hardware.* with the fitted factor (`hardware=<file stem>`)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    spec = next(sp for _, _, sp in _runs(run_dirs) if sp.hardware.name == fit.hardware)
+    values = {**dataclasses.asdict(spec.hardware), FIT_KEY: fit.value}
+    head = (f"# {fit.hardware} with hardware.{FIT_KEY} fitted to {fit.runs} run(s) by "
+            f"bench/planner_accuracy.py --fit (median predicted/measured tokens/s "
+            f"{fit.median_ratio_before:.3f} -> {fit.median_ratio_after:.3f}).\n")
+    Path(path).write_text(head + OmegaConf.to_yaml(values))
 
 
 def derive_bands(rows: Sequence[Row]) -> Dict[str, Dict[str, object]]:
@@ -217,7 +306,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--runs", type=Path, nargs="+", default=[],
                     help="run directories with run_summary.json: add their measurements (your cluster's bands)")
     ap.add_argument("--metric", choices=sorted(TOLERANCE), help="only the rows of this metric")
+    ap.add_argument("--fit", action="store_true",
+                    help=f"fit hardware.{FIT_KEY} to the --runs (median predicted/measured tokens/s = 1)")
+    ap.add_argument("--fit-out", type=Path, help="with --fit: write the fitted hardware preset (a conf/hardware yaml)")
     args = ap.parse_args(argv)
+    if args.fit or args.fit_out:
+        return _fit_main(args)
     rows = [r for r in read_rows(args.csv) if args.metric in (None, r.metric)]
     predict(rows)
     rows += [r for r in rows_from_runs(args.runs) if args.metric in (None, r.metric)]
@@ -236,6 +330,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("check: " + ("FAILED" if problems else "passed"))
         return 1 if problems else 0
     return 0
+
+
+def _fit_main(args) -> int:
+    if not args.runs or not args.fit:
+        print("--fit needs --runs RUN_DIR... (runs with run_summary.json, on GPUs); --fit-out needs --fit",
+              file=sys.stderr)
+        return 2
+    fits = fit_hardware(args.runs)
+    if not fits:
+        print("no run with a measured tokens/s on a GPU (run_summary.json, device cuda): nothing to fit", file=sys.stderr)
+        return 2
+    for f in fits:
+        print(f"{f.hardware}: {f.runs} run(s), hardware.{FIT_KEY} {f.before:g} -> {f.value:.{FIT_DIGITS}f}, median "
+              f"predicted/measured tokens/s {f.median_ratio_before:.3f} -> {f.median_ratio_after:.3f}"
+              + (f"; {f.problem}" if f.problem else ""))
+        print(f"  {f.override}")
+    if args.fit_out:
+        if len(fits) > 1:
+            print(f"--fit-out writes one preset; these runs are on {', '.join(f.hardware for f in fits)}: "
+                  f"pass the runs of one hardware", file=sys.stderr)
+            return 2
+        write_hardware_yaml(fits[0], args.runs, args.fit_out)
+        print(f"wrote {args.fit_out} (copy it to conf/hardware/ and use hardware={Path(args.fit_out).stem})")
+    return 1 if any(f.problem for f in fits) else 0
 
 
 if __name__ == "__main__":
