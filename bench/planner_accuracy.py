@@ -155,6 +155,11 @@ def _runs(run_dirs: Sequence[Path]):
 
     from launcher.config.loader import load_spec
 
+    missing = [str(d) for d in run_dirs if not (Path(d) / "run_summary.json").is_file()]
+    if missing:  # a run that failed or is still running writes none
+        print(f"no run_summary.json in {', '.join(missing)} (a finished run writes it). "
+              f"Fix: pass the run directories of finished runs to --runs.", file=sys.stderr)
+        raise SystemExit(2)
     return [(Path(d), json.loads((Path(d) / "run_summary.json").read_text()), load_spec(Path(d))) for d in run_dirs]
 
 

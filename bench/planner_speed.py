@@ -11,12 +11,15 @@ Targets (issues 6 and 13), wall time including interpreter start on our 2-core m
   train +recipe=llama405b action=search cluster.nodes=256                   < 10 s
 Also times the planner alone (in-process build_plan and search_layouts, no Hydra, no
 interpreter start), which is what the search's budget mostly goes to.
-Not a test: timings depend on the machine's load; it prints numbers and exits 0.
+Not a test: timings depend on the machine's load; it prints numbers and exits 0. The "cpu s"
+column (user + system time of the command, interpreter included) is what the command costs on
+an idle machine: on a loaded one the wall time is longer by the time spent waiting for a core.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import subprocess
 import sys
@@ -35,21 +38,30 @@ COMMANDS = [
     ("plan 405b, 8192 GPUs, text + plots", ["+recipe=llama405b", "action=plan", "cluster.nodes=1024",
                                             "trainer.global_batch_size=2048"]),
     ("search 405b, 2048 GPUs", ["+recipe=llama405b", "action=search", "cluster.nodes=256"]),
+    ("search 405b, 1024+2048 GPUs, objective=time", ["+recipe=llama405b", "action=search", "plan.objective=time",
+                                                     "plan.search_nodes=[128,256]"]),
     ("search 70b, 256 GPUs", ["+recipe=llama70b", "action=search", "cluster.nodes=32"]),
     ("search mixtral, 64 GPUs", ["+recipe=mixtral8x7b", "action=search", "cluster.nodes=8"]),
 ]
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def time_command(args, repeat: int):
-    times = []
+    """(wall seconds, CPU seconds) per repeat of `train ARGS`, or (None, None, stderr) on failure."""
+    times, cpu = [], []
     with tempfile.TemporaryDirectory(prefix="planspeed_") as tmp:
         for i in range(repeat):
-            t0 = time.perf_counter()
+            c0, t0 = _children_cpu_s(), time.perf_counter()
             proc = subprocess.run([TRAIN, *args, f"hydra.run.dir={tmp}/r{i}"], cwd=tmp, capture_output=True, text=True)
             times.append(time.perf_counter() - t0)
+            cpu.append(_children_cpu_s() - c0)
             if proc.returncode != 0:
-                return None, proc.stderr[-1500:]
-    return times, ""
+                return None, None, proc.stderr[-1500:]
+    return times, cpu, ""
 
 
 def time_first_output(args, repeat: int):
@@ -108,13 +120,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
-    print(f"{'what':<48} {'median s':>9} {'min s':>7} {'max s':>7}")
+    print(f"{'what':<48} {'median s':>9} {'min s':>7} {'max s':>7} {'cpu s':>7}")
     for name, cmd in COMMANDS:
-        times, err = time_command(cmd, args.repeat)
+        times, cpu, err = time_command(cmd, args.repeat)
         if times is None:
             print(f"{name:<48} failed: {err}")
             continue
-        print(f"{name:<48} {statistics.median(times):>9.2f} {min(times):>7.2f} {max(times):>7.2f}", flush=True)
+        print(f"{name:<48} {statistics.median(times):>9.2f} {min(times):>7.2f} {max(times):>7.2f} "
+              f"{statistics.median(cpu):>7.2f}", flush=True)
     for name, cmd in FIRST_OUTPUT:
         first, total, err = time_first_output(cmd, args.repeat)
         if first is None:
