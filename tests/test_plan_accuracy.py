@@ -197,63 +197,65 @@ FIT_RUNS = (  # (model, overrides): single GPU, FSDP, FSDP x TP: runs of differe
 )
 
 
-def _fit_run_dirs(tmp_path, scale=1.0):
+@pytest.fixture(scope="module")
+def fit_runs(tmp_path_factory):
     """Run directories as a finished run leaves them (resolved config + run_summary.json), measured
-    at hardware.achievable_fraction=FIT_TRUTH times `scale`, while the runs' config holds the preset's."""
+    at hardware.achievable_fraction=FIT_TRUTH (scale 1.0) or 1.1 x that (scale 1.1), while the runs'
+    config holds the preset's 0.55: {scale: ([run dir], [measured tokens/s per GPU])}."""
     import json
 
     from launcher.config.loader import save_spec
     from launcher.plan.plan import build_plan
     from launcher.runtime.run_score import RUN_SUMMARY_FILE, figure
 
-    dirs, measured = [], []
+    out = {1.0: ([], []), 1.1: ([], [])}
     for i, (model, overrides) in enumerate(FIT_RUNS):
         spec = compose_spec([f"model={model}", "hardware=h100_sxm", "precision=bf16", *overrides])
-        truth = build_plan(compose_spec([f"model={model}", "hardware=h100_sxm", "precision=bf16", *overrides,
-                                         f"hardware.achievable_fraction={FIT_TRUTH}"]))
-        tps = truth.time["tokens_per_s_per_gpu"] * scale
+        truth = dataclasses.replace(spec, hardware=dataclasses.replace(spec.hardware, achievable_fraction=FIT_TRUTH))
+        at_truth = build_plan(truth).time["tokens_per_s_per_gpu"]
         planned = build_plan(spec).time["tokens_per_s_per_gpu"]
-        run = tmp_path / f"run{i}"
-        run.mkdir()
-        save_spec(spec, run)
-        (run / RUN_SUMMARY_FILE).write_text(json.dumps({
-            "figures": {"tokens_per_s_per_gpu": figure(tps, planned, None), "mfu": figure(None, None, None),
-                        "peak_memory_bytes": figure(None, None, None)},
-            "device": "cuda", "hardware": spec.hardware.name, "world_size": spec.cluster.gpus_per_node}))
-        dirs.append(run)
-        measured.append(tps)
-    return dirs, measured
+        for scale, (dirs, measured) in out.items():
+            run = tmp_path_factory.mktemp(f"run{i}_x{scale}")
+            save_spec(spec, run)
+            (run / RUN_SUMMARY_FILE).write_text(json.dumps({
+                "figures": {"tokens_per_s_per_gpu": figure(at_truth * scale, planned, None),
+                            "mfu": figure(None, None, None), "peak_memory_bytes": figure(None, None, None)},
+                "device": "cuda", "hardware": spec.hardware.name, "world_size": spec.cluster.gpus_per_node}))
+            dirs.append(run)
+            measured.append(at_truth * scale)
+    return out
 
 
-def test_fit_recovers_the_factor_the_runs_were_measured_at(tmp_path, capsys):
+def test_fit_recovers_the_factor_the_runs_were_measured_at(fit_runs, tmp_path, capsys):
     from omegaconf import OmegaConf
 
     from launcher.plan.plan import build_plan
 
-    dirs, measured = _fit_run_dirs(tmp_path)
+    dirs, measured = fit_runs[1.0]
     out = tmp_path / "mine.yaml"
     assert planner_accuracy.main(["--fit", "--runs", *map(str, dirs), "--fit-out", str(out)]) == 0
     printed = capsys.readouterr().out
-    (fit,) = planner_accuracy.fit_hardware(dirs)
-    assert fit.before == 0.55 and fit.value == pytest.approx(FIT_TRUTH, rel=0.01)
-    assert fit.override in printed and f"hardware.achievable_fraction={fit.value:.4f}" in printed
+    assert "hardware.achievable_fraction 0.55 -> " in printed
+    override = next(line.strip() for line in printed.splitlines() if line.strip().startswith("hardware="))
+    fitted = float(override.split("hardware.achievable_fraction=")[1])
+    assert fitted == pytest.approx(FIT_TRUTH, rel=0.01)
     # The printed override, applied to each run's config, predicts what the run measured (within 1 %).
     for (model, overrides), tps in zip(FIT_RUNS, measured):
-        spec = compose_spec([f"model={model}", "precision=bf16", *overrides, *fit.override.split()])
+        spec = compose_spec([f"model={model}", "precision=bf16", *overrides, *override.split()])
         assert build_plan(spec).time["tokens_per_s_per_gpu"] == pytest.approx(tps, rel=0.01)
     # The written preset is the runs' hardware with the fitted factor, loadable as a hardware config.
     preset = OmegaConf.load(out)
-    assert preset.achievable_fraction == fit.value and preset.bf16_tflops == 989 and preset.name == "h100_sxm"
+    assert preset.achievable_fraction == fitted and preset.bf16_tflops == 989 and preset.name == "h100_sxm"
 
 
-def test_fit_makes_the_median_ratio_one_when_measured_is_a_multiple(tmp_path):
+def test_fit_makes_the_median_ratio_one_when_measured_is_a_multiple(fit_runs):
     # Measured = predicted at the truth x 1.1: the fit sets the median predicted/measured to 1.
-    dirs, measured = _fit_run_dirs(tmp_path, scale=1.1)
+    dirs, _ = fit_runs[1.1]
     (fit,) = planner_accuracy.fit_hardware(dirs)
     assert fit.median_ratio_after == pytest.approx(1.0, abs=0.01)
     assert abs(fit.median_ratio_before - 1) > 0.1 and fit.value > FIT_TRUTH and not fit.problem
 
 
-def test_fit_refuses_without_gpu_runs(tmp_path, capsys):
+def test_fit_refuses_without_gpu_runs(capsys):
     assert planner_accuracy.main(["--fit"]) == 2
     assert "--runs" in capsys.readouterr().err
