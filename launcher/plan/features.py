@@ -21,8 +21,28 @@ Backend = Literal["native", "deepspeed"]
 
 NATIVE = "native"
 DEEPSPEED = "deepspeed"
-BACKENDS = (NATIVE, DEEPSPEED)
-PREFERENCES = ("auto", NATIVE, DEEPSPEED)
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One registered backend: its config value, the name users read, and how it hosts features."""
+
+    name: str  # the value of backend=... / backend.<feature>=...
+    label: str  # how messages name it
+    # True: serving an uncoupled feature (activation checkpointing) needs this backend's engine to
+    # own the model states (DeepSpeed's checkpointing runs only inside deepspeed.initialize);
+    # False: its implementation runs inside whichever engine owns them (torch checkpointing).
+    owns_what_it_serves: bool
+
+
+# The registered backends, in preference order: with backend=auto the first one that can serve
+# every model-state feature owns them ("native where it serves").
+REGISTRY: Tuple[BackendEntry, ...] = (
+    BackendEntry(NATIVE, "native", owns_what_it_serves=False),
+    BackendEntry(DEEPSPEED, "DeepSpeed", owns_what_it_serves=True),
+)
+BACKENDS = tuple(b.name for b in REGISTRY)
+PREFERENCES = ("auto", *BACKENDS)
 # backend.fp8_impl values: the runtime implements torchao only; transformer_engine is refused
 # by the resolver with a fix (never shown as a choice the runtime would ignore).
 FP8_IMPLS = ("auto", "torchao", "transformer_engine")
@@ -151,7 +171,3 @@ FEATURES: Tuple[Feature, ...] = (
     ),
 )
 FEATURE_BY_NAME: Dict[str, Feature] = {f.name: f for f in FEATURES}
-
-
-def _label(backend: str) -> str:
-    return "DeepSpeed" if backend == DEEPSPEED else "native"
