@@ -1,8 +1,9 @@
-"""The feature x backend table: which implementation (native PyTorch or DeepSpeed) can serve
-each feature, and the record of one decision (`BackendChoice`).
+"""The registered backends (`REGISTRY`), the feature x backend table as users read it
+(`FEATURES`: what each backend implements), and the record of one decision (`BackendChoice`).
 
-Pure data, no torch. The rules that pick a backend per feature live in
-launcher/plan/rules.py; the docs and the `--markdown` generator in launcher/plan/backends.py.
+Pure data, no torch. Under which condition each backend can serve a feature is the support
+table (launcher/plan/support.py); the decision is made in launcher/plan/rules.py; the docs and
+the `--markdown` generator live in launcher/plan/backends.py.
 
 The one fact that shapes every rule: a single engine owns the model states. Either the
 native stack (FSDP2 / DTensor / torch pipelining) wraps the model, or DeepSpeed's engine
@@ -15,9 +16,7 @@ only natively.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Literal, Tuple
-
-Backend = Literal["native", "deepspeed"]
+from typing import Dict, Tuple
 
 NATIVE = "native"
 DEEPSPEED = "deepspeed"
@@ -52,7 +51,7 @@ FP8_IMPLS = ("auto", "torchao", "transformer_engine")
 class BackendChoice:
     """The resolver's decision for one feature: who serves it, with what, and why."""
 
-    backend: str  # native | deepspeed
+    backend: str  # a name in BACKENDS
     impl: str  # e.g. "FSDP2 fully_shard", "DeepSpeed ZeRO-3"; "off" when the feature is not used
     reason: str
 
