@@ -177,8 +177,8 @@ def _pair_conflicts(ns: List[Need], problems: List[Conflict], reg: _Registry) ->
                 continue
             problems.append(Conflict(
                 a.feature, b.feature,
-                f"{a.feature} needs {reg.labels(sa)} ({_why_only(a, reg)}) "
-                f"but {b.feature} needs {reg.labels(sb)} ({_why_only(b, reg)}); one engine owns the model "
+                f"{a.feature} needs {reg.labels(sa)} ({_why_only(a)}) "
+                f"but {b.feature} needs {reg.labels(sb)} ({_why_only(b)}); one engine owns the model "
                 f"states, so they cannot be mixed",
                 (_fix_text(_drop(a)), _fix_text(_drop(b))), joiner=", or "))
     if problems or set(reg.names).intersection(*sets):
@@ -188,7 +188,7 @@ def _pair_conflicts(ns: List[Need], problems: List[Conflict], reg: _Registry) ->
     problems.append(Conflict(
         group[0].feature, ", ".join(n.feature for n in group[1:]),
         "no backend serves them all: " + "; ".join(
-            f"{n.feature} needs {reg.labels(n.allowed())} ({_why_only(n, reg)})" for n in group)
+            f"{n.feature} needs {reg.labels(n.allowed())} ({_why_only(n)})" for n in group)
         + "; one engine owns the model states, so they cannot be mixed",
         tuple(_fix_text(_drop(n)) for n in group), joiner=", or "))
 
@@ -202,11 +202,11 @@ def _only_forced(n: Need) -> bool:
     return bool(n.forced) and any(why is None for b, why in n.blocked.items() if b != n.forced)
 
 
-def _why_only(n: Need, reg: _Registry) -> str:
+def _why_only(n: Need) -> str:
     if _only_forced(n) and n.forced_by:
         return f"{n.forced_by} requested"
     allowed = n.allowed()
-    return f"{n.what}: " + "; ".join(str(n.blocked[b]) for b in reg.names if b not in allowed)
+    return f"{n.what}: " + "; ".join(why for b, why in n.blocked.items() if b not in allowed and why)
 
 
 def _drop(n: Need) -> List[str]:
@@ -228,7 +228,10 @@ def _owner(ns: List[Need], reg: _Registry) -> Tuple[str, str]:
     coupled = [(n, n.allowed()) for n in reg.coupled(ns)]
     allowed = [b for b in reg.names if all(b in ok for _, ok in coupled)]
     owner = allowed[0]
-    excluded = [b for b in reg.names if b != owner] if len(allowed) == 1 else list(reg.names[:reg.names.index(owner)])
+    if len(allowed) == 1:
+        excluded = [b for b in reg.names if b != owner]
+    else:
+        excluded = list(reg.names[:reg.names.index(owner)])
     forced, only = set(), []
     for n, ok in coupled:
         out = [b for b in excluded if b not in ok]
