@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import subprocess
@@ -12,7 +13,10 @@ import pytest
 
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
-from launcher.plan.resolve import validate
+from launcher.plan import rules
+from launcher.plan.features import REGISTRY, BackendEntry
+from launcher.plan.resolve import derive_mesh, validate
+from launcher.plan.support import SUPPORT, Refusal
 from launcher.plan.backends import (
     BACKENDS,
     FEATURES,
@@ -259,3 +263,66 @@ def test_deepspeed_pipeline_refuses_torch_checkpointing_it_would_ignore():
         assert choices is None and len(problems) == 1, (extra, problems)
         assert problems[0].startswith("activation_checkpointing vs pp: DeepSpeed's pipeline engine checkpoints")
         assert "Fix: activation_checkpointing.mode=full" in problems[0]
+
+
+# --------------------------------------------------------------------------- a third backend
+
+THIRD = "megatron"  # hypothetical: registered only in the copies below, never in the launcher
+
+
+def _third_backend(refuses):
+    """The launcher's support table and registry plus a third backend that serves every feature
+    except under `refuses` ({feature: (Refusal, ...)}). Copies: the globals stay as they are."""
+    registry = (*REGISTRY, BackendEntry(THIRD, "Megatron", owns_what_it_serves=True))
+    table = tuple(dataclasses.replace(row, refuses={**row.refuses, THIRD: refuses.get(row.feature, ())})
+                  for row in SUPPORT)
+    return table, registry
+
+
+def _decide(overrides, *table_and_registry):
+    spec = example_spec(overrides)
+    mesh, problems = derive_mesh(spec.parallel, spec.cluster)
+    assert mesh is not None, problems
+    return rules.decide(spec, mesh, *table_and_registry)
+
+
+def test_a_third_backend_is_a_row_entry_not_new_decision_code():
+    no_ring = Refusal(lambda s: True, lambda s: "Megatron has no ring attention here")
+    bf16_only = Refusal(lambda s: s.precision == "fp32", lambda s: "Megatron trains in bf16 only")
+    third = _third_backend({"cp": (no_ring,), "precision": (bf16_only,)})
+    zero1_tp = {"parallel.zero_stage": 1, "parallel.tp": 2}
+
+    # Native refuses ZeRO-1 and DeepSpeed refuses TP: with two backends nobody owns both ...
+    problems, decision = _decide(zero1_tp)
+    assert decision is None and problems[0].feature == "sharding" and problems[0].other == "tp"
+    # ... the third serves both, so it owns the model states, and the reason names both exclusions.
+    problems, decision = _decide(zero1_tp, *third)
+    assert problems == [] and decision.owner == THIRD
+    assert "parallel.zero_stage=1 (ZeRO-1 (optimizer-state sharding only) exists only in DeepSpeed" in decision.why
+    assert "parallel.tp=2 (tensor parallelism is native DTensor only" in decision.why
+    # Where the first registered backend serves, it still wins (registry order is the preference).
+    assert _decide({}, *third)[1].owner == "native"
+    assert _decide({"backend.default": THIRD}, *third)[1].why == f"backend={THIRD} requested"
+
+    # Two features whose backend sets are disjoint: the line lists every backend each one allows.
+    problems, _ = _decide({**zero1_tp, "parallel.cp": 2}, *third)
+    (line,) = [p.text() for p in problems]
+    assert line.startswith("sharding vs cp: sharding needs DeepSpeed or Megatron (parallel.zero_stage=1: ")
+    assert ("but cp needs native (parallel.cp=2: context parallelism is native only (DeepSpeed-Ulysses is not "
+            "wired); Megatron has no ring attention here)") in line
+
+    # Forced onto the third backend where it refuses: the fix names the backend that serves.
+    problems, _ = _decide({"parallel.cp": 2, "backend.cp": THIRD}, *third)
+    assert [p.text() for p in problems] == [
+        f"cp vs backend: parallel.cp=2 with backend.cp={THIRD}: Megatron has no ring attention here. "
+        f"Fix: backend.cp=native (or drop backend.cp={THIRD}) or parallel.cp=1."]
+
+    # Every pair shares a backend but the three share none: one conflict naming the whole group.
+    problems, decision = _decide({**zero1_tp, "precision.name": "fp32"}, *third)
+    assert decision is None and len(problems) == 1
+    assert problems[0].feature == "sharding" and problems[0].other == "precision, tp"
+    assert "no backend serves them all" in problems[0].reason and "Megatron trains in bf16 only" in problems[0].reason
+
+    # The launcher's registry never saw the third backend.
+    assert THIRD not in BACKENDS and _decide(zero1_tp)[1] is None
+    assert _resolve({"backend.default": THIRD})[1][0].startswith(f"backend={THIRD} is not one of auto, native, deepspeed")

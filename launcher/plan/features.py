@@ -1,8 +1,9 @@
-"""The feature x backend table: which implementation (native PyTorch or DeepSpeed) can serve
-each feature, and the record of one decision (`BackendChoice`).
+"""The registered backends (`REGISTRY`), the feature x backend table as users read it
+(`FEATURES`: what each backend implements), and the record of one decision (`BackendChoice`).
 
-Pure data, no torch. The rules that pick a backend per feature live in
-launcher/plan/rules.py; the docs and the `--markdown` generator in launcher/plan/backends.py.
+Pure data, no torch. Under which condition each backend can serve a feature is the support
+table (launcher/plan/support.py); the decision is made in launcher/plan/rules.py; the docs and
+the `--markdown` generator live in launcher/plan/backends.py.
 
 The one fact that shapes every rule: a single engine owns the model states. Either the
 native stack (FSDP2 / DTensor / torch pipelining) wraps the model, or DeepSpeed's engine
@@ -15,14 +16,32 @@ only natively.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Literal, Tuple
-
-Backend = Literal["native", "deepspeed"]
+from typing import Dict, Tuple
 
 NATIVE = "native"
 DEEPSPEED = "deepspeed"
-BACKENDS = (NATIVE, DEEPSPEED)
-PREFERENCES = ("auto", NATIVE, DEEPSPEED)
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One registered backend: its config value, the name users read, and how it hosts features."""
+
+    name: str  # the value of backend=... / backend.<feature>=...
+    label: str  # how messages name it
+    # True: serving an uncoupled feature (activation checkpointing) needs this backend's engine to
+    # own the model states (DeepSpeed's checkpointing runs only inside deepspeed.initialize);
+    # False: its implementation runs inside whichever engine owns them (torch checkpointing).
+    owns_what_it_serves: bool
+
+
+# The registered backends, in preference order: with backend=auto the first one that can serve
+# every model-state feature owns them ("native where it serves").
+REGISTRY: Tuple[BackendEntry, ...] = (
+    BackendEntry(NATIVE, "native", owns_what_it_serves=False),
+    BackendEntry(DEEPSPEED, "DeepSpeed", owns_what_it_serves=True),
+)
+BACKENDS = tuple(b.name for b in REGISTRY)
+PREFERENCES = ("auto", *BACKENDS)
 # backend.fp8_impl values: the runtime implements torchao only; transformer_engine is refused
 # by the resolver with a fix (never shown as a choice the runtime would ignore).
 FP8_IMPLS = ("auto", "torchao", "transformer_engine")
@@ -32,7 +51,7 @@ FP8_IMPLS = ("auto", "torchao", "transformer_engine")
 class BackendChoice:
     """The resolver's decision for one feature: who serves it, with what, and why."""
 
-    backend: str  # native | deepspeed
+    backend: str  # a name in BACKENDS
     impl: str  # e.g. "FSDP2 fully_shard", "DeepSpeed ZeRO-3"; "off" when the feature is not used
     reason: str
 
@@ -151,7 +170,3 @@ FEATURES: Tuple[Feature, ...] = (
     ),
 )
 FEATURE_BY_NAME: Dict[str, Feature] = {f.name: f for f in FEATURES}
-
-
-def _label(backend: str) -> str:
-    return "DeepSpeed" if backend == DEEPSPEED else "native"
