@@ -7,7 +7,9 @@ differently: the embedding table lives on the first pipeline stage, the output l
 last; routed experts are spread over the expert-parallel ranks; everything else is per block.
 
 The per-component counts come from the model's family (launcher/models/<family>/params.py:
-attention, norms, dense FFN, router, one expert, tables); which blocks are MoE from
+attention, norms, dense FFN, router, one expert, tables), and so does the attention's layout
+(its matmul shapes, inner norms and head sizes: AttentionLayout) that the FLOPs, activation and
+elementwise formulas of launcher/plan/ read instead of assuming a Llama block; which blocks are MoE from
 launcher/models/shape.py. Every block has attention and two norms, and either a dense FFN or
 a router with n_experts routed and n_shared_experts shared experts.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, FrozenSet, List, Tuple
 
-from launcher.models.shape import head_dim_of, is_mla, mla_qk_head_dim, moe_layer_ids
+from launcher.models.shape import AttentionLayout, Linear, head_dim_of, is_mla, mla_qk_head_dim, moe_layer_ids
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,15 @@ class ModelShape:
     qk_width: int
     v_width: int
     largest_attention_tensor: int
+    # The family's block as the formulas read it (launcher/models/<family>/params.py): attention
+    # matmuls, inner norms and head sizes; the dense FFN's matmuls in the order they run.
+    attention_layout: AttentionLayout = None  # type: ignore[assignment]  # always set by model_shape
+    ffn_linears: Tuple[Linear, ...] = ()
+    # The router (MoE blocks): "softmax" or "sigmoid" scores, with DeepSeek-V3's correction bias
+    # (aux-loss-free balancing) and group-limited routing over n_group groups.
+    score_func: str = "softmax"
+    correction_bias: bool = False
+    n_group: int = 1
 
     @property
     def dense_block(self) -> int:
@@ -103,7 +114,8 @@ def model_shape(model: Any) -> ModelShape:
     the model family's (launcher/models/<family>/params.py), the block kinds launcher/models/shape.py's."""
     from launcher.models.family import family_of
 
-    counts = family_of(model).params_module().component_counts(model)
+    family = family_of(model).params_module()
+    counts = family.component_counts(model)
     layers = int(model.n_layers)
     n_experts = int(getattr(model, "n_experts", 0) or 0)
     moe_ids = moe_layer_ids(model)
@@ -129,6 +141,11 @@ def model_shape(model: Any) -> ModelShape:
         capacity_factor=float(getattr(model, "capacity_factor", 0.0) or 0.0),
         moe_layers=moe_ids,
         **counts,
+        attention_layout=family.attention_layout(model),
+        ffn_linears=family.ffn_linears(model),
+        score_func=str(getattr(model, "score_func", "softmax") or "softmax"),
+        correction_bias=bool(n_experts) and bool(getattr(family, "ROUTER_CORRECTION_BIAS", False)),
+        n_group=int(getattr(model, "n_group", 1) or 1),
     )
 
 
