@@ -54,7 +54,7 @@ def router_bytes(shape: ModelShape, lay: Layout) -> float:
     eager: fp32 cast of the logits (a + 4) E, sigmoid 8E, + correction bias 8E, with n_group > 1
     the per-group top-2 read 4E, the group mask expanded to [T, E] and negated (4 + 1 + 2) E,
     masked_fill 9E, then the top-k read 4E, and the sequence-wise balance loss (one-hot [T, E]
-    written, scores normalised and averaged: 16E): (a + 68) E with groups;
+    written, scores normalised and averaged: 16E): (a + 60) E with groups;
     compiled: the chain fused, the logits read once and the scores written once plus the top-k
     reads: (a + 12) E.
 
