@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, FrozenSet, List, Tuple
 
-from launcher.models.shape import AttentionLayout, Linear, head_dim_of, is_mla, mla_qk_head_dim, moe_layer_ids
+from launcher.models.shape import AttentionLayout, Linear, moe_layer_ids
 
 
 @dataclass(frozen=True)
@@ -53,19 +53,20 @@ class ModelShape:
     output: int  # output projection (0 when tied)
     final_norm: int
     # Attention widths per token: q.k scores over qk_width (heads x head size), the weighted sum
-    # of v over v_width; and the largest attention weight (elements, before TP).
+    # of v over v_width; and the largest attention weight (elements, before TP). All three read
+    # from attention_layout.
     qk_width: int
     v_width: int
     largest_attention_tensor: int
     # The family's block as the formulas read it (launcher/models/<family>/params.py): attention
     # matmuls, inner norms and head sizes; the dense FFN's matmuls in the order they run.
-    attention_layout: AttentionLayout = None  # type: ignore[assignment]  # always set by model_shape
-    ffn_linears: Tuple[Linear, ...] = ()
+    attention_layout: AttentionLayout
+    ffn_linears: Tuple[Linear, ...]
     # The router (MoE blocks): "softmax" or "sigmoid" scores, with DeepSeek-V3's correction bias
     # (aux-loss-free balancing) and group-limited routing over n_group groups.
-    score_func: str = "softmax"
-    correction_bias: bool = False
-    n_group: int = 1
+    score_func: str
+    correction_bias: bool
+    n_group: int
 
     @property
     def dense_block(self) -> int:
@@ -116,6 +117,7 @@ def model_shape(model: Any) -> ModelShape:
 
     family = family_of(model).params_module()
     counts = family.component_counts(model)
+    attention = family.attention_layout(model)
     layers = int(model.n_layers)
     n_experts = int(getattr(model, "n_experts", 0) or 0)
     moe_ids = moe_layer_ids(model)
@@ -128,9 +130,8 @@ def model_shape(model: Any) -> ModelShape:
         dim=int(model.dim),
         n_heads=int(model.n_heads),
         n_kv_heads=int(model.n_kv_heads),
-        # MLA: the query/key head (nope + rope channels), what the activation formulas that read
-        # n_heads x head_dim and n_kv_heads x head_dim (kv_dim) should see (v heads are a bit smaller).
-        head_dim=mla_qk_head_dim(model) if is_mla(model) else head_dim_of(model),
+        # The query/key head (MLA: nope + rope channels; v heads may be smaller: attention_layout).
+        head_dim=attention.qk_head_dim,
         ffn_dim=int(model.ffn_dim),
         moe_ffn_dim=moe_ffn,
         vocab_size=int(model.vocab_size),
@@ -141,7 +142,10 @@ def model_shape(model: Any) -> ModelShape:
         capacity_factor=float(getattr(model, "capacity_factor", 0.0) or 0.0),
         moe_layers=moe_ids,
         **counts,
-        attention_layout=family.attention_layout(model),
+        qk_width=attention.n_heads * attention.qk_head_dim,
+        v_width=attention.n_heads * attention.v_head_dim,
+        largest_attention_tensor=max(m.in_features * m.out_features for m in attention.linears),
+        attention_layout=attention,
         ffn_linears=family.ffn_linears(model),
         score_func=str(getattr(model, "score_func", "softmax") or "softmax"),
         correction_bias=bool(n_experts) and bool(getattr(family, "ROUTER_CORRECTION_BIAS", False)),

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Tuple
 
-from launcher.models.llama.params import decoder_counts, ffn_linears  # noqa: F401 (ffn_linears: the shared dense FFN)
+# ffn_linears: the dense blocks' SwiGLU is the shared decoder's (part of a family's params contract).
+from launcher.models.llama.params import decoder_counts, ffn_linears  # noqa: F401
 from launcher.models.shape import AttentionLayout, InnerNorm, Linear, mla_qk_head_dim
 
 # Every MoE block's router holds e_score_correction_bias (launcher/models/deepseek_v3/model.py): the
@@ -47,13 +48,6 @@ def attention_layout(model: Any) -> AttentionLayout:
                            v_head_dim=v, rope_dim=rope, rope_k_heads=1, v_source="wkv_b", assembled_qk=True)
 
 
-def mla_counts(model: Any) -> Dict[str, int]:
-    """Elements of each MLA weight of one block (our names)."""
-    layout = attention_layout(model)
-    return {**{m.name: m.in_features * m.out_features for m in layout.linears},
-            **{n.name: n.weight for n in layout.norms}}
-
-
 def block_description(model: Any) -> str:
     """What the planner's activation formulas model, for the plan's assumptions line."""
     q = f"q_lora {int(model.q_lora_rank)}, " if int(model.q_lora_rank) else ""
@@ -73,12 +67,4 @@ def block_description(model: Any) -> str:
 def component_counts(model: Any) -> Dict[str, int]:
     """Elements of each component (see launcher/plan/params.py ModelShape for the keys): MLA's
     attention, the rest as Llama's decoder counts it."""
-    heads = int(model.n_heads)
-    mla = mla_counts(model)
-    return {
-        "attention": sum(mla.values()),
-        **decoder_counts(model),
-        "qk_width": heads * mla_qk_head_dim(model),
-        "v_width": heads * int(model.v_head_dim),
-        "largest_attention_tensor": max(v for k, v in mla.items() if not k.endswith("norm")),
-    }
+    return {"attention": attention_layout(model).weights, **decoder_counts(model)}

@@ -72,15 +72,4 @@ def block_description(model: Any) -> str:
 
 def component_counts(model: Any) -> Dict[str, int]:
     """Elements of each component (see launcher/plan/params.py ModelShape for the keys)."""
-    n_heads = int(model.n_heads)
-    hd = head_dim_of(model)
-    layout = attention_layout(model)
-    return {
-        "attention": layout.weights,
-        **decoder_counts(model),
-        # Attention matmul widths per token (FLOPs, activations): q and k heads x head size for
-        # the scores, v heads x head size for the weighted sum.
-        "qk_width": n_heads * hd,
-        "v_width": n_heads * hd,
-        "largest_attention_tensor": int(model.dim) * n_heads * hd,
-    }
+    return {"attention": attention_layout(model).weights, **decoder_counts(model)}
