@@ -150,3 +150,71 @@ def test_first_stage_is_most_loaded_under_1f1b_and_memory_grows_with_mbs():
     assert bigger[0].activations == pytest.approx(2 * stages[0].activations, rel=1e-6)
     full = estimate_memory(SHAPE, dataclasses.replace(lay, ac_mode="full"))
     assert full[0].activations < stages[0].activations / 5
+
+
+# ----------------------------------------------------------------------------- activations vs the real block
+
+# Tiny blocks of each family, built on CPU. Qwen3: head size 24 (not dim / n_heads = 16), QK-norm.
+# DeepSeek-V3: MLA with both latents and the sigmoid, bias-corrected, group-limited router; its
+# v_head_dim equals qk_nope + qk_rope so that SDPA takes CPU's flash kernel (the fused kind a GPU
+# runs, which keeps no s x s scores: with unequal widths CPU falls back to the math kernel).
+_TINY = {
+    "llama": ("debug", {}),
+    "qwen3": ("debug", {"family": "qwen3", "qk_norm": True, "head_dim": 24}),
+    "deepseek_v3": ("debug_moe", {"family": "deepseek_v3", "n_kv_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+                                  "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 24, "n_experts": 16,
+                                  "top_k": 4, "score_func": "sigmoid", "routed_scaling_factor": 2.5, "n_group": 4,
+                                  "topk_group": 2, "aux_loss_coef": 0.0}),
+}
+
+
+def _saved_bytes_of_block(cfg, layer: int, batch: int, seq: int) -> int:
+    """Bytes autograd saves for backward in one forward of block `layer` (bf16 weights and input, as
+    under mixed precision): every saved tensor's storage once, leaving out the parameters and
+    buffers the block holds anyway."""
+    import torch
+
+    from launcher.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    held = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in held:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randn(batch, seq, cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers[str(layer)](x, model.rope)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("family,layer,tolerance", [("llama", 0, 0.05), ("qwen3", 0, 0.05),
+                                                     ("deepseek_v3", 0, 0.06), ("deepseek_v3", 1, 0.1)])
+def test_layer_activations_match_what_the_real_block_saves(family, layer, tolerance):
+    """layer_activation_bytes (no recomputation) against the tensors the real block saves for
+    backward on CPU, per family: Qwen3's QK-norm (fp32 q and k, in and out), MLA's latent norms and
+    latent inputs, its assembled q and k and the whole wkv_b output v is a view of. Block 0 of the
+    DeepSeek-V3 config is dense, block 1 MoE (whose routing bookkeeping the formula leaves out)."""
+    import dataclasses as dc
+
+    from launcher.models.shape import is_mla
+
+    base, overrides = _TINY[family]
+    cfg = dc.replace(compose_spec([f"model={base}"]).model, **overrides)
+    shape = model_shape(cfg)
+    assert shape.is_moe_layer(layer) == (family == "deepseek_v3" and layer == 1)
+    assert is_mla(cfg) == (family == "deepseek_v3")
+    batch, seq = 2, 64
+    measured = _saved_bytes_of_block(cfg, layer, batch, seq)
+    lay = Layout(micro_batch_size=batch, seq_len=seq, precision="bf16")
+    predicted = layer_activation_bytes(shape, lay, shape.is_moe_layer(layer), "none")
+    assert abs(predicted / measured - 1) < tolerance, (family, layer, predicted, measured)

@@ -93,3 +93,67 @@ def test_stage_split_first_holds_embedding_last_holds_output():
     assert zbv[0].layers == tuple(range(0, 4)) + tuple(range(28, 32))
     # Uneven split: earlier stages take the remainder.
     assert [st.n_layers for st in stage_params(s, pp=5)] == [7, 7, 6, 6, 6]
+
+
+def _module_flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token counted from the torch model's modules, independently of the
+    planner's shapes: 6 x (every nn.Linear weight, the routed experts' weights x top_k / n_experts,
+    and the RMSNorm weights: flops.py's N_matmul counts every active non-embedding parameter, as
+    torchtitan's 6 x non-embedding parameters does) plus, per block, q.k over the query width
+    (wq's or wq_b's outputs) and the weighted sum over the value width (wo's inputs): 2 FLOPs per
+    multiply-add, s keys per token, x3 for forward + backward."""
+    import torch
+
+    from launcher.models.layers import RMSNorm
+    from launcher.models.moe import MoE
+
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        experts = sum(p.numel() for p in moe.experts.parameters())
+        matmul += experts * moe.top_k // moe.n_experts
+    norms = sum(m.weight.numel() for m in model.modules() if isinstance(m, RMSNorm))
+    widths = 0
+    for block in model.layers.values():
+        attn = block.attention
+        q = attn.wq_b if hasattr(attn, "wq_b") else attn.wq
+        widths += q.out_features + attn.wo.in_features
+    return 6.0 * (matmul + norms) + 3 * 2.0 * seq_len * widths
+
+
+@pytest.mark.parametrize("name", ["qwen3_0_6b", "qwen3_30b_a3b", "deepseek_v3_small", "deepseek_v3", "debug_moe"])
+def test_flops_per_token_match_the_meta_models_matmuls(name):
+    """The planner's FLOPs per token (from the family's attention layout and parameter counts)
+    equal a count made from the real model's Linear shapes on the meta device: Qwen3's head size
+    (not dim / n_heads), MLA's low-rank projections and its q.k (nope + rope) and v widths."""
+    import torch
+    from launcher.models import build_model
+    from launcher.plan.flops import training_flops_per_token
+
+    cfg = compose_spec([f"model={name}"]).model
+    with torch.device("meta"):
+        model = build_model(cfg)
+    seq = 4096
+    assert training_flops_per_token(cfg, seq) == pytest.approx(_module_flops_per_token(model, seq), rel=1e-12)
+
+
+def test_deepseek_v3_flops_per_token_against_the_published_count():
+    """DeepSeek-V3 671B: the tech report (DeepSeek-AI, arXiv:2412.19437, abstract and section 1:
+    "671B total parameters with 37B activated for each token") and torchtitan's MFU formula for it
+    (torchtitan/models/utils.py get_moe_model_nparams_and_flops: 6 x active non-embedding parameters
+    + 6 x n_layers x n_heads x (qk_nope + qk_rope + v_head) x seq_len, from
+    torchtitan/models/deepseek_v3/model/args.py). With the published 37B (rounded; it includes the
+    0.93B input embedding a lookup does not multiply) the planner's count lies within 2 %; the
+    attention term is torchtitan's exactly."""
+    from launcher.plan.flops import attention_flops_per_token, training_flops_per_token
+    from launcher.plan.params import attention_width
+
+    cfg = compose_spec(["model=deepseek_v3"]).model
+    seq = 4096
+    published_attention = 6 * 61 * 128 * (128 + 64 + 128) * seq
+    assert attention_flops_per_token(61, attention_width(model_shape(cfg)), seq) == pytest.approx(published_attention)
+    published = 6 * 37e9 + published_attention
+    got = training_flops_per_token(cfg, seq)
+    assert got == pytest.approx(published, rel=0.02), f"{got:.4g} vs {published:.4g}"
+    # A Llama-style count of MLA (h = dim = 128 heads x 56) would give about a third of that
+    # attention term: the widths must be MLA's (128 heads x 192 for q.k, x 128 for v).
+    assert published_attention > 2.5 * 12 * 61 * 7168 * seq

@@ -94,3 +94,61 @@ def test_faster_gpu_gives_a_faster_step():
         hw = compose_spec([f"hardware={name}"]).hardware
         times[name] = estimate_time(SHAPE, lay, hw, 6 * SHAPE.total, 8 * 4 * 4096)["step_s"]
     assert times["a100_80gb"] > times["h100_sxm"] > times["b200"]
+
+
+def test_family_blocks_in_the_elementwise_time_and_the_assumptions():
+    """The elementwise bytes follow the family's attention layout: Qwen3's QK-norm adds an fp32
+    RMSNorm over every q and k head (six kernels eager, one read + write compiled); MLA rotates only
+    the qk_rope channels (of every query head and the one shared key), builds q and k by
+    concatenation, normalises its two latents and routes through DeepSeek-V3's sigmoid router. The
+    plan's assumptions line names the family's block."""
+    from launcher.plan.elementwise import block_forward_bytes, router_bytes
+    from launcher.plan.report import assumptions
+
+    qwen = compose_spec(["model=qwen3_8b"]).model
+    plain = dataclasses.replace(qwen, qk_norm=False)
+    for compiled, per_elem in ((False, 2 * 2 + 36), (True, 2 * 2)):
+        lay = Layout(tp=2, compile=compiled, precision="bf16")
+        extra = block_forward_bytes(model_shape(qwen), lay) - block_forward_bytes(model_shape(plain), lay)
+        assert extra == pytest.approx(per_elem * (32 + 8) * 128 / 2)
+
+    ds_cfg = compose_spec(["model=deepseek_v3"]).model
+    ds = model_shape(ds_cfg)
+    lay = Layout(precision="bf16")
+    heads, rope, qk, v = 128, 64, 192, 128
+    # Without the family's layout (a Llama block of qk-wide heads) RoPE would rotate all 192
+    # channels of 128 query and 128 key heads.
+    expected = ((2 * (2 * 2 + 36) * 7168 + 6 * 2 * 7168)  # block norms, residual adds
+                + (2 * 2 + 48) * (heads + 1) * rope  # RoPE on q's and the shared key's rope channels
+                + 2 * 2 * heads * v  # SDPA output copy for wo
+                + 5 * 2 * (8 + 1) * 2048  # SwiGLU over 8 routed + 1 shared experts
+                + (2 * 2 + 36) * (1536 + 512)  # q and kv latent norms
+                + 2 * 2 * 2 * heads * qk  # q and k concatenated
+                + router_bytes(ds, lay) * 58 / 61)  # 58 of 61 blocks route
+    assert block_forward_bytes(ds, lay) == pytest.approx(expected)
+    assert router_bytes(ds, lay) == (2 + 60) * 256  # elementwise.router_bytes docstring
+    assert router_bytes(model_shape(compose_spec(["model=mixtral_8x7b"]).model), lay) == 0.0
+
+    assert "DeepSeek-V3 block (MLA 128 heads, q_lora 1536, kv_lora 512, qk 128+64, v 128" in assumptions(ds_cfg)
+    assert "Qwen3 block (QK-norm, 32/8 heads x 128" in assumptions(qwen)
+    assert "Llama block (GQA 32/8 heads x 128" in assumptions(compose_spec(["model=llama3_8b"]).model)
+    assert all("this Llama block" not in assumptions(m) for m in (qwen, ds_cfg))
+
+
+def test_deepseek_v3_router_bias_update_is_in_the_step():
+    """Aux-loss-free balancing all-reduces the [n_layers, n_experts] fp32 loads once per step over
+    every rank: 62.5 kB for the 671B model, exposed, microseconds against a step of seconds. Models
+    without the bias have no such collective."""
+    ds = model_shape(compose_spec(["model=deepseek_v3"]).model)
+    lay = Layout(pp=16, vpp=2, schedule="interleaved_1f1b", dp_shard=128, ep=64, microbatches=32, seq_len=4096,
+                 gpus_per_node=8, nodes=256, zero_stage=2)
+    st = stage_params(ds, 16, 2, "interleaved_1f1b")[0]
+    comm = {c.name: c for c in estimate_comm(ds, lay, HW, st)}
+    bias = comm["router bias all-reduce"]
+    assert bias.group_size == 2048 and bias.where == "inter"
+    assert bias.bytes_per_step == pytest.approx(ring_factor("all_reduce", 2048) * 4 * 61 * 256)
+    t = estimate_time(ds, lay, HW, 6 * ds.active, 4096 * 4096, ranks=(0,))
+    exposed = next(c for c in t["comm"] if c.name == "router bias all-reduce").exposed_s
+    assert 0 < exposed < 1e-3 * t["step_s"]
+    llama_lay = Layout(dp_shard=8, gpus_per_node=8)
+    assert not any("router bias" in c.name for c in estimate_comm(SHAPE, llama_lay, HW, stage_params(SHAPE, 1)[0]))

@@ -7,7 +7,63 @@ is) cannot drift between what is built and what is planned.
 
 from __future__ import annotations
 
-from typing import Any, FrozenSet
+from dataclasses import dataclass
+from typing import Any, FrozenSet, Tuple
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One matmul of a block: `in_features` -> `out_features` per token. `split`: tensor parallelism
+    divides it (column- or row-wise); False: every TP rank holds it whole (MLA's down-projections)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    split: bool = True
+
+
+@dataclass(frozen=True)
+class InnerNorm:
+    """An RMSNorm inside attention (fp32, like the block norms): `width` elements per token it
+    normalises, `weight` elements of its weight; `split` by TP with the heads or not; `feeds_linear`:
+    its output is a matmul's input (saved for backward), else RoPE's (which saves nothing)."""
+
+    name: str
+    width: int
+    weight: int
+    split: bool
+    feeds_linear: bool
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """The attention of one block as the planner's formulas read it (launcher/plan/): its matmuls in
+    the order they run, its inner norms, and the sizes of the scores and the weighted sum.
+
+    q.k runs over n_heads x qk_head_dim per token, the weighted sum over n_heads x v_head_dim; keys
+    and values have n_kv_heads heads; RoPE rotates rope_dim channels of every query head and of
+    rope_k_heads key heads (1 under MLA: the shared RoPE key); `v_source`: the matmul whose output
+    SDPA's v is a view of (so backward keeps that whole output); `assembled_qk`: q and k are
+    concatenated from a no-RoPE and a RoPE part (MLA), one more copy of each."""
+
+    linears: Tuple[Linear, ...]
+    norms: Tuple[InnerNorm, ...]
+    n_heads: int
+    n_kv_heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    rope_dim: int
+    rope_k_heads: int
+    v_source: str
+    assembled_qk: bool = False
+
+    def linear(self, name: str) -> Linear:
+        return next(m for m in self.linears if m.name == name)
+
+    @property
+    def weights(self) -> int:
+        """Parameters of the attention: matmul weights and norm weights."""
+        return sum(m.in_features * m.out_features for m in self.linears) + sum(n.weight for n in self.norms)
 
 
 def head_dim_of(model: Any) -> int:

@@ -1,5 +1,6 @@
 """Time of the memory-bound work of a training step: norms, RoPE, SwiGLU, residuals, cross-entropy,
-float8 casts. Pure Python; perf.py adds it to the matmul time.
+float8 casts, and per family the attention's own norms (Qwen3's QK-norm, MLA's latent norms), MLA's
+q/k assembly and DeepSeek-V3's router. Pure Python; perf.py adds it to the matmul time.
 
 These ops move bytes, they do not use the tensor cores: each costs the bytes it reads and
 writes over `hbm_gbps * HBM_EFFICIENCY`. Byte counts are per token and follow the code the
@@ -37,26 +38,72 @@ HBM_EFFICIENCY = 0.8
 BACKWARD_BYTES_FACTOR = 2.0
 
 
+def _inner_norm_bytes(shape: ModelShape, lay: Layout) -> float:
+    """Forward bytes per token of the attention's own RMSNorms (Qwen3's QK-norm over every q and k
+    head, MLA's latent norms, which TP leaves whole): six fp32 kernels eager, one read and one write
+    compiled."""
+    a, t = lay.act_bytes, lay.tp
+    per_elem = 2 * a if lay.compile else 2 * a + 36
+    return sum(per_elem * n.width / (t if n.split else 1) for n in shape.attention_layout.norms)
+
+
+def router_bytes(shape: ModelShape, lay: Layout) -> float:
+    """Forward bytes per token of one MoE router's elementwise work beyond its matmul, for DeepSeek-V3's
+    router (launcher/models/moe.py, sigmoid scores over E experts; TP leaves the router whole):
+
+    eager: fp32 cast of the logits (a + 4) E, sigmoid 8E, + correction bias 8E, with n_group > 1
+    the per-group top-2 read 4E, the group mask expanded to [T, E] and negated (4 + 1 + 2) E,
+    masked_fill 9E, then the top-k read 4E, and the sequence-wise balance loss (one-hot [T, E]
+    written, scores normalised and averaged: 16E): (a + 60) E with groups;
+    compiled: the chain fused, the logits read once and the scores written once plus the top-k
+    reads: (a + 12) E.
+
+    The softmax router of Mixtral and Qwen3-MoE is not costed (as before the family-aware formulas:
+    Llama and Mixtral plans stay as they were): a few hundred bytes per token at 8 experts, under
+    0.05 % of a Mixtral block's elementwise bytes."""
+    if shape.score_func != "sigmoid":
+        return 0.0
+    a, e = lay.act_bytes, shape.n_experts
+    if lay.compile:
+        return (a + 12.0) * e
+    per_e = a + 4 + 8 + (8 if shape.correction_bias else 0) + 4 + 16
+    if shape.n_group > 1:
+        per_e += 4 + 7 + 9
+    return float(per_e * e)
+
+
 def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
-    """Bytes the elementwise ops of one block's forward move per token on one GPU."""
+    """Bytes the elementwise ops of one block's forward move per token on one GPU (the attention's
+    sizes from the family's layout, launcher/models/<family>/params.py attention_layout)."""
     a, h, f, t = lay.act_bytes, shape.dim, shape.ffn_dim, lay.tp
     if shape.n_moe_layers:
         f = shape.moe_ffn_dim * max(1, shape.top_k) + shape.n_shared_experts * shape.moe_ffn_dim
-    hq = shape.n_heads * shape.head_dim
-    rope_elems = hq + shape.kv_dim
+    at = shape.attention_layout
+    hq = at.n_heads * at.v_head_dim  # the SDPA output (n_heads x v head)
+    rope_elems = (at.n_heads + at.rope_k_heads) * at.rope_dim
     sp = t if lay.sp else 1  # norms and residual adds: sequence-sharded only under SP
+    extra = 0.0
+    if at.norms:
+        extra += _inner_norm_bytes(shape, lay)
+    if at.assembled_qk:
+        # MLA: q and k are concatenated from their no-RoPE and RoPE parts (the shared RoPE key
+        # expanded to every head): one read and one write of each.
+        extra += 2 * a * 2 * at.n_heads * at.qk_head_dim / t
+    if shape.n_moe_layers and shape.score_func == "sigmoid":
+        # Averaged over the blocks, like f above: only MoE blocks route.
+        extra += router_bytes(shape, lay) * shape.n_moe_layers / shape.n_layers
     if lay.compile:
         norms = 2 * 4 * a * h / sp  # fused residual add + norm: read x and residual, write sum and output
         rope = 2 * a * rope_elems / t
         attn_copy = 2 * a * hq / t
         swiglu = 3 * a * f / t
-        return norms + rope + attn_copy + swiglu
+        return norms + rope + attn_copy + swiglu + extra
     norm = (2 * a + 36) * h  # fp32 RMSNorm as six kernels (module docstring)
     residual = 2 * 3 * a * h
     rope = (2 * a + 48) * rope_elems  # fp32 upcast, 4 multiplies, 2 adds, stack, cast back
     attn_copy = 2 * a * hq  # the SDPA output made contiguous for wo
     swiglu = 5 * a * f  # silu: read + write; multiply: 2 reads + write
-    return (2 * norm + residual) / sp + (rope + attn_copy + swiglu) / t
+    return (2 * norm + residual) / sp + (rope + attn_copy + swiglu) / t + extra
 
 
 def fp8_cast_bytes(shape: ModelShape, lay: Layout) -> float:
@@ -65,12 +112,16 @@ def fp8_cast_bytes(shape: ModelShape, lay: Layout) -> float:
         return 0.0
     a, h, t = lay.act_bytes, shape.dim, lay.tp
     f = shape.ffn_dim if not shape.n_moe_layers else shape.moe_ffn_dim * max(1, shape.top_k)
-    hq = shape.n_heads * shape.head_dim
-    inputs = (3 * h + hq + 2 * h + f) / t  # wq, wk, wv; wo; w1, w3; w2 each cast their input
-    grads = (hq + 2 * shape.kv_dim + h + 2 * f + h) / t  # gradient of every Linear's output
+    mms = shape.attention_layout.linears
+    split_in = sum(m.in_features for m in mms if m.split)
+    split_out = sum(m.out_features for m in mms if m.split)
+    inputs = (split_in + 2 * h + f) / t  # each attention matmul; w1, w3; w2 each cast their input
+    grads = (split_out + 2 * f + h) / t  # gradient of every Linear's output
+    # MLA's down-projections are whole on every TP rank.
+    whole = sum(m.in_features + m.out_features for m in mms if not m.split)
     cast = 2 * a + 1  # amax read, cast read, fp8 write
     transposed = (a + 1) if lay.fp8_recipe == "tensorwise" else (2 * a + 1)
-    return (inputs + grads) * (cast + transposed)
+    return (inputs + grads + whole) * (cast + transposed)
 
 
 def loss_bytes(shape: ModelShape, lay: Layout) -> float:

@@ -11,7 +11,8 @@ Pure Python (no torch): the planner, the runtime's MFU metric and bench/ all imp
   the table is also the output projection, so it is counted once.
 - 12 * L * h * s: attention scores QK^T and the weighted sum with V, each 2 * s * h per token
   per layer forward, times 3 for forward + backward (s = sequence length; h = heads x head size,
-  the model dim for Llama; with different q.k and v widths, as in MLA, their mean).
+  the model dim for Llama; with different q.k and v widths, as in MLA, their mean: the widths
+  come from the family's attention layout, launcher/models/<family>/params.py attention_layout).
   The full s x s product is counted, as in the PaLM / Megatron MFU convention, even though
   a causal kernel skips about half of it: MFU numbers stay comparable with published ones.
 

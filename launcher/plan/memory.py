@@ -18,7 +18,8 @@ Model states (Ψ = parameters this rank holds after TP, PP and EP divided the mo
   or, for parameter offload and FSDP2's CPUOffloadPolicy, all model states to the host.
 
 Activations follow Korthikanti et al. 2022 (count every tensor autograd saves for the
-backward pass) applied to the Llama block that launcher/models builds; see
+backward pass) applied to the block that launcher/models builds for the model's family (its
+attention layout: launcher/models/<family>/params.py); see
 `layer_activation_bytes` for the list and what TP, SP, CP and recomputation divide.
 """
 
@@ -193,24 +194,55 @@ def working_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
 # ----------------------------------------------------------------------------- activations
 
 
+def _attention_widths(shape: ModelShape, lay: Layout) -> Dict[str, int]:
+    """Per-token widths (elements) of the attention tensors autograd saves, from the family's
+    AttentionLayout: q (n_heads x qk head), k and v as SDPA gets them, o (n_heads x v head)."""
+    at = shape.attention_layout
+    q = at.n_heads * at.qk_head_dim
+    k = at.n_kv_heads * at.qk_head_dim
+    v = at.linear(at.v_source).out_features  # v is a view of that matmul's output: all of it is kept
+    if at.n_kv_heads != at.n_heads and lay.cp > 1:
+        # Ring attention (context parallelism) has no enable_gqa: K/V are repeated to every head.
+        k, v = q, at.n_heads * at.v_head_dim
+    return {"q": q, "k": k, "v": v, "o": at.n_heads * at.v_head_dim}
+
+
+def _inner_attention_bytes(shape: ModelShape, lay: Layout) -> float:
+    """Saved bytes per token of the attention's own norms (Qwen3's QK-norm, MLA's latent norms): the
+    fp32 input and output of each, and its output in the activation dtype where a matmul reads it;
+    MLA's replicated down-projections and latent norms are whole on every TP rank."""
+    a, t = lay.act_bytes, lay.tp
+    total = 0.0
+    for n in shape.attention_layout.norms:
+        saved = 8.0 * n.width + (a * n.width if n.feeds_linear else 0.0)
+        total += saved / t if n.split else saved
+    return total
+
+
 def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str) -> float:
     """Bytes autograd saves for one block and one micro-batch on one GPU.
 
-    Saved tensors of the Llama block (per token; a = activation bytes, h = dim, f = ffn):
+    Saved tensors of a block (per token; a = activation bytes, h = dim, f = ffn), read from the
+    family's attention layout (launcher/models/<family>/params.py attention_layout):
       two RMSNorms computed in fp32 save their fp32 input and normalised output: 2 x 8h;
-      their outputs are the inputs of wq/wk/wv and w1/w3: 2 x a*h;
-      attention: rotated q (a*h), k and v (a*kv_dim each: SDPA's enable_gqa shares them; a*h
-      under context parallelism, whose ring attention needs them repeated to all heads), the SDPA output (a*h, flash attention keeps no s x s scores), the
-      contiguous copy fed to wo (a*h);
+      their outputs are the inputs of the first attention matmuls and of w1/w3: 2 x a*h;
+      attention: q (a * n_heads x qk head), k and v as SDPA gets them (a * n_kv_heads x head each:
+      SDPA's enable_gqa shares them; all heads under context parallelism, whose ring attention
+      needs them repeated; MLA: k assembled per head, v a view of wkv_b's whole output), the SDPA
+      output (a * n_heads x v head; flash attention keeps no s x s scores), the contiguous copy fed
+      to wo (the same);
+      the attention's own norms (Qwen3's QK-norm over q and k, MLA's latent norms with the latent
+      inputs of wq_b and wkv_b): fp32 input and output, and the output where a matmul reads it;
       SwiGLU: w1 and w3 outputs, silu output, their product: 4 x a*f;
       MoE: fp32 router logits and probabilities (8 * n_experts), and per routed copy of a token
       (top_k, padded by the capacity factor) the dispatched input, the expert's SwiGLU
       tensors and its fp32 output (weighted by the gate); shared experts like a dense
       SwiGLU of n_shared_experts * moe_ffn_dim.
     TP divides everything between the norms' outputs and the block output (heads, ffn
-    columns). Without SP the norms run on the full sequence on every TP rank; with SP they
-    are split over TP, but DTensor's column-parallel linears save their all-gathered input,
-    so the 2 x a*h linear inputs stay whole. CP divides the sequence.
+    columns), except what it replicates (MLA's down-projections and latent norms). Without SP the
+    norms run on the full sequence on every TP rank; with SP they are split over TP, but DTensor's
+    column-parallel linears save their all-gathered input, so the 2 x a*h linear inputs stay whole.
+    CP divides the sequence.
 
     mode: "none" (keep all), "full" (keep the block input only), "op" (selective: keep the
     outputs of matmuls and attention, recompute norms and elementwise ops), "op_alternate_mm"
@@ -221,8 +253,8 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
     sp_div = t if lay.sp else 1
     if mode == "full":
         return tokens * a * h / sp_div
-    hq = shape.n_heads * shape.head_dim
-    kv_saved = hq if (shape.n_kv_heads != shape.n_heads and lay.cp > 1) else shape.kv_dim
+    at = shape.attention_layout
+    w = _attention_widths(shape, lay)
     if moe:
         cap = shape.capacity_factor if shape.capacity_factor > 0 else 1.0  # padding when dropping
         k, fe = shape.top_k, shape.moe_ffn_dim
@@ -237,18 +269,25 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         ffn = router + routed + shared_e
     else:
         ffn = (2 if mode == "op" else 4) * a * shape.ffn_dim / t
+    # Matmul outputs before wo (the last attention matmul, whose output is counted with the
+    # residual-sized tensors): TP-split ones and replicated ones.
+    before_wo = at.linears[:-1]
     if mode == "op_alternate_mm":
         # torchtitan's policy (launcher/parallel/ac.py): every second mm output is recomputed, so of
         # wq, wk, wv, wo, w1, w3, w2 only wq, wv, w1, w2 are kept. wk and w3 go; wo's output goes
         # without TP, while under TP its saved collective output (all-reduce / reduce-scatter) stays.
-        attn = a * (hq + shape.kv_dim + hq) / t  # q, v, SDPA output
+        # (Counted for a four-matmul attention: the policy is refused for MoE models, MLA's.)
+        kept_mm = sum(m.out_features for m in before_wo[::2])
+        attn = a * (kept_mm + w["o"]) / t  # q, v, SDPA output
         kept = a * h / sp_div * (3 if t > 1 else 2)  # block input, w2 output (+ wo's collective)
         ffn = a * shape.ffn_dim / t  # w1 output
         gathered = 2 * a * h if lay.sp else 0.0
         return tokens * (attn + kept + ffn + gathered)
     if mode == "op":
-        # block input + q, k, v + SDPA output + wo output + w2 output (norms, silu, mul recomputed)
-        attn = a * (hq + 2 * shape.kv_dim + hq) / t
+        # block input + attention matmul outputs (q, k, v) + SDPA output + wo output + w2 output
+        # (norms, silu, mul recomputed)
+        split_mm = sum(m.out_features for m in before_wo if m.split)
+        attn = a * (split_mm + w["o"]) / t + a * sum(m.out_features for m in before_wo if not m.split)
         kept = a * h / sp_div * 3  # block input, wo output, w2 output (residual-stream sized)
         # Under SP the policy (launcher/parallel/ac.py) also saves its collectives' outputs: the two
         # all-gathered norm outputs (full sequence) that feed wq/wk/wv and w1/w3.
@@ -256,7 +295,9 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         return tokens * (attn + kept + ffn + gathered)
     norms = 16.0 * h / sp_div
     linear_inputs = 2.0 * a * h
-    attn = a * (hq + 2 * kv_saved + hq + hq) / t
+    attn = a * (w["q"] + w["k"] + w["v"] + w["o"] + w["o"]) / t
+    if at.norms:
+        attn += _inner_attention_bytes(shape, lay)
     return tokens * (norms + linear_inputs + attn + ffn)
 
 

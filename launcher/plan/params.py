@@ -7,7 +7,9 @@ differently: the embedding table lives on the first pipeline stage, the output l
 last; routed experts are spread over the expert-parallel ranks; everything else is per block.
 
 The per-component counts come from the model's family (launcher/models/<family>/params.py:
-attention, norms, dense FFN, router, one expert, tables); which blocks are MoE from
+attention, norms, dense FFN, router, one expert, tables), and so does the attention's layout
+(its matmul shapes, inner norms and head sizes: AttentionLayout) that the FLOPs, activation and
+elementwise formulas of launcher/plan/ read instead of assuming a Llama block; which blocks are MoE from
 launcher/models/shape.py. Every block has attention and two norms, and either a dense FFN or
 a router with n_experts routed and n_shared_experts shared experts.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, FrozenSet, List, Tuple
 
-from launcher.models.shape import head_dim_of, is_mla, mla_qk_head_dim, moe_layer_ids
+from launcher.models.shape import AttentionLayout, Linear, moe_layer_ids
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,20 @@ class ModelShape:
     output: int  # output projection (0 when tied)
     final_norm: int
     # Attention widths per token: q.k scores over qk_width (heads x head size), the weighted sum
-    # of v over v_width; and the largest attention weight (elements, before TP).
+    # of v over v_width; and the largest attention weight (elements, before TP). All three read
+    # from attention_layout.
     qk_width: int
     v_width: int
     largest_attention_tensor: int
+    # The family's block as the formulas read it (launcher/models/<family>/params.py): attention
+    # matmuls, inner norms and head sizes; the dense FFN's matmuls in the order they run.
+    attention_layout: AttentionLayout
+    ffn_linears: Tuple[Linear, ...]
+    # The router (MoE blocks): "softmax" or "sigmoid" scores, with DeepSeek-V3's correction bias
+    # (aux-loss-free balancing) and group-limited routing over n_group groups.
+    score_func: str
+    correction_bias: bool
+    n_group: int
 
     @property
     def dense_block(self) -> int:
@@ -103,7 +115,9 @@ def model_shape(model: Any) -> ModelShape:
     the model family's (launcher/models/<family>/params.py), the block kinds launcher/models/shape.py's."""
     from launcher.models.family import family_of
 
-    counts = family_of(model).params_module().component_counts(model)
+    family = family_of(model).params_module()
+    counts = family.component_counts(model)
+    attention = family.attention_layout(model)
     layers = int(model.n_layers)
     n_experts = int(getattr(model, "n_experts", 0) or 0)
     moe_ids = moe_layer_ids(model)
@@ -116,9 +130,8 @@ def model_shape(model: Any) -> ModelShape:
         dim=int(model.dim),
         n_heads=int(model.n_heads),
         n_kv_heads=int(model.n_kv_heads),
-        # MLA: the query/key head (nope + rope channels), what the activation formulas that read
-        # n_heads x head_dim and n_kv_heads x head_dim (kv_dim) should see (v heads are a bit smaller).
-        head_dim=mla_qk_head_dim(model) if is_mla(model) else head_dim_of(model),
+        # The query/key head (MLA: nope + rope channels; v heads may be smaller: attention_layout).
+        head_dim=attention.qk_head_dim,
         ffn_dim=int(model.ffn_dim),
         moe_ffn_dim=moe_ffn,
         vocab_size=int(model.vocab_size),
@@ -129,6 +142,14 @@ def model_shape(model: Any) -> ModelShape:
         capacity_factor=float(getattr(model, "capacity_factor", 0.0) or 0.0),
         moe_layers=moe_ids,
         **counts,
+        qk_width=attention.n_heads * attention.qk_head_dim,
+        v_width=attention.n_heads * attention.v_head_dim,
+        largest_attention_tensor=max(m.in_features * m.out_features for m in attention.linears),
+        attention_layout=attention,
+        ffn_linears=family.ffn_linears(model),
+        score_func=str(getattr(model, "score_func", "softmax") or "softmax"),
+        correction_bias=bool(n_experts) and bool(getattr(family, "ROUTER_CORRECTION_BIAS", False)),
+        n_group=int(getattr(model, "n_group", 1) or 1),
     )
 
 

@@ -14,7 +14,7 @@ Assumptions (printed by `action=plan`, documented in docs/planner.md):
   (only the part longer than the compute, plus the first gather and last reduce of a
   micro-batch, is exposed); DDP's all-reduce overlaps the last backward; context-parallel
   ring exchange overlaps its attention (at least 10% exposed); TP and EP collectives are exposed (the runtime has
-  no TP comm overlap and no async TP);
+  no TP comm overlap and no async TP), and so is DeepSeek-V3's once-per-step router-bias all-reduce;
   pipeline sends are exposed during warm-up and cool-down only.
 """
 
@@ -137,12 +137,13 @@ def recompute_fraction(lay: Layout) -> float:
 def alternate_mm_recompute_params(shape: ModelShape, st: StageParams, lay: Layout) -> float:
     """Matmul params per token whose forward runs again under selective=op_alternate_mm.
 
-    launcher/parallel/ac.py recomputes every second mm of a block: wk, wo and w3 of the Llama
-    block (dense blocks only: the validator refuses the policy for MoE models)."""
+    launcher/parallel/ac.py recomputes every second mm of a block, in the order they run (the
+    family's attention matmuls, then w1, w3, w2): wk, wo and w3 of the Llama block (dense blocks
+    only: the validator refuses the policy for MoE models)."""
     if lay.ac_mode != "selective" or lay.ac_selective != "op_alternate_mm":
         return 0.0
-    hq = shape.n_heads * shape.head_dim
-    return st.n_layers * shape.dim * (shape.kv_dim + hq + shape.ffn_dim)
+    mms = shape.attention_layout.linears + shape.ffn_linears
+    return st.n_layers * sum(m.in_features * m.out_features for m in mms[1::2])
 
 
 def elementwise_recompute_fraction(lay: Layout) -> float:
@@ -293,7 +294,9 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
             out.append(_coll("TP all-reduce", "all_reduce", ("tp",), lay.tp, lay, hw, x, count))
     if lay.cp > 1:
         # Ring attention: every K/V shard visits every rank in forward; backward passes K/V and dK/dV.
-        kv = 2 * lay.micro_batch_size * lay.seq_len * shape.kv_dim * a / lay.tp
+        at = shape.attention_layout
+        kv_width = at.n_kv_heads * (at.qk_head_dim + at.v_head_dim)  # one key and one value per K/V head
+        kv = lay.micro_batch_size * lay.seq_len * kv_width * a / lay.tp
         out.append(_coll("CP K/V ring", "all_gather", ("cp",), lay.cp, lay, hw, kv, n_layers * m * (3 + rf)))
     n_moe = st.n_moe_layers
     if lay.ep > 1 and n_moe:
@@ -305,7 +308,17 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     if lay.pp > 1:
         x = tokens * shape.dim * a / (lay.tp if lay.sp else 1)
         out.append(_coll("PP send/recv", "p2p", ("pp",), lay.pp, lay, hw, x, 2 * m * lay.vpp))
+    if shape.correction_bias and lay.world_size > 1:
+        # Aux-loss-free balancing (launcher/models/moe.py update_correction_bias): once per step, the
+        # [n_layers, n_experts] fp32 expert loads summed over every rank, then a sign/add per bias.
+        out.append(_coll("router bias all-reduce", "all_reduce", ("pp", "dp_replicate", "dp_shard", "cp"),
+                         lay.world_size, lay, hw, correction_bias_bytes(shape), 1))
     return out
+
+
+def correction_bias_bytes(shape: ModelShape) -> float:
+    """Bytes of the expert loads DeepSeek-V3's bias update reduces once per step (0 without the bias)."""
+    return 4.0 * shape.n_layers * shape.n_experts if shape.correction_bias else 0.0
 
 
 # ----------------------------------------------------------------------------- step time
@@ -372,7 +385,7 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
         if c.name.startswith("grad all-reduce"):
             # DDP buckets overlap the last micro-batch's backward (2/3 of its compute).
             c.exposed_s = max(0.0, c.time_s - compute_s / max(1, lay.microbatches) * 2 / 3) + c.time_s / units
-        elif c.name.startswith("TP") or c.name.startswith("EP"):
+        elif c.name.startswith(("TP", "EP", "router bias")):
             c.exposed_s = c.time_s
         elif c.name.startswith("CP"):
             # Overlaps the attention compute, but each ring step's hand-off and the load-balancing

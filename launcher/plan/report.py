@@ -10,14 +10,31 @@ from typing import Any, Dict, List, Sequence
 
 from launcher.plan.memory import GiB
 from launcher.plan.mesh import MESH_DIM_NAMES
+from launcher.plan.params import model_shape
 
-ASSUMPTIONS = (
-    "Assumptions: ring collectives at hardware.comm_efficiency of NVLink (group inside a node) or of "
-    "the per-GPU network link; compute at hardware.achievable_fraction of dense peak, less for small GEMMs, "
-    "plus norms, RoPE, SwiGLU, loss and float8 casts at hardware.hbm_gbps (fused under trainer.compile); "
-    "FSDP/ZeRO gathers and reductions overlap compute, TP and EP collectives do not; activations per "
-    "Korthikanti et al. for this Llama block with flash attention (docs/planner.md)."
-)
+def assumptions(model: Any) -> str:
+    """The plan's assumptions line, naming the family's block the activation and elementwise formulas
+    model (launcher/models/<family>/params.py block_description) and, for DeepSeek-V3, the size of
+    the once-per-step router-bias update the step time includes."""
+    from launcher.models.family import family_of  # the registry loads family modules on first use
+
+    block = family_of(model).params_module().block_description(model)
+    shape = model_shape(model)
+    text = (
+        "Assumptions: ring collectives at hardware.comm_efficiency of NVLink (group inside a node) or of "
+        "the per-GPU network link; compute at hardware.achievable_fraction of dense peak, less for small GEMMs, "
+        "plus norms, RoPE, SwiGLU, loss and float8 casts at hardware.hbm_gbps (fused under trainer.compile); "
+        "FSDP/ZeRO gathers and reductions overlap compute, TP and EP collectives do not; activations per "
+        f"Korthikanti et al. for the {block} with flash attention (docs/planner.md)."
+    )
+    if shape.correction_bias:
+        from launcher.plan.perf import correction_bias_bytes  # report.py otherwise computes nothing
+
+        text += (f" Aux-loss-free router-bias update: one all-reduce of {shape.n_layers} x {shape.n_experts} fp32 "
+                 f"expert loads ({correction_bias_bytes(shape) / 1e3:.1f} kB) and a sign/add over "
+                 f"{shape.n_moe_layers * shape.n_experts:,} biases per step, in the step time "
+                 f"('router bias all-reduce').")
+    return text
 
 
 def _gib(b: float) -> str:
@@ -56,7 +73,7 @@ def plan_json(plan, spec) -> Dict[str, Any]:
     d["hardware"] = {"name": spec.hardware.name, "memory_gb": spec.hardware.memory_gb,
                      "bf16_tflops": spec.hardware.bf16_tflops, "fp8_tflops": spec.hardware.fp8_tflops,
                      "tf32_tflops": spec.hardware.tf32_tflops}
-    d["assumptions"] = ASSUMPTIONS
+    d["assumptions"] = assumptions(spec.model)
     return d
 
 
@@ -75,7 +92,7 @@ def render_plan(plan, spec, fmt: str = "text") -> str:
         _time_section(plan, spec),
         _checkpoint_section(plan),
         _budget_section(plan, spec),
-        ASSUMPTIONS,
+        assumptions(spec.model),
     ]
     if plan.warnings:
         sections.append("Warnings\n" + "\n".join(f"  ! {w}" for w in plan.warnings))
@@ -307,4 +324,4 @@ def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
     cmds = "\n".join(f"  {i}: train {c.train_overrides}" for i, c in enumerate(best, 1))
     table += ("\n  (ranges: step time and peak memory measured for layouts of the same kind, scaled to each "
               "prediction: bench/planner_accuracy.py --bands, docs/planner.md)")
-    return f"{head}\n{table}\n\nOverrides that select each layout (add them to your command)\n{cmds}\n\n{ASSUMPTIONS}"
+    return f"{head}\n{table}\n\nOverrides that select each layout (add them to your command)\n{cmds}\n\n{assumptions(spec.model)}"

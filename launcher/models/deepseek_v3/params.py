@@ -8,40 +8,63 @@ e_score_correction_bias buffer is state, not a parameter), routed and shared Swi
 width moe_ffn_dim. The attention widths: q.k over n_heads x (qk_nope + qk_rope) channels, the
 weighted sum over n_heads x v_head (training materialises per-head keys and values; the
 latent-cache trick is an inference one).
+
+`attention_layout` gives these weights as the planner's formulas read them (matmul shapes, norms,
+head sizes; launcher/models/shape.py AttentionLayout); the counts below are its sums.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
-from launcher.models.llama.params import decoder_counts
-from launcher.models.shape import mla_qk_head_dim
+# ffn_linears: the dense blocks' SwiGLU is the shared decoder's (part of a family's params contract).
+from launcher.models.llama.params import decoder_counts, ffn_linears  # noqa: F401
+from launcher.models.shape import AttentionLayout, InnerNorm, Linear, mla_qk_head_dim
+
+# Every MoE block's router holds e_score_correction_bias (launcher/models/deepseek_v3/model.py): the
+# planner costs its elementwise work and its once-per-step update.
+ROUTER_CORRECTION_BIAS = True
 
 
-def mla_counts(model: Any) -> Dict[str, int]:
-    """Elements of each MLA weight of one block (our names)."""
+def attention_layout(model: Any) -> AttentionLayout:
+    """MLA (launcher/models/deepseek_v3/model.py MLAttention): the down-projections wq_a and wkv_a
+    and their latent norms are replicated under TP (launcher/models/deepseek_v3/tp.py), the
+    up-projections column-wise, wo row-wise; v is a view of wkv_b's output; q and k are assembled
+    from their no-RoPE part and the RoPE part (one shared RoPE key)."""
     dim, heads = int(model.dim), int(model.n_heads)
     qk, v = mla_qk_head_dim(model), int(model.v_head_dim)
     q_rank, kv_rank, rope = int(model.q_lora_rank), int(model.kv_lora_rank), int(model.qk_rope_head_dim)
-    out = {}
+    linears: Tuple[Linear, ...]
+    norms: Tuple[InnerNorm, ...] = ()
     if q_rank > 0:
-        out.update(wq_a=dim * q_rank, q_norm=q_rank, wq_b=q_rank * heads * qk)
+        linears = (Linear("wq_a", dim, q_rank, split=False), Linear("wq_b", q_rank, heads * qk))
+        norms = (InnerNorm("q_norm", q_rank, q_rank, False, True),)
     else:
-        out["wq"] = dim * heads * qk
-    out.update(wkv_a=dim * (kv_rank + rope), kv_norm=kv_rank,
-               wkv_b=kv_rank * heads * (int(model.qk_nope_head_dim) + v), wo=heads * v * dim)
-    return out
+        linears = (Linear("wq", dim, heads * qk),)
+    linears += (Linear("wkv_a", dim, kv_rank + rope, split=False),
+                Linear("wkv_b", kv_rank, heads * (int(model.qk_nope_head_dim) + v)), Linear("wo", heads * v, dim))
+    norms += (InnerNorm("kv_norm", kv_rank, kv_rank, False, True),)
+    return AttentionLayout(linears=linears, norms=norms, n_heads=heads, n_kv_heads=heads, qk_head_dim=qk,
+                           v_head_dim=v, rope_dim=rope, rope_k_heads=1, v_source="wkv_b", assembled_qk=True)
+
+
+def block_description(model: Any) -> str:
+    """What the planner's activation formulas model, for the plan's assumptions line."""
+    q = f"q_lora {int(model.q_lora_rank)}, " if int(model.q_lora_rank) else ""
+    mla = (f"MLA {int(model.n_heads)} heads, {q}kv_lora {int(model.kv_lora_rank)}, "
+           f"qk {int(model.qk_nope_head_dim)}+{int(model.qk_rope_head_dim)}, v {int(model.v_head_dim)}")
+    n_experts = int(getattr(model, "n_experts", 0) or 0)
+    if not n_experts:
+        return f"DeepSeek-V3 block ({mla}, SwiGLU)"
+    groups = int(getattr(model, "n_group", 1) or 1)
+    limited = f" in {int(model.topk_group)} of {groups} groups" if groups > 1 else ""
+    router = "sigmoid router with correction bias" if model.score_func == "sigmoid" else "softmax router"
+    shared = int(getattr(model, "n_shared_experts", 0) or 0)
+    return (f"DeepSeek-V3 block ({mla}; {router}, top-{int(model.top_k)} of {n_experts} experts{limited}"
+            f"{f', {shared} shared' if shared else ''}; first {int(getattr(model, 'n_dense_layers', 0) or 0)} dense)")
 
 
 def component_counts(model: Any) -> Dict[str, int]:
     """Elements of each component (see launcher/plan/params.py ModelShape for the keys): MLA's
     attention, the rest as Llama's decoder counts it."""
-    heads = int(model.n_heads)
-    mla = mla_counts(model)
-    return {
-        "attention": sum(mla.values()),
-        **decoder_counts(model),
-        "qk_width": heads * mla_qk_head_dim(model),
-        "v_width": heads * int(model.v_head_dim),
-        "largest_attention_tensor": max(v for k, v in mla.items() if not k.endswith("norm")),
-    }
+    return {"attention": attention_layout(model).weights, **decoder_counts(model)}
