@@ -103,7 +103,8 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
     # The same two 4-rank layouts as Qwen3-MoE (4 ranks cannot hold pp, tp and ep together: ep
     # is taken from dp_shard): EP x TP(+SP) x FSDP shards MLA's heads under TP next to sharded
     # experts; PP x EP x FSDP puts the dense block and the MoE blocks on different stages, each
-    # stage moving its own blocks' bias. Measured (2 cores): 1.5 s and 3.6 s in the 4-rank launch.
+    # stage moving its own blocks' bias. Measured (2 cores, load 8-14): about 1.5 s and 3.5 s in the
+    # 4-rank launch, 0.3 s for ref_dsv3, about 6 s for both in the rehearsal fixture.
     one.append({"name": "ref_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3})
     four += [
         {"name": "ep2_fsdp2_tp2_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3,
