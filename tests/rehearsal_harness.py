@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -32,9 +31,7 @@ from tests.parallel_harness.run_layouts import model_config  # noqa: E402
 
 
 def rehearse_case_rank(case: dict, rank: int, activations: bool) -> dict:
-    mcfg = model_config(case["model"])
-    if case.get("model_overrides"):
-        mcfg = replace(mcfg, **case["model_overrides"])
+    mcfg = model_config(case["model"], case.get("model_overrides"))
     options = EngineOptions(total_steps=10, grad_clip=1.0, seed=7, compile=case.get("compile", False))
     report = rehearse_rank(mcfg, OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1),
                            Layout.from_dict(case["layout"]), options, rank, activations=activations)

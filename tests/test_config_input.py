@@ -19,7 +19,7 @@ from launcher.cli import sweep_points
 from launcher.config.errors import ConfigError
 from launcher.config.loader import RESOLVED_CONFIG, compose_spec, load_spec, save_spec
 from launcher.config.store import RECIPES_ENV
-from launcher.plan.resolve import validate
+from launcher.plan.resolve import resolve, validate
 from tests.conftest import TRAIN, losses_by_step, train_env
 
 # Shell text that must reach config.yaml, the ranks and the job script unchanged.
@@ -173,6 +173,23 @@ def test_bad_value_is_one_problem_line_with_a_fix(overrides, fragments):
     assert all("\n" not in p for p in problems)
 
 
+@pytest.mark.parametrize("model", ["deepseek_v3_small", "qwen3_30b_a3b"])
+def test_context_parallel_with_mla_or_qk_norm_is_refused_on_cpu_and_planned_on_gpus(model):
+    """parallel.cp=2 with DeepSeek-V3's MLA or Qwen3's QK-norm: on CPU one problem line with the
+    fix (torch's ring attention has no CPU kernel, whatever the attention), before launch; on
+    GPUs the same job validates and resolves to cp=2. MLA and QK-norm reach ring attention as
+    any attention does: SDPA on the sequence shard, RoPE (MLA's decoupled key included) from
+    the model's table, which context parallelism shards so each row keeps its global position
+    (launcher/parallel/cp.py; tests/test_parallel_layouts.py runs cp=2 per family on GPUs)."""
+    args = [f"model={model}", "parallel.cp=2", "cluster.gpus_per_node=2"]
+    problems = _problems(*args)
+    assert len(problems) == 1 and all(f in problems[0] for f in ("parallel.cp=2", "trainer.device=cpu",
+                                                                  "Fix: parallel.cp=1")), problems
+    spec = compose_spec(["+recipe=debug", *args, "trainer.device=cuda"])
+    assert validate(spec) == []
+    assert resolve(spec).cp == 2
+
+
 def test_good_values_stay_valid(tmp_path):
     ckpt = tmp_path / "step_00000010"
     ckpt.mkdir()
@@ -250,6 +267,7 @@ CLI_CASES = [
     ["-m", "model.n_heads=4,0"],
     ["-m", "cluster=slurm", "cluster.dry_run=true", "parallel.tp=1,3,2"],
     ["checkpoint.dir=/proc/nope"],
+    ["model=deepseek_v3_small", "parallel.cp=2", "cluster.gpus_per_node=2"],  # CP with MLA on CPU
     ["cluster=slurm", "cluster.dry_run=true", "checkpoint.dir=/proc/nope", "cluster.max_restarts=-1"],
 ]
 

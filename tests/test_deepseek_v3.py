@@ -4,8 +4,8 @@ Parity with transformers (logits, exports, the real configs on the meta device) 
 tests/test_hf_weights.py; here: group-limited routing on the routing indices (and equal to
 transformers' DeepseekV3TopkRouter), aux-loss-free balancing on a constructed skewed router (the
 bias moves load toward uniform, outside the optimizer, saved with the model), the sequence-wise
-balance loss by hand, and MLA under tensor parallelism (2 gloo ranks, with and without SP) equal
-to one rank in logits and gradients.
+balance loss by hand, MLA under tensor parallelism (2 gloo ranks, with and without SP) equal
+to one rank in logits and gradients, and MLA's RoPE in context parallelism's head-tail order.
 """
 
 from __future__ import annotations
@@ -343,3 +343,29 @@ def test_document_masking_keeps_mla_attention_inside_each_document():
         together = model(packed, positions=positions, document_ids=docs)
         alone = torch.cat([model(a), model(b)], dim=1)
     assert (together - alone).abs().max() <= 1e-5
+
+
+def test_mla_rotates_by_the_table_rows_it_is_given_as_context_parallelism_shards_them():
+    """Context parallelism hands each rank the head-tail chunks of the sequence and the RoPE table's
+    rows for those global positions (launcher/parallel/cp.py): MLA must rotate its queries and its
+    decoupled RoPE key by the rows it is given, never by local indices. The sequence in the cp=2
+    ranks' order with the table rows in that order and attention causal by global position gives
+    every token the output of the plain sequence."""
+    from launcher.parallel.cp import shard_positions
+
+    model, cfg = _model()
+    attn = model.layers["1"].attention
+    s = 16
+    order = torch.tensor(shard_positions(s, 2, 0) + shard_positions(s, 2, 1))  # [0..3, 12..15, 4..11]
+    x = torch.randn(2, s, cfg.dim, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        plain = attn(x, model.rope[:s])
+        sharded = attn(x[:, order], model.rope[order], mask=order[:, None] >= order[None, :])
+        # Rotated by local indices instead (what a wrong MLA would do): other outputs.
+        local = attn(x[:, order], model.rope[:s], mask=order[:, None] >= order[None, :])
+    # Relative to the outputs' size (small at init: measured 4e-3): same to rounding (measured
+    # 5e-8), while the local-index rotation differs by 7e-3 of it.
+    want = plain[:, order]
+    size = want.abs().max()
+    assert (sharded - want).abs().max() <= 1e-5 * size
+    assert (local - want).abs().max() > 1e-3 * size

@@ -23,6 +23,8 @@ import torchao.float8 as torchao_float8  # noqa: E402
 from torchao.float8.config import ScalingGranularity  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
+from tests.parallel_harness.matrix import DEEPSEEK_V3, QWEN3_MOE  # noqa: E402
+
 
 # ----------------------------------------------------------------------------- hardware
 
@@ -176,6 +178,78 @@ def test_converted_model_trains_close_to_bf16():
     # float8 e4m3 keeps 3 mantissa bits: about 6% relative error per element is expected.
     rel = (got - want).norm() / want.norm()
     assert rel < 0.1, f"float8 output differs from bf16 by {rel:.3f} relative (limit 0.1)"
+
+
+# ----------------------------------------------------------------------------- per family
+
+def _family_model(overrides: dict):
+    """debug_moe with a family's model keys (the layout matrix's tiny Qwen3-MoE / DeepSeek-V3),
+    built with real weights on the CPU."""
+    from launcher.models import build_model
+    from tests.parallel_harness.run_layouts import model_config  # the matrix's config reader
+
+    cfg = model_config("debug_moe", overrides)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    return model, cfg
+
+
+def _expected_float8(cfg) -> tuple:
+    """(converted, kept) FQNs the filter's rules give for the tiny families' blocks: every
+    attention and FFN linear whose in and out features are multiples of 16, never the router
+    or the output layer; GroupedExperts are no nn.Linear (CPU: they stay bf16, not listed)."""
+    converted, kept = set(), {"output"}
+    for i in range(cfg.n_layers):
+        if cfg.family == "deepseek_v3":
+            q, kv, heads = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.n_heads
+            shapes = {"wq_a": (cfg.dim, q), "wq_b": (q, heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)),
+                      "wkv_a": (cfg.dim, kv + cfg.qk_rope_head_dim),
+                      "wkv_b": (kv, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)), "wo": (heads * cfg.v_head_dim, cfg.dim)}
+            dense = i < cfg.n_dense_layers
+        else:  # qwen3: heads of head_dim (24 here, not dim / n_heads)
+            q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+            shapes = {"wq": (cfg.dim, q), "wk": (cfg.dim, kv), "wv": (cfg.dim, kv), "wo": (q, cfg.dim)}
+            dense = i in cfg.mlp_only_layers
+        for name, dims in shapes.items():
+            (converted if all(d % 16 == 0 for d in dims) else kept).add(f"layers.{i}.attention.{name}")
+        ffn = "feed_forward" if dense else ("moe.shared_experts" if cfg.n_shared_experts else None)
+        converted |= {f"layers.{i}.{ffn}.{w}" for w in ("w1", "w2", "w3")} if ffn else set()
+        kept |= set() if dense else {f"layers.{i}.moe.router"}
+    return converted, kept
+
+
+FAMILY_FP8 = {
+    "qwen3_moe": QWEN3_MOE,
+    "deepseek_v3": DEEPSEEK_V3,
+    # Latent ranks of 8: q_lora_rank and kv_lora_rank not multiples of 16, so wq_a, wq_b and wkv_b
+    # stay bf16; wkv_a (latent 8 + RoPE key 8 = 16 outputs) converts.
+    "deepseek_v3_latent8": {**DEEPSEEK_V3, "q_lora_rank": 8, "kv_lora_rank": 8},
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_FP8))
+def test_family_linears_convert_by_shape_never_router_or_output(family):
+    """Which module FQNs precision=fp8 swaps for float8 in each family's tiny model: MLA's low-rank
+    projections only where both sizes are multiples of 16, never the router (top-k is
+    discontinuous) nor the output layer; convert_to_float8 swaps exactly those."""
+    model, cfg = _family_model(FAMILY_FP8[family])
+    report = plan_float8_conversion(model, Fp8Config(emulate=True))
+    converted, kept = _expected_float8(cfg)
+    assert set(report.converted) == converted, f"{family}: {set(report.converted) ^ converted}"
+    assert set(report.kept) == kept, f"{family}: {set(report.kept) ^ kept}"
+    for name in (n for n in kept if n.endswith(".router")):
+        assert report.kept[name] == "excluded by name 'router'"
+    for name in (n for n in kept if ".attention." in n):
+        assert "not divisible by 16" in report.kept[name], report.kept[name]
+    convert_to_float8(model, Fp8Config(emulate=True), device_type="cpu", fsdp_enabled=False)
+    assert {n for n, m in model.named_modules() if isinstance(m, Float8Linear)} == converted
+    if family == "deepseek_v3_latent8":  # the case the rule exists for; MLA runs half float8, half not
+        assert {"layers.1.attention.wq_a", "layers.1.attention.wkv_b"} <= set(report.kept)
+        model(torch.randint(0, cfg.vocab_size, (2, 16))).float().square().mean().backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
 # ----------------------------------------------------------------------------- recipes / all-gather

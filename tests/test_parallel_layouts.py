@@ -209,9 +209,9 @@ def test_refused_layouts_say_why(results, name):
 # and compared with what the real ranks held: dense FSDP2 x TP(+SP), PP with virtual stages,
 # uneven FSDP shards (odd sizes), and every trained MoE layout of the matrix (issue 29: FSDP,
 # HSDP, TP(+SP), PP with every schedule, EP, their products, the dim-1 expert shards, the
-# Qwen3-MoE block). The TP-only MoE layouts found the states-only rehearsal's one gap: a TP
-# embedding outside FSDP gets a replicated gradient (launcher/rehearse/rank.py).
-MOE_TRAINED = tuple(n for n in COMPARED if n.endswith(("_moe", "_2experts", "_qwen3moe"))
+# Qwen3-MoE and DeepSeek-V3 blocks). The TP-only MoE layouts found the states-only rehearsal's one
+# gap: a TP embedding outside FSDP gets a replicated gradient (launcher/rehearse/rank.py).
+MOE_TRAINED = tuple(n for n in COMPARED if n.endswith(("_moe", "_2experts", "_qwen3moe", "_dsv3"))
                     and not n.startswith(("bf16_", "fp8_", "save_", "resume_")))
 REHEARSED = ("fsdp2_tp2_dense", "tp2_sp_dense", "fsdp2_odd", "pp2_interleaved_1f1b_dense", "pp2_zero_bubble_dense",
              "pp2_zbv_dense") + MOE_TRAINED

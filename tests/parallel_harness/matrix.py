@@ -15,6 +15,25 @@ SCHEDULES = {  # pp_schedule -> pp_virtual_stages
 }
 
 
+# Qwen3-MoE's block on the debug sizes (debug_moe + these model keys): head_dim 24 (not dim /
+# n_heads = 16), q/k RMSNorm, renormalised top-k, no shared expert, block 1 dense by mlp_only_layers.
+QWEN3_MOE = {"family": "qwen3", "head_dim": 24, "qk_norm": True, "norm_topk_prob": True,
+             "n_shared_experts": 0, "n_dense_layers": 0, "mlp_only_layers": [1]}
+# DeepSeek-V3's block on the debug sizes (debug_moe + these model keys): MLA (query low-rank 16,
+# key/value latent 32, 16+8 query/key and 16 value channels per head), YaRN RoPE, a sigmoid router
+# over 2 groups of 2 experts (topk_group 1: both picks from one group), the correction bias moved
+# every step with the global expert loads (aux-loss-free), the sequence-wise balance loss, debug_moe's
+# shared expert, block 0 dense (first_k_dense_replace). Strong enough to be seen (1-rank, measured):
+# bias_update_speed 0.01 against 0 moves step 2's loss by 2e-4 relative, aux_loss_alpha 0.01 against
+# 0 step 1's grad norm by 2e-4 and step 3's loss by 7e-5 (the tolerances are 1e-4 and 1e-5).
+DEEPSEEK_V3 = {"family": "deepseek_v3", "n_kv_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 32,
+               "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+               "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+               "score_func": "sigmoid", "routed_scaling_factor": 2.5, "n_group": 2, "topk_group": 1,
+               "norm_topk_prob": True, "bias_update_speed": 0.01, "aux_loss_alpha": 0.01, "aux_loss_coef": 0.0}
+
+
 def _short(model: str) -> str:
     return "moe" if model == "debug_moe" else "dense"
 
@@ -27,6 +46,11 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
             m = _short(model)
             two.append({"name": f"cp2_{m}", "model": model, "mesh": {"cp": 2}})
             four.append({"name": f"cp2_fsdp2_{m}", "model": model, "mesh": {"dp_shard": 2, "cp": 2}})
+        # Ring attention with Qwen3's QK-norm and head_dim != dim / n_heads, and with MLA (query/key
+        # heads of 24 channels, values of 16, YaRN's softmax scale, the decoupled RoPE key rotated by
+        # the sharded table's global positions). Not yet run on GPUs (written on a CPU-only machine).
+        two += [{"name": "cp2_qwen3moe", "model": "debug_moe", "model_overrides": QWEN3_MOE, "mesh": {"cp": 2}},
+                {"name": "cp2_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3, "mesh": {"cp": 2}}]
     for model in MODELS:
         m = _short(model)
         one.append({"name": f"ref_{m}", "model": model, "export": f"{ckpt_dir}/export_ref_{m}.pt"})
@@ -69,15 +93,23 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
         {"name": "pp2_ep2_moe", "model": "debug_moe", "mesh": {"pp": 2, "dp_shard": 2, "ep": 2},
          "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "ac": "full"},
     ]
-    # Qwen3-MoE's block on the debug sizes: head_dim 24 (not dim / n_heads = 16), q/k RMSNorm,
-    # renormalised top-k, no shared expert, block 1 dense by mlp_only_layers.
-    qwen3_moe = {"family": "qwen3", "head_dim": 24, "qk_norm": True, "norm_topk_prob": True,
-                 "n_shared_experts": 0, "n_dense_layers": 0, "mlp_only_layers": [1]}
-    one.append({"name": "ref_qwen3moe", "model": "debug_moe", "model_overrides": qwen3_moe})
+    one.append({"name": "ref_qwen3moe", "model": "debug_moe", "model_overrides": QWEN3_MOE})
     four += [
-        {"name": "ep2_fsdp2_tp2_qwen3moe", "model": "debug_moe", "model_overrides": qwen3_moe,
+        {"name": "ep2_fsdp2_tp2_qwen3moe", "model": "debug_moe", "model_overrides": QWEN3_MOE,
          "mesh": {"dp_shard": 2, "tp": 2, "ep": 2}, "sp": True},
-        {"name": "pp2_ep2_fsdp2_qwen3moe", "model": "debug_moe", "model_overrides": qwen3_moe,
+        {"name": "pp2_ep2_fsdp2_qwen3moe", "model": "debug_moe", "model_overrides": QWEN3_MOE,
+         "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b"},
+    ]
+    # The same two 4-rank layouts as Qwen3-MoE (4 ranks cannot hold pp, tp and ep together: ep
+    # is taken from dp_shard): EP x TP(+SP) x FSDP shards MLA's heads under TP next to sharded
+    # experts; PP x EP x FSDP puts the dense block and the MoE blocks on different stages, each
+    # stage moving its own blocks' bias. Measured (2 cores, load 8-14): about 1.5 s and 3.5 s in the
+    # 4-rank launch, 0.3 s for ref_dsv3, about 6 s for both in the rehearsal fixture.
+    one.append({"name": "ref_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3})
+    four += [
+        {"name": "ep2_fsdp2_tp2_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3,
+         "mesh": {"dp_shard": 2, "tp": 2, "ep": 2}, "sp": True},
+        {"name": "pp2_ep2_fsdp2_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3,
          "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b"},
     ]
     two += [
@@ -150,7 +182,7 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
 
 
 def reference_of(name: str) -> str:
-    for suffix in ("_tied", "_odd", "_2experts", "_qwen3moe"):
+    for suffix in ("_tied", "_odd", "_2experts", "_qwen3moe", "_dsv3"):
         if name.endswith(suffix):
             return "ref" + suffix
     return "ref_moe" if name.endswith("_moe") else "ref_dense"

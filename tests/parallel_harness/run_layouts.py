@@ -42,10 +42,13 @@ DEVICE = torch.device(os.environ.get("HARNESS_DEVICE", "cpu"))
 GLOBAL_BATCH, MICRO_BATCH, SEQ = 4, 1, 16
 
 
-def model_config(name: str):
+def model_config(name: str, overrides: dict | None = None):
+    """conf/model/<name>.yaml with `overrides` merged as `train`'s model.* keys would be (nested
+    ones such as rope_scaling become their typed configs)."""
     from launcher.config.schema import ModelConfig
 
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"),
+                          overrides or {})
     return OmegaConf.to_object(cfg)
 
 
@@ -92,11 +95,9 @@ def run_layout(spec: dict) -> dict:
     from tests.layout_for import job_spec
     from launcher.plan.resolve import resolve
 
-    mcfg = model_config(spec.get("model", "debug"))
+    mcfg = model_config(spec.get("model", "debug"), spec.get("model_overrides"))
     if spec.get("tie"):
         mcfg = replace(mcfg, tie_embeddings=True)
-    if spec.get("model_overrides"):
-        mcfg = replace(mcfg, **spec["model_overrides"])
     mesh = {k: 1 for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")} | spec.get("mesh", {})
     world = mesh["pp"] * mesh["dp_replicate"] * mesh["dp_shard"] * mesh["cp"] * mesh["tp"]
     dotted = {f"parallel.{k}": v for k, v in mesh.items()}
