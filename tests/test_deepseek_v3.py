@@ -262,7 +262,8 @@ def test_mla_under_tensor_parallelism_equals_one_rank(sequence_parallel):
 def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path):
     """`train model=hf model.init_from=<tiny DeepSeek-V3> model.bias_update_speed=0.01`, 3 steps, fp32
     export: every correction bias moved by whole steps of 0.01 (at most 3), and transformers reads the
-    export as our model does (logits within 1e-5)."""
+    export as our model does (logits within 1e-5). metrics.jsonl has each MoE layer's load and bias
+    spread (launcher/runtime/moe_load.py) on every log step."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from launcher.hf.format import hf_model_fields, read_hf_config
@@ -281,10 +282,30 @@ def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path
                "trainer.steps=3", "trainer.seq_len=16", "trainer.global_batch_size=2", "precision=fp32",
                "checkpoint.export=hf", "checkpoint.export_dtype=fp32", "cluster.gpus_per_node=1",
                "logging.progress=false", "plan.plots=false", "logging.wandb.mode=disabled"], run, check=True, timeout=600)
+    # Per-layer metrics: MoE layers 1 and 2 (first_k_dense_replace=1); 8 experts, top-2.
+    from tests.conftest import read_metrics
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        ratios = [r[f"moe/layer{i}/tokens_per_expert_max_over_mean"] for i in (1, 2)]
+        assert all(1.0 <= x <= 8 / 2 for x in ratios), r
+        assert r["moe/tokens_per_expert_max_over_mean"] == pytest.approx(sum(ratios) / 2), r
+        assert "moe/layer0/tokens_per_expert_max_over_mean" not in r and "moe/layer0/bias_spread" not in r  # dense
     export = run / "export" / "hf"
     before, after = _hf_tensors(src), _hf_tensors(export)
     keys = [k for k in before if k.endswith("e_score_correction_bias")]
     assert len(keys) == 2
+    # The biases start random (_randomize_norms): the logged spread (max - min) is the exported
+    # bias's after the last step, and n updates of +-0.01 change it by at most 2 * 0.01 * n.
+    layer_of = {i: next(k for k in keys if f"layers.{i}." in k) for i in (1, 2)}
+    for r in rows:
+        spreads = [r[f"moe/layer{i}/bias_spread"] for i in (1, 2)]
+        start = [float(before[layer_of[i]].max() - before[layer_of[i]].min()) for i in (1, 2)]
+        assert all(abs(x - x0) <= 0.02 * r["step"] + 1e-6 for x, x0 in zip(spreads, start)), (r, start)
+        assert r["moe/bias_spread"] == pytest.approx(sum(spreads) / 2), r
+    for i in (1, 2):
+        bias = after[layer_of[i]]
+        assert rows[-1][f"moe/layer{i}/bias_spread"] == pytest.approx(float(bias.max() - bias.min()), abs=1e-6)
     for k in keys:
         steps = (after[k] - before[k]) / 0.01
         assert (steps - steps.round()).abs().max() < 1e-3 and steps.abs().max() <= 3 + 1e-3, (k, steps)

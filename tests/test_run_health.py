@@ -247,7 +247,7 @@ def test_moe_load_metrics_math_on_hand_made_counts():
     """cv and max/mean per layer, then the mean over the layers that routed tokens; dropped and aux."""
     import torch
 
-    from launcher.runtime.moe_load import KEYS, load_metrics
+    from launcher.runtime.moe_load import KEYS, layer_metrics, load_metrics
 
     counts = torch.tensor([[3.0, 1.0], [2.0, 2.0], [0.0, 0.0]])  # the last layer: on no stage / dense
     got = load_metrics(counts, dropped=torch.tensor([1.0, 0.0, 0.0]), aux_sum=torch.tensor([0.02, 0.06, 0.0]),
@@ -261,6 +261,12 @@ def test_moe_load_metrics_math_on_hand_made_counts():
     single = load_metrics(torch.tensor([[3.0, 1.0]]), torch.zeros(1), torch.ones(1), torch.ones(1))
     assert (single["moe/tokens_per_expert_cv"], single["moe/tokens_per_expert_max_over_mean"]) == (0.5, 1.5)
     assert load_metrics(torch.zeros(2, 2), torch.zeros(2), torch.zeros(2), torch.zeros(2)) == {}
+    # Per layer: layer 2 routed nothing (no key); layers 0 and 1 hold a correction bias on 2 ranks.
+    per_layer = layer_metrics(counts, bias_spread=torch.tensor([0.04, 0.0, 0.0], dtype=torch.float64), bias_holders=torch.tensor([2.0, 2.0, 0.0]))
+    assert per_layer == {"moe/layer0/tokens_per_expert_max_over_mean": 1.5,
+                         "moe/layer1/tokens_per_expert_max_over_mean": 1.0,
+                         "moe/layer0/bias_spread": 0.02, "moe/layer1/bias_spread": 0.0, "moe/bias_spread": 0.01}
+    assert "moe/bias_spread" not in layer_metrics(counts, torch.zeros(3), torch.zeros(3))  # no correction bias
 
 
 def test_moe_health_reports_dropped_tokens_and_aux_loss_of_a_real_layer():

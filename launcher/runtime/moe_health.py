@@ -11,7 +11,8 @@ IDLE_LOGS log steps in a row is warned about. Tensor-parallel ranks see the same
 count them again: shares and idle experts are unaffected by that duplication.
 The same all-reduce carries each layer's dropped assignments and aux-loss sum, from which
 launcher/runtime/moe_load.py computes the `moe/*` load metrics (cv, max/mean, dropped
-fraction, aux loss) over the MoE layers of every pipeline stage.
+fraction, aux loss) over the MoE layers of every pipeline stage, and the per-layer ones
+(`moe/layer<i>/*`: max/mean, and the spread of a correction bias, read here only on log steps).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.runtime.moe_load import load_metrics
+from launcher.runtime.moe_load import layer_metrics, load_metrics
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ class MoEHealth:
 
     def observe(self, step: int) -> Dict[str, Any]:
         """On a log step (every rank, collective): routed-token statistics since the last log step."""
-        # One tensor, one all-reduce: per layer the expert counts, then dropped, aux sum, aux calls.
-        packed = torch.zeros(self.n_layers, self.n_experts + 3, dtype=torch.float64, device=self.device)
+        # One tensor, one all-reduce: per layer the expert counts, then dropped, aux sum, aux calls,
+        # correction-bias spread, ranks holding a correction bias.
+        packed = torch.zeros(self.n_layers, self.n_experts + 5, dtype=torch.float64, device=self.device)
         for index, module in self.layers:
             _drain(module, packed[index], self.n_experts)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -66,6 +68,7 @@ class MoEHealth:
         packed = packed.cpu()
         counts = packed[:, :self.n_experts]
         load = load_metrics(counts, packed[:, self.n_experts], packed[:, self.n_experts + 1], packed[:, self.n_experts + 2])
+        per_layer = layer_metrics(counts, packed[:, self.n_experts + 3], packed[:, self.n_experts + 4])
         rows = [i for i in range(self.n_layers) if counts[i].sum() > 0]
         if not rows:
             return {}
@@ -82,7 +85,7 @@ class MoEHealth:
             data = [[layer, expert, int(counts[layer, expert])] for layer in rows for expert in range(self.n_experts)]
             self.log_table("moe/tokens_per_expert", ["layer", "expert", "tokens"], data)
         return {"moe/expert_share_min": float(share.min()), "moe/expert_share_max": float(share.max()),
-                "moe/idle_experts": int(idle[rows].sum()), **load}
+                "moe/idle_experts": int(idle[rows].sum()), **load, **per_layer}
 
 
     def _balancing_keys(self, layer: int) -> str:
@@ -95,7 +98,8 @@ class MoEHealth:
 
 
 def _drain(module: nn.Module, row: torch.Tensor, n_experts: int) -> None:
-    """Add one MoE layer's accumulated load into row [counts..., dropped, aux sum, aux calls]; reset it."""
+    """Add one MoE layer's accumulated load into row [counts..., dropped, aux sum, aux calls, bias
+    spread, bias holders]; reset it."""
     if module.routed_tokens is not None:
         row[:n_experts] += module.routed_tokens.to(row.device, torch.float64)
         module.routed_tokens = None
@@ -106,3 +110,7 @@ def _drain(module: nn.Module, row: torch.Tensor, n_experts: int) -> None:
         row[n_experts + 1] += module.aux_loss_sum.to(row.device, torch.float64)
         row[n_experts + 2] += module.aux_loss_calls
         module.aux_loss_sum, module.aux_loss_calls = None, 0
+    bias = getattr(module, "e_score_correction_bias", None)
+    if bias is not None:
+        row[n_experts + 3] += (bias.max() - bias.min()).to(row.device, torch.float64)
+        row[n_experts + 4] += 1

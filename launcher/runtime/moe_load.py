@@ -14,6 +14,14 @@ all-reduce). Definitions, for the MoE layers that routed tokens in the window:
 
 All four are ratios or means, so counting the same tokens on several ranks (tensor-parallel
 ranks, recomputed forwards under activation checkpointing) does not change them.
+
+Per layer (`layer_metrics`, keyed by the block's index in the whole model):
+
+- `moe/layer<i>/tokens_per_expert_max_over_mean`: layer i's busiest expert over the mean (the
+  per-layer value that `moe/tokens_per_expert_max_over_mean` averages);
+- `moe/layer<i>/bias_spread`: max - min of layer i's e_score_correction_bias (DeepSeek-V3's
+  aux-loss-free balancing; only layers whose router has one), and `moe/bias_spread`, the mean
+  over those layers. 0 until the bias moves; it grows while the router keeps favouring experts.
 """
 
 from __future__ import annotations
@@ -47,3 +55,22 @@ def load_metrics(counts: torch.Tensor, dropped: torch.Tensor, aux_sum: torch.Ten
         "moe/dropped_frac": dropped_frac,
         "moe/aux_loss": aux,
     }
+
+
+def layer_metrics(counts: torch.Tensor, bias_spread: torch.Tensor, bias_holders: torch.Tensor) -> Dict[str, float]:
+    """Per-layer `moe/layer<i>/*` values and `moe/bias_spread` from counts [layers, experts],
+    bias_spread [layers] (max - min of the layer's correction bias, summed over the ranks that hold
+    the layer) and bias_holders [layers] (how many ranks added a spread; 0: no correction bias)."""
+    counts = counts.to(torch.float64)
+    out: Dict[str, float] = {}
+    for i in range(counts.shape[0]):
+        if counts[i].sum() > 0:
+            out[f"moe/layer{i}/tokens_per_expert_max_over_mean"] = float(counts[i].max() / counts[i].mean())
+    held = bias_holders > 0
+    # Every holder of a layer (data-, tensor-parallel replicas) keeps the same bias: the mean over them.
+    spread = bias_spread.to(torch.float64)[held] / bias_holders.to(torch.float64)[held]
+    for i, value in zip(held.nonzero().flatten().tolist(), spread.tolist()):
+        out[f"moe/layer{i}/bias_spread"] = value
+    if spread.numel():
+        out["moe/bias_spread"] = float(spread.mean())
+    return out
