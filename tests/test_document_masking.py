@@ -162,12 +162,27 @@ def test_engine_masking_with_activation_checkpointing():
     assert full.grad_norm == pytest.approx(ac.grad_norm, rel=1e-5)
 
 
-def test_engine_masking_with_compile():
-    """Compiled blocks take the mask and the per-row RoPE table as inputs (~10 s of compiling)."""
-    cfg = _cfg("dense_gqa")
+def _tiny_deepseek_v3():
+    """DeepSeek-V3's block (MLA, YaRN, sigmoid group-limited router with a correction bias)."""
+    from launcher.config.schema import ModelConfig
+    from tests.test_deepseek_v3 import TINY
+
+    return ModelConfig(**{**TINY, "n_layers": 2})  # one dense block, one MoE block
+
+
+@pytest.mark.parametrize("key", ["dense_gqa", "qwen3_moe", "deepseek_v3"])
+def test_engine_masking_with_compile(key):
+    """Compiled blocks take the mask and the per-row RoPE table as inputs, for each family's block:
+    Llama (GQA), Qwen3 (QK-norm, wide head_dim; MoE partly compiled) and DeepSeek-V3 (MLA with its
+    YaRN table; a dense block compiled whole, MoE blocks partly). 10-20 s of compiling each."""
+    cfg = _tiny_deepseek_v3() if key == "deepseek_v3" else _cfg(key)
     _, mbs = packed_rows(cfg.vocab_size)
     eager = build_engine(cfg, 1).train_step(mbs)
+    from torch._dynamo.utils import counters  # dynamo's own count of the graphs it compiled
+
+    graphs = counters["stats"]["unique_graphs"]
     compiled = build_engine(cfg, 1, **{"trainer.compile": True}).train_step(mbs)
+    assert counters["stats"]["unique_graphs"] > graphs, "trainer.compile=true compiled no graph"
     assert compiled.loss == pytest.approx(eager.loss, rel=1e-5)
     assert compiled.grad_norm == pytest.approx(eager.grad_norm, rel=1e-5)
 
