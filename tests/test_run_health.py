@@ -140,6 +140,12 @@ def test_moe_expert_shares_are_logged_per_log_step(two_rank_run):
         # Load metrics (launcher/runtime/moe_load.py) at every log step; debug_moe is dropless.
         assert r["moe/tokens_per_expert_cv"] >= 0 and r["moe/tokens_per_expert_max_over_mean"] >= 1, r
         assert r["moe/dropped_frac"] == 0.0 and r["moe/aux_loss"] > 0, r
+        # Per MoE layer (debug_moe: blocks 1-3; block 0 dense): the values the mean above averages.
+        # Its softmax router has no correction bias, so no bias spread.
+        per_layer = [r[f"moe/layer{i}/tokens_per_expert_max_over_mean"] for i in (1, 2, 3)]
+        assert all(1 <= x <= 4 / 2 for x in per_layer), r
+        assert r["moe/tokens_per_expert_max_over_mean"] == pytest.approx(sum(per_layer) / 3), r
+        assert not any(k.endswith("bias_spread") or k.startswith("moe/layer0/") for k in r), r
 
 
 def test_pipeline_validation_and_a_rank_raising_oom_leaves_a_failure_summary_naming_it(two_rank_run, tmp_path):
