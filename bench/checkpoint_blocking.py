@@ -3,7 +3,7 @@
     .venv/bin/python bench/checkpoint_blocking.py [--ranks 2] [--rounds 3] [--steps 6]
 
 Starts itself under torchrun (`--nproc_per_node=--ranks`, gloo on CPU), then on every rank
-builds the engine `train` builds (`launcher.runtime.entry.build_engine`, FSDP2 over all ranks)
+builds the engine `train` builds (`launcher.runtime.entry.engine_for_rank`, FSDP2 over all ranks)
 and two CheckpointManagers on separate folders, one synchronous and one asynchronous. It times
 rounds of `--steps` training steps (`Engine.train_step`) of three kinds, alternating so that a
 change in machine load hits all alike:
@@ -101,7 +101,7 @@ def worker(args: argparse.Namespace) -> None:
     plan = build_plan(spec, check(spec))
     torch.manual_seed(spec.trainer.seed)
     batches = entry.build_batches(spec, plan, rank.rank, run_dir)
-    engine = entry.build_engine(spec, plan, rank, run_dir)
+    engine = entry.engine_for_rank(spec, plan, rank, run_dir)
     managers = {
         kind: CheckpointManager(run_dir / f"checkpoints_{kind}", keep=1, verify_checksums=True, rank=rank.rank,
                                 world_size=rank.world_size, async_save=kind == "async", async_timeout_s=1800)

@@ -10,7 +10,7 @@ initialisation, one after the other in one process:
 
     reference bf16 + compile   a hand-written loop: build_model, per-block torch.compile,
                                bf16 autocast, fused AdamW, grad clipping; no launcher code
-    launcher bf16              the real native engine (launcher.runtime.entry.build_engine),
+    launcher bf16              the real native engine (launcher.runtime.entry.engine_for_rank),
     launcher bf16 + compile    driven through Engine.train_step exactly as `train` drives it
     launcher fp8 + compile
 
@@ -312,14 +312,14 @@ def _unique_params(parts) -> int:
 
 
 def launcher_step_fn(spec, device, run_dir: Path) -> Callable:
-    """The real launcher path: validate -> plan -> entry.build_engine -> Engine.train_step."""
+    """The real launcher path: validate -> plan -> entry.engine_for_rank -> Engine.train_step."""
     from launcher.plan.plan import build_plan
     from launcher.plan.resolve import check
     from launcher.runtime.dist import RankInfo
-    from launcher.runtime.entry import build_engine
+    from launcher.runtime.entry import engine_for_rank
 
     plan = build_plan(spec, check(spec))
-    engine = build_engine(spec, plan, RankInfo(rank=0, world_size=1, local_rank=0, device=device), run_dir)
+    engine = engine_for_rank(spec, plan, RankInfo(rank=0, world_size=1, local_rank=0, device=device), run_dir)
 
     def step(batch) -> float:
         return engine.train_step([batch]).loss

@@ -5,7 +5,7 @@
     .venv/bin/python bench/memory_accuracy.py --device cuda    # on GPUs (peak from max_memory_allocated too)
     .venv/bin/python bench/memory_accuracy.py --json out.json  # also write the rows
 
-Each config runs through the real rank runtime's engine (launcher.runtime.entry.build_engine:
+Each config runs through the real rank runtime's engine (launcher.runtime.entry.engine_for_rank:
 native FSDP2 / TP / PP / AC, or DeepSpeed) under torchrun with the gloo backend, one warm-up
 step, then one step measured by launcher.runtime.memtrack.track_step_memory. The rank with
 the largest measured total is compared with the plan's most loaded rank. It does not go
@@ -77,13 +77,13 @@ def worker(run_dir: Path) -> None:
     from launcher.config.loader import load_spec
     from launcher.plan.plan import Plan
     from launcher.runtime.dist import init_distributed, resolve_device_type, shutdown_distributed
-    from launcher.runtime.entry import build_batches, build_engine
+    from launcher.runtime.entry import build_batches, engine_for_rank
     from launcher.runtime.memtrack import process_peak_rss_bytes, track_step_memory
 
     spec = load_spec(run_dir)
     plan = Plan.load(run_dir)
     rank = init_distributed(resolve_device_type(spec.trainer.device))
-    engine = build_engine(spec, plan, rank, run_dir)
+    engine = engine_for_rank(spec, plan, rank, run_dir)
     batches = build_batches(spec, plan, rank.rank, run_dir)
     step = {"i": 1}  # StepBatches.for_step is 1-based
 

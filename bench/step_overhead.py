@@ -10,7 +10,7 @@ optimizer settings) and times them in alternating rounds so that machine load hi
   then for each step: forward, `F.cross_entropy`, backward, `clip_grad_norm_`, `opt.step()`,
   `zero_grad()`; the loss is read (`.item()`) only at log steps, as a hand-written loop would;
 - launcher: the real `launcher.runtime.trainer.Trainer.fit` over the engine `train` builds
-  (`entry.build_engine`), with everything a real run does per step: token-count and loss
+  (`entry.engine_for_rank`), with everything a real run does per step: token-count and loss
   all-reduces, metrics.jsonl + W&B (offline) rows at log steps, the straggler all-gather at log
   steps, the hang watchdog's heartbeat, the stop-request all-reduce, the failure bundle's progress;
 - engine (reported beside the ratio, not in it): a third copy driven by `Engine.train_step` alone,
@@ -219,7 +219,7 @@ def launcher_loop(spec, plan, rank, run_dir: Path, batches):
 
     bundle = FailureBundle(run_dir, rank.rank, rank.world_size)
     health = entry.start_health(spec, plan, bundle, rank.device.type)
-    engine = entry.build_engine(spec, plan, rank, run_dir)
+    engine = entry.engine_for_rank(spec, plan, rank, run_dir)
     metrics = MetricsLogger(run_dir, enabled=rank.rank == 0, wandb_cfg=spec.logging.wandb,
                             config=entry.config_for_logging(spec), total_steps=spec.trainer.steps,
                             progress=spec.logging.progress)
@@ -261,7 +261,7 @@ def engine_loop(spec, plan, rank, run_dir: Path, batches):
     which splits the overhead into the engine's part and the loop's part."""
     from launcher.runtime import entry
 
-    engine = entry.build_engine(spec, plan, rank, run_dir / "engine_only")
+    engine = entry.engine_for_rank(spec, plan, rank, run_dir / "engine_only")
 
     def run(first: int, last: int) -> None:
         for step in range(first, last + 1):

@@ -70,7 +70,8 @@ def plain_model(cfg, seed: int = SEED):
     return m
 
 
-def build_engine(cfg, world: int, **dotted):
+def native_engine(cfg, world: int, **dotted):
+    """The native engine on this harness's layout (`dotted`: config overrides layout_for applies)."""
     from launcher.config.schema import OptimConfig
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
@@ -138,7 +139,7 @@ def run_layout(spec: dict) -> dict:
         return run_deepspeed(spec, cfg)
     dotted = {f"parallel.{k}": v for k, v in spec["mesh"].items()}
     dotted.update({"parallel.sp": spec.get("sp", False), "parallel.pp_schedule": spec.get("pp_schedule", "1f1b")})
-    engine = build_engine(cfg, dist.get_world_size(), **dotted)
+    engine = native_engine(cfg, dist.get_world_size(), **dotted)
     docs, mbs = packed_rows(cfg.vocab_size)
     docs, mbs = rank_rows(engine.layout, docs), rank_rows(engine.layout, mbs)
     holds, logits = engine_logits(engine, mbs)

@@ -83,7 +83,7 @@ RULES = [
     (["parallel.tp=2", "parallel.dp_shard=1", "model.tie_embeddings=true", "trainer.global_batch_size=4"], ["tie_embeddings", "parallel.tp=2"]),
     (["parallel.cp=2", "parallel.pp=2", "cluster.gpus_per_node=4", "trainer.device=cuda", "trainer.global_batch_size=4"], ["parallel.cp=2", "parallel.pp=2"]),
     (["parallel.pp=2", "parallel.dp_shard=1", "trainer.global_batch_size=2"], ["1f1b", "at least 2 micro-batches", "= 1"]),
-    # Observability keys (launcher/runtime/watchdog.py, validation.py, stragglers.py, profiler.py).
+    # Observability keys (launcher/runtime/watchdog.py, heldout_loss.py, stragglers.py, profiler.py).
     (["trainer.hang_timeout_s=-5"], ["trainer.hang_timeout_s=-5", "-1 (auto"]),
     (["trainer.val_every=-1"], ["trainer.val_every=-1", ">= 0"]),
     (["trainer.val_every=5", "trainer.val_steps=0"], ["trainer.val_steps=0", "at least 1"]),

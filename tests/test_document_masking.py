@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from launcher.data.batch import Microbatch
 from launcher.models.layers import document_attention_mask, grouped_attention
-from tests.masking_harness import SOURCES, build_engine, packed_rows, plain_model, reference_logits
+from tests.masking_harness import SOURCES, native_engine, packed_rows, plain_model, reference_logits
 from tests.test_models import model_cfg
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def test_no_ids_is_bitwise_todays_path(key):
     _, mbs = packed_rows(cfg.vocab_size)
     plain = [(mb.inputs, mb.labels) for mb in mbs]
     records = [Microbatch(mb.inputs, mb.labels) for mb in mbs]
-    a, b = build_engine(cfg, 1), build_engine(cfg, 1)
+    a, b = native_engine(cfg, 1), native_engine(cfg, 1)
     for _ in range(2):
         sa, sb = a.train_step(plain), b.train_step(records)
         assert (sa.loss, sa.grad_norm) == (sb.loss, sb.grad_norm)
@@ -137,7 +137,7 @@ def _reference_losses(cfg):
 def test_engine_loss_and_source_loss_on_one_rank(key):
     cfg = _cfg(key)
     loss, by_source = _reference_losses(cfg)
-    engine = build_engine(cfg, 1)
+    engine = native_engine(cfg, 1)
     _, mbs = packed_rows(cfg.vocab_size)
     ev = engine.eval_stats(mbs)
     assert ev.loss == pytest.approx(loss, rel=1e-5)
@@ -156,9 +156,9 @@ def test_engine_masking_with_activation_checkpointing():
     cfg = _cfg("dense_gqa")
     loss, _ = _reference_losses(cfg)
     _, mbs = packed_rows(cfg.vocab_size)
-    ac = build_engine(cfg, 1, **{"activation_checkpointing.mode": "selective"}).train_step(mbs)
+    ac = native_engine(cfg, 1, **{"activation_checkpointing.mode": "selective"}).train_step(mbs)
     assert ac.loss == pytest.approx(loss, rel=1e-5)
-    full = build_engine(cfg, 1, **{"activation_checkpointing.mode": "full"}).train_step(mbs)
+    full = native_engine(cfg, 1, **{"activation_checkpointing.mode": "full"}).train_step(mbs)
     assert full.grad_norm == pytest.approx(ac.grad_norm, rel=1e-5)
 
 
@@ -177,11 +177,11 @@ def test_engine_masking_with_compile(key):
     YaRN table; a dense block compiled whole, MoE blocks partly). 10-20 s of compiling each."""
     cfg = _tiny_deepseek_v3() if key == "deepseek_v3" else _cfg(key)
     _, mbs = packed_rows(cfg.vocab_size)
-    eager = build_engine(cfg, 1).train_step(mbs)
+    eager = native_engine(cfg, 1).train_step(mbs)
     from torch._dynamo.utils import counters  # dynamo's own count of the graphs it compiled
 
     graphs = counters["stats"]["unique_graphs"]
-    compiled = build_engine(cfg, 1, **{"trainer.compile": True}).train_step(mbs)
+    compiled = native_engine(cfg, 1, **{"trainer.compile": True}).train_step(mbs)
     assert counters["stats"]["unique_graphs"] > graphs, "trainer.compile=true compiled no graph"
     assert compiled.loss == pytest.approx(eager.loss, rel=1e-5)
     assert compiled.grad_norm == pytest.approx(eager.grad_norm, rel=1e-5)
@@ -262,7 +262,7 @@ def test_parallel_layouts_mask_like_one_rank(two_ranks, spec):
     loss, by_source = _reference_losses(cfg)
     assert got["eval"]["loss"] == pytest.approx(loss, rel=1e-5)
     assert {int(s): v for s, v in got["eval"]["source_loss"].items()} == pytest.approx(by_source, rel=1e-5)
-    one = build_engine(cfg, 1).train_step(packed_rows(cfg.vocab_size)[1])
+    one = native_engine(cfg, 1).train_step(packed_rows(cfg.vocab_size)[1])
     assert got["train"]["loss"] == pytest.approx(one.loss, rel=1e-5)
     assert got["train"]["grad_norm"] == pytest.approx(one.grad_norm, rel=1e-4)
     assert {int(s): v for s, v in got["train"]["source_loss"].items()} == pytest.approx(one.source_loss, rel=1e-5)
@@ -314,7 +314,7 @@ def test_planner_costs_the_mask_the_model_saves():
 
 
 def _check_against_one_rank(got: dict, cfg, mbs) -> None:
-    one = build_engine(cfg, 1)
+    one = native_engine(cfg, 1)
     ev = one.eval_stats(mbs)
     st = one.train_step(mbs)
     assert got["eval"]["loss"] == pytest.approx(ev.loss, rel=1e-5)

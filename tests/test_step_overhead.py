@@ -99,3 +99,72 @@ def test_unknown_adamw_implementation_is_refused_before_launch():
 
     problems = validate(compose_spec(["+recipe=debug", "optim.implementation=fast"]))
     assert any("optim.implementation='fast'" in p and "Fix: optim.implementation=auto" in p for p in problems), problems
+
+
+class _KeepsStepStats:
+    """The real engine, keeping every StepStats it returns so the test can ask which were read."""
+
+    def __init__(self, engine):
+        self.engine, self.stats = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def train_step(self, microbatches):
+        self.stats.append(self.engine.train_step(microbatches))
+        return self.stats[-1]
+
+
+def test_the_loop_reads_step_stats_only_at_log_steps_and_logs_the_eager_values(tmp_path):
+    """No host sync per step: the Trainer copies a step's loss, grad norm and MoE aux loss to the
+    host (StepStats.materialise, one device wait) only at the steps it logs, and what it logs is
+    what reading every step at once gives."""
+    from launcher.engines import build_engine
+    from launcher.plan.plan import build_plan
+    from launcher.plan.resolve import check
+    from launcher.runtime import entry
+    from launcher.runtime.checkpoint import CheckpointManager
+    from launcher.runtime.metrics import MetricsLogger
+    from launcher.runtime.signals import StopWatcher
+    from launcher.runtime.trainer import LoopConfig, Trainer
+    from tests.conftest import read_metrics
+
+    spec = compose_spec(["+recipe=debug", "model=debug_moe", "cluster.gpus_per_node=1", "trainer.global_batch_size=2",
+                         "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.steps=7", "trainer.log_every=3",
+                         "checkpoint.enabled=false", "checkpoint.interval=0", "logging.wandb.mode=disabled",
+                         "logging.progress=false"])
+    plan = build_plan(spec, check(spec))
+    cpu = torch.device("cpu")
+
+    def engine():
+        return build_engine(spec.model, spec.optim, plan.layout, cpu, entry.engine_options(spec, tmp_path))
+
+    run_dir = tmp_path / "run"
+    batches = entry.build_batches(spec, plan, 0, run_dir)
+    lazy = _KeepsStepStats(engine())
+    metrics = MetricsLogger(run_dir, enabled=True, wandb_cfg=spec.logging.wandb, config={}, total_steps=7,
+                            progress=False)
+    cfg = LoopConfig(steps=7, log_every=3, checkpoint_interval=0, checkpoint_enabled=False, save_final=False,
+                     tokens_per_step=plan.batch.tokens_per_step, samples_per_step=plan.batch.global_batch_size,
+                     world_size=1, mesh=plan.mesh.to_dict())
+    checkpoints = CheckpointManager(tmp_path / "ckpt", keep=1, verify_checksums=False, rank=0, world_size=1)
+    Trainer(cfg, run_dir=run_dir, rank=0, engine=lazy, batches=batches, checkpoints=checkpoints, metrics=metrics,
+            stop=StopWatcher(run_dir, cpu)).fit()
+    metrics.close()
+
+    logged = {1, 3, 6, 7}  # the first step, every log_every-th, the last
+    assert [st.materialised for st in lazy.stats] == [s in logged for s in range(1, 8)]
+
+    eager = engine()  # same seed, same batches: read at once, every step
+    want = {}
+    for step in range(1, 8):
+        st = eager.train_step(batches.for_step(step))
+        want[step] = (st.loss, st.grad_norm, st.extra["moe_aux_loss"])
+    rows = {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+    assert set(rows) == logged
+    for step in logged:
+        assert (rows[step]["loss"], rows[step]["grad_norm"], rows[step]["moe_aux_loss"]) == want[step], step
+    # The steps never logged hold the same numbers when read later (their tensors were kept).
+    for step in sorted(set(range(1, 8)) - logged):
+        st = lazy.stats[step - 1]
+        assert (st.loss, st.grad_norm, st.extra["moe_aux_loss"]) == want[step], step

@@ -43,37 +43,84 @@ IGNORE_INDEX = -100  # labels equal to this are not counted in the loss
 class StepStats:
     """One optimizer step's statistics, identical on all ranks.
 
-    An engine may hand device tensors (and a function for the per-source losses): reading
-    `loss`, `grad_norm`, `extra` or `source_loss` turns them into Python numbers, which on a GPU
-    waits for the device. The trainer reads them at log steps only, so the other steps never
-    stop the host from queueing the next one.
+    An engine hands device tensors (0-dim loss, grad norm and extras; the all-reduced per-source
+    sums as one [2 * n_sources] tensor, see `source_sums`): nothing here waits for the device
+    until a value is read. The first read of `loss`, `grad_norm`, `extra` or `source_loss` copies
+    all of them to the host in one transfer per device (`materialise`; on a GPU the host waits for
+    the step there) and keeps the numbers; `materialised` tells whether that has happened. The
+    trainer reads them at log and validation steps only, so the other steps never stop the host
+    from queueing the next one. Python numbers are accepted too (what an engine already has on the
+    host costs nothing to read).
     """
 
     def __init__(self, loss: Any, grad_norm: Any, lr: float, extra: Optional[Dict[str, Any]] = None,
-                 source_loss: Union[Dict[int, float], Callable[[], Dict[int, float]], None] = None):
-        self._loss = loss  # mean LM loss over every token of the global batch
-        self._grad_norm = grad_norm  # global L2 norm of the gradients before clipping
-        self.lr = float(lr)  # learning rate used for this step
-        self._extra = dict(extra or {})  # e.g. moe_aux_loss
+                 source_loss: Union[Dict[int, float], torch.Tensor, None] = None):
+        self.lr = float(lr)  # learning rate used for this step (the scheduler's, on the host)
+        # loss: mean LM loss over every token of the global batch; grad_norm: global L2 norm of the
+        # gradients before clipping; extra: e.g. moe_aux_loss.
+        self._pending: Dict[str, Any] = {"loss": loss, "grad_norm": grad_norm,
+                                         **{f"extra/{k}": v for k, v in (extra or {}).items()}}
         # Mixture source index -> mean token loss over the global batch of that source's rows this
         # step (sources with no counted token this step are left out); empty without Microbatch.sources.
-        self._source_loss = source_loss if source_loss is not None else {}
+        # A tensor: the all-reduced source_sums, turned into means (source_means) when read.
+        self._source = source_loss if source_loss is not None else {}
+        self._values: Optional[Dict[str, float]] = None
+        self._source_loss: Dict[int, float] = {}
+
+    @property
+    def materialised(self) -> bool:
+        """Whether the values have been copied to the host (the one device wait of this step)."""
+        return self._values is not None
+
+    def materialise(self) -> None:
+        """Copy every value to the host at once: one concatenated fp64 tensor per device, one
+        `.tolist()` each (fp32 -> fp64 is exact, so the numbers equal a per-value float())."""
+        if self._values is not None:
+            return
+        by_device: Dict[torch.device, List[Tuple[str, torch.Tensor]]] = {}
+        values: Dict[str, float] = {}
+        for key, value in self._pending.items():
+            if torch.is_tensor(value):
+                by_device.setdefault(value.device, []).append((key, value.detach().reshape(1)))
+            else:
+                values[key] = float(value)
+        source = self._source
+        if torch.is_tensor(source):
+            by_device.setdefault(source.device, []).append(("source", source.detach().reshape(-1)))
+        for pieces in by_device.values():
+            flat = torch.cat([t.to(torch.float64) for _, t in pieces]).tolist()
+            at = 0
+            for key, t in pieces:
+                if key == "source":
+                    self._source_loss = source_means(flat[at:at + t.numel()])[0]
+                else:
+                    values[key] = flat[at]
+                at += t.numel()
+        if not torch.is_tensor(source):
+            self._source_loss = dict(source)
+        self._pending = {}
+        self._values = values
+
+    def _read(self) -> Dict[str, float]:
+        self.materialise()
+        return self._values
 
     @property
     def loss(self) -> float:
-        return float(self._loss)
+        return self._read()["loss"]
 
     @property
     def grad_norm(self) -> float:
-        return float(self._grad_norm)
+        return self._read()["grad_norm"]
 
     @property
     def extra(self) -> Dict[str, float]:
-        return {key: float(value) for key, value in self._extra.items()}
+        return {key[len("extra/"):]: v for key, v in self._read().items() if key.startswith("extra/")}
 
     @property
     def source_loss(self) -> Dict[int, float]:
-        return dict(self._source_loss() if callable(self._source_loss) else self._source_loss)
+        self.materialise()
+        return dict(self._source_loss)
 
 
 @dataclass
@@ -220,11 +267,11 @@ def source_sums(per_token: torch.Tensor, labels: torch.Tensor, sources: torch.Te
     return out
 
 
-def source_means(sums: torch.Tensor) -> Tuple[Dict[int, float], Dict[int, float]]:
-    """({source: mean token loss}, {source: counted tokens}) from all-reduced source_sums (host);
-    sources without a counted token are left out."""
-    n = sums.numel() // 2
-    values = sums.tolist()
+def source_means(sums: Union[torch.Tensor, Sequence[float]]) -> Tuple[Dict[int, float], Dict[int, float]]:
+    """({source: mean token loss}, {source: counted tokens}) from all-reduced source_sums (a host
+    tensor or its values); sources without a counted token are left out."""
+    values = sums.tolist() if torch.is_tensor(sums) else list(sums)
+    n = len(values) // 2
     loss, tokens = {}, {}
     for i in range(n):
         if values[n + i] > 0:

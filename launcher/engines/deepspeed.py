@@ -411,7 +411,7 @@ class DeepSpeedEngine:
         self._token_norm = 1.0
         self._n_sources = 0  # per-source loss sums of the running step (0: no mixture sources)
         self._source_sums = None
-        self._pipe_losses: List[float] = []
+        self._pipe_losses: List[torch.Tensor] = []
         self.last_load = ""  # how the last `load` went: plain | universal (converted|reused)
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
         log.info("DeepSpeed engine ready: ZeRO-%d, %d parameters in this rank's stage, pp=%d, dp=%d, "
@@ -450,8 +450,8 @@ class DeepSpeedEngine:
             # Mixture sources ride as one more label column (the pipeline hands the loss only labels).
             loss = self._loss_with_sources(logits, labels[:, :-1], labels[:, -1])
         else:
-            loss = token_loss_sum(logits, labels) / self._token_norm
-        self._pipe_losses.append(float(loss.detach()))
+            loss = self._per_token(token_loss_sum(logits, labels))
+        self._pipe_losses.append(loss.detach().to(torch.float64))  # summed on the device
         # The pipeline engine averages over dp and divides by the accumulation steps.
         return loss * (self.dp * self.gas)
 
@@ -459,7 +459,7 @@ class DeepSpeedEngine:
         """Sum of token losses / global tokens, accumulating the per-source sums on the device."""
         per = token_losses(logits, labels)
         self._source_sums += source_sums(per.detach(), labels, sources, self._n_sources)
-        return per.sum() / self._token_norm
+        return self._per_token(per.sum())
 
     def _start_sources(self, microbatches: List[Microbatch]) -> None:
         """Size this step's per-source sums (see NativeEngine._start_sources)."""
@@ -498,19 +498,35 @@ class DeepSpeedEngine:
             return per.sum()
         return token_loss_sum(logits, labels)
 
-    def _reduce(self, head: List[float], contributes: bool) -> torch.Tensor:
-        """All-reduce `head` (this rank's loss terms) and, with sources, the per-source sums."""
-        stats = torch.tensor(head, dtype=torch.float64, device=self.device)
+    def _reduce(self, head: List[torch.Tensor], contributes: bool) -> torch.Tensor:
+        """All-reduce `head` (this rank's 0-dim loss terms) and, with sources, the per-source sums;
+        the result stays on the device (fp64)."""
+        stats = torch.stack([h.reshape(()).to(self.device, torch.float64) for h in head])
         if self._n_sources:
             sums = self._source_sums if contributes else torch.zeros_like(self._source_sums)
             stats = torch.cat([stats, sums])
         dist.all_reduce(stats)
-        return stats.cpu()
+        return stats
 
-    def _count_tokens(self, microbatches: List[Microbatch]) -> float:
-        t = torch.tensor([float(local_token_count(microbatches))], dtype=torch.float64, device=self.device)
+    def _count_tokens(self, microbatches: List[Microbatch]) -> torch.Tensor:
+        """The global count of loss tokens per pipeline stage (at least 1), a 0-dim fp64 tensor on
+        the device: a fill and an all-reduce there, no host wait."""
+        t = torch.full((), float(local_token_count(microbatches)), dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return max(float(t) / self.pp, 1.0)  # every stage of a replica holds the same batch
+        # Every stage of a replica holds the same batch. Divided by a device fill: true division on
+        # every device, as the host's float division was (CUDA multiplies by a host scalar's reciprocal).
+        return (t / torch.full((), float(self.pp), dtype=torch.float64, device=self.device)).clamp_min(1.0)
+
+    def _per_token(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """`loss_sum` / the step's token count. A training step keeps the count on the device (a
+        float would wait for it); the arithmetic is the one dividing by that float did, bit for bit:
+        on CUDA torch multiplies by the fp32 reciprocal of a host scalar, on the CPU it divides."""
+        norm = self._token_norm
+        if not torch.is_tensor(norm):
+            return loss_sum / norm
+        if loss_sum.is_cuda:
+            return loss_sum * torch.reciprocal(norm.to(loss_sum.dtype))
+        return loss_sum / norm.to(loss_sum.dtype)
 
     def _set_aux_scale(self, n_micro: int) -> None:
         # DeepSpeed averages over dp itself (pipeline or not), so only the micro-batch count is
@@ -541,32 +557,39 @@ class DeepSpeedEngine:
         self._token_norm = self._count_tokens(microbatches)
         self._start_sources(microbatches)
         lr = self.scheduler.get_last_lr()[0]
-        local_loss = 0.0
+        # Accumulated on the device (fp64, as the host floats it replaces): no host sync per step.
+        local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         contributes = True
         if self.is_moe:
             self._set_aux_scale(len(microbatches))
         if self.pp > 1:
             self._pipe_losses = []
             self.engine.train_batch(data_iter=iter(self._pipeline_batches(microbatches)))
-            local_loss = sum(self._pipe_losses)
+            for mb_loss in self._pipe_losses:
+                local_loss += mb_loss
             contributes = self.engine.is_last_stage()
         else:
             for mb in microbatches:
-                loss = self._forward_loss_sum(mb) / self._token_norm
+                loss = self._per_token(self._forward_loss_sum(mb))
                 # DeepSpeed averages gradients over dp ranks: scale up so they are summed.
                 self.engine.backward(loss * self.dp, scale_wrt_gas=False)
                 self.engine.step()
-                local_loss += float(loss.detach())
+                local_loss += loss.detach().to(torch.float64)
         self._update_correction_bias()
         # MoE aux loss for logging, as the native engine: last micro-batch, summed over the layers
         # of every pipeline stage, averaged over data-parallel replicas.
-        aux = latest_aux_loss(self._model_ref) if self.is_moe else 0.0
-        stats = self._reduce([local_loss if contributes else 0.0, aux], contributes)
-        source_loss = source_means(stats[2:])[0] if self._n_sources else {}
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        aux = latest_aux_loss(self._model_ref) if self.is_moe else zero
+        stats = self._reduce([local_loss if contributes else zero, aux], contributes)
+        source_loss = stats[2:] if self._n_sources else {}  # means taken when StepStats is read
         self._n_sources, self._source_sums = 0, None
-        norm = self.engine.get_global_grad_norm()
-        extra = {"moe_aux_loss": float(stats[1]) / self.dp} if self.is_moe else {}
-        return StepStats(loss=float(stats[0]), grad_norm=float(norm) if norm is not None else float("nan"),
+        norm = self.engine.get_global_grad_norm()  # a tensor or a float, as DeepSpeed keeps it
+        extra = {}
+        if self.is_moe:
+            # Divided by a device fill, not a Python int: true division, as the host's was.
+            extra["moe_aux_loss"] = stats[1] / torch.full((), float(self.dp), dtype=torch.float64, device=self.device)
+        # Device tensors: StepStats copies them to the host when the trainer reads them.
+        return StepStats(loss=stats[0], grad_norm=norm if norm is not None else float("nan"),
                          lr=lr, extra=extra, source_loss=source_loss)
 
     def eval_step(self, microbatches: List[Microbatch]) -> float:
@@ -576,7 +599,8 @@ class DeepSpeedEngine:
     def eval_stats(self, microbatches: List[Microbatch]) -> EvalStats:
         """eval_step's loss with the global token count and, with sources, per-source losses and counts."""
         microbatches = as_microbatches(microbatches)
-        self._token_norm = self._count_tokens(microbatches)
+        # Evaluation reads its loss on the host anyway: the count is a float here.
+        self._token_norm = float(self._count_tokens(microbatches))
         self._start_sources(microbatches)
         local_loss = 0.0
         contributes = True
@@ -584,12 +608,13 @@ class DeepSpeedEngine:
             if self.pp > 1:
                 self._pipe_losses = []
                 self.engine.eval_batch(data_iter=iter(self._pipeline_batches(microbatches)))
-                local_loss = sum(self._pipe_losses)
+                local_loss = float(sum(self._pipe_losses))
                 contributes = self.engine.is_last_stage()
             else:
                 for mb in microbatches:
                     local_loss += float(self._forward_loss_sum(mb)) / self._token_norm
-        total = self._reduce([local_loss if contributes else 0.0], contributes)
+        head = torch.tensor(local_loss if contributes else 0.0, dtype=torch.float64)
+        total = self._reduce([head], contributes).cpu()
         source_loss, source_tokens = source_means(total[1:]) if self._n_sources else ({}, {})
         self._n_sources, self._source_sums = 0, None
         return EvalStats(loss=float(total[0]), tokens=self._token_norm, source_loss=source_loss,

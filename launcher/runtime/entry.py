@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from launcher.config.loader import load_spec
-from launcher.engines import build_engine as build_engine_for_layout
+from launcher.engines import build_engine
 from launcher.engines.base import Engine, EngineOptions
 from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, data_step_batches, load_token_arrays
@@ -41,7 +41,7 @@ from launcher.runtime.matmul_precision import apply_matmul_precision
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
-from launcher.runtime.validation import Validator
+from launcher.runtime.heldout_loss import Validator
 from launcher.runtime.profiler import StepProfiler, default_profile_ranks
 from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
 from launcher.runtime.moe_health import MoEHealth
@@ -90,9 +90,10 @@ def engine_options(spec: JobConfig, run_dir: Path) -> EngineOptions:
     )
 
 
-def build_engine(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path) -> Engine:
-    """The engine of the backend the Layout gave the model states (native FSDP2 or DeepSpeed)."""
-    return build_engine_for_layout(spec.model, spec.optim, plan.layout, rank.device, engine_options(spec, run_dir))
+def engine_for_rank(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path) -> Engine:
+    """This rank's engine for the job: launcher.engines.build_engine over the plan's Layout, on the
+    rank's device, with the options the config gives (engine_options)."""
+    return build_engine(spec.model, spec.optim, plan.layout, rank.device, engine_options(spec, run_dir))
 
 
 def record_built(engine: Engine, plan: Plan, rank: int, run_dir: Path) -> None:
@@ -280,7 +281,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     # One job per checkpoint folder, checked before anything is built or written (rank 0 holds it).
     folder_lock = lock_for_run(checkpoint_root(spec.checkpoint.dir, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
 
-    engine = build_engine(spec, plan, rank, run_dir)
+    engine = engine_for_rank(spec, plan, rank, run_dir)
     record_built(engine, plan, rank.rank, run_dir)
     debug_hooks.install_slow_compute(engine.model_parts, rank.rank)
     if spec.action == "export":

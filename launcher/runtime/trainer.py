@@ -19,7 +19,7 @@ from launcher.runtime.checkpoint import CheckpointManager
 from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.health import RunHealth
-from launcher.runtime.validation import Validator
+from launcher.runtime.heldout_loss import Validator
 from launcher.runtime.profiler import StepProfiler
 from launcher.runtime.stragglers import StragglerMonitor
 from launcher.runtime.moe_health import MoEHealth

@@ -1,4 +1,4 @@
-"""Validation loss: the same held-out batches evaluated every trainer.val_every steps.
+"""Held-out loss (validation): the same held-out batches evaluated every trainer.val_every steps.
 
 The batches are fixed at start (the first trainer.val_steps global batches of the held-out
 data, each rank taking its data-parallel slice exactly as in training), so values are
