@@ -40,6 +40,21 @@ def test_an_exception_is_restarted_once_and_stops_when_it_repeats_at_the_same_st
     assert [e["action"] for e in read_events(tmp_path)] == [RESTART, STOP_REPEATING]
 
 
+def test_the_same_error_reported_by_another_rank_with_its_own_numbers_still_repeats(tmp_path):
+    """The summary names whichever rank failed first; each rank words a data error with its own
+    token id (seen in the SLURM crash test: rank 1 reported id 1288, then rank 0 id 1300)."""
+    _summary(tmp_path, "exception", "ValueError: web.bin holds token id 1288 but model.vocab_size=256", 0, rank=1)
+    assert decide(tmp_path, 0, 3, 1).restart
+    _summary(tmp_path, "exception", "ValueError: web.bin holds token id 1300 but model.vocab_size=256", 0, rank=0)
+    assert decide(tmp_path, 1, 3, 1).action == STOP_REPEATING
+    # Another error at the same step is not the same failure.
+    other = tmp_path / "other"
+    _summary(other, "exception", "RuntimeError: boom", 0)
+    assert decide(other, 0, 3, 1).restart
+    _summary(other, "exception", "KeyError: 'tok_embeddings.weight'", 0)
+    assert decide(other, 1, 3, 1).restart
+
+
 def test_the_same_exception_at_another_step_or_a_repeated_hang_is_restarted(tmp_path):
     _summary(tmp_path, "exception", "RuntimeError: boom", 7)
     assert decide(tmp_path, 0, 3, 1).restart

@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import logging
+import re
 import shutil
 import sys
 import time
@@ -101,10 +102,15 @@ def failure_cause(run_dir: Path, exit_code: int, attempt_started: Optional[float
 
 
 def signature(cause: Dict[str, Any]) -> Optional[tuple]:
-    """What makes two failures "the same": kind, error text and step, for deterministic kinds only."""
+    """What makes two failures "the same": kind, error text and step, for deterministic kinds only.
+
+    Numbers in the text do not count: the summary names whichever rank failed first, and ranks
+    word the same error with their own numbers (each rank's token id, shard offset or byte count),
+    so which rank won the race must not turn a repeating bug into "a new failure".
+    """
     if cause.get("what") not in DETERMINISTIC_KINDS or not cause.get("error"):
         return None
-    return cause["what"], cause["error"], cause.get("last_step")
+    return cause["what"], re.sub(r"\d+", "#", str(cause["error"])), cause.get("last_step")
 
 
 @dataclass
