@@ -36,8 +36,15 @@ from tests.parallel_harness.spread import record_spread, record_value  # noqa: E
 #   vs the native FSDP2 engine: loss <= 6.4e-8, grad norm <= 1.4e-7 -> 1e-5;
 #   save -> resume: bitwise equal (same process, same order), compared exactly;
 #   zero3_nvme: see NVME_* below.
+#   The weights' bound depends on the CPU: on an AVX-512 machine (AMD EPYC with avx512f, 2026-11-26)
+#   the same fixed difference came out at 1.22e-5 (ZeRO-1, pipeline) and 1.52e-5 (ZeRO-2/3, offload)
+#   absolute, its largest per-tensor mean |difference| 8.7e-8: Adam divides each update by sqrt(v),
+#   so where v is ~0 an ulp of the gradient becomes a visible step (as for zero3_nvme below). The
+#   outlier bound is 1e-4, and the mean bound of 1e-6 is what catches a real bug: a lost or
+#   doubled update moves every element of a tensor by about lr (3e-3).
 RTOL = 1e-5
-WEIGHT_ATOL = 1e-5
+WEIGHT_ATOL = 1e-4
+WEIGHT_MEAN_ATOL = 1e-6
 # zero3_nvme (dim 256, DeepSpeedCPUAdam's vectorised update vs torch AdamW): Adam divides each
 # update by sqrt(v), so where v is ~0 (embedding rows of tokens a step barely saw) a 1-ulp
 # difference in the gradient becomes a step of up to lr. Measured, identical in all 9 runs
@@ -93,7 +100,7 @@ def _assert_matches(steps, expected, what, grad_norm_rtol: float = RTOL):
 
 
 def _assert_weights_match(export_path: str, expected: dict, what: str, atol: float = WEIGHT_ATOL,
-                          mean_atol: float = WEIGHT_ATOL):
+                          mean_atol: float = WEIGHT_MEAN_ATOL):
     import torch
 
     got = torch.load(export_path)
