@@ -3,7 +3,9 @@
 Tiny random Llama (GQA; untied, tied), Mixtral, Qwen3 and Qwen3-MoE models are built locally with transformers'
 own config classes and saved with save_pretrained (nothing is downloaded). Our logits must equal
 transformers' within 1e-5 (fp32) on 1 rank and in dp_shard=2, tp=2, pp=2 and ep=2 layouts (one
-torchrun launch), exports must round-trip byte for byte, and bad folders exit 2 before launch.
+torchrun launch), and for the MoE families with tp=2 and ep=2 together (pp=2 and ep=2 for
+DeepSeek-V3; one 4-rank launch) before and after training (through checkpoint.export=hf); exports
+must round-trip byte for byte, and bad folders exit 2 before launch.
 The real sizes (Llama 3, Mixtral, Qwen3 dense and MoE) are mapped on the meta device.
 """
 
@@ -24,6 +26,7 @@ from omegaconf import OmegaConf
 from launcher.hf.format import folder_problems, hf_model_fields, hf_shapes, read_hf_config, tensor_maps
 from launcher.config.schema import ModelConfig, RopeScalingConfig
 from tests.conftest import REPO, TRAIN, run_train, train_env
+from tests.deepspeed_harness.common import deepspeed_env
 
 import transformers  # noqa: E402,F401  the `test` extra (CI installs it): a missing one must fail, not skip
 
@@ -338,6 +341,20 @@ def test_a_file_truncated_after_the_check_is_a_clear_rank_error(hf_models, tmp_p
 # ----------------------------------------------------------------------------- 2 ranks, one launch
 
 
+def _run_harness(jobs: list, tmp_path: Path, ranks: int) -> dict:
+    """Run tests/hf_harness.py over `jobs` in one torchrun launch of `ranks` ranks: {job name: result}.
+    Each job exports into tmp_path/NAME/hf."""
+    for job in jobs:
+        job["export_dir"] = str(tmp_path / job["name"])
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    env = deepspeed_env({"TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                           str(REPO / "tests" / "hf_harness.py"), str(tmp_path / "jobs.json"), str(tmp_path / "out.json")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and (tmp_path / "out.json").exists(), proc.stderr[-5000:]
+    return json.loads((tmp_path / "out.json").read_text())
+
+
 @pytest.mark.multiprocess
 def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
     """tp=2 (sharded source, then 2 steps and an fp32 export that transformers loads), dp_shard=2
@@ -371,17 +388,7 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         {"name": "deepspeed_zero1_tied", "folder": str(hf_models["llama_tied_bf16"]), "mesh": {"dp_shard": 2},
          "backend": "deepspeed", "zero_stage": 1, "export_dtype": "fp32"},
     ]
-    for job in jobs:
-        job["export_dir"] = str(tmp_path / job["name"])
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    from tests.deepspeed_harness.common import deepspeed_env
-
-    env = deepspeed_env({"TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "tests" / "hf_harness.py"), str(tmp_path / "jobs.json"), str(tmp_path / "out.json")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and (tmp_path / "out.json").exists(), proc.stderr[-5000:]
-    out = json.loads((tmp_path / "out.json").read_text())
+    out = _run_harness(jobs, tmp_path, ranks=2)
     for job in jobs:
         r = out[job["name"]]
         assert "error" not in r, f"{job['name']}: {r.get('error')}"
@@ -405,6 +412,39 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
                  "tp2_deepseek_v3", "ep2_deepseek_v3"):
         job = next(j for j in jobs if j["name"] == name)
         _assert_byte_identical(Path(job["folder"]), Path(job["export_dir"]) / "hf")
+
+
+# ----------------------------------------------------------------------------- 4 ranks, one launch
+
+
+@pytest.mark.multiprocess
+def test_four_rank_layouts_load_train_and_export(hf_models, tmp_path):
+    """The MoE families with TP and EP together (tp=2 x dp_shard=2, ep=2: experts over the dp_shard
+    ranks, each TP pair holding the same experts) and DeepSeek-V3 with PP and EP (pp=2 x dp_shard=2,
+    ep=2): logits equal transformers' after loading, then 2 training steps and an fp32
+    checkpoint.export=hf that transformers loads to our final-step logits."""
+    jobs = [
+        {"name": "tp2_ep2_qwen3_moe", "folder": str(hf_models["qwen3_moe"]), "mesh": {"tp": 2, "dp_shard": 2, "ep": 2}},
+        {"name": "tp2_ep2_deepseek_v3", "folder": str(hf_models["deepseek_v3"]), "mesh": {"tp": 2, "dp_shard": 2, "ep": 2}},
+        {"name": "pp2_ep2_deepseek_v3", "folder": str(hf_models["deepseek_v3"]), "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}},
+    ]
+    for job in jobs:
+        job.update(train_steps=2, export_dtype="fp32")
+    out = _run_harness(jobs, tmp_path, ranks=4)
+    for job in jobs:
+        r = out[job["name"]]
+        assert "error" not in r, f"{job['name']}: {r.get('error')}"
+        mesh = r["built"]["mesh"]
+        assert all(mesh[k] == v for k, v in job["mesh"].items()), (job["name"], mesh)
+        assert r["load_max_diff"] <= 1e-5, (job["name"], r)
+        # Each rank fetched its slices only: TP or PP halves the dense weights and EP the experts
+        # (replicated norms, routers and, under TP, MLA's down-projections on top): under half the model.
+        assert all(0 < n < 0.5 * r["model_elements"] for n in r["elements_read"]), (job["name"], r)
+        assert r["weights_moved"] > 1e-3, (job["name"], r)  # training changed the model: the export check means something
+        assert r["export_max_diff"] <= 1e-5, (job["name"], r)
+    # The same model and batches in two layouts train alike (PP's hand-off and TP's reductions agree).
+    tp, pp = out["tp2_ep2_deepseek_v3"]["losses"], out["pp2_ep2_deepseek_v3"]["losses"]
+    assert len(tp) == 2 and max(abs(a - b) for a, b in zip(tp, pp)) <= 1e-5, (tp, pp)
 
 
 # ----------------------------------------------------------------------------- the `train` command
