@@ -237,11 +237,14 @@ def test_node_deaths_name_the_node_requeue_and_resume_with_the_local_losses(node
     for node in (run.killed, run.stopped):
         assert log.count(f"node(s) {node} stopped responding") == 1, log
     assert log.count("cluster.requeue_on_failure: requeueing job") == 2, log
-    # No in-job restart onto a dead node (cluster.max_restarts=3 is SLURM's default): each loss is
-    # recorded with its node, and the requeue takes over.
+    # No in-job restart onto a dead node (cluster.max_restarts=3 is SLURM's default; no spare
+    # node): each loss is recorded with its node, which the requeued job excludes.
     events = [json.loads(line) for line in (run.run_dir / "resilience.jsonl").read_text().splitlines()]
-    assert [(e["action"], e["cause"]["lost_nodes"]) for e in events] == [
+    failures = [e for e in events if e["event"] == "failure"]
+    assert [(e["action"], e["cause"]["lost_nodes"]) for e in failures] == [
         ("stop: node lost", [run.killed]), ("stop: node lost", [run.stopped])], events
+    excluded = [(e["node"], e["action"]) for e in events if e["event"] == "exclude"]
+    assert excluded == [(run.killed, "excluded from the requeued job"), (run.stopped, "excluded from the requeued job")]
     rank0 = (run.run_dir / "logs" / "rank_0.log").read_text()
     resumed = re.findall(r"resumed from \S+ at step (\d+)", rank0)
     assert [int(s) for s in resumed] == [run.killed_after, run.stopped_after], resumed
@@ -253,3 +256,4 @@ def test_node_deaths_name_the_node_requeue_and_resume_with_the_local_losses(node
     assert sorted(losses) == sorted(reference) == list(range(1, STEPS + 1))
     diffs = {s: abs(losses[s] - reference[s]) for s in reference}
     assert max(diffs.values()) <= 1e-6, f"2-node losses differ from the 4-rank local run: {diffs}"
+
