@@ -347,13 +347,16 @@ def test_multi_node_keys_render_and_bad_rdzv_host_from_is_refused(tmp_path):
 
 
 # Stand-ins for an allocation of $STUB_HOSTS (job 7, already excluded from n0): scontrol logs what it
-# is asked to change, sinfo reports the nodes listed in $STUBS/lost as not responding, and srun logs
+# is asked to change (a running job's ExcNodeList only once requeued), sinfo reports the nodes listed in $STUBS/lost as not responding, and srun logs
 # each step's --nodelist and rendezvous; its first step fails as $STUBS/first_step.sh says, the next succeeds.
 STUB_SCONTROL_NODES = """#!/usr/bin/env bash
 case "$1 $2" in
   "show hostnames") printf '%s\\n' $STUB_HOSTS ;;
   "show job") echo "JobId=7 ExcNodeList=n0 Restarts=0" ;;
-  *) echo "$*" >> "$STUBS/scontrol.log" ;;
+  *) echo "$*" >> "$STUBS/scontrol.log"
+     [[ $1 == requeue ]] && touch "$STUBS/requeued"
+     # As SLURM 22.05 (the dev cluster's): a running job's ExcNodeList cannot change, a pending one's can.
+     if [[ $1 == update && ! -f "$STUBS/requeued" ]]; then echo "Job is no longer pending execution" >&2; exit 1; fi ;;
 esac
 """
 STUB_SINFO = """#!/usr/bin/env bash
@@ -412,7 +415,8 @@ def test_without_a_spare_a_lost_node_goes_to_exc_node_list_before_the_requeue(tm
     proc, run_dir, steps, log = run_spare_script(tmp_path, lost_n2, "n1 n2", "cluster.requeue_on_failure=true")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and steps == [("n1,n2", "n1:29611")], out
-    assert "no spare node left" in out and "excluded node(s) n2 from job 7 (ExcNodeList=n0,n2)" in out, out
-    assert log.splitlines() == ["update JobId=7 ExcNodeList=n0,n2", "requeue 7"], log  # appended, then requeued
+    assert "no spare node left" in out and "excluded node(s) n2 from the requeued job 7 (ExcNodeList=n0,n2)" in out
+    # Appended to the job's exclusions; refused while running, so set right after the requeue.
+    assert log.splitlines() == ["update JobId=7 ExcNodeList=n0,n2", "requeue 7", "update JobId=7 ExcNodeList=n0,n2"], log
     event = json.loads((run_dir / "resilience.jsonl").read_text().splitlines()[-1])
     assert (event["event"], event["node"], event["action"]) == ("exclude", "n2", "excluded from the requeued job")
