@@ -160,6 +160,10 @@ BAD_VALUES = [
     ([f"checkpoint.dir={Path(__file__).resolve()}/ckpt"], ["checkpoint.dir=", "is a file, not a folder", "Fix:"]),
     (["cluster.max_restarts=-1"], ["cluster.max_restarts=-1", "must be >= 0", "Fix:"]),
     (["cluster=slurm", "cluster.max_restarts=-2"], ["cluster.max_restarts=-2", "Fix:"]),
+    (["cluster=slurm", "cluster.nodes=2", "cluster.spare_nodes=-1"], ["cluster.spare_nodes=-1", "must be >= 0", "Fix:"]),
+    (["cluster=slurm", "cluster.nodes=2", "cluster.spare_nodes=2"],
+     ["cluster.spare_nodes=2 >= cluster.nodes=2", "Fix: cluster.spare_nodes=1 or fewer"]),
+    (["cluster.spare_nodes=1"], ["cluster.spare_nodes=1", "cluster=local", "Fix: cluster.spare_nodes=0"]),
 ]
 
 
@@ -269,6 +273,7 @@ CLI_CASES = [
     ["checkpoint.dir=/proc/nope"],
     ["model=deepseek_v3_small", "parallel.cp=2", "cluster.gpus_per_node=2"],  # CP with MLA on CPU
     ["cluster=slurm", "cluster.dry_run=true", "checkpoint.dir=/proc/nope", "cluster.max_restarts=-1"],
+    ["cluster=slurm", "cluster.dry_run=true", "cluster.nodes=2", "cluster.spare_nodes=2"],
 ]
 
 

@@ -28,12 +28,17 @@ def test_cluster_keys_are_the_common_keys_plus_each_executors_own_flat():
 
 
 def test_each_executor_checks_only_its_keys():
-    local = ClusterConfig(name="local", nodes=2, setup=["module load cuda"])
+    local = ClusterConfig(name="local", nodes=2, setup=["module load cuda"], spare_nodes=1)
     problems = cluster_key_problems(local, "run")
-    assert len(problems) == 2 and all("Fix" in p for p in problems)
-    assert cluster_key_problems(local, "plan") == [problems[1]]  # a plan may describe several nodes
-    slurm = ClusterConfig(name="slurm", nodes=2, setup=["module load cuda"], max_requeues=-1)
+    assert len(problems) == 3 and all("Fix" in p for p in problems)
+    assert cluster_key_problems(local, "plan") == problems[1:]  # a plan may describe several nodes
+    assert "cluster.spare_nodes=1, but cluster=local" in problems[1]
+    slurm = ClusterConfig(name="slurm", nodes=2, setup=["module load cuda"], max_requeues=-1, spare_nodes=1)
     assert [p.split("=")[0] for p in cluster_key_problems(slurm, "run")] == ["cluster.max_requeues"]
+    # Spares: fewer than the nodes that train (a second copy of the job is no spare), never negative.
+    for spares, nodes in ((2, 2), (-1, 4)):
+        problems = cluster_key_problems(ClusterConfig(name="slurm", nodes=nodes, spare_nodes=spares), "run")
+        assert [p.split("=")[0] for p in problems] == ["cluster.spare_nodes"] and "Fix:" in problems[0]
     # Keys every executor reads are checked whichever executor runs.
     for name in EXECUTOR_NAMES:
         problems = cluster_key_problems(ClusterConfig(name=name, max_restarts=-1), "run")

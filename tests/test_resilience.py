@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from launcher.runtime.node_exclusion import NodeSet, blamed_nodes
 from launcher.runtime.resilience import (RESTART, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING, RestartReport, decide,
                                          read_events)
 
@@ -119,3 +121,75 @@ def test_a_lost_node_is_not_restarted_in_the_job_and_is_recorded(tmp_path):
     assert "cluster.requeue_on_failure=true" in decision.message
     event = read_events(tmp_path)[-1]
     assert event["action"] == STOP_NODE_LOST and event["cause"]["lost_nodes"] == ["n2"]
+
+
+def _decide_cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher.runtime.resilience", "decide", "--run-dir", str(run_dir),
+                           "--max-restarts", "3", "--exit-code", "1", "--attempt-started", str(time.time() - 60),
+                           "--state-file", str(run_dir / "next_step.env"), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def _sourced(state_file: Path) -> dict:
+    """The variables the batch script gets when it sources the decision's state file."""
+    probe = f'source {shlex.quote(str(state_file))}; printf "%s|%s|%s" "$STEP_NODES" "$EXCLUDED_NODES" "$REQUEUE_EXCLUDE"'
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout
+    return dict(zip(("STEP_NODES", "EXCLUDED_NODES", "REQUEUE_EXCLUDE"), out.split("|")))
+
+
+def test_a_crash_on_n2_excludes_it_and_the_next_step_runs_on_the_spare(tmp_path):
+    _summary(tmp_path, "exception", "RuntimeError: CUDA error: an illegal memory access", 7)  # on n2
+    allocation = ["--allocation", "n1 n2 n3", "--step-nodes", "n1,n2", "--nodes-needed", "2"]
+    proc = _decide_cli(tmp_path, "--restarts-done", "0", *allocation)
+    assert proc.returncode == 0 and "excluding node(s) n2" in proc.stdout and "restarting on n1,n3" in proc.stdout, proc
+    assert _sourced(tmp_path / "next_step.env") == {"STEP_NODES": "n1,n3", "EXCLUDED_NODES": "n2", "REQUEUE_EXCLUDE": ""}
+    exclude = [e for e in read_events(tmp_path) if e["event"] == "exclude"]
+    assert [(e["node"], e["action"]) for e in exclude] == [("n2", "restart on a spare")]
+    assert exclude[0]["cause"].startswith("crash: exception on rank 1: RuntimeError: CUDA error")
+
+    # The next failure: n3 is lost and no spare is left; the job stops and both bad nodes go to
+    # the requeued job's ExcNodeList.
+    proc = _decide_cli(tmp_path, "--restarts-done", "1", "--allocation", "n1 n2 n3", "--step-nodes", "n1,n3",
+                       "--nodes-needed", "2", "--excluded", "n2", "--lost-nodes", "n2 n3", "--requeue", "1")
+    assert proc.returncode == 1 and "SLURM no longer hears from n3" in proc.stdout and "no spare node left" in proc.stdout
+    assert _sourced(tmp_path / "next_step.env") == {"STEP_NODES": "", "EXCLUDED_NODES": "n2,n3",
+                                                     "REQUEUE_EXCLUDE": "n2,n3"}
+    events = read_events(tmp_path)
+    assert [(e["event"], e["action"]) for e in events] == [
+        ("failure", RESTART), ("exclude", "restart on a spare"),
+        ("failure", STOP_NODE_LOST), ("exclude", "excluded from the requeued job")]
+    assert events[-1]["node"] == "n3" and events[-1]["cause"].startswith("node lost")
+
+
+def test_without_a_spare_a_lost_node_is_excluded_from_the_requeue(tmp_path):
+    # The survivor's error (a reset connection on n1) is a consequence: the lost node is the cause.
+    _summary(tmp_path, "exception", "RuntimeError: Connection reset by peer", 5, rank=0)
+    nodes = NodeSet(["n1", "n2"], needed=2, step=["n1", "n2"])
+    decision = decide(tmp_path, 0, 3, 1, lost_nodes=["n2"], nodes=nodes, requeue=True)
+    assert decision.action == STOP_NODE_LOST
+    assert (decision.nodes.step_nodes, decision.nodes.exclude_on_requeue) == ([], ["n2"])
+    assert read_events(tmp_path)[-1] == {**read_events(tmp_path)[-1], "event": "exclude", "node": "n2",
+                                         "action": "excluded from the requeued job"}
+    # Not requeued (requeue_on_failure=false): recorded, nothing for ExcNodeList.
+    other = tmp_path / "no_requeue"
+    other.mkdir()
+    decision = decide(other, 0, 3, 1, lost_nodes=["n2"], nodes=nodes, requeue=False)
+    assert decision.nodes.exclude_on_requeue == [] and read_events(other)[-1]["action"] == "none: the job is not requeued"
+
+
+def test_what_names_a_node_and_what_does_not(tmp_path):
+    step = ["n1", "n2", "n3"]
+    hang = {"what": "hang", "node": "n1", "hosts_not_arrived": ["n3"], "ranks_not_arrived": [4, 5]}
+    assert list(blamed_nodes(hang, step)) == ["n3"]  # the stuck node, not rank 0's, which summarised
+    assert blamed_nodes({**hang, "hosts_not_arrived": step}, step) == {}  # every node stuck: no evidence
+    assert blamed_nodes({"what": "exception", "node": "n1", "error": "DistBackendError: NCCL timed out"}, step) == {}
+    assert blamed_nodes({"what": "exit", "node": None, "error": "exit code 137"}, step) == {}
+    assert list(blamed_nodes({"what": "exit"}, step, lost_nodes=["n2"])) == ["n2"]
+    # A crash on a node without a spare: restarted in place, nothing excluded yet.
+    _summary(tmp_path, "exception", "RuntimeError: boom", 3)
+    decision = decide(tmp_path, 0, 3, 1, nodes=NodeSet(["n1", "n2"], needed=2, step=["n1", "n2"]))
+    assert decision.restart and decision.nodes.step_nodes == ["n1", "n2"] and decision.nodes.excluded == []
+    # ... and when the restarts are used up, the requeue excludes it.
+    _summary(tmp_path, "exception", "RuntimeError: boom again", 9)
+    decision = decide(tmp_path, 3, 3, 1, nodes=NodeSet(["n1", "n2"], needed=2, step=["n1", "n2"]), requeue=True)
+    assert decision.action == STOP_EXHAUSTED and decision.nodes.exclude_on_requeue == ["n2"]

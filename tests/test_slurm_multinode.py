@@ -237,11 +237,14 @@ def test_node_deaths_name_the_node_requeue_and_resume_with_the_local_losses(node
     for node in (run.killed, run.stopped):
         assert log.count(f"node(s) {node} stopped responding") == 1, log
     assert log.count("cluster.requeue_on_failure: requeueing job") == 2, log
-    # No in-job restart onto a dead node (cluster.max_restarts=3 is SLURM's default): each loss is
-    # recorded with its node, and the requeue takes over.
+    # No in-job restart onto a dead node (cluster.max_restarts=3 is SLURM's default; no spare
+    # node): each loss is recorded with its node, which the requeued job excludes.
     events = [json.loads(line) for line in (run.run_dir / "resilience.jsonl").read_text().splitlines()]
-    assert [(e["action"], e["cause"]["lost_nodes"]) for e in events] == [
+    failures = [e for e in events if e["event"] == "failure"]
+    assert [(e["action"], e["cause"]["lost_nodes"]) for e in failures] == [
         ("stop: node lost", [run.killed]), ("stop: node lost", [run.stopped])], events
+    excluded = [(e["node"], e["action"]) for e in events if e["event"] == "exclude"]
+    assert excluded == [(run.killed, "excluded from the requeued job"), (run.stopped, "excluded from the requeued job")]
     rank0 = (run.run_dir / "logs" / "rank_0.log").read_text()
     resumed = re.findall(r"resumed from \S+ at step (\d+)", rank0)
     assert [int(s) for s in resumed] == [run.killed_after, run.stopped_after], resumed
@@ -253,3 +256,66 @@ def test_node_deaths_name_the_node_requeue_and_resume_with_the_local_losses(node
     assert sorted(losses) == sorted(reference) == list(range(1, STEPS + 1))
     diffs = {s: abs(losses[s] - reference[s]) for s in reference}
     assert max(diffs.values()) <= 1e-6, f"2-node losses differ from the 4-rank local run: {diffs}"
+
+
+@dataclass
+class SpareRun:
+    job_id: str
+    run_dir: Path
+    killed_after: int  # checkpoint step written before the node was killed
+    killed: str
+    allocation: List[str]
+    main_log: str
+    state: str
+    requeues: int
+    setup_s: float  # from submission to the job's end
+
+
+@pytest.fixture(scope="module")
+def spare_node_run(slurm_cluster: SlurmCluster, tmp_path_factory) -> SpareRun:
+    """`cluster.spare_nodes=1`: a 2-node job on 3 allocated nodes; its second node is killed as in
+    node_death_run, and the job goes on in the same allocation on the first node and the spare."""
+    run_dir = tmp_path_factory.mktemp("spare") / "run"
+    t0 = time.monotonic()
+    job_id = submit_train(run_dir, f"cluster.nodes={JOB_NODES}", "cluster.spare_nodes=1", *LAYOUT,
+                          f"cluster.collective_timeout_s={COLLECTIVE_TIMEOUT_S}", "cluster.max_requeues=0")
+    try:
+        killed_after = wait_for_checkpoint_after(slurm_cluster, job_id, run_dir, 0)
+        nodelist = slurm_cluster.job(job_id).fields["NodeList"]
+        allocation = slurm_cluster.run(["scontrol", "show", "hostnames", nodelist]).stdout.split()
+        killed = second_node(slurm_cluster, job_id)
+        signal_all(node_processes(slurm_cluster, killed), signal.SIGKILL)
+        info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT_S)
+    finally:
+        dev_cluster_up()  # bring the dead node back for the other tests, whatever happened
+    log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    return SpareRun(job_id, run_dir, killed_after, killed, allocation, log, f"{info.state} {info.exit_code}",
+                    info.restarts, round(time.monotonic() - t0, 1))
+
+
+def test_a_killed_node_is_replaced_by_the_spare_in_the_job_without_requeue(spare_node_run: SpareRun):
+    run = spare_node_run
+    assert run.state == "COMPLETED 0:0", f"{run.state}\n{job_logs(run.run_dir, run.job_id)}"
+    assert len(run.allocation) == JOB_NODES + 1 and run.requeues == 0, (run.allocation, run.requeues)
+    spare = run.allocation[JOB_NODES]
+    # The second step ran on the first node and the spare, not on the killed node.
+    runs = placements(run.run_dir)
+    assert len(runs) == 2, f"expected two steps (one restart), got {len(runs)}"
+    assert {p.node for p in runs[0]} == set(run.allocation[:JOB_NODES])
+    assert {p.node for p in runs[1]} == {run.allocation[0], spare} and sorted(p.rank for p in runs[1]) == [0, 1, 2, 3]
+    assert f"excluding node(s) {run.killed} for the rest of the job" in run.main_log, run.main_log
+    events = [json.loads(line) for line in (run.run_dir / "resilience.jsonl").read_text().splitlines()]
+    excluded = [e for e in events if e["event"] == "exclude"]
+    assert [(e["node"], e["action"]) for e in excluded] == [(run.killed, "restart on a spare")], events
+    assert excluded[0]["cause"].startswith("node lost")
+    rank0 = (run.run_dir / "logs" / "rank_0.log").read_text()
+    assert [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", rank0)] == [run.killed_after]
+    # Every step trained; the steps trained twice (after the checkpoint, before the kill) give the same loss.
+    rows = read_metrics(run.run_dir)
+    assert sorted({r["step"] for r in rows}) == list(range(1, STEPS + 1))
+    seen: Dict[int, float] = {}
+    for r in rows:
+        assert abs(seen.setdefault(r["step"], r["loss"]) - r["loss"]) <= 1e-6, (r, seen[r["step"]])
+    restarted = [r for r in rows if "resilience/restarts" in r]
+    assert [r["resilience/restarts"] for r in restarted] == [1.0], restarted
+    print(f"spare-node job: {run.setup_s} s from submission to the end")

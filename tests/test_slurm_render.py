@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shlex
 import subprocess
@@ -162,7 +163,8 @@ def test_launch_uses_torchrun_with_c10d_on_first_node(tmp_path):
     launch = next(line.strip() for line in script.splitlines() if "torch.distributed.run" in line)
     assert "--rdzv_backend=c10d" in launch and "--nproc_per_node=2" in launch and "--nnodes=1" in launch
     assert "--rdzv_endpoint" not in launch  # comes from PET_RDZV_ENDPOINT, set inside the job
-    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
+    assert 'STEP_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n "$NODES" | paste -sd, -)' in script
+    assert 'export LAUNCHER_RDZV_NODE="${STEP_NODES%%,*}"' in script  # the step's first node hosts it
     assert "RDZV_PORT=29611" in script
     assert 'export PET_RDZV_ID="${SLURM_JOB_ID}"' in script
 
@@ -179,6 +181,7 @@ def test_a_failed_srun_step_is_followed_by_the_restart_decision_and_a_new_step(t
     assert '--restarts-done "$RESTARTS_DONE" --max-restarts "$MAX_RESTARTS" --exit-code "$SRUN_RC"' in script
     assert 'export LAUNCHER_RESTART="$RESTARTS_DONE"' in script
     assert '--attempt-started "$STEP_STARTED" --lost-nodes "$LOST_NODES"' in script
+    assert '--allocation "$ALLOCATION" --step-nodes "$STEP_NODES" --excluded "$EXCLUDED_NODES"' in script
     assert "MAX_RESTARTS=3" in render(make_spec(), tmp_path / "default")
 
 
@@ -334,10 +337,87 @@ def test_multi_node_keys_render_and_bad_rdzv_host_from_is_refused(tmp_path):
     script = render(spec, tmp_path / "run")
     assert "no-kill" in sbatch_lines(script)  # a dead node does not end the allocation before the script reports it
     assert "REQUEUE_ON_FAILURE=True" in script
-    assert "scontrol show node \"$RDZV_HOST\" | grep -o 'NodeAddr=" in script
-    assert "is_host=$((${SLURM_NODEID:-0} == 0))" in script
+    assert "scontrol show node \"$1\" | grep -o 'NodeAddr=" in script
+    assert '[[ "$SLURMD_NODENAME" == "$LAUNCHER_RDZV_NODE" ]] && h=1' in script
     single = render(make_spec(), tmp_path / "run1")
     assert "no-kill" not in sbatch_lines(single) and "REQUEUE_ON_FAILURE=False" in single
     assert "NodeAddr" not in single
     problems = validate_spec(compose_spec(["+recipe=debug", "cluster=slurm", "cluster.rdzv_host_from=dns"]))
     assert any(p.startswith("cluster.rdzv_host_from='dns' is not one of hostname, nodeaddr") and "Fix:" in p for p in problems), problems
+
+
+# Stand-ins for an allocation of $STUB_HOSTS (job 7, already excluded from n0): scontrol logs what it
+# is asked to change (a running job's ExcNodeList only once requeued), sinfo reports the nodes listed in $STUBS/lost as not responding, and srun logs
+# each step's --nodelist and rendezvous; its first step fails as $STUBS/first_step.sh says, the next succeeds.
+STUB_SCONTROL_NODES = """#!/usr/bin/env bash
+case "$1 $2" in
+  "show hostnames") printf '%s\\n' $STUB_HOSTS ;;
+  "show job") echo "JobId=7 ExcNodeList=n0 Restarts=0" ;;
+  *) echo "$*" >> "$STUBS/scontrol.log"
+     [[ $1 == requeue ]] && touch "$STUBS/requeued"
+     # As SLURM 22.05 (the dev cluster's): a running job's ExcNodeList cannot change, a pending one's can.
+     if [[ $1 == update && ! -f "$STUBS/requeued" ]]; then echo "Job is no longer pending execution" >&2; exit 1; fi ;;
+esac
+"""
+STUB_SINFO = """#!/usr/bin/env bash
+cat "$STUBS/lost" 2>/dev/null
+"""
+STUB_SRUN_STEPS = """#!/usr/bin/env bash
+for arg; do [[ $arg == --nodelist=* ]] && nodes=${arg#--nodelist=}; done
+echo "$nodes $PET_RDZV_ENDPOINT" >> "$STUBS/steps.log"
+(($(wc -l < "$STUBS/steps.log") > 1)) && exit 0
+source "$STUBS/first_step.sh"
+"""
+
+
+def run_spare_script(tmp_path: Path, first_step: str, hosts: str, *overrides: str) -> tuple:
+    """Run the script of `cluster.nodes=2` + `overrides` on the allocation `hosts` with the stand-ins above and the real
+    restart decision; returns (process, run_dir, steps: [(nodelist, rendezvous)], scontrol's log)."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for name, text in (("srun", STUB_SRUN_STEPS), ("scontrol", STUB_SCONTROL_NODES), ("sinfo", STUB_SINFO)):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    (stubs / "first_step.sh").write_text(first_step)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(make_spec("cluster.nodes=2", "cluster.gpus_per_node=2", "trainer.device=cpu",
+                                       "cluster.rdzv_port=29611", *overrides), run_dir))
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_ID": "7", "STUBS": str(stubs),
+           "STUB_HOSTS": hosts, "SLURM_JOB_NODELIST": "n[1-3]", "RUN_DIR_FOR_STUB": str(run_dir),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # the decision imports this checkout
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    steps = [tuple(line.split()) for line in (stubs / "steps.log").read_text().splitlines()]
+    log = (stubs / "scontrol.log").read_text() if (stubs / "scontrol.log").exists() else ""
+    return proc, run_dir, steps, log
+
+
+def test_with_a_spare_the_job_asks_for_one_more_node_and_restarts_on_it_without_requeueing(tmp_path):
+    # The first step's rank 1 on n2 crashes (its failure summary names n2); the decision excludes n2.
+    crash_on_n2 = ('mkdir -p "$RUN_DIR_FOR_STUB/failure"; printf \'{"what": "exception", "error": "RuntimeError: '
+                   'CUDA error: uncorrectable ECC error", "rank": 1, "host": "n2", "last_step": 6, "unix_time": %s}\' '
+                   '"$(date +%s)" > "$RUN_DIR_FOR_STUB/failure/summary.json"; exit 1\n')
+    proc, run_dir, steps, log = run_spare_script(tmp_path, crash_on_n2, "n1 n2 n3", "cluster.spare_nodes=1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert sbatch_lines(render(make_spec("cluster.nodes=2", "cluster.spare_nodes=1"), tmp_path / "r"))["nodes"] == '"3"'
+    assert steps == [("n1,n2", "n1:29611"), ("n1,n3", "n1:29611")], out  # srun --nodes=2 on the decision's nodes
+    assert "excluding node(s) n2 for the rest of the job" in out and log == "", (out, log)  # no requeue
+    events = [json.loads(line) for line in (run_dir / "resilience.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("node"), e["action"]) for e in events] == [
+        ("failure", "n2", "restart"), ("exclude", "n2", "restart on a spare")]
+
+
+def test_without_a_spare_a_lost_node_goes_to_exc_node_list_before_the_requeue(tmp_path):
+    # n2 stops responding: its ranks write nothing, sinfo -d names it; no spare to take its place.
+    lost_n2 = 'echo n2 > "$STUBS/lost"; exit 1\n'
+    proc, run_dir, steps, log = run_spare_script(tmp_path, lost_n2, "n1 n2", "cluster.requeue_on_failure=true")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and steps == [("n1,n2", "n1:29611")], out
+    # Appended to the job's exclusions, before the requeue; a SLURM that refuses it for a running job
+    # (22.05, as the stand-in) is reported and the job requeues anyway.
+    assert "no spare node left" in out and "refused to exclude node(s) n2 from job 7 (scontrol update ExcNodeList=n0,n2)" in out
+    assert log.splitlines() == ["update JobId=7 ExcNodeList=n0,n2", "requeue 7"], log
+    event = json.loads((run_dir / "resilience.jsonl").read_text().splitlines()[-1])
+    assert (event["event"], event["node"], event["action"]) == ("exclude", "n2", "excluded from the requeued job")

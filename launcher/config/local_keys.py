@@ -15,6 +15,11 @@ def local_key_problems(cluster: ClusterConfig, action: str) -> List[str]:
             f"cluster=local runs on this machine only, but cluster.nodes={cluster.nodes}. "
             f"Fix: cluster.nodes=1, or cluster=slurm for several nodes."
         )
+    if cluster.spare_nodes:
+        problems.append(
+            f"cluster.spare_nodes={cluster.spare_nodes}, but cluster=local runs on this machine only: there are no "
+            f"nodes to allocate as spares. Fix: cluster.spare_nodes=0, or cluster=slurm."
+        )
     if cluster.setup:
         problems.append(
             f"cluster.setup has {len(cluster.setup)} line(s) but cluster=local runs no job script to put them in. "

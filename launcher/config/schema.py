@@ -374,6 +374,10 @@ class SlurmKeys:
     # "hostname" uses its SLURM node name (must resolve on the nodes); "nodeaddr" its NodeAddr
     # from `scontrol show node` (for sites whose node names do not resolve).
     rdzv_host_from: str = "hostname"
+    # Extra nodes allocated beyond `nodes` (sbatch --nodes=nodes+spare_nodes): each srun step runs
+    # on `nodes` of them, and a node a failure names is replaced by a spare in the next in-job
+    # restart instead of requeueing (docs/slurm.md, "Failures").
+    spare_nodes: int = 0
 
 
 @dataclass

@@ -46,6 +46,17 @@ def slurm_key_problems(cluster: ClusterConfig) -> List[str]:
             f"cluster.gpus_per_node={cluster.gpus_per_node}: need at least 1 rank per node "
             "(on a CPU cluster it is the number of ranks per node); set cluster.gpus_per_node=1 or more"
         )
+    if cluster.spare_nodes < 0:
+        problems.append(
+            f"cluster.spare_nodes={cluster.spare_nodes}: must be >= 0 (extra nodes allocated to replace a failed one). "
+            f"Fix: cluster.spare_nodes=0 for none, or e.g. cluster.spare_nodes=1."
+        )
+    elif cluster.spare_nodes and cluster.spare_nodes >= cluster.nodes >= 1:
+        problems.append(
+            f"cluster.spare_nodes={cluster.spare_nodes} >= cluster.nodes={cluster.nodes}: the job would allocate "
+            f"{cluster.nodes + cluster.spare_nodes} nodes and leave at least half of them idle for spares. "
+            f"Fix: cluster.spare_nodes={max(0, cluster.nodes - 1)} or fewer, or raise cluster.nodes."
+        )
     if cluster.max_requeues < 0:
         problems.append(f"cluster.max_requeues={cluster.max_requeues}: must be >= 0 (0 disables requeueing)")
     if cluster.signal_seconds < 0:

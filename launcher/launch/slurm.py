@@ -143,7 +143,8 @@ def sbatch_options(spec: JobConfig, paths: SlurmPaths, cwd: Path) -> List[Dict[s
     name = sanitize_job_name(c.job_name or spec.run_name or f"train-{spec.model.name}")
     opts: List[tuple] = [
         ("job-name", name),
-        ("nodes", c.nodes),
+        # The spares (cluster.spare_nodes) are allocated with the job; each srun step uses c.nodes.
+        ("nodes", c.nodes + c.spare_nodes),
         ("ntasks-per-node", 1),
     ]
     if _uses_gpus(spec):
@@ -167,7 +168,7 @@ def sbatch_options(spec: JobConfig, paths: SlurmPaths, cwd: Path) -> List[Dict[s
     if c.signal_seconds > 0:
         opts.append(("signal", f"B:USR1@{c.signal_seconds}"))
     opts.append(("requeue", None) if c.max_requeues > 0 else ("no-requeue", None))
-    if c.nodes > 1:
+    if c.nodes + c.spare_nodes > 1:
         # A failed node does not end the allocation at once: srun ends with "Node failure on N",
         # and the script names the node and requeues (cluster.requeue_on_failure) itself.
         opts.append(("no-kill", None))
@@ -179,7 +180,8 @@ def sbatch_options(spec: JobConfig, paths: SlurmPaths, cwd: Path) -> List[Dict[s
 
 
 def srun_argv(spec: JobConfig, cwd: Path, run_dir: Path) -> List[str]:
-    """srun options: one launcher task per node; a node's failure stops the others."""
+    """srun options: one launcher task per node; a node's failure stops the others. The script adds
+    `--nodelist` (the step's nodes, from the restart decision with cluster.spare_nodes)."""
     c = spec.cluster
     argv = [
         "srun",
@@ -257,6 +259,8 @@ def template_context(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[P
         "launch_argv": launch_argv(spec, plan, paths.run_dir),
         "resilience_argv": resilience_argv(spec, cwd, paths.run_dir),
         "max_restarts": int(c.max_restarts),
+        "nodes": int(c.nodes),
+        "spare_nodes": int(c.spare_nodes),
         "nproc_per_node": plan.gpus_per_node,
         "rdzv_port": int(c.rdzv_port),
         "max_requeues": int(c.max_requeues),

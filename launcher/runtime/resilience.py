@@ -8,6 +8,11 @@ first logged step). One JSON object per line in resilience.jsonl:
 
     {"time": ..., "event": "failure", "node": "n2", "rank": 1, "cause": {...}, "action": "restart", "restart": 1}
     {"time": ..., "event": "resumed", "node": "n1", "rank": 0, "step": 8, "lost_steps": 2, "restart": 1}
+    {"time": ..., "event": "exclude", "node": "n2", "cause": "node lost: ...", "action": "restart on a spare"}
+
+A failure that names a node (launcher/runtime/node_exclusion.py) excludes it for the rest of the job:
+the next srun step runs on the healthy nodes, a spare (`cluster.spare_nodes`) taking its place;
+without one the node goes to the requeue's `scontrol update ExcNodeList=`.
 
 A failure that repeats identically after a restart (same kind, same error text, same last step)
 is a bug in the run, not a fault of the machine: restarting again would fail the same way, so
@@ -28,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from launcher.runtime.node_exclusion import NodeOutcome, NodeSet, blamed_nodes, split_nodes
+
 log = logging.getLogger(__name__)
 
 RESILIENCE_FILE = "resilience.jsonl"
@@ -36,6 +43,9 @@ DETERMINISTIC_KINDS = ("exception", "oom")
 
 RESTART, STOP_REPEATING, STOP_EXHAUSTED = "restart", "stop: repeating failure", "stop: max_restarts reached"
 STOP_NODE_LOST = "stop: node lost"
+# What an "exclude" event did with the node.
+EXCLUDE_RESTART, EXCLUDE_REQUEUE, EXCLUDE_NONE = "restart on a spare", "excluded from the requeued job", \
+    "none: the job is not requeued"
 
 
 def _now() -> Dict[str, Any]:
@@ -98,7 +108,8 @@ def failure_cause(run_dir: Path, exit_code: int, attempt_started: Optional[float
                 "rank": None, "node": None, "last_step": _last_logged_step(run_dir), "exit_code": exit_code}
     return {"what": summary.get("what"), "error": summary.get("error"), "rank": summary.get("rank"),
             "node": summary.get("host"), "last_step": summary.get("last_step"),
-            "failure_unix_time": summary.get("unix_time"), "exit_code": exit_code}
+            "failure_unix_time": summary.get("unix_time"), "exit_code": exit_code,
+            "hosts_not_arrived": summary.get("hosts_not_arrived"), "ranks_not_arrived": summary.get("ranks_not_arrived")}
 
 
 def signature(cause: Dict[str, Any]) -> Optional[tuple]:
@@ -115,9 +126,10 @@ def signature(cause: Dict[str, Any]) -> Optional[tuple]:
 
 @dataclass
 class Decision:
-    action: str  # RESTART, STOP_REPEATING or STOP_EXHAUSTED
+    action: str  # RESTART, STOP_REPEATING, STOP_EXHAUSTED or STOP_NODE_LOST
     message: str
     event: Dict[str, Any]
+    nodes: Optional[NodeOutcome] = None  # with a NodeSet: the next step's nodes and the exclusions
 
     @property
     def restart(self) -> bool:
@@ -138,25 +150,39 @@ def _set_failure_aside(run_dir: Path, restart: int) -> None:
 
 
 def decide(run_dir: Path, restarts_done: int, max_restarts: int, exit_code: int,
-           attempt_started: Optional[float] = None, lost_nodes: Optional[List[str]] = None) -> Decision:
+           attempt_started: Optional[float] = None, lost_nodes: Optional[List[str]] = None,
+           nodes: Optional[NodeSet] = None, requeue: bool = False) -> Decision:
     """After a failed attempt: restart (the ranks resume from the newest checkpoint) or stop.
 
-    `lost_nodes`: nodes of the allocation the scheduler no longer hears from; a new attempt would
-    include them (no spare nodes yet), so the job is not restarted in place.
-    Writes the failure event to resilience.jsonl and, on a restart, sets the failure bundle aside.
+    `lost_nodes`: nodes of the allocation the scheduler no longer hears from. `nodes` (SLURM): the
+    job's allocation, the nodes excluded so far and how many a step needs; a node the failure names
+    (node_exclusion.blamed_nodes) is excluded and the restart runs on a spare, or, with no healthy
+    spare, the job stops and the node is excluded from the requeued job (`requeue`: the batch
+    script will requeue). Without `nodes` (a local run) a lost node stops the job.
+    Writes the failure event (and one "exclude" event per newly excluded node) to resilience.jsonl
+    and, on a restart, sets the failure bundle aside.
     """
     cause = failure_cause(run_dir, exit_code, attempt_started)
+    lost_nodes = [n for n in (lost_nodes or []) if nodes is None or n not in nodes.excluded]
     if lost_nodes:
         cause["lost_nodes"] = list(lost_nodes)
     previous = [e for e in read_events(run_dir) if e.get("event") == "failure"]
-    same = signature(cause) is not None and previous and signature(previous[-1].get("cause", {})) == signature(cause)
+    # A lost node explains the failure whatever the survivors' errors say.
+    same = (not lost_nodes and signature(cause) is not None and previous
+            and signature(previous[-1].get("cause", {})) == signature(cause))
     where = f"rank {cause.get('rank')} on {cause.get('node')}" if cause.get("rank") is not None else "no rank named"
     what = f"{cause.get('what')} ({where}, last step {cause.get('last_step')}): {cause.get('error')}"
-    if lost_nodes:
+    blamed: Dict[str, str] = {}
+    if nodes is not None and not same:  # a repeating failure is a bug: no node is to blame
+        blamed = {n: why for n, why in blamed_nodes(cause, nodes.step, lost_nodes).items()
+                  if n in nodes.allocation and n not in nodes.excluded}
+    on_spare = nodes.next_step(list(blamed)) if nodes is not None and blamed else []
+    if lost_nodes and not on_spare:
         action = STOP_NODE_LOST
+        spare = ("no spare node left (cluster.spare_nodes: allocate more to continue in the job)" if nodes is not None
+                 else "a new step would include it")
         message = (f"the ranks failed: {what}; SLURM no longer hears from {' '.join(lost_nodes)}: not restarting "
-                   f"in the job (a new step would include it; spare nodes are not built yet). "
-                   f"cluster.requeue_on_failure=true requeues the job onto live nodes.")
+                   f"in the job ({spare}). cluster.requeue_on_failure=true requeues the job onto live nodes.")
     elif same:
         action = STOP_REPEATING
         message = (f"repeating failure: the same {what} happened again at the same step after a restart. "
@@ -166,7 +192,15 @@ def decide(run_dir: Path, restarts_done: int, max_restarts: int, exit_code: int,
         action = STOP_EXHAUSTED
         message = (f"the ranks failed: {what}; not restarting: cluster.max_restarts={max_restarts} "
                    f"{'reached' if max_restarts else '(in-job restarts off)'}.")
+    elif blamed and on_spare:
+        action = RESTART
+        message = (f"the ranks failed: {what}; excluding node(s) {' '.join(blamed)} for the rest of the job "
+                   f"({'; '.join(f'{n}: {why}' for n, why in blamed.items())}) and restarting on "
+                   f"{','.join(on_spare)} (restart {restarts_done + 1} of {max_restarts}, no requeue); "
+                   f"the ranks resume from the newest checkpoint.")
     else:
+        # A crash or hang that names a live node, with no spare: restart on the same nodes (the
+        # fault may be transient); the node is excluded only if the job ends up requeued.
         action = RESTART
         message = (f"the ranks failed: {what}; restarting them (restart {restarts_done + 1} of "
                    f"{max_restarts}), they resume from the newest checkpoint.")
@@ -174,9 +208,30 @@ def decide(run_dir: Path, restarts_done: int, max_restarts: int, exit_code: int,
         "event": "failure", "node": cause.get("node"), "rank": cause.get("rank"), "cause": cause,
         "action": action, "restart": restarts_done + 1 if action == RESTART else restarts_done,
     })
+    outcome = _node_outcome(run_dir, nodes, blamed, action, bool(on_spare), requeue)
     if action == RESTART:
         _set_failure_aside(run_dir, restarts_done + 1)
-    return Decision(action, message, event)
+    return Decision(action, message, event, outcome)
+
+
+def _node_outcome(run_dir: Path, nodes: Optional[NodeSet], blamed: Dict[str, str], action: str, on_spare: bool,
+                  requeue: bool) -> Optional[NodeOutcome]:
+    """The nodes after the decision, each exclusion recorded ("exclude" events)."""
+    if nodes is None:
+        return None
+    if action == RESTART and on_spare:
+        excluded = [*nodes.excluded, *blamed]
+        for node, why in blamed.items():
+            append_event(run_dir, {"event": "exclude", "node": node, "cause": why, "action": EXCLUDE_RESTART})
+        return NodeOutcome(nodes.next_step(list(blamed)), excluded)
+    if action == RESTART:  # no node excluded now; the suspects stay in the step
+        return NodeOutcome(nodes.next_step() or list(nodes.step), list(nodes.excluded))
+    # Stopping: every bad node of this job run goes to the requeued job's ExcNodeList.
+    bad = [*nodes.excluded, *blamed]
+    for node, why in blamed.items():
+        append_event(run_dir, {"event": "exclude", "node": node, "cause": why,
+                               "action": EXCLUDE_REQUEUE if requeue else EXCLUDE_NONE})
+    return NodeOutcome([], bad, bad if requeue else [])
 
 
 class RestartReport:
@@ -236,10 +291,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--attempt-started", type=float, default=None,
                         help="unix time the failed attempt started (an older failure summary is not its cause)")
     parser.add_argument("--lost-nodes", default="",
-                        help="space-separated nodes the scheduler no longer hears from (no restart in the job)")
+                        help="space-separated nodes the scheduler no longer hears from")
+    parser.add_argument("--allocation", default="", help="the job's nodes (space- or comma-separated); "
+                        "with it the decision chooses the next step's nodes (cluster.spare_nodes)")
+    parser.add_argument("--step-nodes", default="", help="the failed step's nodes")
+    parser.add_argument("--excluded", default="", help="nodes excluded earlier in this job run")
+    parser.add_argument("--nodes-needed", type=int, default=0, help="nodes a step needs (cluster.nodes)")
+    parser.add_argument("--requeue", type=int, default=0, help="1: the script requeues the job if it stops")
+    parser.add_argument("--state-file", type=Path, default=None,
+                        help="where to write STEP_NODES / EXCLUDED_NODES / REQUEUE_EXCLUDE for the script to source")
     args = parser.parse_args(argv)
+    nodes = None
+    if args.allocation.strip():
+        nodes = NodeSet(split_nodes(args.allocation), args.nodes_needed, split_nodes(args.step_nodes),
+                        split_nodes(args.excluded))
     decision = decide(args.run_dir, args.restarts_done, args.max_restarts, args.exit_code, args.attempt_started,
-                      args.lost_nodes.split())
+                      split_nodes(args.lost_nodes), nodes, bool(args.requeue))
+    if args.state_file is not None and decision.nodes is not None:
+        decision.nodes.write_state(args.state_file)
     print(f"launcher: {'error: ' if not decision.restart else ''}{decision.message}", flush=True)
     return 0 if decision.restart else 1
 
