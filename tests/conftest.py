@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,38 @@ def fake_two_ranks():
         yield init_device_mesh("cpu", (2,))
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- DeepSpeed ops
+
+_PREBUILD = {}
+
+
+def pytest_collection_finish(session):
+    """Start building DeepSpeed's JIT ops at the lowest priority when DeepSpeed tests will run
+    (tests/deepspeed_harness/prebuild_ops.py says why)."""
+    if not any(Path(str(item.fspath)).name.startswith("test_deepspeed") for item in session.items):
+        return
+    from tests.deepspeed_harness.common import deepspeed_env
+
+    log_dir = REPO / ".cache"
+    log_dir.mkdir(exist_ok=True)
+    _PREBUILD["log"] = log = open(log_dir / "prebuild_ops.log", "w")
+    _PREBUILD["proc"] = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "deepspeed_harness" / "prebuild_ops.py")],
+        env=deepspeed_env({"MAX_JOBS": "2"}), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+        preexec_fn=lambda: os.nice(19))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A build still running when the session ends is interrupted, which releases its lock (torch
+    removes the lock file on the way out) and leaves the rest to the next build."""
+    proc = _PREBUILD.pop("proc", None)
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if "log" in _PREBUILD:
+        _PREBUILD.pop("log").close()
