@@ -69,6 +69,30 @@ def test_error_bands_are_what_the_accuracy_rows_give(rows):
     assert BANDS["single_gpu"]["rows"] == 6
 
 
+def test_long_context_rows_planned_and_ordered(rows):
+    """torchtitan's long-context tables (2: 8B, FSDP x CP on 8 GPUs; 6: 405B 4D on 512, 32K-256K):
+    every row is planned as context parallel beyond CP 1, the held ones within 20 % by the ratio
+    the planner computes here, and the predicted tokens/s fall with sequence length in the order
+    published, the rows not held (CP >= 4 of Table 2, Table 6's AsyncTP) included."""
+    from launcher.plan.bands import BANDS, ratio_band
+
+    long_rows = [r for r in rows if r.table in ("2", "6")]
+    assert len(long_rows) == 16
+    for r in long_rows:
+        cp = int(next(o for o in r.overrides if o.startswith("parallel.cp=")).split("=")[1])
+        assert r.kind == ("cp" if cp > 1 else ("3d" if r.table == "6" else "fsdp")), (r.note, r.kind)
+    held = [r for r in long_rows if r.checked and r.kind == "cp"]
+    assert {(r.table, r.metric) for r in held} >= {("2", "tps_per_gpu"), ("2", "memory_gib")}
+    assert all(abs(r.predicted / r.value - 1) <= 0.20 for r in held), [(r.note, r.metric, r.ratio) for r in held]
+    for table in ("2", "6"):
+        tps = sorted((r for r in long_rows if r.table == table and r.metric == "tps_per_gpu"), key=lambda r: r.value)
+        assert [r.note for r in tps] == [r.note for r in sorted(tps, key=lambda r: r.predicted)]
+    # The cp band now comes from these rows: measured, and it covers every cp row's ratio.
+    assert BANDS["cp"]["rows"] == sum(r.kind == "cp" for r in rows)
+    lo, hi, measured = ratio_band("cp", "time")
+    assert measured and all(lo <= round(r.ratio, 2) <= hi for r in long_rows if r.kind == "cp" and r.metric == "tps_per_gpu")
+
+
 def test_check_fails_outside_tolerance(rows):
     far = dataclasses.replace(rows[0], value=rows[0].predicted * 1.3)
     assert planner_accuracy.check([far]) and not far.within

@@ -153,7 +153,7 @@ def test_token_budget_sets_the_steps_and_the_plan_gives_time_and_cost_with_range
 
 
 def test_unmeasured_kinds_get_a_wider_band_and_say_so():
-    """MoE and CP layouts have no accuracy row yet: their band is wider than any measured one and
+    """MoE layouts have no accuracy row yet: their band is wider than any measured one and
     the plan says it is not measured."""
     from launcher.plan.bands import BANDS, ratio_band
 
