@@ -14,7 +14,8 @@ model, hardware, the `train` overrides that express its layout, metric, value, n
 plans each row in process (compose + build_plan, as `train action=plan` does, no
 interpreter per row). Every row is planned at seq_len 8192 unless its overrides say otherwise.
 
-Tolerances (issue 13): tokens/s/GPU within +-20 %, memory within +-10 % of what was reported
+Tolerances (issue 13): tokens/s/GPU within +-20 % (+-30 % for MoE layouts, issue 29), memory
+within +-10 % of what was reported
 (torchtitan reports the maximum over ranks of the caching allocator's max reserved, so the
 prediction compared is the plan's allocator share: total minus the fixed CUDA/NCCL reserve),
 and within each table the rows of one metric in the same order as published.
@@ -38,6 +39,9 @@ MEASURED = REPO / "bench" / "reference" / "measured.csv"
 REFERENCE_FILES = (PUBLISHED, MEASURED)
 FIGURE = {"tps_per_gpu": "time", "memory_gib": "memory"}  # metric -> the plan figure its band widens
 TOLERANCE = {"tps_per_gpu": 0.20, "memory_gib": 0.10}
+# Mixture-of-experts rows are held to +-30 % on tokens/s (issue 29): routing, grouped GEMMs and the
+# all-to-all add terms dense layouts do not have.
+KIND_TOLERANCE = {"moe": {"tps_per_gpu": 0.30}}
 ORDER_NOT_HELD = "checked; order not held: "
 BASE_OVERRIDES = ("action=plan", "trainer.seq_len=8192", "cluster.gpus_per_node=8", "plan.plots=false")
 
@@ -72,8 +76,13 @@ class Row:
         return self.predicted / self.value
 
     @property
+    def tolerance(self) -> float:
+        """The +- fraction this row is held to: its metric's, or its layout kind's where it has one."""
+        return KIND_TOLERANCE.get(self.kind, {}).get(self.metric, TOLERANCE[self.metric])
+
+    @property
     def within(self) -> bool:
-        return abs(self.ratio - 1.0) <= TOLERANCE[self.metric]
+        return abs(self.ratio - 1.0) <= self.tolerance
 
 
 def read_rows(paths: Sequence[Path] = REFERENCE_FILES) -> List[Row]:
@@ -145,7 +154,7 @@ def check(rows: Sequence[Row]) -> List[str]:
 
     Rows marked approximated (the runtime cannot run what was published) are printed, not held."""
     out = [f"Table {r.table} {r.note} {r.metric}: predicted {r.predicted:,.1f} vs published {r.value:,.1f} "
-           f"(ratio {r.ratio:.2f}, tolerance +-{TOLERANCE[r.metric]:.0%})" for r in rows if r.checked and not r.within]
+           f"(ratio {r.ratio:.2f}, tolerance +-{r.tolerance:.0%})" for r in rows if r.checked and not r.within]
     return out + ordering_problems(rows)
 
 

@@ -153,16 +153,24 @@ def test_token_budget_sets_the_steps_and_the_plan_gives_time_and_cost_with_range
 
 
 def test_unmeasured_kinds_get_a_wider_band_and_say_so():
-    """MoE layouts have no accuracy row yet: their band is wider than any measured one and
-    the plan says it is not measured."""
+    """MoE layouts have measured step-time rows but no published memory: their time band is the
+    rows', their memory band is wider than any measured one and the plan says it is not measured.
+    A kind without any row gets the widened band for both figures."""
     from launcher.plan.bands import BANDS, ratio_band
 
     spec = compose_spec(["+recipe=mixtral8x7b"])
     plan = build_plan(spec)
-    assert plan.time["band"] == {**plan.time["band"], "kind": "moe", "measured": False, "rows": 0}
-    lo, hi, _ = ratio_band("moe", "time")
-    assert lo < min(b["time"][0] for b in BANDS.values()) and hi > max(b["time"][1] for b in BANDS.values())
-    assert "no measured moe row yet" in render_plan(plan, spec, "text")
+    assert plan.time["band"] == {**plan.time["band"], "kind": "moe", "measured": True, "memory_measured": False,
+                                 "rows": BANDS["moe"]["rows"]}
+    assert ratio_band("moe", "time")[:2] == BANDS["moe"]["time"]
+    lo, hi, measured = ratio_band("moe", "memory")
+    measured_memory = [b["memory"] for b in BANDS.values() if "memory" in b]
+    assert not measured and lo < min(m[0] for m in measured_memory) and hi > max(m[1] for m in measured_memory)
+    assert "memory: no measured moe row yet" in render_plan(plan, spec, "text")
+    without_cp = {k: v for k, v in BANDS.items() if k != "cp"}
+    lo, hi, measured = ratio_band("cp", "time", without_cp)
+    assert not measured and lo < min(b["time"][0] for b in without_cp.values())
+    assert hi > max(b["time"][1] for b in without_cp.values())
 
 
 def test_planner_never_imports_torch():

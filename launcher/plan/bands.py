@@ -9,11 +9,12 @@ P with ratios in [lo, hi] means the measured value was between P / hi and P / lo
 Step time: the ratio is predicted tokens/s over measured (a ratio below 1: the planner is
 pessimistic, the run was faster). Memory: predicted over measured allocator peak.
 
-Context parallel is banded from torchtitan's long-context rows (Tables 2 and 6, 32K-256K),
-approximated ones included: they are real distances between plan and measurement.
-Kinds with no measured row (mixture of experts) get UNMEASURED_WIDENING of the
-widest band of any kind, labelled unmeasured in the plan, until rows of theirs exist; a band
-from rows that agree closely is widened to MIN_HALF_WIDTH either side of its middle.
+Context parallel is banded from torchtitan's long-context rows (Tables 2 and 6, 32K-256K) and
+mixture of experts from Megatron-Bridge's H100 MoE rows (Qwen3 30B-A3B, DeepSeek-V3; time only:
+no memory was published), approximated ones included: they are real distances between plan and
+measurement. A kind (or a kind's figure) with no measured row gets UNMEASURED_WIDENING of the
+widest band of any kind for that figure, labelled unmeasured in the plan, until rows of it exist;
+a band from rows that agree closely is widened to MIN_HALF_WIDTH either side of its middle.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ BANDS: Dict[str, Dict[str, Any]] = {
     "2d": {"time": (0.82, 0.82), "memory": (0.92, 0.92), "rows": 2},
     "3d": {"time": (0.85, 0.86), "memory": (0.84, 0.95), "rows": 6},
     "cp": {"time": (0.92, 1.32), "memory": (0.82, 1.04), "rows": 12},
+    "moe": {"time": (0.5, 1.36), "rows": 3},
 }
 KINDS = ("single_gpu", "fsdp", "2d", "3d", "cp", "moe")
 # A kind without rows: the union of the measured bands, each side pushed 25 % further out.
@@ -49,14 +51,16 @@ def layout_kind(layout: Any, n_experts: int) -> str:
     return "single_gpu" if layout.world_size == 1 else "fsdp"
 
 
-def ratio_band(kind: str, figure: str) -> Tuple[float, float, bool]:
-    """(lo, hi, measured) predicted/measured ratios for `figure` ("time" or "memory") of `kind`."""
-    if kind in BANDS:
-        lo, hi = BANDS[kind][figure]
+def ratio_band(kind: str, figure: str, bands: Dict[str, Dict[str, Any]] = BANDS) -> Tuple[float, float, bool]:
+    """(lo, hi, measured) predicted/measured ratios for `figure` ("time" or "memory") of `kind`
+    (`bands`: BANDS, or another table of the same shape)."""
+    if figure in bands.get(kind, {}):
+        lo, hi = bands[kind][figure]
         mid = (lo + hi) / 2
         return min(lo, mid - MIN_HALF_WIDTH), max(hi, mid + MIN_HALF_WIDTH), True
-    lo = min(b[figure][0] for b in BANDS.values())
-    hi = max(b[figure][1] for b in BANDS.values())
+    measured = [b[figure] for b in bands.values() if figure in b]
+    lo = min(b[0] for b in measured)
+    hi = max(b[1] for b in measured)
     return lo * (1 - UNMEASURED_WIDENING), hi * (1 + UNMEASURED_WIDENING), False
 
 
@@ -68,8 +72,10 @@ def memory_range(total: float, reserved: float, kind: str) -> Tuple[float, float
 
 
 def band_summary(kind: str) -> Dict[str, Any]:
-    """plan.json's `band`: the kind, whether rows of it were measured, and how many."""
-    return {"kind": kind, "measured": kind in BANDS, "rows": BANDS.get(kind, {}).get("rows", 0),
+    """plan.json's `band`: the kind, whether rows of it were measured (`measured`: its step time;
+    `memory_measured`: its memory, which MoE rows lack), and how many."""
+    return {"kind": kind, "measured": ratio_band(kind, "time")[2], "memory_measured": ratio_band(kind, "memory")[2],
+            "rows": BANDS.get(kind, {}).get("rows", 0),
             "time_ratio": list(ratio_band(kind, "time")[:2]), "memory_ratio": list(ratio_band(kind, "memory")[:2])}
 
 

@@ -225,8 +225,10 @@ def _band_line(band) -> str:
     if not band:
         return ""
     if band["measured"]:
+        memory = ("" if band.get("memory_measured", True) else
+                  f"; memory: no measured {band['kind']} row yet, so the widest band of any kind, 25 % wider")
         return (f"\n  ranges in brackets: what was measured for {band['kind']} layouts ({band['rows']} accuracy rows, "
-                f"bench/planner_accuracy.py --bands)")
+                f"bench/planner_accuracy.py --bands){memory}")
     return (f"\n  ranges in brackets: no measured {band['kind']} row yet, so the widest band of any kind, "
             f"25 % wider (bench/planner_accuracy.py --bands)")
 
