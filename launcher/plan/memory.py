@@ -20,7 +20,11 @@ Model states (Ψ = parameters this rank holds after TP, PP and EP divided the mo
 Activations follow Korthikanti et al. 2022 (count every tensor autograd saves for the
 backward pass) applied to the block that launcher/models builds for the model's family (its
 attention layout: launcher/models/<family>/params.py); see
-`layer_activation_bytes` for the list and what TP, SP, CP and recomputation divide.
+`layer_activation_bytes` for the list and what TP, SP, CP, recomputation and compile divide.
+
+What exists at the peak follows how torch runs the step: without FSDP2 autocast's bf16 weight
+casts (`autocast_cast_elements`), and with one micro-batch no gradient during the loss's
+backward (`grads_freed_at_loss`); docs/planner.md, "Working memory".
 """
 
 from __future__ import annotations
