@@ -20,7 +20,11 @@ Model states (Ψ = parameters this rank holds after TP, PP and EP divided the mo
 Activations follow Korthikanti et al. 2022 (count every tensor autograd saves for the
 backward pass) applied to the block that launcher/models builds for the model's family (its
 attention layout: launcher/models/<family>/params.py); see
-`layer_activation_bytes` for the list and what TP, SP, CP and recomputation divide.
+`layer_activation_bytes` for the list and what TP, SP, CP, recomputation and compile divide.
+
+What exists at the peak follows how torch runs the step: without FSDP2 autocast's bf16 weight
+casts (`autocast_cast_elements`), and with one micro-batch no gradient during the loss's
+backward (`grads_freed_at_loss`); docs/planner.md, "Working memory".
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def working_dtype_bytes(lay: Layout) -> float:
     return 2.0
 
 
-def model_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
+def model_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelShape] = None) -> Dict[str, int]:
     """params / grads / optimizer on the GPU, the offloaded bytes, and the working copies."""
     # TP splits the matrices but replicates norms (and, in MoE blocks, router and experts).
     shared = (stage.shared - stage.tp_replicated) / lay.tp + stage.tp_replicated
@@ -143,7 +147,7 @@ def model_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
         n = lay.fsdp_degree if "grads" in sharded else 1
         out["grads"] += int(per_param["grads"] * largest_tensor(stage, lay) / n)
     out["host"] = int(host)
-    out.update(working_state_memory(stage, lay))
+    out.update(working_state_memory(stage, lay, shape))
     return out
 
 
@@ -152,7 +156,23 @@ def largest_tensor(stage: StageParams, lay: Layout) -> float:
     return stage.largest_tensor / lay.tp
 
 
-def working_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
+def autocast_cast_elements(stage: StageParams, shape: Optional[ModelShape], lay: Layout) -> float:
+    """Elements of the weights autocast casts to bf16 on this rank (after TP / EP): every matmul
+    weight; not the embedding table (a lookup, unless tied to the output layer) nor the norms
+    (they multiply in fp32). Under fp8 torchao's Float8Linear casts its fp32 weight straight to
+    float8 and saves the fp32 weight itself, so only the output layer (kept bf16) is cast."""
+    if shape is None:
+        return 0.0
+    local = (stage.shared - stage.tp_replicated) / lay.tp + stage.routed / lay.ep
+    table = shape.vocab_size * shape.dim / lay.tp
+    if lay.precision == "fp8":
+        return table if stage.has_output else 0.0
+    if stage.has_embedding and not (shape.tie_embeddings and stage.has_output):
+        local -= table
+    return max(local, 0.0)
+
+
+def working_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelShape] = None) -> Dict[str, int]:
     """Unsharded parameter / gradient copies and communication buckets alive at the peak."""
     unit = stage.largest_unit / lay.tp  # experts of a unit are also split by ep, bound from above
     # TP replicates norms and, in MoE blocks, router and experts (no expert-TP): as in
@@ -169,6 +189,12 @@ def working_state_memory(stage: StageParams, lay: Layout) -> Dict[str, int]:
         # to_accumulated_grad_if_needed upcasts them), so fp32 with reduce_dtype=fp32.
         acc_wb = 4.0 if lay.reduce_dtype == "fp32" else grad_wb
         out["unsharded_grads"] = int(local * acc_wb)
+    elif lay.sharding_backend == "native" and not lay.fsdp_wraps:
+        # One sharding rank: no FSDP2, the engine's autocast computes in bf16 (native.py _autocast).
+        # Autocast caches the bf16 cast of every weight it multiplies (leaf tensors that need grad)
+        # and each matmul saves its cast for backward, so at the loss's backward all of them exist.
+        if lay.precision in ("bf16", "fp8"):
+            out["autocast_weight_copies"] = int(autocast_cast_elements(stage, shape, lay) * 2.0)
     elif lay.sharding_backend == "native":
         if lay.zero_stage in (1, 2):
             out["unsharded_params"] = int(local * wb)  # kept from forward to backward
@@ -294,7 +320,24 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         gathered = 2 * a * h if lay.sp else 0.0
         return tokens * (attn + kept + ffn + gathered)
     norms = 16.0 * h / sp_div
+    if lay.compile:
+        # trainer.compile (launcher/parallel/compile.py): AOTAutograd's partitioner saves what the
+        # backward reads and recomputes cheap pointwise ops there. Measured on CPU with the real
+        # llama_1b block under bf16 autocast (saved_tensors_hooks, docs/planner.md): each norm's
+        # fp32 normalised output is recomputed from its input and the per-token rsqrt; in a block
+        # compiled whole one of the two fp32 norm inputs is too (the residual add of the other and
+        # the attention output), and SwiGLU keeps three of its four f-wide tensors (silu's output
+        # is recomputed from w1's). MoE blocks compile their norms one by one (each keeps its input).
+        norms = (8.0 if moe else 4.0) * h / sp_div
+        if not moe:
+            ffn = 3 * a * shape.ffn_dim / t
     linear_inputs = 2.0 * a * h
+    if lay.compile and lay.precision == "fp8" and not moe:
+        # torchao's Float8Linear re-casts its input in its own backward, so in a compiled block the
+        # partitioner recomputes the bf16 inputs that are pointwise functions of saved tensors (both
+        # norm outputs, SwiGLU's product) instead of keeping them (measured as above, fp8 emulated).
+        linear_inputs = 0.0
+        ffn = 2 * a * shape.ffn_dim / t
     attn = a * (w["q"] + w["k"] + w["v"] + w["o"] + w["o"]) / t
     if at.norms:
         attn += _inner_attention_bytes(shape, lay)
@@ -425,25 +468,35 @@ def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
         stages = [stages[r] for r in sorted(set(ranks))]
     result: List[StageMemory] = []
     for st in stages:
-        states = model_state_memory(st, lay)
+        states = model_state_memory(st, lay, shape)
         acts = stage_activation_memory(shape, st, lay)
         working = {k: v for k, v in states.items() if k not in ("params", "grads", "optimizer", "host")}
+        # The loss's logits live during the head's backward, the recomputed block and the
+        # gradient workspace during a block's backward: two phases, the peak is the larger. The
+        # loss's backward is the first of the step, so with one micro-batch no gradient exists yet
+        # (zero_grad(set_to_none=True) freed them after the last step); a block's backward is
+        # bounded with all of them.
+        grads_full = states["grads"]
+        loss_phase = acts.get("logits_transient", 0) + (0 if grads_freed_at_loss(lay) else grads_full)
+        block_temporaries = acts["backward_workspace"] + acts["recomputed_block"]
+        if loss_phase > block_temporaries + grads_full:
+            temporaries, grads = acts.get("logits_transient", 0), loss_phase - acts.get("logits_transient", 0)
+        else:
+            temporaries, grads = block_temporaries, grads_full
         mem = StageMemory(
             rank=st.rank,
             params=states["params"],
-            grads=states["grads"],
+            grads=grads,
             optimizer=states["optimizer"],
             activations=acts["layers"] + acts.get("head", 0),
             host=states["host"],
         )
-        # The loss's logits live during the head's backward, the recomputed block and the
-        # gradient workspace during a block's backward: two phases, the peak is the larger.
-        temporaries = max(acts.get("logits_transient", 0), acts["backward_workspace"] + acts["recomputed_block"])
         allocated = mem.params + mem.grads + mem.optimizer + mem.activations + sum(working.values()) + temporaries
         fragmentation = int(allocated * ALLOCATOR_FRAGMENTATION)
         mem.other = sum(working.values()) + temporaries + fragmentation + reserved_bytes
         mem.detail = {
             **working,
+            "grads_held": grads_full,  # after the backward, at the optimizer step
             "activations_layers": acts["layers"],
             "activations_head": acts.get("head", 0),
             "logits_transient": acts.get("logits_transient", 0),
@@ -454,6 +507,14 @@ def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
         }
         result.append(mem)
     return result
+
+
+def grads_freed_at_loss(lay: Layout) -> bool:
+    """Whether no gradient exists when the loss's backward runs: native engine (its optimizer
+    step ends with zero_grad(set_to_none=True); FSDP2 allocates sharded gradients as it
+    reduce-scatters them), one micro-batch per step and no pipeline (a later micro-batch's loss
+    runs beside the earlier ones' gradients). DeepSpeed keeps its gradient buffers."""
+    return lay.sharding_backend == "native" and lay.microbatches == 1 and lay.pp == 1
 
 
 def most_loaded(stages: List[StageMemory]) -> StageMemory:
