@@ -38,6 +38,16 @@ def _short(model: str) -> str:
     return "moe" if model == "debug_moe" else "dense"
 
 
+
+def _family_moe_layouts(tag: str, overrides: dict) -> list:
+    """A MoE family's two 4-rank layouts: EP x TP(+SP) x FSDP, and PP x EP x FSDP (1F1B)."""
+    return [
+        {"name": f"ep2_fsdp2_tp2_{tag}", "model": "debug_moe", "model_overrides": overrides,
+         "mesh": {"dp_shard": 2, "tp": 2, "ep": 2}, "sp": True},
+        {"name": f"pp2_ep2_fsdp2_{tag}", "model": "debug_moe", "model_overrides": overrides,
+         "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b"},
+    ]
+
 def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
     """{world size: [layout, ...]} for the whole matrix (``device="cuda"`` adds cp=2)."""
     four, two, one = [], [], []
@@ -94,24 +104,14 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
          "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "ac": "full"},
     ]
     one.append({"name": "ref_qwen3moe", "model": "debug_moe", "model_overrides": QWEN3_MOE})
-    four += [
-        {"name": "ep2_fsdp2_tp2_qwen3moe", "model": "debug_moe", "model_overrides": QWEN3_MOE,
-         "mesh": {"dp_shard": 2, "tp": 2, "ep": 2}, "sp": True},
-        {"name": "pp2_ep2_fsdp2_qwen3moe", "model": "debug_moe", "model_overrides": QWEN3_MOE,
-         "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b"},
-    ]
+    four += _family_moe_layouts("qwen3moe", QWEN3_MOE)
     # The same two 4-rank layouts as Qwen3-MoE (4 ranks cannot hold pp, tp and ep together: ep
     # is taken from dp_shard): EP x TP(+SP) x FSDP shards MLA's heads under TP next to sharded
     # experts; PP x EP x FSDP puts the dense block and the MoE blocks on different stages, each
     # stage moving its own blocks' bias. Measured (2 cores, load 8-14): about 1.5 s and 3.5 s in the
     # 4-rank launch, 0.3 s for ref_dsv3, about 6 s for both in the rehearsal fixture.
     one.append({"name": "ref_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3})
-    four += [
-        {"name": "ep2_fsdp2_tp2_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3,
-         "mesh": {"dp_shard": 2, "tp": 2, "ep": 2}, "sp": True},
-        {"name": "pp2_ep2_fsdp2_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3,
-         "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b"},
-    ]
+    four += _family_moe_layouts("dsv3", DEEPSEEK_V3)
     two += [
         {"name": "ep2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "ep": 2}},
         # bf16 mixed precision: compared with the fp32 reference at a bf16 tolerance (bf16 keeps
