@@ -208,22 +208,23 @@ def decide(run_dir: Path, restarts_done: int, max_restarts: int, exit_code: int,
         "event": "failure", "node": cause.get("node"), "rank": cause.get("rank"), "cause": cause,
         "action": action, "restart": restarts_done + 1 if action == RESTART else restarts_done,
     })
-    outcome = _node_outcome(run_dir, nodes, blamed, action, bool(on_spare), requeue)
+    outcome = _node_outcome(run_dir, nodes, blamed, action, on_spare, requeue)
     if action == RESTART:
         _set_failure_aside(run_dir, restarts_done + 1)
     return Decision(action, message, event, outcome)
 
 
-def _node_outcome(run_dir: Path, nodes: Optional[NodeSet], blamed: Dict[str, str], action: str, on_spare: bool,
-                  requeue: bool) -> Optional[NodeOutcome]:
-    """The nodes after the decision, each exclusion recorded ("exclude" events)."""
+def _node_outcome(run_dir: Path, nodes: Optional[NodeSet], blamed: Dict[str, str], action: str,
+                  on_spare: List[str], requeue: bool) -> Optional[NodeOutcome]:
+    """The nodes after the decision, each exclusion recorded ("exclude" events). `on_spare`: the
+    next step's nodes chosen without the blamed ones ([] when no healthy spare is left)."""
     if nodes is None:
         return None
     if action == RESTART and on_spare:
         excluded = [*nodes.excluded, *blamed]
         for node, why in blamed.items():
             append_event(run_dir, {"event": "exclude", "node": node, "cause": why, "action": EXCLUDE_RESTART})
-        return NodeOutcome(nodes.next_step(list(blamed)), excluded)
+        return NodeOutcome(on_spare, excluded)
     if action == RESTART:  # no node excluded now; the suspects stay in the step
         return NodeOutcome(nodes.next_step() or list(nodes.step), list(nodes.excluded))
     # Stopping: every bad node of this job run goes to the requeued job's ExcNodeList.
