@@ -54,6 +54,11 @@ class SilentServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        # close() alone does not wake the thread blocked in accept() on Linux; shutdown() does.
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
         for conn in self._held:
             conn.close()

@@ -70,6 +70,11 @@ def start_wandb_run(wandb: ModuleType, init_args: Dict[str, Any], mode: str, tim
     online: wandb's own init timeout bounds the wait, then the run logs offline into the run
     dir (`wandb sync` uploads it later). Returns None, after a warning, if W&B cannot start at all.
     """
+    # wandb's own error telemetry (wandb >= 0.2x) is sent to the same server when the process
+    # exits; where that server does not answer (a firewalled compute node) the send held rank 0's
+    # exit for about 20 s (two 10 s HTTP timeouts, measured with wandb 0.31). It reports to W&B,
+    # not to the user, so it is off unless WANDB_ERROR_REPORTING is set explicitly.
+    os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
     try:
         return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=timeout_s), **init_args)
     except Exception as e:  # noqa: BLE001 - wandb raises CommError, UsageError, timeouts, OSError...
