@@ -6,7 +6,9 @@ They let the real multi-process tests produce the failures the health tools exis
 - LAUNCHER_DEBUG_HANG=R:S   rank R sleeps forever before step S (before the step's first collective);
 - LAUNCHER_DEBUG_RAISE=R:S  rank R raises RuntimeError before step S;
 - LAUNCHER_DEBUG_OOM=R:S    rank R raises torch.OutOfMemoryError before step S;
-- LAUNCHER_DEBUG_SLOW_COMPUTE=R:N  rank R does N extra matmuls in every forward (install_slow_compute).
+- LAUNCHER_DEBUG_SLOW_COMPUTE=R:N  rank R does N extra matmuls in every forward (install_slow_compute);
+- LAUNCHER_DEBUG_PROBE=R:fail      rank R's pre-flight health probe (launcher/runtime/preflight.py)
+  gets a wrong matmul result; R:slow: its probe matmuls are repeated PROBE_SLOWDOWN times.
 """
 
 from __future__ import annotations
@@ -25,6 +27,33 @@ def _target(name: str) -> Optional[Tuple[int, int]]:
         return None
     rank, step = (int(x) for x in value.split(":"))
     return rank, step
+
+
+PROBE_SLOWDOWN = 100  # far over any sensible trainer.health_factor, and over the noise floor (preflight.MIN_COMPUTE_GAP_S)
+
+
+def _probe_target() -> Optional[Tuple[int, str]]:
+    value = os.environ.get("LAUNCHER_DEBUG_PROBE", "")
+    if not value:
+        return None
+    rank, how = value.split(":")
+    if how not in ("fail", "slow"):
+        raise ValueError(f"LAUNCHER_DEBUG_PROBE={value!r}: the part after the rank must be fail or slow. "
+                         f"Fix: e.g. LAUNCHER_DEBUG_PROBE=1:fail.")
+    return int(rank), how
+
+
+def probe_fails(rank: int) -> bool:
+    """LAUNCHER_DEBUG_PROBE=R:fail: rank R's probe result is made wrong."""
+    if _probe_target() == (rank, "fail"):
+        log.warning("LAUNCHER_DEBUG_PROBE: rank %d's health probe gets a wrong matmul result", rank)
+        return True
+    return False
+
+
+def probe_slowdown(rank: int) -> int:
+    """LAUNCHER_DEBUG_PROBE=R:slow: how many times over rank R repeats its probe's matmuls (1 elsewhere)."""
+    return PROBE_SLOWDOWN if _probe_target() == (rank, "slow") else 1
 
 
 def before_step(rank: int, step: int) -> None:

@@ -53,10 +53,25 @@ class RunProgress:
     phase: str = "startup"
 
 
+class NodeBlamed(RuntimeError):
+    """Every rank ends its attempt because a check named ranks' nodes as unfit: the pre-flight
+    health probe (kind "health", launcher/runtime/preflight.py) or a straggler over
+    trainer.straggler_factor (kind "straggler", launcher/runtime/stragglers.py). `named`: one
+    {rank, host, why} per rank; the summary's blamed_hosts is what the restart decision excludes."""
+
+    def __init__(self, kind: str, named: List[Dict[str, Any]], message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.named = named
+
+
 def classify(err: BaseException) -> str:
-    """The `what` of a summary for an exception: oom, signal (a stop that could not save) or exception."""
+    """The `what` of a summary for an exception: oom, signal (a stop that could not save), a
+    NodeBlamed's kind (health, straggler) or exception."""
     import torch
 
+    if isinstance(err, NodeBlamed):
+        return err.kind
     if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
         return "oom"
     if isinstance(err, StopWithoutCheckpoint):
@@ -162,4 +177,9 @@ class FailureBundle:
         summary = self.base_summary(what)
         summary["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         summary["failed_ranks"] = [self.rank]
+        if isinstance(err, NodeBlamed):
+            # Every rank raises the same verdict: the summary names the unfit rank, not the writer.
+            first = err.named[0]
+            summary.update(rank=first["rank"], host=first["host"], failed_ranks=[n["rank"] for n in err.named],
+                           blamed_hosts=sorted({n["host"] for n in err.named}), named=err.named)
         return self.write_summary(summary)
