@@ -131,3 +131,17 @@ def test_a_rank_failing_its_probe_stops_a_local_run_before_the_first_step(run_di
     rank0_log = (run_dir / "logs" / "rank_0.log").read_text()
     assert f"{host}/rank 1: matmul" in rank0_log and "WRONG (error 1.0)" in rank0_log and "GB/s" in rank0_log
     print(f"health-probe local run: {elapsed:.1f} s")
+
+
+def test_a_requeued_jobs_failure_replaces_the_summary_its_earlier_run_left(tmp_path, monkeypatch):
+    """Without this the health failure of a requeued job would not be its cause: the first run's
+    summary would stay and the decision would see a stale summary (a rank "killed by a signal")."""
+    monkeypatch.setenv("SLURM_JOB_ID", "114")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    FailureBundle(tmp_path, rank=0, world_size=2).record_exception(RuntimeError("Connection closed by peer"), "tb")
+    later = FailureBundle(tmp_path, rank=1, world_size=2)  # the same run: the first failure stays the cause
+    assert later.record_exception(RuntimeError("boom"), "tb") is None
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued
+    _health_failure(tmp_path)
+    summary = json.loads((tmp_path / "failure" / "summary.json").read_text())
+    assert (summary["what"], summary["attempt"]) == ("health", ["114", 1, 0])

@@ -65,6 +65,12 @@ class NodeBlamed(RuntimeError):
         self.named = named
 
 
+def _attempt() -> List[Any]:
+    """Which run of the ranks this is: the scheduler's job id and requeue count, the in-job restart."""
+    facts = job_facts()
+    return [facts.job_id, facts.restart_count, facts.in_job_restarts]
+
+
 def classify(err: BaseException) -> str:
     """The `what` of a summary for an exception: oom, signal (a stop that could not save), a
     NodeBlamed's kind (health, straggler) or exception."""
@@ -107,6 +113,7 @@ class FailureBundle:
             "last_step": self.progress.last_step,
             "last_checkpoint": self.progress.last_checkpoint,
             "phase": self.progress.phase,
+            "attempt": _attempt(),
         }
 
     def evidence(self) -> Dict[str, List[str]]:
@@ -138,11 +145,20 @@ class FailureBundle:
                 try:
                     os.link(tmp, path)  # atomic "create if absent" on a shared file system
                 except FileExistsError:
+                    earlier = self._read(path)
+                    if earlier is not None and earlier.get("attempt") != summary.get("attempt"):
+                        # A requeued job's earlier run left it (an in-job restart sets it aside): stale,
+                        # and keeping it would hide this attempt's cause from the restart decision.
+                        tmp.replace(path)
+                        return self._announce(path, summary)
                     tmp.unlink(missing_ok=True)
                     # Another rank failed first (the cause): W&B, which only rank 0 has, gets that summary.
                     self._publish(self._read(path))
                     return None
                 tmp.unlink(missing_ok=True)
+        return self._announce(path, summary)
+
+    def _announce(self, path: Path, summary: Dict[str, Any]) -> Path:
         where = f"rank {summary.get('rank')} on {summary.get('host')}"
         sys.stderr.write(f"[rank{self.rank}] run failed ({summary['what']}, {where}, last step "
                          f"{summary.get('last_step')}): see {path}\n")

@@ -5,8 +5,8 @@ it wastes the allocation.
 The probe (well under a second on CPU):
 - compute: a fixed matmul of small integers (exact in fp32 and TF32), repeated, on the rank's
   device; its result is checked against the product in float64 on the CPU, and the best of a
-  few timings kept. On CPU the time is the process's CPU time (ranks sharing cores are not
-  charged for each other), on GPU wall time around a synchronize (the device computes).
+  few timings kept. On CPU the matmuls run on one thread timed by its CPU time (ranks sharing
+  cores are not charged for each other), on GPU wall time around a synchronize (the device computes).
 - all-reduce: the bus bandwidth (nccl-tests' 2(n-1)/n x bytes / time) of all-reduces over the
   world on the default group (gloo on CPU, NCCL on GPU), best of a few timings from a barrier.
 
@@ -68,17 +68,16 @@ def probe(device, rank: int) -> Dict[str, Any]:
     n = MATMUL_N.get(kind, MATMUL_N["cpu"])
     a64, b64 = _operands(n)
     a, b = a64.float().to(device), b64.float().to(device)
-    clock = time.perf_counter if kind == "cuda" else time.process_time
-    best, out = float("inf"), None
-    for _ in range(TIMINGS):
-        if kind == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = clock()
-        for _ in range(MATMUL_REPEATS.get(kind, MATMUL_REPEATS["cpu"]) * debug_hooks.probe_slowdown(rank)):
-            out = a @ b
-        if kind == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, clock() - t0)
+    # CPU: one thread, timed by its own CPU time. Not the process's CPU time: idle OpenMP workers
+    # spin, and on loaded cores their spinning made a healthy rank's probe look 50x slow.
+    clock = time.perf_counter if kind == "cuda" else time.thread_time
+    threads = torch.get_num_threads()
+    if kind != "cuda":
+        torch.set_num_threads(1)
+    try:
+        best, out = _timed_matmuls(a, b, kind, rank, clock)
+    finally:
+        torch.set_num_threads(threads)
     result = out.double().cpu()
     if debug_hooks.probe_fails(rank):
         result[0, 0] += 1.0
@@ -89,6 +88,25 @@ def probe(device, rank: int) -> Dict[str, Any]:
                "device": torch.cuda.get_device_name(device) if kind == "cuda" else "cpu"}
     numbers["allreduce_gbps"] = _allreduce_gbps(device) if dist.is_initialized() and dist.get_world_size() > 1 else None
     return numbers
+
+
+def _timed_matmuls(a, b, kind: str, rank: int, clock):
+    """(best time of TIMINGS, the last product): MATMUL_REPEATS products of a and b per timing."""
+    import torch
+
+    from launcher.runtime import debug_hooks  # probe hooks (LAUNCHER_DEBUG_PROBE)
+
+    best, out = float("inf"), None
+    for _ in range(TIMINGS):
+        if kind == "cuda":
+            torch.cuda.synchronize(a.device)
+        t0 = clock()
+        for _ in range(MATMUL_REPEATS.get(kind, MATMUL_REPEATS["cpu"]) * debug_hooks.probe_slowdown(rank)):
+            out = a @ b
+        if kind == "cuda":
+            torch.cuda.synchronize(a.device)
+        best = min(best, clock() - t0)
+    return best, out
 
 
 def _allreduce_gbps(device) -> float:
