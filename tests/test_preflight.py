@@ -145,3 +145,20 @@ def test_a_requeued_jobs_failure_replaces_the_summary_its_earlier_run_left(tmp_p
     _health_failure(tmp_path)
     summary = json.loads((tmp_path / "failure" / "summary.json").read_text())
     assert (summary["what"], summary["attempt"]) == ("health", ["114", 1, 0])
+
+
+def test_the_check_is_on_for_multi_node_jobs_by_default_and_exclusion_of_stragglers_needs_a_spare():
+    from launcher.config.loader import compose_spec
+    from launcher.runtime.entry import health_check_on, straggler_excludes
+
+    one_node = compose_spec(["+recipe=debug"])
+    two_nodes = compose_spec(["+recipe=debug", "cluster=slurm", "cluster.nodes=2", "cluster.gpus_per_node=1"])
+    assert (one_node.trainer.health_check, one_node.trainer.health_factor) == ("auto", 3.0)
+    assert not health_check_on(one_node, 2) and health_check_on(two_nodes, 2)
+    assert health_check_on(compose_spec(["+recipe=debug", "trainer.health_check=on"]), 2)
+    assert not health_check_on(compose_spec(["+recipe=debug", "cluster=slurm", "cluster.nodes=2",
+                                             "trainer.health_check=off"]), 2)
+    assert (one_node.trainer.straggler_checks, one_node.trainer.straggler_action) == (3, "auto")
+    assert not straggler_excludes(two_nodes)
+    assert straggler_excludes(compose_spec(["+recipe=debug", "cluster=slurm", "cluster.nodes=2", "cluster.spare_nodes=1"]))
+    assert straggler_excludes(compose_spec(["+recipe=debug", "trainer.straggler_action=exclude"]))

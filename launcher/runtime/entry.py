@@ -188,10 +188,16 @@ def build_stragglers(spec: JobConfig, rank: RankInfo, metrics: MetricsLogger) ->
     if spec.trainer.straggler_factor <= 0 or rank.world_size < 2:
         return None
     t = spec.trainer
-    exclude = t.straggler_action == "exclude" or (t.straggler_action == "auto" and spec.cluster.spare_nodes > 0)
     return StragglerMonitor(rank.rank, gather_hosts(host_name()), t.straggler_factor, rank.device,
                             publish=metrics.summary if rank.rank == 0 else None, checks=t.straggler_checks,
-                            exclude=exclude)
+                            exclude=straggler_excludes(spec))
+
+
+def straggler_excludes(spec: JobConfig) -> bool:
+    """trainer.straggler_action: auto excludes a straggler's node only with a spare to take its place
+    (without one, ending the job for a slow node would cost a requeue: hours in a busy queue)."""
+    action = spec.trainer.straggler_action
+    return action == "exclude" or (action == "auto" and spec.cluster.spare_nodes > 0)
 
 
 def health_check_on(spec: JobConfig, world_size: int) -> bool:
