@@ -55,6 +55,13 @@ def test_the_probe_computes_the_right_product_and_the_debug_hook_breaks_or_slows
     monkeypatch.setenv("LAUNCHER_DEBUG_PROBE", "0:slow")
     slow = dict(probe(cpu, 0), host="n2")
     assert slow["compute_ok"] and [b["rank"] for b in verdict([dict(fine, host="n1"), slow], 3)] == [0]
+    # By node name: every rank on that node, whatever its number.
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURMD_NODENAME", "n2")
+    monkeypatch.setenv("LAUNCHER_DEBUG_PROBE", "n2:fail")
+    assert not probe(cpu, 3)["compute_ok"]
+    monkeypatch.setenv("SLURMD_NODENAME", "n3")
+    assert probe(cpu, 3)["compute_ok"]
 
 
 def _health_failure(run_dir: Path, host: str = "n2") -> Path:
