@@ -9,6 +9,12 @@ first logged step). One JSON object per line in resilience.jsonl:
     {"time": ..., "event": "failure", "node": "n2", "rank": 1, "cause": {...}, "action": "restart", "restart": 1}
     {"time": ..., "event": "resumed", "node": "n1", "rank": 0, "step": 8, "lost_steps": 2, "restart": 1}
     {"time": ..., "event": "exclude", "node": "n2", "cause": "node lost: ...", "action": "restart on a spare"}
+    {"time": ..., "event": "health", "node": "n1", "rank": 0, "ok": true, "ranks": [...], "named": []}
+
+(the last written by rank 0 at each pre-flight health check, launcher/runtime/preflight.py). A
+health check or a straggler that names a node (kind "health" / "straggler") restarts on a spare;
+with none the decision stops ("stop: unfit node": in place the same node would fail again) and the
+node goes to the requeue's ExcNodeList.
 
 A failure that names a node (launcher/runtime/node_exclusion.py) excludes it for the rest of the job:
 the next srun step runs on the healthy nodes, a spare (`cluster.spare_nodes`) taking its place;
