@@ -105,6 +105,11 @@ def test_a_straggler_for_n_checks_in_a_row_names_its_node_and_the_decision_uses_
     with pytest.raises(NodeBlamed) as raised:
         excluding.judge(4, [1.0, 1.0, 1.0, 2.0])
     assert raised.value.kind == "straggler" and [(n["rank"], n["host"]) for n in raised.value.named] == [(3, "n2")]
+    # The first log step (one-off start-up costs) never counts against a rank.
+    at_once = StragglerMonitor(0, hosts, factor=1.5, device=torch.device("cpu"), checks=1, exclude=True)
+    at_once.judge(1, [1.0, 1.0, 1.0, 5.0])
+    with pytest.raises(NodeBlamed):
+        at_once.judge(2, [1.0, 1.0, 1.0, 5.0])
     FailureBundle(tmp_path, rank=0, world_size=4).record_exception(raised.value, "Traceback ...\n")
     decision = decide(tmp_path, 0, 3, 1, nodes=NodeSet(["n1", "n2", "n3"], needed=2, step=["n1", "n2"]))
     assert decision.restart and decision.nodes.step_nodes == ["n1", "n3"]

@@ -55,6 +55,7 @@ class StragglerMonitor:
         self._streak = [0] * len(hosts)
         self._slowest_count = [0] * len(hosts)
         self._warned: Dict[int, Dict[str, Any]] = {}
+        self._observed = 0
 
     def _clock(self) -> float:
         return time.perf_counter() if self.device.type == "cuda" else time.thread_time()
@@ -90,7 +91,9 @@ class StragglerMonitor:
             # Compared with the other ranks' median: with few ranks the straggler itself moves the
             # median of all (with two ranks no rank could ever exceed 2x the median of both).
             others = statistics.median(times[:r] + times[r + 1:]) if len(times) > 1 else value
-            over = others > 0 and value > self.factor * others
+            # The first log step carries one-off costs (lazy init, allocator warm-up, compile) that
+            # differ between ranks: not evidence against a node, which exclusion would take it for.
+            over = others > 0 and value > self.factor * others and self._observed > 0
             self._streak[r] = self._streak[r] + 1 if over else 0
             if self._streak[r] == self.checks:
                 if self.rank == 0:
@@ -99,6 +102,7 @@ class StragglerMonitor:
                               "why": f"{value:.3f} s per step, {value / others:.1f}x the other ranks' median "
                                      f"{others:.3f} s, for {self.checks} log steps in a row (trainer.straggler_factor="
                                      f"{self.factor:g})"})
+        self._observed += 1
         if named and self.exclude:
             what = "; ".join(f"rank {n['rank']} on {n['host']}: {n['why']}" for n in named)
             raise NodeBlamed("straggler", named, f"straggler at step {step}: {what}. Its node is excluded on a restart "
