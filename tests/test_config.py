@@ -90,6 +90,11 @@ RULES = [
     (["trainer.val_every=5", "data=tokens", "data.path=/"], ["trainer.val_every=5", "data.source=tokens", "data.val_path"]),
     (["trainer.val_every=5", "data.val_path=/nonexistent/val.bin"], ["data.val_path=/nonexistent/val.bin", "does not exist"]),
     (["trainer.straggler_factor=0.5"], ["trainer.straggler_factor=0.5", "above 1"]),
+    # Straggler exclusion and the pre-flight health check (launcher/runtime/preflight.py).
+    (["trainer.straggler_checks=0"], ["trainer.straggler_checks=0", "at least 1"]),
+    (["trainer.straggler_action=kill"], ["trainer.straggler_action='kill'", "auto, warn or exclude"]),
+    (["trainer.health_check=maybe"], ["trainer.health_check='maybe'", "auto (on for multi-node jobs), on or off"]),
+    (["trainer.health_factor=1"], ["trainer.health_factor=1", "above 1"]),
     (["profile.enabled=true", "profile.steps=[5,2]"], ["profile.steps=[5, 2]", "first <= last"]),
     (["profile.enabled=true", "profile.ranks=[7]"], ["profile.ranks has [7]", "0..1"]),
     # Budget keys (launcher/plan/budget.py).

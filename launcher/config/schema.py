@@ -290,9 +290,20 @@ class TrainerConfig:
     # Validation loss (val_loss, val_ppl) every val_every steps (0: off) over val_steps held-out global batches.
     val_every: int = 0
     val_steps: int = 2
-    # Straggler warning: a rank busier than this x the other ranks' median for 3 log steps in a row
-    # median (launcher/runtime/stragglers.py; one all-gather of one float per log step). 0: off.
+    # Straggler warning: a rank busier than this x the other ranks' median for straggler_checks log
+    # steps in a row (launcher/runtime/stragglers.py; one all-gather of one float per log step). 0: off.
     straggler_factor: float = 1.5
+    straggler_checks: int = 3
+    # What a straggler does: warn (log and run summary), exclude (every rank ends the attempt with a
+    # failure naming its node, kind "straggler": the restart decision puts a spare in its place, or
+    # excludes it from the requeued job), auto (exclude when cluster.spare_nodes > 0, else warn).
+    straggler_action: str = "auto"
+    # Pre-flight health check before the first step (and after each in-job restart):
+    # launcher/runtime/preflight.py. auto: on for multi-node jobs (cluster.nodes > 1) | on | off.
+    health_check: str = "auto"
+    # A rank whose probe matmul takes over this x the other ranks' median, or whose all-reduce
+    # bandwidth is under their median / this, names its node (as does a wrong matmul result).
+    health_factor: float = 3.0
     # CUDA memory history for the first N steps of every run, dumped to failure/ on OOM (0: off).
     memory_snapshot_steps: int = 3
     # Rehearse (action=rehearse, the `rehearse` group's settings) before launching; abort when a

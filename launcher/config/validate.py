@@ -542,6 +542,18 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
         problems.append(
             f"trainer.straggler_factor={t.straggler_factor} must be above 1 (a multiple of the median step time) "
             f"or 0 (off). Fix: e.g. trainer.straggler_factor=1.5.")
+    if t.straggler_checks < 1:
+        problems.append(f"trainer.straggler_checks={t.straggler_checks} must be at least 1 (log steps in a row over "
+                        f"trainer.straggler_factor). Fix: e.g. trainer.straggler_checks=3.")
+    if t.straggler_action not in ("auto", "warn", "exclude"):
+        problems.append(f"trainer.straggler_action={t.straggler_action!r} must be auto, warn or exclude. "
+                        f"Fix: trainer.straggler_action=auto.")
+    if str(t.health_check) not in ("auto", "on", "off"):
+        problems.append(f"trainer.health_check={t.health_check!r} must be auto (on for multi-node jobs), on or off. "
+                        f"Fix: trainer.health_check=auto.")
+    if t.health_factor <= 1:
+        problems.append(f"trainer.health_factor={t.health_factor} must be above 1 (a multiple of the other ranks' "
+                        f"median probe time). Fix: e.g. trainer.health_factor=3.")
     pr = spec.profile
     if pr.enabled and (len(pr.steps) != 2 or pr.steps[0] < 1 or pr.steps[1] < pr.steps[0]):
         problems.append(

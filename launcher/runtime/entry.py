@@ -33,7 +33,7 @@ from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeo
 from launcher.plan.plan import Plan
 from launcher.runtime.checkpoint import CheckpointManager, lock_for_run
 from launcher.runtime.checkpoint_folder import checkpoint_root
-from launcher.runtime.failure import FAILURE_DIR, FailureBundle, host_name
+from launcher.runtime.failure import FAILURE_DIR, FailureBundle, NodeBlamed, host_name
 from launcher.runtime.health import RunHealth
 from launcher.runtime.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
@@ -44,6 +44,7 @@ from launcher.runtime.trainer import LoopConfig, Trainer
 from launcher.runtime.heldout_loss import Validator
 from launcher.runtime.profiler import StepProfiler, default_profile_ranks
 from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
+from launcher.runtime.preflight import run_preflight
 from launcher.runtime.moe_health import MoEHealth
 from launcher.runtime.run_score import RunScore
 from launcher.runtime.resilience import RestartReport
@@ -186,8 +187,24 @@ def build_stragglers(spec: JobConfig, rank: RankInfo, metrics: MetricsLogger) ->
     """Per-log-step spread of busy time over ranks (off with one rank or trainer.straggler_factor=0)."""
     if spec.trainer.straggler_factor <= 0 or rank.world_size < 2:
         return None
-    return StragglerMonitor(rank.rank, gather_hosts(host_name()), spec.trainer.straggler_factor, rank.device,
-                            publish=metrics.summary if rank.rank == 0 else None)
+    t = spec.trainer
+    return StragglerMonitor(rank.rank, gather_hosts(host_name()), t.straggler_factor, rank.device,
+                            publish=metrics.summary if rank.rank == 0 else None, checks=t.straggler_checks,
+                            exclude=straggler_excludes(spec))
+
+
+def straggler_excludes(spec: JobConfig) -> bool:
+    """trainer.straggler_action: auto excludes a straggler's node only with a spare to take its place
+    (without one, ending the job for a slow node would cost a requeue: hours in a busy queue)."""
+    action = spec.trainer.straggler_action
+    return action == "exclude" or (action == "auto" and spec.cluster.spare_nodes > 0)
+
+
+def health_check_on(spec: JobConfig, world_size: int) -> bool:
+    """trainer.health_check: auto is on for multi-node jobs (one node has no other node to compare with)."""
+    if spec.trainer.health_check == "auto":
+        return spec.cluster.nodes > 1 and world_size > 1
+    return spec.trainer.health_check == "on"
 
 
 def log_plan_plots(spec: JobConfig, plan: Plan, run_dir: Path, metrics: MetricsLogger) -> None:
@@ -278,6 +295,11 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
     health = start_health(spec, plan, bundle, rank.device.type)
     log_placement(plan, rank)
+    if health_check_on(spec, rank.world_size):
+        # Before anything is built or loaded: an unfit node is named before it costs the allocation.
+        with health.phase("health check"):
+            run_preflight(rank.device, rank.rank, rank.world_size, host_name(), spec.trainer.health_factor, run_dir,
+                          restart=job_facts().in_job_restarts)
     # One job per checkpoint folder, checked before anything is built or written (rank 0 holds it).
     folder_lock = lock_for_run(checkpoint_root(spec.checkpoint.dir, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
 
@@ -410,7 +432,7 @@ def main(argv=None) -> int:
         rank = os.environ.get("RANK", "?")
         text = traceback.format_exc()
         logging.getLogger("launcher").error("rank %s failed:\n%s", rank, text)
-        if isinstance(err, (ValueError, FileNotFoundError)) and "Fix:" in str(err):
+        if isinstance(err, (ValueError, FileNotFoundError, NodeBlamed)) and "Fix:" in str(err):
             sys.stderr.write(f"[rank{rank}] {err}\n")  # a user error: the message is the whole story
         else:
             sys.stderr.write(f"[rank{rank}] FAILED:\n{text}")

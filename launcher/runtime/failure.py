@@ -53,10 +53,31 @@ class RunProgress:
     phase: str = "startup"
 
 
+class NodeBlamed(RuntimeError):
+    """Every rank ends its attempt because a check named ranks' nodes as unfit: the pre-flight
+    health probe (kind "health", launcher/runtime/preflight.py) or a straggler over
+    trainer.straggler_factor (kind "straggler", launcher/runtime/stragglers.py). `named`: one
+    {rank, host, why} per rank; the summary's blamed_hosts is what the restart decision excludes."""
+
+    def __init__(self, kind: str, named: List[Dict[str, Any]], message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.named = named
+
+
+def _attempt() -> List[Any]:
+    """Which run of the ranks this is: the scheduler's job id and requeue count, the in-job restart."""
+    facts = job_facts()
+    return [facts.job_id, facts.restart_count, facts.in_job_restarts]
+
+
 def classify(err: BaseException) -> str:
-    """The `what` of a summary for an exception: oom, signal (a stop that could not save) or exception."""
+    """The `what` of a summary for an exception: oom, signal (a stop that could not save), a
+    NodeBlamed's kind (health, straggler) or exception."""
     import torch
 
+    if isinstance(err, NodeBlamed):
+        return err.kind
     if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
         return "oom"
     if isinstance(err, StopWithoutCheckpoint):
@@ -92,6 +113,7 @@ class FailureBundle:
             "last_step": self.progress.last_step,
             "last_checkpoint": self.progress.last_checkpoint,
             "phase": self.progress.phase,
+            "attempt": _attempt(),
         }
 
     def evidence(self) -> Dict[str, List[str]]:
@@ -123,11 +145,20 @@ class FailureBundle:
                 try:
                     os.link(tmp, path)  # atomic "create if absent" on a shared file system
                 except FileExistsError:
+                    earlier = self._read(path)
+                    if earlier is not None and earlier.get("attempt") != summary.get("attempt"):
+                        # A requeued job's earlier run left it (an in-job restart sets it aside): stale,
+                        # and keeping it would hide this attempt's cause from the restart decision.
+                        tmp.replace(path)
+                        return self._announce(path, summary)
                     tmp.unlink(missing_ok=True)
                     # Another rank failed first (the cause): W&B, which only rank 0 has, gets that summary.
                     self._publish(self._read(path))
                     return None
                 tmp.unlink(missing_ok=True)
+        return self._announce(path, summary)
+
+    def _announce(self, path: Path, summary: Dict[str, Any]) -> Path:
         where = f"rank {summary.get('rank')} on {summary.get('host')}"
         sys.stderr.write(f"[rank{self.rank}] run failed ({summary['what']}, {where}, last step "
                          f"{summary.get('last_step')}): see {path}\n")
@@ -162,4 +193,9 @@ class FailureBundle:
         summary = self.base_summary(what)
         summary["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         summary["failed_ranks"] = [self.rank]
+        if isinstance(err, NodeBlamed):
+            # Every rank raises the same verdict: the summary names the unfit rank, not the writer.
+            first = err.named[0]
+            summary.update(rank=first["rank"], host=first["host"], failed_ranks=[n["rank"] for n in err.named],
+                           blamed_hosts=sorted({n["host"] for n in err.named}), named=err.named)
         return self.write_summary(summary)

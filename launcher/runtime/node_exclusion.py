@@ -13,6 +13,10 @@ Which failures name a node:
   (`hosts_not_arrived`), when that is some of the step's nodes, not all;
 - a crash: an exception (or OOM) on a rank names that rank's node, unless its text reports a lost
   peer (a reset connection, a collective timeout): then the peer is the cause, not this node.
+- a health probe failing (kind "health": wrong or slow compute, slow all-reduce, before the first
+  step) or a straggler over trainer.straggler_factor for trainer.straggler_checks log steps in a row
+  (kind "straggler"): the summary's blamed_hosts. These are faults of the node, not transient: with
+  no spare the job does not restart in place (it would meet the same node), see resilience.decide.
 A rank killed by a signal writes no summary and names no node.
 """
 
@@ -27,6 +31,8 @@ from typing import Any, Dict, List, Sequence
 PEER_LOSS_SYMPTOMS = ("connection reset", "connection closed", "closed by peer", "broken pipe", "timed out",
                       "timeout", "socket", "distbackenderror", "nccl", "gloo", "connection refused")
 CRASH_KINDS = ("exception", "oom")
+# Kinds whose summary names unfit nodes (blamed_hosts) measured by a check, not a crash.
+NODE_FAULT_KINDS = ("health", "straggler")
 
 
 def blamed_nodes(cause: Dict[str, Any], step_nodes: Sequence[str], lost_nodes: Sequence[str] = ()) -> Dict[str, str]:
@@ -41,6 +47,9 @@ def blamed_nodes(cause: Dict[str, Any], step_nodes: Sequence[str], lost_nodes: S
             return {h: f"hang: its ranks {cause.get('ranks_not_arrived')} did not arrive at the collective"
                     for h in sorted(set(hosts))}
         return {}
+    if what in NODE_FAULT_KINDS:
+        whys = {n.get("host"): n.get("why") for n in cause.get("named") or []}
+        return {h: f"{what}: {whys.get(h) or cause.get('error')}" for h in cause.get("blamed_hosts") or [] if h}
     node, error = cause.get("node"), str(cause.get("error") or "")
     if what in CRASH_KINDS and node and not any(s in error.lower() for s in PEER_LOSS_SYMPTOMS):
         return {node: f"crash: {what} on rank {cause.get('rank')}: {error}"}

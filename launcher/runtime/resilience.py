@@ -9,6 +9,12 @@ first logged step). One JSON object per line in resilience.jsonl:
     {"time": ..., "event": "failure", "node": "n2", "rank": 1, "cause": {...}, "action": "restart", "restart": 1}
     {"time": ..., "event": "resumed", "node": "n1", "rank": 0, "step": 8, "lost_steps": 2, "restart": 1}
     {"time": ..., "event": "exclude", "node": "n2", "cause": "node lost: ...", "action": "restart on a spare"}
+    {"time": ..., "event": "health", "node": "n1", "rank": 0, "ok": true, "ranks": [...], "named": []}
+
+(the last written by rank 0 at each pre-flight health check, launcher/runtime/preflight.py). A
+health check or a straggler that names a node (kind "health" / "straggler") restarts on a spare;
+with none the decision stops ("stop: unfit node": in place the same node would fail again) and the
+node goes to the requeue's ExcNodeList.
 
 A failure that names a node (launcher/runtime/node_exclusion.py) excludes it for the rest of the job:
 the next srun step runs on the healthy nodes, a spare (`cluster.spare_nodes`) taking its place;
@@ -33,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from launcher.runtime.node_exclusion import NodeOutcome, NodeSet, blamed_nodes, split_nodes
+from launcher.runtime.node_exclusion import NODE_FAULT_KINDS, NodeOutcome, NodeSet, blamed_nodes, split_nodes
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,7 @@ DETERMINISTIC_KINDS = ("exception", "oom")
 
 RESTART, STOP_REPEATING, STOP_EXHAUSTED = "restart", "stop: repeating failure", "stop: max_restarts reached"
 STOP_NODE_LOST = "stop: node lost"
+STOP_NODE_UNFIT = "stop: unfit node"
 # What an "exclude" event did with the node.
 EXCLUDE_RESTART, EXCLUDE_REQUEUE, EXCLUDE_NONE = "restart on a spare", "excluded from the requeued job", \
     "none: the job is not requeued"
@@ -109,7 +116,8 @@ def failure_cause(run_dir: Path, exit_code: int, attempt_started: Optional[float
     return {"what": summary.get("what"), "error": summary.get("error"), "rank": summary.get("rank"),
             "node": summary.get("host"), "last_step": summary.get("last_step"),
             "failure_unix_time": summary.get("unix_time"), "exit_code": exit_code,
-            "hosts_not_arrived": summary.get("hosts_not_arrived"), "ranks_not_arrived": summary.get("ranks_not_arrived")}
+            "hosts_not_arrived": summary.get("hosts_not_arrived"), "ranks_not_arrived": summary.get("ranks_not_arrived"),
+            "blamed_hosts": summary.get("blamed_hosts"), "named": summary.get("named")}
 
 
 def signature(cause: Dict[str, Any]) -> Optional[tuple]:
@@ -126,7 +134,7 @@ def signature(cause: Dict[str, Any]) -> Optional[tuple]:
 
 @dataclass
 class Decision:
-    action: str  # RESTART, STOP_REPEATING, STOP_EXHAUSTED or STOP_NODE_LOST
+    action: str  # RESTART, STOP_REPEATING, STOP_EXHAUSTED, STOP_NODE_LOST or STOP_NODE_UNFIT
     message: str
     event: Dict[str, Any]
     nodes: Optional[NodeOutcome] = None  # with a NodeSet: the next step's nodes and the exclusions
@@ -188,6 +196,14 @@ def decide(run_dir: Path, restarts_done: int, max_restarts: int, exit_code: int,
         message = (f"repeating failure: the same {what} happened again at the same step after a restart. "
                    f"This is a bug in the run, not a fault of a node: not restarting. Fix the cause "
                    f"(failure/summary.json and its traceback), then run again to resume from the newest checkpoint.")
+    elif cause.get("what") in NODE_FAULT_KINDS and not on_spare:
+        # A node the health probe or the straggler check measured as unfit fails the same way on a
+        # restart in place: only a spare, or the requeue (which excludes it), gets past it.
+        action = STOP_NODE_UNFIT
+        spare = ("no spare node left (cluster.spare_nodes: allocate more to continue in the job)" if nodes is not None
+                 else "a local run has no other node")
+        message = (f"the ranks failed: {what}; not restarting in place: the same node would fail the same check "
+                   f"({spare}). cluster.requeue_on_failure=true requeues the job without that node.")
     elif restarts_done >= max_restarts:
         action = STOP_EXHAUSTED
         message = (f"the ranks failed: {what}; not restarting: cluster.max_restarts={max_restarts} "

@@ -6,8 +6,10 @@ slowness), the wall time on GPU (where kernels run asynchronously; there it most
 host-side stalls). On each log step one small all-gather (one float per rank) collects the
 mean since the last log step; rank 0 logs step_time_min_s / step_time_median_s /
 step_time_max_s, slowest_rank and slowest_host. A rank over trainer.straggler_factor x the
-other ranks' median for CONSECUTIVE_LOGS log steps in a row is warned about with its host name, and the
-run summary lists the slowest hosts.
+other ranks' median for trainer.straggler_checks log steps in a row is warned about with its host
+name, and the run summary lists the slowest hosts. With `exclude` (trainer.straggler_action) every
+rank then raises NodeBlamed (kind "straggler"; every rank sees the same gathered times, so all
+end together): the failure bundle names the node and the restart decision excludes it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from launcher.runtime.failure import NodeBlamed
+
 log = logging.getLogger(__name__)
 
-CONSECUTIVE_LOGS = 3
+CONSECUTIVE_LOGS = 3  # the default of trainer.straggler_checks
 
 
 def gather_hosts(host: str) -> List[str]:
@@ -36,18 +40,22 @@ def gather_hosts(host: str) -> List[str]:
 
 class StragglerMonitor:
     def __init__(self, rank: int, hosts: List[str], factor: float, device: torch.device,
-                 publish: Optional[Callable[[Dict[str, Any]], None]] = None):
+                 publish: Optional[Callable[[Dict[str, Any]], None]] = None, checks: int = CONSECUTIVE_LOGS,
+                 exclude: bool = False):
         self.rank = rank
         self.hosts = hosts
         self.factor = factor
         self.device = device
         self.publish = publish  # rank 0: the run summary
+        self.checks = checks
+        self.exclude = exclude  # end the attempt naming the straggler's node (NodeBlamed)
         self._busy = 0.0
         self._steps = 0
         self._t0 = 0.0
         self._streak = [0] * len(hosts)
         self._slowest_count = [0] * len(hosts)
         self._warned: Dict[int, Dict[str, Any]] = {}
+        self._observed = 0
 
     def _clock(self) -> float:
         return time.perf_counter() if self.device.type == "cuda" else time.thread_time()
@@ -70,24 +78,43 @@ class StragglerMonitor:
             times = [float(x) for x in out]
         else:
             times = [mine]
+        return self.judge(step, times)
+
+    def judge(self, step: int, times: List[float]) -> Dict[str, Any]:
+        """Every rank's busy time of one log step (rank order) -> the metrics; warns, and with
+        `exclude` raises NodeBlamed, when ranks have been over the factor for `checks` log steps in a row."""
         median = statistics.median(times)
         slowest = max(range(len(times)), key=times.__getitem__)
         self._slowest_count[slowest] += 1
+        named = []
         for r, value in enumerate(times):
             # Compared with the other ranks' median: with few ranks the straggler itself moves the
             # median of all (with two ranks no rank could ever exceed 2x the median of both).
             others = statistics.median(times[:r] + times[r + 1:]) if len(times) > 1 else value
-            over = others > 0 and value > self.factor * others
+            # The first log step carries one-off costs (lazy init, allocator warm-up, compile) that
+            # differ between ranks: not evidence against a node, which exclusion would take it for.
+            over = others > 0 and value > self.factor * others and self._observed > 0
             self._streak[r] = self._streak[r] + 1 if over else 0
-            if self._streak[r] == CONSECUTIVE_LOGS and self.rank == 0:
-                self._warn(step, r, value, others)
+            if self._streak[r] == self.checks:
+                if self.rank == 0:
+                    self._warn(step, r, value, others)
+                named.append({"rank": r, "host": self.hosts[r],
+                              "why": f"{value:.3f} s per step, {value / others:.1f}x the other ranks' median "
+                                     f"{others:.3f} s, for {self.checks} log steps in a row (trainer.straggler_factor="
+                                     f"{self.factor:g})"})
+        self._observed += 1
+        if named and self.exclude:
+            what = "; ".join(f"rank {n['rank']} on {n['host']}: {n['why']}" for n in named)
+            raise NodeBlamed("straggler", named, f"straggler at step {step}: {what}. Its node is excluded on a restart "
+                                                 f"(cluster.spare_nodes) or from the requeued job; Fix: "
+                                                 f"trainer.straggler_action=warn only warns")
         return {"step_time_min_s": min(times), "step_time_median_s": median, "step_time_max_s": max(times),
                 "slowest_rank": slowest, "slowest_host": self.hosts[slowest]}
 
     def _warn(self, step: int, r: int, value: float, median: float) -> None:
         log.warning("straggler: rank %d on host %s took %.3f s per step, %.1fx the other ranks' median %.3f s, for %d log steps "
                     "in a row (trainer.straggler_factor=%g)", r, self.hosts[r], value, value / median, median,
-                    CONSECUTIVE_LOGS, self.factor)
+                    self.checks, self.factor)
         self._warned[r] = {"rank": r, "host": self.hosts[r], "step": step, "ratio": round(value / median, 2)}
         if self.publish is not None:
             self.publish(self.summary())
