@@ -124,7 +124,9 @@ def test_family_blocks_in_the_elementwise_time_and_the_assumptions():
                 + 5 * 2 * (8 + 1) * 2048  # SwiGLU over 8 routed + 1 shared experts
                 + (2 * 2 + 36) * (1536 + 512)  # q and kv latent norms
                 + 2 * 2 * 2 * heads * qk  # q and k concatenated
-                + router_bytes(ds, lay) * 58 / 61)  # 58 of 61 blocks route
+                + router_bytes(ds, lay) * 58 / 61  # 58 of 61 blocks route
+                # their 8 dim-wide rows per token gathered to expert order and combined (eager)
+                + (2 * 2 + 16 + 5 * 2) * 8 * 7168 * 58 / 61)
     assert block_forward_bytes(ds, lay) == pytest.approx(expected)
     assert router_bytes(ds, lay) == (2 + 60) * 256  # elementwise.router_bytes docstring
     assert router_bytes(model_shape(compose_spec(["model=mixtral_8x7b"]).model), lay) == 0.0
