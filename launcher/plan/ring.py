@@ -39,8 +39,9 @@ F32 = 4.0
 # explains about 0.3 s of it. The rest is modelled as the hop kernels running at this fraction of
 # the single causal kernel's rate. HYPOTHESIS, not derived: lock-step hops wait for the slowest of
 # cp power-capped GPUs every hop, and NCCL's copy kernels for the K/V gather and the fp32 dK/dV
-# take SMs from the attention kernels while they run. Fitted to Table 2's CP 4 and CP 8 rows (the
-# value centres the four rows' ratios); Table 6 (405B, another model and layout) is its check.
+# take SMs from the attention kernels while they run. Fitted to Table 2: the value that centres its
+# four tokens/s ratios (0.96, 0.85, 1.11, 1.14); no per-hop constant fits CP 2 and CP 4 both.
+# Table 6 (405B, another model and layout, not used for the fit) is its check: 0.86-1.09.
 RING_HOP_EFFICIENCY = 0.88
 
 
