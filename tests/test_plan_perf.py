@@ -63,6 +63,24 @@ def test_tp_volume_by_hand():
     assert comm["TP all-gather (SP)"].where == "intra"
 
 
+def test_cp_ring_volume_by_hand():
+    """torch's ring attention, as the runtime runs it: K/V repeated to all 32 query heads (not the 8
+    K/V heads) gathered once in forward and once in backward, and the fp32 dK/dV sent on after each
+    of the cp hops; the merges' bytes grow with the hops at the same tokens per GPU."""
+    from launcher.plan.ring import ring_bookkeeping_s
+
+    st = stage_params(SHAPE, 1)[0]
+    lay = Layout(cp=4, seq_len=8192, micro_batch_size=1, microbatches=1, dp_shard=2)
+    comm = {c.name: c for c in estimate_comm(SHAPE, lay, HW, st)}
+    kv = 8192 * 32 * (128 + 128) * 2  # the whole sequence's expanded K and V, bf16
+    assert comm["CP K/V ring"].bytes_per_step == pytest.approx(kv * 3 / 4 * 32 * 2)
+    assert comm["CP dK/dV ring"].bytes_per_step == pytest.approx(kv / 4 * 2 * 32 * 4)
+    # Same 2,048 tokens per GPU: 7 hops cost 7x the bookkeeping of 1 hop, none without CP.
+    by_cp = {cp: ring_bookkeeping_s(SHAPE, dataclasses.replace(lay, cp=cp, seq_len=2048 * cp), HW, 32, 0.0, 2048)
+             for cp in (1, 2, 8)}
+    assert by_cp[1] == 0.0 and by_cp[8] == pytest.approx(7 * by_cp[2])
+
+
 def test_step_time_and_mfu_are_consistent():
     lay = Layout(dp_shard=64, tp=1, microbatches=2, seq_len=8192, micro_batch_size=1, gpus_per_node=8)
     flops_tok = 6 * SHAPE.total  # any consistent number
@@ -124,7 +142,9 @@ def test_family_blocks_in_the_elementwise_time_and_the_assumptions():
                 + 5 * 2 * (8 + 1) * 2048  # SwiGLU over 8 routed + 1 shared experts
                 + (2 * 2 + 36) * (1536 + 512)  # q and kv latent norms
                 + 2 * 2 * 2 * heads * qk  # q and k concatenated
-                + router_bytes(ds, lay) * 58 / 61)  # 58 of 61 blocks route
+                + router_bytes(ds, lay) * 58 / 61  # 58 of 61 blocks route
+                # their 8 dim-wide rows per token gathered to expert order and combined (eager)
+                + (2 * 2 + 16 + 5 * 2) * 8 * 7168 * 58 / 61)
     assert block_forward_bytes(ds, lay) == pytest.approx(expected)
     assert router_bytes(ds, lay) == (2 + 60) * 256  # elementwise.router_bytes docstring
     assert router_bytes(model_shape(compose_spec(["model=mixtral_8x7b"]).model), lay) == 0.0

@@ -27,8 +27,8 @@ BANDS: Dict[str, Dict[str, Any]] = {
     "fsdp": {"time": (0.85, 0.96), "memory": (0.96, 1.09), "rows": 14},
     "2d": {"time": (0.82, 0.82), "memory": (0.91, 0.91), "rows": 2},
     "3d": {"time": (0.85, 0.86), "memory": (0.84, 0.95), "rows": 6},
-    "cp": {"time": (0.92, 1.32), "memory": (0.82, 0.99), "rows": 12},
-    "moe": {"time": (0.5, 1.36), "rows": 3},
+    "cp": {"time": (0.85, 1.14), "memory": (0.82, 0.99), "rows": 12},
+    "moe": {"time": (0.46, 1.11), "rows": 3},
 }
 KINDS = ("single_gpu", "fsdp", "2d", "3d", "cp", "moe")
 # A kind without rows: the union of the measured bands, each side pushed 25 % further out.

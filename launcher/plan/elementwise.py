@@ -18,7 +18,9 @@ runtime runs (launcher/models/layers.py, launcher/engines/base.py, launcher/para
 - float8 (torchao, dynamic scaling): every converted Linear computes an amax of its input and
   casts it (read a, read a, write 1 byte per element), in backward the same for the gradient
   of its output, plus transposed fp8 copies of both for the weight gradient; rowwise scaling
-  needs a separate amax for the transposed copies.
+  needs a separate amax for the transposed copies;
+- MoE blocks move each token's top_k dim-wide rows into expert order, under EP to local-expert
+  order and back, and combine them weighted (`moe_dispatch_bytes`).
 Under sequence parallelism every elementwise op of a block runs on 1/tp of the tokens; without
 it the norms and residual adds run on the full sequence on every TP rank.
 """
@@ -72,6 +74,24 @@ def router_bytes(shape: ModelShape, lay: Layout) -> float:
     return float(per_e * e)
 
 
+def moe_dispatch_bytes(shape: ModelShape, lay: Layout) -> float:
+    """Forward bytes per token of one MoE block's token movement (launcher/models/moe.py forward,
+    launcher/parallel/ep.py dispatch/combine), each of the top_k copies a `dim`-wide row:
+
+    - the rows gathered into expert order (x[token_idx]): read and write, 2a per element;
+    - under expert parallelism, the received rows permuted to local-expert order (rows[perm]) and
+      back (index_copy) before the combine's all-to-all: 2a each;
+    - the combine: eager, y.float() (a + 4), times the routing weight (8), cast back (4 + a) and
+      index_add_ into the output (3a: read the rows, read and write the sums) = 16 + 5a; compiled,
+      the cast-multiply-cast chain fuses into the index_add: 3a.
+    Under sequence parallelism each TP rank moves its 1/tp of the tokens; without it, all of them."""
+    if not shape.n_moe_layers:
+        return 0.0
+    a, k, h = lay.act_bytes, max(1, shape.top_k), shape.dim
+    per_elem = 2 * a + (4 * a if lay.ep > 1 else 0) + (3 * a if lay.compile else 16 + 5 * a)
+    return per_elem * k * h / (lay.tp if lay.sp else 1)
+
+
 def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
     """Bytes the elementwise ops of one block's forward move per token on one GPU (the attention's
     sizes from the family's layout, launcher/models/<family>/params.py attention_layout)."""
@@ -89,9 +109,9 @@ def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
         # MLA: q and k are concatenated from their no-RoPE and RoPE parts (the shared RoPE key
         # expanded to every head): one read and one write of each.
         extra += 2 * a * 2 * at.n_heads * at.qk_head_dim / t
-    if shape.n_moe_layers and shape.score_func == "sigmoid":
+    if shape.n_moe_layers:
         # Averaged over the blocks, like f above: only MoE blocks route.
-        extra += router_bytes(shape, lay) * shape.n_moe_layers / shape.n_layers
+        extra += (router_bytes(shape, lay) + moe_dispatch_bytes(shape, lay)) * shape.n_moe_layers / shape.n_layers
     if lay.compile:
         norms = 2 * 4 * a * h / sp  # fused residual add + norm: read x and residual, write sum and output
         rope = 2 * a * rope_elems / t

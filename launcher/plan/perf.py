@@ -13,7 +13,8 @@ Assumptions (printed by `action=plan`, documented in docs/planner.md):
 - Overlap: FSDP/ZeRO all-gathers and reduce-scatters overlap the compute of other units
   (only the part longer than the compute, plus the first gather and last reduce of a
   micro-batch, is exposed); DDP's all-reduce overlaps the last backward; context-parallel
-  ring exchange overlaps its attention (at least 10% exposed); TP and EP collectives are exposed (the runtime has
+  K/V gathers overlap the attention and the fp32 dK/dV ring overlaps the backward's hops but for
+  the last hop of each layer (launcher/plan/ring.py); TP and EP collectives are exposed (the runtime has
   no TP comm overlap and no async TP), and so is DeepSeek-V3's once-per-step router-bias all-reduce;
   pipeline sends are exposed during warm-up and cool-down only.
 """
@@ -28,6 +29,7 @@ from launcher.plan.elementwise import HBM_EFFICIENCY, elementwise_s
 from launcher.plan.flops import attention_flops_per_token, peak_tflops
 from launcher.plan.layout import Layout
 from launcher.plan.params import ModelShape, StageParams, attention_width, stage_params
+from launcher.plan.ring import hop_time_factor, kv_bytes_per_token, ring_bookkeeping_s
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -174,21 +176,31 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     """Forward + backward of one micro-batch on one GPU of a pipeline rank."""
     tokens = lay.micro_batch_size * lay.seq_len
     block, head = stage_matmul_params(shape, st)
-    attn = attention_flops_per_token(st.n_layers, attention_width(shape), lay.seq_len)
     rf = recompute_fraction(lay)
     # Recomputing a forward costs a third of forward+backward.
     block_flops = (6.0 * block * (1 + rf / 3) + 2.0 * alternate_mm_recompute_params(shape, st, lay)) * tokens
-    attn_flops = attn * (1 + rf / 3) * tokens
     head_flops = 6.0 * head * tokens
     split = lay.tp * lay.cp  # each GPU of the TP x CP group computes its share
     eff = hw.achievable_fraction * gemm_efficiency(shape, lay)
     # Attention and the output layer stay in bf16 under fp8 (precision.fp8.exclude); fp32 runs use TF32.
     other_peak = matmul_peak(hw, "fp32" if lay.precision == "fp32" else "bf16") * eff
     block_peak = matmul_peak(hw, lay.precision) * eff
-    matmul_s = (block_flops / block_peak + (attn_flops + head_flops) / other_peak) / split
+    matmul_s = (block_flops / block_peak + head_flops / other_peak) / split + attention_s(shape, st, lay, hw)
     memory_bound_s = elementwise_s(shape, lay, hw, st.n_layers, elementwise_recompute_fraction(lay),
                                    st.has_output, tokens / lay.cp)
-    return matmul_s + memory_bound_s + document_mask_s(st, lay, hw)
+    ring_s = ring_bookkeeping_s(shape, lay, hw, st.n_layers, rf, tokens / lay.cp)
+    return matmul_s + memory_bound_s + ring_s + document_mask_s(st, lay, hw)
+
+
+def attention_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> float:
+    """Attention-score matmul seconds of one micro-batch on one GPU: the 12 L h s FLOPs (plus a
+    recomputed forward) at the bf16 (TF32 under fp32) rate, split over tp x cp; under context
+    parallelism the ring's hops run at RING_HOP_EFFICIENCY (launcher/plan/ring.py)."""
+    tokens = lay.micro_batch_size * lay.seq_len
+    rf = recompute_fraction(lay)
+    attn_flops = attention_flops_per_token(st.n_layers, attention_width(shape), lay.seq_len) * (1 + rf / 3) * tokens
+    peak = matmul_peak(hw, "fp32" if lay.precision == "fp32" else "bf16") * hw.achievable_fraction
+    return attn_flops / (peak * gemm_efficiency(shape, lay)) / (lay.tp * lay.cp) * hop_time_factor(lay)
 
 
 def document_mask_s(st: StageParams, lay: Layout, hw: Any) -> float:
@@ -293,11 +305,12 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
         else:
             out.append(_coll("TP all-reduce", "all_reduce", ("tp",), lay.tp, lay, hw, x, count))
     if lay.cp > 1:
-        # Ring attention: every K/V shard visits every rank in forward; backward passes K/V and dK/dV.
-        at = shape.attention_layout
-        kv_width = at.n_kv_heads * (at.qk_head_dim + at.v_head_dim)  # one key and one value per K/V head
-        kv = lay.micro_batch_size * lay.seq_len * kv_width * a / lay.tp
-        out.append(_coll("CP K/V ring", "all_gather", ("cp",), lay.cp, lay, hw, kv, n_layers * m * (3 + rf)))
+        # Ring attention (launcher/plan/ring.py): K/V, repeated to every query head, all-gathered in
+        # forward, again when recomputed, and in backward; the fp32 dK/dV cross cp links per backward.
+        kv = lay.micro_batch_size * lay.seq_len * kv_bytes_per_token(shape, lay)
+        out.append(_coll("CP K/V ring", "all_gather", ("cp",), lay.cp, lay, hw, kv, n_layers * m * (2 + rf)))
+        dkv = kv / lay.cp * 4.0 / a
+        out.append(_coll("CP dK/dV ring", "p2p", ("cp",), lay.cp, lay, hw, dkv, n_layers * m * lay.cp))
     n_moe = st.n_moe_layers
     if lay.ep > 1 and n_moe:
         x = tokens * shape.top_k * shape.dim * a / (lay.tp if lay.sp else 1)
@@ -342,7 +355,7 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
     compute_s = t_mb[slowest_i] * m
     bubble_s = t_mb[slowest_i] * slots
     comm = estimate_comm(shape, lay, hw, st)
-    _apply_overlap(comm, lay, compute_s, st)
+    _apply_overlap(comm, lay, compute_s, st, attention_s(shape, st, lay, hw) * m)
     optimizer_s = optimizer_step_s(st, lay, hw)
     exposed = sum(c.exposed_s for c in comm)
     step_s = compute_s + bubble_s + exposed + optimizer_s
@@ -369,8 +382,10 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
     }
 
 
-def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: StageParams) -> None:
-    """Set each collective's exposed time per the overlap assumptions in the module docstring."""
+def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: StageParams,
+                   attn_s: float = 0.0) -> None:
+    """Set each collective's exposed time per the overlap assumptions in the module docstring;
+    `attn_s`: the step's attention seconds on this rank, which the CP ring hides behind."""
     units = max(1, st.n_layers + (1 if st.has_embedding or st.has_output else 0))
     fsdp = [c for c in comm if "param all-gather" in c.name or "grad reduce-scatter" in c.name or "HSDP" in c.name]
     fsdp_s = sum(c.time_s for c in fsdp)
@@ -387,10 +402,13 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
             c.exposed_s = max(0.0, c.time_s - compute_s / max(1, lay.microbatches) * 2 / 3) + c.time_s / units
         elif c.name.startswith(("TP", "EP", "router bias")):
             c.exposed_s = c.time_s
-        elif c.name.startswith("CP"):
-            # Overlaps the attention compute, but each ring step's hand-off and the load-balancing
-            # shuffle are not hidden: at least 10% stays exposed.
-            c.exposed_s = max(0.1 * c.time_s, c.time_s - 0.5 * compute_s)
+        elif c.name.startswith("CP K/V"):
+            # The gather runs behind the hops' attention kernels; what exceeds them is exposed.
+            c.exposed_s = max(0.0, c.time_s - attn_s)
+        elif c.name.startswith("CP dK/dV"):
+            # Each hop's dK/dV travels during the next hop's kernels; the layer's last one after all
+            # of them (a rank waits for it before the layer's backward ends): 1/cp of them exposed.
+            c.exposed_s = c.time_s / lay.cp + max(0.0, c.time_s * (lay.cp - 1) / lay.cp - attn_s / 2)
         elif c.name.startswith("PP"):
             per_send = c.time_s / max(1, 2 * lay.microbatches * lay.vpp)
             c.exposed_s = 2 * (lay.pp - 1) * per_send
