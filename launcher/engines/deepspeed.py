@@ -75,7 +75,7 @@ def prepare_deepspeed_environment(device_type: str) -> None:
 def init_deepspeed_distributed(device_type: str) -> None:
     """Join (or reuse) the process group through deepspeed.comm: gloo on CPU, nccl on GPU."""
     prepare_deepspeed_environment(device_type)
-    import deepspeed  # lazy: deepspeed is optional and slow to import
+    import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
     deepspeed.init_distributed(dist_backend="gloo" if device_type == "cpu" else "nccl",
                                dist_init_required=not dist.is_initialized())
@@ -89,7 +89,7 @@ def build_optimizer(module: nn.Module, optim, offload_optimizer: str) -> torch.o
     if offload_optimizer == "none":
         return build_adamw(module, optim)
     groups = param_groups(module, optim.weight_decay)
-    from deepspeed.ops.adam import DeepSpeedCPUAdam  # lazy: deepspeed is optional and slow to import
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
     return DeepSpeedCPUAdam(groups, lr=optim.lr,
                             betas=(optim.beta1, optim.beta2), eps=optim.eps, adamw_mode=True)
@@ -97,7 +97,7 @@ def build_optimizer(module: nn.Module, optim, offload_optimizer: str) -> torch.o
 
 def _apply_deepspeed_checkpointing(model: nn.Module, mode: str, selective: str) -> int:
     """Recompute blocks with deepspeed.checkpointing (full, or every N-th block)."""
-    import deepspeed  # lazy: deepspeed is optional and slow to import
+    import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
     every = 1 if mode == "full" else int(selective)
     wrapped = 0
@@ -155,7 +155,7 @@ def fake_pipeline_counts_readable():
     Scoped minimum: only the name ``torch`` inside deepspeed.runtime.pipe.engine is rebound,
     to a proxy that forwards every attribute to torch except ``LongTensor``; restored after.
     """
-    import deepspeed.runtime.pipe.engine as pipe_engine  # lazy: deepspeed is optional and slow to import
+    import deepspeed.runtime.pipe.engine as pipe_engine  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
     class _TorchWithRealLongTensor(types.ModuleType):
         def __getattr__(self, name):
@@ -239,7 +239,7 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
     """ZeRO-3: parameters are partitioned as each module is constructed (deepspeed.zero.Init), so no
     rank ever holds the whole model; then each parameter gets the native path's layout-independent
     initial value, one full parameter at a time (GatheredParameters, written by rank 0)."""
-    import deepspeed  # lazy: deepspeed is optional and slow to import
+    import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
 
     remote = offload_params if offload_params != "none" else None
@@ -345,7 +345,7 @@ class DeepSpeedEngine:
     def __init__(self, model_cfg, optim_cfg, layout: Layout, device: torch.device, options: EngineOptions):
         device = torch.device(device)
         init_deepspeed_distributed(device.type)
-        import deepspeed  # lazy: deepspeed is optional and slow to import
+        import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
         self.model_cfg, self.layout, self.options, self.device = model_cfg, layout, options, device
         lay = layout
@@ -373,7 +373,7 @@ class DeepSpeedEngine:
         self.is_moe = model_cfg.n_experts > 0
         self.n_blocks = len(model.layers)
         if self.pp > 1:
-            from deepspeed.pipe import PipelineModule  # lazy: deepspeed is optional and slow to import
+            from deepspeed.pipe import PipelineModule  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
             interval = 0
             if lay.ac_mode != "none":
@@ -699,8 +699,8 @@ class DeepSpeedEngine:
 
     def _full_parameter(self, param: torch.Tensor) -> torch.Tensor:
         """One parameter's full value on every rank (collective under ZeRO 1-3)."""
-        import deepspeed  # lazy: deepspeed is optional and slow to import
-        from deepspeed.utils import safe_get_full_fp32_param  # lazy: deepspeed is optional and slow to import
+        import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
+        from deepspeed.utils import safe_get_full_fp32_param  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
         if self.layout.zero_stage == 0:
             return param.detach()

@@ -117,7 +117,7 @@ def validate_deepspeed_config(cfg: Dict[str, Any], dp_size: int):
     initialised), so the batch keys are checked here for ``dp_size`` and handed to
     DeepSpeed rescaled to the world size it sees.
     """
-    # lazy: deepspeed is optional and slow to import
+    # lazy: deepspeed is slow to import (DeepSpeed backend only)
     from deepspeed.runtime.config import DeepSpeedConfig
 
     micro, accum, total = (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"],

@@ -118,7 +118,7 @@ def convert_to_universal(engine_dir: Path, tag: str) -> bool:
     tmp = final.with_name(".incomplete_" + final.name)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    from deepspeed.checkpoint import ds_to_universal  # lazy: deepspeed is optional and slow to import
+    from deepspeed.checkpoint import ds_to_universal  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
     # One worker: the converter's process pool would fork this rank, which holds the process
     # group's threads. inject_missing_state: our model has no tensor-parallel slicing patterns.

@@ -31,6 +31,7 @@ torch and torchao are imported lazily inside the functions so that importing thi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
@@ -214,8 +215,6 @@ def float8_all_gather_enabled(cfg: Fp8Config, fsdp_enabled: bool) -> bool:
 
 def build_float8_linear_config(cfg: Fp8Config, *, fsdp_enabled: bool, emulate: bool):
     """torchao's Float8LinearConfig for `cfg.recipe`, with all-gather and emulation set."""
-    import dataclasses
-
     from torchao.float8 import Float8LinearConfig
 
     if cfg.recipe not in FP8_RECIPES:

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from launcher.config.validate import tensor_parallel_problems
 from launcher.models.family import family_of
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,6 @@ log = logging.getLogger(__name__)
 def check_tensor_parallel(cfg, tp: int) -> None:
     """Raise ValueError naming every shape that does not divide by ``tp`` (the validator's rule,
     launcher.config.validate.tensor_parallel_problems, written once)."""
-    from launcher.config.validate import tensor_parallel_problems
-
     problems = tensor_parallel_problems(cfg, tp)
     if problems:
         raise ValueError("tensor parallelism cannot split this model:\n  " + "\n  ".join(problems))
