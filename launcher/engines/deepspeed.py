@@ -700,7 +700,7 @@ class DeepSpeedEngine:
     def _full_parameter(self, param: torch.Tensor) -> torch.Tensor:
         """One parameter's full value on every rank (collective under ZeRO 1-3)."""
         import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
-        from deepspeed.utils import safe_get_full_fp32_param  # lazy: deepspeed is slow to import (DeepSpeed backend only)
+        from deepspeed.utils import safe_get_full_fp32_param  # lazy: as above
 
         if self.layout.zero_stage == 0:
             return param.detach()
