@@ -10,22 +10,31 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Tuple
 
 import hydra
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from launcher.config.errors import ConfigError, print_problems
+from launcher.config.executors import cluster_key_problems
 from launcher.config.loader import compose_spec, save_spec, to_spec, user_overrides
 from launcher.config.schema import JobConfig
 from launcher.config.store import available_recipes, register_configs
+from launcher.config.validate import validate as validate_config
 from launcher.paths import config_dir
+from launcher.plan.plan import build_plan
+from launcher.plan.report import render_plan, render_search
+from launcher.plan.resolve import check, resolve_all
 
 if TYPE_CHECKING:  # pragma: no cover
     from launcher.plan.layout import Layout
@@ -82,8 +91,6 @@ def _fail_if_problems(problems: List[str]) -> None:
 
 def _point_problems(overrides: List[str]) -> List[str]:
     """Every problem of the job these overrides compose (composition errors included)."""
-    from launcher.plan.resolve import resolve_all
-
     try:
         spec = compose_spec(overrides)
     except ConfigError as err:
@@ -103,10 +110,6 @@ def sweep_points(overrides: List[str]) -> List[Tuple[str, List[str]]]:
     each override's values, in command-line order. Each job is (label, overrides), the label
     naming the swept values. glob() sweeps over config groups are expanded like Hydra does.
     """
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     register_configs()
     axes: List[List[Tuple[str, bool]]] = []
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
@@ -128,6 +131,7 @@ def _resolve_local_device(spec: JobConfig) -> JobConfig:
     """For local runs, decide `trainer.device=auto` here (the ranks run on this machine)."""
     if spec.cluster.name != "local" or spec.trainer.device != "auto":
         return spec
+    # lazy: the launch side (launch/, jinja2, data.prepare: ~0.1 s) only when a job starts; action=plan skips it
     from launcher.launch.local import visible_gpu_count
 
     gpus = visible_gpu_count()
@@ -155,9 +159,6 @@ def _same_job(checked: JobConfig, spec: JobConfig) -> bool:
 
 def _resolved(spec: JobConfig) -> "Layout":
     """The spec's Layout (every rule checked and every decision derived once); exit 2 otherwise."""
-    from launcher.config.validate import validate as validate_config
-    from launcher.plan.resolve import check
-
     for checked, layout in _PRECHECKED:
         if _same_job(checked, spec):
             problems = validate_config(spec)  # the config-level rules, on the final device
@@ -172,6 +173,7 @@ def _resolved(spec: JobConfig) -> "Layout":
 
 def _check_before_launch(spec: JobConfig, plan) -> None:
     """Checks that need the run-time libraries (DeepSpeed's own config classes); exit 2 on failure."""
+    # lazy: action=run only (preflight + deepspeed_config: ~7 ms); action=plan skips it
     from launcher.launch.preflight import check_deepspeed_config, check_hf_support
 
     try:
@@ -182,8 +184,6 @@ def _check_before_launch(spec: JobConfig, plan) -> None:
 
 
 def _run(spec: JobConfig, run_dir: Path) -> int:
-    from launcher.plan.plan import build_plan
-
     spec = _resolve_local_device(spec)
     plan = build_plan(spec, _resolved(spec))
     _check_before_launch(spec, plan)
@@ -194,20 +194,18 @@ def _run(spec: JobConfig, run_dir: Path) -> int:
     plan.save(run_dir)
     if spec.trainer.rehearse:
         _rehearse_before_launch(spec, plan, run_dir)
+    # lazy: the launch side (launch/, jinja2, data.prepare: ~0.1 s) only when a job starts; action=plan skips it
     from launcher.launch.executor import executor_for
 
     return executor_for(spec.cluster.name).launch(spec, plan, run_dir)
 
 
 def _plan(spec: JobConfig, run_dir: Path) -> int:
-    from launcher.plan.plan import build_plan
-    from launcher.plan.report import render_plan
-
     plan = build_plan(spec, _resolved(spec))
     print(render_plan(plan, spec, spec.plan.format), flush=True)
     # JSON is for tools: keep it instant (matplotlib alone costs about a second).
     if spec.plan.plots and spec.plan.format != "json":
-        from launcher.plan.plots import save_plan_plots
+        from launcher.plan.plots import save_plan_plots  # lazy: only when plots are drawn (~6 ms)
 
         run_dir.mkdir(parents=True, exist_ok=True)
         plan.save(run_dir)
@@ -216,8 +214,7 @@ def _plan(spec: JobConfig, run_dir: Path) -> int:
 
 
 def _search(spec: JobConfig) -> int:
-    from launcher.plan.report import render_search
-    from launcher.plan.search import search_layouts
+    from launcher.plan.search import search_layouts  # lazy: action=search only; action=plan's imports stay as they were
 
     _resolved(spec)
     candidates = search_layouts(spec)
@@ -227,7 +224,7 @@ def _search(spec: JobConfig) -> int:
 
 def _prepare_problems(spec: JobConfig) -> List[str]:
     """action=prepare needs only prepare.* and the executor's cluster.* keys: no model, layout or data.* rules."""
-    from launcher.config.executors import cluster_key_problems
+    # lazy: action=prepare only (data.prepare: ~0.08 s); action=plan skips it
     from launcher.data.prepare import prepare_problems
 
     return prepare_problems(spec.prepare) + cluster_key_problems(spec.cluster, spec.action)
@@ -235,6 +232,7 @@ def _prepare_problems(spec: JobConfig) -> List[str]:
 
 def _prepare(spec: JobConfig, run_dir: Path) -> int:
     """action=prepare: tokenize prepare.input into prepare.output, here or as a job (the executor's choice)."""
+    # lazy: the launch side (launch/, jinja2, data.prepare: ~0.1 s) only when a job starts; action=plan skips it
     from launcher.launch.executor import executor_for
 
     return executor_for(spec.cluster.name).prepare(spec, run_dir)
@@ -243,8 +241,8 @@ def _prepare(spec: JobConfig, run_dir: Path) -> int:
 def _rehearse(spec: JobConfig, run_dir: Path) -> int:
     """Plan, then build the chosen ranks on a fake process group (launcher/rehearse/driver.py);
     exit 2 with one line per rank that cannot be built."""
+    # lazy: action=rehearse / trainer.rehearse only; action=plan skips it
     from launcher.rehearse.driver import rehearsal_problems, rehearse, render_rehearsal
-    from launcher.plan.plan import build_plan
 
     plan = build_plan(spec, _resolved(spec))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -255,8 +253,6 @@ def _rehearse(spec: JobConfig, run_dir: Path) -> int:
     except ConfigError as err:
         _fail_config(err.problems)
     if spec.plan.format == "json":
-        import json
-
         print(json.dumps(result, indent=1), flush=True)
     else:
         print(render_rehearsal(result), flush=True)
@@ -270,6 +266,7 @@ def _rehearse(spec: JobConfig, run_dir: Path) -> int:
 def _rehearse_before_launch(spec: JobConfig, plan, run_dir: Path) -> None:
     """trainer.rehearse=true: rehearse first (rehearsal.json, which rank 0 logs to W&B); exit 2
     before anything is launched when a rank cannot be built or does not fit."""
+    # lazy: action=rehearse / trainer.rehearse only; action=plan skips it
     from launcher.rehearse.driver import fit_problems, rehearsal_problems, rehearse, render_rehearsal
 
     try:

@@ -117,3 +117,51 @@ def test_planning_actions_import_neither_torch_nor_deepspeed(tmp_path, action):
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "HEAVY=[]" in proc.stderr, proc.stderr[-2000:]
+
+
+# Function-local imports only where they buy something (a torch-free host path, a slow or
+# optional package on some paths), each saying why: `# lazy: <reason>` on its line or the line
+# above. runtime/, plan/ and rehearse/ are not held to it yet.
+LAZY_RULE_SKIPS = ("runtime", "plan", "rehearse")
+
+
+def unexplained_local_imports(source: str) -> List[int]:
+    """Lines of imports inside functions that carry no `# lazy: <reason>` comment."""
+    lines = source.splitlines()
+
+    def explained(node: ast.stmt) -> bool:
+        own = lines[node.lineno - 1:node.end_lineno]
+        above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+        candidates = [line.partition("#")[2] for line in own if "#" in line]
+        if above.startswith("#"):
+            candidates.append(above[1:])
+        return any(text.strip().startswith("lazy:") and text.strip()[len("lazy:"):].strip() for text in candidates)
+
+    bad = set()
+    for fn in ast.walk(ast.parse(source)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and not explained(node):
+                    bad.add(node.lineno)
+    return sorted(bad)
+
+
+def test_function_local_imports_say_why():
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if room_of(module_name(path)) in LAZY_RULE_SKIPS:
+            continue
+        problems += [f"{path.relative_to(REPO)}:{line}" for line in unexplained_local_imports(path.read_text())]
+    assert not problems, ("function-local imports without a `# lazy: <reason>` comment (move them to the top, or "
+                          "say what importing them late buys):\n  " + "\n  ".join(problems))
+
+
+@pytest.mark.parametrize("source, bad", [
+    ("def f():\n    import json\n", [2]),
+    ("def f():\n    import json  # lazy:\n", [2]),  # a marker without a reason
+    ("def f():\n    import torch  # lazy: keeps the planner torch-free\n    import numpy\n", [3]),
+    ("def f():\n    # lazy: deepspeed is slow to import\n    import deepspeed\n", []),
+    ("import json\n\nclass A:\n    def f(self):\n        def g():\n            from x import (a,\n                b)  # lazy: x is optional\n", []),
+])
+def test_the_lazy_rule_sees_bare_local_imports(source, bad):
+    assert unexplained_local_imports(source) == bad

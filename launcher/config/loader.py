@@ -11,6 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
+from launcher.hf.format import fill_from_hf
+from launcher.paths import config_dir
 
 RESOLVED_CONFIG = "config.yaml"
 
@@ -29,7 +31,6 @@ def to_spec(cfg: DictConfig) -> JobConfig:
     unknown = unknown_keys(cfg)
     if unknown:
         raise ConfigError(unknown)
-    from launcher.hf.format import fill_from_hf
 
     fill_from_hf(cfg)  # model=hf: shape keys (and data.tokenizer) from model.init_from's config.json
     steps_from_token_budget(cfg)
@@ -110,10 +111,10 @@ def load_spec(run_dir: Path) -> JobConfig:
 
 def compose_spec(overrides: Sequence[str] = ()) -> JobConfig:
     """Compose conf/train.yaml with overrides, outside any Hydra app (tests, planner, benches)."""
+    # lazy: hydra (~0.1 s) only composes here; ranks read the saved spec with OmegaConf alone
     from hydra import compose, initialize_config_dir
 
-    from launcher.config.store import register_configs
-    from launcher.paths import config_dir
+    from launcher.config.store import register_configs  # lazy: config.store imports hydra; see above
 
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

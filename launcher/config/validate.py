@@ -18,6 +18,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 from launcher.config.executors import EXECUTOR_NAMES, cluster_key_problems
 from launcher.config.errors import ConfigError
 from launcher.config.schema import ADAMW_IMPLEMENTATIONS, JobConfig, ModelConfig
+from launcher.hf.format import folder_problems
 from launcher.models.family import family_problems
 from launcher.models.shape import head_dim_of, moe_layer_ids
 from launcher.config.writable import folder_problem
@@ -509,7 +510,7 @@ def tokenizer_vocab_size(path: str, mtime_ns: int) -> Tuple[Optional[int], str]:
     Uses the `tokenizers` package only (no torch). `mtime_ns` keys the cache.
     """
     try:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: tokenizers (a Rust extension) only when a tokenizer.json is read
 
         return Tokenizer.from_file(str(Path(path))).get_vocab_size(with_added_tokens=True), ""
     except Exception as err:  # the library raises bare Exception for a malformed file
@@ -566,8 +567,6 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
 
 def _check_hf_io(spec: JobConfig, problems: List[str]) -> None:
     """model.init_from (a Hugging Face folder: read before launch, headers only) and action=export."""
-    from launcher.hf.format import folder_problems
-
     # action=run only: plan/search never read the weights (and search validates many layouts).
     if spec.model.init_from and spec.action == "run":
         problems.extend(folder_problems(spec.model, spec.model.init_from))

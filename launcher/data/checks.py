@@ -15,8 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+import numpy as np
+
 from launcher.config.schema import DataConfig, JobConfig
 from launcher.data.corpus import CorpusInfo, corpus_info
+from launcher.data.text import text_files
+from launcher.data.tokens import shard_files
 
 # Actions that read the data (or plan a run that will): action=export reads none.
 DATA_ACTIONS = ("run", "plan", "search", "rehearse")
@@ -117,12 +121,8 @@ def _plain_path_problems(cfg: DataConfig, path: str, key: str, problems: List[st
         return  # reported by launcher.config.validate (missing key / missing path)
     try:
         if cfg.source == "tokens":
-            from launcher.data.tokens import shard_files
-
             shard_files(Path(path), key)
         else:
-            from launcher.data.text import text_files
-
             text_files(Path(path))
     except (OSError, ValueError) as err:
         problems.append(str(err))
@@ -195,10 +195,6 @@ def repeat_warnings(spec: JobConfig, steps: int, global_batch_size: int) -> List
             _repeat_line(out, f"source {s.name!r} ({s.path})" if d.mix else f"data.path={s.path}", needed, windows, seq, d.max_epochs)
     elif d.source == "tokens" and d.path and os.path.exists(d.path):
         try:
-            from launcher.data.tokens import shard_files
-
-            import numpy as np
-
             itemsize = np.dtype(d.dtype).itemsize
             windows = sum(max(0, (f.stat().st_size // itemsize - 1) // seq) for f in shard_files(Path(d.path)))
         except (OSError, ValueError):

@@ -31,9 +31,15 @@ import torch
 
 from launcher.config.schema import DataConfig
 from launcher.data.batch import Microbatch
+from launcher.data.checks import data_sources, is_mixture
+from launcher.data.corpus import corpus_info
+from launcher.data.embedded import embedded_tokens
+from launcher.data.indexed import IndexedDataset
 from launcher.data.mixture import MixtureState
 from launcher.data.sampler import WindowPermutation
+from launcher.data.text import cached_tokenization
 from launcher.data.tokens import shard_files  # noqa: F401  (re-exported: older imports)
+from launcher.data.validation import load_val_token_arrays
 
 OPEN_SHARDS = 64  # indexed shards kept memory-mapped at once per source (a map costs 3 file mappings)
 
@@ -51,8 +57,6 @@ class IndexedShards:
         return len(self.prefixes)
 
     def dataset(self, i: int):
-        from launcher.data.indexed import IndexedDataset
-
         with self._lock:
             ds = self._open.get(i)
             if ds is None:
@@ -302,14 +306,10 @@ class StepBatches:
 def load_token_arrays(cfg: DataConfig, cache_dir: Path) -> List[np.ndarray]:
     """The token arrays for data.source (embedded | tokens | text)."""
     if cfg.source == "embedded":
-        from launcher.data.embedded import embedded_tokens
-
         return [embedded_tokens(cfg.embedded_tokens, seed=0)]
     if cfg.source == "tokens":
         return [np.memmap(f, dtype=np.dtype(cfg.dtype), mode="r") for f in shard_files(Path(cfg.path))]
     if cfg.source == "text":
-        from launcher.data.text import cached_tokenization
-
         shard = cached_tokenization(Path(cfg.path), cfg.tokenizer, cfg.dtype, cache_dir)
         return [np.memmap(shard, dtype=np.dtype(cfg.dtype), mode="r")]
     raise ValueError(f"data.source={cfg.source!r} is not one of embedded, tokens, text (indexed: data_step_batches)")
@@ -339,8 +339,6 @@ def check_vocab(arrays: Sequence[np.ndarray], vocab_size: int, sample: int = 20_
 def indexed_windows(path: str, seq_len: int) -> Tuple[TokenWindows, bool]:
     """Windows over the indexed dataset at `path` (checked, shards opened on demand), and whether
     its batches need the vocabulary check (no manifest records its largest id)."""
-    from launcher.data.corpus import corpus_info
-
     info = corpus_info(path)
     shards = IndexedShards([s.prefix for s in info.shards], [s.tokens for s in info.shards])
     return TokenWindows(shards, seq_len), not info.has_manifest
@@ -352,14 +350,11 @@ def data_step_batches(cfg: DataConfig, *, seq_len: int, seed: int, global_batch_
     flags = dict(document_ids=cfg.document_masking, positions=cfg.reset_positions, vocab_size=vocab_size)
     if cfg.source != "indexed":
         if validation:
-            from launcher.data.validation import load_val_token_arrays
-
             arrays = load_val_token_arrays(cfg, cache_dir)
         else:
             arrays = load_token_arrays(cfg, cache_dir)
         check_vocab(arrays, vocab_size)
         return StepBatches(TokenWindows(arrays, seq_len), seed, global_batch_size, part, **flags)
-    from launcher.data.checks import data_sources, is_mixture
 
     specs = data_sources(cfg, validation)
     windows, options = [], []

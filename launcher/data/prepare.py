@@ -32,6 +32,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from launcher.config.errors import print_problems
+from launcher.config.loader import load_spec
 from launcher.config.schema import PrepareConfig
 from launcher.data.indexed import token_dtype_for_vocab, write_index
 from launcher.data.readers import JSON_LINE, TEXT_BYTES, SourceReader, file_format, input_files, parquet_schema_problem
@@ -187,7 +188,7 @@ _WORKER: dict = {}
 def _init_worker(tokenizer_path: str, text_key: str, bos_id: Optional[int], eos_id: int, dtype: str) -> None:
     """Load the tokenizer once per process. One thread per process: `workers` processes = `workers` cores."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # lazy: tokenizers (a Rust extension) only when a tokenizer.json is read
 
     tok = Tokenizer.from_file(tokenizer_path)
     # encode_batch_fast (tokenizers >= 0.21) skips the offsets prepare does not use; same ids.
@@ -420,6 +421,7 @@ class _Progress:
         self.bar = None
         tty = sys.stderr.isatty() if enabled is None else enabled
         if tty:
+            # lazy: rich.progress (~70 ms) only for a terminal's progress bar
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
             self.bar = Progress(TextColumn("prepare"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
@@ -616,8 +618,6 @@ def _print_summary(manifest: dict, out_dir: Path, bar: _Progress) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m launcher.data.prepare RUN_DIR`: the prepare of RUN_DIR/config.yaml (a SLURM job runs this)."""
-    from launcher.config.loader import load_spec
-
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         print("usage: python -m launcher.data.prepare RUN_DIR (holding the config.yaml `train` wrote)", file=sys.stderr)

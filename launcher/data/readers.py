@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
+import zstandard
+
 FORMATS = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt")
 
 # Record kinds handed to the tokenizer processes.
@@ -94,8 +96,6 @@ class SourceReader:
             if fmt == ".jsonl.gz":
                 stream = gzip.GzipFile(fileobj=raw, mode="rb")
             elif fmt == ".jsonl.zst":
-                import zstandard
-
                 stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
             else:
                 stream = raw
@@ -109,7 +109,7 @@ class SourceReader:
             self.bytes_read = raw.tell()
 
     def _parquet(self) -> Iterator[Tuple[int, int, object]]:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: pyarrow takes ~0.25 s to import; only .parquet input needs it
 
         pf = pq.ParquetFile(self.path)
         rows = max(1, pf.metadata.num_rows)
@@ -129,8 +129,8 @@ class SourceReader:
 
 def parquet_schema_problem(path: Path, text_key: str) -> str:
     """Why `path` (a parquet file) cannot give prepare.text_key ('' when it can): read from the footer only."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # lazy: pyarrow takes ~0.25 s to import; only .parquet input needs it
+    import pyarrow.parquet as pq  # lazy: pyarrow takes ~0.25 s to import; only .parquet input needs it
 
     try:
         schema = pq.read_schema(path)

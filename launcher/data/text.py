@@ -30,7 +30,7 @@ def _load_tokenizer(tokenizer_path: str):
             f"data.tokenizer={tokenizer_path} does not exist. Fix: give the path of a local tokenizer.json "
             f"(the launcher never downloads tokenizers), or data.tokenizer='' for byte tokens."
         )
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # lazy: tokenizers (a Rust extension) only when a tokenizer.json is read
 
     return Tokenizer.from_file(str(path))
 

@@ -60,7 +60,7 @@ def load_tokenizer_info(path: str) -> TokenizerInfo:
     if not file.is_file():
         raise TokenizerError(f"prepare.tokenizer={path}: {file} does not exist. Fix: give a local tokenizer.json or "
                              f"a Hugging Face folder holding one (the launcher never downloads tokenizers).")
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # lazy: tokenizers (a Rust extension) only when a tokenizer.json is read
 
     raw = file.read_bytes()
     try:

@@ -14,6 +14,8 @@ from typing import List
 import numpy as np
 
 from launcher.config.schema import DataConfig
+from launcher.data.embedded import embedded_tokens
+from launcher.data.text import cached_tokenization
 from launcher.data.tokens import shard_files
 
 EMBEDDED_VAL_SEED = 1  # the training corpus is generated from seed 0
@@ -23,8 +25,6 @@ EMBEDDED_VAL_MIN_TOKENS = 65_536
 def load_val_token_arrays(cfg: DataConfig, cache_dir: Path) -> List[np.ndarray]:
     """The validation token arrays for data.source (embedded | tokens | text)."""
     if cfg.source == "embedded" and not cfg.val_path:
-        from launcher.data.embedded import embedded_tokens
-
         return [embedded_tokens(max(cfg.embedded_tokens // 20, EMBEDDED_VAL_MIN_TOKENS), seed=EMBEDDED_VAL_SEED)]
     if not cfg.val_path:
         raise ValueError(
@@ -32,8 +32,6 @@ def load_val_token_arrays(cfg: DataConfig, cache_dir: Path) -> List[np.ndarray]:
             f"Fix: set data.val_path, or trainer.val_every=0."
         )
     if cfg.source == "text":
-        from launcher.data.text import cached_tokenization
-
         shard = cached_tokenization(Path(cfg.val_path), cfg.tokenizer, cfg.dtype, cache_dir)
         return [np.memmap(shard, dtype=np.dtype(cfg.dtype), mode="r")]
     return [np.memmap(f, dtype=np.dtype(cfg.dtype), mode="r") for f in shard_files(Path(cfg.val_path))]

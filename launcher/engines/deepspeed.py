@@ -30,19 +30,31 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, StepStats, as_microbatches,
                                    aux_loss_scale, built_report, local_token_count, model_kwargs, source_means,
                                    source_sums, step_source_count, token_loss_sum, token_losses)
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, write_deepspeed_config
-from launcher.models.moe import latest_aux_loss, set_aux_loss_scale
-from launcher.engines.optim import build_adamw, param_groups
+from launcher.engines.optim import build_adamw, build_scheduler, param_groups
+from launcher.engines.deepspeed_universal import (UNIVERSAL, convert_to_universal, layout_record, read_layout_record,
+                                                  resume_action, universal_dir, write_layout_record)
+from launcher.hf.export import write_state_dict, write_streamed
+from launcher.hf.format import tensor_maps
+from launcher.hf.weights import HfReader, load_hf_weights
+from launcher.models import build_model
+from launcher.models.init import canonical_name, full_init_value
+from launcher.models.layers import model_rope_table
+from launcher.models.moe import latest_aux_loss, set_aux_loss_scale, update_correction_bias
+from launcher.parallel.ac import apply_activation_checkpointing
+from launcher.parallel.phase import phase_barrier, phase_broadcast
 from launcher.plan.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -63,7 +75,7 @@ def prepare_deepspeed_environment(device_type: str) -> None:
 def init_deepspeed_distributed(device_type: str) -> None:
     """Join (or reuse) the process group through deepspeed.comm: gloo on CPU, nccl on GPU."""
     prepare_deepspeed_environment(device_type)
-    import deepspeed
+    import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
     deepspeed.init_distributed(dist_backend="gloo" if device_type == "cpu" else "nccl",
                                dist_init_required=not dist.is_initialized())
@@ -77,7 +89,7 @@ def build_optimizer(module: nn.Module, optim, offload_optimizer: str) -> torch.o
     if offload_optimizer == "none":
         return build_adamw(module, optim)
     groups = param_groups(module, optim.weight_decay)
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
     return DeepSpeedCPUAdam(groups, lr=optim.lr,
                             betas=(optim.beta1, optim.beta2), eps=optim.eps, adamw_mode=True)
@@ -85,7 +97,7 @@ def build_optimizer(module: nn.Module, optim, offload_optimizer: str) -> torch.o
 
 def _apply_deepspeed_checkpointing(model: nn.Module, mode: str, selective: str) -> int:
     """Recompute blocks with deepspeed.checkpointing (full, or every N-th block)."""
-    import deepspeed
+    import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
     every = 1 if mode == "full" else int(selective)
     wrapped = 0
@@ -112,8 +124,6 @@ def apply_checkpointing(model: nn.Module, layout: Layout) -> None:
         n = _apply_deepspeed_checkpointing(model, layout.ac_mode, layout.ac_selective)
         log.info("applied DeepSpeed activation checkpointing to %d of %d blocks", n, len(model.layers))
     else:
-        from launcher.parallel.ac import apply_activation_checkpointing
-
         apply_activation_checkpointing(model, layout.ac_mode, layout.ac_selective)
 
 
@@ -123,10 +133,6 @@ def build_meta_model(model_cfg) -> nn.Module:
     move (to_empty, module.to) swap it in place (torch.utils.swap_tensors), which torch refuses
     once a weak reference to it exists (the fake mode's memo holds some); from plain meta
     parameters those moves create new (fake) ones instead."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from launcher.models import build_model
-
     with unset_fake_temporarily(), torch.device("meta"):
         return build_model(model_cfg)
 
@@ -149,10 +155,7 @@ def fake_pipeline_counts_readable():
     Scoped minimum: only the name ``torch`` inside deepspeed.runtime.pipe.engine is rebound,
     to a proxy that forwards every attribute to torch except ``LongTensor``; restored after.
     """
-    import types
-
-    import deepspeed.runtime.pipe.engine as pipe_engine
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    import deepspeed.runtime.pipe.engine as pipe_engine  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
     class _TorchWithRealLongTensor(types.ModuleType):
         def __getattr__(self, name):
@@ -178,8 +181,6 @@ def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
     if model_cfg.init_from and _holds_fake_tensors(model):
         pass  # the rehearsal: fake tensors have no values to load (init_weights draws none either)
     elif model_cfg.init_from:
-        from launcher.hf.weights import load_hf_weights
-
         # ZeRO 0-2 and the pipeline engine hold the whole model on each rank before DeepSpeed
         # partitions it, so each rank reads the whole model here.
         load_hf_weights([model], model_cfg.init_from, model_cfg)
@@ -190,8 +191,6 @@ def materialise_model(model_cfg, device: torch.device, seed: int) -> nn.Module:
 
 
 def _holds_fake_tensors(module: nn.Module) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
     return any(is_fake(p) for p in module.parameters())
 
 
@@ -240,11 +239,8 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
     """ZeRO-3: parameters are partitioned as each module is constructed (deepspeed.zero.Init), so no
     rank ever holds the whole model; then each parameter gets the native path's layout-independent
     initial value, one full parameter at a time (GatheredParameters, written by rank 0)."""
-    import deepspeed
+    import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
-    from launcher.models import build_model
-    from launcher.models.init import canonical_name, full_init_value
-    from launcher.models.layers import model_rope_table
 
     remote = offload_params if offload_params != "none" else None
     with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote, pin_memory=pin_memory):
@@ -253,9 +249,6 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
     rank = dist.get_rank()
     hf = None
     if model_cfg.init_from and rank == 0:
-        from launcher.hf.format import tensor_maps
-        from launcher.hf.weights import HfReader
-
         # model.init_from: rank 0 reads one full parameter at a time, as the random init draws it.
         hf = (HfReader(model_cfg.init_from), {m.ours: m for m in tensor_maps(model_cfg)})
     with torch.no_grad():
@@ -277,8 +270,6 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
 
 def restore_fp32_rope(module: nn.Module, model_cfg, device: torch.device) -> None:
     """DeepSpeed's bf16 mode casts buffers too; the RoPE table stays fp32 (as on the native path)."""
-    from launcher.models.layers import model_rope_table
-
     table = model_rope_table(model_cfg, device=device)
     for m in module.modules():
         if "rope" in m._buffers:
@@ -354,7 +345,7 @@ class DeepSpeedEngine:
     def __init__(self, model_cfg, optim_cfg, layout: Layout, device: torch.device, options: EngineOptions):
         device = torch.device(device)
         init_deepspeed_distributed(device.type)
-        import deepspeed
+        import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
         self.model_cfg, self.layout, self.options, self.device = model_cfg, layout, options, device
         lay = layout
@@ -382,7 +373,7 @@ class DeepSpeedEngine:
         self.is_moe = model_cfg.n_experts > 0
         self.n_blocks = len(model.layers)
         if self.pp > 1:
-            from deepspeed.pipe import PipelineModule
+            from deepspeed.pipe import PipelineModule  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
             interval = 0
             if lay.ac_mode != "none":
@@ -395,7 +386,6 @@ class DeepSpeedEngine:
             module = model
         self._model_ref = module
         optimizer = build_optimizer(module, optim_cfg, lay.offload_optimizer)
-        from launcher.engines.optim import build_scheduler
 
         self.scheduler = build_scheduler(optimizer, optim_cfg, options.total_steps)
         pipeline_on_fake = self.pp > 1 and _in_fake_mode()
@@ -540,7 +530,6 @@ class DeepSpeedEngine:
         speed = float(getattr(self.model_cfg, "bias_update_speed", 0.0) or 0.0)
         if not (self.is_moe and speed > 0):
             return
-        from launcher.models.moe import update_correction_bias
 
         update_correction_bias([self._model_ref], speed, int(self.model_cfg.n_layers), int(self.model_cfg.n_experts),
                                dist.all_reduce if dist.get_world_size() > 1 else None, device=self.device)
@@ -625,14 +614,10 @@ class DeepSpeedEngine:
         """engine.save_checkpoint: model, ZeRO-partitioned optimizer and LR schedule (collective)."""
         self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
         if dist.get_rank() == 0:
-            from launcher.engines.deepspeed_universal import write_layout_record
-
             # What wrote it, so that a resume at another layout knows to convert (deepspeed_universal).
             write_layout_record(directory, self._layout_record())
 
     def _layout_record(self) -> Dict[str, Any]:
-        from launcher.engines.deepspeed_universal import layout_record
-
         return layout_record(world_size=dist.get_world_size(), dp=self.dp, zero_stage=self.layout.zero_stage,
                              pp=self.pp, offload_optimizer=self.layout.offload_optimizer)
 
@@ -640,8 +625,6 @@ class DeepSpeedEngine:
         """engine.load_checkpoint of what `save` wrote (collective). Saved at another data-parallel
         size or ZeRO stage (1-3): converted once to a universal checkpoint and loaded from that
         (launcher/engines/deepspeed_universal.py); what cannot be converted is refused with a Fix."""
-        from launcher.engines.deepspeed_universal import UNIVERSAL, read_layout_record, resume_action
-
         self.last_load = "plain"
         if resume_action(read_layout_record(directory), self._layout_record()) == UNIVERSAL:
             self._load_universal(Path(directory))
@@ -657,9 +640,6 @@ class DeepSpeedEngine:
 
     def _load_universal(self, directory: Path) -> None:
         """Rank 0 converts (once, kept beside the checkpoint); every rank loads the universal folder."""
-        from launcher.engines.deepspeed_universal import convert_to_universal, universal_dir
-        from launcher.parallel.phase import phase_broadcast
-
         outcome = None
         if dist.get_rank() == 0:
             try:
@@ -706,9 +686,6 @@ class DeepSpeedEngine:
         optimizer on NVMe (whose fp32 partitions live in swap files) and ZeRO-0 write the module's
         own weights. The pipeline engine gathers each stage's weights on rank 0.
         """
-        from launcher.hf.export import write_state_dict, write_streamed
-        from launcher.parallel.phase import phase_barrier
-
         if self.pp > 1:
             full = self._gather_pipeline_state()
             if full is not None:
@@ -722,8 +699,8 @@ class DeepSpeedEngine:
 
     def _full_parameter(self, param: torch.Tensor) -> torch.Tensor:
         """One parameter's full value on every rank (collective under ZeRO 1-3)."""
-        import deepspeed
-        from deepspeed.utils import safe_get_full_fp32_param
+        import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
+        from deepspeed.utils import safe_get_full_fp32_param  # lazy: as above
 
         if self.layout.zero_stage == 0:
             return param.detach()

@@ -117,6 +117,7 @@ def validate_deepspeed_config(cfg: Dict[str, Any], dp_size: int):
     initialised), so the batch keys are checked here for ``dp_size`` and handed to
     DeepSpeed rescaled to the world size it sees.
     """
+    # lazy: deepspeed is slow to import (DeepSpeed backend only)
     from deepspeed.runtime.config import DeepSpeedConfig
 
     micro, accum, total = (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"],
@@ -133,6 +134,6 @@ def validate_deepspeed_config(cfg: Dict[str, Any], dp_size: int):
 
 
 def _deepspeed_world_size() -> int:
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: keeps this config module torch-free; only the DeepSpeed check calls it
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

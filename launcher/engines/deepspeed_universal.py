@@ -30,6 +30,8 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import torch
+
 log = logging.getLogger(__name__)
 
 LAYOUT_FILE = "deepspeed_layout.json"
@@ -116,7 +118,7 @@ def convert_to_universal(engine_dir: Path, tag: str) -> bool:
     tmp = final.with_name(".incomplete_" + final.name)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    from deepspeed.checkpoint import ds_to_universal
+    from deepspeed.checkpoint import ds_to_universal  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
     # One worker: the converter's process pool would fork this rank, which holds the process
     # group's threads. inject_missing_state: our model has no tensor-parallel slicing patterns.
@@ -142,8 +144,6 @@ def _add_stage3_optimizer_view(path: Path) -> None:
     """ZeRO-3's universal load reads the optimizer step and hyperparameters from
     `optimizer_state_dict` (the shape its own conversion writes); a ZeRO 1-2 conversion has only
     `param_groups` and per-parameter step.pt files. Add that view (same values) when it is missing."""
-    import torch
-
     sd = torch.load(path, map_location="cpu", weights_only=False)
     if "optimizer_state_dict" in sd:
         return

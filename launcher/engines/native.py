@@ -21,19 +21,38 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import loss_parallel
 
 from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, StepStats, as_microbatches,
                                    aux_loss_scale, built_report, local_token_count, model_kwargs, source_means,
                                    source_sums, step_source_count, token_loss_sum, token_losses)
-from launcher.models import build_model
-from launcher.parallel.mesh import submesh
 from launcher.engines.optim import build_adamw, build_scheduler, clip_grad_norm
+from launcher.hf.export import export_state
+from launcher.hf.weights import export_hf, load_hf_weights
+from launcher.models import build_model
+from launcher.models.moe import update_correction_bias
+from launcher.parallel.ac import apply_activation_checkpointing
+from launcher.parallel.compile import apply_compile
+from launcher.parallel.cp import context_parallel_region, context_parallel_unsupported_reason, use_expanded_kv
+from launcher.parallel.ep import apply_expert_parallel
+from launcher.parallel.fp8 import convert_to_float8, float8_scale_precompute_needed, precompute_float8_scales
+from launcher.parallel.fsdp import UnshardedAccumulation, apply_fsdp, mixed_precision_policy
+from launcher.parallel.mesh import build_device_mesh, expert_meshes, submesh
+from launcher.parallel.phase import phase_barrier
+from launcher.parallel.pp import build_schedule, split_into_stages
+from launcher.parallel.tp import apply_tensor_parallel
 from launcher.plan.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -61,14 +80,10 @@ class NativeEngine:
                 "group: launch through `train` (torchrun), or set offload.optimizer=none")
         self.world = None
         if distributed:
-            from launcher.parallel.mesh import build_device_mesh
-
             self.world = build_device_mesh(m, self.device.type)
         self.tp_rank = self.world["tp"].get_local_rank() if self.world is not None else 0
 
         if m.cp > 1:
-            from launcher.parallel.cp import context_parallel_unsupported_reason
-
             reason = context_parallel_unsupported_reason(self.device.type)
             if reason:
                 raise RuntimeError(reason)
@@ -79,8 +94,6 @@ class NativeEngine:
         # Pipeline split first: every later technique is applied per stage module.
         self.pp_schedule = None
         if m.pp > 1:
-            from launcher.parallel.pp import split_into_stages
-
             self.parts, self.stage_ids = split_into_stages(whole, lay, self.world["pp"])
         else:
             self.parts, self.stage_ids = [whole], [0]
@@ -94,8 +107,6 @@ class NativeEngine:
             if options.fake_mode is not None:
                 pass  # fake tensors have no values to initialise or load
             elif model_cfg.init_from:
-                from launcher.hf.weights import load_hf_weights
-
                 # Each rank reads only the slices its shards hold (no random init first).
                 n = load_hf_weights([part], model_cfg.init_from, model_cfg)
                 log.info("loaded %d weights of this rank from %s", n, model_cfg.init_from)
@@ -104,8 +115,6 @@ class NativeEngine:
             part.train()
         self.pp_microbatches = lay.pp_microbatches if m.pp > 1 else 1
         if m.pp > 1:
-            from launcher.parallel.pp import build_schedule
-
             self.pp_schedule, self.has_first, self.has_last = build_schedule(
                 self.parts, self.stage_ids, lay, self.world["pp"], self.device, self._loss_fn,
                 n_microbatches=self.pp_microbatches,
@@ -122,8 +131,6 @@ class NativeEngine:
         self._accumulation = None  # launcher.parallel.fsdp.UnshardedAccumulation, built on first use
         self._fp8_all_gather = False
         if lay.fp8_impl == "torchao":
-            from launcher.parallel.fp8 import float8_scale_precompute_needed
-
             # Read from the built model: only float8 all-gather under FSDP needs per-step scales.
             self._fp8_all_gather = any(float8_scale_precompute_needed(p) for p in self.parts)
         n_params = sum(_local_numel(p) for part in self.parts for p in part.parameters())
@@ -133,45 +140,28 @@ class NativeEngine:
     # ---------------------------------------------------------------- building
     def _fp8_config(self):
         """The fp8 recipe options, with the all-gather switch the Layout resolved."""
-        from dataclasses import replace
-
         return replace(self.options.fp8, all_gather=self.layout.fp8_all_gather)
 
     def _parallelize(self, part: nn.Module) -> None:
         lay, m, w, opts = self.layout, self.mesh_plan, self.world, self.options
         if lay.fp8_impl == "torchao":
-            from launcher.parallel.fp8 import convert_to_float8
-
             convert_to_float8(part, self._fp8_config(), device_type=self.device.type,
                               fsdp_enabled=m.dp_replicate * m.dp_shard * m.cp > 1)
         if m.tp > 1:
-            from launcher.parallel.tp import apply_tensor_parallel
-
             apply_tensor_parallel(part, w["tp"], sequence_parallel=lay.sp, loss_parallel=True)
         expert_dp_mesh = None
         if m.ep > 1:
-            from launcher.parallel.ep import apply_expert_parallel
-            from launcher.parallel.mesh import expert_meshes
-
             ep_mesh, expert_dp_mesh = expert_meshes(w, m.ep)
             apply_expert_parallel(part, ep_mesh)
         if m.cp > 1:
-            from launcher.parallel.cp import use_expanded_kv
-
             use_expanded_kv(part)
         if lay.ac_mode != "none":
-            from launcher.parallel.ac import apply_activation_checkpointing
-
             apply_activation_checkpointing(part, lay.ac_mode, lay.ac_selective)
         if opts.compile:
-            from launcher.parallel.compile import apply_compile
-
             apply_compile(part)
         # FSDP also wraps a single data-parallel rank when offloading: it is what moves the
         # parameters, gradients and optimizer states to the CPU (Layout.fsdp_wraps).
         if self.fsdp:
-            from launcher.parallel.fsdp import apply_fsdp, mixed_precision_policy
-
             dp_mesh = submesh(w, "hsdp" if m.dp_replicate > 1 else "dp_shard_cp")
             apply_fsdp(part, dp_mesh, zero_stage=lay.zero_stage,
                        mp_policy=mixed_precision_policy(lay.precision, lay.reduce_dtype),
@@ -183,7 +173,6 @@ class NativeEngine:
         mesh = {name: 1 for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
         if self.world is not None:
             mesh = {name: self.world[name].size() for name in mesh}
-        from launcher.parallel.mesh import expert_meshes
 
         mesh["ep"] = expert_meshes(self.world, self.mesh_plan.ep)[0].size() if self.mesh_plan.ep > 1 else 1
         n_micro = self.pp_schedule._n_microbatches if self.pp_schedule is not None else None
@@ -201,15 +190,11 @@ class NativeEngine:
 
     def _context_parallel(self, model, inputs, labels):
         if self.mesh_plan.cp > 1:
-            from launcher.parallel.cp import context_parallel_region
-
             return context_parallel_region(model, self.world["cp"], inputs, labels)
         return nullcontext()
 
     def _loss_parallel(self):
         if self.mesh_plan.tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
             return loss_parallel()
         return nullcontext()
 
@@ -286,7 +271,6 @@ class NativeEngine:
         speed = float(getattr(self.model_cfg, "bias_update_speed", 0.0) or 0.0)
         if not (self.is_moe and speed > 0):
             return
-        from launcher.models.moe import update_correction_bias
 
         # Summed in place over every rank (dist.all_reduce's default op); None on one rank.
         reduce = dist.all_reduce if self.world is not None and dist.is_initialized() and dist.get_world_size() > 1 \
@@ -299,8 +283,6 @@ class NativeEngine:
         if not (self.layout.accumulate_unsharded and self.fsdp and self.pp_schedule is None):
             return None
         if self._accumulation is None:
-            from launcher.parallel.fsdp import UnshardedAccumulation
-
             self._accumulation = UnshardedAccumulation(self.parts, self.layout.zero_stage)
         return self._accumulation
 
@@ -361,8 +343,6 @@ class NativeEngine:
             opt.step()
             opt.zero_grad(set_to_none=True)
         if self._fp8_all_gather:
-            from launcher.parallel.fp8 import precompute_float8_scales
-
             for part in self.parts:
                 precompute_float8_scales(part)
         for s in self.schedulers:
@@ -448,9 +428,6 @@ class NativeEngine:
 
     # ---------------------------------------------------------------- state
     def _state(self):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
-
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         model_sd, optim_sd = {}, {}
         for part, opt in zip(self.parts, self.optimizers):
@@ -461,8 +438,6 @@ class NativeEngine:
 
     def save(self, directory: Path) -> None:
         """Write model, optimizer and LR-schedule state with torch.distributed.checkpoint."""
-        import torch.distributed.checkpoint as dcp
-
         dcp.save(self._state(), checkpoint_id=str(directory))
 
     def save_async(self, directory: Path, process_group: Any, storage_writer: Any) -> Any:
@@ -474,9 +449,6 @@ class NativeEngine:
         one. process_group: a gloo group the training loop does not use (the write's collectives
         run on another thread). storage_writer: a DCP FileSystemWriter for `directory`.
         """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         stager = getattr(self, "_async_stager", None)
         if stager is None:
             pinned = self.device.type == "cuda"
@@ -488,10 +460,6 @@ class NativeEngine:
 
     def load(self, directory: Path) -> None:
         """Load a checkpoint written by ``save`` in any layout / world size (collective)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
-
         state = self._state()
         dcp.load(state, checkpoint_id=str(directory))
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
@@ -508,13 +476,9 @@ class NativeEngine:
         (fp32) or safetensors; or
         fmt "hf": `path`/hf in Hugging Face format, streamed one parameter at a time."""
         if fmt == "hf":
-            from launcher.hf.weights import export_hf
-
             export_hf(self.parts, self.world, Path(path) / "hf", self.model_cfg, self.options.export_dtype,
                       self.options.export_tokenizer_files)
             return
-        from launcher.hf.export import export_state
-        from launcher.parallel.phase import phase_barrier
 
         export_state(self.parts, self.world, Path(path), fmt)  # streamed: one full tensor at a time
         if self.world is not None:
@@ -535,10 +499,6 @@ def _local_numel(p: torch.Tensor) -> int:
 
 
 def _is_fsdp(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        return False
     return isinstance(module, FSDPModule)
 
 

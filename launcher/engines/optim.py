@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.tensor import DTensor
 
 from launcher.config.schema import ADAMW_IMPLEMENTATIONS
 
@@ -16,7 +19,6 @@ def _mesh_key(p: torch.Tensor):
     mesh = getattr(p, "device_mesh", None)  # DTensor parameters carry their mesh
     if mesh is None:
         return None
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # the rank ids are real even when the rehearsal fakes tensors
         return (tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
@@ -85,8 +87,6 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str,
 
 
 def build_scheduler(opt: torch.optim.Optimizer, cfg, total_steps: int):
-    from functools import partial
-
     fn = partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
                  schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(opt, fn)
@@ -96,8 +96,6 @@ def _same_kind_groups(grads: List[torch.Tensor]) -> Tuple[List[List[torch.Tensor
     """(DTensor gradients grouped by mesh and placements, plain tensors): a foreach op takes one
     group at a time, since DTensor refuses lists that mix plain tensors or meshes (a pipeline
     stage under TP holds both)."""
-    from torch.distributed.tensor import DTensor
-
     by_mesh: Dict[Tuple, List[torch.Tensor]] = {}
     plain: List[torch.Tensor] = []
     for g in grads:
@@ -110,8 +108,6 @@ def _same_kind_groups(grads: List[torch.Tensor]) -> Tuple[List[List[torch.Tensor
 
 def _sq_norm_local_view(grads: List[torch.Tensor]) -> torch.Tensor:
     """Sum of squared entries, counting every element of every full tensor once."""
-    from torch.distributed.tensor import DTensor
-
     dtensor_groups, plain = _same_kind_groups(grads)
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from launcher.hf.tensor_stream import SafetensorsStreamWriter, Shape, TensorGather, TorchSaveStreamWriter
 
@@ -37,8 +38,6 @@ def export_state(parts: Sequence[nn.Module], world, path: Path, fmt: str) -> Non
     """Write the model's full fp32 state dict (names as get_model_state_dict gives them) to `path`
     on global rank 0, one tensor at a time. Collective over all ranks (`world`: the mesh, or None
     for one process)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     _check_format(fmt)
     gather = TensorGather(world)
     local = {}

@@ -25,6 +25,10 @@ import struct
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+from omegaconf import OmegaConf, open_dict
+
+from launcher.config.errors import ConfigError
+from launcher.config.schema import RopeScalingConfig
 from launcher.models.hf_common import TensorMap, rope_scaling_summary  # TensorMap: launcher/hf/weights.py reads it here
 from launcher.models.family import DEFAULT_FAMILY, family_for_hf_type, family_of, get_family, hf_model_types
 from launcher.models.shape import head_dim_of
@@ -77,7 +81,6 @@ def _family_for_config(hf: Dict[str, Any]):
 def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
     """model.* values a config.json describes (its family's map, chosen by `model_type`)."""
     fields = {**_SHAPE_DEFAULTS, **_family_for_config(hf).hf_module().hf_model_fields(hf)}
-    from launcher.config.schema import RopeScalingConfig
 
     return dict(fields, rope_scaling=RopeScalingConfig(**fields["rope_scaling"]))
 
@@ -225,10 +228,6 @@ def fill_from_hf(cfg) -> None:
     """model=hf: fill the model.* shape keys from config.json of model.init_from,
     and data.tokenizer from the folder's tokenizer.json when data=text has none (a DictConfig,
     edited in place before it becomes a JobConfig). Problems raise ConfigError."""
-    from omegaconf import OmegaConf, open_dict
-
-    from launcher.config.errors import ConfigError
-
     model = cfg.get("model")
     if model is None or OmegaConf.is_missing(model, "init_from") or not model.get("init_from"):
         if model is not None and model.get("name") == "hf":

@@ -20,6 +20,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+
+from launcher.hf.format import SAFETENSORS_DTYPES
 
 Shape = Tuple[int, ...]
 
@@ -61,8 +65,6 @@ class TensorGather:
         """The full fp32 CPU value of one tensor on global rank 0 (None elsewhere). Collective over
         all ranks: the ranks of stage `owner` pass their `local` (a DTensor or plain tensor), the
         others None; `shape` is the full shape."""
-        from torch.distributed.tensor import DTensor
-
         full = None
         if owner == self.pp_rank:
             full = local.full_tensor() if isinstance(local, DTensor) else local  # collective on its mesh
@@ -108,8 +110,6 @@ class SafetensorsStreamWriter(_TensorFileWriter):
 
     def __init__(self, path: Path, names: List[str], shapes: Dict[str, Shape], dtype: torch.dtype,
                  dtypes: Optional[Dict[str, torch.dtype]] = None):
-        from launcher.hf.format import SAFETENSORS_DTYPES
-
         super().__init__(path, names, shapes, dtype, dtypes)
         header, offset = {}, 0
         for n in names:
@@ -136,8 +136,6 @@ class TorchSaveStreamWriter(_TensorFileWriter):
     then each tensor's bytes go to its record's offset in the zip as it arrives."""
 
     def __init__(self, path: Path, names: List[str], shapes: Dict[str, Shape]):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         super().__init__(path, names, shapes, torch.float32)
         with FakeTensorMode():
             fake = {n: torch.empty(shapes[n], dtype=torch.float32) for n in names}

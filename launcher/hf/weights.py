@@ -23,12 +23,14 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 
 from launcher.hf.format import (CONFIG_FILE, DTYPES, INDEX_FILE, TOKENIZER_FILES,
                                        TensorMap, hf_config_for, tensor_maps, weight_files)
 from launcher.models.init import canonical_name, local_box
 from launcher.hf.tensor_stream import SafetensorsStreamWriter, TensorGather
+from launcher.models.layers import model_rope_table
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +81,6 @@ class HfReader:
         self.elements_read = 0  # what this rank fetched from disk (its shards, q/k rounded to whole heads)
 
     def _handle(self, name: str):
-        from safetensors import safe_open
-
         fname = self.files.get(name)
         if fname is None:
             raise ValueError(f"{self.folder}: tensor {name} is in no safetensors file. "
@@ -122,8 +122,6 @@ class HfReader:
 def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
     """Fill every parameter of this rank's model parts from HF folder `folder` (only the
     slices this rank holds) and rebuild the RoPE buffers. Returns the elements read from disk."""
-    from launcher.models.layers import model_rope_table
-
     maps = {m.ours: m for m in tensor_maps(model_cfg)}
     reader = HfReader(folder)
     _log_unmapped(reader.files, maps.values(), folder)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
+from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
 from launcher.plan.plan import Plan
 
 
@@ -20,8 +21,8 @@ def check_deepspeed_config(spec: JobConfig, plan: Plan) -> None:
     layout = plan.layout
     if not layout.uses_deepspeed:
         return
+    # lazy: engines.deepspeed imports torch; only a DeepSpeed run reaches here
     from launcher.engines.deepspeed import prepare_deepspeed_environment
-    from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
 
     prepare_deepspeed_environment(spec.trainer.device)
     cfg = build_deepspeed_config(layout, grad_clip=spec.trainer.grad_clip, seed=spec.trainer.seed,

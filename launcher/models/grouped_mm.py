@@ -30,6 +30,7 @@ from typing import List, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,6 @@ IMPLEMENTATIONS = ("auto", "loop")
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
     return t.device.type == "meta" or is_fake(t)
 
 

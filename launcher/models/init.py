@@ -27,6 +27,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from launcher.models.layers import model_rope_table
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -66,8 +69,6 @@ def _std(name: str, cfg) -> float:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
     return is_fake(t)
 
 
@@ -125,9 +126,11 @@ def full_init_value(name: str, shape, cfg, seed: int, device: torch.device) -> t
 
 def local_box(param: torch.Tensor) -> Tuple[torch.Tensor, Box]:
     """(local tensor to fill, its box in global coordinates) for a plain tensor or DTensor."""
+    # lazy: torch.distributed.tensor takes ~0.7 s to import; an unsharded model never needs it
     from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):
+        # lazy: torch.distributed.tensor takes ~0.7 s to import; an unsharded model never needs it
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
@@ -146,8 +149,6 @@ def init_model_weights(model: nn.Module, seed: int, buffer_device: Optional[torc
 
     ``buffer_device``: the training device; values are drawn there (default: each
     parameter's own device)."""
-    from launcher.models.layers import model_rope_table
-
     cfg = model.cfg
     for name, param in model.named_parameters():
         cname = canonical_name(name)

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from launcher.models.shape import rope_dim_of
 
@@ -215,8 +216,6 @@ def _flex_functions():
     materialises the whole score matrix, and create_block_mask the [b, s, s] mask."""
     global _FLEX
     if _FLEX is None:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
         _FLEX = (torch.compile(flex_attention, dynamic=False), torch.compile(create_block_mask, dynamic=False))
     return _FLEX
 

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from launcher.models.init import init_model_weights
 from launcher.models.layers import (Attention, FeedForward, RMSNorm, document_attention_mask, model_rope_table,
                                     rope_at_positions)
 from launcher.models.moe import MoE, latest_aux_loss, set_aux_loss_scale
@@ -117,8 +118,6 @@ class Transformer(nn.Module):
 
     def init_weights(self, seed: int = 0, buffer_device: Optional[torch.device] = None) -> None:
         """Deterministic, layout-independent initialisation (see launcher.models.init)."""
-        from launcher.models.init import init_model_weights
-
         init_model_weights(self, seed, buffer_device)
 
     def moe_layers(self):

@@ -19,6 +19,9 @@ from typing import List, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor.experimental import context_parallel
+
+from launcher.models.layers import Attention
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +63,6 @@ def context_parallel_region(model: nn.Module, cp_mesh, inputs: torch.Tensor, lab
     Forward and backward must both run inside. The RoPE table is cut to the sequence length
     first (the load balancer needs every buffer to have the same length) and restored after.
     """
-    from torch.distributed.tensor.experimental import context_parallel
-
     reason = context_parallel_unsupported_reason(inputs.device.type)
     if reason:
         raise RuntimeError(reason)
@@ -82,8 +83,6 @@ def use_expanded_kv(model: nn.Module) -> int:
     """Make every attention layer copy K/V per query head (repeat_interleave) instead of SDPA's
     enable_gqa: torch 2.13's context_parallel (ring attention) does not accept enable_gqa.
     Returns the number of attention layers switched."""
-    from launcher.models.layers import Attention
-
     n = 0
     for m in model.modules():
         if isinstance(m, Attention):

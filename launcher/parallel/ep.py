@@ -31,6 +31,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
@@ -38,8 +39,6 @@ log = logging.getLogger(__name__)
 
 
 def _all_to_all_rows(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
-    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
     return wait_tensor(all_to_all_single_autograd(x, out_splits, in_splits, group))
 
 

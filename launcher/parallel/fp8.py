@@ -31,6 +31,7 @@ torch and torchao are imported lazily inside the functions so that importing thi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
@@ -91,7 +92,7 @@ def device_compute_capability(device_type: str) -> Optional[Tuple[int, int]]:
     """The current CUDA device's compute capability, None off CUDA."""
     if device_type != "cuda":
         return None
-    import torch
+    import torch  # lazy: keeps this module torch-free for the planner's fp8_hardware_problem
 
     if not torch.cuda.is_available():
         return None
@@ -171,7 +172,8 @@ def float8_skip_reason(module: "nn.Module", fqn: str, cfg: Fp8Config) -> Optiona
 
 def plan_float8_conversion(model: "nn.Module", cfg: Fp8Config) -> Float8ConversionReport:
     """Decide, without changing the model, which Linear layers `convert_to_float8` converts."""
-    import torch.nn as nn
+    import torch.nn as nn  # lazy: keeps this module torch-free for the planner's fp8_hardware_problem
+    # lazy: torchao is slow to import (~0.6 s); only fp8 runs use it
     from torchao.float8.float8_linear import Float8Linear
 
     report = Float8ConversionReport(recipe=cfg.recipe)
@@ -191,7 +193,7 @@ def plan_float8_conversion(model: "nn.Module", cfg: Fp8Config) -> Float8Conversi
 
 def float8_module_filter(cfg: Fp8Config) -> Callable[["nn.Module", str], bool]:
     """The `module_filter_fn` for torchao: True for the linears that become float8."""
-    import torch.nn as nn
+    import torch.nn as nn  # lazy: keeps this module torch-free for the planner's fp8_hardware_problem
 
     def keep_float8(module: "nn.Module", fqn: str) -> bool:
         # Exact type: a Float8Linear (an nn.Linear subclass) must not be converted twice.
@@ -214,9 +216,7 @@ def float8_all_gather_enabled(cfg: Fp8Config, fsdp_enabled: bool) -> bool:
 
 def build_float8_linear_config(cfg: Fp8Config, *, fsdp_enabled: bool, emulate: bool):
     """torchao's Float8LinearConfig for `cfg.recipe`, with all-gather and emulation set."""
-    import dataclasses
-
-    from torchao.float8 import Float8LinearConfig
+    from torchao.float8 import Float8LinearConfig  # lazy: torchao is slow to import (~0.6 s); only fp8 runs use it
 
     if cfg.recipe not in FP8_RECIPES:
         raise ValueError(
@@ -246,6 +246,7 @@ def convert_to_float8(
     device has no FP8 support and `cfg.emulate` is false. Returns the same model object; the
     decision is logged and kept on `model.float8_report` (a Float8ConversionReport).
     """
+    # lazy: torchao is slow to import (~0.6 s); only fp8 runs use it
     from torchao.float8 import convert_to_float8_training
 
     if compute_capability is None:
@@ -293,8 +294,9 @@ def fp8_experts_skip_reason(
     emulation), the grouped path of launcher/models/grouped_mm.py (the per-expert loop has no
     torch._grouped_mm call for torchao to intercept), and expert dims that are multiples of 16.
     """
-    import torch
+    import torch  # lazy: keeps this module torch-free for the planner's fp8_hardware_problem
 
+    # lazy: grouped_mm imports torch; keeps this module torch-free for the planner's fp8_hardware_problem
     from launcher.models.grouped_mm import grouped_mm_problem
 
     if device_type != "cuda":
@@ -343,8 +345,9 @@ def convert_experts_to_float8(
         else:
             kept[fqn] = reason
     if convert:
+        # lazy: torchao is slow to import (~0.6 s); only fp8 runs use it
         from torchao.prototype.moe_training.config import Float8TrainingOpConfig
-        from torchao.quantization import quantize_
+        from torchao.quantization import quantize_  # lazy: torchao is slow to import (~0.6 s); only fp8 runs use it
 
         names = set(convert)
         quantize_(model, Float8TrainingOpConfig(pad_token_groups_for_grouped_mm=False),
@@ -378,6 +381,7 @@ def float8_scale_precompute_needed(model: "nn.Module") -> bool:
     Only then does `precompute_float8_scales` do anything; evaluate it once after
     parallelisation and skip the per-step call otherwise.
     """
+    # lazy: torchao is slow to import (~0.6 s); only fp8 runs use it
     from torchao.float8.float8_linear import Float8Linear
 
     return any(
@@ -392,6 +396,7 @@ def precompute_float8_scales(model: "nn.Module") -> None:
     of one small all-reduce per weight inside the next forward's all-gather. A no-op for
     models without float8 all-gather weights (e.g. no FSDP, or the rowwise recipe).
     """
+    # lazy: torchao is slow to import (~0.6 s); only fp8 runs use it
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)

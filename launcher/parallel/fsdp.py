@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,6 @@ def even_shard_placement(dp_mesh: DeviceMesh):
     divide over the sharding ranks and dim 1 does (an MoE router [n_experts, dim] with fewer
     experts than ranks: dim 0 would give the first ranks a row each and the others nothing),
     so every rank holds the same bytes and the planner's per-rank figure is exact."""
-    from torch.distributed.tensor import Shard
-
     ranks = dp_mesh.shape[-1]  # the sharding dim (HSDP: (replicate, shard))
 
     def place(param: nn.Parameter):
@@ -114,8 +113,6 @@ def expert_shard_placement(expert_dp_mesh: DeviceMesh):
     when the ep rank's experts divide over the expert data-parallel ranks, else dim 1. With
     fewer local experts than ranks (Mixtral: 8 experts, ep=8, 2 expert-dp ranks) dim 0 would
     leave the first rank the whole expert and the others nothing (found by action=rehearse)."""
-    from torch.distributed.tensor import Shard
-
     ranks = expert_dp_mesh.shape[-1]  # the sharding dim (HSDP: (replicate, shard))
 
     def place(param: nn.Parameter):

@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 from typing import Tuple
 
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from launcher.plan.mesh import MESH_DIM_NAMES, MeshPlan
@@ -38,8 +40,6 @@ def build_device_mesh(mesh: MeshPlan, device_type: str) -> DeviceMesh:
 
     The process group must already be initialised with world size == mesh.world_size.
     """
-    import torch.distributed as dist
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != mesh.world_size:
         raise ValueError(
@@ -54,8 +54,6 @@ def _real_tensors():
     """A DeviceMesh holds a real tensor of rank ids (it reads its values): build it outside any
     FakeTensorMode, which the rehearsal (launcher/rehearse/rank.py) runs the engine under.
     A no-op in real runs."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     return unset_fake_temporarily()
 
 

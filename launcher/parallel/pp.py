@@ -151,6 +151,7 @@ def stage_io_meta(stage: int, n_stages: int, layout: Layout, model_cfg) -> Tuple
 def build_schedule(parts: List[nn.Module], stage_ids: List[int], layout: Layout, pp_mesh: DeviceMesh,
                    device: torch.device, loss_fn: Callable, n_microbatches: int):
     """(schedule, has_first_stage, has_last_stage) for this rank's materialised stage modules."""
+    # lazy: torch.distributed.pipelining takes ~0.4 s to import; only pp > 1 uses it
     from torch.distributed.pipelining import PipelineStage
 
     pp, v = pp_mesh.size(), layout.vpp
@@ -184,6 +185,7 @@ def build_schedule(parts: List[nn.Module], stage_ids: List[int], layout: Layout,
 
 def schedule_class(name: str):
     """torch's schedule class for parallel.pp_schedule ``name``."""
+    # lazy: torch.distributed.pipelining takes ~0.4 s to import; only pp > 1 uses it
     from torch.distributed.pipelining import schedules as S
 
     return {

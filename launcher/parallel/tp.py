@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from launcher.config.validate import tensor_parallel_problems
 from launcher.models.family import family_of
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,6 @@ log = logging.getLogger(__name__)
 def check_tensor_parallel(cfg, tp: int) -> None:
     """Raise ValueError naming every shape that does not divide by ``tp`` (the validator's rule,
     launcher.config.validate.tensor_parallel_problems, written once)."""
-    from launcher.config.validate import tensor_parallel_problems
-
     problems = tensor_parallel_problems(cfg, tp)
     if problems:
         raise ValueError("tensor parallelism cannot split this model:\n  " + "\n  ".join(problems))
@@ -57,6 +56,7 @@ def _styles(module: nn.Module, float8_comms: bool):
     the plain styles: it still computes in (emulated) fp8, its communication stays bf16/fp32.
     """
     if float8_comms and type(module).__name__ == "Float8Linear":
+        # lazy: torchao is slow to import (~0.6 s); only fp8 runs use it
         from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
         return Float8ColwiseParallel, Float8RowwiseParallel
@@ -68,6 +68,7 @@ def _float8_tensorwise(module: nn.Module) -> bool:
     PrepareFloat8ModuleInput assume (one scale per tensor survives a sharded all-gather)."""
     if type(module).__name__ != "Float8Linear":
         return False
+    # lazy: torchao is slow to import (~0.6 s); only fp8 runs use it
     from torchao.float8.config import ScalingGranularity
 
     return module.config.cast_config_input.scaling_granularity == ScalingGranularity.TENSORWISE
@@ -101,6 +102,7 @@ class BlockStyles:
         bf16 on the wire)."""
         module = self.block.get_submodule(path)
         if self.float8_comms and all(_float8_tensorwise(module.get_submodule(u)) for u in users):
+            # lazy: torchao is slow to import (~0.6 s); only fp8 runs use it
             from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
 
             return PrepareFloat8ModuleInput(fwd_config_submodule_fqn=users[0], **kw)
