@@ -333,9 +333,13 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
             bundle.progress.last_step = start_step
             check_same_data_position(state, plan)
             resume_data(batches, state, rank.rank)
-            log.info("resumed from %s at step %d: the node-local tier (checkpoint.local_dir; newest shared "
+            source = agreement.sources[rank.rank]
+            log.info("resumed from %s at step %d: the node-local tier (this rank's state: %s; newest shared "
                      "checkpoint: %s; ranks restored from their peer node's replica: %s)",
-                     local_tier.folder / f"step_{start_step:08d}", start_step, path or "none", from_replica or "none")
+                     spec.checkpoint.local_dir, start_step,
+                     "its own file" if source.holder == rank.rank and not source.replica else
+                     f"{'the replica' if source.replica else 'the file'} on rank {source.holder}'s node",
+                     path or "none", from_replica or "none")
         elif path is not None:
             with health.phase("resume"):
                 state = checkpoints.load(path, engine, spec.trainer.seed)
