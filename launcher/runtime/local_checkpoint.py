@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # Step folders kept per node (the newest, and the one before in case the newest is half-replicated).
 LOCAL_KEEP = 2
+# Bytes per send between ranks: on a GPU one chunk each way is staged in device memory.
+CHUNK_BYTES = 64 * 2**20
 _STEP = re.compile(r"^step_(\d{8})$")
 _OWN = re.compile(r"^rank_(\d{5})\.pt$")
 _REPLICA = re.compile(r"^replica_of_rank_(\d{5})\.pt$")
@@ -170,21 +172,24 @@ class LocalTier:
         self._prune(self._kept_steps(step))
 
     def _exchange(self, data: bytes) -> bytes:
-        """Send `data` to the peer and receive the source rank's bytes (the sizes first)."""
+        """Send `data` to the peer and receive the source rank's bytes (the sizes first), in
+        chunks of CHUNK_BYTES: a GPU holds one chunk each way, never a whole state."""
         size_out = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         size_in = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, size_out, self.peer),
-                                           dist.P2POp(dist.irecv, size_in, self.source)]))
-        out = _as_tensor(data, self.device)
-        got = torch.empty(int(size_in.item()), dtype=torch.uint8, device=self.device)
-        self._wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, out, self.peer),
-                                           dist.P2POp(dist.irecv, got, self.source)]))
-        return got.cpu().numpy().tobytes()
-
-    @staticmethod
-    def _wait(works: List[Any]) -> None:
-        for work in works:
-            work.wait()
+        _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, size_out, self.peer),
+                                      dist.P2POp(dist.irecv, size_in, self.source)]))
+        out, got = _host_bytes(data), torch.empty(int(size_in.item()), dtype=torch.uint8)
+        for start in range(0, max(out.numel(), got.numel()), CHUNK_BYTES):
+            ops, received = [], None
+            if start < out.numel():
+                ops.append(dist.P2POp(dist.isend, out[start:start + CHUNK_BYTES].to(self.device), self.peer))
+            if start < got.numel():
+                received = torch.empty(min(CHUNK_BYTES, got.numel() - start), dtype=torch.uint8, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, received, self.source))
+            _wait(dist.batch_isend_irecv(ops))
+            if received is not None:
+                got[start:start + received.numel()].copy_(received.cpu())
+        return got.numpy().tobytes()
 
     def _kept_steps(self, newest: int) -> int:
         """The oldest step kept once `newest` is written (this rank's files of older ones go)."""
@@ -266,11 +271,16 @@ class LocalTier:
                     mine = self._read(agreement.step, source)
                 continue
             if self.rank == source.holder:
-                dist.send(_as_tensor(self._read(agreement.step, source), self.device), dst=source.rank)
+                out = _host_bytes(self._read(agreement.step, source))
+                for start in range(0, out.numel(), CHUNK_BYTES):
+                    dist.send(out[start:start + CHUNK_BYTES].to(self.device), dst=source.rank)
             elif self.rank == source.rank:
-                got = torch.empty(source.size, dtype=torch.uint8, device=self.device)
-                dist.recv(got, src=source.holder)
-                mine = got.cpu().numpy().tobytes()
+                got = torch.empty(source.size, dtype=torch.uint8)
+                for start in range(0, source.size, CHUNK_BYTES):
+                    chunk = torch.empty(min(CHUNK_BYTES, source.size - start), dtype=torch.uint8, device=self.device)
+                    dist.recv(chunk, src=source.holder)
+                    got[start:start + chunk.numel()].copy_(chunk.cpu())
+                mine = got.numpy().tobytes()
                 log.info("rank %d: node-local state of step %d received from rank %d's node (%s)",
                          self.rank, agreement.step, source.holder, "its replica" if source.replica else "its own file")
         assert mine is not None
@@ -289,5 +299,11 @@ class LocalTier:
                 shutil.rmtree(self.folder / f"step_{later:08d}", ignore_errors=True)
 
 
-def _as_tensor(data: bytes, device: torch.device) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+def _host_bytes(data: bytes) -> torch.Tensor:
+    """`data` as a uint8 tensor in host memory (a writable copy: torch refuses read-only buffers)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _wait(works: List[Any]) -> None:
+    for work in works:
+        work.wait()
