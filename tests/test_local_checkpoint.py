@@ -1,20 +1,28 @@
 """The node-local checkpoint tier (checkpoint.local_dir): the ranks' agreement on the step to
-restore and where each rank's state comes from (pure), and one rank's save / restore on a real
-native engine (one process, no peer). The peer replica across nodes and its use after a lost
-node run on the SLURM dev cluster (tests/test_slurm_multinode.py, the spare-node job)."""
+restore and where each rank's state comes from (pure), one rank's save / restore on a real
+native engine (one process, no peer), and the replica ring of three one-rank "nodes" (gloo), where
+each rank's peer and source differ, states differ in size and span several chunks. The training
+job that loses a node and resumes from its peers' replicas runs on the SLURM dev cluster
+(tests/test_slurm_multinode.py, the spare-node job: two nodes, so there peer and source coincide)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from launcher.config.loader import compose_spec
 from launcher.engines.native import NativeEngine
 from launcher.plan.plan import build_plan
 from launcher.runtime.checkpoint import rng_state
 from launcher.runtime.entry import build_batches, engine_options
+from launcher.runtime import local_checkpoint
 from launcher.runtime.local_checkpoint import Held, LocalTier, Source, agree, peer_of
 
 
@@ -102,3 +110,54 @@ def test_one_rank_restores_its_local_state_exactly_and_keeps_the_newest_two_step
     with caplog.at_level(logging.INFO, logger="launcher.runtime.local_checkpoint"):
         assert other.restore(-1, engine) is None
     assert "ignoring node-local states of another layout" in caplog.text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _state_of(rank: int, step: int) -> bytes:
+    """A rank's serialized state: sizes differ per rank and span several CHUNK_BYTES."""
+    return bytes([rank, step]) * (700 + 450 * rank)
+
+
+def _ring_worker(rank: int, port: int, folder: str, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    local_checkpoint.CHUNK_BYTES = 1000  # a state travels in several chunks
+
+    def tier(node: str) -> LocalTier:
+        return LocalTier(folder, Path(folder) / "run", node, rank=rank, world_size=3, ranks_per_node=1,
+                         mesh={"dp_shard": 3}, device=torch.device("cpu"))
+
+    try:
+        # Nodes a, b, c (one rank each): rank r keeps the replica of rank r - 1.
+        saving = tier("abc"[rank])
+        for step in (2, 4, 6):
+            saving.save_bytes(step, _state_of(rank, step))
+        dist.barrier()
+        # Node b is lost; its rank runs on the spare d, whose disk is empty.
+        agreement, data = tier("adc"[rank]).restore_bytes(shared_step=3)
+        out[rank] = (agreement.step, agreement.sources[rank], data == _state_of(rank, 6))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_a_lost_node_in_a_ring_of_three_is_restored_from_the_next_nodes_replica(tmp_path):
+    with mp.Manager() as manager:
+        out = manager.dict()
+        # fork: the workers need nothing the parent has not imported (a spawn re-imports torch thrice)
+        mp.start_processes(_ring_worker, args=(_free_port(), str(tmp_path), out), nprocs=3, join=True,
+                           start_method="fork")
+        out = dict(out)
+    # Rank 1's state came from node c, where rank 2 kept it; the others read their own files.
+    assert out == {0: (6, Source(0, 0, False, len(_state_of(0, 6))), True),
+                   1: (6, Source(1, 2, True, len(_state_of(1, 6))), True),
+                   2: (6, Source(2, 2, False, len(_state_of(2, 6))), True)}, out
+    run = next(tmp_path.glob("run-*"))
+    on_c = sorted(p.name for p in run.glob("c/*/step_00000006/*"))
+    assert on_c == ["rank_00002.pt", "replica_of_rank_00001.pt"]
+    assert sorted(p.name for p in run.glob("a/*/step_*")) == ["step_00000004", "step_00000006"]  # the newest two

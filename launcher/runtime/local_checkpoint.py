@@ -162,7 +162,10 @@ class LocalTier:
                    "engine": engine.local_state(), "trainer": dict(trainer_state, step=step), "rng": rng}
         buffer = io.BytesIO()
         torch.save(payload, buffer)
-        data = buffer.getvalue()
+        self.save_bytes(step, buffer.getvalue())
+
+    def save_bytes(self, step: int, data: bytes) -> None:
+        """`save` once the state is serialized: this rank's file, the exchange with the peers, pruning."""
         folder = self.folder / f"step_{step:08d}"
         folder.mkdir(parents=True, exist_ok=True)
         _write_atomic(folder / f"rank_{self.rank:05d}.pt", data)
@@ -240,9 +243,22 @@ class LocalTier:
         """Collective: restore the local tier's newest step every rank can get when it is newer
         than `shared_step` (the newest verified shared checkpoint, -1 for none); returns the
         trainer state and this rank's RNG as {"trainer", "rng", "agreement"}, or None (use the shared one)."""
+        found = self.restore_bytes(shared_step)
+        if found is None:
+            return None
+        agreement, data = found
+        payload = torch.load(io.BytesIO(data), weights_only=False)
+        if payload["rank"] != self.rank or payload["step"] != agreement.step:
+            raise RuntimeError(f"local checkpoint of rank {payload['rank']} step {payload['step']} given to rank "
+                               f"{self.rank} for step {agreement.step}")
+        engine.load_local_state(payload["engine"])
+        return {"trainer": payload["trainer"], "rng": payload["rng"], "agreement": agreement}
+
+    def restore_bytes(self, shared_step: int) -> Optional[Tuple[Agreement, bytes]]:
+        """`restore` before the state is deserialized (collective): the agreement and this rank's
+        bytes, or None when the local tier has no step newer than `shared_step` for every rank."""
         others = self._other_layouts()
-        listings = phase_all_gather(self.listing())
-        agreement = agree(self.world_size, listings)
+        agreement = agree(self.world_size, phase_all_gather(self.listing()))
         if self.rank == 0 and others:
             log.info("checkpoint.local_dir: ignoring node-local states of another layout (%s): this run has "
                      "world size %d and mesh %s", ", ".join(others), self.world_size, self.folder.name)
@@ -251,13 +267,7 @@ class LocalTier:
                 log.info("checkpoint.local_dir: the local tier's step %d is not newer than the shared checkpoint's "
                          "step %d: resuming from the shared tier", agreement.step, shared_step)
             return None
-        data = self._gather_state(agreement)
-        payload = torch.load(io.BytesIO(data), weights_only=False)
-        if payload["rank"] != self.rank or payload["step"] != agreement.step:
-            raise RuntimeError(f"local checkpoint of rank {payload['rank']} step {payload['step']} given to rank "
-                               f"{self.rank} for step {agreement.step}")
-        engine.load_local_state(payload["engine"])
-        return {"trainer": payload["trainer"], "rng": payload["rng"], "agreement": agreement}
+        return agreement, self._gather_state(agreement)
 
     def _gather_state(self, agreement: Agreement) -> bytes:
         """This rank's bytes for the agreed step: read here, or sent by the rank whose node holds them.
