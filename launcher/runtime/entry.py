@@ -337,8 +337,8 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
             log.info("resumed from %s at step %d: the node-local tier (this rank's state: %s; newest shared "
                      "checkpoint: %s; ranks restored from their peer node's replica: %s)",
                      spec.checkpoint.local_dir, start_step,
-                     "its own file" if source.holder == rank.rank and not source.replica else
-                     f"{'the replica' if source.replica else 'the file'} on rank {source.holder}'s node",
+                     f"{'the replica' if source.replica else 'its own file'} on the node of rank {source.holder}"
+                     f"{' (this rank)' if source.holder == rank.rank else ', sent to this rank'}",
                      path or "none", from_replica or "none")
         elif path is not None:
             with health.phase("resume"):
