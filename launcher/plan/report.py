@@ -263,7 +263,8 @@ def _lost_work(ck: Dict[str, Any]) -> str:
     if "lost_per_failure_s" not in ck:  # a plan.json written before these fields
         return ""
     if ck["lost_per_failure_s"] is None:
-        text = "\n  Lost per failure: everything since the start (no periodic checkpoint: checkpoint.interval=0)"
+        text = ("\n  Lost per failure: everything since the start (no periodic checkpoint: checkpoint.interval=0 "
+                "or checkpoint.enabled=false)")
     else:
         text = (f"\n  Lost per failure (half an interval): {ck['lost_per_failure_s']:.1f} s from the shared "
                 f"checkpoint (checkpoint.interval={ck['interval_steps']} steps)")
