@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from launcher.config.loader import compose_spec
 from launcher.config.validate import validate
 from launcher.launch import slurm
@@ -42,6 +44,30 @@ def test_plan_shows_the_prediction_in_text_and_json(tmp_path):
     assert json.loads(render_plan(plan, spec, "json"))["checkpoint"] == plan.checkpoint
     plan.save(tmp_path)
     assert Plan.load(tmp_path).checkpoint == plan.checkpoint
+
+
+def test_plan_shows_the_work_lost_per_failure_for_each_checkpoint_tier(tmp_path):
+    spec = compose_spec([*LLAMA70B, "checkpoint.interval=100"])
+    plan = build_plan(spec)
+    ck, step_s = plan.checkpoint, plan.time["step_s"]
+    # Half an interval of steps: a failure lands on average halfway between two saves.
+    assert ck["interval_steps"] == 100 and ck["lost_per_failure_s"] == pytest.approx(50 * step_s)
+    assert ck["local_interval_steps"] == 0 and ck["local_lost_per_failure_s"] is None
+    line = render_plan(plan, spec, "text").split("Lost per failure (half an interval): ")[1].splitlines()[0]
+    assert line.startswith(f"{50 * step_s:.1f} s from the shared checkpoint (checkpoint.interval=100 steps)")
+    assert "set checkpoint.local_dir" in line
+    local = compose_spec([*LLAMA70B, "checkpoint.interval=100", f"checkpoint.local_dir={tmp_path}",
+                          "checkpoint.local_interval=10"])
+    plan = build_plan(local)
+    assert plan.checkpoint["local_lost_per_failure_s"] == pytest.approx(5 * step_s)
+    assert plan.checkpoint["lost_per_failure_s"] == ck["lost_per_failure_s"]  # the shared tier's is unchanged
+    text = render_plan(plan, local, "text")
+    assert f", {5 * step_s:.1f} s from the node-local tier (checkpoint.local_interval=10 steps)" in text
+    assert json.loads(render_plan(plan, local, "json"))["checkpoint"]["local_lost_per_failure_s"] == pytest.approx(5 * step_s)
+    # No periodic checkpoint: everything since the start is at stake.
+    none = build_plan(compose_spec([*LLAMA70B, "checkpoint.interval=0"]))
+    assert none.checkpoint["lost_per_failure_s"] is None
+    assert "everything since the start" in render_plan(none, compose_spec([*LLAMA70B, "checkpoint.interval=0"]), "text")
 
 
 def test_short_signal_lead_is_a_warning_not_an_error():

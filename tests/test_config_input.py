@@ -164,6 +164,13 @@ BAD_VALUES = [
     (["cluster=slurm", "cluster.nodes=2", "cluster.spare_nodes=2"],
      ["cluster.spare_nodes=2 >= cluster.nodes=2", "Fix: cluster.spare_nodes=1 or fewer"]),
     (["cluster.spare_nodes=1"], ["cluster.spare_nodes=1", "cluster=local", "Fix: cluster.spare_nodes=0"]),
+    # The node-local tier: a folder the ranks could not write, no interval, or DeepSpeed's states.
+    (["checkpoint.local_dir=/proc/nope"], ["checkpoint.local_dir=/proc/nope", "cannot be created or written",
+                                           "Fix: a folder every node can create"]),
+    (["checkpoint.local_dir=/tmp", "checkpoint.local_interval=0"],
+     ["checkpoint.local_interval=0 must be at least 1", "Fix: a step count"]),
+    (["backend=deepspeed", "checkpoint.local_dir=/tmp"],
+     ["checkpoint.local_dir=/tmp", "DeepSpeed (ZeRO-", "Fix: checkpoint.local_dir=''"]),
 ]
 
 
@@ -204,7 +211,8 @@ def test_good_values_stay_valid(tmp_path):
     ) == []
     assert _problems("cluster=slurm", "cluster.setup=[module load x]") == []
     # A checkpoint folder that does not exist yet but can be made is fine, and the check makes nothing.
-    assert _problems(f"checkpoint.dir={tmp_path / 'new' / 'ckpt'}", "cluster.max_restarts=2") == []
+    assert _problems(f"checkpoint.dir={tmp_path / 'new' / 'ckpt'}", "cluster.max_restarts=2",
+                     f"checkpoint.local_dir={tmp_path / 'node' / 'local'}", "checkpoint.local_interval=2") == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000010"]
     # checkpoint.enabled=false writes no checkpoint: the folder is not the ranks' business then.
     assert _problems("checkpoint.dir=/proc/nope", "checkpoint.enabled=false") == []
@@ -274,6 +282,7 @@ CLI_CASES = [
     ["model=deepseek_v3_small", "parallel.cp=2", "cluster.gpus_per_node=2"],  # CP with MLA on CPU
     ["cluster=slurm", "cluster.dry_run=true", "checkpoint.dir=/proc/nope", "cluster.max_restarts=-1"],
     ["cluster=slurm", "cluster.dry_run=true", "cluster.nodes=2", "cluster.spare_nodes=2"],
+    ["backend=deepspeed", "checkpoint.local_dir=/proc/nope"],  # both refusals of the node-local tier
 ]
 
 

@@ -20,6 +20,7 @@ test_slurm_train.py, which runs on 2 nodes.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -45,6 +46,9 @@ COLLECTIVE_TIMEOUT_S = 15
 # by SLURM after SlurmdTimeout (10 s) plus a ping interval; the requeued job starts ~12 s after.
 DEATH_TO_REQUEUE_S = 240
 JOB_TIMEOUT_S = 420
+# The spare-node job's two checkpoint tiers: shared every 8 steps, node-local every 2.
+SHARED_INTERVAL = 8
+LOCAL_INTERVAL = 2
 LAYOUT = [
     "cluster.gpus_per_node=2",
     "parallel.dp_shard=2",
@@ -262,7 +266,8 @@ def test_node_deaths_name_the_node_requeue_and_resume_with_the_local_losses(node
 class SpareRun:
     job_id: str
     run_dir: Path
-    killed_after: int  # checkpoint step written before the node was killed
+    killed_after: int  # shared checkpoint step written before the node was killed
+    local_step: int  # a node-local step (newer than killed_after) the killed node held before it died
     killed: str
     allocation: List[str]
     main_log: str
@@ -274,23 +279,50 @@ class SpareRun:
 @pytest.fixture(scope="module")
 def spare_node_run(slurm_cluster: SlurmCluster, tmp_path_factory) -> SpareRun:
     """`cluster.spare_nodes=1`: a 2-node job on 3 allocated nodes; its second node is killed as in
-    node_death_run, and the job goes on in the same allocation on the first node and the spare."""
+    node_death_run, and the job goes on in the same allocation on the first node and the spare.
+
+    With the node-local tier (checkpoint.local_dir, every LOCAL_INTERVAL steps; the shared
+    checkpoint every SHARED_INTERVAL): the node is killed once it holds a local step newer than
+    the shared checkpoint, so the restart resumes from the local tier, the killed node's ranks
+    from the replicas their peers on the first node keep."""
     run_dir = tmp_path_factory.mktemp("spare") / "run"
+    local_dir = run_dir.parent / "node-local"
+    layout = [arg for arg in LAYOUT if not arg.startswith("checkpoint.interval=")]
     t0 = time.monotonic()
-    job_id = submit_train(run_dir, f"cluster.nodes={JOB_NODES}", "cluster.spare_nodes=1", *LAYOUT,
+    job_id = submit_train(run_dir, f"cluster.nodes={JOB_NODES}", "cluster.spare_nodes=1", *layout,
+                          f"checkpoint.interval={SHARED_INTERVAL}", f"checkpoint.local_dir={local_dir}",
+                          f"checkpoint.local_interval={LOCAL_INTERVAL}",
                           f"cluster.collective_timeout_s={COLLECTIVE_TIMEOUT_S}", "cluster.max_requeues=0")
     try:
         killed_after = wait_for_checkpoint_after(slurm_cluster, job_id, run_dir, 0)
         nodelist = slurm_cluster.job(job_id).fields["NodeList"]
         allocation = slurm_cluster.run(["scontrol", "show", "hostnames", nodelist]).stdout.split()
         killed = second_node(slurm_cluster, job_id)
+        local_step = wait_for_local_step_after(slurm_cluster, job_id, run_dir, local_dir / "*" / killed, killed_after)
         signal_all(node_processes(slurm_cluster, killed), signal.SIGKILL)
         info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT_S)
     finally:
         dev_cluster_up()  # bring the dead node back for the other tests, whatever happened
     log = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
-    return SpareRun(job_id, run_dir, killed_after, killed, allocation, log, f"{info.state} {info.exit_code}",
-                    info.restarts, round(time.monotonic() - t0, 1))
+    return SpareRun(job_id, run_dir, killed_after, local_step, killed, allocation, log,
+                    f"{info.state} {info.exit_code}", info.restarts, round(time.monotonic() - t0, 1))
+
+
+def wait_for_local_step_after(cluster: SlurmCluster, job_id: str, run_dir: Path, node_folder: Path, step: int) -> int:
+    """Wait until the node's local tier holds a complete step newer than `step` (its ranks' own
+    files and the replicas of the previous node's ranks); returns that step."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while True:
+        full = sorted(int(folder.name[5:]) for folder in map(Path, glob.glob(str(node_folder / "*" / "step_*")))
+                      if len(list(folder.glob("rank_*.pt"))) == 2 and len(list(folder.glob("replica_of_rank_*.pt"))) == 2)
+        newer = [s for s in full if s > step]
+        if newer:
+            assert newer[-1] < step + SHARED_INTERVAL, f"the job saved shared step {step + SHARED_INTERVAL} first: raise SHARED_INTERVAL"
+            return newer[-1]
+        info = cluster.job(job_id)
+        assert info.state == "RUNNING", f"job {job_id} {info.state} too early\n{job_logs(run_dir, job_id)}"
+        assert time.monotonic() < deadline, f"no local step after {step} in {node_folder}\n{job_logs(run_dir, job_id)}"
+        time.sleep(0.1)
 
 
 def test_a_killed_node_is_replaced_by_the_spare_in_the_job_without_requeue(spare_node_run: SpareRun):
@@ -309,8 +341,22 @@ def test_a_killed_node_is_replaced_by_the_spare_in_the_job_without_requeue(spare
     assert [(e["node"], e["action"]) for e in excluded] == [(run.killed, "restart on a spare")], events
     assert excluded[0]["cause"].startswith("node lost")
     rank0 = (run.run_dir / "logs" / "rank_0.log").read_text()
-    assert [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", rank0)] == [run.killed_after]
-    # Every step trained; the steps trained twice (after the checkpoint, before the kill) give the same loss.
+    # The restart resumed from the node-local tier, newer than the shared checkpoint: the killed
+    # node's ranks got their states from the replicas their peers (rank + 2) kept on the other node.
+    resumed = [int(s) for s in re.findall(r"resumed from \S+ at step (\d+): the node-local tier", rank0)]
+    assert len(resumed) == 1 and run.killed_after < run.local_step <= resumed[0] < run.killed_after + SHARED_INTERVAL, (
+        resumed, run.killed_after, run.local_step)
+    lost_ranks = sorted(p.rank for p in runs[0] if p.node == run.killed)
+    resumed_event = [e for e in events if e["event"] == "resumed"]
+    assert [(e["step"], e["tier"], e["from_replica"]) for e in resumed_event] == [(resumed[0], "local", lost_ranks)], events
+    first_nodes, second_nodes = ({p.rank: p.node for p in placed} for placed in runs)
+    for rank in lost_ranks:  # the replica is on the node its peer ran on (wherever the restart put the ranks)
+        log = (run.run_dir / "logs" / f"rank_{rank}.log").read_text()
+        holder = re.search(r"this rank's state: the replica on the node of rank (\d+)", log)
+        assert holder, log[-3000:]
+        assert second_nodes[int(holder[1])] == first_nodes[(rank + 2) % 4] != run.killed, (rank, holder[1], runs)
+    assert "each rank's state replicated to rank + 2" in rank0
+    # Every step trained; the steps trained twice (after the local save, before the kill) give the same loss.
     rows = read_metrics(run.run_dir)
     assert sorted({r["step"] for r in rows}) == list(range(1, STEPS + 1))
     seen: Dict[int, float] = {}
@@ -318,4 +364,5 @@ def test_a_killed_node_is_replaced_by_the_spare_in_the_job_without_requeue(spare
         assert abs(seen.setdefault(r["step"], r["loss"]) - r["loss"]) <= 1e-6, (r, seen[r["step"]])
     restarted = [r for r in rows if "resilience/restarts" in r]
     assert [r["resilience/restarts"] for r in restarted] == [1.0], restarted
+    assert [r["resilience/restored_from_local"] for r in restarted] == [1.0], restarted
     print(f"spare-node job: {run.setup_s} s from submission to the end")

@@ -194,6 +194,11 @@ class CheckpointConfig:
     # Verify file checksums (crc32) before resuming; sizes are always checked.
     verify_checksums: bool = True
     save_final: bool = True
+    # The node-local tier (launcher/runtime/local_checkpoint.py): "" = off; else a folder on each
+    # node's own disk (e.g. /tmp or NVMe) where every rank saves its state every local_interval
+    # steps, with a replica on the next node; restart uses it when newer than the shared one.
+    local_dir: str = ""
+    local_interval: int = 10  # steps between node-local saves (checkpoint.interval stays the shared one's)
     export: str = "none"  # none | fp32 | safetensors | hf: consolidated export at the end
     # dtype of the checkpoint.export=hf weights (bf16 | fp16 | fp32); applies to the export only.
     export_dtype: str = "bf16"

@@ -126,6 +126,10 @@ def _check_positive(spec: JobConfig, problems: List[str]) -> None:
         problems.append(f"optim.warmup_steps={spec.optim.warmup_steps} must be >= 0. Fix: optim.warmup_steps=0 for no warm-up.")
     if spec.checkpoint.interval < 0:
         problems.append(f"checkpoint.interval={spec.checkpoint.interval} must be >= 0. Fix: a step count, or 0 to disable periodic saves.")
+    if spec.checkpoint.local_dir and spec.checkpoint.local_interval < 1:
+        problems.append(f"checkpoint.local_interval={spec.checkpoint.local_interval} must be at least 1 with "
+                        f"checkpoint.local_dir set. Fix: a step count such as checkpoint.local_interval=10, or "
+                        f"checkpoint.local_dir='' for no node-local tier.")
     if spec.trainer.tokens < 0:
         problems.append(f"trainer.tokens={spec.trainer.tokens} must be >= 0. Fix: a token budget (e.g. trainer.tokens=2e12 "
                         f"as an integer: 2000000000000), or 0 to train trainer.steps steps.")
@@ -475,6 +479,13 @@ def _check_run_inputs(spec: JobConfig, problems: List[str]) -> None:
             "checkpoint.dir", spec.checkpoint.dir,
             "a folder you can write on a file system every node mounts, or checkpoint.dir='' for "
             "<run dir>/checkpoints.")
+        if problem:
+            problems.append(problem)
+        # Checked from this machine, like checkpoint.dir; on a cluster it is each node's own disk.
+        problem = folder_problem(
+            "checkpoint.local_dir", spec.checkpoint.local_dir,
+            "a folder every node can create and write on its own disk (e.g. /tmp/ckpt or an NVMe mount), "
+            "or checkpoint.local_dir='' for no node-local tier.")
         if problem:
             problems.append(problem)
 

@@ -462,6 +462,49 @@ class NativeEngine:
         """Load a checkpoint written by ``save`` in any layout / world size (collective)."""
         state = self._state()
         dcp.load(state, checkpoint_id=str(directory))
+        self._apply_state(state)
+
+    def local_state(self) -> Dict[str, Any]:
+        """This rank's own part of `save`'s state, as plain CPU tensors: the local shard of every
+        DTensor, copies of plain tensors, the other values as they are (the node-local checkpoint
+        tier, launcher/runtime/local_checkpoint.py). Restored by `load_local_state` in the same layout."""
+        flat: Dict[str, Any] = {}
+        for path, value in _leaves(self._state()):
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                flat[path] = local.detach().to("cpu", copy=True)
+            else:
+                flat[path] = value
+        return flat
+
+    def load_local_state(self, flat: Dict[str, Any]) -> None:
+        """Restore what `local_state` returned on this rank, in the same layout (collective, as `load`).
+
+        The saved shards are copied into the local shards of the state `save` would write, which
+        is then applied as after a DCP load: the same path, without a file system in between.
+        """
+        state = self._state()
+        leaves = dict(_leaves(state))
+        missing = sorted(set(leaves) - set(flat))
+        if missing:
+            raise ValueError(f"the node-local checkpoint lacks {len(missing)} entries of this model, e.g. "
+                             f"{missing[:3]}. Fix: checkpoint.local_dir holds another model's state; clear it.")
+        for path, value in leaves.items():
+            saved = flat[path]
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                if tuple(local.shape) != tuple(saved.shape):
+                    raise ValueError(f"node-local checkpoint entry {path}: shape {tuple(saved.shape)} but this "
+                                     f"rank holds {tuple(local.shape)}. Fix: the layout changed; resume from "
+                                     f"the shared checkpoint (clear checkpoint.local_dir).")
+                with torch.no_grad():
+                    local.copy_(saved)
+            else:
+                _set_leaf(state, path, saved)
+        self._apply_state(state)
+
+    def _apply_state(self, state: Dict[str, Any]) -> None:
+        """Hand a filled-in `_state()` back to the model parts, optimizers and LR schedules."""
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
         for part, opt in zip(self.parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=opts)
@@ -504,3 +547,19 @@ def _is_fsdp(module: nn.Module) -> bool:
 
 def _has_float8(module: nn.Module) -> bool:
     return any(type(m).__name__ == "Float8Linear" for m in module.modules())
+
+
+def _leaves(tree: Any, prefix: Tuple[str, ...] = ()) -> List[Tuple[Tuple[str, ...], Any]]:
+    """(path, value) of every non-dict value of a nested dict (a checkpoint state), in order."""
+    if not isinstance(tree, dict):
+        return [(prefix, tree)]
+    out: List[Tuple[Tuple[str, ...], Any]] = []
+    for key, value in tree.items():
+        out.extend(_leaves(value, prefix + (key,)))
+    return out
+
+
+def _set_leaf(tree: Dict[Any, Any], path: Tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from launcher.plan.layout import Layout
 from launcher.plan.memory import model_state_memory
@@ -50,14 +50,28 @@ def shutdown_timeout_seconds(step_s: float, save_s: float) -> int:
     return int(math.ceil(STOP_FACTOR * (step_s + save_s) + STOP_MARGIN_S))
 
 
+def lost_work_seconds(interval_steps: int, step_s: float) -> Optional[float]:
+    """Expected training time lost per failure when a checkpoint is saved every `interval_steps`:
+    a failure lands on average half an interval after the last save. None: no periodic saves
+    (everything since the start or the last resume is lost)."""
+    if interval_steps <= 0:
+        return None
+    return interval_steps * step_s / 2
+
+
 def checkpoint_estimate(plan: Any, spec: Any) -> Dict[str, Any]:
-    """The `plan.checkpoint` dict: bytes, predicted save and stop time, torchrun's shutdown timeout."""
+    """The `plan.checkpoint` dict: bytes, predicted save and stop time, torchrun's shutdown timeout,
+    and the expected work lost per failure for the shared tier (checkpoint.interval) and the
+    node-local one (checkpoint.local_interval, when checkpoint.local_dir is set)."""
     shape = model_shape(spec.model)
     lay = plan.layout
     per_rank = checkpoint_bytes_per_rank(shape, lay)
     gbps = float(spec.hardware.storage_gbps)
     save_s = save_seconds(per_rank, plan.gpus_per_node, gbps)
     step_s = float(plan.time.get("step_s", 0.0)) if plan.time else 0.0
+    ck = spec.checkpoint
+    shared_interval = ck.interval if ck.enabled else 0
+    local_interval = ck.local_interval if ck.enabled and ck.local_dir else 0
     return {
         "bytes_per_rank": per_rank,
         "bytes_per_node": per_rank * plan.gpus_per_node,
@@ -65,4 +79,8 @@ def checkpoint_estimate(plan: Any, spec: Any) -> Dict[str, Any]:
         "save_s": save_s,
         "stop_s": step_s + save_s,  # finish the current step, then save
         "shutdown_timeout_s": shutdown_timeout_seconds(step_s, save_s),
+        "interval_steps": shared_interval,
+        "lost_per_failure_s": lost_work_seconds(shared_interval, step_s),
+        "local_interval_steps": local_interval,
+        "local_lost_per_failure_s": lost_work_seconds(local_interval, step_s),
     }

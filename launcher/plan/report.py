@@ -254,7 +254,26 @@ def _checkpoint_section(plan) -> str:
         return ""
     return (f"Checkpoint save: {_gib(ck['bytes_per_rank'])} per rank, {_gib(ck['bytes_per_node'])} per node at "
             f"{ck['storage_gbps']:g} GB/s (hardware.storage_gbps) = {ck['save_s']:.1f} s; a stop (step + save) "
-            f"{ck['stop_s']:.1f} s; torchrun --shutdown-timeout {ck['shutdown_timeout_s']} s")
+            f"{ck['stop_s']:.1f} s; torchrun --shutdown-timeout {ck['shutdown_timeout_s']} s"
+            f"{_lost_work(ck)}")
+
+
+def _lost_work(ck: Dict[str, Any]) -> str:
+    """The checkpoint line's tail: expected work lost per failure (half an interval) for each tier."""
+    if "lost_per_failure_s" not in ck:  # a plan.json written before these fields
+        return ""
+    if ck["lost_per_failure_s"] is None:
+        text = ("\n  Lost per failure: everything since the start (no periodic checkpoint: checkpoint.interval=0 "
+                "or checkpoint.enabled=false)")
+    else:
+        text = (f"\n  Lost per failure (half an interval): {ck['lost_per_failure_s']:.1f} s from the shared "
+                f"checkpoint (checkpoint.interval={ck['interval_steps']} steps)")
+    if ck.get("local_lost_per_failure_s") is not None:
+        text += (f", {ck['local_lost_per_failure_s']:.1f} s from the node-local tier "
+                 f"(checkpoint.local_interval={ck['local_interval_steps']} steps)")
+    elif ck["lost_per_failure_s"] is not None:
+        text += "; set checkpoint.local_dir for a node-local tier at checkpoint.local_interval"
+    return text
 
 
 # ----------------------------------------------------------------------------- action=search

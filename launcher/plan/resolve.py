@@ -133,7 +133,7 @@ def _layout_problems(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
     if problems or choices is None:
         return None, problems
     layout = build_layout(spec, mesh, accum, choices)
-    async_problems = async_checkpoint_problems(spec, layout)
+    async_problems = async_checkpoint_problems(spec, layout) + local_tier_problems(spec, layout)
     if async_problems:
         return None, async_problems
     return replace(layout, accumulate_unsharded=resolve_accumulate_unsharded(spec, layout)[0]), []
@@ -147,6 +147,17 @@ def async_checkpoint_problems(spec: JobConfig, layout: Layout) -> List[str]:
     return [f"checkpoint.async=true: asynchronous checkpoints are written by the native engine (DCP async_save), "
             f"but this layout gives the model states to DeepSpeed (ZeRO-{layout.zero_stage}), whose checkpoints are "
             f"written synchronously. Fix: checkpoint.async=false, or a layout the native engine runs (backend=native)."]
+
+
+def local_tier_problems(spec: JobConfig, layout: Layout) -> List[str]:
+    """checkpoint.local_dir needs the native engine: its node-local save copies each rank's local
+    shards, which DeepSpeed's ZeRO engine does not hand out (refused, not ignored)."""
+    if not (spec.checkpoint.enabled and spec.checkpoint.local_dir) or layout.sharding_backend != "deepspeed":
+        return []
+    return [f"checkpoint.local_dir={spec.checkpoint.local_dir}: the node-local checkpoint tier is written by the "
+            f"native engine, but this layout gives the model states to DeepSpeed (ZeRO-{layout.zero_stage}). "
+            f"Fix: checkpoint.local_dir='' (the shared checkpoint at checkpoint.interval only), or a layout the "
+            f"native engine runs (backend=native)."]
 
 
 def profile_rank_problems(profile: ProfileConfig, world: int) -> List[str]:

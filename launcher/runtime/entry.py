@@ -31,8 +31,9 @@ from launcher.hf.weights import tokenizer_files_for
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
 from launcher.plan.plan import Plan
-from launcher.runtime.checkpoint import CheckpointManager, lock_for_run
-from launcher.runtime.checkpoint_folder import checkpoint_root
+from launcher.runtime.checkpoint import CheckpointManager, lock_for_run, set_rng_state
+from launcher.runtime.checkpoint_folder import checkpoint_root, step_of
+from launcher.runtime.local_checkpoint import LocalTier
 from launcher.runtime.failure import FAILURE_DIR, FailureBundle, NodeBlamed, host_name
 from launcher.runtime.health import RunHealth
 from launcher.runtime.memory_snapshot import MemorySnapshot
@@ -108,6 +109,14 @@ def record_built(engine: Engine, plan: Plan, rank: int, run_dir: Path) -> None:
     path = Path(run_dir) / "logs" / f"built_rank_{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(built(), indent=1, sort_keys=True))
+
+
+def build_local_tier(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path) -> Optional[LocalTier]:
+    """checkpoint.local_dir's node-local tier for this rank (None when off)."""
+    if not (spec.checkpoint.enabled and spec.checkpoint.local_dir):
+        return None
+    return LocalTier(spec.checkpoint.local_dir, run_dir, host_name(), rank=rank.rank, world_size=rank.world_size,
+                     ranks_per_node=plan.gpus_per_node, mesh=plan.mesh.to_dict(), device=rank.device)
 
 
 def log_placement(plan: Plan, rank: RankInfo) -> None:
@@ -325,12 +334,35 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     )
     start_step = 0
     restarts = job_facts().in_job_restarts
+    local_tier = build_local_tier(spec, plan, rank, run_dir)
+    tier, from_replica = "shared", []
     # After an in-job restart the newest checkpoint is this run's own progress: resume=none or an
     # older PATH would throw it away (and set newer checkpoints aside) on every restart.
     resume = "auto" if restarts else spec.checkpoint.resume
     if resume != "none":
         path = checkpoints.select_resume(resume)
-        if path is not None:
+        restored = None
+        if local_tier is not None and resume == "auto":
+            with health.phase("resume"):
+                restored = local_tier.restore(step_of(path) if path is not None else -1, engine)
+        if restored is not None:
+            state = restored["trainer"]
+            set_rng_state(restored["rng"])
+            checkpoints.start_step = start_step = int(state["step"])
+            agreement = restored["agreement"]
+            tier = "local"
+            from_replica = sorted(r for r, src in agreement.sources.items() if src.replica)
+            bundle.progress.last_step = start_step
+            check_same_data_position(state, plan)
+            resume_data(batches, state, rank.rank)
+            source = agreement.sources[rank.rank]
+            log.info("resumed from %s at step %d: the node-local tier (this rank's state: %s; newest shared "
+                     "checkpoint: %s; ranks restored from their peer node's replica: %s)",
+                     spec.checkpoint.local_dir, start_step,
+                     f"{'the replica' if source.replica else 'its own file'} on the node of rank {source.holder}"
+                     f"{' (this rank)' if source.holder == rank.rank else ', sent to this rank'}",
+                     path or "none", from_replica or "none")
+        elif path is not None:
             with health.phase("resume"):
                 state = checkpoints.load(path, engine, spec.trainer.seed)
             health.saved(state["step"], path)
@@ -340,11 +372,14 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
             bundle.progress.last_step = start_step
             check_same_data_position(state, plan)
             resume_data(batches, state, rank.rank)
-            log.info("resumed from %s at step %d", path, start_step)
+            log.info("resumed from %s at step %d%s", path, start_step,
+                     " (the shared tier)" if local_tier is not None else "")
         elif rank.rank == 0:
             log.info("no checkpoint to resume from in %s: starting at step 0", checkpoints.root)
+    if local_tier is not None:
+        local_tier.forget_newer(start_step)
     restart_report = RestartReport(run_dir, restarts, rank.rank, host_name())
-    restart_report.resumed_at(start_step)
+    restart_report.resumed_at(start_step, tier, from_replica)
     if restarts and rank.rank == 0:
         log.warning("in-job restart %d: resumed at step %d", restarts, start_step)
 
@@ -381,6 +416,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         predicted_memory=plan.memory,
         device_type=rank.device.type,
         val_every=spec.trainer.val_every,
+        local_interval=spec.checkpoint.local_interval if local_tier is not None else 0,
     )
     trainer = Trainer(
         loop_cfg, run_dir=run_dir, rank=rank.rank, engine=engine, batches=batches,
@@ -393,6 +429,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         score=RunScore(run_dir, plan.time, plan.memory, rank.world_size, rank.device.type, spec.hardware.name,
                        rank.rank),
         restart_report=restart_report,
+        local_tier=local_tier,
     )
     try:
         result = trainer.fit()

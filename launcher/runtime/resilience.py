@@ -255,8 +255,9 @@ class RestartReport:
     """On the ranks of a restarted attempt: what the restart cost, once, on the first logged step.
 
     `resilience/restarts` (in-job restarts so far), `resilience/lost_steps` (steps done before the
-    failure that the resumed checkpoint did not hold) and `resilience/downtime_s` (from the
-    failure to the end of the first step after the restart).
+    failure that the resumed checkpoint did not hold), `resilience/downtime_s` (from the
+    failure to the end of the first step after the restart) and `resilience/restored_from_local`
+    (1: the node-local tier of checkpoint.local_dir gave the state, 0: the shared checkpoint).
     """
 
     def __init__(self, run_dir: Path, restarts: int, rank: int, node: str):
@@ -267,16 +268,21 @@ class RestartReport:
         failures = [e for e in read_events(run_dir) if e.get("event") == "failure"] if restarts else []
         self.failure = failures[-1] if failures else None
         self.resumed_step = 0
+        self.tier = "shared"
         self._done = self.failure is None
 
-    def resumed_at(self, step: int) -> None:
+    def resumed_at(self, step: int, tier: str = "shared", from_replica: Optional[List[int]] = None) -> None:
         """The step the checkpoint this attempt resumed from holds (0: started from scratch); after
-        a restart rank 0 records the "resumed" event (the downtime is known only after a step)."""
+        a restart rank 0 records the "resumed" event (the downtime is known only after a step).
+        tier: "local" (checkpoint.local_dir) or "shared"; from_replica: the ranks whose local
+        state came from their peer node's replica."""
         self.resumed_step = step
+        self.tier = tier
         if self._done or self.rank != 0:
             return
         append_event(self.run_dir, {"event": "resumed", "node": self.node, "rank": self.rank, "step": step,
-                                    "lost_steps": self.lost_steps(), "restart": self.restarts})
+                                    "lost_steps": self.lost_steps(), "restart": self.restarts, "tier": tier,
+                                    "from_replica": list(from_replica or [])})
 
     def lost_steps(self) -> int:
         """Steps finished before the failure that the resumed checkpoint does not hold (trained again)."""
@@ -291,7 +297,8 @@ class RestartReport:
         cause = self.failure.get("cause", {})
         failed_at = cause.get("failure_unix_time") or self.failure.get("unix_time") or time.time()
         return {"resilience/restarts": float(self.restarts), "resilience/lost_steps": float(self.lost_steps()),
-                "resilience/downtime_s": round(max(0.0, time.time() - float(failed_at)), 3)}
+                "resilience/downtime_s": round(max(0.0, time.time() - float(failed_at)), 3),
+                "resilience/restored_from_local": 1.0 if self.tier == "local" else 0.0}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -15,7 +15,8 @@ from typing import Any, Dict, Optional
 from launcher.data.dataset import StepBatches
 from launcher.data.prefetch import Prefetcher, should_pin
 from launcher.plan.flops import achieved_tflops, mfu
-from launcher.runtime.checkpoint import CheckpointManager
+from launcher.runtime.checkpoint import CheckpointManager, rng_state
+from launcher.runtime.local_checkpoint import LocalTier
 from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.health import RunHealth
@@ -53,6 +54,7 @@ class LoopConfig:
     predicted_memory: Optional[Dict[str, Any]] = None
     device_type: str = "cpu"
     val_every: int = 0  # validation loss every N steps (0: off); needs a Validator
+    local_interval: int = 0  # steps between node-local saves (checkpoint.local_dir; 0: off)
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Trainer:
         moe_health: Optional[MoEHealth] = None,
         score: Optional[RunScore] = None,
         restart_report: Optional[RestartReport] = None,
+        local_tier: Optional[LocalTier] = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -100,6 +103,7 @@ class Trainer:
         self.score = score  # measured vs planned: plan/* metrics and run_summary.json
         self.restart_report = restart_report  # resilience/* metrics after an in-job restart
         self._reported_save = None  # the (step, path) last given to health.saved
+        self.local_tier = local_tier  # checkpoint.local_dir: the node-local tier (None: off)
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
         return {
@@ -134,6 +138,14 @@ class Trainer:
         with self.health.phase("checkpoint save"):
             self.checkpoints.save(step, self.engine, self._trainer_state(step))
         self._note_saved()
+
+    def _save_local(self, step: int) -> None:
+        """The node-local tier's save of `step` (collective: the replica goes to the next node)."""
+        if self.health is None:
+            self.local_tier.save(step, self.engine, self._trainer_state(step), rng_state())
+            return
+        with self.health.phase("checkpoint save"):
+            self.local_tier.save(step, self.engine, self._trainer_state(step), rng_state())
 
     def _note_saved(self, wait: bool = False) -> None:
         """Name the newest complete checkpoint to the failure summary. checkpoint.async: a save
@@ -261,13 +273,20 @@ class Trainer:
                 window_start, window_steps, set_apart = time.perf_counter(), 0, 0.0
             elif memory_row:
                 self.metrics.log(dict(memory_row, step=step), console=False)
-            if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0:
+            saved_shared = bool(cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0)
+            if saved_shared:
                 t_save = time.perf_counter()
                 self._save(step)
                 set_apart += time.perf_counter() - t_save
                 last_saved = step
             elif self.checkpoints.async_save:
                 self._note_saved()
+            # A synchronous shared save of this step is already as new as a local one could be.
+            if (self.local_tier is not None and cfg.local_interval and step % cfg.local_interval == 0
+                    and step < cfg.steps and not (saved_shared and not self.checkpoints.async_save)):
+                t_save = time.perf_counter()
+                self._save_local(step)
+                set_apart += time.perf_counter() - t_save
             if step < cfg.steps and self.stop.should_stop():
                 reason = self.stop.local_request() or "stop requested on another rank"
                 if not cfg.checkpoint_enabled:
