@@ -255,7 +255,7 @@ class DataConfig:
     tokenizer: str = ""  # path to a local HF tokenizer.json (source=text); "" = bytes
     embedded_tokens: int = 2_000_000
     # Held-out data for trainer.val_every, read like `path` under `source`; "" with source=embedded:
-    # the embedded corpus's validation split (launcher/data/validation.py).
+    # the embedded corpus's validation split (launcher/data/heldout.py).
     val_path: str = ""
     # data.source=indexed: a weighted blend of indexed datasets (instead of data.path); every step's
     # share of each source is within one sample of weight x samples so far (launcher/data/mixture.py).

@@ -39,7 +39,7 @@ from launcher.data.mixture import MixtureState
 from launcher.data.sampler import WindowPermutation
 from launcher.data.text import cached_tokenization
 from launcher.data.tokens import shard_files  # noqa: F401  (re-exported: older imports)
-from launcher.data.validation import load_val_token_arrays
+from launcher.data.heldout import load_val_token_arrays
 
 OPEN_SHARDS = 64  # indexed shards kept memory-mapped at once per source (a map costs 3 file mappings)
 

@@ -51,7 +51,7 @@ from launcher.runtime.run_score import RunScore
 from launcher.runtime.resilience import RestartReport
 from launcher.job_env import job_facts
 from launcher.runtime import debug_hooks
-from launcher.data.validation import load_val_token_arrays
+from launcher.data.heldout import load_val_token_arrays
 from launcher.runtime.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
 
 log = logging.getLogger("launcher")
