@@ -24,14 +24,14 @@ def test_dp_shard_is_inferred_once_and_everything_lands_in_the_layout():
                          "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
                          "trainer.micro_batch_size=1", "trainer.global_batch_size=64"])
     lay = resolve(spec)
-    assert (lay.nodes, lay.gpus_per_node, lay.world_size) == (4, 8, 32)
-    assert (lay.pp, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp) == (4, 1, 1, 1, 8)
+    assert (lay.nodes, lay.gpus_per_node, lay.mesh.world_size) == (4, 8, 32)
+    assert (lay.mesh.pp, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp) == (4, 1, 1, 1, 8)
     assert lay.microbatches == 64 and lay.pp_microbatches == 64 and lay.global_batch_size == 64
     assert (lay.schedule, lay.vpp) == ("interleaved_1f1b", 2)
     assert lay.sharding_backend == "native" and lay.fsdp_wraps is False  # one data-parallel rank
     assert lay.backends["pp"].impl.startswith("torch.distributed.pipelining")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        lay.pp = 2  # type: ignore[misc]
+        lay.mesh.pp = 2  # type: ignore[misc]
 
 
 def test_the_issue_example_plans_the_micro_batches_it_runs():
@@ -40,10 +40,10 @@ def test_the_issue_example_plans_the_micro_batches_it_runs():
                          "trainer.micro_batch_size=4", "trainer.global_batch_size=16", "action=plan"])
     plan = build_plan(spec, check(spec))
     lay = plan.layout
-    accumulation = lay.global_batch_size // (lay.micro_batch_size * lay.dp)
+    accumulation = lay.global_batch_size // (lay.micro_batch_size * lay.mesh.dp)
     assert lay.pp_microbatches == accumulation == plan.pipeline["microbatches"]
     # What the planner reports is what the schedule runs: (pp - 1) / m for gpipe.
-    assert plan.pipeline["bubble_fraction"] == pytest.approx((lay.pp - 1) / lay.pp_microbatches)
+    assert plan.pipeline["bubble_fraction"] == pytest.approx((lay.mesh.pp - 1) / lay.pp_microbatches)
 
 
 def test_plan_json_holds_the_layout_and_round_trips(tmp_path):
@@ -147,8 +147,8 @@ def test_every_recipe_resolves_to_a_consistent_layout(recipe):
     spec = compose_spec([f"+recipe={recipe}", "action=plan"])
     plan = build_plan(spec, check(spec))
     lay = plan.layout
-    assert lay.world_size == spec.cluster.nodes * spec.cluster.gpus_per_node
+    assert lay.mesh.world_size == spec.cluster.nodes * spec.cluster.gpus_per_node
     assert lay.global_batch_size == spec.trainer.global_batch_size
     assert lay.pp_microbatches == lay.microbatches == plan.pipeline["microbatches"]
-    assert lay.fsdp_wraps == (lay.sharding_backend == "native" and (lay.dp * lay.cp > 1 or lay.offload_to_cpu))
+    assert lay.fsdp_wraps == (lay.sharding_backend == "native" and (lay.mesh.dp * lay.mesh.cp > 1 or lay.offload_to_cpu))
     assert Plan.from_dict(json.loads(plan.to_json())).layout == lay

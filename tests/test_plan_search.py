@@ -59,14 +59,14 @@ def test_search_respects_the_global_batch(llama70b):
     spec, cands, _ = llama70b
     for c in cands:
         lay = c.layout
-        assert lay.micro_batch_size * lay.microbatches * lay.dp == spec.trainer.global_batch_size
+        assert lay.micro_batch_size * lay.microbatches * lay.mesh.dp == spec.trainer.global_batch_size
 
 
 def test_moe_search_uses_expert_parallel():
     spec = compose_spec(["+recipe=mixtral8x7b", "cluster.nodes=4", "action=search"])
     cands = search_layouts(spec, limit=10)
     assert cands, "no layout found for mixtral on 32 GPUs"
-    assert any(c.layout.ep > 1 for c in cands)
+    assert any(c.layout.mesh.ep > 1 for c in cands)
     for c in cands:
         assert validate(candidate_spec(spec, c.layout)) == []
 
@@ -138,7 +138,7 @@ def test_more_gpus_finish_sooner_but_cost_more(by_objective):
     """Across node counts the orders must differ: the fastest layout to the budget uses more GPUs
     than the cheapest one, and pays for them."""
     cheapest, fastest = by_objective["cost"][1][0], by_objective["time"][1][0]
-    assert fastest.layout.world_size > cheapest.layout.world_size
+    assert fastest.layout.mesh.world_size > cheapest.layout.mesh.world_size
     assert fastest.budget["wall_s"] < cheapest.budget["wall_s"]
     assert fastest.budget["usd"] > cheapest.budget["usd"]
     order = {o: [c.train_overrides for c in cands] for o, (_, cands) in by_objective.items()}

@@ -12,7 +12,7 @@ Constructor (what the rank runtime builds when ``layout.sharding_backend == "dee
   layout-independent ``init_weights(seed)`` as the native path; the optimizer is the native
   path's AdamW (same parameter groups), or DeepSpeedCPUAdam when the optimizer is offloaded;
   the LR schedule is ``launcher.engines.optim.lr_factor`` (the one formula both paths use);
-- ``layout.pp > 1`` builds a DeepSpeed ``PipelineModule`` (ZeRO <= 1, checked by the resolver).
+- ``layout.mesh.pp > 1`` builds a DeepSpeed ``PipelineModule`` (ZeRO <= 1, checked by the resolver).
 
 Packed documents: without pipelining, positions and document ids go to the model's forward as
 on the native path. DeepSpeed's pipeline engine passes one activation tuple between stages and
@@ -359,7 +359,7 @@ class DeepSpeedEngine:
         self.model_cfg, self.layout, self.options, self.device = model_cfg, layout, options, device
         lay = layout
         self.dp = data_parallel_size(lay)
-        self.pp = lay.pp
+        self.pp = lay.mesh.pp
         self.gas = lay.microbatches
         self.config = build_deepspeed_config(lay, grad_clip=options.grad_clip, seed=options.seed,
                                              offload=options.offload)

@@ -17,11 +17,11 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Literal, Tuple
 
 from launcher.plan.features import BackendChoice
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.mesh import MESH_DEGREES, MeshPlan
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
 Precision = Literal["fp32", "bf16", "fp8"]
@@ -37,13 +37,9 @@ class Layout:
     # Cluster (world size = nodes * gpus_per_node, checked equal to the product of the degrees).
     nodes: int = 1
     gpus_per_node: int = 8
-    # Mesh degrees (see launcher/plan/mesh.py for the rank order: pp, dp_replicate, dp_shard, cp, tp).
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
+    # The mesh degrees pp, dp_replicate, dp_shard, cp, tp, ep and their derived sizes (world_size,
+    # dp): the one record of them (launcher/plan/mesh.py, which also gives the rank order).
+    mesh: MeshPlan = field(default_factory=MeshPlan)
     sp: bool = False
     vpp: int = 1  # model chunks per pipeline rank
     schedule: Schedule = "1f1b"
@@ -92,17 +88,8 @@ class Layout:
 
     # ------------------------------------------------------------------ derived, one formula each
     @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many different batches are processed at once."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.microbatches * self.dp
+        return self.micro_batch_size * self.microbatches * self.mesh.dp
 
     @property
     def tokens_per_step(self) -> int:
@@ -113,12 +100,6 @@ class Layout:
         """Pipeline micro-batches per step: THE rule (docs/parallelism.md) is that the schedule runs
         the gradient-accumulation micro-batches, each of trainer.micro_batch_size sequences."""
         return self.microbatches
-
-    @property
-    def mesh(self) -> MeshPlan:
-        """The degrees the runtime builds its DeviceMesh from."""
-        return MeshPlan(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
-                        cp=self.cp, tp=self.tp, ep=self.ep)
 
     @property
     def uses_deepspeed(self) -> bool:
@@ -134,7 +115,7 @@ class Layout:
         that offloads to the CPU (FSDP2's CPUOffloadPolicy is what moves the states)."""
         if self.sharding_backend != "native":
             return False
-        return self.dp_replicate * self.dp_shard * self.cp > 1 or self.offload_to_cpu
+        return self.mesh.dp * self.mesh.cp > 1 or self.offload_to_cpu
 
     @property
     def fsdp_holds_unsharded(self) -> bool:
@@ -143,7 +124,7 @@ class Layout:
         accumulate_unsharded. Then it all-gathers and reduce-scatters once per step."""
         if self.sharding_backend != "native" or not self.zero_stage:
             return False
-        return self.pp > 1 or self.accumulate_unsharded
+        return self.mesh.pp > 1 or self.accumulate_unsharded
 
     @property
     def act_bytes(self) -> int:
@@ -159,15 +140,15 @@ class Layout:
         """
         if self.zero_stage == 0:
             return 1
-        n = self.dp_shard * self.cp
+        n = self.mesh.dp_shard * self.mesh.cp
         if self.sharding_backend == "deepspeed":
-            n *= self.dp_replicate
+            n *= self.mesh.dp_replicate
         return n
 
     @property
     def expert_fsdp_degree(self) -> int:
         """Expert weights are split over ep first; the remaining sharding ranks shard each expert."""
-        return max(1, self.fsdp_degree // self.ep) if self.zero_stage else 1
+        return max(1, self.fsdp_degree // self.mesh.ep) if self.zero_stage else 1
 
     @property
     def backends(self) -> Dict[str, BackendChoice]:
@@ -177,15 +158,15 @@ class Layout:
     def overrides(self) -> Dict[str, Any]:
         """The `train` overrides that select this layout (dotted key -> value)."""
         return {
-            "parallel.dp_replicate": self.dp_replicate,
-            "parallel.dp_shard": self.dp_shard,
-            "parallel.tp": self.tp,
+            "parallel.dp_replicate": self.mesh.dp_replicate,
+            "parallel.dp_shard": self.mesh.dp_shard,
+            "parallel.tp": self.mesh.tp,
             "parallel.sp": self.sp,
-            "parallel.pp": self.pp,
+            "parallel.pp": self.mesh.pp,
             "parallel.pp_schedule": self.schedule,
             "parallel.pp_virtual_stages": self.vpp,
-            "parallel.cp": self.cp,
-            "parallel.ep": self.ep,
+            "parallel.cp": self.mesh.cp,
+            "parallel.ep": self.mesh.ep,
             "parallel.zero_stage": self.zero_stage,
             "activation_checkpointing.mode": self.ac_mode,
             "trainer.micro_batch_size": self.micro_batch_size,
@@ -193,13 +174,20 @@ class Layout:
 
     # ------------------------------------------------------------------ plan.json
     def to_dict(self) -> Dict[str, Any]:
-        """plan.json's ``layout``: the fields plus the derived values the runtime checks against."""
-        d = asdict(self)
+        """plan.json's ``layout``: the fields plus the derived values the runtime checks against.
+
+        The mesh degrees are written flat, in the mesh's place (plan.json's keys predate the record)."""
+        d: Dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "mesh":
+                d.update(self.mesh.to_dict())
+            else:
+                d[f.name] = getattr(self, f.name)
         d["pp_layers"] = list(self.pp_layers)
         d["choices"] = {name: asdict(c) for name, c in self.choices}
         d["derived"] = {
-            "world_size": self.world_size,
-            "dp": self.dp,
+            "world_size": self.mesh.world_size,
+            "dp": self.mesh.dp,
             "global_batch_size": self.global_batch_size,
             "pp_microbatches": self.pp_microbatches,
             "fsdp_wraps": self.fsdp_wraps,
@@ -210,6 +198,7 @@ class Layout:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Layout":
         d = {k: v for k, v in d.items() if k != "derived"}
+        d["mesh"] = MeshPlan(**{k: d.pop(k) for k in MESH_DEGREES if k in d})
         d["pp_layers"] = tuple(d.get("pp_layers", ()))
         d["choices"] = tuple((name, BackendChoice(**c)) for name, c in d.get("choices", {}).items())
         return cls(**d)

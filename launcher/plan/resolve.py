@@ -164,7 +164,7 @@ def accumulate_unsharded_blocker(lay: Layout) -> str:
         return "one micro-batch per step: nothing to accumulate"
     if lay.uses_deepspeed:
         return "DeepSpeed owns the sharding and accumulates gradients its own way"
-    if lay.pp > 1:
+    if lay.mesh.pp > 1:
         return ("torch's pipeline schedules already keep FSDP2 units unsharded and skip the "
                 "gradient sync until the last backward of the step")
     if not lay.fsdp_wraps:
@@ -260,12 +260,7 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
     p = spec.parallel
     return Layout(
         **spec_fields(spec),
-        pp=mesh.pp,
-        dp_replicate=mesh.dp_replicate,
-        dp_shard=mesh.dp_shard,
-        cp=mesh.cp,
-        tp=mesh.tp,
-        ep=mesh.ep,
+        mesh=mesh,
         sp=bool(p.sp) and mesh.tp > 1,
         vpp=max(1, int(p.pp_virtual_stages)) if mesh.pp > 1 else 1,
         schedule=p.pp_schedule,

@@ -138,7 +138,7 @@ def step_batches_from(spec: JobConfig, plan: Plan, rank: int, run_dir: Path, val
     lay = plan.layout
     part = BatchSlice(
         dp_rank=data_parallel_rank(plan, rank),
-        dp_size=lay.dp,
+        dp_size=lay.mesh.dp,
         micro_batch_size=lay.micro_batch_size,
         grad_accum_steps=lay.microbatches,
     )
