@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import json
 from pathlib import Path
+from typing import List
 
 import pytest
 
@@ -107,6 +108,45 @@ def test_world_size_is_derived_in_one_place():
                 if sides == {"nodes", "gpus_per_node"}:
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert len(found) == 1 and found[0].startswith("launcher/plan/resolve.py"), found
+
+
+DEGREES = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"}
+
+
+def _product_names(node: ast.AST) -> List[str]:
+    """The names (x or obj.x) multiplied in a chain a * b * c."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _product_names(node.left) + _product_names(node.right)
+    return [getattr(node, "attr", getattr(node, "id", ""))]
+
+
+def test_the_degrees_and_their_sizes_live_in_one_record():
+    """The mesh degrees are declared only by MeshPlan (the plan's record, Layout.mesh) and by
+    ParallelConfig (the user's input); world_size and dp are multiplied out only in plan/mesh.py.
+    A class field named like a degree anywhere else is a second copy, unless it is typed `str`
+    (backend.tp etc. name the backend of a feature, not a degree)."""
+    fields, products = [], []
+    for path in sorted((REPO / "launcher").rglob("*.py")) + sorted((REPO / "bench").rglob("*.py")):
+        where = path.relative_to(REPO)
+        tree = ast.parse(path.read_text())
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for st in cls.body:
+                if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.target.id in DEGREES
+                        and ast.unparse(st.annotation) not in ("str", "'str'")):
+                    fields.append(f"{where}:{st.lineno} {cls.name}.{st.target.id}")
+        inner = {id(c) for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult)
+                 for c in (n.left, n.right)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and id(node) not in inner:
+                names = set(_product_names(node))
+                if {"dp_replicate", "dp_shard"} <= names or {"pp", "dp", "cp", "tp"} <= names:
+                    products.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    owners = {"launcher/plan/mesh.py": "MeshPlan", "launcher/config/schema.py": "ParallelConfig"}
+    stray = [f for f in fields if owners.get(f.split(":")[0]) != f.split()[1].split(".")[0]]
+    assert not stray, stray
+    assert len(fields) == 2 * len(DEGREES), fields  # MeshPlan's and ParallelConfig's, each declared once
+    assert products and all(p.startswith("launcher/plan/mesh.py") for p in products), products
+    assert len(products) == 2, products  # world_size and dp, once each
 
 
 def test_runtime_and_engines_never_read_spec_parallel():

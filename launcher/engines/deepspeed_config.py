@@ -34,7 +34,7 @@ def _offload_section(device: str, offload: OffloadConfig) -> Dict[str, Any]:
 
 def data_parallel_size(layout: Layout) -> int:
     """DeepSpeed's data-parallel size: every rank that is not a pipeline stage of the same replica."""
-    return layout.mesh.dp_replicate * layout.mesh.dp_shard * layout.mesh.cp * layout.mesh.tp
+    return layout.mesh.dp * layout.mesh.cp * layout.mesh.tp
 
 
 def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int, offload: OffloadConfig) -> Dict[str, Any]:

@@ -143,7 +143,7 @@ class NativeEngine:
             from launcher.parallel.fp8 import convert_to_float8
 
             convert_to_float8(part, self._fp8_config(), device_type=self.device.type,
-                              fsdp_enabled=m.dp_replicate * m.dp_shard * m.cp > 1)
+                              fsdp_enabled=m.dp * m.cp > 1)
         if m.tp > 1:
             from launcher.parallel.tp import apply_tensor_parallel
 

@@ -252,7 +252,7 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     if routed:
         families.append((" experts", routed, lay.expert_fsdp_degree))
     z = lay.zero_stage
-    dp_all = lay.mesh.dp_replicate * lay.mesh.dp_shard * lay.mesh.cp
+    dp_all = lay.mesh.dp * lay.mesh.cp
     for tag, psize, n in families:
         if z == 0 or n == 1:
             if dp_all > 1:
