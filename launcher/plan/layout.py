@@ -18,6 +18,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from functools import reduce
 from typing import Any, Dict, Literal, Tuple
 
 from launcher.plan.features import BackendChoice
@@ -30,6 +31,28 @@ AcMode = Literal["none", "selective", "full"]
 OffloadTarget = Literal["none", "cpu", "nvme"]
 BackendName = Literal["native", "deepspeed"]
 Fp8Impl = Literal["off", "torchao"]
+
+
+# The one map between a layout and the `train` overrides that select it: (dotted override key,
+# Layout field path). Layout.overrides() reads a layout through it; the search writes a
+# candidate layout into a JobConfig through it (search.candidate_spec), and a resolve of that
+# JobConfig gives the layout back (tests/test_plan_search.py holds the round trip).
+OVERRIDE_FIELDS: Tuple[Tuple[str, str], ...] = (
+    ("parallel.dp_replicate", "mesh.dp_replicate"),
+    ("parallel.dp_shard", "mesh.dp_shard"),
+    ("parallel.tp", "mesh.tp"),
+    ("parallel.sp", "sp"),
+    ("parallel.pp", "mesh.pp"),
+    ("parallel.pp_schedule", "schedule"),
+    ("parallel.pp_virtual_stages", "vpp"),
+    ("parallel.cp", "mesh.cp"),
+    ("parallel.ep", "mesh.ep"),
+    ("parallel.zero_stage", "zero_stage"),
+    ("activation_checkpointing.mode", "ac_mode"),
+    ("trainer.micro_batch_size", "micro_batch_size"),
+)
+# The node count: an override of its own only where the search varies it (plan.search_nodes).
+NODES_OVERRIDE: Tuple[str, str] = ("cluster.nodes", "nodes")
 
 
 @dataclass(frozen=True)
@@ -155,22 +178,14 @@ class Layout:
         """feature -> BackendChoice (the plan's backend table)."""
         return dict(self.choices)
 
+    def value_at(self, path: str) -> Any:
+        """The value at a field path of OVERRIDE_FIELDS ("mesh.tp", "sp", ...)."""
+        return reduce(getattr, path.split("."), self)
+
     def overrides(self) -> Dict[str, Any]:
-        """The `train` overrides that select this layout (dotted key -> value)."""
-        return {
-            "parallel.dp_replicate": self.mesh.dp_replicate,
-            "parallel.dp_shard": self.mesh.dp_shard,
-            "parallel.tp": self.mesh.tp,
-            "parallel.sp": self.sp,
-            "parallel.pp": self.mesh.pp,
-            "parallel.pp_schedule": self.schedule,
-            "parallel.pp_virtual_stages": self.vpp,
-            "parallel.cp": self.mesh.cp,
-            "parallel.ep": self.mesh.ep,
-            "parallel.zero_stage": self.zero_stage,
-            "activation_checkpointing.mode": self.ac_mode,
-            "trainer.micro_batch_size": self.micro_batch_size,
-        }
+        """The `train` overrides that select this layout (dotted key -> value), read through
+        OVERRIDE_FIELDS."""
+        return {key: self.value_at(path) for key, path in OVERRIDE_FIELDS}
 
     # ------------------------------------------------------------------ plan.json
     def to_dict(self) -> Dict[str, Any]:

@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
+from launcher.config.schema import replaced_dotted
 from launcher.config.validate import (PLAN_OBJECTIVES, cp_pipeline_problems, tensor_parallel_problems,
                                       tied_pipeline_problems)
 from launcher.plan.bands import layout_kind, memory_range, value_range
 from launcher.plan.budget import budget
 from launcher.plan.estimate import capacity_bytes, reserved_bytes
 from launcher.plan.flops import training_flops_per_token
-from launcher.plan.layout import Layout
+from launcher.plan.layout import NODES_OVERRIDE, Layout
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import estimate_memory, model_state_memory, most_loaded
 from launcher.plan.params import ModelShape, model_shape, stage_params
@@ -204,26 +205,12 @@ class _BackendCache:
 
 
 def candidate_spec(spec, lay: Layout):
-    """The JobConfig that selects `lay` (the user's spec with the layout's keys replaced)."""
-    p = dataclasses.replace(
-        spec.parallel,
-        dp_replicate=lay.mesh.dp_replicate,
-        dp_shard=lay.mesh.dp_shard,
-        tp=lay.mesh.tp,
-        sp=lay.sp,
-        pp=lay.mesh.pp,
-        pp_schedule=lay.schedule,
-        pp_virtual_stages=lay.vpp,
-        pp_layers=[],
-        microbatches=-1,
-        cp=lay.mesh.cp,
-        ep=lay.mesh.ep,
-        zero_stage=lay.zero_stage,
-    )
-    ac = dataclasses.replace(spec.activation_checkpointing, mode=lay.ac_mode)
-    tr = dataclasses.replace(spec.trainer, micro_batch_size=lay.micro_batch_size)
-    cl = dataclasses.replace(spec.cluster, nodes=lay.nodes)
-    return dataclasses.replace(spec, parallel=p, activation_checkpointing=ac, trainer=tr, cluster=cl)
+    """The JobConfig that selects `lay` (the user's spec with the layout's keys replaced, through
+    the one layout <-> overrides map, layout.OVERRIDE_FIELDS). The explicit pipeline split and
+    micro-batch count are reset: the layout's own follow from the degrees and the batch."""
+    key, path = NODES_OVERRIDE
+    return replaced_dotted(spec, {**lay.overrides(), key: lay.value_at(path),
+                                  "parallel.pp_layers": [], "parallel.microbatches": -1})
 
 
 # ----------------------------------------------------------------------------- search
