@@ -6,7 +6,7 @@ import ast
 import dataclasses
 import json
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import pytest
 
@@ -147,6 +147,58 @@ def test_the_degrees_and_their_sizes_live_in_one_record():
     assert len(fields) == 2 * len(DEGREES), fields  # MeshPlan's and ParallelConfig's, each declared once
     assert products and all(p.startswith("launcher/plan/mesh.py") for p in products), products
     assert len(products) == 2, products  # world_size and dp, once each
+
+
+RANK_SIDE = ("runtime", "engines", "parallel", "rehearse")
+# The config groups a rank must not read: their decisions are in plan.json's layout.
+LAYOUT_OWNED_GROUPS = {"precision", "offload", "activation_checkpointing"}
+
+
+def _is_layout(node: ast.AST) -> bool:
+    """`layout`, `lay`, `x.layout`: how the rank side names its Layout (Layout.precision is a str)."""
+    return (isinstance(node, ast.Name) and node.id in ("layout", "lay")) or (
+        isinstance(node, ast.Attribute) and node.attr == "layout")
+
+
+def _layout_owned_reads(tree: ast.AST) -> List[Tuple[int, str]]:
+    """(line, code) of every read of the precision/offload/AC config groups: `x.precision` on
+    anything but a Layout, any `x.precision.y` (the Layout's is a plain string, the config's a
+    group), `x.offload` / `x.activation_checkpointing` (no Layout field has those names), the
+    same through getattr(x, "..."), and the group types PrecisionConfig / OffloadConfig /
+    ActivationCheckpointingConfig named at all."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if node.attr == "precision" and not _is_layout(node.value):
+                found.append((node.lineno, ast.unparse(node)))
+            elif node.attr in LAYOUT_OWNED_GROUPS - {"precision"}:
+                found.append((node.lineno, ast.unparse(node)))
+            elif isinstance(node.value, ast.Attribute) and node.value.attr == "precision":
+                found.append((node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr" and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in LAYOUT_OWNED_GROUPS):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, (ast.Name, ast.alias)):
+            name = node.id if isinstance(node, ast.Name) else node.name
+            if name in ("PrecisionConfig", "OffloadConfig", "ActivationCheckpointingConfig"):
+                found.append((node.lineno, name))
+    return found
+
+
+def test_precision_fp8_ac_and_offload_reach_the_rank_only_through_the_layout():
+    """Nothing on the rank side (runtime/, engines/, parallel/, rehearse/) reads the precision,
+    offload or activation_checkpointing groups of a JobConfig: the resolver copied what the rank
+    needs into the Layout (precision, tf32, fp8_*, offload_*, ac_*), which plan.json carries."""
+    offenders = []
+    for room in RANK_SIDE:
+        for path in sorted((REPO / "launcher" / room).rglob("*.py")):
+            offenders += [f"{path.relative_to(REPO)}:{line} {code}"
+                          for line, code in _layout_owned_reads(ast.parse(path.read_text()))]
+    assert not offenders, offenders
+    # The check sees the reads it forbids (so a rename cannot quietly turn it off).
+    probe = ast.parse("a = spec.precision.fp8\nb = job.precision\nc = getattr(spec, 'offload')\n"
+                      "d = spec.activation_checkpointing.mode\ne = layout.precision\nf = self.layout.precision\n")
+    assert sorted(line for line, _ in _layout_owned_reads(probe)) == [1, 1, 2, 3, 4]
 
 
 def test_runtime_and_engines_never_read_spec_parallel():

@@ -361,18 +361,17 @@ class DeepSpeedEngine:
         self.dp = data_parallel_size(lay)
         self.pp = lay.mesh.pp
         self.gas = lay.microbatches
-        self.config = build_deepspeed_config(lay, grad_clip=options.grad_clip, seed=options.seed,
-                                             offload=options.offload)
+        self.config = build_deepspeed_config(lay, grad_clip=options.grad_clip, seed=options.seed)
         self.config_path = None
         if dist.get_rank() == 0 and options.work_dir is not None:
             self.config_path = write_deepspeed_config(self.config, options.work_dir)
         if "nvme" in (lay.offload_optimizer, lay.offload_params):
-            Path(options.offload.nvme_path).mkdir(parents=True, exist_ok=True)
+            Path(lay.offload_nvme_path).mkdir(parents=True, exist_ok=True)
 
         torch.manual_seed(options.seed)
         if lay.zero_stage == 3 and self.pp == 1:
             model = build_partitioned_model(model_cfg, self.config, device, options.seed, lay.offload_params,
-                                            bool(options.offload.pin_memory))
+                                            lay.offload_pin_memory)
         elif self.pp > 1 and _in_fake_mode():
             # The rehearsal: PipelineModule moves its stage's layers to the device itself
             # (module.to in its constructor), which turns plain meta parameters into fake ones.

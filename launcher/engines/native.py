@@ -131,18 +131,12 @@ class NativeEngine:
                  n_params, len(self.parts))
 
     # ---------------------------------------------------------------- building
-    def _fp8_config(self):
-        """The fp8 recipe options, with the all-gather switch the Layout resolved."""
-        from dataclasses import replace
-
-        return replace(self.options.fp8, all_gather=self.layout.fp8_all_gather)
-
     def _parallelize(self, part: nn.Module) -> None:
         lay, m, w, opts = self.layout, self.mesh_plan, self.world, self.options
         if lay.fp8_impl == "torchao":
             from launcher.parallel.fp8 import convert_to_float8
 
-            convert_to_float8(part, self._fp8_config(), device_type=self.device.type,
+            convert_to_float8(part, lay.fp8_config(), device_type=self.device.type,
                               fsdp_enabled=m.dp * m.cp > 1)
         if m.tp > 1:
             from launcher.parallel.tp import apply_tensor_parallel
@@ -175,7 +169,7 @@ class NativeEngine:
             dp_mesh = submesh(w, "hsdp" if m.dp_replicate > 1 else "dp_shard_cp")
             apply_fsdp(part, dp_mesh, zero_stage=lay.zero_stage,
                        mp_policy=mixed_precision_policy(lay.precision, lay.reduce_dtype),
-                       cpu_offload=lay.offload_to_cpu, pin_memory=bool(opts.offload.pin_memory),
+                       cpu_offload=lay.offload_to_cpu, pin_memory=lay.offload_pin_memory,
                        expert_dp_mesh=expert_dp_mesh)
 
     def built(self) -> Dict[str, Any]:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import reduce
 from typing import Any, Dict, Literal, Tuple
 
+from launcher.config.schema import Fp8Config
 from launcher.plan.features import BackendChoice
 from launcher.plan.mesh import MESH_DEGREES, MeshPlan
 
@@ -108,6 +109,17 @@ class Layout:
     # (CPU: SDPA with one [micro_batch, 1, s, s] mask per micro-batch), "flex" (CUDA: FlexAttention's
     # block mask, a few int32 per 128x128 block).
     document_mask: str = "none"
+    # What the rank needs besides the above to build its precision, fp8 and offload (so the rank
+    # reads them here, not from the config): precision.tf32 (fp32 matmuls on TF32 tensor cores),
+    # precision.fp8.emulate / min_features / exclude (which Linear layers torchao converts and
+    # whether it may emulate), offload.nvme_path and offload.pin_memory (DeepSpeed's offload
+    # section, FSDP2's CPUOffloadPolicy).
+    tf32: bool = True
+    fp8_emulate: bool = False
+    fp8_min_features: int = 16
+    fp8_exclude: Tuple[str, ...] = ("output", "router")
+    offload_nvme_path: str = ""
+    offload_pin_memory: bool = False
 
     # ------------------------------------------------------------------ derived, one formula each
     @property
@@ -173,6 +185,11 @@ class Layout:
         """Expert weights are split over ep first; the remaining sharding ranks shard each expert."""
         return max(1, self.fsdp_degree // self.mesh.ep) if self.zero_stage else 1
 
+    def fp8_config(self) -> Fp8Config:
+        """The torchao conversion options (launcher/parallel/fp8.py) this layout resolved."""
+        return Fp8Config(recipe=self.fp8_recipe, emulate=self.fp8_emulate, all_gather=self.fp8_all_gather,
+                         min_features=self.fp8_min_features, exclude=list(self.fp8_exclude))
+
     @property
     def backends(self) -> Dict[str, BackendChoice]:
         """feature -> BackendChoice (the plan's backend table)."""
@@ -199,6 +216,7 @@ class Layout:
             else:
                 d[f.name] = getattr(self, f.name)
         d["pp_layers"] = list(self.pp_layers)
+        d["fp8_exclude"] = list(self.fp8_exclude)
         d["choices"] = {name: asdict(c) for name, c in self.choices}
         d["derived"] = {
             "world_size": self.mesh.world_size,
@@ -215,5 +233,7 @@ class Layout:
         d = {k: v for k, v in d.items() if k != "derived"}
         d["mesh"] = MeshPlan(**{k: d.pop(k) for k in MESH_DEGREES if k in d})
         d["pp_layers"] = tuple(d.get("pp_layers", ()))
+        if "fp8_exclude" in d:
+            d["fp8_exclude"] = tuple(d["fp8_exclude"])
         d["choices"] = tuple((name, BackendChoice(**c)) for name, c in d.get("choices", {}).items())
         return cls(**d)

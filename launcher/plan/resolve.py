@@ -243,6 +243,12 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
         compile=bool(spec.trainer.compile),
         fp8_recipe=str(pr.fp8.recipe),
         document_mask=document_mask_kernel(spec),
+        tf32=bool(pr.tf32),
+        fp8_emulate=bool(pr.fp8.emulate),
+        fp8_min_features=int(pr.fp8.min_features),
+        fp8_exclude=tuple(str(x) for x in pr.fp8.exclude),
+        offload_nvme_path=str(o.nvme_path),
+        offload_pin_memory=bool(o.pin_memory),
     )
 
 

@@ -357,7 +357,7 @@ def check_deepspeed_rank(layout, options) -> None:
     from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
 
     prepare_deepspeed_environment("cpu")
-    cfg = build_deepspeed_config(layout, grad_clip=options.grad_clip, seed=options.seed, offload=options.offload)
+    cfg = build_deepspeed_config(layout, grad_clip=options.grad_clip, seed=options.seed)
     try:
         validate_deepspeed_config(cfg, data_parallel_size(layout))
     except Exception as err:  # DeepSpeed raises pydantic, assertion and value errors alike

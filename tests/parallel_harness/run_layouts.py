@@ -125,8 +125,7 @@ def run_layout(spec: dict) -> dict:
     steps = spec.get("steps", 3)
     t_build = time.time()
     optim = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1)
-    options = EngineOptions(total_steps=10, grad_clip=1.0, seed=7, compile=spec.get("compile", False),
-                            fp8=job.precision.fp8)
+    options = EngineOptions(total_steps=10, grad_clip=1.0, seed=7, compile=spec.get("compile", False))
     device = torch.device("cuda", torch.cuda.current_device()) if DEVICE.type == "cuda" else DEVICE
     engine = NativeEngine(mcfg, optim, layout, device, options)
     dp = layout.mesh.dp
