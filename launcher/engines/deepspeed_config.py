@@ -52,15 +52,15 @@ def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int) -> Di
         "contiguous_gradients": True,
         "overlap_comm": False,
         "reduce_scatter": True,
-        "reduce_bucket_size": int(lay.reduce_bucket_size),
-        "allgather_bucket_size": int(lay.allgather_bucket_size),
+        "reduce_bucket_size": int(lay.deepspeed.reduce_bucket_size),
+        "allgather_bucket_size": int(lay.deepspeed.allgather_bucket_size),
     }
     if zero == 3:
         zo["stage3_prefetch_bucket_size"] = STAGE3_PREFETCH_BUCKET
         zo["stage3_param_persistence_threshold"] = STAGE3_PARAM_PERSISTENCE
-        zo["zero_quantized_weights"] = bool(lay.zeropp_quantized_weights)
-        zo["zero_quantized_gradients"] = bool(lay.zeropp_quantized_gradients)
-        zo["zero_hpz_partition_size"] = int(lay.hpz_partition_size)  # resolved (HSDP maps to hpZ)
+        zo["zero_quantized_weights"] = bool(lay.deepspeed.zeropp_quantized_weights)
+        zo["zero_quantized_gradients"] = bool(lay.deepspeed.zeropp_quantized_gradients)
+        zo["zero_hpz_partition_size"] = int(lay.deepspeed.hpz_partition_size)  # resolved (HSDP maps to hpZ)
     if lay.offload_optimizer != "none":
         zo["offload_optimizer"] = _offload_section(lay.offload_optimizer, lay)
     if lay.offload_params != "none":

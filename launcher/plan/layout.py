@@ -23,7 +23,7 @@ from typing import Any, Dict, Literal, Tuple
 
 from launcher.config.schema import Fp8Config
 from launcher.plan.features import BackendChoice
-from launcher.plan.mesh import MESH_DEGREES, MeshPlan
+from launcher.plan.mesh import MeshPlan
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
 Precision = Literal["fp32", "bf16", "fp8"]
@@ -54,6 +54,23 @@ OVERRIDE_FIELDS: Tuple[Tuple[str, str], ...] = (
 )
 # The node count: an override of its own only where the search varies it (plan.search_nodes).
 NODES_OVERRIDE: Tuple[str, str] = ("cluster.nodes", "nodes")
+
+
+@dataclass(frozen=True)
+class DeepSpeedPlan:
+    """The DeepSpeed-only knobs of a layout (its ZeRO buckets and ZeRO++), read by the DeepSpeed
+    config generator and by the estimators when DeepSpeed owns the sharding."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    zeropp_quantized_weights: bool = False
+    zeropp_quantized_gradients: bool = False
+    zeropp_hierarchical_partition: int = 0  # the backend.* key as given (0 = off)
+    hpz_partition_size: int = 1  # DeepSpeed zero_hpz_partition_size (HSDP maps to hpZ groups of dp_shard)
+
+
+# Sub-records plan.json writes flat, in the sub-record's place (its keys predate the records).
+FLAT_RECORDS = {"mesh": MeshPlan, "deepspeed": DeepSpeedPlan}
 
 
 @dataclass(frozen=True)
@@ -88,12 +105,7 @@ class Layout:
     pp_backend: BackendName = "native"
     ac_backend: BackendName = "native"  # torch checkpoint | deepspeed.checkpointing
     fp8_impl: Fp8Impl = "off"
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    zeropp_quantized_weights: bool = False
-    zeropp_quantized_gradients: bool = False
-    zeropp_hierarchical_partition: int = 0  # the backend.* key as given (0 = off)
-    hpz_partition_size: int = 1  # DeepSpeed zero_hpz_partition_size (HSDP maps to hpZ groups of dp_shard)
+    deepspeed: DeepSpeedPlan = field(default_factory=DeepSpeedPlan)
     # Native FSDP2 without pipelining, more than one micro-batch: parameters and gradients stay
     # unsharded from the first micro-batch to the last backward of the step, so FSDP all-gathers
     # and reduce-scatters once per step (parallel.accumulate_unsharded, resolved in resolve.py).
@@ -208,11 +220,12 @@ class Layout:
     def to_dict(self) -> Dict[str, Any]:
         """plan.json's ``layout``: the fields plus the derived values the runtime checks against.
 
-        The mesh degrees are written flat, in the mesh's place (plan.json's keys predate the record)."""
+        The FLAT_RECORDS (mesh degrees, DeepSpeed knobs) are written flat, in the record's place
+        (plan.json's keys predate the records)."""
         d: Dict[str, Any] = {}
         for f in fields(self):
-            if f.name == "mesh":
-                d.update(self.mesh.to_dict())
+            if f.name in FLAT_RECORDS:
+                d.update(asdict(getattr(self, f.name)))
             else:
                 d[f.name] = getattr(self, f.name)
         d["pp_layers"] = list(self.pp_layers)
@@ -231,7 +244,8 @@ class Layout:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Layout":
         d = {k: v for k, v in d.items() if k != "derived"}
-        d["mesh"] = MeshPlan(**{k: d.pop(k) for k in MESH_DEGREES if k in d})
+        for name, record in FLAT_RECORDS.items():
+            d[name] = record(**{f.name: d.pop(f.name) for f in fields(record) if f.name in d})
         d["pp_layers"] = tuple(d.get("pp_layers", ()))
         if "fp8_exclude" in d:
             d["fp8_exclude"] = tuple(d["fp8_exclude"])

@@ -206,14 +206,14 @@ def working_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelS
     else:
         if lay.zero_stage == 3:
             out["unsharded_params"] = int(2 * unit * wb)
-            if lay.zeropp_hierarchical_partition > 1:
+            if lay.deepspeed.zeropp_hierarchical_partition > 1:
                 # hpZ keeps a secondary copy of the params sharded within the node.
-                out["hpz_secondary"] = int(local * wb / lay.zeropp_hierarchical_partition)
+                out["hpz_secondary"] = int(local * wb / lay.deepspeed.zeropp_hierarchical_partition)
         if lay.zero_stage >= 1:
             # Measured on CPU (bench/memory_accuracy.py): ZeRO-1/2/3 allocate one buffer of the full
             # configured reduce bucket size whatever the model size (ZeRO-2/3 fill it with the
             # contiguous gradients, which torch's MemTracker then counts as gradients).
-            out["reduce_buckets"] = int(lay.reduce_bucket_size * grad_wb)
+            out["reduce_buckets"] = int(lay.deepspeed.reduce_bucket_size * grad_wb)
     return out
 
 

@@ -14,8 +14,6 @@ from dataclasses import asdict, dataclass
 from typing import Dict, Tuple
 
 MESH_DIM_NAMES: Tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# Every degree MeshPlan holds (ep has no mesh dimension of its own, see above), in field order.
-MESH_DEGREES: Tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
 @dataclass(frozen=True)

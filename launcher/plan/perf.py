@@ -266,12 +266,12 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
             per_mb = m if z >= 2 else 1
         else:
             per_mb = 1 if lay.fsdp_holds_unsharded else m
-        ag_w = 0.5 if (ds and lay.zeropp_quantized_weights) else 1.0
-        rs_w = 0.25 if (ds and lay.zeropp_quantized_gradients) else 1.0
+        ag_w = 0.5 if (ds and lay.deepspeed.zeropp_quantized_weights) else 1.0
+        rs_w = 0.25 if (ds and lay.deepspeed.zeropp_quantized_gradients) else 1.0
         if z == 3 and not lay.fsdp_holds_unsharded:
             out.append(_coll(f"param all-gather fwd{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb * ag_w, per_mb))
             # hpZ gathers the backward copy from its secondary partition inside the node.
-            hpz = ds and lay.zeropp_hierarchical_partition > 1
+            hpz = ds and lay.deepspeed.zeropp_hierarchical_partition > 1
             out.append(_coll(f"param all-gather bwd{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb * ag_w, per_mb,
                              span=lay.gpus_per_node if hpz else 0))
         else:

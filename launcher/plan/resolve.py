@@ -27,7 +27,7 @@ from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, Pro
 from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
 from launcher.plan.features import FEATURES, BackendChoice
-from launcher.plan.layout import Layout
+from launcher.plan.layout import DeepSpeedPlan, Layout
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.rules import backend_conflicts, hpz_partition_size
 
@@ -235,11 +235,13 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
         fp8_all_gather=bool(pr.fp8.all_gather),
         offload_optimizer=o.optimizer,
         offload_params=o.params,
-        reduce_bucket_size=int(b.reduce_bucket_size),
-        allgather_bucket_size=int(b.allgather_bucket_size),
-        zeropp_quantized_weights=bool(b.zeropp_quantized_weights),
-        zeropp_quantized_gradients=bool(b.zeropp_quantized_gradients),
-        zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
+        deepspeed=DeepSpeedPlan(
+            reduce_bucket_size=int(b.reduce_bucket_size),
+            allgather_bucket_size=int(b.allgather_bucket_size),
+            zeropp_quantized_weights=bool(b.zeropp_quantized_weights),
+            zeropp_quantized_gradients=bool(b.zeropp_quantized_gradients),
+            zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
+        ),
         compile=bool(spec.trainer.compile),
         fp8_recipe=str(pr.fp8.recipe),
         document_mask=document_mask_kernel(spec),
@@ -264,8 +266,12 @@ def document_mask_kernel(spec: JobConfig) -> str:
 def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str, BackendChoice]) -> Layout:
     """The Layout of a spec whose mesh, accumulation and backend choices are resolved."""
     p = spec.parallel
+    fixed = spec_fields(spec)
+    # hpZ groups follow the mesh (HSDP maps to groups of dp_shard), so they are set here, not in spec_fields.
+    fixed["deepspeed"] = replace(fixed["deepspeed"], hpz_partition_size=hpz_partition_size(
+        int(spec.backend.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard))
     return Layout(
-        **spec_fields(spec),
+        **fixed,
         mesh=mesh,
         sp=bool(p.sp) and mesh.tp > 1,
         vpp=max(1, int(p.pp_virtual_stages)) if mesh.pp > 1 else 1,
@@ -275,9 +281,6 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         microbatches=max(1, accum),
         zero_stage=int(p.zero_stage),
         ac_mode=spec.activation_checkpointing.mode,
-        hpz_partition_size=hpz_partition_size(
-            int(spec.backend.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard
-        ),
         choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
         **backend_fields(choices, spec.offload.optimizer, mesh.pp),
     )
