@@ -12,6 +12,10 @@ The search (search.py) evaluates tens of thousands of layouts and cannot afford 
 JobConfig for each: it builds cheap candidates with ``dataclasses.replace`` on a base Layout,
 so every field has a default and the derived values are properties of the fields.
 
+Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/mesh.py's MeshPlan, their
+only home), the DeepSpeed knobs `Layout.deepspeed`; plan.json writes both flat. OVERRIDE_FIELDS is
+the one map between a layout and the `train` overrides that select it.
+
 Pure Python, no torch.
 """
 

@@ -303,8 +303,8 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
         x = tokens * shape.top_k * shape.dim * a / (lay.mesh.tp if lay.sp else 1)
         # dispatch + combine, forward and backward
         # EP ranks are the innermost ep of dp_shard*cp, strided by tp.
-        out.append(_coll("EP all-to-all", "all_to_all", ("dp_shard", "cp"), lay.mesh.ep, lay, hw, x, n_moe * m * (4 + 2 * rf),
-                         span=lay.mesh.ep * lay.mesh.tp))
+        out.append(_coll("EP all-to-all", "all_to_all", ("dp_shard", "cp"), lay.mesh.ep, lay, hw, x,
+                         n_moe * m * (4 + 2 * rf), span=lay.mesh.ep * lay.mesh.tp))
     if lay.mesh.pp > 1:
         x = tokens * shape.dim * a / (lay.mesh.tp if lay.sp else 1)
         out.append(_coll("PP send/recv", "p2p", ("pp",), lay.mesh.pp, lay, hw, x, 2 * m * lay.vpp))

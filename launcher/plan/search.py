@@ -360,8 +360,9 @@ def rank_key(objective: str):
 
     def key(c: Candidate) -> tuple:
         lay = c.layout
-        return (float(f"{objective_value(c, objective):.6g}"), lay.mesh.cp, lay.mesh.pp * lay.vpp, lay.mesh.tp, lay.mesh.ep,
-                lay.mesh.dp_replicate, c.memory["total"], lay.mesh.world_size)
+        m = lay.mesh
+        return (float(f"{objective_value(c, objective):.6g}"), m.cp, m.pp * lay.vpp, m.tp, m.ep, m.dp_replicate,
+                c.memory["total"], m.world_size)
     return key
 
 
@@ -372,8 +373,8 @@ def _dedupe(cands: List[Candidate]) -> List[Candidate]:
     out = []
     for c in cands:
         lay = c.layout
-        key = (lay.nodes, lay.mesh.pp, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp, lay.mesh.ep, lay.schedule, lay.vpp,
-               lay.micro_batch_size, lay.ac_mode, round(c.step_s, 6), c.memory["total"])
+        key = (lay.nodes, lay.mesh, lay.schedule, lay.vpp, lay.micro_batch_size, lay.ac_mode, round(c.step_s, 6),
+               c.memory["total"])
         if key in seen:
             continue
         seen.add(key)
