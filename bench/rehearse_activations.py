@@ -66,7 +66,7 @@ def measure_multi(mode: str, name: str, rank: int = -1) -> dict:
     dist.init_process_group("gloo")
     torch.manual_seed(0)  # the same token batch on both ranks (the step runner draws it)
     eng = NativeEngine(mcfg, optim, lay, torch.device("cpu"), opts)
-    if lay.pp > 1:  # the rehearsal's pipeline step (static stage shapes), a real warm-up step first
+    if lay.mesh.pp > 1:  # the rehearsal's pipeline step (static stage shapes), a real warm-up step first
         from launcher.parallel.pp import schedule_stages
         from launcher.rehearse.rank import register_recv_buffers
 

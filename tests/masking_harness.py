@@ -100,8 +100,8 @@ def rank_rows(layout, items: list) -> list:
     """This rank's share of the batch's rows (or of any per-row list): data-parallel rank r of dp
     takes the r-th contiguous slice; TP, PP and CP ranks of one replica take the same rows."""
     c = layout.mesh.coordinates(dist.get_rank())
-    dp_rank = c["dp_replicate"] * layout.dp_shard + c["dp_shard"]
-    per = len(items) // layout.dp
+    dp_rank = c["dp_replicate"] * layout.mesh.dp_shard + c["dp_shard"]
+    per = len(items) // layout.mesh.dp
     return items[dp_rank * per:(dp_rank + 1) * per]
 
 

@@ -48,7 +48,7 @@ def main() -> int:
     out_path = Path(sys.argv[2])
     out = {}
     for i, case in enumerate(cases):
-        world = Layout.from_dict(case["layout"]).world_size
+        world = Layout.from_dict(case["layout"]).mesh.world_size
         if not case.get("steps"):
             out[case["name"]] = [rehearse_case_rank(case, r, False) for r in range(world)]
             continue

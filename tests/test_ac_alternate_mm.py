@@ -20,6 +20,7 @@ from launcher.config.schema import ModelConfig
 from launcher.models import build_model
 from launcher.parallel.ac import apply_activation_checkpointing
 from launcher.plan.layout import Layout
+from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import layer_activation_bytes
 from launcher.plan.params import model_shape
 
@@ -83,7 +84,7 @@ def test_alternate_mm_recomputes_wk_wo_w3_and_matches_no_ac():
 def test_planner_drops_exactly_the_recomputed_outputs():
     shape = model_shape(_cfg())
     for tp, sp in ((1, False), (2, False), (2, True)):
-        lay = Layout(micro_batch_size=B, seq_len=S, tp=tp, sp=sp, precision="bf16")
+        lay = Layout(micro_batch_size=B, seq_len=S, mesh=MeshPlan(tp=tp), sp=sp, precision="bf16")
         tokens, a = B * S, lay.act_bytes
         op = layer_activation_bytes(shape, lay, False, "op")
         alt = layer_activation_bytes(shape, lay, False, "op_alternate_mm")

@@ -198,7 +198,7 @@ def test_context_parallel_with_mla_or_qk_norm_is_refused_on_cpu_and_planned_on_g
                                                                   "Fix: parallel.cp=1")), problems
     spec = compose_spec(["+recipe=debug", *args, "trainer.device=cuda"])
     assert validate(spec) == []
-    assert resolve(spec).cp == 2
+    assert resolve(spec).mesh.cp == 2
 
 
 def test_good_values_stay_valid(tmp_path):

@@ -36,8 +36,7 @@ SWITCHES = {
 
 def _config(spec, plan):
     """The DeepSpeed JSON the engine and the pre-launch check generate for this plan."""
-    return build_deepspeed_config(plan.layout, grad_clip=spec.trainer.grad_clip, seed=spec.trainer.seed,
-                                  offload=spec.offload)
+    return build_deepspeed_config(plan.layout, grad_clip=spec.trainer.grad_clip, seed=spec.trainer.seed)
 
 def _debug_spec(overrides, world=4):
     spec = example_spec({"backend.default": "deepspeed", "model.name": "debug", "model.n_layers": 4, "model.dim": 64,

@@ -48,7 +48,7 @@ def _worker(out_path: str) -> None:
                 mesh = layout.mesh
                 engine = NativeEngine(
                     cfg, OptimConfig(lr=2e-3, warmup_steps=0, schedule="constant", weight_decay=0.0), layout,
-                    torch.device("cpu"), EngineOptions(total_steps=STEPS, grad_clip=1.0, seed=7, fp8=job.precision.fp8))
+                    torch.device("cpu"), EngineOptions(total_steps=STEPS, grad_clip=1.0, seed=7))
                 c = mesh.coordinates(rank)
                 losses = [engine.train_step(rank_microbatches(s, cfg.vocab_size, c["dp_shard"], mesh.dp)).loss
                           for s in range(STEPS)]

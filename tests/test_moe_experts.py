@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from launcher.models.grouped_mm import expert_swiglu, grouped_mm_problem
 from launcher.models.moe import MoE
+from launcher.plan.mesh import MeshPlan
 
 aten = torch.ops.aten
 # Ops whose result size or value the host must read from the device (a sync on CUDA).
@@ -308,7 +309,7 @@ def test_moe_rehearsal_runs_a_fake_step_close_to_the_real_one(tmp_path):
     result = rehearse(spec, plan, tmp_path)
     assert result["ok"], result
     assert [row["rank"] for row in result["ranks"]] == [0]
-    assert plan.layout.ep == 2 and plan.layout.world_size == 2
+    assert plan.layout.mesh.ep == 2 and plan.layout.mesh.world_size == 2
     for row in result["ranks"]:
         assert row["error"] is None and row["memory"]["activations"] > 0, row
 
@@ -324,10 +325,17 @@ def test_plan_counts_tp_replicated_experts_in_unsharded_copies():
     shape = model_shape(compose_spec(["model=mixtral_8x7b"]).model)
     st = stage_params(shape, 2)[0]
     assert st.routed > 0
-    lay = Layout(nodes=1, gpus_per_node=8, pp=2, dp_shard=2, tp=2, micro_batch_size=1, seq_len=4096,
-                 zero_stage=3, precision="bf16")
+    lay = Layout(
+        nodes=1,
+        gpus_per_node=8,
+        mesh=MeshPlan(pp=2, dp_shard=2, tp=2),
+        micro_batch_size=1,
+        seq_len=4096,
+        zero_stage=3,
+        precision="bf16",
+    )
     assert lay.fsdp_holds_unsharded  # the pipeline keeps units unsharded across micro-batches
-    want = (st.shared - st.tp_replicated) / 2 + st.tp_replicated + st.routed / lay.ep
+    want = (st.shared - st.tp_replicated) / 2 + st.tp_replicated + st.routed / lay.mesh.ep
     assert working_state_memory(st, lay)["unsharded_params"] == int(want * 2)
 
 

@@ -150,7 +150,7 @@ def test_search_prefers_interleaved_1f1b_for_table5_layout():
     rank = {}
     for i, c in enumerate(cands):
         lay = c.layout
-        if (lay.pp, lay.tp, lay.dp_shard, lay.micro_batch_size) == (8, 8, 8, 4):
+        if (lay.mesh.pp, lay.mesh.tp, lay.mesh.dp_shard, lay.micro_batch_size) == (8, 8, 8, 4):
             rank.setdefault((lay.schedule, lay.vpp), i)
     assert rank[("interleaved_1f1b", 2)] < rank[("1f1b", 1)]
 
@@ -160,7 +160,7 @@ def test_search_prefers_interleaved_1f1b_for_table5_layout():
 def _lay(**kw):
     base = dict(nodes=1, gpus_per_node=8, dp_shard=8, micro_batch_size=2, seq_len=8192, zero_stage=3)
     base.update(kw)
-    return Layout(**base)
+    return Layout.from_dict(base)  # flat keys, as in plan.json (the degrees go to .mesh)
 
 
 def test_sp_selective_saves_the_gathered_norm_outputs():

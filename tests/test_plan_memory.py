@@ -9,6 +9,7 @@ import pytest
 
 from launcher.config.loader import compose_spec
 from launcher.plan.layout import Layout
+from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import (
     estimate_memory,
     inflight_microbatches,
@@ -21,7 +22,7 @@ from launcher.plan.params import StageParams, model_shape
 def _states(psi, **lay):
     st = StageParams(rank=0, layers=(), shared=int(psi), routed=0, largest_unit=0,
                      has_embedding=False, has_output=False, n_moe_layers=0)
-    s = model_state_memory(st, Layout(**lay))
+    s = model_state_memory(st, Layout.from_dict(lay))  # flat keys, as in plan.json
     return s["params"] + s["grads"] + s["optimizer"], s
 
 
@@ -76,7 +77,7 @@ def test_fsdp2_keeps_fp32_shards_and_replicates_over_dp_replicate():
 def test_tp_and_ep_divide_before_zero():
     st = StageParams(rank=0, layers=(), shared=8_000_000, routed=64_000_000, largest_unit=0,
                      has_embedding=False, has_output=False, n_moe_layers=0)
-    s = model_state_memory(st, Layout(tp=2, ep=8, dp_shard=16, zero_stage=3))
+    s = model_state_memory(st, Layout(mesh=MeshPlan(tp=2, ep=8, dp_shard=16), zero_stage=3))
     # shared: /tp /16 ranks; routed experts: TP leaves them whole (launcher/parallel/tp.py), /ep,
     # then sharded over the 16/8 = 2 remaining ranks (what action=rehearse measured for Mixtral).
     assert s["params"] == pytest.approx(4 * (8e6 / 2 / 16 + 64e6 / 8 / 2))
@@ -106,7 +107,7 @@ def test_layer_activations_by_hand():
     expected = tokens * (16 * h + 4 * h + 6 * h + h + 8 * f)
     assert layer_activation_bytes(SHAPE, lay, False, "none") == pytest.approx(expected)
     # Context parallelism repeats K/V to all heads (ring attention has no enable_gqa): 5*2h, tokens / cp.
-    cp = dataclasses.replace(lay, cp=2)
+    cp = dataclasses.replace(lay, mesh=dataclasses.replace(lay.mesh, cp=2))
     assert layer_activation_bytes(SHAPE, cp, False, "none") == pytest.approx(
         tokens / 2 * (16 * h + 4 * h + 10 * h + 8 * f))
     # Full recomputation keeps the block input only: 2 bytes * s * b * h.
@@ -116,9 +117,9 @@ def test_layer_activations_by_hand():
 def test_tp_sp_cp_and_selective_shrink_activations():
     base = Layout(seq_len=8192, micro_batch_size=2)
     none = layer_activation_bytes(SHAPE, base, False, "none")
-    tp = layer_activation_bytes(SHAPE, dataclasses.replace(base, tp=8), False, "none")
-    sp = layer_activation_bytes(SHAPE, dataclasses.replace(base, tp=8, sp=True), False, "none")
-    cp = layer_activation_bytes(SHAPE, dataclasses.replace(base, cp=2), False, "none")
+    tp = layer_activation_bytes(SHAPE, dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, tp=8)), False, "none")
+    sp = layer_activation_bytes(SHAPE, dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, tp=8), sp=True), False, "none")
+    cp = layer_activation_bytes(SHAPE, dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, cp=2)), False, "none")
     sel = layer_activation_bytes(SHAPE, base, False, "op")
     assert none > tp > sp  # TP splits heads/FFN; SP also splits the norms
     assert tp > none / 8  # without SP the norm region stays whole on every TP rank
@@ -132,16 +133,16 @@ def test_tp_sp_cp_and_selective_shrink_activations():
 
 
 def test_inflight_microbatches_per_schedule():
-    assert inflight_microbatches(Layout(pp=4, microbatches=16, schedule="1f1b"), 0) == 4  # p on the first stage
-    assert inflight_microbatches(Layout(pp=4, microbatches=16, schedule="1f1b"), 3) == 1
-    assert inflight_microbatches(Layout(pp=4, microbatches=16, schedule="gpipe"), 2) == 16  # GPipe keeps m
-    assert inflight_microbatches(Layout(pp=4, microbatches=2, schedule="1f1b"), 0) == 2  # never more than m
-    inter = inflight_microbatches(Layout(pp=4, vpp=2, microbatches=16, schedule="interleaved_1f1b"), 0)
+    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), microbatches=16, schedule="1f1b"), 0) == 4  # p on the first stage
+    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), microbatches=16, schedule="1f1b"), 3) == 1
+    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), microbatches=16, schedule="gpipe"), 2) == 16  # GPipe keeps m
+    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), microbatches=2, schedule="1f1b"), 0) == 2  # never more than m
+    inter = inflight_microbatches(Layout(mesh=MeshPlan(pp=4), vpp=2, microbatches=16, schedule="interleaved_1f1b"), 0)
     assert inter == pytest.approx(4 * (1 + 3 / 8))  # p (1 + (p-1)/(p v))
 
 
 def test_first_stage_is_most_loaded_under_1f1b_and_memory_grows_with_mbs():
-    lay = Layout(pp=4, dp_shard=8, tp=2, sp=True, microbatches=8, seq_len=4096, zero_stage=3)
+    lay = Layout(mesh=MeshPlan(pp=4, dp_shard=8, tp=2), sp=True, microbatches=8, seq_len=4096, zero_stage=3)
     stages = estimate_memory(SHAPE, lay)
     assert len(stages) == 4
     assert max(stages, key=lambda s: s.total).rank == 0

@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import json
 from pathlib import Path
+from typing import List, Tuple
 
 import pytest
 
@@ -24,14 +25,14 @@ def test_dp_shard_is_inferred_once_and_everything_lands_in_the_layout():
                          "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
                          "trainer.micro_batch_size=1", "trainer.global_batch_size=64"])
     lay = resolve(spec)
-    assert (lay.nodes, lay.gpus_per_node, lay.world_size) == (4, 8, 32)
-    assert (lay.pp, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp) == (4, 1, 1, 1, 8)
+    assert (lay.nodes, lay.gpus_per_node, lay.mesh.world_size) == (4, 8, 32)
+    assert (lay.mesh.pp, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp) == (4, 1, 1, 1, 8)
     assert lay.microbatches == 64 and lay.pp_microbatches == 64 and lay.global_batch_size == 64
     assert (lay.schedule, lay.vpp) == ("interleaved_1f1b", 2)
     assert lay.sharding_backend == "native" and lay.fsdp_wraps is False  # one data-parallel rank
     assert lay.backends["pp"].impl.startswith("torch.distributed.pipelining")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        lay.pp = 2  # type: ignore[misc]
+        lay.mesh.pp = 2  # type: ignore[misc]
 
 
 def test_the_issue_example_plans_the_micro_batches_it_runs():
@@ -40,10 +41,10 @@ def test_the_issue_example_plans_the_micro_batches_it_runs():
                          "trainer.micro_batch_size=4", "trainer.global_batch_size=16", "action=plan"])
     plan = build_plan(spec, check(spec))
     lay = plan.layout
-    accumulation = lay.global_batch_size // (lay.micro_batch_size * lay.dp)
+    accumulation = lay.global_batch_size // (lay.micro_batch_size * lay.mesh.dp)
     assert lay.pp_microbatches == accumulation == plan.pipeline["microbatches"]
     # What the planner reports is what the schedule runs: (pp - 1) / m for gpipe.
-    assert plan.pipeline["bubble_fraction"] == pytest.approx((lay.pp - 1) / lay.pp_microbatches)
+    assert plan.pipeline["bubble_fraction"] == pytest.approx((lay.mesh.pp - 1) / lay.pp_microbatches)
 
 
 def test_plan_json_holds_the_layout_and_round_trips(tmp_path):
@@ -109,6 +110,97 @@ def test_world_size_is_derived_in_one_place():
     assert len(found) == 1 and found[0].startswith("launcher/plan/resolve.py"), found
 
 
+DEGREES = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"}
+
+
+def _product_names(node: ast.AST) -> List[str]:
+    """The names (x or obj.x) multiplied in a chain a * b * c."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _product_names(node.left) + _product_names(node.right)
+    return [getattr(node, "attr", getattr(node, "id", ""))]
+
+
+def test_the_degrees_and_their_sizes_live_in_one_record():
+    """The mesh degrees are declared only by MeshPlan (the plan's record, Layout.mesh) and by
+    ParallelConfig (the user's input); world_size and dp are multiplied out only in plan/mesh.py.
+    A class field named like a degree anywhere else is a second copy, unless it is typed `str`
+    (backend.tp etc. name the backend of a feature, not a degree)."""
+    fields, products = [], []
+    for path in sorted((REPO / "launcher").rglob("*.py")) + sorted((REPO / "bench").rglob("*.py")):
+        where = path.relative_to(REPO)
+        tree = ast.parse(path.read_text())
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for st in cls.body:
+                if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.target.id in DEGREES
+                        and ast.unparse(st.annotation) not in ("str", "'str'")):
+                    fields.append(f"{where}:{st.lineno} {cls.name}.{st.target.id}")
+        inner = {id(c) for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult)
+                 for c in (n.left, n.right)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and id(node) not in inner:
+                names = set(_product_names(node))
+                if {"dp_replicate", "dp_shard"} <= names or {"pp", "dp", "cp", "tp"} <= names:
+                    products.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    owners = {"launcher/plan/mesh.py": "MeshPlan", "launcher/config/schema.py": "ParallelConfig"}
+    stray = [f for f in fields if owners.get(f.split(":")[0]) != f.split()[1].split(".")[0]]
+    assert not stray, stray
+    assert len(fields) == 2 * len(DEGREES), fields  # MeshPlan's and ParallelConfig's, each declared once
+    assert products and all(p.startswith("launcher/plan/mesh.py") for p in products), products
+    assert len(products) == 2, products  # world_size and dp, once each
+
+
+RANK_SIDE = ("runtime", "engines", "parallel", "rehearse")
+# The config groups a rank must not read: their decisions are in plan.json's layout.
+LAYOUT_OWNED_GROUPS = {"precision", "offload", "activation_checkpointing"}
+
+
+def _is_layout(node: ast.AST) -> bool:
+    """`layout`, `lay`, `x.layout`: how the rank side names its Layout (Layout.precision is a str)."""
+    return (isinstance(node, ast.Name) and node.id in ("layout", "lay")) or (
+        isinstance(node, ast.Attribute) and node.attr == "layout")
+
+
+def _layout_owned_reads(tree: ast.AST) -> List[Tuple[int, str]]:
+    """(line, code) of every read of the precision/offload/AC config groups: `x.precision` on
+    anything but a Layout, any `x.precision.y` (the Layout's is a plain string, the config's a
+    group), `x.offload` / `x.activation_checkpointing` (no Layout field has those names), the
+    same through getattr(x, "..."), and the group types PrecisionConfig / OffloadConfig /
+    ActivationCheckpointingConfig named at all."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if node.attr == "precision" and not _is_layout(node.value):
+                found.append((node.lineno, ast.unparse(node)))
+            elif node.attr in LAYOUT_OWNED_GROUPS - {"precision"}:
+                found.append((node.lineno, ast.unparse(node)))
+            elif isinstance(node.value, ast.Attribute) and node.value.attr == "precision":
+                found.append((node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr" and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in LAYOUT_OWNED_GROUPS):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, (ast.Name, ast.alias)):
+            name = node.id if isinstance(node, ast.Name) else node.name
+            if name in ("PrecisionConfig", "OffloadConfig", "ActivationCheckpointingConfig"):
+                found.append((node.lineno, name))
+    return found
+
+
+def test_precision_fp8_ac_and_offload_reach_the_rank_only_through_the_layout():
+    """Nothing on the rank side (runtime/, engines/, parallel/, rehearse/) reads the precision,
+    offload or activation_checkpointing groups of a JobConfig: the resolver copied what the rank
+    needs into the Layout (precision, tf32, fp8_*, offload_*, ac_*), which plan.json carries."""
+    offenders = []
+    for room in RANK_SIDE:
+        for path in sorted((REPO / "launcher" / room).rglob("*.py")):
+            offenders += [f"{path.relative_to(REPO)}:{line} {code}"
+                          for line, code in _layout_owned_reads(ast.parse(path.read_text()))]
+    assert not offenders, offenders
+    # The check sees the reads it forbids (so a rename cannot quietly turn it off).
+    probe = ast.parse("a = spec.precision.fp8\nb = job.precision\nc = getattr(spec, 'offload')\n"
+                      "d = spec.activation_checkpointing.mode\ne = layout.precision\nf = self.layout.precision\n")
+    assert sorted(line for line, _ in _layout_owned_reads(probe)) == [1, 1, 2, 3, 4]
+
+
 def test_runtime_and_engines_never_read_spec_parallel():
     """The ranks obey plan.json's layout: nothing under runtime/ or engines/ reads the parallel group."""
     offenders = []
@@ -147,8 +239,8 @@ def test_every_recipe_resolves_to_a_consistent_layout(recipe):
     spec = compose_spec([f"+recipe={recipe}", "action=plan"])
     plan = build_plan(spec, check(spec))
     lay = plan.layout
-    assert lay.world_size == spec.cluster.nodes * spec.cluster.gpus_per_node
+    assert lay.mesh.world_size == spec.cluster.nodes * spec.cluster.gpus_per_node
     assert lay.global_batch_size == spec.trainer.global_batch_size
     assert lay.pp_microbatches == lay.microbatches == plan.pipeline["microbatches"]
-    assert lay.fsdp_wraps == (lay.sharding_backend == "native" and (lay.dp * lay.cp > 1 or lay.offload_to_cpu))
+    assert lay.fsdp_wraps == (lay.sharding_backend == "native" and (lay.mesh.dp * lay.mesh.cp > 1 or lay.offload_to_cpu))
     assert Plan.from_dict(json.loads(plan.to_json())).layout == lay

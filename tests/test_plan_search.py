@@ -8,6 +8,9 @@ import json
 import pytest
 
 from launcher.config.loader import compose_spec
+from launcher.config.schema import get_dotted
+from launcher.plan.layout import OVERRIDE_FIELDS, Layout
+from launcher.plan.mesh import MeshPlan
 from launcher.plan.resolve import validate
 from launcher.plan.plan import build_plan
 from launcher.plan.report import render_search
@@ -52,6 +55,11 @@ def test_results_are_valid_fit_and_ranked(llama70b):
         # The plan of the chosen layout agrees with the search's estimate.
         plan = build_plan(chosen)
         assert plan.memory["fits"]
+        # One layout <-> overrides map (OVERRIDE_FIELDS): the spec holds the layout's values at
+        # the table's keys, and resolving it gives the same layout values back.
+        assert {key: get_dotted(chosen, key) for key, _ in OVERRIDE_FIELDS} == c.layout.overrides()
+        assert plan.layout.overrides() == c.layout.overrides() and plan.layout.nodes == c.layout.nodes
+        assert plan.layout.mesh == c.layout.mesh
         assert plan.time["tokens_per_s_per_gpu"] == pytest.approx(c.tokens_per_s_per_gpu, rel=1e-6)
 
 
@@ -59,14 +67,14 @@ def test_search_respects_the_global_batch(llama70b):
     spec, cands, _ = llama70b
     for c in cands:
         lay = c.layout
-        assert lay.micro_batch_size * lay.microbatches * lay.dp == spec.trainer.global_batch_size
+        assert lay.micro_batch_size * lay.microbatches * lay.mesh.dp == spec.trainer.global_batch_size
 
 
 def test_moe_search_uses_expert_parallel():
     spec = compose_spec(["+recipe=mixtral8x7b", "cluster.nodes=4", "action=search"])
     cands = search_layouts(spec, limit=10)
     assert cands, "no layout found for mixtral on 32 GPUs"
-    assert any(c.layout.ep > 1 for c in cands)
+    assert any(c.layout.mesh.ep > 1 for c in cands)
     for c in cands:
         assert validate(candidate_spec(spec, c.layout)) == []
 
@@ -138,7 +146,7 @@ def test_more_gpus_finish_sooner_but_cost_more(by_objective):
     """Across node counts the orders must differ: the fastest layout to the budget uses more GPUs
     than the cheapest one, and pays for them."""
     cheapest, fastest = by_objective["cost"][1][0], by_objective["time"][1][0]
-    assert fastest.layout.world_size > cheapest.layout.world_size
+    assert fastest.layout.mesh.world_size > cheapest.layout.mesh.world_size
     assert fastest.budget["wall_s"] < cheapest.budget["wall_s"]
     assert fastest.budget["usd"] > cheapest.budget["usd"]
     order = {o: [c.train_overrides for c in cands] for o, (_, cands) in by_objective.items()}
@@ -168,3 +176,19 @@ def test_objective_values_are_checked_before_the_search():
     problems = validate(compose_spec(["model=llama3_8b", "action=search", "plan.objective=cost"]))
     assert any("Fix: hardware.usd_per_gpu_hour=" in p for p in problems)
     assert validate(compose_spec(["model=llama3_8b", "action=search", "plan.objective=time"])) == []
+
+
+def test_the_override_map_writes_every_layout_key_into_the_spec():
+    """candidate_spec writes each OVERRIDE_FIELDS value (and the node count) into a copy of the
+    spec, and Layout.overrides() reads the same values: a layout whose every table value differs
+    from the recipe's comes back whole, and the user's spec is left as it was."""
+    spec = compose_spec(["+recipe=debug"])
+    before = {key: get_dotted(spec, key) for key, _ in OVERRIDE_FIELDS}
+    lay = Layout(mesh=MeshPlan(pp=2, dp_replicate=2, dp_shard=3, cp=2, tp=2, ep=3), sp=True, vpp=2,
+                 schedule="zbv", zero_stage=1, ac_mode="full", micro_batch_size=5, nodes=7)
+    assert all(before[key] != lay.value_at(path) for key, path in OVERRIDE_FIELDS), before
+    chosen = candidate_spec(spec, lay)
+    assert {key: get_dotted(chosen, key) for key, _ in OVERRIDE_FIELDS} == lay.overrides()
+    assert {key: lay.value_at(path) for key, path in OVERRIDE_FIELDS} == lay.overrides()
+    assert chosen.cluster.nodes == 7 and (chosen.parallel.pp_layers, chosen.parallel.microbatches) == ([], -1)
+    assert {key: get_dotted(spec, key) for key, _ in OVERRIDE_FIELDS} == before

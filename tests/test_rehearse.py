@@ -48,7 +48,7 @@ def test_every_recipe_rehearses_at_its_real_world_size(recipe, tmp_path):
     lay = plan.layout
     ranks = [row["rank"] for row in result["ranks"]]
     assert ranks == rehearsal_ranks(lay, "auto")
-    assert {row["coords"]["pp"] for row in result["ranks"]} == set(range(lay.pp)), "a pipeline rank was skipped"
+    assert {row["coords"]["pp"] for row in result["ranks"]} == set(range(lay.mesh.pp)), "a pipeline rank was skipped"
     for row in result["ranks"]:
         assert set(row) == ROW_KEYS and set(row["memory"]) == MEMORY_KEYS
         held = {k: row["memory"][k] for k in ("params", "grads", "optimizer")}
@@ -84,7 +84,8 @@ def test_a_layout_the_runtime_cannot_build_is_refused_naming_rank_module_and_fix
     spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=4"])
     from launcher.plan.resolve import resolve
 
-    bad = dataclasses.replace(resolve(spec), dp_shard=1, tp=4)
+    good = resolve(spec)
+    bad = dataclasses.replace(good, mesh=dataclasses.replace(good.mesh, dp_shard=1, tp=4))
     _, plan, result = _rehearse(["+recipe=debug", "cluster.gpus_per_node=4", "rehearse.activations=false"],
                                 tmp_path, layout=bad)
     assert not result["ok"]
@@ -119,7 +120,7 @@ def test_auto_ranks_cover_every_pipeline_rank_and_the_last_coordinates():
     from launcher.plan.resolve import resolve
 
     lay = resolve(compose_spec(["+recipe=llama405b", "cluster.nodes=1024"]))
-    assert (lay.pp, lay.dp_shard, lay.tp, lay.world_size) == (8, 128, 8, 8192)
+    assert (lay.mesh.pp, lay.mesh.dp_shard, lay.mesh.tp, lay.mesh.world_size) == (8, 128, 8, 8192)
     assert rehearsal_ranks(lay, "auto") == [0, 7, 1016, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8191]
     assert rehearsal_ranks(lay, [5, 3, 5]) == [3, 5]
 

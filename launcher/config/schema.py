@@ -10,6 +10,7 @@ Nothing here imports torch: the planner and ``action=plan`` must stay instant.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -555,3 +556,30 @@ def set_dotted(spec: "JobConfig", key: str, value: Any) -> None:
     if not hasattr(obj, last):
         raise KeyError(key)
     setattr(obj, last, value)
+
+
+def get_dotted(spec: Any, key: str) -> Any:
+    """`spec.a.b.c` for key "a.b.c" (AttributeError for a key the object does not have)."""
+    obj = spec
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def replaced_dotted(spec: Any, values: Dict[str, Any]) -> Any:
+    """A copy of `spec` with each dotted key set to its value, built with dataclasses.replace so
+    the groups it does not touch are shared and `spec` is left as it was (the search builds one
+    such spec per candidate layout). KeyError for a key the schema does not have."""
+    groups: Dict[str, Dict[str, Any]] = {}
+    top: Dict[str, Any] = {}
+    for key, value in values.items():
+        head, _, rest = key.partition(".")
+        if not hasattr(spec, head):
+            raise KeyError(key)
+        if rest:
+            groups.setdefault(head, {})[rest] = value
+        else:
+            top[head] = value
+    for head, inner in groups.items():
+        top[head] = replaced_dotted(getattr(spec, head), inner)
+    return dataclasses.replace(spec, **top)

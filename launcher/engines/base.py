@@ -9,7 +9,9 @@ built the same way:
 - ``layout``: the resolved Layout (launcher/plan/layout.py): mesh degrees, micro-batches,
   schedule, ZeRO stage, precision, FSDP on/off, backend per feature. Engines obey it and
   derive nothing from the config again;
-- ``options``: the narrow settings the Layout does not cover (`EngineOptions`).
+- ``options``: the narrow settings the Layout does not cover (`EngineOptions`): step count,
+  clipping, seed, export and the run folder. Precision, fp8, activation checkpointing and
+  offload come from the Layout only.
 
 Both expose ``model_parts`` (this rank's modules) and ``optimizers`` (torch optimizers or
 wrappers with ``.optimizer``), which the memory tracker reads (trainer.track_memory), and
@@ -34,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.config.schema import ActivationCheckpointingConfig, Fp8Config, OffloadConfig
 from launcher.data.batch import Microbatch
 
 IGNORE_INDEX = -100  # labels equal to this are not counted in the loss
@@ -144,9 +145,6 @@ class EngineOptions:
     grad_clip: float = 1.0
     seed: int = 1234
     compile: bool = False
-    ac: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
-    offload: OffloadConfig = field(default_factory=OffloadConfig)  # nvme_path, pin_memory
-    fp8: Fp8Config = field(default_factory=Fp8Config)  # recipe, emulate, exclusions
     work_dir: Optional[Path] = None  # where the DeepSpeed engine writes its JSON (the run dir)
     export_dtype: str = "bf16"  # checkpoint.export=hf weights: bf16 | fp16 | fp32
     export_tokenizer_files: Tuple[Path, ...] = ()  # copied into an hf export

@@ -12,7 +12,7 @@ Constructor (what the rank runtime builds when ``layout.sharding_backend == "dee
   layout-independent ``init_weights(seed)`` as the native path; the optimizer is the native
   path's AdamW (same parameter groups), or DeepSpeedCPUAdam when the optimizer is offloaded;
   the LR schedule is ``launcher.engines.optim.lr_factor`` (the one formula both paths use);
-- ``layout.pp > 1`` builds a DeepSpeed ``PipelineModule`` (ZeRO <= 1, checked by the resolver).
+- ``layout.mesh.pp > 1`` builds a DeepSpeed ``PipelineModule`` (ZeRO <= 1, checked by the resolver).
 
 Packed documents: without pipelining, positions and document ids go to the model's forward as
 on the native path. DeepSpeed's pipeline engine passes one activation tuple between stages and
@@ -350,20 +350,19 @@ class DeepSpeedEngine:
         self.model_cfg, self.layout, self.options, self.device = model_cfg, layout, options, device
         lay = layout
         self.dp = data_parallel_size(lay)
-        self.pp = lay.pp
+        self.pp = lay.mesh.pp
         self.gas = lay.microbatches
-        self.config = build_deepspeed_config(lay, grad_clip=options.grad_clip, seed=options.seed,
-                                             offload=options.offload)
+        self.config = build_deepspeed_config(lay, grad_clip=options.grad_clip, seed=options.seed)
         self.config_path = None
         if dist.get_rank() == 0 and options.work_dir is not None:
             self.config_path = write_deepspeed_config(self.config, options.work_dir)
         if "nvme" in (lay.offload_optimizer, lay.offload_params):
-            Path(options.offload.nvme_path).mkdir(parents=True, exist_ok=True)
+            Path(lay.offload_nvme_path).mkdir(parents=True, exist_ok=True)
 
         torch.manual_seed(options.seed)
         if lay.zero_stage == 3 and self.pp == 1:
             model = build_partitioned_model(model_cfg, self.config, device, options.seed, lay.offload_params,
-                                            bool(options.offload.pin_memory))
+                                            lay.offload_pin_memory)
         elif self.pp > 1 and _in_fake_mode():
             # The rehearsal: PipelineModule moves its stage's layers to the device itself
             # (module.to in its constructor), which turns plain meta parameters into fake ones.

@@ -2,7 +2,7 @@
 
 Nobody writes a DeepSpeed config by hand: every key comes from the Layout (batch, stage,
 offload targets, ZeRO++ and hpZ, precision, which backend checkpoints activations) plus
-the narrow engine options (grad clip, seed, offload paths). It is written into the run
+the narrow engine options (grad clip, seed). It is written into the run
 directory as ``deepspeed_config.json`` and checked with DeepSpeed's own config classes
 before launch (launcher/launch/preflight.py) and again by the engine.
 
@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 from typing import Any, Dict
 
-from launcher.config.schema import OffloadConfig
 from launcher.plan.layout import Layout
 
 CONFIG_FILENAME = "deepspeed_config.json"
@@ -25,19 +24,19 @@ STAGE3_PREFETCH_BUCKET = 50_000_000
 STAGE3_PARAM_PERSISTENCE = 100_000
 
 
-def _offload_section(device: str, offload: OffloadConfig) -> Dict[str, Any]:
-    section: Dict[str, Any] = {"device": device, "pin_memory": bool(offload.pin_memory)}
+def _offload_section(device: str, layout: Layout) -> Dict[str, Any]:
+    section: Dict[str, Any] = {"device": device, "pin_memory": layout.offload_pin_memory}
     if device == "nvme":
-        section["nvme_path"] = str(offload.nvme_path)
+        section["nvme_path"] = layout.offload_nvme_path
     return section
 
 
 def data_parallel_size(layout: Layout) -> int:
     """DeepSpeed's data-parallel size: every rank that is not a pipeline stage of the same replica."""
-    return layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp
+    return layout.mesh.dp * layout.mesh.cp * layout.mesh.tp
 
 
-def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int, offload: OffloadConfig) -> Dict[str, Any]:
+def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int) -> Dict[str, Any]:
     """The DeepSpeed config dict for this job (layout.sharding_backend must be "deepspeed").
 
     Raises ValueError when the batch arithmetic does not close (global = micro x accum x dp).
@@ -53,19 +52,19 @@ def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int, offlo
         "contiguous_gradients": True,
         "overlap_comm": False,
         "reduce_scatter": True,
-        "reduce_bucket_size": int(lay.reduce_bucket_size),
-        "allgather_bucket_size": int(lay.allgather_bucket_size),
+        "reduce_bucket_size": int(lay.deepspeed.reduce_bucket_size),
+        "allgather_bucket_size": int(lay.deepspeed.allgather_bucket_size),
     }
     if zero == 3:
         zo["stage3_prefetch_bucket_size"] = STAGE3_PREFETCH_BUCKET
         zo["stage3_param_persistence_threshold"] = STAGE3_PARAM_PERSISTENCE
-        zo["zero_quantized_weights"] = bool(lay.zeropp_quantized_weights)
-        zo["zero_quantized_gradients"] = bool(lay.zeropp_quantized_gradients)
-        zo["zero_hpz_partition_size"] = int(lay.hpz_partition_size)  # resolved (HSDP maps to hpZ)
+        zo["zero_quantized_weights"] = bool(lay.deepspeed.zeropp_quantized_weights)
+        zo["zero_quantized_gradients"] = bool(lay.deepspeed.zeropp_quantized_gradients)
+        zo["zero_hpz_partition_size"] = int(lay.deepspeed.hpz_partition_size)  # resolved (HSDP maps to hpZ)
     if lay.offload_optimizer != "none":
-        zo["offload_optimizer"] = _offload_section(lay.offload_optimizer, offload)
+        zo["offload_optimizer"] = _offload_section(lay.offload_optimizer, lay)
     if lay.offload_params != "none":
-        zo["offload_param"] = _offload_section(lay.offload_params, offload)
+        zo["offload_param"] = _offload_section(lay.offload_params, lay)
 
     cfg: Dict[str, Any] = {
         "train_batch_size": total,

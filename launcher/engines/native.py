@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -138,15 +137,11 @@ class NativeEngine:
                  n_params, len(self.parts))
 
     # ---------------------------------------------------------------- building
-    def _fp8_config(self):
-        """The fp8 recipe options, with the all-gather switch the Layout resolved."""
-        return replace(self.options.fp8, all_gather=self.layout.fp8_all_gather)
-
     def _parallelize(self, part: nn.Module) -> None:
         lay, m, w, opts = self.layout, self.mesh_plan, self.world, self.options
         if lay.fp8_impl == "torchao":
-            convert_to_float8(part, self._fp8_config(), device_type=self.device.type,
-                              fsdp_enabled=m.dp_replicate * m.dp_shard * m.cp > 1)
+            convert_to_float8(part, lay.fp8_config(), device_type=self.device.type,
+                              fsdp_enabled=m.dp * m.cp > 1)
         if m.tp > 1:
             apply_tensor_parallel(part, w["tp"], sequence_parallel=lay.sp, loss_parallel=True)
         expert_dp_mesh = None
@@ -165,7 +160,7 @@ class NativeEngine:
             dp_mesh = submesh(w, "hsdp" if m.dp_replicate > 1 else "dp_shard_cp")
             apply_fsdp(part, dp_mesh, zero_stage=lay.zero_stage,
                        mp_policy=mixed_precision_policy(lay.precision, lay.reduce_dtype),
-                       cpu_offload=lay.offload_to_cpu, pin_memory=bool(opts.offload.pin_memory),
+                       cpu_offload=lay.offload_to_cpu, pin_memory=lay.offload_pin_memory,
                        expert_dp_mesh=expert_dp_mesh)
 
     def built(self) -> Dict[str, Any]:

@@ -25,8 +25,7 @@ def check_deepspeed_config(spec: JobConfig, plan: Plan) -> None:
     from launcher.engines.deepspeed import prepare_deepspeed_environment
 
     prepare_deepspeed_environment(spec.trainer.device)
-    cfg = build_deepspeed_config(layout, grad_clip=spec.trainer.grad_clip, seed=spec.trainer.seed,
-                                 offload=spec.offload)
+    cfg = build_deepspeed_config(layout, grad_clip=spec.trainer.grad_clip, seed=spec.trainer.seed)
     try:
         validate_deepspeed_config(cfg, data_parallel_size(layout))
     except Exception as err:  # DeepSpeed raises pydantic, assertion and value errors alike

@@ -42,13 +42,13 @@ def layout_kind(layout: Any, n_experts: int) -> str:
     """The accuracy kind of a layout: moe > cp > 3d (pipeline) > 2d (tensor parallel) > fsdp > single_gpu."""
     if n_experts > 0:
         return "moe"
-    if layout.cp > 1:
+    if layout.mesh.cp > 1:
         return "cp"
-    if layout.pp > 1:
+    if layout.mesh.pp > 1:
         return "3d"
-    if layout.tp > 1:
+    if layout.mesh.tp > 1:
         return "2d"
-    return "single_gpu" if layout.world_size == 1 else "fsdp"
+    return "single_gpu" if layout.mesh.world_size == 1 else "fsdp"
 
 
 def ratio_band(kind: str, figure: str, bands: Dict[str, Dict[str, Any]] = BANDS) -> Tuple[float, float, bool]:

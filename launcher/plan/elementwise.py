@@ -44,7 +44,7 @@ def _inner_norm_bytes(shape: ModelShape, lay: Layout) -> float:
     """Forward bytes per token of the attention's own RMSNorms (Qwen3's QK-norm over every q and k
     head, MLA's latent norms, which TP leaves whole): six fp32 kernels eager, one read and one write
     compiled."""
-    a, t = lay.act_bytes, lay.tp
+    a, t = lay.act_bytes, lay.mesh.tp
     per_elem = 2 * a if lay.compile else 2 * a + 36
     return sum(per_elem * n.width / (t if n.split else 1) for n in shape.attention_layout.norms)
 
@@ -88,14 +88,14 @@ def moe_dispatch_bytes(shape: ModelShape, lay: Layout) -> float:
     if not shape.n_moe_layers:
         return 0.0
     a, k, h = lay.act_bytes, max(1, shape.top_k), shape.dim
-    per_elem = 2 * a + (4 * a if lay.ep > 1 else 0) + (3 * a if lay.compile else 16 + 5 * a)
-    return per_elem * k * h / (lay.tp if lay.sp else 1)
+    per_elem = 2 * a + (4 * a if lay.mesh.ep > 1 else 0) + (3 * a if lay.compile else 16 + 5 * a)
+    return per_elem * k * h / (lay.mesh.tp if lay.sp else 1)
 
 
 def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
     """Bytes the elementwise ops of one block's forward move per token on one GPU (the attention's
     sizes from the family's layout, launcher/models/<family>/params.py attention_layout)."""
-    a, h, f, t = lay.act_bytes, shape.dim, shape.ffn_dim, lay.tp
+    a, h, f, t = lay.act_bytes, shape.dim, shape.ffn_dim, lay.mesh.tp
     if shape.n_moe_layers:
         f = shape.moe_ffn_dim * max(1, shape.top_k) + shape.n_shared_experts * shape.moe_ffn_dim
     at = shape.attention_layout
@@ -130,7 +130,7 @@ def fp8_cast_bytes(shape: ModelShape, lay: Layout) -> float:
     """Bytes per token per block the float8 casts of the converted Linears move (forward + backward)."""
     if lay.precision != "fp8":
         return 0.0
-    a, h, t = lay.act_bytes, shape.dim, lay.tp
+    a, h, t = lay.act_bytes, shape.dim, lay.mesh.tp
     f = shape.ffn_dim if not shape.n_moe_layers else shape.moe_ffn_dim * max(1, shape.top_k)
     mms = shape.attention_layout.linears
     split_in = sum(m.in_features for m in mms if m.split)
@@ -150,7 +150,7 @@ def loss_bytes(shape: ModelShape, lay: Layout) -> float:
     # forward: cast to fp32 (read a, write 4), log-softmax (3 reads, 1 write of fp32);
     # backward: softmax - one-hot (read 4, write 4), cast back (read 4, write a).
     per_elem = (a + 4) + 16 + 8 + (4 + a)
-    return per_elem * shape.vocab_size / lay.tp
+    return per_elem * shape.vocab_size / lay.mesh.tp
 
 
 def elementwise_s(shape: ModelShape, lay: Layout, hw: Any, n_layers: int, recomputed: float,

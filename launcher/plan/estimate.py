@@ -65,15 +65,15 @@ def fill_from_layout(plan, spec, shape: ModelShape, lay: Layout) -> None:
         "exposed_s": sum(c.exposed_s for c in comm),
         "pp_rank": t["slowest_stage"],
     }
-    counts = chunk_layer_counts(shape.n_layers, lay.pp * lay.vpp, lay.pp_layers)
+    counts = chunk_layer_counts(shape.n_layers, lay.mesh.pp * lay.vpp, lay.pp_layers)
     plan.pipeline = {
-        "pp": lay.pp,
-        "schedule": lay.schedule if lay.pp > 1 else "none",
+        "pp": lay.mesh.pp,
+        "schedule": lay.schedule if lay.mesh.pp > 1 else "none",
         "virtual_stages": lay.vpp,
         "microbatches": lay.pp_microbatches,
         "bubble_fraction": bubble_fraction(lay),
         "layers_per_chunk": counts,
-        "inflight_microbatches": [inflight_microbatches(lay, r) for r in range(lay.pp)],
+        "inflight_microbatches": [inflight_microbatches(lay, r) for r in range(lay.mesh.pp)],
     }
     t["model_flops_per_token"] = flops_per_token
     kind = layout_kind(lay, spec.model.n_experts)
@@ -109,9 +109,9 @@ def warnings_for(plan, spec, lay: Layout) -> List[str]:
             f"{gib(mem['capacity'])}. Fix: " + "; ".join(fixes) + "."
         )
     bubble = plan.pipeline["bubble_fraction"]
-    if lay.pp > 1 and bubble > 0.25:
+    if lay.mesh.pp > 1 and bubble > 0.25:
         out.append(
-            f"pipeline bubble is {bubble:.0%} of compute (pp={lay.pp}, {lay.pp_microbatches} micro-batches, "
+            f"pipeline bubble is {bubble:.0%} of compute (pp={lay.mesh.pp}, {lay.pp_microbatches} micro-batches, "
             f"schedule {lay.schedule}). Fix: more micro-batches (trainer.global_batch_size or a smaller "
             f"trainer.micro_batch_size), parallel.pp_schedule=interleaved_1f1b with pp_virtual_stages=2, or a lower pp."
         )
@@ -122,9 +122,9 @@ def warnings_for(plan, spec, lay: Layout) -> List[str]:
             f"at hardware.tf32_tflops={spec.hardware.tf32_tflops:g} (TF32 tensor cores), so it is optimistic "
             f"(about 7x on an H100). Fix: precision.tf32=true, or read the time as a lower bound."
         )
-    if lay.tp > lay.gpus_per_node:
+    if lay.mesh.tp > lay.gpus_per_node:
         out.append(
-            f"parallel.tp={lay.tp} spans more than one node ({lay.gpus_per_node} GPUs per node): every block's "
+            f"parallel.tp={lay.mesh.tp} spans more than one node ({lay.gpus_per_node} GPUs per node): every block's "
             f"TP collectives cross the network. Fix: parallel.tp <= {lay.gpus_per_node} and use pp or dp_shard instead."
         )
     return out
@@ -133,12 +133,12 @@ def warnings_for(plan, spec, lay: Layout) -> List[str]:
 def replicated_experts_note(shape: ModelShape, lay: Layout) -> List[str]:
     """MoE under tensor parallelism: the routed experts are replicated over the tp ranks (the
     runtime has no expert-TP); say what that costs and how to shard them instead."""
-    if lay.tp <= 1 or shape.n_moe_layers == 0:
+    if lay.mesh.tp <= 1 or shape.n_moe_layers == 0:
         return []
-    per_gpu = shape.n_moe_layers * shape.moe_block_routed / (lay.ep * lay.pp)
-    return [f"parallel.tp={lay.tp} with MoE: the routed experts are replicated on every TP rank (no expert-TP), "
+    per_gpu = shape.n_moe_layers * shape.moe_block_routed / (lay.mesh.ep * lay.mesh.pp)
+    return [f"parallel.tp={lay.mesh.tp} with MoE: the routed experts are replicated on every TP rank (no expert-TP), "
             f"each TP rank computes with about {per_gpu / 1e9:.2f}B unsharded expert parameters where expert-TP would use "
-            f"{per_gpu / lay.tp / 1e9:.2f}B; the planner counts them in full. Fix: shard the experts with a larger "
+            f"{per_gpu / lay.mesh.tp / 1e9:.2f}B; the planner counts them in full. Fix: shard the experts with a larger "
             f"parallel.ep (experts / ep per rank) or use a lower parallel.tp."]
 
 

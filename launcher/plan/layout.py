@@ -12,14 +12,20 @@ The search (search.py) evaluates tens of thousands of layouts and cannot afford 
 JobConfig for each: it builds cheap candidates with ``dataclasses.replace`` on a base Layout,
 so every field has a default and the derived values are properties of the fields.
 
+Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/mesh.py's MeshPlan, their
+only home), the DeepSpeed knobs `Layout.deepspeed`; plan.json writes both flat. OVERRIDE_FIELDS is
+the one map between a layout and the `train` overrides that select it.
+
 Pure Python, no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
+from functools import reduce
 from typing import Any, Dict, Literal, Tuple
 
+from launcher.config.schema import Fp8Config
 from launcher.plan.features import BackendChoice
 from launcher.plan.mesh import MeshPlan
 
@@ -32,18 +38,53 @@ BackendName = Literal["native", "deepspeed"]
 Fp8Impl = Literal["off", "torchao"]
 
 
+# The one map between a layout and the `train` overrides that select it: (dotted override key,
+# Layout field path). Layout.overrides() reads a layout through it; the search writes a
+# candidate layout into a JobConfig through it (search.candidate_spec), and a resolve of that
+# JobConfig gives the layout back (tests/test_plan_search.py holds the round trip).
+OVERRIDE_FIELDS: Tuple[Tuple[str, str], ...] = (
+    ("parallel.dp_replicate", "mesh.dp_replicate"),
+    ("parallel.dp_shard", "mesh.dp_shard"),
+    ("parallel.tp", "mesh.tp"),
+    ("parallel.sp", "sp"),
+    ("parallel.pp", "mesh.pp"),
+    ("parallel.pp_schedule", "schedule"),
+    ("parallel.pp_virtual_stages", "vpp"),
+    ("parallel.cp", "mesh.cp"),
+    ("parallel.ep", "mesh.ep"),
+    ("parallel.zero_stage", "zero_stage"),
+    ("activation_checkpointing.mode", "ac_mode"),
+    ("trainer.micro_batch_size", "micro_batch_size"),
+)
+# The node count: an override of its own only where the search varies it (plan.search_nodes).
+NODES_OVERRIDE: Tuple[str, str] = ("cluster.nodes", "nodes")
+
+
+@dataclass(frozen=True)
+class DeepSpeedPlan:
+    """The DeepSpeed-only knobs of a layout (its ZeRO buckets and ZeRO++), read by the DeepSpeed
+    config generator and by the estimators when DeepSpeed owns the sharding."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    zeropp_quantized_weights: bool = False
+    zeropp_quantized_gradients: bool = False
+    zeropp_hierarchical_partition: int = 0  # the backend.* key as given (0 = off)
+    hpz_partition_size: int = 1  # DeepSpeed zero_hpz_partition_size (HSDP maps to hpZ groups of dp_shard)
+
+
+# Sub-records plan.json writes flat, in the sub-record's place (its keys predate the records).
+FLAT_RECORDS = {"mesh": MeshPlan, "deepspeed": DeepSpeedPlan}
+
+
 @dataclass(frozen=True)
 class Layout:
     # Cluster (world size = nodes * gpus_per_node, checked equal to the product of the degrees).
     nodes: int = 1
     gpus_per_node: int = 8
-    # Mesh degrees (see launcher/plan/mesh.py for the rank order: pp, dp_replicate, dp_shard, cp, tp).
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
+    # The mesh degrees pp, dp_replicate, dp_shard, cp, tp, ep and their derived sizes (world_size,
+    # dp): the one record of them (launcher/plan/mesh.py, which also gives the rank order).
+    mesh: MeshPlan = field(default_factory=MeshPlan)
     sp: bool = False
     vpp: int = 1  # model chunks per pipeline rank
     schedule: Schedule = "1f1b"
@@ -68,12 +109,7 @@ class Layout:
     pp_backend: BackendName = "native"
     ac_backend: BackendName = "native"  # torch checkpoint | deepspeed.checkpointing
     fp8_impl: Fp8Impl = "off"
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    zeropp_quantized_weights: bool = False
-    zeropp_quantized_gradients: bool = False
-    zeropp_hierarchical_partition: int = 0  # the backend.* key as given (0 = off)
-    hpz_partition_size: int = 1  # DeepSpeed zero_hpz_partition_size (HSDP maps to hpZ groups of dp_shard)
+    deepspeed: DeepSpeedPlan = field(default_factory=DeepSpeedPlan)
     # Native FSDP2 without pipelining, more than one micro-batch: parameters and gradients stay
     # unsharded from the first micro-batch to the last backward of the step, so FSDP all-gathers
     # and reduce-scatters once per step (parallel.accumulate_unsharded, resolved in resolve.py).
@@ -89,20 +125,22 @@ class Layout:
     # (CPU: SDPA with one [micro_batch, 1, s, s] mask per micro-batch), "flex" (CUDA: FlexAttention's
     # block mask, a few int32 per 128x128 block).
     document_mask: str = "none"
+    # What the rank needs besides the above to build its precision, fp8 and offload (so the rank
+    # reads them here, not from the config): precision.tf32 (fp32 matmuls on TF32 tensor cores),
+    # precision.fp8.emulate / min_features / exclude (which Linear layers torchao converts and
+    # whether it may emulate), offload.nvme_path and offload.pin_memory (DeepSpeed's offload
+    # section, FSDP2's CPUOffloadPolicy).
+    tf32: bool = True
+    fp8_emulate: bool = False
+    fp8_min_features: int = 16
+    fp8_exclude: Tuple[str, ...] = ("output", "router")
+    offload_nvme_path: str = ""
+    offload_pin_memory: bool = False
 
     # ------------------------------------------------------------------ derived, one formula each
     @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many different batches are processed at once."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.microbatches * self.dp
+        return self.micro_batch_size * self.microbatches * self.mesh.dp
 
     @property
     def tokens_per_step(self) -> int:
@@ -113,12 +151,6 @@ class Layout:
         """Pipeline micro-batches per step: THE rule (docs/parallelism.md) is that the schedule runs
         the gradient-accumulation micro-batches, each of trainer.micro_batch_size sequences."""
         return self.microbatches
-
-    @property
-    def mesh(self) -> MeshPlan:
-        """The degrees the runtime builds its DeviceMesh from."""
-        return MeshPlan(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
-                        cp=self.cp, tp=self.tp, ep=self.ep)
 
     @property
     def uses_deepspeed(self) -> bool:
@@ -134,7 +166,7 @@ class Layout:
         that offloads to the CPU (FSDP2's CPUOffloadPolicy is what moves the states)."""
         if self.sharding_backend != "native":
             return False
-        return self.dp_replicate * self.dp_shard * self.cp > 1 or self.offload_to_cpu
+        return self.mesh.dp * self.mesh.cp > 1 or self.offload_to_cpu
 
     @property
     def fsdp_holds_unsharded(self) -> bool:
@@ -143,7 +175,7 @@ class Layout:
         accumulate_unsharded. Then it all-gathers and reduce-scatters once per step."""
         if self.sharding_backend != "native" or not self.zero_stage:
             return False
-        return self.pp > 1 or self.accumulate_unsharded
+        return self.mesh.pp > 1 or self.accumulate_unsharded
 
     @property
     def act_bytes(self) -> int:
@@ -159,47 +191,53 @@ class Layout:
         """
         if self.zero_stage == 0:
             return 1
-        n = self.dp_shard * self.cp
+        n = self.mesh.dp_shard * self.mesh.cp
         if self.sharding_backend == "deepspeed":
-            n *= self.dp_replicate
+            n *= self.mesh.dp_replicate
         return n
 
     @property
     def expert_fsdp_degree(self) -> int:
         """Expert weights are split over ep first; the remaining sharding ranks shard each expert."""
-        return max(1, self.fsdp_degree // self.ep) if self.zero_stage else 1
+        return max(1, self.fsdp_degree // self.mesh.ep) if self.zero_stage else 1
+
+    def fp8_config(self) -> Fp8Config:
+        """The torchao conversion options (launcher/parallel/fp8.py) this layout resolved."""
+        return Fp8Config(recipe=self.fp8_recipe, emulate=self.fp8_emulate, all_gather=self.fp8_all_gather,
+                         min_features=self.fp8_min_features, exclude=list(self.fp8_exclude))
 
     @property
     def backends(self) -> Dict[str, BackendChoice]:
         """feature -> BackendChoice (the plan's backend table)."""
         return dict(self.choices)
 
+    def value_at(self, path: str) -> Any:
+        """The value at a field path of OVERRIDE_FIELDS ("mesh.tp", "sp", ...)."""
+        return reduce(getattr, path.split("."), self)
+
     def overrides(self) -> Dict[str, Any]:
-        """The `train` overrides that select this layout (dotted key -> value)."""
-        return {
-            "parallel.dp_replicate": self.dp_replicate,
-            "parallel.dp_shard": self.dp_shard,
-            "parallel.tp": self.tp,
-            "parallel.sp": self.sp,
-            "parallel.pp": self.pp,
-            "parallel.pp_schedule": self.schedule,
-            "parallel.pp_virtual_stages": self.vpp,
-            "parallel.cp": self.cp,
-            "parallel.ep": self.ep,
-            "parallel.zero_stage": self.zero_stage,
-            "activation_checkpointing.mode": self.ac_mode,
-            "trainer.micro_batch_size": self.micro_batch_size,
-        }
+        """The `train` overrides that select this layout (dotted key -> value), read through
+        OVERRIDE_FIELDS."""
+        return {key: self.value_at(path) for key, path in OVERRIDE_FIELDS}
 
     # ------------------------------------------------------------------ plan.json
     def to_dict(self) -> Dict[str, Any]:
-        """plan.json's ``layout``: the fields plus the derived values the runtime checks against."""
-        d = asdict(self)
+        """plan.json's ``layout``: the fields plus the derived values the runtime checks against.
+
+        The FLAT_RECORDS (mesh degrees, DeepSpeed knobs) are written flat, in the record's place
+        (plan.json's keys predate the records)."""
+        d: Dict[str, Any] = {}
+        for f in fields(self):
+            if f.name in FLAT_RECORDS:
+                d.update(asdict(getattr(self, f.name)))
+            else:
+                d[f.name] = getattr(self, f.name)
         d["pp_layers"] = list(self.pp_layers)
+        d["fp8_exclude"] = list(self.fp8_exclude)
         d["choices"] = {name: asdict(c) for name, c in self.choices}
         d["derived"] = {
-            "world_size": self.world_size,
-            "dp": self.dp,
+            "world_size": self.mesh.world_size,
+            "dp": self.mesh.dp,
             "global_batch_size": self.global_batch_size,
             "pp_microbatches": self.pp_microbatches,
             "fsdp_wraps": self.fsdp_wraps,
@@ -210,6 +248,10 @@ class Layout:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Layout":
         d = {k: v for k, v in d.items() if k != "derived"}
+        for name, record in FLAT_RECORDS.items():
+            d[name] = record(**{f.name: d.pop(f.name) for f in fields(record) if f.name in d})
         d["pp_layers"] = tuple(d.get("pp_layers", ()))
+        if "fp8_exclude" in d:
+            d["fp8_exclude"] = tuple(d["fp8_exclude"])
         d["choices"] = tuple((name, BackendChoice(**c)) for name, c in d.get("choices", {}).items())
         return cls(**d)

@@ -123,8 +123,8 @@ def working_dtype_bytes(lay: Layout) -> float:
 def model_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelShape] = None) -> Dict[str, int]:
     """params / grads / optimizer on the GPU, the offloaded bytes, and the working copies."""
     # TP splits the matrices but replicates norms (and, in MoE blocks, router and experts).
-    shared = (stage.shared - stage.tp_replicated) / lay.tp + stage.tp_replicated
-    routed = stage.routed / lay.ep
+    shared = (stage.shared - stage.tp_replicated) / lay.mesh.tp + stage.tp_replicated
+    routed = stage.routed / lay.mesh.ep
     per_param = state_bytes_per_param(lay)
     sharded, offloaded = _sharded(lay), _offloaded(lay)
     out: Dict[str, int] = {}
@@ -153,7 +153,7 @@ def model_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelSha
 
 def largest_tensor(stage: StageParams, lay: Layout) -> float:
     """Elements of the largest single parameter tensor on this rank (after TP / EP)."""
-    return stage.largest_tensor / lay.tp
+    return stage.largest_tensor / lay.mesh.tp
 
 
 def autocast_cast_elements(stage: StageParams, shape: Optional[ModelShape], lay: Layout) -> float:
@@ -163,8 +163,8 @@ def autocast_cast_elements(stage: StageParams, shape: Optional[ModelShape], lay:
     float8 and saves the fp32 weight itself, so only the output layer (kept bf16) is cast."""
     if shape is None:
         return 0.0
-    local = (stage.shared - stage.tp_replicated) / lay.tp + stage.routed / lay.ep
-    table = shape.vocab_size * shape.dim / lay.tp
+    local = (stage.shared - stage.tp_replicated) / lay.mesh.tp + stage.routed / lay.mesh.ep
+    table = shape.vocab_size * shape.dim / lay.mesh.tp
     if lay.precision == "fp8":
         return table if stage.has_output else 0.0
     if stage.has_embedding and not (shape.tie_embeddings and stage.has_output):
@@ -174,10 +174,10 @@ def autocast_cast_elements(stage: StageParams, shape: Optional[ModelShape], lay:
 
 def working_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelShape] = None) -> Dict[str, int]:
     """Unsharded parameter / gradient copies and communication buckets alive at the peak."""
-    unit = stage.largest_unit / lay.tp  # experts of a unit are also split by ep, bound from above
+    unit = stage.largest_unit / lay.mesh.tp  # experts of a unit are also split by ep, bound from above
     # TP replicates norms and, in MoE blocks, router and experts (no expert-TP): as in
     # model_state_memory, only the rest divides by tp.
-    local = (stage.shared - stage.tp_replicated) / lay.tp + stage.tp_replicated + stage.routed / lay.ep
+    local = (stage.shared - stage.tp_replicated) / lay.mesh.tp + stage.tp_replicated + stage.routed / lay.mesh.ep
     wb = working_dtype_bytes(lay)
     grad_wb = 4.0 if lay.precision == "fp32" else 2.0
     out: Dict[str, int] = {}
@@ -206,14 +206,14 @@ def working_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelS
     else:
         if lay.zero_stage == 3:
             out["unsharded_params"] = int(2 * unit * wb)
-            if lay.zeropp_hierarchical_partition > 1:
+            if lay.deepspeed.zeropp_hierarchical_partition > 1:
                 # hpZ keeps a secondary copy of the params sharded within the node.
-                out["hpz_secondary"] = int(local * wb / lay.zeropp_hierarchical_partition)
+                out["hpz_secondary"] = int(local * wb / lay.deepspeed.zeropp_hierarchical_partition)
         if lay.zero_stage >= 1:
             # Measured on CPU (bench/memory_accuracy.py): ZeRO-1/2/3 allocate one buffer of the full
             # configured reduce bucket size whatever the model size (ZeRO-2/3 fill it with the
             # contiguous gradients, which torch's MemTracker then counts as gradients).
-            out["reduce_buckets"] = int(lay.reduce_bucket_size * grad_wb)
+            out["reduce_buckets"] = int(lay.deepspeed.reduce_bucket_size * grad_wb)
     return out
 
 
@@ -227,7 +227,7 @@ def _attention_widths(shape: ModelShape, lay: Layout) -> Dict[str, int]:
     q = at.n_heads * at.qk_head_dim
     k = at.n_kv_heads * at.qk_head_dim
     v = at.linear(at.v_source).out_features  # v is a view of that matmul's output: all of it is kept
-    if at.n_kv_heads != at.n_heads and lay.cp > 1:
+    if at.n_kv_heads != at.n_heads and lay.mesh.cp > 1:
         # Ring attention (context parallelism) has no enable_gqa: K/V are repeated to every head.
         k, v = q, at.n_heads * at.v_head_dim
     return {"q": q, "k": k, "v": v, "o": at.n_heads * at.v_head_dim}
@@ -237,7 +237,7 @@ def _inner_attention_bytes(shape: ModelShape, lay: Layout) -> float:
     """Saved bytes per token of the attention's own norms (Qwen3's QK-norm, MLA's latent norms): the
     fp32 input and output of each, and its output in the activation dtype where a matmul reads it;
     MLA's replicated down-projections and latent norms are whole on every TP rank."""
-    a, t = lay.act_bytes, lay.tp
+    a, t = lay.act_bytes, lay.mesh.tp
     total = 0.0
     for n in shape.attention_layout.norms:
         saved = 8.0 * n.width + (a * n.width if n.feeds_linear else 0.0)
@@ -274,8 +274,8 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
     outputs of matmuls and attention, recompute norms and elementwise ops), "op_alternate_mm"
     (as "op" but every second matmul output recomputed: MoE blocks are refused by the validator).
     """
-    a, h, t = lay.act_bytes, shape.dim, lay.tp
-    tokens = lay.micro_batch_size * lay.seq_len / lay.cp
+    a, h, t = lay.act_bytes, shape.dim, lay.mesh.tp
+    tokens = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
     sp_div = t if lay.sp else 1
     if mode == "full":
         return tokens * a * h / sp_div
@@ -384,7 +384,7 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
     (p-1)/(p v)) times 1F1B's p, Narayanan et al. 2021), more when it does not (torch's rounds);
     zbv (V-shape, 2 chunks) balances to about p on every rank.
     """
-    p, m, v = lay.pp, lay.microbatches, lay.vpp
+    p, m, v = lay.mesh.pp, lay.microbatches, lay.vpp
     if p == 1:
         return 1.0
     if lay.schedule == "gpipe":
@@ -422,8 +422,8 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     redo = "op" if lay.compile else "none"
     worst_layer = max((layer_activation_bytes(shape, lay, moe, redo) for moe, _ in kinds), default=0.0)
     inflight = inflight_microbatches(lay, stage.rank)
-    tokens = lay.micro_batch_size * lay.seq_len / lay.cp
-    a, t = lay.act_bytes, lay.tp
+    tokens = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
+    a, t = lay.act_bytes, lay.mesh.tp
     # The document mask is built once per micro-batch and stage and saved by every layer's attention
     # (the same tensor): one per micro-batch in flight.
     out = {"layers": int((per_mb + document_mask_bytes(lay)) * inflight)}
@@ -463,7 +463,7 @@ def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
     The search passes (0, pp-1): the first rank holds the embedding and the most in-flight
     micro-batches, the last the output layer and logits; middle ranks are never heavier.
     """
-    stages = stage_params(shape, lay.pp, lay.vpp, lay.schedule, lay.pp_layers)
+    stages = stage_params(shape, lay.mesh.pp, lay.vpp, lay.schedule, lay.pp_layers)
     if ranks is not None:
         stages = [stages[r] for r in sorted(set(ranks))]
     result: List[StageMemory] = []
@@ -514,7 +514,7 @@ def grads_freed_at_loss(lay: Layout) -> bool:
     step ends with zero_grad(set_to_none=True); FSDP2 allocates sharded gradients as it
     reduce-scatters them), one micro-batch per step and no pipeline (a later micro-batch's loss
     runs beside the earlier ones' gradients). DeepSpeed keeps its gradient buffers."""
-    return lay.sharding_backend == "native" and lay.microbatches == 1 and lay.pp == 1
+    return lay.sharding_backend == "native" and lay.microbatches == 1 and lay.mesh.pp == 1
 
 
 def most_loaded(stages: List[StageMemory]) -> StageMemory:

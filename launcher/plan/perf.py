@@ -61,7 +61,7 @@ def group_span(lay: Layout, dims: Tuple[str, ...]) -> int:
     outer = min(MESH_ORDER.index(d) for d in dims)
     span = 1
     for d in MESH_ORDER[outer:]:
-        span *= getattr(lay, d)
+        span *= getattr(lay.mesh, d)
     return span
 
 
@@ -122,8 +122,8 @@ WIDTH_KNEE = 512
 
 def gemm_efficiency(shape: ModelShape, lay: Layout) -> float:
     """Fraction of `achievable_fraction` this layout's per-GPU matmuls reach (1.0 for large ones)."""
-    rows = lay.micro_batch_size * lay.seq_len / lay.cp
-    width = (shape.moe_ffn_dim if shape.n_experts else shape.ffn_dim) / lay.tp
+    rows = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
+    width = (shape.moe_ffn_dim if shape.n_experts else shape.ffn_dim) / lay.mesh.tp
     return rows / (rows + TOKEN_KNEE) * width / (width + WIDTH_KNEE)
 
 
@@ -180,15 +180,15 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     # Recomputing a forward costs a third of forward+backward.
     block_flops = (6.0 * block * (1 + rf / 3) + 2.0 * alternate_mm_recompute_params(shape, st, lay)) * tokens
     head_flops = 6.0 * head * tokens
-    split = lay.tp * lay.cp  # each GPU of the TP x CP group computes its share
+    split = lay.mesh.tp * lay.mesh.cp  # each GPU of the TP x CP group computes its share
     eff = hw.achievable_fraction * gemm_efficiency(shape, lay)
     # Attention and the output layer stay in bf16 under fp8 (precision.fp8.exclude); fp32 runs use TF32.
     other_peak = matmul_peak(hw, "fp32" if lay.precision == "fp32" else "bf16") * eff
     block_peak = matmul_peak(hw, lay.precision) * eff
     matmul_s = (block_flops / block_peak + head_flops / other_peak) / split + attention_s(shape, st, lay, hw)
     memory_bound_s = elementwise_s(shape, lay, hw, st.n_layers, elementwise_recompute_fraction(lay),
-                                   st.has_output, tokens / lay.cp)
-    ring_s = ring_bookkeeping_s(shape, lay, hw, st.n_layers, rf, tokens / lay.cp)
+                                   st.has_output, tokens / lay.mesh.cp)
+    ring_s = ring_bookkeeping_s(shape, lay, hw, st.n_layers, rf, tokens / lay.mesh.cp)
     return matmul_s + memory_bound_s + ring_s + document_mask_s(st, lay, hw)
 
 
@@ -200,7 +200,7 @@ def attention_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> flo
     rf = recompute_fraction(lay)
     attn_flops = attention_flops_per_token(st.n_layers, attention_width(shape), lay.seq_len) * (1 + rf / 3) * tokens
     peak = matmul_peak(hw, "fp32" if lay.precision == "fp32" else "bf16") * hw.achievable_fraction
-    return attn_flops / (peak * gemm_efficiency(shape, lay)) / (lay.tp * lay.cp) * hop_time_factor(lay)
+    return attn_flops / (peak * gemm_efficiency(shape, lay)) / (lay.mesh.tp * lay.mesh.cp) * hop_time_factor(lay)
 
 
 def document_mask_s(st: StageParams, lay: Layout, hw: Any) -> float:
@@ -226,7 +226,7 @@ def bubble_slots(lay: Layout) -> float:
     GPipe and 1F1B: p-1; interleaved 1F1B with v chunks: (p-1)/v; the zero-bubble schedules
     fill about two thirds of it by deferring weight gradients (ZB-H1; zbv: V-shape, 2 chunks).
     """
-    p, v = lay.pp, lay.vpp
+    p, v = lay.mesh.pp, lay.vpp
     if p <= 1:
         return 0.0
     if lay.schedule in ("gpipe", "1f1b"):
@@ -247,9 +247,9 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     """Per-step communication of one GPU on pipeline rank `st` (the busiest one)."""
     out: List[Collective] = []
     m, a = lay.microbatches, lay.act_bytes
-    tokens = lay.micro_batch_size * lay.seq_len / lay.cp
-    shared = st.shared / lay.tp
-    routed = st.routed / (lay.tp * lay.ep)
+    tokens = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
+    shared = st.shared / lay.mesh.tp
+    routed = st.routed / (lay.mesh.tp * lay.mesh.ep)
     wb = 4.0 if lay.precision == "fp32" else (1.0 if lay.precision == "fp8" and lay.fp8_all_gather else 2.0)
     rb = 4.0 if (lay.reduce_dtype == "fp32" or lay.precision == "fp32") else 2.0
     ds = lay.sharding_backend == "deepspeed"
@@ -264,7 +264,7 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     if routed:
         families.append((" experts", routed, lay.expert_fsdp_degree))
     z = lay.zero_stage
-    dp_all = lay.dp_replicate * lay.dp_shard * lay.cp
+    dp_all = lay.mesh.dp * lay.mesh.cp
     for tag, psize, n in families:
         if z == 0 or n == 1:
             if dp_all > 1:
@@ -278,54 +278,54 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
             per_mb = m if z >= 2 else 1
         else:
             per_mb = 1 if lay.fsdp_holds_unsharded else m
-        ag_w = 0.5 if (ds and lay.zeropp_quantized_weights) else 1.0
-        rs_w = 0.25 if (ds and lay.zeropp_quantized_gradients) else 1.0
+        ag_w = 0.5 if (ds and lay.deepspeed.zeropp_quantized_weights) else 1.0
+        rs_w = 0.25 if (ds and lay.deepspeed.zeropp_quantized_gradients) else 1.0
         if z == 3 and not lay.fsdp_holds_unsharded:
             out.append(_coll(f"param all-gather fwd{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb * ag_w, per_mb))
             # hpZ gathers the backward copy from its secondary partition inside the node.
-            hpz = ds and lay.zeropp_hierarchical_partition > 1
+            hpz = ds and lay.deepspeed.zeropp_hierarchical_partition > 1
             out.append(_coll(f"param all-gather bwd{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb * ag_w, per_mb,
                              span=lay.gpus_per_node if hpz else 0))
         else:
             # ZeRO-1/2: parameters are gathered once (DeepSpeed: after the step) or per micro-batch (FSDP2).
             out.append(_coll(f"param all-gather{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb, 1 if ds else per_mb))
         out.append(_coll(f"grad reduce-scatter{tag}", "reduce_scatter", shard_dims, n, lay, hw, psize * rb * rs_w, per_mb))
-        if not ds and lay.dp_replicate > 1:
-            out.append(_coll(f"HSDP grad all-reduce{tag}", "all_reduce", ("dp_replicate",), lay.dp_replicate,
+        if not ds and lay.mesh.dp_replicate > 1:
+            out.append(_coll(f"HSDP grad all-reduce{tag}", "all_reduce", ("dp_replicate",), lay.mesh.dp_replicate,
                              lay, hw, psize / n * rb, per_mb))
     n_layers = st.n_layers
     rf = recompute_fraction(lay)
-    if lay.tp > 1:
+    if lay.mesh.tp > 1:
         x = tokens * shape.dim * a
         # 2 collectives per block forward (attention, FFN) and 2 backward; recompute repeats the forward ones.
         count = n_layers * m * (4 + 2 * rf)
         if lay.sp:
-            out.append(_coll("TP all-gather (SP)", "all_gather", ("tp",), lay.tp, lay, hw, x, count))
-            out.append(_coll("TP reduce-scatter (SP)", "reduce_scatter", ("tp",), lay.tp, lay, hw, x, count))
+            out.append(_coll("TP all-gather (SP)", "all_gather", ("tp",), lay.mesh.tp, lay, hw, x, count))
+            out.append(_coll("TP reduce-scatter (SP)", "reduce_scatter", ("tp",), lay.mesh.tp, lay, hw, x, count))
         else:
-            out.append(_coll("TP all-reduce", "all_reduce", ("tp",), lay.tp, lay, hw, x, count))
-    if lay.cp > 1:
+            out.append(_coll("TP all-reduce", "all_reduce", ("tp",), lay.mesh.tp, lay, hw, x, count))
+    if lay.mesh.cp > 1:
         # Ring attention (launcher/plan/ring.py): K/V, repeated to every query head, all-gathered in
         # forward, again when recomputed, and in backward; the fp32 dK/dV cross cp links per backward.
         kv = lay.micro_batch_size * lay.seq_len * kv_bytes_per_token(shape, lay)
-        out.append(_coll("CP K/V ring", "all_gather", ("cp",), lay.cp, lay, hw, kv, n_layers * m * (2 + rf)))
-        dkv = kv / lay.cp * 4.0 / a
-        out.append(_coll("CP dK/dV ring", "p2p", ("cp",), lay.cp, lay, hw, dkv, n_layers * m * lay.cp))
+        out.append(_coll("CP K/V ring", "all_gather", ("cp",), lay.mesh.cp, lay, hw, kv, n_layers * m * (2 + rf)))
+        dkv = kv / lay.mesh.cp * 4.0 / a
+        out.append(_coll("CP dK/dV ring", "p2p", ("cp",), lay.mesh.cp, lay, hw, dkv, n_layers * m * lay.mesh.cp))
     n_moe = st.n_moe_layers
-    if lay.ep > 1 and n_moe:
-        x = tokens * shape.top_k * shape.dim * a / (lay.tp if lay.sp else 1)
+    if lay.mesh.ep > 1 and n_moe:
+        x = tokens * shape.top_k * shape.dim * a / (lay.mesh.tp if lay.sp else 1)
         # dispatch + combine, forward and backward
         # EP ranks are the innermost ep of dp_shard*cp, strided by tp.
-        out.append(_coll("EP all-to-all", "all_to_all", ("dp_shard", "cp"), lay.ep, lay, hw, x, n_moe * m * (4 + 2 * rf),
-                         span=lay.ep * lay.tp))
-    if lay.pp > 1:
-        x = tokens * shape.dim * a / (lay.tp if lay.sp else 1)
-        out.append(_coll("PP send/recv", "p2p", ("pp",), lay.pp, lay, hw, x, 2 * m * lay.vpp))
-    if shape.correction_bias and lay.world_size > 1:
+        out.append(_coll("EP all-to-all", "all_to_all", ("dp_shard", "cp"), lay.mesh.ep, lay, hw, x,
+                         n_moe * m * (4 + 2 * rf), span=lay.mesh.ep * lay.mesh.tp))
+    if lay.mesh.pp > 1:
+        x = tokens * shape.dim * a / (lay.mesh.tp if lay.sp else 1)
+        out.append(_coll("PP send/recv", "p2p", ("pp",), lay.mesh.pp, lay, hw, x, 2 * m * lay.vpp))
+    if shape.correction_bias and lay.mesh.world_size > 1:
         # Aux-loss-free balancing (launcher/models/moe.py update_correction_bias): once per step, the
         # [n_layers, n_experts] fp32 expert loads summed over every rank, then a sign/add per bias.
         out.append(_coll("router bias all-reduce", "all_reduce", ("pp", "dp_replicate", "dp_shard", "cp"),
-                         lay.world_size, lay, hw, correction_bias_bytes(shape), 1))
+                         lay.mesh.world_size, lay, hw, correction_bias_bytes(shape), 1))
     return out
 
 
@@ -343,7 +343,7 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
 
     `ranks` limits the pipeline ranks considered (the search passes the two ends).
     """
-    stages = stage_params(shape, lay.pp, lay.vpp, lay.schedule, lay.pp_layers)
+    stages = stage_params(shape, lay.mesh.pp, lay.vpp, lay.schedule, lay.pp_layers)
     if ranks is not None:
         stages = [stages[r] for r in sorted(set(ranks))]
     t_mb = [microbatch_compute_s(shape, st, lay, hw) for st in stages]
@@ -359,7 +359,7 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
     optimizer_s = optimizer_step_s(st, lay, hw)
     exposed = sum(c.exposed_s for c in comm)
     step_s = compute_s + bubble_s + exposed + optimizer_s
-    world = lay.world_size
+    world = lay.mesh.world_size
     tokens_per_s_per_gpu = tokens_per_step / step_s / world
     flops_per_s_per_gpu = tokens_per_s_per_gpu * model_flops_per_token
     peak = peak_tflops(hw, lay.precision) * 1e12
@@ -408,16 +408,16 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
         elif c.name.startswith("CP dK/dV"):
             # Each hop's dK/dV travels during the next hop's kernels; the layer's last one after all
             # of them (a rank waits for it before the layer's backward ends): 1/cp of them exposed.
-            c.exposed_s = c.time_s / lay.cp + max(0.0, c.time_s * (lay.cp - 1) / lay.cp - attn_s / 2)
+            c.exposed_s = c.time_s / lay.mesh.cp + max(0.0, c.time_s * (lay.mesh.cp - 1) / lay.mesh.cp - attn_s / 2)
         elif c.name.startswith("PP"):
             per_send = c.time_s / max(1, 2 * lay.microbatches * lay.vpp)
-            c.exposed_s = 2 * (lay.pp - 1) * per_send
+            c.exposed_s = 2 * (lay.mesh.pp - 1) * per_send
 
 
 def optimizer_step_s(st: StageParams, lay: Layout, hw: Any) -> float:
     """AdamW over the local shard: memory-bound on the GPU, or on the host when offloaded."""
-    shared = st.shared / lay.tp
-    routed = st.routed / (lay.tp * lay.ep)
+    shared = st.shared / lay.mesh.tp
+    routed = st.routed / (lay.mesh.tp * lay.mesh.ep)
     n = lay.fsdp_degree if lay.zero_stage >= 1 else 1
     local = shared / n + routed / (lay.expert_fsdp_degree if lay.zero_stage >= 1 else 1)
     if lay.offload_optimizer != "none" or lay.offload_params != "none":

@@ -56,7 +56,7 @@ class Plan:
     # ------------------------------------------------------------------ views of the layout
     @property
     def world_size(self) -> int:
-        return self.layout.world_size
+        return self.layout.mesh.world_size
 
     @property
     def nodes(self) -> int:
@@ -140,7 +140,7 @@ def build_plan(spec: JobConfig, layout: Optional[Layout] = None) -> Plan:
     from launcher.plan.budget import budget
 
     plan.budget = budget(spec.trainer.steps, layout.tokens_per_step, plan.time["step_s"], plan.time["step_s_range"],
-                         layout.world_size, spec.hardware.usd_per_gpu_hour)
+                         layout.mesh.world_size, spec.hardware.usd_per_gpu_hour)
     from launcher.data.checks import repeat_warnings  # sources the planned steps read over and over
 
     plan.warnings = list(plan.warnings) + repeat_warnings(spec, spec.trainer.steps, layout.global_batch_size)

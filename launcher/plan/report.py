@@ -329,16 +329,16 @@ def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
     rows = []
     for i, c in enumerate(best, 1):
         lay = c.layout
-        pipe = f"{lay.pp}" + (f"x{lay.vpp} {lay.schedule}" if lay.pp > 1 else "")
+        pipe = f"{lay.mesh.pp}" + (f"x{lay.vpp} {lay.schedule}" if lay.mesh.pp > 1 else "")
         tps = f"{c.tokens_per_s_per_gpu:,.0f}"
         if objective == "throughput":
             tps += f" ({_range(c.tokens_per_s_per_gpu_range, ',.0f')})"
         lead = [i] + ([_objective_cell(c.budget, objective)] if objective != "throughput" else [])
-        lead += [lay.world_size] if nodes else []
+        lead += [lay.mesh.world_size] if nodes else []
         rows.append((*lead, tps, f"{c.mfu:.1%}",
                      f"{c.step_s:.2f} ({_range(c.step_s_range, '.2f')})",
-                     f"{c.memory['total'] / GiB:.1f} ({_range([b / GiB for b in c.memory_total_range], '.1f')})", pipe, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp,
-                     lay.ep, lay.zero_stage, lay.ac_mode, lay.micro_batch_size, c.backends.get("sharding", "native")))
+                     f"{c.memory['total'] / GiB:.1f} ({_range([b / GiB for b in c.memory_total_range], '.1f')})", pipe, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp,
+                     lay.mesh.ep, lay.zero_stage, lay.ac_mode, lay.micro_batch_size, c.backends.get("sharding", "native")))
     heads = ["#"] + ([OBJECTIVE_COLUMNS[objective]] if objective != "throughput" else []) + (["GPUs"] if nodes else [])
     table = _table((*heads, "tok/s/GPU", "MFU", "step s", "mem GiB", "pp", "dp_rep", "dp_shard", "cp", "tp", "ep",
                     "zero", "AC", "mbs", "sharding"), rows, "r" * len(heads) + "rrrrlrrrrrrlrl")

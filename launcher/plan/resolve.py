@@ -27,7 +27,7 @@ from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, Pro
 from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
 from launcher.plan.features import FEATURES, BackendChoice
-from launcher.plan.layout import Layout
+from launcher.plan.layout import DeepSpeedPlan, Layout
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.rules import backend_conflicts, hpz_partition_size
 
@@ -175,7 +175,7 @@ def accumulate_unsharded_blocker(lay: Layout) -> str:
         return "one micro-batch per step: nothing to accumulate"
     if lay.uses_deepspeed:
         return "DeepSpeed owns the sharding and accumulates gradients its own way"
-    if lay.pp > 1:
+    if lay.mesh.pp > 1:
         return ("torch's pipeline schedules already keep FSDP2 units unsharded and skip the "
                 "gradient sync until the last backward of the step")
     if not lay.fsdp_wraps:
@@ -246,14 +246,22 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
         fp8_all_gather=bool(pr.fp8.all_gather),
         offload_optimizer=o.optimizer,
         offload_params=o.params,
-        reduce_bucket_size=int(b.reduce_bucket_size),
-        allgather_bucket_size=int(b.allgather_bucket_size),
-        zeropp_quantized_weights=bool(b.zeropp_quantized_weights),
-        zeropp_quantized_gradients=bool(b.zeropp_quantized_gradients),
-        zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
+        deepspeed=DeepSpeedPlan(
+            reduce_bucket_size=int(b.reduce_bucket_size),
+            allgather_bucket_size=int(b.allgather_bucket_size),
+            zeropp_quantized_weights=bool(b.zeropp_quantized_weights),
+            zeropp_quantized_gradients=bool(b.zeropp_quantized_gradients),
+            zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
+        ),
         compile=bool(spec.trainer.compile),
         fp8_recipe=str(pr.fp8.recipe),
         document_mask=document_mask_kernel(spec),
+        tf32=bool(pr.tf32),
+        fp8_emulate=bool(pr.fp8.emulate),
+        fp8_min_features=int(pr.fp8.min_features),
+        fp8_exclude=tuple(str(x) for x in pr.fp8.exclude),
+        offload_nvme_path=str(o.nvme_path),
+        offload_pin_memory=bool(o.pin_memory),
     )
 
 
@@ -269,14 +277,13 @@ def document_mask_kernel(spec: JobConfig) -> str:
 def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str, BackendChoice]) -> Layout:
     """The Layout of a spec whose mesh, accumulation and backend choices are resolved."""
     p = spec.parallel
+    fixed = spec_fields(spec)
+    # hpZ groups follow the mesh (HSDP maps to groups of dp_shard), so they are set here, not in spec_fields.
+    fixed["deepspeed"] = replace(fixed["deepspeed"], hpz_partition_size=hpz_partition_size(
+        int(spec.backend.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard))
     return Layout(
-        **spec_fields(spec),
-        pp=mesh.pp,
-        dp_replicate=mesh.dp_replicate,
-        dp_shard=mesh.dp_shard,
-        cp=mesh.cp,
-        tp=mesh.tp,
-        ep=mesh.ep,
+        **fixed,
+        mesh=mesh,
         sp=bool(p.sp) and mesh.tp > 1,
         vpp=max(1, int(p.pp_virtual_stages)) if mesh.pp > 1 else 1,
         schedule=p.pp_schedule,
@@ -285,9 +292,6 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         microbatches=max(1, accum),
         zero_stage=int(p.zero_stage),
         ac_mode=spec.activation_checkpointing.mode,
-        hpz_partition_size=hpz_partition_size(
-            int(spec.backend.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard
-        ),
         choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
         **backend_fields(choices, spec.offload.optimizer, mesh.pp),
     )

@@ -47,7 +47,7 @@ RING_HOP_EFFICIENCY = 0.88
 
 def ring_hops(lay: Layout) -> int:
     """Attention kernels per layer and pass beyond the local causal one (cp - 1)."""
-    return max(0, lay.cp - 1)
+    return max(0, lay.mesh.cp - 1)
 
 
 def expanded_widths(shape: ModelShape) -> tuple:
@@ -61,7 +61,7 @@ def expanded_widths(shape: ModelShape) -> tuple:
 def kv_bytes_per_token(shape: ModelShape, lay: Layout) -> float:
     """Bytes of one token's K and V as the ring sends them (expanded, activation dtype; split by tp)."""
     _, k, v, _ = expanded_widths(shape)
-    return (k + v) * lay.act_bytes / lay.tp
+    return (k + v) * lay.act_bytes / lay.mesh.tp
 
 
 def merge_bytes_per_token(shape: ModelShape, lay: Layout) -> tuple:
@@ -77,7 +77,7 @@ def merge_bytes_per_token(shape: ModelShape, lay: Layout) -> tuple:
     10 B per element, or half that on the first half plus the torch.cat of both: 13 B; 11.5 on
     average), then concatenated into the fp32 send buffer (8 B); dQ the same 11.5 B."""
     q, k, v, o = expanded_widths(shape)
-    a, t = lay.act_bytes, lay.tp
+    a, t = lay.act_bytes, lay.mesh.tp
     send = 2.0 * (k + v) * a
     fwd = send + 0.75 * (a + F32) * o + 28.0 * o
     bwd = send + (11.5 + 8.0) * (k + v) + 11.5 * q
@@ -98,7 +98,7 @@ def ring_bookkeeping_s(shape: ModelShape, lay: Layout, hw: Any, n_layers: int, r
 def hop_time_factor(lay: Layout) -> float:
     """Attention time under the ring / the same FLOPs in one causal kernel: the local causal hop is
     1/cp of a rank's attention FLOPs, the cp - 1 others run at RING_HOP_EFFICIENCY."""
-    cp = lay.cp
+    cp = lay.mesh.cp
     if cp <= 1:
         return 1.0
     return (1.0 + (cp - 1) / RING_HOP_EFFICIENCY) / cp

@@ -298,17 +298,17 @@ def _detail_conflicts(s: Switches, problems: List[Conflict]) -> None:
             "fp8", "backend.fp8_impl",
             "backend.fp8_impl=transformer_engine is not wired into this launcher's runtime (FP8 runs on "
             "torchao float8 only)", ("backend.fp8_impl=torchao", "backend.fp8_impl=auto")))
-    if s.hpz > 0 and s.dp % s.hpz:
+    if s.hpz > 0 and s.mesh.dp % s.hpz:
         problems.append(Conflict(
             "zeropp", "sharding",
-            f"backend.zeropp_hierarchical_partition={s.hpz} must divide the data-parallel size {s.dp}",
-            (f"a divisor of {s.dp} such as the GPUs per node",)))
-    if s.hpz > 0 and s.dp_replicate > 1 and s.hpz != s.dp_shard:
+            f"backend.zeropp_hierarchical_partition={s.hpz} must divide the data-parallel size {s.mesh.dp}",
+            (f"a divisor of {s.mesh.dp} such as the GPUs per node",)))
+    if s.hpz > 0 and s.mesh.dp_replicate > 1 and s.hpz != s.mesh.dp_shard:
         problems.append(Conflict(
             "zeropp", "hsdp",
-            f"parallel.dp_replicate={s.dp_replicate} maps to hpZ groups of dp_shard={s.dp_shard} "
+            f"parallel.dp_replicate={s.mesh.dp_replicate} maps to hpZ groups of dp_shard={s.mesh.dp_shard} "
             f"but backend.zeropp_hierarchical_partition={s.hpz}",
-            (f"backend.zeropp_hierarchical_partition={s.dp_shard}", "0, or parallel.dp_replicate=1")))
+            (f"backend.zeropp_hierarchical_partition={s.mesh.dp_shard}", "0, or parallel.dp_replicate=1")))
 
 
 
@@ -334,7 +334,7 @@ def _native_impls(s: Switches, rides: str) -> Dict[str, Tuple[str, Optional[str]
     return {
         "sharding": ("none (one data-parallel rank: nothing to shard)" if z in (0, 1) else
                      f"FSDP2 fully_shard (zero_stage={z}, reshard_after_forward={z == 3})", None),
-        "hsdp": (f"FSDP2 HSDP mesh (dp_replicate={s.dp_replicate}, dp_shard={s.dp_shard})", None),
+        "hsdp": (f"FSDP2 HSDP mesh (dp_replicate={s.mesh.dp_replicate}, dp_shard={s.mesh.dp_shard})", None),
         "offload_optimizer": offload,
         "offload_params": offload,
         "precision": ("FSDP2 MixedPrecisionPolicy bf16" if _prec(s) == "bf16" else "fp32", None),
@@ -342,10 +342,10 @@ def _native_impls(s: Switches, rides: str) -> Dict[str, Tuple[str, Optional[str]
         # The reason is used when it runs inside another owner's engine ({owner}: that engine's label).
         "activation_checkpointing": (f"torch.utils.checkpoint per block ({_ac_mode(s)})",
                                      "native torch checkpointing runs inside the {owner} engine"),
-        "tp": (f"DTensor tensor parallel (tp={s.tp}{', sequence parallel' if s.sp else ''})", "exists only natively"),
-        "ep": (f"native expert parallel (ep={s.ep})", "exists only natively"),
-        "cp": (f"native context parallel (cp={s.cp})", "exists only natively"),
-        "pp": (f"torch.distributed.pipelining ({s.pp} stages, {s.pp_schedule})", None),
+        "tp": (f"DTensor tensor parallel (tp={s.mesh.tp}{', sequence parallel' if s.sp else ''})", "exists only natively"),
+        "ep": (f"native expert parallel (ep={s.mesh.ep})", "exists only natively"),
+        "cp": (f"native context parallel (cp={s.mesh.cp})", "exists only natively"),
+        "pp": (f"torch.distributed.pipelining ({s.mesh.pp} stages, {s.pp_schedule})", None),
         "checkpoint": ("torch.distributed.checkpoint (DCP)", None),
     }
 
@@ -364,7 +364,7 @@ def _deepspeed_impls(s: Switches, rides: str) -> Dict[str, Tuple[str, Optional[s
     zpp = [k for k, on in (("qwZ", s.qw), ("qgZ", s.qg), (f"hpZ={s.hpz}", s.hpz > 0)) if on]
     return {
         "sharding": (f"DeepSpeed ZeRO-{s.zero}", None),
-        "hsdp": (f"ZeRO++ hpZ (zero_hpz_partition_size={s.dp_shard})", None),
+        "hsdp": (f"ZeRO++ hpZ (zero_hpz_partition_size={s.mesh.dp_shard})", None),
         "offload_optimizer": offload("optimizer"),
         "offload_params": offload("params"),
         "zeropp": ("DeepSpeed ZeRO++ " + " + ".join(zpp), "ZeRO++ exists only in DeepSpeed"),
@@ -372,9 +372,9 @@ def _deepspeed_impls(s: Switches, rides: str) -> Dict[str, Tuple[str, Optional[s
                       rides + "; note: DeepSpeed bf16 at ZeRO stage 0 drifts (no fp32 master)"
                       if bf16 and s.zero == 0 else None),
         "activation_checkpointing": (
-            f"DeepSpeed PipelineModule activation_checkpoint_interval ({_ac_mode(s)})" if s.pp > 1
+            f"DeepSpeed PipelineModule activation_checkpoint_interval ({_ac_mode(s)})" if s.mesh.pp > 1
             else f"deepspeed.checkpointing.checkpoint per block ({_ac_mode(s)})", None),
-        "pp": (f"DeepSpeed PipelineModule ({s.pp} stages, 1F1B)", None),
+        "pp": (f"DeepSpeed PipelineModule ({s.mesh.pp} stages, 1F1B)", None),
         "checkpoint": ("DeepSpeed engine.save_checkpoint (ZeRO partitioned)", None),
     }
 

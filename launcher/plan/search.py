@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
+from launcher.config.schema import replaced_dotted
 from launcher.config.validate import (PLAN_OBJECTIVES, cp_pipeline_problems, tensor_parallel_problems,
                                       tied_pipeline_problems)
 from launcher.plan.bands import layout_kind, memory_range, value_range
 from launcher.plan.budget import budget
 from launcher.plan.estimate import capacity_bytes, reserved_bytes
 from launcher.plan.flops import training_flops_per_token
-from launcher.plan.layout import Layout
+from launcher.plan.layout import NODES_OVERRIDE, Layout
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import estimate_memory, model_state_memory, most_loaded
 from launcher.plan.params import ModelShape, model_shape, stage_params
@@ -90,9 +91,9 @@ class Candidate:
     def as_dict(self) -> Dict[str, Any]:
         return {
             "overrides": self.train_overrides,
-            "world_size": self.layout.world_size,
+            "world_size": self.layout.mesh.world_size,
             "nodes": self.layout.nodes,
-            "mesh": {k: getattr(self.layout, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")},
+            "mesh": self.layout.mesh.to_dict(),
             "zero_stage": self.layout.zero_stage,
             "activation_checkpointing": self.layout.ac_mode,
             "micro_batch_size": self.layout.micro_batch_size,
@@ -192,8 +193,8 @@ class _BackendCache:
         self.cache: Dict[tuple, Optional[Dict[str, Any]]] = {}
 
     def get(self, lay: Layout) -> Optional[Dict[str, Any]]:
-        key = (lay.zero_stage, lay.pp > 1, lay.tp > 1, lay.sp, lay.cp > 1, lay.ep > 1, lay.ac_mode,
-               lay.dp_replicate > 1, lay.schedule if lay.pp > 1 else "", lay.vpp)
+        key = (lay.zero_stage, lay.mesh.pp > 1, lay.mesh.tp > 1, lay.sp, lay.mesh.cp > 1, lay.mesh.ep > 1, lay.ac_mode,
+               lay.mesh.dp_replicate > 1, lay.schedule if lay.mesh.pp > 1 else "", lay.vpp)
         if key not in self.cache:
             try:
                 conflicts, choices = backend_conflicts(candidate_spec(self.spec, lay), lay.mesh)
@@ -204,26 +205,12 @@ class _BackendCache:
 
 
 def candidate_spec(spec, lay: Layout):
-    """The JobConfig that selects `lay` (the user's spec with the layout's keys replaced)."""
-    p = dataclasses.replace(
-        spec.parallel,
-        dp_replicate=lay.dp_replicate,
-        dp_shard=lay.dp_shard,
-        tp=lay.tp,
-        sp=lay.sp,
-        pp=lay.pp,
-        pp_schedule=lay.schedule,
-        pp_virtual_stages=lay.vpp,
-        pp_layers=[],
-        microbatches=-1,
-        cp=lay.cp,
-        ep=lay.ep,
-        zero_stage=lay.zero_stage,
-    )
-    ac = dataclasses.replace(spec.activation_checkpointing, mode=lay.ac_mode)
-    tr = dataclasses.replace(spec.trainer, micro_batch_size=lay.micro_batch_size)
-    cl = dataclasses.replace(spec.cluster, nodes=lay.nodes)
-    return dataclasses.replace(spec, parallel=p, activation_checkpointing=ac, trainer=tr, cluster=cl)
+    """The JobConfig that selects `lay` (the user's spec with the layout's keys replaced, through
+    the one layout <-> overrides map, layout.OVERRIDE_FIELDS). The explicit pipeline split and
+    micro-batch count are reset: the layout's own follow from the degrees and the batch."""
+    key, path = NODES_OVERRIDE
+    return replaced_dotted(spec, {**lay.overrides(), key: lay.value_at(path),
+                                  "parallel.pp_layers": [], "parallel.microbatches": -1})
 
 
 # ----------------------------------------------------------------------------- search
@@ -241,7 +228,7 @@ def _accumulation_held_if_fits(spec, shape: ModelShape, lay: Layout, reserve: in
     from launcher.plan.resolve import accumulate_unsharded_blocker
 
     want = accumulate_unsharded_value(spec.parallel.accumulate_unsharded)
-    ranks = (0, lay.pp - 1)
+    ranks = (0, lay.mesh.pp - 1)
     if want != "false" and not accumulate_unsharded_blocker(lay):
         held = dataclasses.replace(lay, accumulate_unsharded=True)
         mem = most_loaded(estimate_memory(shape, held, reserve, ranks=ranks))
@@ -251,7 +238,7 @@ def _accumulation_held_if_fits(spec, shape: ModelShape, lay: Layout, reserve: in
 
 
 def _with_backends(lay: Layout, choices: Dict[str, Any], spec) -> Layout:
-    return dataclasses.replace(lay, **backend_fields(choices, spec.offload.optimizer, lay.pp))
+    return dataclasses.replace(lay, **backend_fields(choices, spec.offload.optimizer, lay.mesh.pp))
 
 
 def node_counts(spec) -> List[int]:
@@ -300,15 +287,15 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
     zeros = [spec.parallel.zero_stage] if spec.offload.optimizer != "none" or spec.offload.params != "none" else [0, 1, 2, 3]
     for tp, cp, pp, dp_rep, dp_shard, ep, sched, vpp in mesh_options(spec):
         stats["meshes"] += 1
-        dp = dp_rep * dp_shard
+        mesh = MeshPlan(pp=pp, dp_replicate=dp_rep, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
+        dp = mesh.dp
         mbs_opts = micro_batch_options(gbs, dp)
         if not mbs_opts:
             continue
         for zero in zeros:
             if zero < 2 and dp_rep > 1:
                 continue  # replicate groups only matter when states are sharded (HSDP)
-            lay0 = dataclasses.replace(base, pp=pp, dp_replicate=dp_rep, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep,
-                                       sp=tp > 1, vpp=vpp, schedule=sched, zero_stage=zero)
+            lay0 = dataclasses.replace(base, mesh=mesh, sp=tp > 1, vpp=vpp, schedule=sched, zero_stage=zero)
             choices = backends.get(dataclasses.replace(lay0, ac_mode="none"))
             if choices is None:
                 stats["no_backend"] += 1
@@ -347,7 +334,7 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
                         kind=layout_kind(lay, spec.model.n_experts), reserved=reserve,
                     )
                     cand.budget = budget(steps, tokens_per_step, cand.step_s, cand.step_s_range,
-                                         lay.world_size, price)
+                                         lay.mesh.world_size, price)
                     out.append(cand)
                     break
     return out, stats
@@ -373,8 +360,9 @@ def rank_key(objective: str):
 
     def key(c: Candidate) -> tuple:
         lay = c.layout
-        return (float(f"{objective_value(c, objective):.6g}"), lay.cp, lay.pp * lay.vpp, lay.tp, lay.ep,
-                lay.dp_replicate, c.memory["total"], lay.world_size)
+        m = lay.mesh
+        return (float(f"{objective_value(c, objective):.6g}"), m.cp, m.pp * lay.vpp, m.tp, m.ep, m.dp_replicate,
+                c.memory["total"], m.world_size)
     return key
 
 
@@ -385,8 +373,8 @@ def _dedupe(cands: List[Candidate]) -> List[Candidate]:
     out = []
     for c in cands:
         lay = c.layout
-        key = (lay.nodes, lay.pp, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp, lay.ep, lay.schedule, lay.vpp,
-               lay.micro_batch_size, lay.ac_mode, round(c.step_s, 6), c.memory["total"])
+        key = (lay.nodes, lay.mesh, lay.schedule, lay.vpp, lay.micro_batch_size, lay.ac_mode, round(c.step_s, 6),
+               c.memory["total"])
         if key in seen:
             continue
         seen.add(key)

@@ -24,17 +24,11 @@ class Switches:
     """The config values the rules read, with the mesh degrees the resolver derived."""
 
     zero: int
-    dp_replicate: int
-    dp: int  # data-parallel size
-    dp_shard: int
-    tp: int
+    mesh: MeshPlan  # the degrees (mesh.dp: the data-parallel size)
     sp: bool
-    pp: int
     pp_schedule: str
     pp_virtual_stages: int
     pp_layers: Tuple[int, ...]
-    cp: int
-    ep: int
     offload_optimizer: str
     offload_params: str
     precision: str
@@ -52,17 +46,11 @@ class Switches:
         p, b = spec.parallel, spec.backend
         return cls(
             zero=int(p.zero_stage),
-            dp_replicate=mesh.dp_replicate,
-            dp=mesh.dp,
-            dp_shard=mesh.dp_shard,
-            tp=mesh.tp,
+            mesh=mesh,
             sp=bool(p.sp),
-            pp=mesh.pp,
             pp_schedule=str(p.pp_schedule),
             pp_virtual_stages=int(p.pp_virtual_stages),
             pp_layers=tuple(p.pp_layers or ()),
-            cp=mesh.cp,
-            ep=mesh.ep,
             offload_optimizer=str(spec.offload.optimizer),
             offload_params=str(spec.offload.params),
             precision=str(spec.precision.name),
@@ -168,7 +156,7 @@ _SHARD_FIX = "parallel.zero_stage=2 (FSDP2, params kept unsharded between forwar
 
 def _shards_below_2(s: Switches) -> bool:
     # With one data-parallel rank every stage is the same: nothing is refused.
-    return s.zero in (0, 1) and s.dp * s.cp > 1
+    return s.zero in (0, 1) and s.mesh.dp * s.mesh.cp > 1
 
 
 def _zeropp_keys(s: Switches) -> List[str]:
@@ -203,7 +191,7 @@ def _offload_row(kind: str) -> Row:
 
 def _native_only(name: str, why: str) -> Row:
     """A DTensor feature (tp, ep, cp): the DeepSpeed engine cannot hold it."""
-    degree = lambda s: getattr(s, name)  # noqa: E731
+    degree = lambda s: getattr(s.mesh, name)  # noqa: E731
     return Row(name, lambda s: degree(s) > 1, lambda s: f"parallel.{name}={degree(s)}",
                lambda s: [f"parallel.{name}=1"], {DEEPSPEED: (Refusal(lambda s: True, lambda s: why),)},
                off=lambda s: f"parallel.{name}=1", off_backend=NATIVE)
@@ -225,12 +213,12 @@ SUPPORT: Tuple[Row, ...] = (
                       "the native path implements FSDP2 (ZeRO-2/3) only; plain data parallel (ZeRO-0) runs on DeepSpeed",
             unblock=lambda s: (_SHARD_FIX,)),)},
         off=lambda s: ""),
-    Row("hsdp", lambda s: s.dp_replicate > 1 and s.zero > 0, lambda s: f"parallel.dp_replicate={s.dp_replicate}",
+    Row("hsdp", lambda s: s.mesh.dp_replicate > 1 and s.zero > 0, lambda s: f"parallel.dp_replicate={s.mesh.dp_replicate}",
         lambda s: ["parallel.dp_replicate=1 (shard over every data-parallel rank)"],
         {DEEPSPEED: (Refusal(lambda s: s.zero != 3,
                              lambda s: f"DeepSpeed ZeRO-{s.zero} has no replicate groups (hpZ needs ZeRO-3)",
                              unblock=lambda s: _ZERO3),)},
-        off=lambda s: ("parallel.dp_replicate=1" if s.dp_replicate == 1
+        off=lambda s: ("parallel.dp_replicate=1" if s.mesh.dp_replicate == 1
                        else "parallel.zero_stage=0 replicates everything")),
     _offload_row("optimizer"),
     _offload_row("params"),
@@ -257,7 +245,7 @@ SUPPORT: Tuple[Row, ...] = (
     _native_only("tp", "tensor parallelism is native DTensor only; the DeepSpeed engine cannot wrap DTensor parameters"),
     _native_only("ep", "expert parallelism is implemented by the launcher's native MoE layers only"),
     _native_only("cp", "context parallelism is native only (DeepSpeed-Ulysses is not wired)"),
-    Row("pp", lambda s: s.pp > 1, lambda s: f"parallel.pp={s.pp}", lambda s: ["parallel.pp=1"],
+    Row("pp", lambda s: s.mesh.pp > 1, lambda s: f"parallel.pp={s.mesh.pp}", lambda s: ["parallel.pp=1"],
         {DEEPSPEED: (
             _ds_pipeline(lambda s: s.zero > 1,
                          lambda s: f"DeepSpeed's pipeline engine refuses ZeRO-{s.zero} (needs zero_stage <= 1)",

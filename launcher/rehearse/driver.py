@@ -148,12 +148,12 @@ def rehearse(spec: JobConfig, plan: Plan, run_dir: Path) -> Dict[str, Any]:
         })
         for note in rep.get("notes", []):
             log.debug("rank %d: %s", rank, note)
-    result = {"world_size": lay.world_size, "ranks": rows, "ok": all(r["error"] is None for r in rows)}
+    result = {"world_size": lay.mesh.world_size, "ranks": rows, "ok": all(r["error"] is None for r in rows)}
     path = Path(run_dir) / REHEARSAL_FILENAME
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(path)
-    log.debug("rehearsed %d rank(s) of %d in %.1f s", len(rows), lay.world_size, time.monotonic() - t0)
+    log.debug("rehearsed %d rank(s) of %d in %.1f s", len(rows), lay.mesh.world_size, time.monotonic() - t0)
     return result
 
 

@@ -148,7 +148,7 @@ def reduced_pipeline_schedule(engine, layout) -> Tuple[Any, int, str]:
         # each micro-batch adds to the peak, so no smaller count is equivalent.
         return schedule, full, (f"pipeline: fake steps run all {full} micro-batches ({layout.schedule} keeps "
                                 f"every micro-batch's sent tensors until the step ends)")
-    n_stages = layout.pp * layout.vpp
+    n_stages = layout.mesh.pp * layout.vpp
     pp_rank = engine.world["pp"].get_local_rank()
     local = [st.stage_index for st in schedule_stages(schedule)]
 
@@ -357,7 +357,7 @@ def check_deepspeed_rank(layout, options) -> None:
     from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
 
     prepare_deepspeed_environment("cpu")
-    cfg = build_deepspeed_config(layout, grad_clip=options.grad_clip, seed=options.seed, offload=options.offload)
+    cfg = build_deepspeed_config(layout, grad_clip=options.grad_clip, seed=options.seed)
     try:
         validate_deepspeed_config(cfg, data_parallel_size(layout))
     except Exception as err:  # DeepSpeed raises pydantic, assertion and value errors alike
@@ -518,10 +518,10 @@ def _measure_fake_step(engine, layout, model_cfg, notes: List[str], fake_microba
     if note:
         notes.append(note)
     n_micro = max(1, min(layout.microbatches, fake_microbatches))
-    if n_micro < layout.microbatches and layout.pp == 1:
+    if n_micro < layout.microbatches and layout.mesh.pp == 1:
         notes.append(f"fake steps run {n_micro} of the {layout.microbatches} micro-batches per step "
                      f"(the peak is reached by the second: gradients exist from then on)")
-    if layout.pp > 1:
+    if layout.mesh.pp > 1:
         # The smallest micro-batch count that passes through the same memory states.
         schedule, n_pipe, note = (reduced_pipeline_schedule(engine, layout) if reduce_pipeline
                                   else (engine.pp_schedule, engine.pp_microbatches, ""))
@@ -539,14 +539,14 @@ def _measure_fake_step(engine, layout, model_cfg, notes: List[str], fake_microba
     # (bench/rehearse_activations.py, tests/test_parallel_layouts.py).
     _zero_grad_step(engine)
     on_enter = None
-    if layout.pp > 1:
+    if layout.mesh.pp > 1:
 
         on_enter = register_recv_buffers(schedule_stages(schedule))
     # Measure what a real step holds, not fake-mode artefacts (launcher/rehearse/fake_memory.py).
     with fake_step_as_real():
         measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=0,
                                      on_enter=on_enter)
-    if layout.pp > 1 and n_pipe < engine.pp_microbatches:
+    if layout.mesh.pp > 1 and n_pipe < engine.pp_microbatches:
         # What the micro-batches not run would hold for the whole step (constant over it).
         extra = per_microbatch_bytes(engine, layout, schedule_stages(schedule), n_pipe)
         for cat, b in extra.items():
@@ -561,7 +561,7 @@ def _measure_fake_step(engine, layout, model_cfg, notes: List[str], fake_microba
 def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activations: bool = True,
                   fake_microbatches: int = 2, reduce_pipeline: bool = True,
                   shared_steps: Optional[Path] = None) -> Dict[str, Any]:
-    """Build rank `rank`'s engine on a fake process group of layout.world_size ranks and
+    """Build rank `rank`'s engine on a fake process group of layout.mesh.world_size ranks and
     measure it. Returns {rank, coords, params_numel, memory: {params, grads, optimizer,
     activations, peak}, error: None, notes}. Raises what the engine raises (the caller turns
     it into the rank's error). Initialises torch.distributed: one call per process.
@@ -571,7 +571,7 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
     whose signature is there reports that step instead of running the same one again."""
 
 
-    world = layout.world_size
+    world = layout.mesh.world_size
     if layout.sharding_backend == "deepspeed":
         check_deepspeed_rank(layout, options)
     if not dist.is_initialized():

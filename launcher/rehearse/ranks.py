@@ -50,11 +50,11 @@ def rank_problems(layout: Layout, choice: Union[str, Sequence[int]]) -> List[str
     """A problem line when a listed rank is outside the layout's world (the resolver owns its size)."""
     if isinstance(choice, str):
         return []
-    bad = [r for r in choice if not 0 <= r < layout.world_size]
+    bad = [r for r in choice if not 0 <= r < layout.mesh.world_size]
     if not bad:
         return []
-    return [f"rehearse.ranks={list(choice)} names rank(s) {bad} outside the world of {layout.world_size} ranks. "
-            f"Fix: global ranks within [0, {layout.world_size - 1}]."]
+    return [f"rehearse.ranks={list(choice)} names rank(s) {bad} outside the world of {layout.mesh.world_size} ranks. "
+            f"Fix: global ranks within [0, {layout.mesh.world_size - 1}]."]
 
 
 def predicted_for_rank(shape: ModelShape, layout: Layout, plan_memory: Dict[str, Any], rank: int) -> Dict[str, Any]:
@@ -62,7 +62,7 @@ def predicted_for_rank(shape: ModelShape, layout: Layout, plan_memory: Dict[str,
     activations, other, peak} in bytes, the CUDA reserve left out (per_pp_rank of plan.memory for this rank's pipeline rank)."""
     pp_rank = layout.mesh.coordinates(rank)["pp"]
     row = next((r for r in plan_memory.get("per_pp_rank", []) if r.get("pp_rank") == pp_rank), None)
-    stage = stage_params(shape, layout.pp, layout.vpp, layout.schedule, layout.pp_layers)[pp_rank]
+    stage = stage_params(shape, layout.mesh.pp, layout.vpp, layout.schedule, layout.pp_layers)[pp_rank]
     # Held states: the same formula with one micro-batch (no accumulation transient).
     held = model_state_memory(stage, dataclasses.replace(layout, microbatches=1))
     out: Dict[str, Any] = {c: int(held[c]) for c in STATE_CATEGORIES}

@@ -81,9 +81,6 @@ def engine_options(spec: JobConfig, run_dir: Path) -> EngineOptions:
         grad_clip=spec.trainer.grad_clip,
         seed=spec.trainer.seed,
         compile=spec.trainer.compile,
-        ac=spec.activation_checkpointing,
-        offload=spec.offload,
-        fp8=spec.precision.fp8,
         work_dir=Path(run_dir),
         export_dtype=spec.checkpoint.export_dtype,
         export_tokenizer_files=tuple(tokenizer_files_for(spec.data.tokenizer if spec.data.source == "text" else "",
@@ -148,7 +145,7 @@ def step_batches_from(spec: JobConfig, plan: Plan, rank: int, run_dir: Path, val
     lay = plan.layout
     part = BatchSlice(
         dp_rank=data_parallel_rank(plan, rank),
-        dp_size=lay.dp,
+        dp_size=lay.mesh.dp,
         micro_batch_size=lay.micro_batch_size,
         grad_accum_steps=lay.microbatches,
     )
@@ -300,7 +297,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     if spec.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(spec.trainer.seed)
-    apply_matmul_precision(spec.precision.name, spec.precision.tf32, rank.device.type)
+    apply_matmul_precision(plan.layout.precision, plan.layout.tf32, rank.device.type)
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
     health = start_health(spec, plan, bundle, rank.device.type)
     log_placement(plan, rank)
@@ -411,7 +408,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         world_size=rank.world_size,
         mesh=plan.mesh.to_dict(),
         flops_per_token=training_flops_per_token(spec.model, spec.trainer.seq_len),
-        peak_tflops_per_gpu=peak_tflops(spec.hardware, spec.precision.name) if rank.device.type == "cuda" else 0.0,
+        peak_tflops_per_gpu=peak_tflops(spec.hardware, plan.layout.precision) if rank.device.type == "cuda" else 0.0,
         track_memory=spec.trainer.track_memory,
         predicted_memory=plan.memory,
         device_type=rank.device.type,

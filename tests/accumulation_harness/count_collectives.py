@@ -68,7 +68,7 @@ def run(zero_stage: int, unsharded: bool, micro: int) -> dict:
     layout = resolve(job)
     assert layout.microbatches == micro and layout.accumulate_unsharded == unsharded, layout
     engine = NativeEngine(mcfg, OptimConfig(lr=1e-3, warmup_steps=1), layout, torch.device("cpu"),
-                          EngineOptions(total_steps=4, grad_clip=1.0, seed=7, compile=False, fp8=job.precision.fp8))
+                          EngineOptions(total_steps=4, grad_clip=1.0, seed=7, compile=False))
     rank = dist.get_rank()
     batches = lambda step: [(x, y) for x, y in _split(step, mcfg.vocab_size, rank, micro)]  # noqa: E731
     engine.train_step(batches(0))

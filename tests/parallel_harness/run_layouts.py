@@ -125,14 +125,13 @@ def run_layout(spec: dict) -> dict:
     steps = spec.get("steps", 3)
     t_build = time.time()
     optim = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1)
-    options = EngineOptions(total_steps=10, grad_clip=1.0, seed=7, compile=spec.get("compile", False),
-                            fp8=job.precision.fp8)
+    options = EngineOptions(total_steps=10, grad_clip=1.0, seed=7, compile=spec.get("compile", False))
     device = torch.device("cuda", torch.cuda.current_device()) if DEVICE.type == "cuda" else DEVICE
     engine = NativeEngine(mcfg, optim, layout, device, options)
-    dp = layout.dp
+    dp = layout.mesh.dp
     if dist.is_initialized():
         c = layout.mesh.coordinates(dist.get_rank())
-        dp_rank = c["dp_replicate"] * layout.dp_shard + c["dp_shard"]
+        dp_rank = c["dp_replicate"] * layout.mesh.dp_shard + c["dp_shard"]
     else:
         dp_rank = 0
     out = {"losses": [], "grad_norms": [], "aux": [], "lr": [], "build_seconds": time.time() - t_build,
@@ -184,12 +183,12 @@ def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
         torch.manual_seed(0)  # the same token batch on every rank (the runners draw it)
         # A real rank runs a real first step untracked; the rehearsal only sets the stages up
         # (rehearse.set_up_pipeline_stages): the test holds the two equal.
-        if layout.pp > 1:
+        if layout.mesh.pp > 1:
             step, warmup = _fake_pipeline_step_runner(engine, layout, vocab_size), 1
         else:  # at most 2 micro-batches, as rehearse_rank; the optimizer states exist already
             step, warmup = _fake_step_runner(engine, layout, vocab_size, max(1, min(layout.microbatches, 2))), 0
     on_enter = None
-    if layout.pp > 1:  # the stages' receive buffers counted from the step's start, as rehearse_rank does
+    if layout.mesh.pp > 1:  # the stages' receive buffers counted from the step's start, as rehearse_rank does
         from launcher.parallel.pp import schedule_stages
         from launcher.rehearse.rank import register_recv_buffers
 
