@@ -220,10 +220,12 @@ def _base_layout(spec) -> Layout:
     return Layout(**spec_fields(spec))
 
 
-def _accumulation_held_if_fits(spec, shape: ModelShape, lay: Layout, reserve: int, cap: int):
+def _accumulation_held(spec, shape: ModelShape, lay: Layout, reserve: int):
     """(layout, its most loaded memory) with parallel.accumulate_unsharded applied as the resolver
-    would: held unsharded where the layout allows it, for auto only when that fits the search's
-    capacity (with headroom; the resolver's auto compares with hardware.memory_gb itself)."""
+    applies it (resolve.resolve_accumulate_unsharded): held unsharded where the layout allows it,
+    for auto only when that fits hardware.memory_gb. Not the search's capacity with headroom: a
+    layout between the two would be searched unheld and run held. The caller then drops a layout
+    whose memory exceeds the capacity with headroom, as for any other."""
     from launcher.config.validate import accumulate_unsharded_value
     from launcher.plan.resolve import accumulate_unsharded_blocker
 
@@ -232,7 +234,7 @@ def _accumulation_held_if_fits(spec, shape: ModelShape, lay: Layout, reserve: in
     if want != "false" and not accumulate_unsharded_blocker(lay):
         held = dataclasses.replace(lay, accumulate_unsharded=True)
         mem = most_loaded(estimate_memory(shape, held, reserve, ranks=ranks))
-        if want == "true" or mem.total <= cap:
+        if want == "true" or mem.total <= capacity_bytes(spec.hardware):
             return held, mem
     return lay, most_loaded(estimate_memory(shape, lay, reserve, ranks=ranks))
 
@@ -315,7 +317,7 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
                 for ac in AC_MODES:
                     stats["layouts"] += 1
                     lay = dataclasses.replace(lay0, micro_batch_size=mbs, microbatches=m, ac_mode=ac)
-                    lay, mem = _accumulation_held_if_fits(spec, shape, lay, reserve, cap)
+                    lay, mem = _accumulation_held(spec, shape, lay, reserve)
                     if mem.total > cap:
                         continue
                     # Pass 2: the first AC mode that fits dominates the heavier-recompute ones.
