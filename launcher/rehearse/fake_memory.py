@@ -41,13 +41,16 @@ import functools
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator, List
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining import schedules
+
 
 @contextmanager
 def sharding_propagation_apart() -> Iterator[None]:
     """Run DTensor's shape propagation under a private FakeTensorMode while the block runs
     (the rank's own fake mode stays active for everything else)."""
     try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        # lazy: a private torch module, tried here so that where it moved this correction is skipped
         from torch.distributed.tensor._sharding_prop import ShardingPropagator
     except ImportError:  # pragma: no cover - torch without DTensor
         yield
@@ -92,11 +95,6 @@ class HeldWork:
 def p2p_works_hold_tensors() -> Iterator[None]:
     """While the block runs, the Works torch's pipeline schedules get from their P2P batches
     (``schedules._batch_p2p``, which ``_sorted_batch_p2p`` calls too) hold the ops' tensors."""
-    try:
-        from torch.distributed.pipelining import schedules
-    except ImportError:  # pragma: no cover
-        yield
-        return
     original = getattr(schedules, "_batch_p2p", None)
     if original is None:  # pragma: no cover - torch moved it: measure as before
         yield

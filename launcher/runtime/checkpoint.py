@@ -33,6 +33,7 @@ import os
 import random
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from launcher.engines.base import Engine
+from launcher.runtime.async_checkpoint import CheckpointGroup, storage_writer
 from launcher.runtime.checkpoint_folder import (
     STEP_DIR, TRAINER_STATE, CheckpointDirInUse, FolderLock, _fsync_dir, checksum_files, list_files,
     lock_checkpoint_dir, publish, read_manifest, recover_replaced, set_aside_newer, share_of, step_dir_name,
@@ -144,10 +146,6 @@ class CheckpointManager:
         self._finisher = None
         self._pending = None  # (step, Future) of the save in flight
         if async_save:
-            from concurrent.futures import ThreadPoolExecutor
-
-            from launcher.runtime.async_checkpoint import CheckpointGroup
-
             self._async_group = CheckpointGroup(async_timeout_s)  # collective: every rank builds a manager
             self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-finisher")
 
@@ -276,8 +274,6 @@ class CheckpointManager:
                 f"checkpoint.async=true: the {type(engine).__name__} cannot save asynchronously. "
                 f"Fix: checkpoint.async=false."
             )
-        from launcher.runtime.async_checkpoint import storage_writer
-
         self.wait()  # one save in flight at a time: the host buffers and the folder protocol are shared
         final, tmp = self._begin(step)
         group = self._async_group

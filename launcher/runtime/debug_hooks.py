@@ -19,6 +19,10 @@ import os
 import time
 from typing import Optional, Tuple
 
+import torch
+
+from launcher.job_env import job_facts
+
 log = logging.getLogger(__name__)
 
 
@@ -45,8 +49,6 @@ def _probe_hit(rank: int, how: str) -> bool:
                          f"Fix: e.g. LAUNCHER_DEBUG_PROBE=1:fail or LAUNCHER_DEBUG_PROBE=n2:slow.")
     if wanted != how:
         return False
-    from launcher.job_env import job_facts  # the node name only when a probe hook is set
-
     return who == str(rank) or who == job_facts().node_name
 
 
@@ -72,8 +74,6 @@ def before_step(rank: int, step: int) -> None:
     if _target("LAUNCHER_DEBUG_RAISE") == (rank, step):
         raise RuntimeError(f"LAUNCHER_DEBUG_RAISE: rank {rank} fails before step {step}")
     if _target("LAUNCHER_DEBUG_OOM") == (rank, step):
-        import torch
-
         raise torch.OutOfMemoryError(f"LAUNCHER_DEBUG_OOM: rank {rank} is out of memory before step {step}")
 
 
@@ -83,8 +83,6 @@ def install_slow_compute(modules, rank: int) -> None:
     target = _target("LAUNCHER_DEBUG_SLOW_COMPUTE")
     if target is None or target[0] != rank:
         return
-    import torch
-
     n = target[1]
     log.warning("LAUNCHER_DEBUG_SLOW_COMPUTE: rank %d does %d extra matmuls per forward", rank, n)
 

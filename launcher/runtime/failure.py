@@ -74,7 +74,7 @@ def _attempt() -> List[Any]:
 def classify(err: BaseException) -> str:
     """The `what` of a summary for an exception: oom, signal (a stop that could not save), a
     NodeBlamed's kind (health, straggler) or exception."""
-    import torch
+    import torch  # lazy: the host imports this module (launch/local.py reads the summary) and stays torch-free
 
     if isinstance(err, NodeBlamed):
         return err.kind

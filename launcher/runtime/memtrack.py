@@ -19,12 +19,19 @@ the tracked step is a steady-state step with every state already allocated.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.distributed._tools import mod_tracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from launcher.runtime.state_bytes import torch_optimizers
 
@@ -76,12 +83,10 @@ def _lean_memtracker_class():
     tests/test_plan_memtrack.py holds both trackers to the same snapshot. Private torch API:
     when its attributes are not as expected, torch's MemTracker is used unchanged. (The
     FSDPMemTracker of a single FSDP2 root keeps torch's dispatch.)"""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     try:
-        from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
-        from torch.distributed.tensor import DTensor
-        from torch.utils._pytree import tree_iter
+        # lazy: private torch names, tried here so that where one moved torch's own MemTracker is used
+        from torch.distributed._tools.mem_tracker import _ModState
+        from torch.utils._pytree import tree_iter  # lazy: as above
 
         wait_tensor = torch.ops._c10d_functional.wait_tensor.default
         probe = MemTracker()
@@ -133,13 +138,7 @@ def _lean_memtracker_class():
 
 def _make_tracker(modules: List[nn.Module], optimizers: List[torch.optim.Optimizer]):
     """FSDPMemTracker for one FSDP2 root, else MemTracker with its lean dispatch."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - older torch
-        FSDPModule = ()  # type: ignore[assignment]
-    if len(modules) == 1 and len(optimizers) <= 1 and FSDPModule and isinstance(modules[0], FSDPModule):
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
+    if len(modules) == 1 and len(optimizers) <= 1 and isinstance(modules[0], FSDPModule):
         return FSDPMemTracker(modules[0], optimizers[0] if optimizers else None)
     tracker = _lean_memtracker_class()()
     tracker.track_external(*modules, *optimizers)
@@ -150,8 +149,6 @@ def _make_tracker(modules: List[nn.Module], optimizers: List[torch.optim.Optimiz
 def _track_master_weights(tracker, modules: List[nn.Module], optimizers: List[torch.optim.Optimizer]) -> None:
     """DeepSpeed's inner optimizer steps fp32 master copies that are not module parameters:
     count them as optimizer memory (the planner's 12 bytes/param include them)."""
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
     own = {id(p) for m in modules for p in m.parameters()}
     for opt in optimizers:
         for group in opt.param_groups:
@@ -233,8 +230,6 @@ def _allow_repeated_root_forward(tracker, mods: List[nn.Module]):
     region (gradient accumulation and pipeline schedules run several). Their per-module
     statistics are not used here, only the peaks, so they are cleared before each root
     forward. A global pre-hook runs before the module's own hooks (FSDP's included)."""
-    from torch.nn.modules.module import register_module_forward_pre_hook
-
     del mods  # the outermost module called may be a wrapper (DeepSpeedEngine, replicate)
     parents = getattr(getattr(tracker, "_mod_tracker", None), "parents", None)
     if parents is None:
@@ -281,11 +276,6 @@ def _module_grad_hooks_skip_leaves(tracker) -> Iterator[None]:
     are all leaves is marked done when the backward ends, the way ModTracker already treats a
     module whose inputs need no gradient. Only ModTracker's module nesting moves; no tensor is
     counted differently (the per-module statistics are not used here)."""
-    try:
-        from torch.distributed._tools import mod_tracker
-    except ImportError:  # pragma: no cover
-        yield
-        return
     original = getattr(mod_tracker, "register_multi_grad_hook", None)
     at_backward_end = getattr(getattr(tracker, "_mod_tracker", None), "_post_bw_callbacks_to_enqueue", None)
     if original is None or at_backward_end is None:  # pragma: no cover - torch changed ModTracker
@@ -324,8 +314,6 @@ def _cyclic_gc_paused() -> Iterator[None]:
     for fake and real tensors and the upper bound over collection timings. The pause is
     process-wide (other threads' cyclic garbage waits too), so a tracked step may peak above an
     ordinary one by what such cycles hold (llama405b rank 0: 459 MB host RSS paused, 431 MB not)."""
-    import gc
-
     was_enabled = gc.isenabled()
     gc.collect()  # the warm-up steps' cyclic garbage is not the tracked step's
     gc.disable()

@@ -29,7 +29,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import torch
+import torch.distributed as dist
+
+from launcher.runtime import debug_hooks
 from launcher.runtime.failure import NodeBlamed
+from launcher.runtime.resilience import append_event
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +55,6 @@ CHECKED_ROWS = 8  # rows compared exactly with the float64 product (all of it wo
 def _operands(n: int):
     """Two fixed integer matrices (values -3..3 and -2..2): their product (entries under 2^24 up to
     n = 2^20) is exact in fp32 and with TF32 inputs."""
-    import torch  # the verdict above is torch-free and unit-tested without torch's import time
-
     i = torch.arange(n).unsqueeze(1)
     j = torch.arange(n).unsqueeze(0)
     return ((i * 7 + j * 3) % 7 - 3).double(), ((i * 5 + j * 11) % 5 - 2).double()
@@ -59,11 +62,6 @@ def _operands(n: int):
 
 def probe(device, rank: int) -> Dict[str, Any]:
     """This rank's numbers: compute_s, compute_ok, max_abs_error, allreduce_gbps (collective: every rank)."""
-    import torch
-    import torch.distributed as dist
-
-    from launcher.runtime import debug_hooks  # probe hooks (LAUNCHER_DEBUG_PROBE)
-
     kind = device.type
     n = MATMUL_N.get(kind, MATMUL_N["cpu"])
     a64, b64 = _operands(n)
@@ -92,10 +90,6 @@ def probe(device, rank: int) -> Dict[str, Any]:
 
 def _timed_matmuls(a, b, kind: str, rank: int, clock):
     """(best time of TIMINGS, the last product): MATMUL_REPEATS products of a and b per timing."""
-    import torch
-
-    from launcher.runtime import debug_hooks  # probe hooks (LAUNCHER_DEBUG_PROBE)
-
     best, out = float("inf"), None
     for _ in range(TIMINGS):
         if kind == "cuda":
@@ -111,9 +105,6 @@ def _timed_matmuls(a, b, kind: str, rank: int, clock):
 
 def _allreduce_gbps(device) -> float:
     """Bus bandwidth of an all-reduce over the world, GB/s (best of TIMINGS, after a warm-up)."""
-    import torch
-    import torch.distributed as dist
-
     n = dist.get_world_size()
     tensor = torch.ones(ALLREDUCE_BYTES.get(device.type, ALLREDUCE_BYTES["cpu"]) // 4, dtype=torch.float32, device=device)
     dist.all_reduce(tensor)  # warm-up: connections and buffers
@@ -180,10 +171,6 @@ def run_preflight(device, rank: int, world_size: int, host: str, factor: float, 
 
     Raises NodeBlamed (kind "health") on every rank when a rank is named; returns every rank's numbers otherwise.
     """
-    import torch.distributed as dist
-
-    from launcher.runtime.resilience import append_event  # torch-free module; imported where used to keep this one light
-
     started = time.perf_counter()
     mine = dict(probe(device, rank), host=host)
     if dist.is_initialized() and world_size > 1:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from launcher.plan.mesh import MeshPlan
 
@@ -47,8 +48,6 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         if not self.wants(step):
             return
-        from torch.profiler import ProfilerActivity, profile
-
         activities = [ProfilerActivity.CPU]
         if self.device_type == "cuda":
             activities.append(ProfilerActivity.CUDA)

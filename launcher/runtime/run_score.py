@@ -24,6 +24,9 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import torch
+import torch.distributed as dist
+
 RUN_SUMMARY_FILE = "run_summary.json"
 
 
@@ -123,9 +126,6 @@ class RunScore:
 
 def gather_peaks(device_type: str) -> List[Optional[int]]:
     """Every rank's peak reserved CUDA bytes (None per rank off CUDA), in rank order."""
-    import torch
-    import torch.distributed as dist
-
     mine = int(torch.cuda.max_memory_reserved()) if device_type == "cuda" else None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [mine]

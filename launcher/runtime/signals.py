@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from launcher.parallel.phase import phase_group
 from launcher.runtime.stop_control import STOP_FILE, StopSignals, control_dir
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ class StopWatcher(StopSignals):
         device is never synchronised for it (it ran every step); the price is that a request is
         acted on one check after the one where a rank first saw it (one step later).
         """
-        from launcher.parallel.phase import phase_group
-
         group = phase_group() if dist.is_initialized() else None
         if group is None:  # one process, or no phase group: agree now, on the default group
             flag = torch.tensor([1.0 if self.local_request() else 0.0], device=self.device)

@@ -26,7 +26,6 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from launcher.runtime.failure import SUMMARY_FILE, FailureBundle, host_name
@@ -73,6 +72,7 @@ def long_phase_bound(timeout_s: float) -> float:
 def flight_recorder_dump() -> Optional[Dict[str, Any]]:
     """This process's flight-recorder record as a dict, or None where there is none."""
     try:
+        # lazy: the host imports this module (launch/local.py) and stays torch-free
         from torch._C import _distributed_c10d as c10d
     except ImportError:
         return None
