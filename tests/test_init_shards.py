@@ -107,7 +107,9 @@ def test_each_rank_draws_its_own_shard_with_the_same_values(name, monkeypatch):
 
     monkeypatch.setattr(init_mod, "TILE", TILE, raising=False)
     # The RoPE table (recomputed whole by every init, whatever the layout) is not a parameter's cost.
-    monkeypatch.setattr("launcher.models.layers.model_rope_table", lambda cfg, device=None: torch.empty(0))
+    no_table = lambda cfg, device=None: torch.empty(0)  # noqa: E731
+    monkeypatch.setattr("launcher.models.layers.model_rope_table", no_table)
+    monkeypatch.setattr(init_mod, "model_rope_table", no_table)  # the name init.py imported
     model, overrides, mesh, extra = LAYOUTS[name]
     cfg = replace(model_cfg(model), **overrides)
     if dist.is_initialized():  # another test module left one
