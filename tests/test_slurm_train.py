@@ -21,6 +21,7 @@ import pytest
 
 from conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
 from slurm_cluster import JOB_NODES, JobInfo, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
+from tests.deepspeed_harness.common import deepspeed_env
 
 pytestmark = pytest.mark.slurm
 
@@ -153,29 +154,35 @@ def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, Train
     cluster.max_restarts=1) and its rank 1 is SIGKILLed after step 5; "restarted_zero2" is
     "restarted" with DeepSpeed ZeRO-2 owning the model states, killed the same way.
 
-    Both are submitted with a secret in the environment (HF_TOKEN, in cluster.secret_env).
+    All are submitted with a secret in the environment (HF_TOKEN, in cluster.secret_env).
     """
     base = tmp_path_factory.mktemp("slurm_train")
     dirs = {"reference": base / "reference" / "run", "preempted": base / "preempted" / "run",
             "restarted": base / "restarted" / "run", "restarted_zero2": base / "restarted_zero2" / "run"}
     restarted = [f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1", "cluster.max_restarts=1"]
-    previous = os.environ.get("HF_TOKEN")
-    os.environ["HF_TOKEN"] = SECRET
+    # The jobs inherit the environment (sbatch --export=ALL). The DeepSpeed ranks look for their
+    # JIT ops where the suite's background prebuild puts them (tests/conftest.py).
+    env = {"HF_TOKEN": SECRET, "TORCH_EXTENSIONS_DIR": deepspeed_env()["TORCH_EXTENSIONS_DIR"]}
+    previous = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     try:
         ids = {
             "reference": submit_train(dirs["reference"]),
             "preempted": submit_train(dirs["preempted"], f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1"),
             "restarted": submit_train(dirs["restarted"], *restarted),
-            # ZeRO-2 without offload needs DeepSpeed's shared-memory comm op only (built first by
-            # the suite's background prebuild; a rank that finds it building waits on its lock).
+            # ZeRO-2 without offload needs one DeepSpeed JIT op, the shared-memory comm op (no CPU
+            # Adam: the optimizer is torch's AdamW); the prebuild builds it first (about 95 s at
+            # nice 19 on 2 loaded cores, from scratch), and a rank that finds it building waits
+            # on its lock.
             "restarted_zero2": submit_train(dirs["restarted_zero2"], *restarted, "parallel.zero_stage=2",
                                             "backend=deepspeed"),
         }
     finally:
-        if previous is None:
-            os.environ.pop("HF_TOKEN")
-        else:
-            os.environ["HF_TOKEN"] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
     t0 = time.monotonic()
     signalled_at = {"preempted": signal_mid_run(slurm_cluster, ids["preempted"], dirs["preempted"])}
     killed = kill_ranks_mid_run(slurm_cluster, {name: (ids[name], dirs[name]) for name in ("restarted", "restarted_zero2")})
