@@ -1,21 +1,25 @@
-"""Downtime of a failure: in-job restart vs requeue-and-resume, on the dev SLURM cluster, in one run.
+"""Downtime and lost steps of a failure: in-job restart (with and without the node-local tier) vs requeue-and-resume, on the dev SLURM cluster, in one run.
 
     SLURM_CONF=... .venv/bin/python bench/restart_time.py [--steps 24] [--timeout 600]
 
-Submits two identical 2-node x 1-rank debug jobs at once (checkpoint every 4 steps, a metrics row
-every step; tests/test_slurm_train.py's settings and helpers):
+Submits three identical 2-node x 1-rank debug jobs at once (a shared checkpoint every 4 steps, a
+metrics row every step; tests/test_slurm_train.py's settings and helpers):
 
 - in-job: `cluster.max_restarts=1` (the batch script starts a new srun step in the allocation);
+- in-job+local: the same with the node-local tier, `checkpoint.local_dir=<out>/local
+  checkpoint.local_interval=1` (each rank saves every step on its node and to its peer's);
 - requeue: `cluster.max_restarts=0 cluster.requeue_on_failure=true` (the job goes back to the
   queue, SLURM starts it again, the ranks resume from the newest checkpoint).
 
-In each, global rank 1 is SIGKILLed once the step-4 checkpoint exists and step 5 is logged (the
-same moment as the SIGKILL test). The downtime is from the kill to the end of the first step the
-resumed ranks finish (the time rank 0 writes its metrics row); the steps lost are the last step
-logged before the kill minus the step the resumed ranks start from (rank 0's "resumed from" line).
-Both include the pre-flight health check (trainer.health_check=auto is on for 2 nodes). The last
-line is `restart time ratio R`, R = requeue downtime / in-job downtime. The dev cluster is shared
-and left as it is (never `up` with other --nodes, never `down`); both jobs run to their end.
+In each, global rank 1 is SIGKILLed once the step-4 shared checkpoint exists and step 7 is logged:
+three steps after the shared checkpoint, so the sides without the local tier lose 3 steps and the
+local tier at most the step whose local save the kill interrupted. The downtime is from the kill
+to the end of the first step the resumed ranks finish (the time rank 0 writes its metrics row);
+the steps lost are the last step logged before the kill minus the step the resumed ranks start
+from (rank 0's "resumed from" line). All include the pre-flight health check
+(trainer.health_check=auto is on for 2 nodes). The last lines are `restart time ratio R`,
+R = requeue downtime / in-job downtime, and the same for in-job+local. The dev cluster is shared
+and left as it is (never `up` with other --nodes, never `down`); the jobs run to their end.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ for path in (REPO, REPO / "tests"):  # run as a script from a checkout; the SLUR
 from slurm_cluster import JOB_NODES, SlurmCluster, _conf_path  # noqa: E402
 from test_slurm_train import job_logs, rank_pid, submit_train  # noqa: E402
 
-KILL_AFTER_STEP = 5  # as tests/test_slurm_train.py's kill_rank_mid_run: after the step-4 checkpoint
+# Three steps after the step-4 shared checkpoint (and before the step-8 one): the steps the shared
+# tier loses and the node-local tier (a save every step) keeps.
+KILL_AFTER_STEP = 7
 CHECKPOINT_STEP = 4
 
 
@@ -61,6 +67,15 @@ def _resumes(run_dir: Path) -> List[int]:
     """The steps rank 0 resumed from so far (its log's "resumed from ... at step N" lines)."""
     log = run_dir / "logs" / "rank_0.log"
     return [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log.read_text())] if log.exists() else []
+
+
+def _resumed_tier(run_dir: Path) -> str:
+    """Which tier rank 0's last resume used: "local" (the node-local tier's log line) or "shared"."""
+    log = run_dir / "logs" / "rank_0.log"
+    lines = re.findall(r"resumed from .*", log.read_text()) if log.exists() else []
+    if not lines:
+        return "none"
+    return "local" if "the node-local tier" in lines[-1] else "shared"
 
 
 def measure(cluster: SlurmCluster, jobs: Dict[str, str], dirs: Dict[str, Path], timeout: float) -> Dict[str, dict]:
@@ -112,28 +127,37 @@ def measure(cluster: SlurmCluster, jobs: Dict[str, str], dirs: Dict[str, Path], 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--timeout", type=float, default=600, help="seconds for both jobs to be killed and resume")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds for the jobs to be killed and resume")
     parser.add_argument("--out", type=Path, default=Path("/tmp/restart_time"))
     args = parser.parse_args(argv)
     os.environ["SLURM_CONF"] = _conf_path()
     cluster = SlurmCluster(os.environ["SLURM_CONF"])
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    dirs = {"in-job": args.out / stamp / "in_job" / "run", "requeue": args.out / stamp / "requeue" / "run"}
+    run = args.out / stamp
+    dirs = {"in-job": run / "in_job" / "run", "in-job+local": run / "in_job_local" / "run",
+            "requeue": run / "requeue" / "run"}
+    local_dir = run / "local"  # the dev cluster's nodes share this machine's /tmp
+    local_dir.mkdir(parents=True, exist_ok=True)
     common = [f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1", f"trainer.steps={args.steps}"]
     jobs = {"in-job": submit_train(dirs["in-job"], *common, "cluster.max_restarts=1"),
+            "in-job+local": submit_train(dirs["in-job+local"], *common, "cluster.max_restarts=1",
+                                         f"checkpoint.local_dir={local_dir}", "checkpoint.local_interval=1"),
             "requeue": submit_train(dirs["requeue"], *common, "cluster.max_restarts=0",
                                     "cluster.requeue_on_failure=true")}
-    print(f"submitted {jobs} (run dirs under {args.out / stamp})", flush=True)
+    print(f"submitted {jobs} (run dirs under {run})", flush=True)
     results = measure(cluster, jobs, dirs, args.timeout)
     for name, job_id in jobs.items():
         info = cluster.wait(job_id, timeout=args.timeout)
-        results[name].update(job_id=job_id, state=info.state, slurm_restarts=info.restarts)
-    print(f"{'side':<8} {'downtime':>9} {'last step':>9} {'resumed at':>10} {'lost':>5}  job")
+        results[name].update(job_id=job_id, state=info.state, slurm_restarts=info.restarts,
+                             tier=_resumed_tier(dirs[name]))
+    print(f"{'side':<13} {'downtime':>9} {'last step':>9} {'resumed at':>10} {'lost':>5}  {'tier':<6} job")
     for name, r in results.items():
-        print(f"{name:<8} {r['downtime_s']:>8.1f}s {r['last_step_before_kill']:>9} {r['resumed_from_step']:>10} "
-              f"{r['steps_lost']:>5}  {r['job_id']} {r['state']} (SLURM restarts {r['slurm_restarts']})")
+        print(f"{name:<13} {r['downtime_s']:>8.1f}s {r['last_step_before_kill']:>9} {r['resumed_from_step']:>10} "
+              f"{r['steps_lost']:>5}  {r['tier']:<6} {r['job_id']} {r['state']} (SLURM restarts {r['slurm_restarts']})")
     print(json.dumps({"date": stamp, "host": platform.node(), "cpus": os.cpu_count(), "results": results}))
-    print(f"restart time ratio {results['requeue']['downtime_s'] / max(results['in-job']['downtime_s'], 1e-9):.2f}")
+    for name in ("in-job", "in-job+local"):
+        ratio = results["requeue"]["downtime_s"] / max(results[name]["downtime_s"], 1e-9)
+        print(f"restart time ratio {ratio:.2f} (requeue / {name})")
     return 0
 
 

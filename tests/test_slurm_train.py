@@ -15,12 +15,13 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 
 from conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
 from slurm_cluster import JOB_NODES, JobInfo, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
+from tests.deepspeed_harness.common import deepspeed_env
 
 pytestmark = pytest.mark.slurm
 
@@ -83,6 +84,8 @@ class TrainJob:
     run_dir: Path
     info: JobInfo
     signalled_at: int = 0  # last logged step when USR1 was sent (0: not signalled)
+    losses_before_kill: Dict[int, float] = None  # the losses logged when a rank was SIGKILLed
+    checkpoint_at_kill: int = 0  # the newest checkpoint's step just after the kill
 
     @property
     def main_log(self) -> str:
@@ -119,54 +122,77 @@ def rank_pid(run_dir: Path, rank: int) -> int:
     return found[0]
 
 
-def kill_rank_mid_run(cluster: SlurmCluster, job_id: str, run_dir: Path) -> int:
-    """SIGKILL global rank 1 once the step-4 checkpoint exists and step 5 is logged; returns the
-    last logged step."""
+def kill_ranks_mid_run(cluster: SlurmCluster, runs: Dict[str, Tuple[str, Path]]) -> Dict[str, Tuple[Dict[int, float], int]]:
+    """SIGKILL global rank 1 of each run (name -> job id, run dir) as soon as its step-4
+    checkpoint exists and step 5 is logged (all watched at once, so that each is killed at the
+    same point); returns, by name, the losses logged by then (step -> loss; the resumed rank 0
+    rewrites metrics.jsonl from its checkpoint's step on) and the newest checkpoint's step (a
+    save is renamed to step_N when complete)."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not ((run_dir / "checkpoints" / "step_00000004").is_dir() and 5 in losses_by_step(run_dir)):
-        state = cluster.job(job_id).state
-        assert state in ("PENDING", "RUNNING"), f"job {job_id} {state} before its rank was killed\n{job_logs(run_dir, job_id)}"
-        assert time.monotonic() < deadline, f"job {job_id} reached no step 5 in {JOB_TIMEOUT_S} s"
+    killed = {}
+    while len(killed) < len(runs):
+        for name, (job_id, run_dir) in runs.items():
+            if name in killed:
+                continue
+            if (run_dir / "checkpoints" / "step_00000004").is_dir() and 5 in losses_by_step(run_dir):
+                os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
+                newest = max(int(p.name[len("step_"):]) for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
+                killed[name] = (losses_by_step(run_dir), newest)
+                continue
+            state = cluster.job(job_id).state
+            assert state in ("PENDING", "RUNNING"), f"job {job_id} {state} before its rank was killed\n{job_logs(run_dir, job_id)}"
+            assert time.monotonic() < deadline, f"job {job_id} reached no step 5 in {JOB_TIMEOUT_S} s"
         time.sleep(0.2)
-    os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
-    return max(losses_by_step(run_dir))
+    return killed
 
 
 @pytest.fixture(scope="module")
 def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, TrainJob]:
-    """Three debug runs of the same layout submitted together (they share the queue's idle time):
-    "reference" runs uninterrupted on one node (2 ranks); "preempted" runs on both nodes
-    (1 rank each) and gets USR1 after its third step; "restarted" runs on both nodes (1 rank
-    each, cluster.max_restarts=1) and its rank 1 is SIGKILLed after step 5.
+    """Four debug runs submitted together (they share the queue's idle time): "reference" runs
+    uninterrupted on one node (2 ranks); "preempted" runs on both nodes (1 rank each) and gets
+    USR1 after its third step; "restarted" runs on both nodes (1 rank each,
+    cluster.max_restarts=1) and its rank 1 is SIGKILLed after step 5; "restarted_zero2" is
+    "restarted" with DeepSpeed ZeRO-2 owning the model states, killed the same way.
 
-    Both are submitted with a secret in the environment (HF_TOKEN, in cluster.secret_env).
+    All are submitted with a secret in the environment (HF_TOKEN, in cluster.secret_env).
     """
     base = tmp_path_factory.mktemp("slurm_train")
     dirs = {"reference": base / "reference" / "run", "preempted": base / "preempted" / "run",
-            "restarted": base / "restarted" / "run"}
-    previous = os.environ.get("HF_TOKEN")
-    os.environ["HF_TOKEN"] = SECRET
+            "restarted": base / "restarted" / "run", "restarted_zero2": base / "restarted_zero2" / "run"}
+    restarted = [f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1", "cluster.max_restarts=1"]
+    # The jobs inherit the environment (sbatch --export=ALL). The DeepSpeed ranks look for their
+    # JIT ops where the suite's background prebuild puts them (tests/conftest.py).
+    env = {"HF_TOKEN": SECRET, "TORCH_EXTENSIONS_DIR": deepspeed_env()["TORCH_EXTENSIONS_DIR"]}
+    previous = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     try:
         ids = {
             "reference": submit_train(dirs["reference"]),
             "preempted": submit_train(dirs["preempted"], f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1"),
-            "restarted": submit_train(dirs["restarted"], f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1",
-                                      "cluster.max_restarts=1"),
+            "restarted": submit_train(dirs["restarted"], *restarted),
+            # ZeRO-2 without offload needs one DeepSpeed JIT op, the shared-memory comm op (no CPU
+            # Adam: the optimizer is torch's AdamW); the prebuild builds it first (about 95 s at
+            # nice 19 on 2 loaded cores, from scratch), and a rank that finds it building waits
+            # on its lock.
+            "restarted_zero2": submit_train(dirs["restarted_zero2"], *restarted, "parallel.zero_stage=2",
+                                            "backend=deepspeed"),
         }
     finally:
-        if previous is None:
-            os.environ.pop("HF_TOKEN")
-        else:
-            os.environ["HF_TOKEN"] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
     t0 = time.monotonic()
     signalled_at = {"preempted": signal_mid_run(slurm_cluster, ids["preempted"], dirs["preempted"])}
-    signalled_at["restarted"] = kill_rank_mid_run(slurm_cluster, ids["restarted"], dirs["restarted"])
+    killed = kill_ranks_mid_run(slurm_cluster, {name: (ids[name], dirs[name]) for name in ("restarted", "restarted_zero2")})
+    signalled_at.update({name: max(losses) for name, (losses, _) in killed.items()})
     jobs = {}
     for name in dirs:
-        # The restarted job's end is its test's to judge: a failure there fails that test only.
-        info = (slurm_cluster.wait(ids[name], timeout=JOB_TIMEOUT_S) if name == "restarted"
+        # A restarted job's end is its test's to judge: a failure there fails that test only.
+        info = (slurm_cluster.wait(ids[name], timeout=JOB_TIMEOUT_S) if name in killed
                 else wait_done(slurm_cluster, ids[name], dirs[name]))
-        jobs[name] = TrainJob(ids[name], dirs[name], info, signalled_at.get(name, 0))
+        jobs[name] = TrainJob(ids[name], dirs[name], info, signalled_at.get(name, 0), *killed.get(name, (None, 0)))
         print(f"{name} job {ids[name]}: done after {time.monotonic() - t0:.1f} s, restarts={info.restarts}")
     return jobs
 
@@ -231,26 +257,57 @@ def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(train_jobs:
     assert max(diffs.values()) == 0.0, f"losses differ after resume from step {stopped['step']}: {diffs}"
 
 
-def test_a_killed_rank_restarts_in_the_allocation_without_a_requeue_and_resumes_exactly(train_jobs: Dict[str, TrainJob]):
-    """cluster.max_restarts=1 on 2 nodes: rank 1 SIGKILLed after step 5 -> the batch script starts a
-    new srun step in the same allocation (SLURM never requeues), the ranks resume from the newest
-    checkpoint, and the losses equal the uninterrupted reference's."""
-    job, ref = train_jobs["restarted"], train_jobs["reference"]
+def _assert_restarted_in_the_allocation_from_the_newest_checkpoint(job: TrainJob) -> int:
+    """The killed job restarted once in its allocation (no requeue), resumed from the newest
+    checkpoint before the kill, logged every step once and counted the restart; returns the
+    step it resumed from."""
     log = job.main_log
     assert job.info.state == "COMPLETED" and job.info.rc == 0, f"{job.info}\n{job_logs(job.run_dir, job.job_id)}"
     assert job.signalled_at < STEPS - 4, f"training reached step {job.signalled_at} of {STEPS} before the kill: raise STEPS"
     assert job.info.restarts == 0 and "requeueing job" not in log, log
     assert "restarting them (restart 1 of 1)" in log and "in-job restart 1 of 1: a new srun step" in log, log
-    events = [json.loads(line) for line in (job.run_dir / "resilience.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (job.run_dir / "resilience.jsonl").read_text().splitlines()]
+    # The pre-flight health check (on for 2 nodes) records a passing event at each start.
+    health = [e for e in records if e["event"] == "health"]
+    assert [(e["restart"], e["ok"]) for e in health] == [(0, True), (1, True)], health
+    events = [e for e in records if e["event"] != "health"]
     assert [(e["event"], e.get("action")) for e in events] == [("failure", "restart"), ("resumed", None)], events
     resumed = events[1]
-    assert 4 <= resumed["step"] <= job.signalled_at and resumed["restart"] == 1, events
+    assert job.checkpoint_at_kill <= resumed["step"] <= job.signalled_at and resumed["restart"] == 1, (
+        f"resumed from step {resumed['step']}; the newest checkpoint at the kill was step "
+        f"{job.checkpoint_at_kill}, the last logged step {job.signalled_at}: {events}")
     records = read_metrics(job.run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     after = [r for r in records if "resilience/restarts" in r]
     assert len(after) == 1 and after[0]["step"] == resumed["step"] + 1, after
     assert after[0]["resilience/restarts"] == 1 and 0 < after[0]["resilience/downtime_s"] < JOB_TIMEOUT_S, after
+    return resumed["step"]
+
+
+def test_a_killed_rank_restarts_in_the_allocation_without_a_requeue_and_resumes_exactly(train_jobs: Dict[str, TrainJob]):
+    """cluster.max_restarts=1 on 2 nodes: rank 1 SIGKILLed after step 5 -> the batch script starts a
+    new srun step in the same allocation (SLURM never requeues), the ranks resume from the newest
+    checkpoint, and the losses equal the uninterrupted reference's."""
+    job, ref = train_jobs["restarted"], train_jobs["reference"]
+    _assert_restarted_in_the_allocation_from_the_newest_checkpoint(job)
     assert losses_by_step(job.run_dir) == losses_by_step(ref.run_dir)
+
+
+def test_a_killed_rank_under_deepspeed_zero2_restarts_in_the_allocation_and_redoes_its_steps_exactly(
+        train_jobs: Dict[str, TrainJob]):
+    """The same kill with DeepSpeed ZeRO-2 owning the model states: restart in the allocation,
+    resume from the newest checkpoint; the steps trained twice (after the checkpoint, before the
+    kill) log the same losses the second time. (The native reference shards with FSDP, so its
+    losses are not DeepSpeed's to the last bit: the run is compared with itself.)"""
+    job = train_jobs["restarted_zero2"]
+    rank0 = (job.run_dir / "logs" / "rank_0.log").read_text()
+    assert "DeepSpeed engine ready: ZeRO-2" in rank0, f"the job did not run on DeepSpeed ZeRO-2:\n{rank0[-3000:]}"
+    start = _assert_restarted_in_the_allocation_from_the_newest_checkpoint(job)
+    before, after = job.losses_before_kill, losses_by_step(job.run_dir)
+    redone = [s for s in sorted(before) if s > start]
+    assert redone, f"no step between the checkpoint at {start} and the kill at {job.signalled_at} was logged"
+    assert {s: after[s] for s in redone} == {s: before[s] for s in redone}
+    assert sorted(after) == list(range(1, STEPS + 1))
 
 
 def test_crashing_rank_fails_the_job_with_its_error_in_the_main_log(slurm_cluster: SlurmCluster, tmp_path):
