@@ -18,7 +18,7 @@ import pytest
 
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
-from launcher.plan.layout import Layout
+from launcher.plan.layout import RankBatchPlan, Layout
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import estimate_memory
 from launcher.plan.params import model_shape, stage_params
@@ -83,7 +83,7 @@ def _spec(*overrides: str):
 @pytest.mark.parametrize("value,expected", [("true", True), ("false", False), ("auto", True)])
 def test_the_key_resolves_into_the_layout(value, expected):
     lay = resolve(_spec(f"parallel.accumulate_unsharded={value}"))
-    assert lay.microbatches == 4 and lay.accumulate_unsharded is expected
+    assert lay.batch.microbatches == 4 and lay.accumulate_unsharded is expected
     assert lay.fsdp_holds_unsharded is expected
 
 
@@ -130,7 +130,7 @@ def test_the_field_round_trips_through_plan_json(tmp_path):
 # ----------------------------------------------------------------------------- planned
 
 
-BASE = Layout(mesh=MeshPlan(dp_shard=8), microbatches=8, precision="bf16", gpus_per_node=8, zero_stage=3)
+BASE = Layout(mesh=MeshPlan(dp_shard=8), batch=RankBatchPlan(microbatches=8), precision="bf16", gpus_per_node=8, zero_stage=3)
 
 
 def _fsdp_comm(lay: Layout) -> dict:
@@ -147,7 +147,7 @@ def _fsdp_comm(lay: Layout) -> dict:
 def test_comm_is_counted_once_per_step_when_held(zero_stage):
     sharded = dataclasses.replace(BASE, zero_stage=zero_stage)
     held = dataclasses.replace(sharded, accumulate_unsharded=True)
-    one_mb = dataclasses.replace(sharded, microbatches=1)
+    one_mb = dataclasses.replace(sharded, batch=dataclasses.replace(sharded.batch, microbatches=1))
     # Held: what a single micro-batch costs, whatever the accumulation; else once per micro-batch.
     assert _fsdp_comm(held)["reduce_scatter"] == pytest.approx(_fsdp_comm(one_mb)["reduce_scatter"])
     assert _fsdp_comm(sharded)["reduce_scatter"] == pytest.approx(8 * _fsdp_comm(one_mb)["reduce_scatter"])

@@ -13,7 +13,7 @@ import pytest
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
 from launcher.plan import rules
-from launcher.plan.layout import Layout
+from launcher.plan.layout import FLAT_RECORDS, Layout
 from launcher.plan.plan import Plan, build_plan
 from launcher.plan.resolve import check, derive_mesh, resolve, validate
 
@@ -27,7 +27,7 @@ def test_dp_shard_is_inferred_once_and_everything_lands_in_the_layout():
     lay = resolve(spec)
     assert (lay.nodes, lay.gpus_per_node, lay.mesh.world_size) == (4, 8, 32)
     assert (lay.mesh.pp, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp) == (4, 1, 1, 1, 8)
-    assert lay.microbatches == 64 and lay.pp_microbatches == 64 and lay.global_batch_size == 64
+    assert lay.batch.microbatches == 64 and lay.pp_microbatches == 64 and lay.global_batch_size == 64
     assert (lay.schedule, lay.vpp) == ("interleaved_1f1b", 2)
     assert lay.sharding_backend == "native" and lay.fsdp_wraps is False  # one data-parallel rank
     assert lay.backends["pp"].impl.startswith("torch.distributed.pipelining")
@@ -41,7 +41,7 @@ def test_the_issue_example_plans_the_micro_batches_it_runs():
                          "trainer.micro_batch_size=4", "trainer.global_batch_size=16", "action=plan"])
     plan = build_plan(spec, check(spec))
     lay = plan.layout
-    accumulation = lay.global_batch_size // (lay.micro_batch_size * lay.mesh.dp)
+    accumulation = lay.global_batch_size // (lay.batch.micro_batch_size * lay.mesh.dp)
     assert lay.pp_microbatches == accumulation == plan.pipeline["microbatches"]
     # What the planner reports is what the schedule runs: (pp - 1) / m for gpipe.
     assert plan.pipeline["bubble_fraction"] == pytest.approx((lay.mesh.pp - 1) / lay.pp_microbatches)
@@ -149,6 +149,25 @@ def test_the_degrees_and_their_sizes_live_in_one_record():
     assert len(products) == 2, products  # world_size and dp, once each
 
 
+def test_each_sub_record_field_is_declared_only_in_its_record():
+    """Layout's sub-records (FLAT_RECORDS: mesh, batch, deepspeed, ...) are the only home of their
+    fields: Layout and the other plan records (plan/layout.py, plan/mesh.py) declare none of them,
+    Layout holds each record under its name, typed by its class, and plan.json's flat keys (the
+    records written in place) name one field each."""
+    decls = {}  # class -> field names it declares
+    for path in (REPO / "launcher/plan/layout.py", REPO / "launcher/plan/mesh.py"):
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            decls[cls.name] = {st.target.id: ast.unparse(st.annotation) for st in cls.body
+                               if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)}
+    for name, record in FLAT_RECORDS.items():
+        assert decls["Layout"].get(name) == record.__name__, (name, decls["Layout"].get(name))
+        for f in dataclasses.fields(record):
+            owners = [cls for cls, names in decls.items() if f.name in names]
+            assert owners == [record.__name__], f"{f.name} declared by {owners}, expected only {record.__name__}"
+    flat = [k for k in Layout().to_dict() if k != "derived"]
+    assert len(flat) == len(set(flat)) and Layout.from_dict(Layout().to_dict()) == Layout()
+
+
 RANK_SIDE = ("runtime", "engines", "parallel", "rehearse")
 # The config groups a rank must not read: their decisions are in plan.json's layout.
 LAYOUT_OWNED_GROUPS = {"precision", "offload", "activation_checkpointing"}
@@ -241,6 +260,6 @@ def test_every_recipe_resolves_to_a_consistent_layout(recipe):
     lay = plan.layout
     assert lay.mesh.world_size == spec.cluster.nodes * spec.cluster.gpus_per_node
     assert lay.global_batch_size == spec.trainer.global_batch_size
-    assert lay.pp_microbatches == lay.microbatches == plan.pipeline["microbatches"]
+    assert lay.pp_microbatches == lay.batch.microbatches == plan.pipeline["microbatches"]
     assert lay.fsdp_wraps == (lay.sharding_backend == "native" and (lay.mesh.dp * lay.mesh.cp > 1 or lay.offload_to_cpu))
     assert Plan.from_dict(json.loads(plan.to_json())).layout == lay

@@ -190,7 +190,7 @@ Transformer.forward = lambda self, *a, **k: calls.append(1) or forward(self, *a,
 spec = compose_spec(["+recipe=debug", "trainer.global_batch_size=8", "trainer.micro_batch_size=2"])
 plan = build_plan(spec, None)
 report = rehearse_rank(spec.model, spec.optim, plan.layout, engine_options(spec, Path(sys.argv[1])), 1)
-print(json.dumps({"forwards": len(calls), "microbatches": plan.layout.microbatches, "memory": report["memory"]}))
+print(json.dumps({"forwards": len(calls), "microbatches": plan.layout.batch.microbatches, "memory": report["memory"]}))
 """
 
 

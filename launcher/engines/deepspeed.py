@@ -351,7 +351,7 @@ class DeepSpeedEngine:
         lay = layout
         self.dp = data_parallel_size(lay)
         self.pp = lay.mesh.pp
-        self.gas = lay.microbatches
+        self.gas = lay.batch.microbatches
         self.config = build_deepspeed_config(lay, grad_clip=options.grad_clip, seed=options.seed)
         self.config_path = None
         if dist.get_rank() == 0 and options.work_dir is not None:
@@ -538,7 +538,7 @@ class DeepSpeedEngine:
         if len(microbatches) != self.gas:
             raise ValueError(
                 f"got {len(microbatches)} micro-batches but the DeepSpeed config has gradient_accumulation_steps="
-                f"{self.gas} (global {self.layout.global_batch_size} = micro {self.layout.micro_batch_size}"
+                f"{self.gas} (global {self.layout.global_batch_size} = micro {self.layout.batch.micro_batch_size}"
                 f" x {self.gas} x dp {self.dp}); pass exactly that many"
             )
         microbatches = as_microbatches(microbatches)

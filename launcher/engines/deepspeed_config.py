@@ -43,7 +43,7 @@ def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int) -> Di
     """
     lay = layout
     dp = data_parallel_size(lay)
-    micro, accum = lay.micro_batch_size, lay.microbatches
+    micro, accum = lay.batch.micro_batch_size, lay.batch.microbatches
     total = micro * accum * dp
     bf16 = lay.precision == "bf16"
     zero = int(lay.zero_stage)

@@ -130,7 +130,7 @@ def stage_io_meta(stage: int, n_stages: int, layout: Layout, model_cfg) -> Tuple
     stage's output (logits) is never sent; torch only counts it. Float tensors require grad:
     torch derives from that which gradients a stage receives and sends back.
     """
-    rows, seq = layout.micro_batch_size, layout.seq_len
+    rows, seq = layout.batch.micro_batch_size, layout.batch.seq_len
     tp = layout.mesh.tp
     local_seq = seq // tp if (tp > 1 and layout.sp) else seq
     hidden = (rows, local_seq, model_cfg.dim)

@@ -54,7 +54,7 @@ def fill_from_layout(plan, spec, shape: ModelShape, lay: Layout) -> None:
     stages = estimate_memory(shape, lay, reserved_bytes(hw))
     plan.memory = memory_summary(stages, hw)
 
-    flops_per_token = training_flops_per_token(spec.model, lay.seq_len)
+    flops_per_token = training_flops_per_token(spec.model, lay.batch.seq_len)
     t = estimate_time(shape, lay, hw, flops_per_token, lay.tokens_per_step)
     comm = t.pop("comm")
     plan.comm = {
@@ -96,8 +96,8 @@ def warnings_for(plan, spec, lay: Layout) -> List[str]:
             fixes.append("activation_checkpointing=full")
         if lay.zero_stage != 3:
             fixes.append("parallel.zero_stage=3")
-        if lay.micro_batch_size > 1:
-            fixes.append(f"trainer.micro_batch_size={lay.micro_batch_size // 2}")
+        if lay.batch.micro_batch_size > 1:
+            fixes.append(f"trainer.micro_batch_size={lay.batch.micro_batch_size // 2}")
         if lay.accumulate_unsharded:
             fixes.append("parallel.accumulate_unsharded=false (accumulate sharded gradients)")
         fixes.append("a larger parallel.tp / parallel.pp, or more nodes")

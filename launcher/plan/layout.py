@@ -13,7 +13,8 @@ JobConfig for each: it builds cheap candidates with ``dataclasses.replace`` on a
 so every field has a default and the derived values are properties of the fields.
 
 Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/mesh.py's MeshPlan, their
-only home), the DeepSpeed knobs `Layout.deepspeed`; plan.json writes both flat. OVERRIDE_FIELDS is
+only home), the per-rank batch `Layout.batch` (RankBatchPlan), the DeepSpeed knobs
+`Layout.deepspeed`; plan.json writes them flat. OVERRIDE_FIELDS is
 the one map between a layout and the `train` overrides that select it.
 
 Pure Python, no torch.
@@ -54,7 +55,7 @@ OVERRIDE_FIELDS: Tuple[Tuple[str, str], ...] = (
     ("parallel.ep", "mesh.ep"),
     ("parallel.zero_stage", "zero_stage"),
     ("activation_checkpointing.mode", "ac_mode"),
-    ("trainer.micro_batch_size", "micro_batch_size"),
+    ("trainer.micro_batch_size", "batch.micro_batch_size"),
 )
 # The node count: an override of its own only where the search varies it (plan.search_nodes).
 NODES_OVERRIDE: Tuple[str, str] = ("cluster.nodes", "nodes")
@@ -73,8 +74,20 @@ class DeepSpeedPlan:
     hpz_partition_size: int = 1  # DeepSpeed zero_hpz_partition_size (HSDP maps to hpZ groups of dp_shard)
 
 
+@dataclass(frozen=True)
+class RankBatchPlan:
+    """The batch one data-parallel rank runs per optimizer step. `microbatches` is the gradient
+    accumulation: micro-batches per step on each data-parallel rank; the pipeline runs exactly
+    these micro-batches (Layout.pp_microbatches). The global sizes are Layout properties: they
+    need the mesh's dp, and a record that held a copy of dp would be a second source of it."""
+
+    micro_batch_size: int = 1
+    microbatches: int = 1
+    seq_len: int = 2048
+
+
 # Sub-records plan.json writes flat, in the sub-record's place (its keys predate the records).
-FLAT_RECORDS = {"mesh": MeshPlan, "deepspeed": DeepSpeedPlan}
+FLAT_RECORDS = {"mesh": MeshPlan, "batch": RankBatchPlan, "deepspeed": DeepSpeedPlan}
 
 
 @dataclass(frozen=True)
@@ -89,11 +102,8 @@ class Layout:
     vpp: int = 1  # model chunks per pipeline rank
     schedule: Schedule = "1f1b"
     pp_layers: Tuple[int, ...] = ()
-    # Batch. `microbatches` is the gradient accumulation: micro-batches per optimizer step on
-    # each data-parallel rank. The pipeline runs exactly these micro-batches (see pp_microbatches).
-    micro_batch_size: int = 1
-    microbatches: int = 1
-    seq_len: int = 2048
+    # The per-rank batch (RankBatchPlan); its global sizes are the properties below (they need the mesh).
+    batch: RankBatchPlan = field(default_factory=RankBatchPlan)
     # Memory knobs.
     zero_stage: int = 3
     ac_mode: AcMode = "none"
@@ -140,17 +150,17 @@ class Layout:
     # ------------------------------------------------------------------ derived, one formula each
     @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.microbatches * self.mesh.dp
+        return self.batch.micro_batch_size * self.batch.microbatches * self.mesh.dp
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.seq_len
+        return self.global_batch_size * self.batch.seq_len
 
     @property
     def pp_microbatches(self) -> int:
         """Pipeline micro-batches per step: THE rule (docs/parallelism.md) is that the schedule runs
         the gradient-accumulation micro-batches, each of trainer.micro_batch_size sequences."""
-        return self.microbatches
+        return self.batch.microbatches
 
     @property
     def uses_deepspeed(self) -> bool:

@@ -140,7 +140,7 @@ def model_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelSha
         out[cat] = int(b)
     fsdp_accumulates_shards = (lay.sharding_backend == "native" and lay.zero_stage >= 1
                                and lay.fsdp_degree > 1 and not lay.fsdp_holds_unsharded)
-    if lay.microbatches > 1 and out["grads"] and not fsdp_accumulates_shards:
+    if lay.batch.microbatches > 1 and out["grads"] and not fsdp_accumulates_shards:
         # Accumulating into existing gradients briefly holds a fresh gradient next to the old
         # one: one tensor (the largest) at a time, as measured with torch's MemTracker.
         # (FSDP2 adds its reduce-scatter output into the shard: counted with its buffers.)
@@ -275,7 +275,7 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
     (as "op" but every second matmul output recomputed: MoE blocks are refused by the validator).
     """
     a, h, t = lay.act_bytes, shape.dim, lay.mesh.tp
-    tokens = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
+    tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
     sp_div = t if lay.sp else 1
     if mode == "full":
         return tokens * a * h / sp_div
@@ -355,7 +355,7 @@ def document_mask_bytes(lay: Layout) -> float:
     scores). "flex" (CUDA): the BlockMask's int32 tables, [micro_batch, 1, s/128] block counts and
     [micro_batch, 1, s/128, s/128] indices, for the partial and full blocks, forward and backward
     (4 of each). Context parallelism with masking is refused, so the sequence is whole."""
-    b, s = lay.micro_batch_size, lay.seq_len
+    b, s = lay.batch.micro_batch_size, lay.batch.seq_len
     if lay.document_mask == "sdpa":
         return float(b * s * s * lay.act_bytes)
     if lay.document_mask == "flex":
@@ -384,7 +384,7 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
     (p-1)/(p v)) times 1F1B's p, Narayanan et al. 2021), more when it does not (torch's rounds);
     zbv (V-shape, 2 chunks) balances to about p on every rank.
     """
-    p, m, v = lay.mesh.pp, lay.microbatches, lay.vpp
+    p, m, v = lay.mesh.pp, lay.batch.microbatches, lay.vpp
     if p == 1:
         return 1.0
     if lay.schedule == "gpipe":
@@ -422,7 +422,7 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     redo = "op" if lay.compile else "none"
     worst_layer = max((layer_activation_bytes(shape, lay, moe, redo) for moe, _ in kinds), default=0.0)
     inflight = inflight_microbatches(lay, stage.rank)
-    tokens = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
+    tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
     a, t = lay.act_bytes, lay.mesh.tp
     # The document mask is built once per micro-batch and stage and saved by every layer's attention
     # (the same tensor): one per micro-batch in flight.
@@ -514,7 +514,7 @@ def grads_freed_at_loss(lay: Layout) -> bool:
     step ends with zero_grad(set_to_none=True); FSDP2 allocates sharded gradients as it
     reduce-scatters them), one micro-batch per step and no pipeline (a later micro-batch's loss
     runs beside the earlier ones' gradients). DeepSpeed keeps its gradient buffers."""
-    return lay.sharding_backend == "native" and lay.microbatches == 1 and lay.mesh.pp == 1
+    return lay.sharding_backend == "native" and lay.batch.microbatches == 1 and lay.mesh.pp == 1
 
 
 def most_loaded(stages: List[StageMemory]) -> StageMemory:

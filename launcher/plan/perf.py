@@ -122,7 +122,7 @@ WIDTH_KNEE = 512
 
 def gemm_efficiency(shape: ModelShape, lay: Layout) -> float:
     """Fraction of `achievable_fraction` this layout's per-GPU matmuls reach (1.0 for large ones)."""
-    rows = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
+    rows = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
     width = (shape.moe_ffn_dim if shape.n_experts else shape.ffn_dim) / lay.mesh.tp
     return rows / (rows + TOKEN_KNEE) * width / (width + WIDTH_KNEE)
 
@@ -174,7 +174,7 @@ def matmul_peak(hw: Any, precision: str) -> float:
 
 def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> float:
     """Forward + backward of one micro-batch on one GPU of a pipeline rank."""
-    tokens = lay.micro_batch_size * lay.seq_len
+    tokens = lay.batch.micro_batch_size * lay.batch.seq_len
     block, head = stage_matmul_params(shape, st)
     rf = recompute_fraction(lay)
     # Recomputing a forward costs a third of forward+backward.
@@ -196,9 +196,9 @@ def attention_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> flo
     """Attention-score matmul seconds of one micro-batch on one GPU: the 12 L h s FLOPs (plus a
     recomputed forward) at the bf16 (TF32 under fp32) rate, split over tp x cp; under context
     parallelism the ring's hops run at RING_HOP_EFFICIENCY (launcher/plan/ring.py)."""
-    tokens = lay.micro_batch_size * lay.seq_len
+    tokens = lay.batch.micro_batch_size * lay.batch.seq_len
     rf = recompute_fraction(lay)
-    attn_flops = attention_flops_per_token(st.n_layers, attention_width(shape), lay.seq_len) * (1 + rf / 3) * tokens
+    attn_flops = attention_flops_per_token(st.n_layers, attention_width(shape), lay.batch.seq_len) * (1 + rf / 3) * tokens
     peak = matmul_peak(hw, "fp32" if lay.precision == "fp32" else "bf16") * hw.achievable_fraction
     return attn_flops / (peak * gemm_efficiency(shape, lay)) / (lay.mesh.tp * lay.mesh.cp) * hop_time_factor(lay)
 
@@ -214,7 +214,7 @@ def document_mask_s(st: StageParams, lay: Layout, hw: Any) -> float:
     not modelled."""
     if lay.document_mask != "sdpa":
         return 0.0
-    mask = lay.micro_batch_size * lay.seq_len ** 2
+    mask = lay.batch.micro_batch_size * lay.batch.seq_len ** 2
     built = mask * (2 + lay.act_bytes)
     reads = mask * lay.act_bytes * st.n_layers * (2 + recompute_fraction(lay))
     return (built + reads) / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
@@ -246,8 +246,8 @@ def bubble_fraction(lay: Layout) -> float:
 def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> List[Collective]:
     """Per-step communication of one GPU on pipeline rank `st` (the busiest one)."""
     out: List[Collective] = []
-    m, a = lay.microbatches, lay.act_bytes
-    tokens = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
+    m, a = lay.batch.microbatches, lay.act_bytes
+    tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
     shared = st.shared / lay.mesh.tp
     routed = st.routed / (lay.mesh.tp * lay.mesh.ep)
     wb = 4.0 if lay.precision == "fp32" else (1.0 if lay.precision == "fp8" and lay.fp8_all_gather else 2.0)
@@ -307,7 +307,7 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     if lay.mesh.cp > 1:
         # Ring attention (launcher/plan/ring.py): K/V, repeated to every query head, all-gathered in
         # forward, again when recomputed, and in backward; the fp32 dK/dV cross cp links per backward.
-        kv = lay.micro_batch_size * lay.seq_len * kv_bytes_per_token(shape, lay)
+        kv = lay.batch.micro_batch_size * lay.batch.seq_len * kv_bytes_per_token(shape, lay)
         out.append(_coll("CP K/V ring", "all_gather", ("cp",), lay.mesh.cp, lay, hw, kv, n_layers * m * (2 + rf)))
         dkv = kv / lay.mesh.cp * 4.0 / a
         out.append(_coll("CP dK/dV ring", "p2p", ("cp",), lay.mesh.cp, lay, hw, dkv, n_layers * m * lay.mesh.cp))
@@ -350,7 +350,7 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
     slowest_i = max(range(len(stages)), key=lambda i: t_mb[i])
     st = stages[slowest_i]
     slowest = st.rank
-    m = lay.microbatches
+    m = lay.batch.microbatches
     slots = bubble_slots(lay)
     compute_s = t_mb[slowest_i] * m
     bubble_s = t_mb[slowest_i] * slots
@@ -399,7 +399,7 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
     for c in comm:
         if c.name.startswith("grad all-reduce"):
             # DDP buckets overlap the last micro-batch's backward (2/3 of its compute).
-            c.exposed_s = max(0.0, c.time_s - compute_s / max(1, lay.microbatches) * 2 / 3) + c.time_s / units
+            c.exposed_s = max(0.0, c.time_s - compute_s / max(1, lay.batch.microbatches) * 2 / 3) + c.time_s / units
         elif c.name.startswith(("TP", "EP", "router bias")):
             c.exposed_s = c.time_s
         elif c.name.startswith("CP K/V"):
@@ -410,7 +410,7 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
             # of them (a rank waits for it before the layer's backward ends): 1/cp of them exposed.
             c.exposed_s = c.time_s / lay.mesh.cp + max(0.0, c.time_s * (lay.mesh.cp - 1) / lay.mesh.cp - attn_s / 2)
         elif c.name.startswith("PP"):
-            per_send = c.time_s / max(1, 2 * lay.microbatches * lay.vpp)
+            per_send = c.time_s / max(1, 2 * lay.batch.microbatches * lay.vpp)
             c.exposed_s = 2 * (lay.mesh.pp - 1) * per_send
 
 

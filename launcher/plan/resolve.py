@@ -27,7 +27,7 @@ from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, Pro
 from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
 from launcher.plan.features import FEATURES, BackendChoice
-from launcher.plan.layout import DeepSpeedPlan, Layout
+from launcher.plan.layout import RankBatchPlan, DeepSpeedPlan, Layout
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.rules import backend_conflicts, hpz_partition_size
 
@@ -171,7 +171,7 @@ def profile_rank_problems(profile: ProfileConfig, world: int) -> List[str]:
 
 def accumulate_unsharded_blocker(lay: Layout) -> str:
     """Why FSDP2 cannot hold the step unsharded in this layout ("" when it can)."""
-    if lay.microbatches < 2:
+    if lay.batch.microbatches < 2:
         return "one micro-batch per step: nothing to accumulate"
     if lay.uses_deepspeed:
         return "DeepSpeed owns the sharding and accumulates gradients its own way"
@@ -234,12 +234,12 @@ def backend_fields(choices: Dict[str, BackendChoice], offload_optimizer: str, pp
 
 def spec_fields(spec: JobConfig) -> Dict[str, Any]:
     """The Layout fields read straight from the spec, the same for every layout of it
-    (precision, offload, DeepSpeed buckets and ZeRO++ keys, cluster size); shared with the search."""
+    (precision, offload, DeepSpeed buckets and ZeRO++ keys, cluster size, seq_len); shared with the search."""
     pr, b, o = spec.precision, spec.backend, spec.offload
     return dict(
         nodes=spec.cluster.nodes,
         gpus_per_node=spec.cluster.gpus_per_node,
-        seq_len=spec.trainer.seq_len,
+        batch=RankBatchPlan(seq_len=spec.trainer.seq_len),
         ac_selective=str(spec.activation_checkpointing.selective),
         precision=pr.name,
         reduce_dtype=pr.reduce_dtype,
@@ -281,6 +281,7 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
     # hpZ groups follow the mesh (HSDP maps to groups of dp_shard), so they are set here, not in spec_fields.
     fixed["deepspeed"] = replace(fixed["deepspeed"], hpz_partition_size=hpz_partition_size(
         int(spec.backend.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard))
+    fixed["batch"] = replace(fixed["batch"], micro_batch_size=spec.trainer.micro_batch_size, microbatches=max(1, accum))
     return Layout(
         **fixed,
         mesh=mesh,
@@ -288,8 +289,6 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         vpp=max(1, int(p.pp_virtual_stages)) if mesh.pp > 1 else 1,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers),
-        micro_batch_size=spec.trainer.micro_batch_size,
-        microbatches=max(1, accum),
         zero_stage=int(p.zero_stage),
         ac_mode=spec.activation_checkpointing.mode,
         choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),

@@ -96,7 +96,7 @@ class Candidate:
             "mesh": self.layout.mesh.to_dict(),
             "zero_stage": self.layout.zero_stage,
             "activation_checkpointing": self.layout.ac_mode,
-            "micro_batch_size": self.layout.micro_batch_size,
+            "micro_batch_size": self.layout.batch.micro_batch_size,
             "pp_schedule": self.layout.schedule,
             "pp_virtual_stages": self.layout.vpp,
             "memory": dict(self.memory),
@@ -314,7 +314,8 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
                     continue  # the schedule needs at least pp micro-batches to fill the pipeline
                 for ac in AC_MODES:
                     stats["layouts"] += 1
-                    lay = dataclasses.replace(lay0, micro_batch_size=mbs, microbatches=m, ac_mode=ac)
+                    batch = dataclasses.replace(lay0.batch, micro_batch_size=mbs, microbatches=m)
+                    lay = dataclasses.replace(lay0, batch=batch, ac_mode=ac)
                     lay, mem = _accumulation_held_if_fits(spec, shape, lay, reserve, cap)
                     if mem.total > cap:
                         continue
@@ -373,7 +374,7 @@ def _dedupe(cands: List[Candidate]) -> List[Candidate]:
     out = []
     for c in cands:
         lay = c.layout
-        key = (lay.nodes, lay.mesh, lay.schedule, lay.vpp, lay.micro_batch_size, lay.ac_mode, round(c.step_s, 6),
+        key = (lay.nodes, lay.mesh, lay.schedule, lay.vpp, lay.batch.micro_batch_size, lay.ac_mode, round(c.step_s, 6),
                c.memory["total"])
         if key in seen:
             continue

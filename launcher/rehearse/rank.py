@@ -107,7 +107,7 @@ def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
     engine's own autocast and loss-parallel contexts, its loss, then the optimizer step."""
 
 
-    shape = (layout.micro_batch_size, layout.seq_len)
+    shape = (layout.batch.micro_batch_size, layout.batch.seq_len)
     model = engine.parts[0]
     # The model's device: the CPU under the rehearsal's fake tensors, the GPU when a benchmark
     # runs this same step for real (bench/rehearse_gpu.py).
@@ -120,7 +120,7 @@ def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
             with engine._loss_parallel():
                 with engine._autocast():
                     logits = model(inputs)
-                loss = token_loss_sum(logits, labels) / float(layout.micro_batch_size * layout.seq_len)
+                loss = token_loss_sum(logits, labels) / float(layout.batch.micro_batch_size * layout.batch.seq_len)
                 loss.backward()
         for opt in engine.optimizers:
             opt.step()
@@ -209,7 +209,7 @@ def per_microbatch_bytes(engine, layout, stages, n_run: int) -> Dict[str, int]:
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     act = nbytes(acts) // n_run
     if engine.has_first:
-        act += layout.micro_batch_size * layout.seq_len * 8  # int64 token ids
+        act += layout.batch.micro_batch_size * layout.batch.seq_len * 8  # int64 token ids
     return {"activations": act, "other": nbytes(grads) // n_run}
 
 
@@ -221,13 +221,13 @@ def _fake_pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n
     schedule = schedule if schedule is not None else engine.pp_schedule
     n_microbatches = n_microbatches or engine.pp_microbatches
     _vote_static_shapes(schedule)
-    rows = layout.micro_batch_size * n_microbatches
-    shape = (rows, layout.seq_len)
+    rows = layout.batch.micro_batch_size * n_microbatches
+    shape = (rows, layout.batch.seq_len)
     inputs = torch.randint(0, vocab_size, shape)
     labels = torch.randint(0, vocab_size, shape)
 
     def step():
-        engine._token_norm = float(rows * layout.seq_len)
+        engine._token_norm = float(rows * layout.batch.seq_len)
         kwargs = {"target": labels, "losses": []} if engine.has_last else {}
         args = (inputs,) if engine.has_first else ()
         with engine._loss_parallel(), engine._autocast():
@@ -271,8 +271,8 @@ def set_up_pipeline_stages(engine, layout, schedule, n_microbatches: int) -> Non
 
 
     _vote_static_shapes(schedule)  # the set-up runs the vote; on a fake group it must not send
-    rows = layout.micro_batch_size * n_microbatches
-    tokens = torch.zeros((rows, layout.seq_len), dtype=torch.long)
+    rows = layout.batch.micro_batch_size * n_microbatches
+    tokens = torch.zeros((rows, layout.batch.seq_len), dtype=torch.long)
     args_split, kwargs_split = schedule._split_inputs((tokens,) if engine.has_first else (), {})
     target = next(iter(_split_tensor(tokens, _TARGET_CHUNK_SPEC, n_microbatches))) if engine.has_last else None
     for st in schedule_stages(schedule):
@@ -517,9 +517,9 @@ def _measure_fake_step(engine, layout, model_cfg, notes: List[str], fake_microba
     note = balance_moe_routing(engine.model_parts)
     if note:
         notes.append(note)
-    n_micro = max(1, min(layout.microbatches, fake_microbatches))
-    if n_micro < layout.microbatches and layout.mesh.pp == 1:
-        notes.append(f"fake steps run {n_micro} of the {layout.microbatches} micro-batches per step "
+    n_micro = max(1, min(layout.batch.microbatches, fake_microbatches))
+    if n_micro < layout.batch.microbatches and layout.mesh.pp == 1:
+        notes.append(f"fake steps run {n_micro} of the {layout.batch.microbatches} micro-batches per step "
                      f"(the peak is reached by the second: gradients exist from then on)")
     if layout.mesh.pp > 1:
         # The smallest micro-batch count that passes through the same memory states.

@@ -146,8 +146,8 @@ def step_batches_from(spec: JobConfig, plan: Plan, rank: int, run_dir: Path, val
     part = BatchSlice(
         dp_rank=data_parallel_rank(plan, rank),
         dp_size=lay.mesh.dp,
-        micro_batch_size=lay.micro_batch_size,
-        grad_accum_steps=lay.microbatches,
+        micro_batch_size=lay.batch.micro_batch_size,
+        grad_accum_steps=lay.batch.microbatches,
     )
     return data_step_batches(spec.data, seq_len=spec.trainer.seq_len, seed=spec.trainer.seed,
                              global_batch_size=lay.global_batch_size, part=part,
