@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from launcher.models.grouped_mm import expert_swiglu, grouped_mm_problem
 from launcher.models.moe import MoE
 from launcher.plan.mesh import MeshPlan
-from launcher.plan.layout import RankBatchPlan
+from launcher.plan.layout import MemoryPlan, RankBatchPlan
 
 aten = torch.ops.aten
 # Ops whose result size or value the host must read from the device (a sync on CUDA).
@@ -331,7 +331,7 @@ def test_plan_counts_tp_replicated_experts_in_unsharded_copies():
         gpus_per_node=8,
         mesh=MeshPlan(pp=2, dp_shard=2, tp=2),
         batch=RankBatchPlan(micro_batch_size=1, seq_len=4096),
-        zero_stage=3,
+        memory=MemoryPlan(zero_stage=3),
         precision="bf16",
     )
     assert lay.fsdp_holds_unsharded  # the pipeline keeps units unsharded across micro-batches

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.plan.layout import RankBatchPlan, Layout
+from launcher.plan.layout import Layout, MemoryPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import (
     estimate_memory,
@@ -77,7 +77,7 @@ def test_fsdp2_keeps_fp32_shards_and_replicates_over_dp_replicate():
 def test_tp_and_ep_divide_before_zero():
     st = StageParams(rank=0, layers=(), shared=8_000_000, routed=64_000_000, largest_unit=0,
                      has_embedding=False, has_output=False, n_moe_layers=0)
-    s = model_state_memory(st, Layout(mesh=MeshPlan(tp=2, ep=8, dp_shard=16), zero_stage=3))
+    s = model_state_memory(st, Layout(mesh=MeshPlan(tp=2, ep=8, dp_shard=16), memory=MemoryPlan(zero_stage=3)))
     # shared: /tp /16 ranks; routed experts: TP leaves them whole (launcher/parallel/tp.py), /ep,
     # then sharded over the 16/8 = 2 remaining ranks (what action=rehearse measured for Mixtral).
     assert s["params"] == pytest.approx(4 * (8e6 / 2 / 16 + 64e6 / 8 / 2))
@@ -142,14 +142,14 @@ def test_inflight_microbatches_per_schedule():
 
 
 def test_first_stage_is_most_loaded_under_1f1b_and_memory_grows_with_mbs():
-    lay = Layout(mesh=MeshPlan(pp=4, dp_shard=8, tp=2), sp=True, batch=RankBatchPlan(microbatches=8, seq_len=4096), zero_stage=3)
+    lay = Layout(mesh=MeshPlan(pp=4, dp_shard=8, tp=2), sp=True, batch=RankBatchPlan(microbatches=8, seq_len=4096), memory=MemoryPlan(zero_stage=3))
     stages = estimate_memory(SHAPE, lay)
     assert len(stages) == 4
     assert max(stages, key=lambda s: s.total).rank == 0
     assert stages[0].activations > stages[3].activations
     bigger = estimate_memory(SHAPE, dataclasses.replace(lay, batch=dataclasses.replace(lay.batch, micro_batch_size=2)))
     assert bigger[0].activations == pytest.approx(2 * stages[0].activations, rel=1e-6)
-    full = estimate_memory(SHAPE, dataclasses.replace(lay, ac_mode="full"))
+    full = estimate_memory(SHAPE, dataclasses.replace(lay, memory=dataclasses.replace(lay.memory, ac_mode="full")))
     assert full[0].activations < stages[0].activations / 5
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.plan.layout import RankBatchPlan, Layout
+from launcher.plan.layout import Layout, MemoryPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.params import model_shape, stage_params
 from launcher.plan.perf import bubble_fraction, estimate_comm, estimate_time, placement, ring_factor
@@ -48,15 +48,15 @@ def test_zero3_moves_1_5x_the_bytes_of_ddp():
     st = stage_params(SHAPE, 1)[0]
     # Same dtype for gathers and reductions so the ratio is the textbook one.
     base = Layout(mesh=MeshPlan(dp_shard=8), batch=RankBatchPlan(microbatches=1), reduce_dtype="bf16", precision="bf16", gpus_per_node=8)
-    ddp = sum(c.bytes_per_step for c in estimate_comm(SHAPE, dataclasses.replace(base, zero_stage=0), HW, st))
-    z3 = sum(c.bytes_per_step for c in estimate_comm(SHAPE, dataclasses.replace(base, zero_stage=3), HW, st))
+    ddp = sum(c.bytes_per_step for c in estimate_comm(SHAPE, dataclasses.replace(base, memory=dataclasses.replace(base.memory, zero_stage=0)), HW, st))
+    z3 = sum(c.bytes_per_step for c in estimate_comm(SHAPE, dataclasses.replace(base, memory=dataclasses.replace(base.memory, zero_stage=3)), HW, st))
     assert ddp == pytest.approx(2 * 7 / 8 * st.shared * 2)  # ring all-reduce of bf16 grads
     assert z3 / ddp == pytest.approx(1.5)
 
 
 def test_tp_volume_by_hand():
     st = stage_params(SHAPE, 1)[0]
-    lay = Layout(mesh=MeshPlan(tp=4), sp=True, batch=RankBatchPlan(microbatches=2, seq_len=2048, micro_batch_size=1), zero_stage=0)
+    lay = Layout(mesh=MeshPlan(tp=4), sp=True, batch=RankBatchPlan(microbatches=2, seq_len=2048, micro_batch_size=1), memory=MemoryPlan(zero_stage=0))
     comm = {c.name: c for c in estimate_comm(SHAPE, lay, HW, st)}
     # Per block per micro-batch: 2 all-gathers forward + 2 backward of s*b*h*2 bytes, (t-1)/t each.
     expected = 32 * 2 * 4 * 2048 * 4096 * 2 * 3 / 4
@@ -92,7 +92,7 @@ def test_step_time_and_mfu_are_consistent():
     assert t["mfu"] == pytest.approx(t["tokens_per_s_per_gpu"] * flops_tok / 989e12)
     assert 0 < t["mfu"] < HW.achievable_fraction  # can never beat the assumed achievable fraction
     # Full recomputation adds a forward: slower.
-    slow = estimate_time(SHAPE, dataclasses.replace(lay, ac_mode="full"), HW, flops_tok, tokens)
+    slow = estimate_time(SHAPE, dataclasses.replace(lay, memory=dataclasses.replace(lay.memory, ac_mode="full")), HW, flops_tok, tokens)
     assert slow["compute_s"] == pytest.approx(t["compute_s"] * 4 / 3, rel=0.02)
 
 
@@ -168,7 +168,7 @@ def test_deepseek_v3_router_bias_update_is_in_the_step():
         batch=RankBatchPlan(microbatches=32, seq_len=4096),
         gpus_per_node=8,
         nodes=256,
-        zero_stage=2,
+        memory=MemoryPlan(zero_stage=2),
     )
     st = stage_params(ds, 16, 2, "interleaved_1f1b")[0]
     comm = {c.name: c for c in estimate_comm(ds, lay, HW, st)}

@@ -13,7 +13,7 @@ import pytest
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
 from launcher.plan import rules
-from launcher.plan.layout import FLAT_RECORDS, Layout
+from launcher.plan.layout import FLAT_RECORDS, PLAN_KEY_ORDER, Layout
 from launcher.plan.plan import Plan, build_plan
 from launcher.plan.resolve import check, derive_mesh, resolve, validate
 
@@ -152,8 +152,8 @@ def test_the_degrees_and_their_sizes_live_in_one_record():
 def test_each_sub_record_field_is_declared_only_in_its_record():
     """Layout's sub-records (FLAT_RECORDS: mesh, batch, deepspeed, ...) are the only home of their
     fields: Layout and the other plan records (plan/layout.py, plan/mesh.py) declare none of them,
-    Layout holds each record under its name, typed by its class, and plan.json's flat keys (the
-    records written in place) name one field each."""
+    Layout holds each record under its name, typed by its class, and plan.json's flat keys name one
+    field each and keep their names and order (PLAN_KEY_ORDER: the keys before the records)."""
     decls = {}  # class -> field names it declares
     for path in (REPO / "launcher/plan/layout.py", REPO / "launcher/plan/mesh.py"):
         for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
@@ -166,6 +166,7 @@ def test_each_sub_record_field_is_declared_only_in_its_record():
             assert owners == [record.__name__], f"{f.name} declared by {owners}, expected only {record.__name__}"
     flat = [k for k in Layout().to_dict() if k != "derived"]
     assert len(flat) == len(set(flat)) and Layout.from_dict(Layout().to_dict()) == Layout()
+    assert flat[:len(PLAN_KEY_ORDER)] == list(PLAN_KEY_ORDER), flat
 
 
 RANK_SIDE = ("runtime", "engines", "parallel", "rehearse")

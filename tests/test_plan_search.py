@@ -9,7 +9,7 @@ import pytest
 
 from launcher.config.loader import compose_spec
 from launcher.config.schema import get_dotted
-from launcher.plan.layout import RankBatchPlan, Layout, OVERRIDE_FIELDS
+from launcher.plan.layout import Layout, MemoryPlan, OVERRIDE_FIELDS, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.resolve import validate
 from launcher.plan.plan import build_plan
@@ -189,8 +189,7 @@ def test_the_override_map_writes_every_layout_key_into_the_spec():
         sp=True,
         vpp=2,
         schedule="zbv",
-        zero_stage=1,
-        ac_mode="full",
+        memory=MemoryPlan(zero_stage=1, ac_mode="full"),
         batch=RankBatchPlan(micro_batch_size=5),
         nodes=7,
     )

@@ -150,17 +150,17 @@ class NativeEngine:
             apply_expert_parallel(part, ep_mesh)
         if m.cp > 1:
             use_expanded_kv(part)
-        if lay.ac_mode != "none":
-            apply_activation_checkpointing(part, lay.ac_mode, lay.ac_selective)
+        if lay.memory.ac_mode != "none":
+            apply_activation_checkpointing(part, lay.memory.ac_mode, lay.memory.ac_selective)
         if opts.compile:
             apply_compile(part)
         # FSDP also wraps a single data-parallel rank when offloading: it is what moves the
         # parameters, gradients and optimizer states to the CPU (Layout.fsdp_wraps).
         if self.fsdp:
             dp_mesh = submesh(w, "hsdp" if m.dp_replicate > 1 else "dp_shard_cp")
-            apply_fsdp(part, dp_mesh, zero_stage=lay.zero_stage,
+            apply_fsdp(part, dp_mesh, zero_stage=lay.memory.zero_stage,
                        mp_policy=mixed_precision_policy(lay.precision, lay.reduce_dtype),
-                       cpu_offload=lay.offload_to_cpu, pin_memory=lay.offload_pin_memory,
+                       cpu_offload=lay.offload_to_cpu, pin_memory=lay.memory.offload_pin_memory,
                        expert_dp_mesh=expert_dp_mesh)
 
     def built(self) -> Dict[str, Any]:
@@ -275,10 +275,10 @@ class NativeEngine:
 
     def _unsharded_accumulation(self):
         """The per-micro-batch FSDP2 sync switches when the Layout holds the step unsharded."""
-        if not (self.layout.accumulate_unsharded and self.fsdp and self.pp_schedule is None):
+        if not (self.layout.memory.accumulate_unsharded and self.fsdp and self.pp_schedule is None):
             return None
         if self._accumulation is None:
-            self._accumulation = UnshardedAccumulation(self.parts, self.layout.zero_stage)
+            self._accumulation = UnshardedAccumulation(self.parts, self.layout.memory.zero_stage)
         return self._accumulation
 
     def train_step(self, microbatches: List[Microbatch]) -> StepStats:

@@ -13,8 +13,9 @@ JobConfig for each: it builds cheap candidates with ``dataclasses.replace`` on a
 so every field has a default and the derived values are properties of the fields.
 
 Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/mesh.py's MeshPlan, their
-only home), the per-rank batch `Layout.batch` (RankBatchPlan), the DeepSpeed knobs
-`Layout.deepspeed`; plan.json writes them flat. OVERRIDE_FIELDS is
+only home), the per-rank batch `Layout.batch` (RankBatchPlan), the ZeRO stage, activation checkpointing
+and offload `Layout.memory` (MemoryPlan), the DeepSpeed knobs `Layout.deepspeed`; plan.json
+writes them flat (PLAN_KEY_ORDER). OVERRIDE_FIELDS is
 the one map between a layout and the `train` overrides that select it.
 
 Pure Python, no torch.
@@ -53,8 +54,8 @@ OVERRIDE_FIELDS: Tuple[Tuple[str, str], ...] = (
     ("parallel.pp_virtual_stages", "vpp"),
     ("parallel.cp", "mesh.cp"),
     ("parallel.ep", "mesh.ep"),
-    ("parallel.zero_stage", "zero_stage"),
-    ("activation_checkpointing.mode", "ac_mode"),
+    ("parallel.zero_stage", "memory.zero_stage"),
+    ("activation_checkpointing.mode", "memory.ac_mode"),
     ("trainer.micro_batch_size", "batch.micro_batch_size"),
 )
 # The node count: an override of its own only where the search varies it (plan.search_nodes).
@@ -86,8 +87,38 @@ class RankBatchPlan:
     seq_len: int = 2048
 
 
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The memory knobs of a layout: ZeRO stage, activation checkpointing and offload, read by the
+    estimators, the engines and the DeepSpeed config generator."""
+
+    zero_stage: int = 3
+    ac_mode: AcMode = "none"
+    ac_selective: str = "op"  # op | N (every N-th block fully)
+    offload_optimizer: OffloadTarget = "none"
+    offload_params: OffloadTarget = "none"
+    # offload.nvme_path and offload.pin_memory: DeepSpeed's offload section, FSDP2's CPUOffloadPolicy.
+    offload_nvme_path: str = ""
+    offload_pin_memory: bool = False
+    # Native FSDP2 without pipelining, more than one micro-batch: parameters and gradients stay
+    # unsharded from the first micro-batch to the last backward of the step, so FSDP all-gathers
+    # and reduce-scatters once per step (parallel.accumulate_unsharded, resolved in resolve.py).
+    accumulate_unsharded: bool = False
+
+
 # Sub-records plan.json writes flat, in the sub-record's place (its keys predate the records).
-FLAT_RECORDS = {"mesh": MeshPlan, "batch": RankBatchPlan, "deepspeed": DeepSpeedPlan}
+FLAT_RECORDS = {"mesh": MeshPlan, "batch": RankBatchPlan, "memory": MemoryPlan, "deepspeed": DeepSpeedPlan}
+# plan.json's layout keys in their order (as written before the records; MemoryPlan's fields were
+# spread over the flat Layout). to_dict writes these first, any newer key after them.
+PLAN_KEY_ORDER: Tuple[str, ...] = (
+    "nodes", "gpus_per_node", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "sp", "vpp", "schedule",
+    "pp_layers", "micro_batch_size", "microbatches", "seq_len", "zero_stage", "ac_mode", "ac_selective",
+    "precision", "reduce_dtype", "fp8_all_gather", "offload_optimizer", "offload_params", "sharding_backend",
+    "offload_backend", "pp_backend", "ac_backend", "fp8_impl", "reduce_bucket_size", "allgather_bucket_size",
+    "zeropp_quantized_weights", "zeropp_quantized_gradients", "zeropp_hierarchical_partition",
+    "hpz_partition_size", "accumulate_unsharded", "choices", "compile", "fp8_recipe", "document_mask", "tf32",
+    "fp8_emulate", "fp8_min_features", "fp8_exclude", "offload_nvme_path", "offload_pin_memory",
+)
 
 
 @dataclass(frozen=True)
@@ -104,15 +135,11 @@ class Layout:
     pp_layers: Tuple[int, ...] = ()
     # The per-rank batch (RankBatchPlan); its global sizes are the properties below (they need the mesh).
     batch: RankBatchPlan = field(default_factory=RankBatchPlan)
-    # Memory knobs.
-    zero_stage: int = 3
-    ac_mode: AcMode = "none"
-    ac_selective: str = "op"  # op | N (every N-th block fully)
+    # The memory knobs: ZeRO stage, activation checkpointing, offload (MemoryPlan).
+    memory: MemoryPlan = field(default_factory=MemoryPlan)
     precision: Precision = "bf16"
     reduce_dtype: ReduceDtype = "fp32"
     fp8_all_gather: bool = True
-    offload_optimizer: OffloadTarget = "none"
-    offload_params: OffloadTarget = "none"
     # Who implements what (the resolver's decision).
     sharding_backend: BackendName = "native"  # native (FSDP2) | deepspeed (ZeRO); owns the model states
     offload_backend: BackendName = "native"  # native (FSDP2 CPUOffloadPolicy) | deepspeed (ZeRO-Offload)
@@ -120,10 +147,6 @@ class Layout:
     ac_backend: BackendName = "native"  # torch checkpoint | deepspeed.checkpointing
     fp8_impl: Fp8Impl = "off"
     deepspeed: DeepSpeedPlan = field(default_factory=DeepSpeedPlan)
-    # Native FSDP2 without pipelining, more than one micro-batch: parameters and gradients stay
-    # unsharded from the first micro-batch to the last backward of the step, so FSDP all-gathers
-    # and reduce-scatters once per step (parallel.accumulate_unsharded, resolved in resolve.py).
-    accumulate_unsharded: bool = False
     # The per-feature record (feature, choice) in launcher.plan.features.FEATURES order.
     choices: Tuple[Tuple[str, BackendChoice], ...] = ()
     # Speed-only knobs the planner costs (launcher/plan/perf.py): trainer.compile fuses each block's
@@ -138,14 +161,11 @@ class Layout:
     # What the rank needs besides the above to build its precision, fp8 and offload (so the rank
     # reads them here, not from the config): precision.tf32 (fp32 matmuls on TF32 tensor cores),
     # precision.fp8.emulate / min_features / exclude (which Linear layers torchao converts and
-    # whether it may emulate), offload.nvme_path and offload.pin_memory (DeepSpeed's offload
-    # section, FSDP2's CPUOffloadPolicy).
+    # whether it may emulate); the offload's nvme_path and pin_memory are in MemoryPlan.
     tf32: bool = True
     fp8_emulate: bool = False
     fp8_min_features: int = 16
     fp8_exclude: Tuple[str, ...] = ("output", "router")
-    offload_nvme_path: str = ""
-    offload_pin_memory: bool = False
 
     # ------------------------------------------------------------------ derived, one formula each
     @property
@@ -168,7 +188,7 @@ class Layout:
 
     @property
     def offload_to_cpu(self) -> bool:
-        return "cpu" in (self.offload_optimizer, self.offload_params)
+        return "cpu" in (self.memory.offload_optimizer, self.memory.offload_params)
 
     @property
     def fsdp_wraps(self) -> bool:
@@ -183,9 +203,9 @@ class Layout:
         """Whether FSDP2 keeps every unit unsharded, gradients unreduced, across the step's
         micro-batches: under torch's pipeline schedules (they do it themselves) or with
         accumulate_unsharded. Then it all-gathers and reduce-scatters once per step."""
-        if self.sharding_backend != "native" or not self.zero_stage:
+        if self.sharding_backend != "native" or not self.memory.zero_stage:
             return False
-        return self.mesh.pp > 1 or self.accumulate_unsharded
+        return self.mesh.pp > 1 or self.memory.accumulate_unsharded
 
     @property
     def act_bytes(self) -> int:
@@ -199,7 +219,7 @@ class Layout:
         Native FSDP2 shards over dp_shard * cp and replicates over dp_replicate (HSDP);
         DeepSpeed partitions over every data-parallel rank (its ZeRO group is the whole DP group).
         """
-        if self.zero_stage == 0:
+        if self.memory.zero_stage == 0:
             return 1
         n = self.mesh.dp_shard * self.mesh.cp
         if self.sharding_backend == "deepspeed":
@@ -209,7 +229,7 @@ class Layout:
     @property
     def expert_fsdp_degree(self) -> int:
         """Expert weights are split over ep first; the remaining sharding ranks shard each expert."""
-        return max(1, self.fsdp_degree // self.mesh.ep) if self.zero_stage else 1
+        return max(1, self.fsdp_degree // self.mesh.ep) if self.memory.zero_stage else 1
 
     def fp8_config(self) -> Fp8Config:
         """The torchao conversion options (launcher/parallel/fp8.py) this layout resolved."""
@@ -234,14 +254,16 @@ class Layout:
     def to_dict(self) -> Dict[str, Any]:
         """plan.json's ``layout``: the fields plus the derived values the runtime checks against.
 
-        The FLAT_RECORDS (mesh degrees, DeepSpeed knobs) are written flat, in the record's place
+        The FLAT_RECORDS (mesh, batch, memory, DeepSpeed knobs) are written flat, in PLAN_KEY_ORDER
         (plan.json's keys predate the records)."""
-        d: Dict[str, Any] = {}
+        flat: Dict[str, Any] = {}
         for f in fields(self):
             if f.name in FLAT_RECORDS:
-                d.update(asdict(getattr(self, f.name)))
+                flat.update(asdict(getattr(self, f.name)))
             else:
-                d[f.name] = getattr(self, f.name)
+                flat[f.name] = getattr(self, f.name)
+        d = {k: flat.pop(k) for k in PLAN_KEY_ORDER if k in flat}
+        d.update(flat)
         d["pp_layers"] = list(self.pp_layers)
         d["fp8_exclude"] = list(self.fp8_exclude)
         d["choices"] = {name: asdict(c) for name, c in self.choices}

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence
 
-from launcher.plan.layout import Layout
+from launcher.plan.layout import Layout, MemoryPlan
 from launcher.plan.params import ModelShape, StageParams, stage_params
 
 GiB = 1024**3
@@ -74,19 +74,19 @@ def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
     """Bytes per parameter kept for the whole step: {params, grads, optimizer}, before sharding."""
     if lay.sharding_backend == "deepspeed":
         if lay.precision != "fp32":
-            if lay.zero_stage == 1 and lay.offload_optimizer == "none":
+            if lay.memory.zero_stage == 1 and lay.memory.offload_optimizer == "none":
                 # launcher/engines/deepspeed_config.py accumulates gradients in fp32 at ZeRO-1, which makes
                 # DeepSpeed use its BF16_Optimizer: an unsharded fp32 gradient buffer (4 B/param)
                 # beside the bf16 gradients, i.e. 8 + 12/N bytes per parameter instead of 4 + 12/N.
                 return {"params": 2.0, "grads": 6.0, "optimizer": 12.0}
-            if lay.zero_stage >= 2 and lay.offload_optimizer == "none":
+            if lay.memory.zero_stage >= 2 and lay.memory.offload_optimizer == "none":
                 # At the optimizer step DeepSpeed copies the bf16 gradient partition into an fp32 one
                 # (single_grad_partition, 4 B) for the fp32 master step and then frees the bf16 one:
                 # the gradients' peak is 4 B per partitioned parameter. ZeRO-3: 2 + 4 + 12 = 18 B/param,
                 # as DeepSpeed's estimate_zero3_model_states_mem_needs counts.
                 return {"params": 2.0, "grads": 4.0, "optimizer": 12.0}
             return {"params": 2.0, "grads": 2.0, "optimizer": 12.0}  # bf16 p/g + fp32 master, m, v
-        if lay.zero_stage >= 1:
+        if lay.memory.zero_stage >= 1:
             # ZeRO's optimizer steps a flat fp32 copy of its partition even in fp32 training.
             return {"params": 4.0, "grads": 4.0, "optimizer": 12.0}
     return {"params": 4.0, "grads": 4.0, "optimizer": 8.0}  # fp32 p/g (FSDP2 master), m, v
@@ -96,17 +96,17 @@ def _sharded(lay: Layout) -> tuple:
     """Which states ZeRO divides by the shard degree. FSDP2 shards all three at any stage >= 1
     (its stages 1/2 differ from 3 only in resharding after forward)."""
     if lay.sharding_backend == "deepspeed":
-        return ((), ("optimizer",), ("grads", "optimizer"), ("params", "grads", "optimizer"))[lay.zero_stage]
-    return () if lay.zero_stage == 0 else ("params", "grads", "optimizer")
+        return ((), ("optimizer",), ("grads", "optimizer"), ("params", "grads", "optimizer"))[lay.memory.zero_stage]
+    return () if lay.memory.zero_stage == 0 else ("params", "grads", "optimizer")
 
 
 def _offloaded(lay: Layout) -> tuple:
     """States that live on the host instead of the GPU."""
-    if lay.offload_params != "none" or (lay.offload_optimizer != "none" and lay.offload_backend == "native"):
+    if lay.memory.offload_params != "none" or (lay.memory.offload_optimizer != "none" and lay.offload_backend == "native"):
         # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together;
         # DeepSpeed parameter offload is used with optimizer offload in practice.
         return ("params", "grads", "optimizer")
-    if lay.offload_optimizer != "none":
+    if lay.memory.offload_optimizer != "none":
         return ("grads", "optimizer")  # ZeRO-Offload: fp32 grads + master + m + v on the host
     return ()
 
@@ -138,7 +138,7 @@ def model_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelSha
             host += b
             b = 0.0
         out[cat] = int(b)
-    fsdp_accumulates_shards = (lay.sharding_backend == "native" and lay.zero_stage >= 1
+    fsdp_accumulates_shards = (lay.sharding_backend == "native" and lay.memory.zero_stage >= 1
                                and lay.fsdp_degree > 1 and not lay.fsdp_holds_unsharded)
     if lay.batch.microbatches > 1 and out["grads"] and not fsdp_accumulates_shards:
         # Accumulating into existing gradients briefly holds a fresh gradient next to the old
@@ -196,20 +196,20 @@ def working_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelS
         if lay.precision in ("bf16", "fp8"):
             out["autocast_weight_copies"] = int(autocast_cast_elements(stage, shape, lay) * 2.0)
     elif lay.sharding_backend == "native":
-        if lay.zero_stage in (1, 2):
+        if lay.memory.zero_stage in (1, 2):
             out["unsharded_params"] = int(local * wb)  # kept from forward to backward
-        elif lay.precision != "fp32" or lay.zero_stage == 3:
+        elif lay.precision != "fp32" or lay.memory.zero_stage == 3:
             out["unsharded_params"] = int(2 * unit * wb)  # current + prefetched unit
         # The unit being reduced: its unsharded grads, plus an fp32 copy when reducing in fp32.
         extra = 4.0 if (lay.reduce_dtype == "fp32" and grad_wb != 4.0) else 0.0
-        out["unsharded_grads"] = int(unit * (grad_wb + extra)) if lay.zero_stage else 0
+        out["unsharded_grads"] = int(unit * (grad_wb + extra)) if lay.memory.zero_stage else 0
     else:
-        if lay.zero_stage == 3:
+        if lay.memory.zero_stage == 3:
             out["unsharded_params"] = int(2 * unit * wb)
             if lay.deepspeed.zeropp_hierarchical_partition > 1:
                 # hpZ keeps a secondary copy of the params sharded within the node.
                 out["hpz_secondary"] = int(local * wb / lay.deepspeed.zeropp_hierarchical_partition)
-        if lay.zero_stage >= 1:
+        if lay.memory.zero_stage >= 1:
             # Measured on CPU (bench/memory_accuracy.py): ZeRO-1/2/3 allocate one buffer of the full
             # configured reduce bucket size whatever the model size (ZeRO-2/3 fill it with the
             # contiguous gradients, which torch's MemTracker then counts as gradients).
@@ -366,13 +366,13 @@ def document_mask_bytes(lay: Layout) -> float:
 
 def layer_modes(n_layers: int, lay: Layout) -> List[str]:
     """The recomputation mode of each block of a stage."""
-    if lay.ac_mode == "full":
+    if lay.memory.ac_mode == "full":
         return ["full"] * n_layers
-    if lay.ac_mode == "selective":
-        if lay.ac_selective.isdigit() and int(lay.ac_selective) > 0:
-            every = int(lay.ac_selective)
+    if lay.memory.ac_mode == "selective":
+        if lay.memory.ac_selective.isdigit() and int(lay.memory.ac_selective) > 0:
+            every = int(lay.memory.ac_selective)
             return ["full" if i % every == 0 else "none" for i in range(n_layers)]
-        return ["op_alternate_mm" if lay.ac_selective == "op_alternate_mm" else "op"] * n_layers
+        return ["op_alternate_mm" if lay.memory.ac_selective == "op_alternate_mm" else "op"] * n_layers
     return ["none"] * n_layers
 
 
@@ -404,7 +404,7 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
 @lru_cache(maxsize=65536)
 def _layer_kinds(shape: ModelShape, stage: StageParams, ac_mode: str, ac_selective: str) -> Dict[tuple, int]:
     """Blocks of a stage counted per (is MoE, recompute mode): a 126-block stage costs a few formula calls."""
-    modes = layer_modes(stage.n_layers, Layout(ac_mode=ac_mode, ac_selective=ac_selective))
+    modes = layer_modes(stage.n_layers, Layout(memory=MemoryPlan(ac_mode=ac_mode, ac_selective=ac_selective)))
     kinds: Dict[tuple, int] = {}
     for mode, idx in zip(modes, stage.layers):
         key = (shape.is_moe_layer(idx), mode)
@@ -414,7 +414,7 @@ def _layer_kinds(shape: ModelShape, stage: StageParams, ac_mode: str, ac_selecti
 
 def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) -> Dict[str, int]:
     """Saved activations of a pipeline rank at its peak, plus the backward working set."""
-    kinds = _layer_kinds(shape, stage, lay.ac_mode, lay.ac_selective)
+    kinds = _layer_kinds(shape, stage, lay.memory.ac_mode, lay.memory.ac_selective)
     recompute = any(mode != "none" for _, mode in kinds)
     per_mb = sum(n * layer_activation_bytes(shape, lay, moe, mode) for (moe, mode), n in kinds.items())
     # A block recomputed for its backward holds its activations again; compiled blocks (trainer.compile)

@@ -129,10 +129,10 @@ def gemm_efficiency(shape: ModelShape, lay: Layout) -> float:
 
 def recompute_fraction(lay: Layout) -> float:
     """Share of the blocks whose forward is run twice (full recomputation)."""
-    if lay.ac_mode == "full":
+    if lay.memory.ac_mode == "full":
         return 1.0
-    if lay.ac_mode == "selective" and lay.ac_selective.isdigit() and int(lay.ac_selective) > 0:
-        return 1.0 / int(lay.ac_selective)
+    if lay.memory.ac_mode == "selective" and lay.memory.ac_selective.isdigit() and int(lay.memory.ac_selective) > 0:
+        return 1.0 / int(lay.memory.ac_selective)
     return 0.0  # op-level selective recomputes elementwise ops only: no matmul FLOPs
 
 
@@ -142,7 +142,7 @@ def alternate_mm_recompute_params(shape: ModelShape, st: StageParams, lay: Layou
     launcher/parallel/ac.py recomputes every second mm of a block, in the order they run (the
     family's attention matmuls, then w1, w3, w2): wk, wo and w3 of the Llama block (dense blocks
     only: the validator refuses the policy for MoE models)."""
-    if lay.ac_mode != "selective" or lay.ac_selective != "op_alternate_mm":
+    if lay.memory.ac_mode != "selective" or lay.memory.ac_selective != "op_alternate_mm":
         return 0.0
     mms = shape.attention_layout.linears + shape.ffn_linears
     return st.n_layers * sum(m.in_features * m.out_features for m in mms[1::2])
@@ -151,7 +151,7 @@ def alternate_mm_recompute_params(shape: ModelShape, st: StageParams, lay: Layou
 def elementwise_recompute_fraction(lay: Layout) -> float:
     """Share of the blocks whose elementwise ops run twice: full AC, and op-level selective AC
     (launcher/parallel/ac.py saves matmul, attention and collective outputs and recomputes the rest)."""
-    if lay.ac_mode == "selective" and not lay.ac_selective.isdigit():
+    if lay.memory.ac_mode == "selective" and not lay.memory.ac_selective.isdigit():
         return 1.0
     return recompute_fraction(lay)
 
@@ -263,7 +263,7 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     families = [("", shared, n_shard)]
     if routed:
         families.append((" experts", routed, lay.expert_fsdp_degree))
-    z = lay.zero_stage
+    z = lay.memory.zero_stage
     dp_all = lay.mesh.dp * lay.mesh.cp
     for tag, psize, n in families:
         if z == 0 or n == 1:
@@ -418,9 +418,9 @@ def optimizer_step_s(st: StageParams, lay: Layout, hw: Any) -> float:
     """AdamW over the local shard: memory-bound on the GPU, or on the host when offloaded."""
     shared = st.shared / lay.mesh.tp
     routed = st.routed / (lay.mesh.tp * lay.mesh.ep)
-    n = lay.fsdp_degree if lay.zero_stage >= 1 else 1
-    local = shared / n + routed / (lay.expert_fsdp_degree if lay.zero_stage >= 1 else 1)
-    if lay.offload_optimizer != "none" or lay.offload_params != "none":
+    n = lay.fsdp_degree if lay.memory.zero_stage >= 1 else 1
+    local = shared / n + routed / (lay.expert_fsdp_degree if lay.memory.zero_stage >= 1 else 1)
+    if lay.memory.offload_optimizer != "none" or lay.memory.offload_params != "none":
         pcie = hw.pcie_gbps * 1e9
         return local / HOST_ADAM_PARAMS_PER_S + local * (4 + 2) / pcie  # grads down, params up
     # Read p, g, m, v (16 B) and write p, m, v (12 B) in fp32.

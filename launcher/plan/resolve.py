@@ -27,7 +27,7 @@ from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, Pro
 from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
 from launcher.plan.features import FEATURES, BackendChoice
-from launcher.plan.layout import RankBatchPlan, DeepSpeedPlan, Layout
+from launcher.plan.layout import DeepSpeedPlan, Layout, MemoryPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.rules import backend_conflicts, hpz_partition_size
 
@@ -136,7 +136,8 @@ def _layout_problems(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
     async_problems = async_checkpoint_problems(spec, layout) + local_tier_problems(spec, layout)
     if async_problems:
         return None, async_problems
-    return replace(layout, accumulate_unsharded=resolve_accumulate_unsharded(spec, layout)[0]), []
+    held = resolve_accumulate_unsharded(spec, layout)[0]
+    return replace(layout, memory=replace(layout.memory, accumulate_unsharded=held)), []
 
 
 def async_checkpoint_problems(spec: JobConfig, layout: Layout) -> List[str]:
@@ -145,7 +146,7 @@ def async_checkpoint_problems(spec: JobConfig, layout: Layout) -> List[str]:
     if not spec.checkpoint.saves_async or layout.sharding_backend != "deepspeed":
         return []
     return [f"checkpoint.async=true: asynchronous checkpoints are written by the native engine (DCP async_save), "
-            f"but this layout gives the model states to DeepSpeed (ZeRO-{layout.zero_stage}), whose checkpoints are "
+            f"but this layout gives the model states to DeepSpeed (ZeRO-{layout.memory.zero_stage}), whose checkpoints are "
             f"written synchronously. Fix: checkpoint.async=false, or a layout the native engine runs (backend=native)."]
 
 
@@ -155,7 +156,7 @@ def local_tier_problems(spec: JobConfig, layout: Layout) -> List[str]:
     if not (spec.checkpoint.enabled and spec.checkpoint.local_dir) or layout.sharding_backend != "deepspeed":
         return []
     return [f"checkpoint.local_dir={spec.checkpoint.local_dir}: the node-local checkpoint tier is written by the "
-            f"native engine, but this layout gives the model states to DeepSpeed (ZeRO-{layout.zero_stage}). "
+            f"native engine, but this layout gives the model states to DeepSpeed (ZeRO-{layout.memory.zero_stage}). "
             f"Fix: checkpoint.local_dir='' (the shared checkpoint at checkpoint.interval only), or a layout the "
             f"native engine runs (backend=native)."]
 
@@ -200,7 +201,7 @@ def resolve_accumulate_unsharded(spec: JobConfig, lay: Layout) -> Tuple[bool, st
         return False, blocker
     if want == "true":
         return True, "parallel.accumulate_unsharded=true"
-    need = unsharded_peak_bytes(spec, replace(lay, accumulate_unsharded=True))
+    need = unsharded_peak_bytes(spec, replace(lay, memory=replace(lay.memory, accumulate_unsharded=True)))
     capacity = int(spec.hardware.memory_gb * 1024**3)
     if need > capacity:
         return False, (f"auto: held unsharded the most loaded GPU needs {need / 1024**3:.1f} GiB "
@@ -240,12 +241,16 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
         nodes=spec.cluster.nodes,
         gpus_per_node=spec.cluster.gpus_per_node,
         batch=RankBatchPlan(seq_len=spec.trainer.seq_len),
-        ac_selective=str(spec.activation_checkpointing.selective),
         precision=pr.name,
         reduce_dtype=pr.reduce_dtype,
         fp8_all_gather=bool(pr.fp8.all_gather),
-        offload_optimizer=o.optimizer,
-        offload_params=o.params,
+        memory=MemoryPlan(
+            ac_selective=str(spec.activation_checkpointing.selective),
+            offload_optimizer=o.optimizer,
+            offload_params=o.params,
+            offload_nvme_path=str(o.nvme_path),
+            offload_pin_memory=bool(o.pin_memory),
+        ),
         deepspeed=DeepSpeedPlan(
             reduce_bucket_size=int(b.reduce_bucket_size),
             allgather_bucket_size=int(b.allgather_bucket_size),
@@ -260,8 +265,6 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
         fp8_emulate=bool(pr.fp8.emulate),
         fp8_min_features=int(pr.fp8.min_features),
         fp8_exclude=tuple(str(x) for x in pr.fp8.exclude),
-        offload_nvme_path=str(o.nvme_path),
-        offload_pin_memory=bool(o.pin_memory),
     )
 
 
@@ -282,6 +285,7 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
     fixed["deepspeed"] = replace(fixed["deepspeed"], hpz_partition_size=hpz_partition_size(
         int(spec.backend.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard))
     fixed["batch"] = replace(fixed["batch"], micro_batch_size=spec.trainer.micro_batch_size, microbatches=max(1, accum))
+    fixed["memory"] = replace(fixed["memory"], zero_stage=int(p.zero_stage), ac_mode=spec.activation_checkpointing.mode)
     return Layout(
         **fixed,
         mesh=mesh,
@@ -289,8 +293,6 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         vpp=max(1, int(p.pp_virtual_stages)) if mesh.pp > 1 else 1,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers),
-        zero_stage=int(p.zero_stage),
-        ac_mode=spec.activation_checkpointing.mode,
         choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
         **backend_fields(choices, spec.offload.optimizer, mesh.pp),
     )

@@ -362,7 +362,7 @@ def check_deepspeed_rank(layout, options) -> None:
         validate_deepspeed_config(cfg, data_parallel_size(layout))
     except Exception as err:  # DeepSpeed raises pydantic, assertion and value errors alike
         raise ValueError(
-            f"DeepSpeed refused the generated config (ZeRO-{layout.zero_stage}): {type(err).__name__}: "
+            f"DeepSpeed refused the generated config (ZeRO-{layout.memory.zero_stage}): {type(err).__name__}: "
             f"{' '.join(str(err).split())[:300]}. Fix: change the keys it names, or backend.sharding=native"
         ) from err
 
@@ -445,7 +445,7 @@ def _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank: int) -
     from launcher.engines.deepspeed import DeepSpeedEngine
 
     os.environ.setdefault("LOCAL_RANK", "0")  # zero.Init reads it (one CPU "device" per process)
-    notes = [f"DeepSpeed: deepspeed.initialize ran on the fake group (ZeRO-{layout.zero_stage}); no fake step "
+    notes = [f"DeepSpeed: deepspeed.initialize ran on the fake group (ZeRO-{layout.memory.zero_stage}); no fake step "
              f"(DeepSpeed's forward does not run on a fake process group)"]
     with FakeTensorMode(allow_non_fake_inputs=True):
         engine = DeepSpeedEngine(model_cfg, optim_cfg, layout, torch.device("cpu"), options)
@@ -456,7 +456,7 @@ def _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank: int) -
             held = probe.result()
             notes.append("states of DeepSpeed's plain torch optimizer, created by one step on zero gradients")
         else:
-            held = deepspeed_held_bytes(ds_optimizer, layout.zero_stage)
+            held = deepspeed_held_bytes(ds_optimizer, layout.memory.zero_stage)
             notes.append(f"partitions read from DeepSpeed's {type(ds_optimizer).__name__}")
     if held.get("host"):
         notes.append(f"optimizer offload: {held['host']} bytes of gradient partition and optimizer states on the host")
