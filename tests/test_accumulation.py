@@ -18,7 +18,7 @@ import pytest
 
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
-from launcher.plan.layout import Layout, MemoryPlan, RankBatchPlan
+from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import estimate_memory
 from launcher.plan.params import model_shape, stage_params
@@ -130,7 +130,7 @@ def test_the_field_round_trips_through_plan_json(tmp_path):
 # ----------------------------------------------------------------------------- planned
 
 
-BASE = Layout(mesh=MeshPlan(dp_shard=8), batch=RankBatchPlan(microbatches=8), precision="bf16", gpus_per_node=8, memory=MemoryPlan(zero_stage=3))
+BASE = Layout(mesh=MeshPlan(dp_shard=8), batch=RankBatchPlan(microbatches=8), numerics=NumericsPlan(precision="bf16"), gpus_per_node=8, memory=MemoryPlan(zero_stage=3))
 
 
 def _fsdp_comm(lay: Layout) -> dict:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.plan.layout import Layout, MemoryPlan, RankBatchPlan
+from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import (
     estimate_memory,
@@ -216,6 +216,6 @@ def test_layer_activations_match_what_the_real_block_saves(family, layer, tolera
     assert is_mla(cfg) == (family == "deepseek_v3")
     batch, seq = 2, 64
     measured = _saved_bytes_of_block(cfg, layer, batch, seq)
-    lay = Layout(batch=RankBatchPlan(micro_batch_size=batch, seq_len=seq), precision="bf16")
+    lay = Layout(batch=RankBatchPlan(micro_batch_size=batch, seq_len=seq), numerics=NumericsPlan(precision="bf16"))
     predicted = layer_activation_bytes(shape, lay, shape.is_moe_layer(layer), "none")
     assert abs(predicted / measured - 1) < tolerance, (family, layer, predicted, measured)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.plan.layout import Layout, MemoryPlan, RankBatchPlan
+from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.params import model_shape, stage_params
 from launcher.plan.perf import bubble_fraction, estimate_comm, estimate_time, placement, ring_factor
@@ -47,7 +47,7 @@ def test_tp_is_intra_node_and_pp_crosses_nodes():
 def test_zero3_moves_1_5x_the_bytes_of_ddp():
     st = stage_params(SHAPE, 1)[0]
     # Same dtype for gathers and reductions so the ratio is the textbook one.
-    base = Layout(mesh=MeshPlan(dp_shard=8), batch=RankBatchPlan(microbatches=1), reduce_dtype="bf16", precision="bf16", gpus_per_node=8)
+    base = Layout(mesh=MeshPlan(dp_shard=8), batch=RankBatchPlan(microbatches=1), numerics=NumericsPlan(reduce_dtype="bf16", precision="bf16"), gpus_per_node=8)
     ddp = sum(c.bytes_per_step for c in estimate_comm(SHAPE, dataclasses.replace(base, memory=dataclasses.replace(base.memory, zero_stage=0)), HW, st))
     z3 = sum(c.bytes_per_step for c in estimate_comm(SHAPE, dataclasses.replace(base, memory=dataclasses.replace(base.memory, zero_stage=3)), HW, st))
     assert ddp == pytest.approx(2 * 7 / 8 * st.shared * 2)  # ring all-reduce of bf16 grads
@@ -127,13 +127,13 @@ def test_family_blocks_in_the_elementwise_time_and_the_assumptions():
     qwen = compose_spec(["model=qwen3_8b"]).model
     plain = dataclasses.replace(qwen, qk_norm=False)
     for compiled, per_elem in ((False, 2 * 2 + 36), (True, 2 * 2)):
-        lay = Layout(mesh=MeshPlan(tp=2), compile=compiled, precision="bf16")
+        lay = Layout(mesh=MeshPlan(tp=2), compile=compiled, numerics=NumericsPlan(precision="bf16"))
         extra = block_forward_bytes(model_shape(qwen), lay) - block_forward_bytes(model_shape(plain), lay)
         assert extra == pytest.approx(per_elem * (32 + 8) * 128 / 2)
 
     ds_cfg = compose_spec(["model=deepseek_v3"]).model
     ds = model_shape(ds_cfg)
-    lay = Layout(precision="bf16")
+    lay = Layout(numerics=NumericsPlan(precision="bf16"))
     heads, rope, qk, v = 128, 64, 192, 128
     # Without the family's layout (a Llama block of qk-wide heads) RoPE would rotate all 192
     # channels of 128 query and 128 key heads.

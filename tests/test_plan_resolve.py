@@ -175,21 +175,26 @@ LAYOUT_OWNED_GROUPS = {"precision", "offload", "activation_checkpointing"}
 
 
 def _is_layout(node: ast.AST) -> bool:
-    """`layout`, `lay`, `x.layout`: how the rank side names its Layout (Layout.precision is a str)."""
+    """`layout`, `lay`, `x.layout`: how the rank side names its Layout."""
     return (isinstance(node, ast.Name) and node.id in ("layout", "lay")) or (
         isinstance(node, ast.Attribute) and node.attr == "layout")
 
 
+def _is_layout_numerics(node: ast.AST) -> bool:
+    """`<layout>.numerics`: the Layout's NumericsPlan, whose `precision` is a plain string."""
+    return isinstance(node, ast.Attribute) and node.attr == "numerics" and _is_layout(node.value)
+
+
 def _layout_owned_reads(tree: ast.AST) -> List[Tuple[int, str]]:
     """(line, code) of every read of the precision/offload/AC config groups: `x.precision` on
-    anything but a Layout, any `x.precision.y` (the Layout's is a plain string, the config's a
+    anything but a Layout's numerics, any `x.precision.y` (the Layout's is a plain string, the config's a
     group), `x.offload` / `x.activation_checkpointing` (no Layout field has those names), the
     same through getattr(x, "..."), and the group types PrecisionConfig / OffloadConfig /
     ActivationCheckpointingConfig named at all."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            if node.attr == "precision" and not _is_layout(node.value):
+            if node.attr == "precision" and not _is_layout_numerics(node.value):
                 found.append((node.lineno, ast.unparse(node)))
             elif node.attr in LAYOUT_OWNED_GROUPS - {"precision"}:
                 found.append((node.lineno, ast.unparse(node)))
@@ -208,7 +213,7 @@ def _layout_owned_reads(tree: ast.AST) -> List[Tuple[int, str]]:
 def test_precision_fp8_ac_and_offload_reach_the_rank_only_through_the_layout():
     """Nothing on the rank side (runtime/, engines/, parallel/, rehearse/) reads the precision,
     offload or activation_checkpointing groups of a JobConfig: the resolver copied what the rank
-    needs into the Layout (precision, tf32, fp8_*, offload_*, ac_*), which plan.json carries."""
+    needs into the Layout (numerics: precision, tf32, fp8_*; memory: offload_*, ac_*), which plan.json carries."""
     offenders = []
     for room in RANK_SIDE:
         for path in sorted((REPO / "launcher" / room).rglob("*.py")):
@@ -217,7 +222,8 @@ def test_precision_fp8_ac_and_offload_reach_the_rank_only_through_the_layout():
     assert not offenders, offenders
     # The check sees the reads it forbids (so a rename cannot quietly turn it off).
     probe = ast.parse("a = spec.precision.fp8\nb = job.precision\nc = getattr(spec, 'offload')\n"
-                      "d = spec.activation_checkpointing.mode\ne = layout.precision\nf = self.layout.precision\n")
+                      "d = spec.activation_checkpointing.mode\ne = layout.numerics.precision\n"
+                      "f = self.layout.numerics.precision\n")
     assert sorted(line for line, _ in _layout_owned_reads(probe)) == [1, 1, 2, 3, 4]
 
 

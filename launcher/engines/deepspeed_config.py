@@ -45,7 +45,7 @@ def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int) -> Di
     dp = data_parallel_size(lay)
     micro, accum = lay.batch.micro_batch_size, lay.batch.microbatches
     total = micro * accum * dp
-    bf16 = lay.precision == "bf16"
+    bf16 = lay.numerics.precision == "bf16"
     zero = int(lay.memory.zero_stage)
     zo: Dict[str, Any] = {
         "stage": zero,
@@ -82,7 +82,7 @@ def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int) -> Di
         "seed": int(seed),
     }
     if bf16:
-        cfg["communication_data_type"] = "fp32" if lay.reduce_dtype == "fp32" else "bf16"
+        cfg["communication_data_type"] = "fp32" if lay.numerics.reduce_dtype == "fp32" else "bf16"
         if zero == 1 and lay.memory.offload_optimizer == "none":
             # BF16 optimizer with fp32 gradient accumulation (stage 0 has no master weights).
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}

@@ -159,7 +159,7 @@ class NativeEngine:
         if self.fsdp:
             dp_mesh = submesh(w, "hsdp" if m.dp_replicate > 1 else "dp_shard_cp")
             apply_fsdp(part, dp_mesh, zero_stage=lay.memory.zero_stage,
-                       mp_policy=mixed_precision_policy(lay.precision, lay.reduce_dtype),
+                       mp_policy=mixed_precision_policy(lay.numerics.precision, lay.numerics.reduce_dtype),
                        cpu_offload=lay.offload_to_cpu, pin_memory=lay.memory.offload_pin_memory,
                        expert_dp_mesh=expert_dp_mesh)
 
@@ -179,7 +179,7 @@ class NativeEngine:
     # ---------------------------------------------------------------- training
     def _autocast(self):
         # Without FSDP there is no MixedPrecisionPolicy; autocast gives the same bf16 compute.
-        if self.layout.precision in ("bf16", "fp8") and not self.fsdp:
+        if self.layout.numerics.precision in ("bf16", "fp8") and not self.fsdp:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 

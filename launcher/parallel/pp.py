@@ -114,7 +114,7 @@ def activation_dtype(layout: Layout) -> torch.dtype:
     """The dtype of the hidden states sent between stages. Under FSDP2 the MixedPrecisionPolicy
     gives bf16 parameters, so the residual stream is bf16; without FSDP the engine's autocast
     leaves the residual stream in fp32 (the embedding output is fp32 and fp32 + bf16 is fp32)."""
-    if layout.fsdp_wraps and layout.precision in ("bf16", "fp8"):
+    if layout.fsdp_wraps and layout.numerics.precision in ("bf16", "fp8"):
         return torch.bfloat16
     return torch.float32
 

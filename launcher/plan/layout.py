@@ -14,7 +14,8 @@ so every field has a default and the derived values are properties of the fields
 
 Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/mesh.py's MeshPlan, their
 only home), the per-rank batch `Layout.batch` (RankBatchPlan), the ZeRO stage, activation checkpointing
-and offload `Layout.memory` (MemoryPlan), the DeepSpeed knobs `Layout.deepspeed`; plan.json
+and offload `Layout.memory` (MemoryPlan), the precision and fp8 options `Layout.numerics`
+(NumericsPlan), the DeepSpeed knobs `Layout.deepspeed`; plan.json
 writes them flat (PLAN_KEY_ORDER). OVERRIDE_FIELDS is
 the one map between a layout and the `train` overrides that select it.
 
@@ -106,8 +107,27 @@ class MemoryPlan:
     accumulate_unsharded: bool = False
 
 
-# Sub-records plan.json writes flat, in the sub-record's place (its keys predate the records).
-FLAT_RECORDS = {"mesh": MeshPlan, "batch": RankBatchPlan, "memory": MemoryPlan, "deepspeed": DeepSpeedPlan}
+@dataclass(frozen=True)
+class NumericsPlan:
+    """How a layout computes: the training precision (its dtype name: fp32 | bf16 | fp8), the
+    gradient-reduce dtype, TF32 and the fp8 options. The rank builds its precision and fp8 from
+    these (not from the config): precision.tf32 (fp32 matmuls on TF32 tensor cores),
+    precision.fp8.recipe (also the float8 casting work perf.py costs), emulate / min_features /
+    exclude (which Linear layers torchao converts and whether it may emulate)."""
+
+    precision: Precision = "bf16"
+    reduce_dtype: ReduceDtype = "fp32"
+    fp8_all_gather: bool = True
+    fp8_recipe: str = "tensorwise"
+    tf32: bool = True
+    fp8_emulate: bool = False
+    fp8_min_features: int = 16
+    fp8_exclude: Tuple[str, ...] = ("output", "router")
+
+
+# Sub-records plan.json writes flat (its keys predate the records), in PLAN_KEY_ORDER.
+FLAT_RECORDS = {"mesh": MeshPlan, "batch": RankBatchPlan, "memory": MemoryPlan, "numerics": NumericsPlan,
+                "deepspeed": DeepSpeedPlan}
 # plan.json's layout keys in their order (as written before the records; MemoryPlan's fields were
 # spread over the flat Layout). to_dict writes these first, any newer key after them.
 PLAN_KEY_ORDER: Tuple[str, ...] = (
@@ -137,9 +157,8 @@ class Layout:
     batch: RankBatchPlan = field(default_factory=RankBatchPlan)
     # The memory knobs: ZeRO stage, activation checkpointing, offload (MemoryPlan).
     memory: MemoryPlan = field(default_factory=MemoryPlan)
-    precision: Precision = "bf16"
-    reduce_dtype: ReduceDtype = "fp32"
-    fp8_all_gather: bool = True
+    # Precision, gradient-reduce dtype, TF32 and the fp8 options (NumericsPlan).
+    numerics: NumericsPlan = field(default_factory=NumericsPlan)
     # Who implements what (the resolver's decision).
     sharding_backend: BackendName = "native"  # native (FSDP2) | deepspeed (ZeRO); owns the model states
     offload_backend: BackendName = "native"  # native (FSDP2 CPUOffloadPolicy) | deepspeed (ZeRO-Offload)
@@ -152,20 +171,11 @@ class Layout:
     # Speed-only knobs the planner costs (launcher/plan/perf.py): trainer.compile fuses each block's
     # elementwise ops; precision.fp8.recipe sets the float8 casting work.
     compile: bool = False
-    fp8_recipe: str = "tensorwise"
     # data.document_masking: how the runtime applies the block-causal mask (launcher/models/layers.py
     # document_attention_mask), which the planner costs: "none" (plain causal attention), "sdpa"
     # (CPU: SDPA with one [micro_batch, 1, s, s] mask per micro-batch), "flex" (CUDA: FlexAttention's
     # block mask, a few int32 per 128x128 block).
     document_mask: str = "none"
-    # What the rank needs besides the above to build its precision, fp8 and offload (so the rank
-    # reads them here, not from the config): precision.tf32 (fp32 matmuls on TF32 tensor cores),
-    # precision.fp8.emulate / min_features / exclude (which Linear layers torchao converts and
-    # whether it may emulate); the offload's nvme_path and pin_memory are in MemoryPlan.
-    tf32: bool = True
-    fp8_emulate: bool = False
-    fp8_min_features: int = 16
-    fp8_exclude: Tuple[str, ...] = ("output", "router")
 
     # ------------------------------------------------------------------ derived, one formula each
     @property
@@ -210,7 +220,7 @@ class Layout:
     @property
     def act_bytes(self) -> int:
         """Bytes per activation element: fp8 training keeps bf16 activations between layers."""
-        return 4 if self.precision == "fp32" else 2
+        return 4 if self.numerics.precision == "fp32" else 2
 
     @property
     def fsdp_degree(self) -> int:
@@ -233,8 +243,9 @@ class Layout:
 
     def fp8_config(self) -> Fp8Config:
         """The torchao conversion options (launcher/parallel/fp8.py) this layout resolved."""
-        return Fp8Config(recipe=self.fp8_recipe, emulate=self.fp8_emulate, all_gather=self.fp8_all_gather,
-                         min_features=self.fp8_min_features, exclude=list(self.fp8_exclude))
+        n = self.numerics
+        return Fp8Config(recipe=n.fp8_recipe, emulate=n.fp8_emulate, all_gather=n.fp8_all_gather,
+                         min_features=n.fp8_min_features, exclude=list(n.fp8_exclude))
 
     @property
     def backends(self) -> Dict[str, BackendChoice]:
@@ -254,7 +265,7 @@ class Layout:
     def to_dict(self) -> Dict[str, Any]:
         """plan.json's ``layout``: the fields plus the derived values the runtime checks against.
 
-        The FLAT_RECORDS (mesh, batch, memory, DeepSpeed knobs) are written flat, in PLAN_KEY_ORDER
+        The FLAT_RECORDS (mesh, batch, memory, numerics, DeepSpeed knobs) are written flat, in PLAN_KEY_ORDER
         (plan.json's keys predate the records)."""
         flat: Dict[str, Any] = {}
         for f in fields(self):
@@ -265,7 +276,7 @@ class Layout:
         d = {k: flat.pop(k) for k in PLAN_KEY_ORDER if k in flat}
         d.update(flat)
         d["pp_layers"] = list(self.pp_layers)
-        d["fp8_exclude"] = list(self.fp8_exclude)
+        d["fp8_exclude"] = list(self.numerics.fp8_exclude)
         d["choices"] = {name: asdict(c) for name, c in self.choices}
         d["derived"] = {
             "world_size": self.mesh.world_size,
@@ -280,10 +291,10 @@ class Layout:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Layout":
         d = {k: v for k, v in d.items() if k != "derived"}
+        if "fp8_exclude" in d:
+            d["fp8_exclude"] = tuple(d["fp8_exclude"])
         for name, record in FLAT_RECORDS.items():
             d[name] = record(**{f.name: d.pop(f.name) for f in fields(record) if f.name in d})
         d["pp_layers"] = tuple(d.get("pp_layers", ()))
-        if "fp8_exclude" in d:
-            d["fp8_exclude"] = tuple(d["fp8_exclude"])
         d["choices"] = tuple((name, BackendChoice(**c)) for name, c in d.get("choices", {}).items())
         return cls(**d)

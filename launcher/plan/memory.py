@@ -73,7 +73,7 @@ class StageMemory:
 def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
     """Bytes per parameter kept for the whole step: {params, grads, optimizer}, before sharding."""
     if lay.sharding_backend == "deepspeed":
-        if lay.precision != "fp32":
+        if lay.numerics.precision != "fp32":
             if lay.memory.zero_stage == 1 and lay.memory.offload_optimizer == "none":
                 # launcher/engines/deepspeed_config.py accumulates gradients in fp32 at ZeRO-1, which makes
                 # DeepSpeed use its BF16_Optimizer: an unsharded fp32 gradient buffer (4 B/param)
@@ -113,9 +113,9 @@ def _offloaded(lay: Layout) -> tuple:
 
 def working_dtype_bytes(lay: Layout) -> float:
     """Bytes per element of the unsharded parameters the forward/backward compute with."""
-    if lay.precision == "fp32":
+    if lay.numerics.precision == "fp32":
         return 4.0
-    if lay.precision == "fp8" and lay.fp8_all_gather and lay.sharding_backend == "native":
+    if lay.numerics.precision == "fp8" and lay.numerics.fp8_all_gather and lay.sharding_backend == "native":
         return 1.0
     return 2.0
 
@@ -165,7 +165,7 @@ def autocast_cast_elements(stage: StageParams, shape: Optional[ModelShape], lay:
         return 0.0
     local = (stage.shared - stage.tp_replicated) / lay.mesh.tp + stage.routed / lay.mesh.ep
     table = shape.vocab_size * shape.dim / lay.mesh.tp
-    if lay.precision == "fp8":
+    if lay.numerics.precision == "fp8":
         return table if stage.has_output else 0.0
     if stage.has_embedding and not (shape.tie_embeddings and stage.has_output):
         local -= table
@@ -179,7 +179,7 @@ def working_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelS
     # model_state_memory, only the rest divides by tp.
     local = (stage.shared - stage.tp_replicated) / lay.mesh.tp + stage.tp_replicated + stage.routed / lay.mesh.ep
     wb = working_dtype_bytes(lay)
-    grad_wb = 4.0 if lay.precision == "fp32" else 2.0
+    grad_wb = 4.0 if lay.numerics.precision == "fp32" else 2.0
     out: Dict[str, int] = {}
     if lay.fsdp_holds_unsharded:
         # torch's pipeline schedules, and accumulate_unsharded, keep FSDP2 units unsharded, and
@@ -187,21 +187,21 @@ def working_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelS
         out["unsharded_params"] = int(local * wb)
         # FSDP2 keeps the gradients it does not reduce yet in reduce_dtype (FSDPParam.
         # to_accumulated_grad_if_needed upcasts them), so fp32 with reduce_dtype=fp32.
-        acc_wb = 4.0 if lay.reduce_dtype == "fp32" else grad_wb
+        acc_wb = 4.0 if lay.numerics.reduce_dtype == "fp32" else grad_wb
         out["unsharded_grads"] = int(local * acc_wb)
     elif lay.sharding_backend == "native" and not lay.fsdp_wraps:
         # One sharding rank: no FSDP2, the engine's autocast computes in bf16 (native.py _autocast).
         # Autocast caches the bf16 cast of every weight it multiplies (leaf tensors that need grad)
         # and each matmul saves its cast for backward, so at the loss's backward all of them exist.
-        if lay.precision in ("bf16", "fp8"):
+        if lay.numerics.precision in ("bf16", "fp8"):
             out["autocast_weight_copies"] = int(autocast_cast_elements(stage, shape, lay) * 2.0)
     elif lay.sharding_backend == "native":
         if lay.memory.zero_stage in (1, 2):
             out["unsharded_params"] = int(local * wb)  # kept from forward to backward
-        elif lay.precision != "fp32" or lay.memory.zero_stage == 3:
+        elif lay.numerics.precision != "fp32" or lay.memory.zero_stage == 3:
             out["unsharded_params"] = int(2 * unit * wb)  # current + prefetched unit
         # The unit being reduced: its unsharded grads, plus an fp32 copy when reducing in fp32.
-        extra = 4.0 if (lay.reduce_dtype == "fp32" and grad_wb != 4.0) else 0.0
+        extra = 4.0 if (lay.numerics.reduce_dtype == "fp32" and grad_wb != 4.0) else 0.0
         out["unsharded_grads"] = int(unit * (grad_wb + extra)) if lay.memory.zero_stage else 0
     else:
         if lay.memory.zero_stage == 3:
@@ -332,7 +332,7 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         if not moe:
             ffn = 3 * a * shape.ffn_dim / t
     linear_inputs = 2.0 * a * h
-    if lay.compile and lay.precision == "fp8" and not moe:
+    if lay.compile and lay.numerics.precision == "fp8" and not moe:
         # torchao's Float8Linear re-casts its input in its own backward, so in a compiled block the
         # partitioner recomputes the bf16 inputs that are pointwise functions of saved tensors (both
         # norm outputs, SwiGLU's product) instead of keeping them (measured as above, fp8 emulated).

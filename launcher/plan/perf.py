@@ -183,8 +183,8 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     split = lay.mesh.tp * lay.mesh.cp  # each GPU of the TP x CP group computes its share
     eff = hw.achievable_fraction * gemm_efficiency(shape, lay)
     # Attention and the output layer stay in bf16 under fp8 (precision.fp8.exclude); fp32 runs use TF32.
-    other_peak = matmul_peak(hw, "fp32" if lay.precision == "fp32" else "bf16") * eff
-    block_peak = matmul_peak(hw, lay.precision) * eff
+    other_peak = matmul_peak(hw, "fp32" if lay.numerics.precision == "fp32" else "bf16") * eff
+    block_peak = matmul_peak(hw, lay.numerics.precision) * eff
     matmul_s = (block_flops / block_peak + head_flops / other_peak) / split + attention_s(shape, st, lay, hw)
     memory_bound_s = elementwise_s(shape, lay, hw, st.n_layers, elementwise_recompute_fraction(lay),
                                    st.has_output, tokens / lay.mesh.cp)
@@ -199,7 +199,7 @@ def attention_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> flo
     tokens = lay.batch.micro_batch_size * lay.batch.seq_len
     rf = recompute_fraction(lay)
     attn_flops = attention_flops_per_token(st.n_layers, attention_width(shape), lay.batch.seq_len) * (1 + rf / 3) * tokens
-    peak = matmul_peak(hw, "fp32" if lay.precision == "fp32" else "bf16") * hw.achievable_fraction
+    peak = matmul_peak(hw, "fp32" if lay.numerics.precision == "fp32" else "bf16") * hw.achievable_fraction
     return attn_flops / (peak * gemm_efficiency(shape, lay)) / (lay.mesh.tp * lay.mesh.cp) * hop_time_factor(lay)
 
 
@@ -250,13 +250,13 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
     shared = st.shared / lay.mesh.tp
     routed = st.routed / (lay.mesh.tp * lay.mesh.ep)
-    wb = 4.0 if lay.precision == "fp32" else (1.0 if lay.precision == "fp8" and lay.fp8_all_gather else 2.0)
-    rb = 4.0 if (lay.reduce_dtype == "fp32" or lay.precision == "fp32") else 2.0
+    wb = 4.0 if lay.numerics.precision == "fp32" else (1.0 if lay.numerics.precision == "fp8" and lay.numerics.fp8_all_gather else 2.0)
+    rb = 4.0 if (lay.numerics.reduce_dtype == "fp32" or lay.numerics.precision == "fp32") else 2.0
     ds = lay.sharding_backend == "deepspeed"
     if ds:
         # DeepSpeed gathers its bf16/fp32 working parameters; gradients travel in
         # communication_data_type, which launcher/engines/deepspeed_config.py takes from reduce_dtype.
-        wb = 4.0 if lay.precision == "fp32" else 2.0
+        wb = 4.0 if lay.numerics.precision == "fp32" else 2.0
     shard_dims: Tuple[str, ...] = ("dp_replicate", "dp_shard", "cp") if ds else ("dp_shard", "cp")
     n_shard = lay.fsdp_degree
     # Expert parameters shard over the ranks left after ep (innermost part of dp_shard*cp).
@@ -362,7 +362,7 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
     world = lay.mesh.world_size
     tokens_per_s_per_gpu = tokens_per_step / step_s / world
     flops_per_s_per_gpu = tokens_per_s_per_gpu * model_flops_per_token
-    peak = peak_tflops(hw, lay.precision) * 1e12
+    peak = peak_tflops(hw, lay.numerics.precision) * 1e12
     return {
         "step_s": step_s,
         "compute_s": compute_s,

@@ -27,7 +27,7 @@ from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, Pro
 from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
 from launcher.plan.features import FEATURES, BackendChoice
-from launcher.plan.layout import DeepSpeedPlan, Layout, MemoryPlan, RankBatchPlan
+from launcher.plan.layout import DeepSpeedPlan, Layout, MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.rules import backend_conflicts, hpz_partition_size
 
@@ -241,9 +241,16 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
         nodes=spec.cluster.nodes,
         gpus_per_node=spec.cluster.gpus_per_node,
         batch=RankBatchPlan(seq_len=spec.trainer.seq_len),
-        precision=pr.name,
-        reduce_dtype=pr.reduce_dtype,
-        fp8_all_gather=bool(pr.fp8.all_gather),
+        numerics=NumericsPlan(
+            precision=pr.name,
+            reduce_dtype=pr.reduce_dtype,
+            fp8_all_gather=bool(pr.fp8.all_gather),
+            fp8_recipe=str(pr.fp8.recipe),
+            tf32=bool(pr.tf32),
+            fp8_emulate=bool(pr.fp8.emulate),
+            fp8_min_features=int(pr.fp8.min_features),
+            fp8_exclude=tuple(str(x) for x in pr.fp8.exclude),
+        ),
         memory=MemoryPlan(
             ac_selective=str(spec.activation_checkpointing.selective),
             offload_optimizer=o.optimizer,
@@ -259,12 +266,7 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
             zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
         ),
         compile=bool(spec.trainer.compile),
-        fp8_recipe=str(pr.fp8.recipe),
         document_mask=document_mask_kernel(spec),
-        tf32=bool(pr.tf32),
-        fp8_emulate=bool(pr.fp8.emulate),
-        fp8_min_features=int(pr.fp8.min_features),
-        fp8_exclude=tuple(str(x) for x in pr.fp8.exclude),
     )
 
 
