@@ -29,7 +29,7 @@ def test_dp_shard_is_inferred_once_and_everything_lands_in_the_layout():
     assert (lay.mesh.pp, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp) == (4, 1, 1, 1, 8)
     assert lay.batch.microbatches == 64 and lay.pp_microbatches == 64 and lay.global_batch_size == 64
     assert (lay.schedule, lay.vpp) == ("interleaved_1f1b", 2)
-    assert lay.sharding_backend == "native" and lay.fsdp_wraps is False  # one data-parallel rank
+    assert lay.owners.sharding_backend == "native" and lay.fsdp_wraps is False  # one data-parallel rank
     assert lay.backends["pp"].impl.startswith("torch.distributed.pipelining")
     with pytest.raises(dataclasses.FrozenInstanceError):
         lay.mesh.pp = 2  # type: ignore[misc]
@@ -268,5 +268,5 @@ def test_every_recipe_resolves_to_a_consistent_layout(recipe):
     assert lay.mesh.world_size == spec.cluster.nodes * spec.cluster.gpus_per_node
     assert lay.global_batch_size == spec.trainer.global_batch_size
     assert lay.pp_microbatches == lay.batch.microbatches == plan.pipeline["microbatches"]
-    assert lay.fsdp_wraps == (lay.sharding_backend == "native" and (lay.mesh.dp * lay.mesh.cp > 1 or lay.offload_to_cpu))
+    assert lay.fsdp_wraps == (lay.owners.sharding_backend == "native" and (lay.mesh.dp * lay.mesh.cp > 1 or lay.offload_to_cpu))
     assert Plan.from_dict(json.loads(plan.to_json())).layout == lay

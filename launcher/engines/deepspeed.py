@@ -1,6 +1,6 @@
 """The DeepSpeed Engine: same model, data, LR schedule and StepStats as the native path.
 
-Constructor (what the rank runtime builds when ``layout.sharding_backend == "deepspeed"``):
+Constructor (what the rank runtime builds when ``layout.owners.sharding_backend == "deepspeed"``):
 
     DeepSpeedEngine(model_cfg, optim_cfg, layout, device, options)   # launcher/engines/base.py
 
@@ -117,10 +117,10 @@ def _apply_deepspeed_checkpointing(model: nn.Module, mode: str, selective: str) 
 
 
 def apply_checkpointing(model: nn.Module, layout: Layout) -> None:
-    """Activation checkpointing with the implementation the resolver chose (layout.ac_backend)."""
+    """Activation checkpointing with the implementation the resolver chose (layout.owners.ac_backend)."""
     if layout.memory.ac_mode == "none":
         return
-    if layout.ac_backend == "deepspeed":
+    if layout.owners.ac_backend == "deepspeed":
         n = _apply_deepspeed_checkpointing(model, layout.memory.ac_mode, layout.memory.ac_selective)
         log.info("applied DeepSpeed activation checkpointing to %d of %d blocks", n, len(model.layers))
     else:

@@ -37,7 +37,7 @@ def data_parallel_size(layout: Layout) -> int:
 
 
 def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int) -> Dict[str, Any]:
-    """The DeepSpeed config dict for this job (layout.sharding_backend must be "deepspeed").
+    """The DeepSpeed config dict for this job (layout.owners.sharding_backend must be "deepspeed").
 
     Raises ValueError when the batch arithmetic does not close (global = micro x accum x dp).
     """
@@ -86,7 +86,7 @@ def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int) -> Di
         if zero == 1 and lay.memory.offload_optimizer == "none":
             # BF16 optimizer with fp32 gradient accumulation (stage 0 has no master weights).
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    if lay.memory.ac_mode != "none" and lay.ac_backend == "deepspeed":
+    if lay.memory.ac_mode != "none" and lay.owners.ac_backend == "deepspeed":
         cfg["activation_checkpointing"] = {
             "partition_activations": False,
             "cpu_checkpointing": False,

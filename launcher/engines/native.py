@@ -129,7 +129,7 @@ class NativeEngine:
         self._source_sums = None
         self._accumulation = None  # launcher.parallel.fsdp.UnshardedAccumulation, built on first use
         self._fp8_all_gather = False
-        if lay.fp8_impl == "torchao":
+        if lay.owners.fp8_impl == "torchao":
             # Read from the built model: only float8 all-gather under FSDP needs per-step scales.
             self._fp8_all_gather = any(float8_scale_precompute_needed(p) for p in self.parts)
         n_params = sum(_local_numel(p) for part in self.parts for p in part.parameters())
@@ -139,7 +139,7 @@ class NativeEngine:
     # ---------------------------------------------------------------- building
     def _parallelize(self, part: nn.Module) -> None:
         lay, m, w, opts = self.layout, self.mesh_plan, self.world, self.options
-        if lay.fp8_impl == "torchao":
+        if lay.owners.fp8_impl == "torchao":
             convert_to_float8(part, lay.fp8_config(), device_type=self.device.type,
                               fsdp_enabled=m.dp * m.cp > 1)
         if m.tp > 1:

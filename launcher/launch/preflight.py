@@ -41,7 +41,7 @@ def check_hf_support(spec: JobConfig, plan: Plan) -> None:
     """Hugging Face export (checkpoint.export=hf) is served by the native engine only (DeepSpeed
     loads model.init_from, but its export gathers the whole model on rank 0): refuse before launch
     when DeepSpeed owns the model states."""
-    if plan.layout.sharding_backend != "deepspeed":
+    if plan.layout.owners.sharding_backend != "deepspeed":
         return
     problems = []
     if spec.checkpoint.export == "hf":

@@ -15,7 +15,8 @@ so every field has a default and the derived values are properties of the fields
 Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/mesh.py's MeshPlan, their
 only home), the per-rank batch `Layout.batch` (RankBatchPlan), the ZeRO stage, activation checkpointing
 and offload `Layout.memory` (MemoryPlan), the precision and fp8 options `Layout.numerics`
-(NumericsPlan), the DeepSpeed knobs `Layout.deepspeed`; plan.json
+(NumericsPlan), the backend owning each feature `Layout.owners` (BackendPlan; Layout.backends is
+its per-feature table as a dict), the DeepSpeed knobs `Layout.deepspeed`; plan.json
 writes them flat (PLAN_KEY_ORDER). OVERRIDE_FIELDS is
 the one map between a layout and the `train` overrides that select it.
 
@@ -125,9 +126,23 @@ class NumericsPlan:
     fp8_exclude: Tuple[str, ...] = ("output", "router")
 
 
+@dataclass(frozen=True)
+class BackendPlan:
+    """Who implements what: the backend that owns each feature and the per-feature record, as
+    the resolver decided (resolve.backend_fields; the engines and the estimators obey it)."""
+
+    sharding_backend: BackendName = "native"  # native (FSDP2) | deepspeed (ZeRO); owns the model states
+    offload_backend: BackendName = "native"  # native (FSDP2 CPUOffloadPolicy) | deepspeed (ZeRO-Offload)
+    pp_backend: BackendName = "native"
+    ac_backend: BackendName = "native"  # torch checkpoint | deepspeed.checkpointing
+    fp8_impl: Fp8Impl = "off"
+    # The per-feature record (feature, choice) in launcher.plan.features.FEATURES order.
+    choices: Tuple[Tuple[str, BackendChoice], ...] = ()
+
+
 # Sub-records plan.json writes flat (its keys predate the records), in PLAN_KEY_ORDER.
 FLAT_RECORDS = {"mesh": MeshPlan, "batch": RankBatchPlan, "memory": MemoryPlan, "numerics": NumericsPlan,
-                "deepspeed": DeepSpeedPlan}
+                "owners": BackendPlan, "deepspeed": DeepSpeedPlan}
 # plan.json's layout keys in their order (as written before the records; MemoryPlan's fields were
 # spread over the flat Layout). to_dict writes these first, any newer key after them.
 PLAN_KEY_ORDER: Tuple[str, ...] = (
@@ -159,15 +174,9 @@ class Layout:
     memory: MemoryPlan = field(default_factory=MemoryPlan)
     # Precision, gradient-reduce dtype, TF32 and the fp8 options (NumericsPlan).
     numerics: NumericsPlan = field(default_factory=NumericsPlan)
-    # Who implements what (the resolver's decision).
-    sharding_backend: BackendName = "native"  # native (FSDP2) | deepspeed (ZeRO); owns the model states
-    offload_backend: BackendName = "native"  # native (FSDP2 CPUOffloadPolicy) | deepspeed (ZeRO-Offload)
-    pp_backend: BackendName = "native"
-    ac_backend: BackendName = "native"  # torch checkpoint | deepspeed.checkpointing
-    fp8_impl: Fp8Impl = "off"
+    # Who implements what (the resolver's decision; BackendPlan).
+    owners: BackendPlan = field(default_factory=BackendPlan)
     deepspeed: DeepSpeedPlan = field(default_factory=DeepSpeedPlan)
-    # The per-feature record (feature, choice) in launcher.plan.features.FEATURES order.
-    choices: Tuple[Tuple[str, BackendChoice], ...] = ()
     # Speed-only knobs the planner costs (launcher/plan/perf.py): trainer.compile fuses each block's
     # elementwise ops; precision.fp8.recipe sets the float8 casting work.
     compile: bool = False
@@ -194,7 +203,7 @@ class Layout:
 
     @property
     def uses_deepspeed(self) -> bool:
-        return self.sharding_backend == "deepspeed"
+        return self.owners.sharding_backend == "deepspeed"
 
     @property
     def offload_to_cpu(self) -> bool:
@@ -204,7 +213,7 @@ class Layout:
     def fsdp_wraps(self) -> bool:
         """Whether native FSDP2 wraps the model: more than one sharding rank, or a single one
         that offloads to the CPU (FSDP2's CPUOffloadPolicy is what moves the states)."""
-        if self.sharding_backend != "native":
+        if self.owners.sharding_backend != "native":
             return False
         return self.mesh.dp * self.mesh.cp > 1 or self.offload_to_cpu
 
@@ -213,7 +222,7 @@ class Layout:
         """Whether FSDP2 keeps every unit unsharded, gradients unreduced, across the step's
         micro-batches: under torch's pipeline schedules (they do it themselves) or with
         accumulate_unsharded. Then it all-gathers and reduce-scatters once per step."""
-        if self.sharding_backend != "native" or not self.memory.zero_stage:
+        if self.owners.sharding_backend != "native" or not self.memory.zero_stage:
             return False
         return self.mesh.pp > 1 or self.memory.accumulate_unsharded
 
@@ -232,7 +241,7 @@ class Layout:
         if self.memory.zero_stage == 0:
             return 1
         n = self.mesh.dp_shard * self.mesh.cp
-        if self.sharding_backend == "deepspeed":
+        if self.owners.sharding_backend == "deepspeed":
             n *= self.mesh.dp_replicate
         return n
 
@@ -250,7 +259,7 @@ class Layout:
     @property
     def backends(self) -> Dict[str, BackendChoice]:
         """feature -> BackendChoice (the plan's backend table)."""
-        return dict(self.choices)
+        return dict(self.owners.choices)
 
     def value_at(self, path: str) -> Any:
         """The value at a field path of OVERRIDE_FIELDS ("mesh.tp", "sp", ...)."""
@@ -265,7 +274,7 @@ class Layout:
     def to_dict(self) -> Dict[str, Any]:
         """plan.json's ``layout``: the fields plus the derived values the runtime checks against.
 
-        The FLAT_RECORDS (mesh, batch, memory, numerics, DeepSpeed knobs) are written flat, in PLAN_KEY_ORDER
+        The FLAT_RECORDS (mesh, batch, memory, numerics, owners, DeepSpeed knobs) are written flat, in PLAN_KEY_ORDER
         (plan.json's keys predate the records)."""
         flat: Dict[str, Any] = {}
         for f in fields(self):
@@ -277,7 +286,7 @@ class Layout:
         d.update(flat)
         d["pp_layers"] = list(self.pp_layers)
         d["fp8_exclude"] = list(self.numerics.fp8_exclude)
-        d["choices"] = {name: asdict(c) for name, c in self.choices}
+        d["choices"] = {name: asdict(c) for name, c in self.owners.choices}
         d["derived"] = {
             "world_size": self.mesh.world_size,
             "dp": self.mesh.dp,
@@ -291,10 +300,10 @@ class Layout:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Layout":
         d = {k: v for k, v in d.items() if k != "derived"}
+        d["choices"] = tuple((name, BackendChoice(**c)) for name, c in d.get("choices", {}).items())
         if "fp8_exclude" in d:
             d["fp8_exclude"] = tuple(d["fp8_exclude"])
         for name, record in FLAT_RECORDS.items():
             d[name] = record(**{f.name: d.pop(f.name) for f in fields(record) if f.name in d})
         d["pp_layers"] = tuple(d.get("pp_layers", ()))
-        d["choices"] = tuple((name, BackendChoice(**c)) for name, c in d.get("choices", {}).items())
         return cls(**d)

@@ -72,7 +72,7 @@ class StageMemory:
 
 def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
     """Bytes per parameter kept for the whole step: {params, grads, optimizer}, before sharding."""
-    if lay.sharding_backend == "deepspeed":
+    if lay.owners.sharding_backend == "deepspeed":
         if lay.numerics.precision != "fp32":
             if lay.memory.zero_stage == 1 and lay.memory.offload_optimizer == "none":
                 # launcher/engines/deepspeed_config.py accumulates gradients in fp32 at ZeRO-1, which makes
@@ -95,14 +95,14 @@ def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
 def _sharded(lay: Layout) -> tuple:
     """Which states ZeRO divides by the shard degree. FSDP2 shards all three at any stage >= 1
     (its stages 1/2 differ from 3 only in resharding after forward)."""
-    if lay.sharding_backend == "deepspeed":
+    if lay.owners.sharding_backend == "deepspeed":
         return ((), ("optimizer",), ("grads", "optimizer"), ("params", "grads", "optimizer"))[lay.memory.zero_stage]
     return () if lay.memory.zero_stage == 0 else ("params", "grads", "optimizer")
 
 
 def _offloaded(lay: Layout) -> tuple:
     """States that live on the host instead of the GPU."""
-    if lay.memory.offload_params != "none" or (lay.memory.offload_optimizer != "none" and lay.offload_backend == "native"):
+    if lay.memory.offload_params != "none" or (lay.memory.offload_optimizer != "none" and lay.owners.offload_backend == "native"):
         # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together;
         # DeepSpeed parameter offload is used with optimizer offload in practice.
         return ("params", "grads", "optimizer")
@@ -115,7 +115,7 @@ def working_dtype_bytes(lay: Layout) -> float:
     """Bytes per element of the unsharded parameters the forward/backward compute with."""
     if lay.numerics.precision == "fp32":
         return 4.0
-    if lay.numerics.precision == "fp8" and lay.numerics.fp8_all_gather and lay.sharding_backend == "native":
+    if lay.numerics.precision == "fp8" and lay.numerics.fp8_all_gather and lay.owners.sharding_backend == "native":
         return 1.0
     return 2.0
 
@@ -138,7 +138,7 @@ def model_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelSha
             host += b
             b = 0.0
         out[cat] = int(b)
-    fsdp_accumulates_shards = (lay.sharding_backend == "native" and lay.memory.zero_stage >= 1
+    fsdp_accumulates_shards = (lay.owners.sharding_backend == "native" and lay.memory.zero_stage >= 1
                                and lay.fsdp_degree > 1 and not lay.fsdp_holds_unsharded)
     if lay.batch.microbatches > 1 and out["grads"] and not fsdp_accumulates_shards:
         # Accumulating into existing gradients briefly holds a fresh gradient next to the old
@@ -189,13 +189,13 @@ def working_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelS
         # to_accumulated_grad_if_needed upcasts them), so fp32 with reduce_dtype=fp32.
         acc_wb = 4.0 if lay.numerics.reduce_dtype == "fp32" else grad_wb
         out["unsharded_grads"] = int(local * acc_wb)
-    elif lay.sharding_backend == "native" and not lay.fsdp_wraps:
+    elif lay.owners.sharding_backend == "native" and not lay.fsdp_wraps:
         # One sharding rank: no FSDP2, the engine's autocast computes in bf16 (native.py _autocast).
         # Autocast caches the bf16 cast of every weight it multiplies (leaf tensors that need grad)
         # and each matmul saves its cast for backward, so at the loss's backward all of them exist.
         if lay.numerics.precision in ("bf16", "fp8"):
             out["autocast_weight_copies"] = int(autocast_cast_elements(stage, shape, lay) * 2.0)
-    elif lay.sharding_backend == "native":
+    elif lay.owners.sharding_backend == "native":
         if lay.memory.zero_stage in (1, 2):
             out["unsharded_params"] = int(local * wb)  # kept from forward to backward
         elif lay.numerics.precision != "fp32" or lay.memory.zero_stage == 3:
@@ -514,7 +514,7 @@ def grads_freed_at_loss(lay: Layout) -> bool:
     step ends with zero_grad(set_to_none=True); FSDP2 allocates sharded gradients as it
     reduce-scatters them), one micro-batch per step and no pipeline (a later micro-batch's loss
     runs beside the earlier ones' gradients). DeepSpeed keeps its gradient buffers."""
-    return lay.sharding_backend == "native" and lay.batch.microbatches == 1 and lay.mesh.pp == 1
+    return lay.owners.sharding_backend == "native" and lay.batch.microbatches == 1 and lay.mesh.pp == 1
 
 
 def most_loaded(stages: List[StageMemory]) -> StageMemory:

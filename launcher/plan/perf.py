@@ -252,7 +252,7 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     routed = st.routed / (lay.mesh.tp * lay.mesh.ep)
     wb = 4.0 if lay.numerics.precision == "fp32" else (1.0 if lay.numerics.precision == "fp8" and lay.numerics.fp8_all_gather else 2.0)
     rb = 4.0 if (lay.numerics.reduce_dtype == "fp32" or lay.numerics.precision == "fp32") else 2.0
-    ds = lay.sharding_backend == "deepspeed"
+    ds = lay.owners.sharding_backend == "deepspeed"
     if ds:
         # DeepSpeed gathers its bf16/fp32 working parameters; gradients travel in
         # communication_data_type, which launcher/engines/deepspeed_config.py takes from reduce_dtype.

@@ -27,7 +27,7 @@ from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, Pro
 from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
 from launcher.plan.features import FEATURES, BackendChoice
-from launcher.plan.layout import DeepSpeedPlan, Layout, MemoryPlan, NumericsPlan, RankBatchPlan
+from launcher.plan.layout import BackendPlan, DeepSpeedPlan, Layout, MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.rules import backend_conflicts, hpz_partition_size
 
@@ -143,7 +143,7 @@ def _layout_problems(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
 def async_checkpoint_problems(spec: JobConfig, layout: Layout) -> List[str]:
     """checkpoint.async=true needs the native engine: DeepSpeed's save_checkpoint writes in the
     foreground and offers no staged background write with our atomic publish (refused, not ignored)."""
-    if not spec.checkpoint.saves_async or layout.sharding_backend != "deepspeed":
+    if not spec.checkpoint.saves_async or layout.owners.sharding_backend != "deepspeed":
         return []
     return [f"checkpoint.async=true: asynchronous checkpoints are written by the native engine (DCP async_save), "
             f"but this layout gives the model states to DeepSpeed (ZeRO-{layout.memory.zero_stage}), whose checkpoints are "
@@ -153,7 +153,7 @@ def async_checkpoint_problems(spec: JobConfig, layout: Layout) -> List[str]:
 def local_tier_problems(spec: JobConfig, layout: Layout) -> List[str]:
     """checkpoint.local_dir needs the native engine: its node-local save copies each rank's local
     shards, which DeepSpeed's ZeRO engine does not hand out (refused, not ignored)."""
-    if not (spec.checkpoint.enabled and spec.checkpoint.local_dir) or layout.sharding_backend != "deepspeed":
+    if not (spec.checkpoint.enabled and spec.checkpoint.local_dir) or layout.owners.sharding_backend != "deepspeed":
         return []
     return [f"checkpoint.local_dir={spec.checkpoint.local_dir}: the node-local checkpoint tier is written by the "
             f"native engine, but this layout gives the model states to DeepSpeed (ZeRO-{layout.memory.zero_stage}). "
@@ -219,7 +219,7 @@ def unsharded_peak_bytes(spec: JobConfig, lay: Layout) -> int:
 
 
 def backend_fields(choices: Dict[str, BackendChoice], offload_optimizer: str, pp: int) -> Dict[str, str]:
-    """The Layout's backend fields from the per-feature choices (shared with the search)."""
+    """The BackendPlan's owner fields from the per-feature choices (shared with the search)."""
     choice = lambda name: choices.get(name) or BackendChoice("native", "off", "")  # noqa: E731
     owner = choice("sharding").backend
     offload = choice("offload_optimizer" if offload_optimizer != "none" else "offload_params")
@@ -295,8 +295,8 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         vpp=max(1, int(p.pp_virtual_stages)) if mesh.pp > 1 else 1,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers),
-        choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
-        **backend_fields(choices, spec.offload.optimizer, mesh.pp),
+        owners=BackendPlan(choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
+                           **backend_fields(choices, spec.offload.optimizer, mesh.pp)),
     )
 
 

@@ -239,7 +239,8 @@ def _accumulation_held_if_fits(spec, shape: ModelShape, lay: Layout, reserve: in
 
 
 def _with_backends(lay: Layout, choices: Dict[str, Any], spec) -> Layout:
-    return dataclasses.replace(lay, **backend_fields(choices, spec.offload.optimizer, lay.mesh.pp))
+    owners = dataclasses.replace(lay.owners, **backend_fields(choices, spec.offload.optimizer, lay.mesh.pp))
+    return dataclasses.replace(lay, owners=owners)
 
 
 def node_counts(spec) -> List[int]:

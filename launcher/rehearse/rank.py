@@ -342,7 +342,7 @@ def balance_moe_routing(parts) -> str:
 
 def fake_step_skip_reason(layout, model_cfg) -> str:
     """Why no fake training step runs for this layout ("" when one runs)."""
-    if layout.sharding_backend == "deepspeed":
+    if layout.owners.sharding_backend == "deepspeed":
         return "DeepSpeed's forward does not run on a fake process group"
     return ""
 
@@ -572,11 +572,11 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
 
 
     world = layout.mesh.world_size
-    if layout.sharding_backend == "deepspeed":
+    if layout.owners.sharding_backend == "deepspeed":
         check_deepspeed_rank(layout, options)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    if layout.sharding_backend == "deepspeed":
+    if layout.owners.sharding_backend == "deepspeed":
         return _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     options = dataclasses.replace(options, fake_mode=fake)
