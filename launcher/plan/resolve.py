@@ -8,7 +8,7 @@ to derive
 - the gradient accumulation (micro-batches per optimizer step on each data-parallel rank),
 - the pipeline micro-batches (THE rule: the schedule runs the accumulation micro-batches),
 - the schedule and virtual stages, whether FSDP2 wraps the model (``Layout.fsdp_wraps``),
-- whether FSDP2 accumulates gradients unsharded (``Layout.accumulate_unsharded``, from
+- whether FSDP2 accumulates gradients unsharded (``Layout.memory.accumulate_unsharded``, from
   parallel.accumulate_unsharded: auto checks the planner's memory against hardware.memory_gb),
 - which backend and implementation owns each feature (launcher/plan/rules.py).
 
