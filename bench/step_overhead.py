@@ -149,8 +149,8 @@ class InMemoryBatches:
 def check_layout(plan, ranks: int) -> None:
     """The bare loop hand-codes this layout; refuse to compare against another one."""
     lay = plan.layout
-    got = dict(dp=lay.mesh.dp, tp=lay.mesh.tp, pp=lay.mesh.pp, cp=lay.mesh.cp, microbatches=lay.microbatches, zero=lay.zero_stage,
-               fsdp=lay.fsdp_wraps, ac=lay.ac_mode, backend=lay.sharding_backend, offload=lay.offload_to_cpu)
+    got = dict(dp=lay.mesh.dp, tp=lay.mesh.tp, pp=lay.mesh.pp, cp=lay.mesh.cp, microbatches=lay.batch.microbatches, zero=lay.memory.zero_stage,
+               fsdp=lay.fsdp_wraps, ac=lay.memory.ac_mode, backend=lay.owners.sharding_backend, offload=lay.offload_to_cpu)
     want = dict(dp=ranks, tp=1, pp=1, cp=1, microbatches=1, zero=3, fsdp=ranks > 1, ac="none", backend="native",
                 offload=False)
     if got != want:

@@ -121,7 +121,7 @@ def run_deepspeed(spec: dict, cfg) -> dict:
     if not spec.get("masking", True):
         mbs = [mb._replace(positions=None, document_ids=None) for mb in mbs]
     mine = rank_rows(layout, mbs)
-    out = {"layout": {"sharding": layout.sharding_backend, "pp": layout.pp_backend, "ac": layout.ac_backend}}
+    out = {"layout": {"sharding": layout.owners.sharding_backend, "pp": layout.owners.pp_backend, "ac": layout.owners.ac_backend}}
     try:
         ev = engine.eval_stats(mine)
         st = engine.train_step(mine)

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from launcher.config.schema import ModelConfig
 from launcher.models import build_model
 from launcher.parallel.ac import apply_activation_checkpointing
-from launcher.plan.layout import Layout
+from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import layer_activation_bytes
 from launcher.plan.params import model_shape
@@ -84,7 +84,7 @@ def test_alternate_mm_recomputes_wk_wo_w3_and_matches_no_ac():
 def test_planner_drops_exactly_the_recomputed_outputs():
     shape = model_shape(_cfg())
     for tp, sp in ((1, False), (2, False), (2, True)):
-        lay = Layout(micro_batch_size=B, seq_len=S, mesh=MeshPlan(tp=tp), sp=sp, precision="bf16")
+        lay = Layout(batch=RankBatchPlan(micro_batch_size=B, seq_len=S), mesh=MeshPlan(tp=tp), sp=sp, numerics=NumericsPlan(precision="bf16"))
         tokens, a = B * S, lay.act_bytes
         op = layer_activation_bytes(shape, lay, False, "op")
         alt = layer_activation_bytes(shape, lay, False, "op_alternate_mm")
@@ -100,8 +100,8 @@ def test_planner_times_the_recomputed_matmuls():
     from launcher.plan.perf import gemm_efficiency, matmul_peak, microbatch_compute_s
 
     shape, hw = model_shape(_cfg()), HardwareConfig()
-    lay = Layout(micro_batch_size=B, seq_len=S, ac_mode="selective", ac_selective="op", precision="bf16")
-    alt = Layout(micro_batch_size=B, seq_len=S, ac_mode="selective", ac_selective="op_alternate_mm", precision="bf16")
+    lay = Layout(batch=RankBatchPlan(micro_batch_size=B, seq_len=S), memory=MemoryPlan(ac_mode="selective", ac_selective="op"), numerics=NumericsPlan(precision="bf16"))
+    alt = Layout(batch=RankBatchPlan(micro_batch_size=B, seq_len=S), memory=MemoryPlan(ac_mode="selective", ac_selective="op_alternate_mm"), numerics=NumericsPlan(precision="bf16"))
     st = stage_params(shape, 1, 1, "1f1b", ())[0]
     extra = microbatch_compute_s(shape, st, alt, hw) - microbatch_compute_s(shape, st, lay, hw)
     # One more forward of wk, wo and w3 per block: 2 FLOPs per multiply-add of their weights.

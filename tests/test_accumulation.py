@@ -18,7 +18,7 @@ import pytest
 
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
-from launcher.plan.layout import Layout
+from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import estimate_memory
 from launcher.plan.params import model_shape, stage_params
@@ -83,7 +83,7 @@ def _spec(*overrides: str):
 @pytest.mark.parametrize("value,expected", [("true", True), ("false", False), ("auto", True)])
 def test_the_key_resolves_into_the_layout(value, expected):
     lay = resolve(_spec(f"parallel.accumulate_unsharded={value}"))
-    assert lay.microbatches == 4 and lay.accumulate_unsharded is expected
+    assert lay.batch.microbatches == 4 and lay.memory.accumulate_unsharded is expected
     assert lay.fsdp_holds_unsharded is expected
 
 
@@ -92,9 +92,9 @@ def test_auto_keeps_sharded_accumulation_when_it_does_not_fit():
     spec = _spec("parallel.accumulate_unsharded=auto", "hardware.memory_gb=0.0065", "hardware.reserved_gb=0")
     lay = resolve(spec)
     held, why = resolve_accumulate_unsharded(spec, lay)
-    assert lay.accumulate_unsharded is False and held is False and "hardware.memory_gb=0.0065" in why
+    assert lay.memory.accumulate_unsharded is False and held is False and "hardware.memory_gb=0.0065" in why
     roomy = _spec("parallel.accumulate_unsharded=auto", "hardware.memory_gb=0.0075", "hardware.reserved_gb=0")
-    assert resolve(roomy).accumulate_unsharded is True
+    assert resolve(roomy).memory.accumulate_unsharded is True
 
 
 @pytest.mark.parametrize("overrides,reason", [
@@ -107,7 +107,7 @@ def test_layouts_that_cannot_hold_unsharded_resolve_false_and_say_why(overrides,
     spec = _spec("parallel.accumulate_unsharded=true", *overrides)
     lay = resolve(spec)
     held, why = resolve_accumulate_unsharded(spec, lay)
-    assert lay.accumulate_unsharded is False and held is False and reason in why
+    assert lay.memory.accumulate_unsharded is False and held is False and reason in why
 
 
 def test_bad_choice_is_one_line_with_a_fix():
@@ -124,13 +124,13 @@ def test_the_field_round_trips_through_plan_json(tmp_path):
     d = json.loads((tmp_path / "plan.json").read_text())["layout"]
     assert d["accumulate_unsharded"] is True and d["derived"]["fsdp_holds_unsharded"] is True
     back = Plan.load(tmp_path).layout
-    assert back == plan.layout and back.accumulate_unsharded is True
+    assert back == plan.layout and back.memory.accumulate_unsharded is True
 
 
 # ----------------------------------------------------------------------------- planned
 
 
-BASE = Layout(mesh=MeshPlan(dp_shard=8), microbatches=8, precision="bf16", gpus_per_node=8, zero_stage=3)
+BASE = Layout(mesh=MeshPlan(dp_shard=8), batch=RankBatchPlan(microbatches=8), numerics=NumericsPlan(precision="bf16"), gpus_per_node=8, memory=MemoryPlan(zero_stage=3))
 
 
 def _fsdp_comm(lay: Layout) -> dict:
@@ -145,9 +145,9 @@ def _fsdp_comm(lay: Layout) -> dict:
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_comm_is_counted_once_per_step_when_held(zero_stage):
-    sharded = dataclasses.replace(BASE, zero_stage=zero_stage)
-    held = dataclasses.replace(sharded, accumulate_unsharded=True)
-    one_mb = dataclasses.replace(sharded, microbatches=1)
+    sharded = dataclasses.replace(BASE, memory=dataclasses.replace(BASE.memory, zero_stage=zero_stage))
+    held = dataclasses.replace(sharded, memory=dataclasses.replace(sharded.memory, accumulate_unsharded=True))
+    one_mb = dataclasses.replace(sharded, batch=dataclasses.replace(sharded.batch, microbatches=1))
     # Held: what a single micro-batch costs, whatever the accumulation; else once per micro-batch.
     assert _fsdp_comm(held)["reduce_scatter"] == pytest.approx(_fsdp_comm(one_mb)["reduce_scatter"])
     assert _fsdp_comm(sharded)["reduce_scatter"] == pytest.approx(8 * _fsdp_comm(one_mb)["reduce_scatter"])
@@ -156,7 +156,7 @@ def test_comm_is_counted_once_per_step_when_held(zero_stage):
 
 
 def test_memory_holds_unsharded_params_and_grads_when_held():
-    sharded, held = BASE, dataclasses.replace(BASE, accumulate_unsharded=True)
+    sharded, held = BASE, dataclasses.replace(BASE, memory=dataclasses.replace(BASE.memory, accumulate_unsharded=True))
     m_sharded, m_held = estimate_memory(SHAPE, sharded)[0], estimate_memory(SHAPE, held)[0]
     local = SHAPE.total  # tp = ep = pp = 1: every parameter of the model, unsharded
     assert m_held.detail["unsharded_params"] == pytest.approx(local * 2, rel=1e-6)  # bf16
@@ -184,6 +184,6 @@ def test_search_plans_what_the_resolver_will_run():
     spec = compose_spec(["model=llama_1b", "cluster.nodes=2", "cluster.gpus_per_node=8",
                          "trainer.seq_len=4096", "trainer.global_batch_size=512", "action=search"])
     cands = search_layouts(spec, limit=10)
-    assert any(c.layout.accumulate_unsharded for c in cands)
+    assert any(c.layout.memory.accumulate_unsharded for c in cands)
     for c in cands:
-        assert resolve(candidate_spec(spec, c.layout)).accumulate_unsharded == c.layout.accumulate_unsharded
+        assert resolve(candidate_spec(spec, c.layout)).memory.accumulate_unsharded == c.layout.memory.accumulate_unsharded

@@ -79,7 +79,7 @@ def test_the_stream_is_the_same_on_one_rank_and_on_dp2_x_tp2(corpora):
     lay = plan.layout
     assert (lay.mesh.dp, lay.mesh.tp, plan.world_size) == (2, 2, 4)
     single = _batches(corpora, BatchSlice(0, 1, 2, 4))
-    ranks = {r: _batches(corpora, BatchSlice(data_parallel_rank(plan, r), lay.mesh.dp, lay.micro_batch_size, lay.microbatches))
+    ranks = {r: _batches(corpora, BatchSlice(data_parallel_rank(plan, r), lay.mesh.dp, lay.batch.micro_batch_size, lay.batch.microbatches))
              for r in range(4)}
     for step in (1, 2, 7):
         by_dp = {}

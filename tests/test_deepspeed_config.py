@@ -124,7 +124,7 @@ def test_preflight_checks_the_generated_config_with_deepspeed():
     plan = build_plan(spec)
     assert plan.layout.uses_deepspeed
     check_deepspeed_config(spec, plan)  # accepted
-    broken = Plan(layout=dataclasses.replace(plan.layout, offload_optimizer="floppy"))
+    broken = Plan(layout=dataclasses.replace(plan.layout, memory=dataclasses.replace(plan.layout.memory, offload_optimizer="floppy")))
     with pytest.raises(ConfigError) as err:
         check_deepspeed_config(spec, broken)
     (line,) = err.value.problems

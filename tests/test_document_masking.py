@@ -199,8 +199,8 @@ def test_deepspeed_pipeline_with_document_masking_is_refused_before_launch():
         layout_for(cfg, 2, **{"parallel.pp": 2, "parallel.zero_stage": 1, "backend.pp": "deepspeed",
                               "data.reset_positions": True})
     # Without masking the same layout rides on DeepSpeed's pipeline; with it the native one serves.
-    assert layout_for(cfg, 4, **{"parallel.pp": 2, "parallel.zero_stage": 1}).pp_backend == "deepspeed"
-    assert layout_for(cfg, 4, **{"parallel.pp": 2, "data.document_masking": True}).pp_backend == "native"
+    assert layout_for(cfg, 4, **{"parallel.pp": 2, "parallel.zero_stage": 1}).owners.pp_backend == "deepspeed"
+    assert layout_for(cfg, 4, **{"parallel.pp": 2, "data.document_masking": True}).owners.pp_backend == "native"
 
 
 # ----------------------------------------------------------------------------- tp=2 and pp=2

@@ -497,7 +497,7 @@ def test_deepspeed_backend_refuses_hf_export_before_launch(hf_models):
     spec = compose_spec(["model=hf", f"model.init_from={hf_models['llama']}", "backend=deepspeed",
                          "checkpoint.export=hf", "cluster.gpus_per_node=1"])
     layout = resolve(spec)
-    assert layout.sharding_backend == "deepspeed"
+    assert layout.owners.sharding_backend == "deepspeed"
     with pytest.raises(ConfigError) as err:
         check_hf_support(spec, SimpleNamespace(layout=layout))
     assert len(err.value.problems) == 1 and "checkpoint.export=hf" in err.value.problems[0]

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from launcher.models.grouped_mm import expert_swiglu, grouped_mm_problem
 from launcher.models.moe import MoE
 from launcher.plan.mesh import MeshPlan
+from launcher.plan.layout import MemoryPlan, NumericsPlan, RankBatchPlan
 
 aten = torch.ops.aten
 # Ops whose result size or value the host must read from the device (a sync on CUDA).
@@ -329,10 +330,9 @@ def test_plan_counts_tp_replicated_experts_in_unsharded_copies():
         nodes=1,
         gpus_per_node=8,
         mesh=MeshPlan(pp=2, dp_shard=2, tp=2),
-        micro_batch_size=1,
-        seq_len=4096,
-        zero_stage=3,
-        precision="bf16",
+        batch=RankBatchPlan(micro_batch_size=1, seq_len=4096),
+        memory=MemoryPlan(zero_stage=3),
+        numerics=NumericsPlan(precision="bf16"),
     )
     assert lay.fsdp_holds_unsharded  # the pipeline keeps units unsharded across micro-batches
     want = (st.shared - st.tp_replicated) / 2 + st.tp_replicated + st.routed / lay.mesh.ep

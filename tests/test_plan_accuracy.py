@@ -150,14 +150,14 @@ def test_search_prefers_interleaved_1f1b_for_table5_layout():
     rank = {}
     for i, c in enumerate(cands):
         lay = c.layout
-        if (lay.mesh.pp, lay.mesh.tp, lay.mesh.dp_shard, lay.micro_batch_size) == (8, 8, 8, 4):
+        if (lay.mesh.pp, lay.mesh.tp, lay.mesh.dp_shard, lay.batch.micro_batch_size) == (8, 8, 8, 4):
             rank.setdefault((lay.schedule, lay.vpp), i)
     assert rank[("interleaved_1f1b", 2)] < rank[("1f1b", 1)]
 
 
 # ----------------------------------------------------------------------------- memory terms
 
-def _lay(**kw):
+def _lay(**kw) -> Layout:
     base = dict(nodes=1, gpus_per_node=8, dp_shard=8, micro_batch_size=2, seq_len=8192, zero_stage=3)
     base.update(kw)
     return Layout.from_dict(base)  # flat keys, as in plan.json (the degrees go to .mesh)
@@ -209,7 +209,7 @@ def test_peak_is_the_larger_backward_phase_plus_fragmentation():
         allocated = mem.params + mem.grads + mem.optimizer + mem.activations + working + phase
         assert d["allocator_fragmentation"] == int(allocated * ALLOCATOR_FRAGMENTATION)
         assert mem.other == working + phase + d["allocator_fragmentation"]
-        with_grads = estimate_memory(shape, dataclasses.replace(lay, microbatches=2), reserved_bytes=0)[0]
+        with_grads = estimate_memory(shape, dataclasses.replace(lay, batch=dataclasses.replace(lay.batch, microbatches=2)), reserved_bytes=0)[0]
         assert with_grads.grads == with_grads.detail["grads_held"] >= d["grads_held"] > 0  # earlier micro-batches' gradients
         # The loss's backward: bf16 logits + fp32 grads of the log-softmax output and input, plus
         # loss_parallel's extra fp32 temporary under TP.

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
-from launcher.plan.layout import Layout
+from launcher.plan.layout import RankBatchPlan, Layout
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import inflight_microbatches
 
@@ -36,7 +36,7 @@ def _torch_peak_chunks(p: int, v: int, m: int, rank: int) -> int:
 def test_interleaved_inflight_matches_torchs_schedule(p, v):
     for m in range(p, 3 * p + 2):
         for rank in range(p):
-            lay = Layout(mesh=MeshPlan(pp=p), vpp=v, microbatches=m, schedule="interleaved_1f1b")
+            lay = Layout(mesh=MeshPlan(pp=p), vpp=v, batch=RankBatchPlan(microbatches=m), schedule="interleaved_1f1b")
             assert inflight_microbatches(lay, rank) == pytest.approx(_torch_peak_chunks(p, v, m, rank) / v), (p, v, m, rank)
 
 
@@ -44,7 +44,7 @@ def test_table5_layout_holds_every_micro_batch_under_both_schedules():
     # torchtitan's Table 5 (pp 8, 8 micro-batches): 1F1B's rank 0 warms up with all 8; interleaved
     # (v = 2) would warm up with 22 chunk forwards, capped at the 16 there are. Both hold 8
     # micro-batches of the rank's 16 layers, so in-flight activations do not order the two.
-    one = Layout(mesh=MeshPlan(pp=8), vpp=1, microbatches=8, schedule="1f1b")
-    two = Layout(mesh=MeshPlan(pp=8), vpp=2, microbatches=8, schedule="interleaved_1f1b")
+    one = Layout(mesh=MeshPlan(pp=8), vpp=1, batch=RankBatchPlan(microbatches=8), schedule="1f1b")
+    two = Layout(mesh=MeshPlan(pp=8), vpp=2, batch=RankBatchPlan(microbatches=8), schedule="interleaved_1f1b")
     assert inflight_microbatches(one, 0) == inflight_microbatches(two, 0) == 8
     assert _torch_peak_chunks(8, 2, 8, 0) == 16

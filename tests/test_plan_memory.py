@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.plan.layout import Layout
+from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import (
     estimate_memory,
@@ -77,7 +77,7 @@ def test_fsdp2_keeps_fp32_shards_and_replicates_over_dp_replicate():
 def test_tp_and_ep_divide_before_zero():
     st = StageParams(rank=0, layers=(), shared=8_000_000, routed=64_000_000, largest_unit=0,
                      has_embedding=False, has_output=False, n_moe_layers=0)
-    s = model_state_memory(st, Layout(mesh=MeshPlan(tp=2, ep=8, dp_shard=16), zero_stage=3))
+    s = model_state_memory(st, Layout(mesh=MeshPlan(tp=2, ep=8, dp_shard=16), memory=MemoryPlan(zero_stage=3)))
     # shared: /tp /16 ranks; routed experts: TP leaves them whole (launcher/parallel/tp.py), /ep,
     # then sharded over the 16/8 = 2 remaining ranks (what action=rehearse measured for Mixtral).
     assert s["params"] == pytest.approx(4 * (8e6 / 2 / 16 + 64e6 / 8 / 2))
@@ -100,7 +100,7 @@ SHAPE = model_shape(compose_spec(["model=llama3_8b"]).model)  # 32 heads, 8 KV h
 
 
 def test_layer_activations_by_hand():
-    lay = Layout(seq_len=4096, micro_batch_size=1)
+    lay = Layout(batch=RankBatchPlan(seq_len=4096, micro_batch_size=1))
     h, f, tokens = 4096, 14336, 4096
     # fp32 norms 16h, linear inputs 2*2h, q/o/wo-input 3*2h, k/v 2*2(h/4) (SDPA enable_gqa: 8 of
     # 32 heads, not repeated), SwiGLU 4*2f.
@@ -115,7 +115,7 @@ def test_layer_activations_by_hand():
 
 
 def test_tp_sp_cp_and_selective_shrink_activations():
-    base = Layout(seq_len=8192, micro_batch_size=2)
+    base = Layout(batch=RankBatchPlan(seq_len=8192, micro_batch_size=2))
     none = layer_activation_bytes(SHAPE, base, False, "none")
     tp = layer_activation_bytes(SHAPE, dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, tp=8)), False, "none")
     sp = layer_activation_bytes(SHAPE, dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, tp=8), sp=True), False, "none")
@@ -128,28 +128,28 @@ def test_tp_sp_cp_and_selective_shrink_activations():
     assert none / 2 < cp < 0.6 * none
     assert sel < none
     # mbs doubles the tokens: activations double.
-    mbs1 = layer_activation_bytes(SHAPE, dataclasses.replace(base, micro_batch_size=1), False, "none")
+    mbs1 = layer_activation_bytes(SHAPE, dataclasses.replace(base, batch=dataclasses.replace(base.batch, micro_batch_size=1)), False, "none")
     assert none == pytest.approx(2 * mbs1)
 
 
 def test_inflight_microbatches_per_schedule():
-    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), microbatches=16, schedule="1f1b"), 0) == 4  # p on the first stage
-    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), microbatches=16, schedule="1f1b"), 3) == 1
-    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), microbatches=16, schedule="gpipe"), 2) == 16  # GPipe keeps m
-    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), microbatches=2, schedule="1f1b"), 0) == 2  # never more than m
-    inter = inflight_microbatches(Layout(mesh=MeshPlan(pp=4), vpp=2, microbatches=16, schedule="interleaved_1f1b"), 0)
+    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), batch=RankBatchPlan(microbatches=16), schedule="1f1b"), 0) == 4  # p on the first stage
+    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), batch=RankBatchPlan(microbatches=16), schedule="1f1b"), 3) == 1
+    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), batch=RankBatchPlan(microbatches=16), schedule="gpipe"), 2) == 16  # GPipe keeps m
+    assert inflight_microbatches(Layout(mesh=MeshPlan(pp=4), batch=RankBatchPlan(microbatches=2), schedule="1f1b"), 0) == 2  # never more than m
+    inter = inflight_microbatches(Layout(mesh=MeshPlan(pp=4), vpp=2, batch=RankBatchPlan(microbatches=16), schedule="interleaved_1f1b"), 0)
     assert inter == pytest.approx(4 * (1 + 3 / 8))  # p (1 + (p-1)/(p v))
 
 
 def test_first_stage_is_most_loaded_under_1f1b_and_memory_grows_with_mbs():
-    lay = Layout(mesh=MeshPlan(pp=4, dp_shard=8, tp=2), sp=True, microbatches=8, seq_len=4096, zero_stage=3)
+    lay = Layout(mesh=MeshPlan(pp=4, dp_shard=8, tp=2), sp=True, batch=RankBatchPlan(microbatches=8, seq_len=4096), memory=MemoryPlan(zero_stage=3))
     stages = estimate_memory(SHAPE, lay)
     assert len(stages) == 4
     assert max(stages, key=lambda s: s.total).rank == 0
     assert stages[0].activations > stages[3].activations
-    bigger = estimate_memory(SHAPE, dataclasses.replace(lay, micro_batch_size=2))
+    bigger = estimate_memory(SHAPE, dataclasses.replace(lay, batch=dataclasses.replace(lay.batch, micro_batch_size=2)))
     assert bigger[0].activations == pytest.approx(2 * stages[0].activations, rel=1e-6)
-    full = estimate_memory(SHAPE, dataclasses.replace(lay, ac_mode="full"))
+    full = estimate_memory(SHAPE, dataclasses.replace(lay, memory=dataclasses.replace(lay.memory, ac_mode="full")))
     assert full[0].activations < stages[0].activations / 5
 
 
@@ -216,6 +216,6 @@ def test_layer_activations_match_what_the_real_block_saves(family, layer, tolera
     assert is_mla(cfg) == (family == "deepseek_v3")
     batch, seq = 2, 64
     measured = _saved_bytes_of_block(cfg, layer, batch, seq)
-    lay = Layout(micro_batch_size=batch, seq_len=seq, precision="bf16")
+    lay = Layout(batch=RankBatchPlan(micro_batch_size=batch, seq_len=seq), numerics=NumericsPlan(precision="bf16"))
     predicted = layer_activation_bytes(shape, lay, shape.is_moe_layer(layer), "none")
     assert abs(predicted / measured - 1) < tolerance, (family, layer, predicted, measured)

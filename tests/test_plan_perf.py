@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.plan.layout import Layout
+from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.params import model_shape, stage_params
 from launcher.plan.perf import bubble_fraction, estimate_comm, estimate_time, placement, ring_factor
@@ -27,12 +27,12 @@ def test_ring_factors():
 
 
 def test_bubble_formulas():
-    assert bubble_fraction(Layout(mesh=MeshPlan(pp=4), microbatches=8, schedule="1f1b")) == pytest.approx(3 / 8)  # (p-1)/m
-    assert bubble_fraction(Layout(mesh=MeshPlan(pp=4), microbatches=8, schedule="gpipe")) == pytest.approx(3 / 8)
-    inter = Layout(mesh=MeshPlan(pp=4), vpp=2, microbatches=8, schedule="interleaved_1f1b")
+    assert bubble_fraction(Layout(mesh=MeshPlan(pp=4), batch=RankBatchPlan(microbatches=8), schedule="1f1b")) == pytest.approx(3 / 8)  # (p-1)/m
+    assert bubble_fraction(Layout(mesh=MeshPlan(pp=4), batch=RankBatchPlan(microbatches=8), schedule="gpipe")) == pytest.approx(3 / 8)
+    inter = Layout(mesh=MeshPlan(pp=4), vpp=2, batch=RankBatchPlan(microbatches=8), schedule="interleaved_1f1b")
     assert bubble_fraction(inter) == pytest.approx(3 / (2 * 8))  # (p-1)/(v m)
-    assert bubble_fraction(Layout(mesh=MeshPlan(pp=1), microbatches=8)) == 0.0
-    assert bubble_fraction(Layout(mesh=MeshPlan(pp=4), vpp=2, microbatches=8, schedule="zbv")) < bubble_fraction(inter)
+    assert bubble_fraction(Layout(mesh=MeshPlan(pp=1), batch=RankBatchPlan(microbatches=8))) == 0.0
+    assert bubble_fraction(Layout(mesh=MeshPlan(pp=4), vpp=2, batch=RankBatchPlan(microbatches=8), schedule="zbv")) < bubble_fraction(inter)
 
 
 def test_tp_is_intra_node_and_pp_crosses_nodes():
@@ -47,16 +47,16 @@ def test_tp_is_intra_node_and_pp_crosses_nodes():
 def test_zero3_moves_1_5x_the_bytes_of_ddp():
     st = stage_params(SHAPE, 1)[0]
     # Same dtype for gathers and reductions so the ratio is the textbook one.
-    base = Layout(mesh=MeshPlan(dp_shard=8), microbatches=1, reduce_dtype="bf16", precision="bf16", gpus_per_node=8)
-    ddp = sum(c.bytes_per_step for c in estimate_comm(SHAPE, dataclasses.replace(base, zero_stage=0), HW, st))
-    z3 = sum(c.bytes_per_step for c in estimate_comm(SHAPE, dataclasses.replace(base, zero_stage=3), HW, st))
+    base = Layout(mesh=MeshPlan(dp_shard=8), batch=RankBatchPlan(microbatches=1), numerics=NumericsPlan(reduce_dtype="bf16", precision="bf16"), gpus_per_node=8)
+    ddp = sum(c.bytes_per_step for c in estimate_comm(SHAPE, dataclasses.replace(base, memory=dataclasses.replace(base.memory, zero_stage=0)), HW, st))
+    z3 = sum(c.bytes_per_step for c in estimate_comm(SHAPE, dataclasses.replace(base, memory=dataclasses.replace(base.memory, zero_stage=3)), HW, st))
     assert ddp == pytest.approx(2 * 7 / 8 * st.shared * 2)  # ring all-reduce of bf16 grads
     assert z3 / ddp == pytest.approx(1.5)
 
 
 def test_tp_volume_by_hand():
     st = stage_params(SHAPE, 1)[0]
-    lay = Layout(mesh=MeshPlan(tp=4), sp=True, microbatches=2, seq_len=2048, micro_batch_size=1, zero_stage=0)
+    lay = Layout(mesh=MeshPlan(tp=4), sp=True, batch=RankBatchPlan(microbatches=2, seq_len=2048, micro_batch_size=1), memory=MemoryPlan(zero_stage=0))
     comm = {c.name: c for c in estimate_comm(SHAPE, lay, HW, st)}
     # Per block per micro-batch: 2 all-gathers forward + 2 backward of s*b*h*2 bytes, (t-1)/t each.
     expected = 32 * 2 * 4 * 2048 * 4096 * 2 * 3 / 4
@@ -71,19 +71,19 @@ def test_cp_ring_volume_by_hand():
     from launcher.plan.ring import ring_bookkeeping_s
 
     st = stage_params(SHAPE, 1)[0]
-    lay = Layout(mesh=MeshPlan(cp=4, dp_shard=2), seq_len=8192, micro_batch_size=1, microbatches=1)
+    lay = Layout(mesh=MeshPlan(cp=4, dp_shard=2), batch=RankBatchPlan(seq_len=8192, micro_batch_size=1, microbatches=1))
     comm = {c.name: c for c in estimate_comm(SHAPE, lay, HW, st)}
     kv = 8192 * 32 * (128 + 128) * 2  # the whole sequence's expanded K and V, bf16
     assert comm["CP K/V ring"].bytes_per_step == pytest.approx(kv * 3 / 4 * 32 * 2)
     assert comm["CP dK/dV ring"].bytes_per_step == pytest.approx(kv / 4 * 2 * 32 * 4)
     # Same 2,048 tokens per GPU: 7 hops cost 7x the bookkeeping of 1 hop, none without CP.
-    by_cp = {cp: ring_bookkeeping_s(SHAPE, dataclasses.replace(lay, mesh=dataclasses.replace(lay.mesh, cp=cp), seq_len=2048 * cp), HW, 32, 0.0, 2048)
+    by_cp = {cp: ring_bookkeeping_s(SHAPE, dataclasses.replace(lay, mesh=dataclasses.replace(lay.mesh, cp=cp), batch=dataclasses.replace(lay.batch, seq_len=2048 * cp)), HW, 32, 0.0, 2048)
              for cp in (1, 2, 8)}
     assert by_cp[1] == 0.0 and by_cp[8] == pytest.approx(7 * by_cp[2])
 
 
 def test_step_time_and_mfu_are_consistent():
-    lay = Layout(mesh=MeshPlan(dp_shard=64, tp=1), microbatches=2, seq_len=8192, micro_batch_size=1, gpus_per_node=8)
+    lay = Layout(mesh=MeshPlan(dp_shard=64, tp=1), batch=RankBatchPlan(microbatches=2, seq_len=8192, micro_batch_size=1), gpus_per_node=8)
     flops_tok = 6 * SHAPE.total  # any consistent number
     tokens = 64 * 2 * 8192
     t = estimate_time(SHAPE, lay, HW, flops_tok, tokens)
@@ -92,7 +92,7 @@ def test_step_time_and_mfu_are_consistent():
     assert t["mfu"] == pytest.approx(t["tokens_per_s_per_gpu"] * flops_tok / 989e12)
     assert 0 < t["mfu"] < HW.achievable_fraction  # can never beat the assumed achievable fraction
     # Full recomputation adds a forward: slower.
-    slow = estimate_time(SHAPE, dataclasses.replace(lay, ac_mode="full"), HW, flops_tok, tokens)
+    slow = estimate_time(SHAPE, dataclasses.replace(lay, memory=dataclasses.replace(lay.memory, ac_mode="full")), HW, flops_tok, tokens)
     assert slow["compute_s"] == pytest.approx(t["compute_s"] * 4 / 3, rel=0.02)
 
 
@@ -107,7 +107,7 @@ def test_hardware_catalogue(name):
 
 
 def test_faster_gpu_gives_a_faster_step():
-    lay = Layout(mesh=MeshPlan(dp_shard=8, tp=1), microbatches=4, seq_len=4096, gpus_per_node=8)
+    lay = Layout(mesh=MeshPlan(dp_shard=8, tp=1), batch=RankBatchPlan(microbatches=4, seq_len=4096), gpus_per_node=8)
     times = {}
     for name in ("a100_80gb", "h100_sxm", "b200"):
         hw = compose_spec([f"hardware={name}"]).hardware
@@ -127,13 +127,13 @@ def test_family_blocks_in_the_elementwise_time_and_the_assumptions():
     qwen = compose_spec(["model=qwen3_8b"]).model
     plain = dataclasses.replace(qwen, qk_norm=False)
     for compiled, per_elem in ((False, 2 * 2 + 36), (True, 2 * 2)):
-        lay = Layout(mesh=MeshPlan(tp=2), compile=compiled, precision="bf16")
+        lay = Layout(mesh=MeshPlan(tp=2), compile=compiled, numerics=NumericsPlan(precision="bf16"))
         extra = block_forward_bytes(model_shape(qwen), lay) - block_forward_bytes(model_shape(plain), lay)
         assert extra == pytest.approx(per_elem * (32 + 8) * 128 / 2)
 
     ds_cfg = compose_spec(["model=deepseek_v3"]).model
     ds = model_shape(ds_cfg)
-    lay = Layout(precision="bf16")
+    lay = Layout(numerics=NumericsPlan(precision="bf16"))
     heads, rope, qk, v = 128, 64, 192, 128
     # Without the family's layout (a Llama block of qk-wide heads) RoPE would rotate all 192
     # channels of 128 query and 128 key heads.
@@ -165,11 +165,10 @@ def test_deepseek_v3_router_bias_update_is_in_the_step():
         mesh=MeshPlan(pp=16, dp_shard=128, ep=64),
         vpp=2,
         schedule="interleaved_1f1b",
-        microbatches=32,
-        seq_len=4096,
+        batch=RankBatchPlan(microbatches=32, seq_len=4096),
         gpus_per_node=8,
         nodes=256,
-        zero_stage=2,
+        memory=MemoryPlan(zero_stage=2),
     )
     st = stage_params(ds, 16, 2, "interleaved_1f1b")[0]
     comm = {c.name: c for c in estimate_comm(ds, lay, HW, st)}

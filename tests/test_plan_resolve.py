@@ -13,7 +13,7 @@ import pytest
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
 from launcher.plan import rules
-from launcher.plan.layout import Layout
+from launcher.plan.layout import FLAT_RECORDS, PLAN_KEY_ORDER, Layout
 from launcher.plan.plan import Plan, build_plan
 from launcher.plan.resolve import check, derive_mesh, resolve, validate
 
@@ -27,9 +27,9 @@ def test_dp_shard_is_inferred_once_and_everything_lands_in_the_layout():
     lay = resolve(spec)
     assert (lay.nodes, lay.gpus_per_node, lay.mesh.world_size) == (4, 8, 32)
     assert (lay.mesh.pp, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp) == (4, 1, 1, 1, 8)
-    assert lay.microbatches == 64 and lay.pp_microbatches == 64 and lay.global_batch_size == 64
+    assert lay.batch.microbatches == 64 and lay.pp_microbatches == 64 and lay.global_batch_size == 64
     assert (lay.schedule, lay.vpp) == ("interleaved_1f1b", 2)
-    assert lay.sharding_backend == "native" and lay.fsdp_wraps is False  # one data-parallel rank
+    assert lay.owners.sharding_backend == "native" and lay.fsdp_wraps is False  # one data-parallel rank
     assert lay.backends["pp"].impl.startswith("torch.distributed.pipelining")
     with pytest.raises(dataclasses.FrozenInstanceError):
         lay.mesh.pp = 2  # type: ignore[misc]
@@ -41,7 +41,7 @@ def test_the_issue_example_plans_the_micro_batches_it_runs():
                          "trainer.micro_batch_size=4", "trainer.global_batch_size=16", "action=plan"])
     plan = build_plan(spec, check(spec))
     lay = plan.layout
-    accumulation = lay.global_batch_size // (lay.micro_batch_size * lay.mesh.dp)
+    accumulation = lay.global_batch_size // (lay.batch.micro_batch_size * lay.mesh.dp)
     assert lay.pp_microbatches == accumulation == plan.pipeline["microbatches"]
     # What the planner reports is what the schedule runs: (pp - 1) / m for gpipe.
     assert plan.pipeline["bubble_fraction"] == pytest.approx((lay.mesh.pp - 1) / lay.pp_microbatches)
@@ -149,27 +149,52 @@ def test_the_degrees_and_their_sizes_live_in_one_record():
     assert len(products) == 2, products  # world_size and dp, once each
 
 
+def test_each_sub_record_field_is_declared_only_in_its_record():
+    """Layout's sub-records (FLAT_RECORDS: mesh, batch, deepspeed, ...) are the only home of their
+    fields: Layout and the other plan records (plan/layout.py, plan/mesh.py) declare none of them,
+    Layout holds each record under its name, typed by its class, and plan.json's flat keys name one
+    field each and keep their names and order (PLAN_KEY_ORDER: the keys before the records)."""
+    decls = {}  # class -> field names it declares
+    for path in (REPO / "launcher/plan/layout.py", REPO / "launcher/plan/mesh.py"):
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            decls[cls.name] = {st.target.id: ast.unparse(st.annotation) for st in cls.body
+                               if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)}
+    for name, record in FLAT_RECORDS.items():
+        assert decls["Layout"].get(name) == record.__name__, (name, decls["Layout"].get(name))
+        for f in dataclasses.fields(record):
+            owners = [cls for cls, names in decls.items() if f.name in names]
+            assert owners == [record.__name__], f"{f.name} declared by {owners}, expected only {record.__name__}"
+    flat = [k for k in Layout().to_dict() if k != "derived"]
+    assert len(flat) == len(set(flat)) and Layout.from_dict(Layout().to_dict()) == Layout()
+    assert flat[:len(PLAN_KEY_ORDER)] == list(PLAN_KEY_ORDER), flat
+
+
 RANK_SIDE = ("runtime", "engines", "parallel", "rehearse")
 # The config groups a rank must not read: their decisions are in plan.json's layout.
 LAYOUT_OWNED_GROUPS = {"precision", "offload", "activation_checkpointing"}
 
 
 def _is_layout(node: ast.AST) -> bool:
-    """`layout`, `lay`, `x.layout`: how the rank side names its Layout (Layout.precision is a str)."""
+    """`layout`, `lay`, `x.layout`: how the rank side names its Layout."""
     return (isinstance(node, ast.Name) and node.id in ("layout", "lay")) or (
         isinstance(node, ast.Attribute) and node.attr == "layout")
 
 
+def _is_layout_numerics(node: ast.AST) -> bool:
+    """`<layout>.numerics`: the Layout's NumericsPlan, whose `precision` is a plain string."""
+    return isinstance(node, ast.Attribute) and node.attr == "numerics" and _is_layout(node.value)
+
+
 def _layout_owned_reads(tree: ast.AST) -> List[Tuple[int, str]]:
     """(line, code) of every read of the precision/offload/AC config groups: `x.precision` on
-    anything but a Layout, any `x.precision.y` (the Layout's is a plain string, the config's a
+    anything but a Layout's numerics, any `x.precision.y` (the Layout's is a plain string, the config's a
     group), `x.offload` / `x.activation_checkpointing` (no Layout field has those names), the
     same through getattr(x, "..."), and the group types PrecisionConfig / OffloadConfig /
     ActivationCheckpointingConfig named at all."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            if node.attr == "precision" and not _is_layout(node.value):
+            if node.attr == "precision" and not _is_layout_numerics(node.value):
                 found.append((node.lineno, ast.unparse(node)))
             elif node.attr in LAYOUT_OWNED_GROUPS - {"precision"}:
                 found.append((node.lineno, ast.unparse(node)))
@@ -188,7 +213,7 @@ def _layout_owned_reads(tree: ast.AST) -> List[Tuple[int, str]]:
 def test_precision_fp8_ac_and_offload_reach_the_rank_only_through_the_layout():
     """Nothing on the rank side (runtime/, engines/, parallel/, rehearse/) reads the precision,
     offload or activation_checkpointing groups of a JobConfig: the resolver copied what the rank
-    needs into the Layout (precision, tf32, fp8_*, offload_*, ac_*), which plan.json carries."""
+    needs into the Layout (numerics: precision, tf32, fp8_*; memory: offload_*, ac_*), which plan.json carries."""
     offenders = []
     for room in RANK_SIDE:
         for path in sorted((REPO / "launcher" / room).rglob("*.py")):
@@ -197,7 +222,8 @@ def test_precision_fp8_ac_and_offload_reach_the_rank_only_through_the_layout():
     assert not offenders, offenders
     # The check sees the reads it forbids (so a rename cannot quietly turn it off).
     probe = ast.parse("a = spec.precision.fp8\nb = job.precision\nc = getattr(spec, 'offload')\n"
-                      "d = spec.activation_checkpointing.mode\ne = layout.precision\nf = self.layout.precision\n")
+                      "d = spec.activation_checkpointing.mode\ne = layout.numerics.precision\n"
+                      "f = self.layout.numerics.precision\n")
     assert sorted(line for line, _ in _layout_owned_reads(probe)) == [1, 1, 2, 3, 4]
 
 
@@ -241,6 +267,6 @@ def test_every_recipe_resolves_to_a_consistent_layout(recipe):
     lay = plan.layout
     assert lay.mesh.world_size == spec.cluster.nodes * spec.cluster.gpus_per_node
     assert lay.global_batch_size == spec.trainer.global_batch_size
-    assert lay.pp_microbatches == lay.microbatches == plan.pipeline["microbatches"]
-    assert lay.fsdp_wraps == (lay.sharding_backend == "native" and (lay.mesh.dp * lay.mesh.cp > 1 or lay.offload_to_cpu))
+    assert lay.pp_microbatches == lay.batch.microbatches == plan.pipeline["microbatches"]
+    assert lay.fsdp_wraps == (lay.owners.sharding_backend == "native" and (lay.mesh.dp * lay.mesh.cp > 1 or lay.offload_to_cpu))
     assert Plan.from_dict(json.loads(plan.to_json())).layout == lay

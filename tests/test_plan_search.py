@@ -9,7 +9,7 @@ import pytest
 
 from launcher.config.loader import compose_spec
 from launcher.config.schema import get_dotted
-from launcher.plan.layout import OVERRIDE_FIELDS, Layout
+from launcher.plan.layout import Layout, MemoryPlan, OVERRIDE_FIELDS, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.resolve import validate
 from launcher.plan.plan import build_plan
@@ -67,7 +67,7 @@ def test_search_respects_the_global_batch(llama70b):
     spec, cands, _ = llama70b
     for c in cands:
         lay = c.layout
-        assert lay.micro_batch_size * lay.microbatches * lay.mesh.dp == spec.trainer.global_batch_size
+        assert lay.batch.micro_batch_size * lay.batch.microbatches * lay.mesh.dp == spec.trainer.global_batch_size
 
 
 def test_moe_search_uses_expert_parallel():
@@ -184,8 +184,15 @@ def test_the_override_map_writes_every_layout_key_into_the_spec():
     from the recipe's comes back whole, and the user's spec is left as it was."""
     spec = compose_spec(["+recipe=debug"])
     before = {key: get_dotted(spec, key) for key, _ in OVERRIDE_FIELDS}
-    lay = Layout(mesh=MeshPlan(pp=2, dp_replicate=2, dp_shard=3, cp=2, tp=2, ep=3), sp=True, vpp=2,
-                 schedule="zbv", zero_stage=1, ac_mode="full", micro_batch_size=5, nodes=7)
+    lay = Layout(
+        mesh=MeshPlan(pp=2, dp_replicate=2, dp_shard=3, cp=2, tp=2, ep=3),
+        sp=True,
+        vpp=2,
+        schedule="zbv",
+        memory=MemoryPlan(zero_stage=1, ac_mode="full"),
+        batch=RankBatchPlan(micro_batch_size=5),
+        nodes=7,
+    )
     assert all(before[key] != lay.value_at(path) for key, path in OVERRIDE_FIELDS), before
     chosen = candidate_spec(spec, lay)
     assert {key: get_dotted(chosen, key) for key, _ in OVERRIDE_FIELDS} == lay.overrides()

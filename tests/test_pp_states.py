@@ -58,7 +58,7 @@ for name, overrides in CASES.items():
         rep = rehearse_rank(spec.model, spec.optim, plan.layout, engine_options(spec, Path(sys.argv[1])), 0,
                             reduce_pipeline=reduce)
         runs["reduced" if reduce else "full"] = {"memory": rep["memory"], "notes": rep["notes"]}
-    out[name] = dict(runs, microbatches=plan.layout.microbatches)
+    out[name] = dict(runs, microbatches=plan.layout.batch.microbatches)
 
 # Counts the state comparison picks, from torch's action lists (every rank of pp=2, 8 micro-batches).
 import torch.distributed as dist

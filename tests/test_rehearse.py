@@ -54,7 +54,7 @@ def test_every_recipe_rehearses_at_its_real_world_size(recipe, tmp_path):
         held = {k: row["memory"][k] for k in ("params", "grads", "optimizer")}
         predicted = {k: row["predicted"][k] for k in ("params", "grads", "optimizer")}
         assert held == predicted, f"{recipe} rank {row['rank']} {row['coords']}: rehearsal {held} != plan {predicted}"
-        assert row["params_numel"] * (2 if lay.precision == "fp32" else 1) > 0
+        assert row["params_numel"] * (2 if lay.numerics.precision == "fp32" else 1) > 0
 
 
 def test_cli_rehearse_prints_rehearsal_json_with_a_measured_step(tmp_path):
@@ -190,7 +190,7 @@ Transformer.forward = lambda self, *a, **k: calls.append(1) or forward(self, *a,
 spec = compose_spec(["+recipe=debug", "trainer.global_batch_size=8", "trainer.micro_batch_size=2"])
 plan = build_plan(spec, None)
 report = rehearse_rank(spec.model, spec.optim, plan.layout, engine_options(spec, Path(sys.argv[1])), 1)
-print(json.dumps({"forwards": len(calls), "microbatches": plan.layout.microbatches, "memory": report["memory"]}))
+print(json.dumps({"forwards": len(calls), "microbatches": plan.layout.batch.microbatches, "memory": report["memory"]}))
 """
 
 

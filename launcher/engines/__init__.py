@@ -13,8 +13,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def build_engine(model_cfg, optim_cfg, layout, device, options) -> "Engine":
-    """The engine of the backend that owns the model states (layout.sharding_backend)."""
-    if layout.sharding_backend == "deepspeed":
+    """The engine of the backend that owns the model states (layout.owners.sharding_backend)."""
+    if layout.owners.sharding_backend == "deepspeed":
         # lazy: the engine modules import torch; launcher.engines stays torch-free for deepspeed_config
         from launcher.engines.deepspeed import DeepSpeedEngine
 

@@ -1,6 +1,6 @@
 """The DeepSpeed Engine: same model, data, LR schedule and StepStats as the native path.
 
-Constructor (what the rank runtime builds when ``layout.sharding_backend == "deepspeed"``):
+Constructor (what the rank runtime builds when ``layout.owners.sharding_backend == "deepspeed"``):
 
     DeepSpeedEngine(model_cfg, optim_cfg, layout, device, options)   # launcher/engines/base.py
 
@@ -117,14 +117,14 @@ def _apply_deepspeed_checkpointing(model: nn.Module, mode: str, selective: str) 
 
 
 def apply_checkpointing(model: nn.Module, layout: Layout) -> None:
-    """Activation checkpointing with the implementation the resolver chose (layout.ac_backend)."""
-    if layout.ac_mode == "none":
+    """Activation checkpointing with the implementation the resolver chose (layout.owners.ac_backend)."""
+    if layout.memory.ac_mode == "none":
         return
-    if layout.ac_backend == "deepspeed":
-        n = _apply_deepspeed_checkpointing(model, layout.ac_mode, layout.ac_selective)
+    if layout.owners.ac_backend == "deepspeed":
+        n = _apply_deepspeed_checkpointing(model, layout.memory.ac_mode, layout.memory.ac_selective)
         log.info("applied DeepSpeed activation checkpointing to %d of %d blocks", n, len(model.layers))
     else:
-        apply_activation_checkpointing(model, layout.ac_mode, layout.ac_selective)
+        apply_activation_checkpointing(model, layout.memory.ac_mode, layout.memory.ac_selective)
 
 
 def build_meta_model(model_cfg) -> nn.Module:
@@ -351,18 +351,18 @@ class DeepSpeedEngine:
         lay = layout
         self.dp = data_parallel_size(lay)
         self.pp = lay.mesh.pp
-        self.gas = lay.microbatches
+        self.gas = lay.batch.microbatches
         self.config = build_deepspeed_config(lay, grad_clip=options.grad_clip, seed=options.seed)
         self.config_path = None
         if dist.get_rank() == 0 and options.work_dir is not None:
             self.config_path = write_deepspeed_config(self.config, options.work_dir)
-        if "nvme" in (lay.offload_optimizer, lay.offload_params):
-            Path(lay.offload_nvme_path).mkdir(parents=True, exist_ok=True)
+        if "nvme" in (lay.memory.offload_optimizer, lay.memory.offload_params):
+            Path(lay.memory.offload_nvme_path).mkdir(parents=True, exist_ok=True)
 
         torch.manual_seed(options.seed)
-        if lay.zero_stage == 3 and self.pp == 1:
-            model = build_partitioned_model(model_cfg, self.config, device, options.seed, lay.offload_params,
-                                            lay.offload_pin_memory)
+        if lay.memory.zero_stage == 3 and self.pp == 1:
+            model = build_partitioned_model(model_cfg, self.config, device, options.seed, lay.memory.offload_params,
+                                            lay.memory.offload_pin_memory)
         elif self.pp > 1 and _in_fake_mode():
             # The rehearsal: PipelineModule moves its stage's layers to the device itself
             # (module.to in its constructor), which turns plain meta parameters into fake ones.
@@ -375,16 +375,16 @@ class DeepSpeedEngine:
             from deepspeed.pipe import PipelineModule  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
             interval = 0
-            if lay.ac_mode != "none":
+            if lay.memory.ac_mode != "none":
                 # The resolver gives the pipeline engine's own checkpointing (ac_backend=deepspeed).
-                interval = 1 if lay.ac_mode == "full" else int(lay.ac_selective)
+                interval = 1 if lay.memory.ac_mode == "full" else int(lay.memory.ac_selective)
             module = PipelineModule(layers=pipeline_layers(model), num_stages=self.pp, loss_fn=self._pipe_loss,
                                     partition_method="type:_BlockStage", activation_checkpoint_interval=interval)
         else:
             apply_checkpointing(model, lay)
             module = model
         self._model_ref = module
-        optimizer = build_optimizer(module, optim_cfg, lay.offload_optimizer)
+        optimizer = build_optimizer(module, optim_cfg, lay.memory.offload_optimizer)
 
         self.scheduler = build_scheduler(optimizer, optim_cfg, options.total_steps)
         pipeline_on_fake = self.pp > 1 and _in_fake_mode()
@@ -404,7 +404,7 @@ class DeepSpeedEngine:
         self.last_load = ""  # how the last `load` went: plain | universal (converted|reused)
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
         log.info("DeepSpeed engine ready: ZeRO-%d, %d parameters in this rank's stage, pp=%d, dp=%d, "
-                 "config %s", lay.zero_stage, n_params, self.pp, self.dp,
+                 "config %s", lay.memory.zero_stage, n_params, self.pp, self.dp,
                  self.config_path or "(written by rank 0)")
 
     # ------------------------------------------------------------------ the Engine contract
@@ -538,7 +538,7 @@ class DeepSpeedEngine:
         if len(microbatches) != self.gas:
             raise ValueError(
                 f"got {len(microbatches)} micro-batches but the DeepSpeed config has gradient_accumulation_steps="
-                f"{self.gas} (global {self.layout.global_batch_size} = micro {self.layout.micro_batch_size}"
+                f"{self.gas} (global {self.layout.global_batch_size} = micro {self.layout.batch.micro_batch_size}"
                 f" x {self.gas} x dp {self.dp}); pass exactly that many"
             )
         microbatches = as_microbatches(microbatches)
@@ -617,8 +617,8 @@ class DeepSpeedEngine:
             write_layout_record(directory, self._layout_record())
 
     def _layout_record(self) -> Dict[str, Any]:
-        return layout_record(world_size=dist.get_world_size(), dp=self.dp, zero_stage=self.layout.zero_stage,
-                             pp=self.pp, offload_optimizer=self.layout.offload_optimizer)
+        return layout_record(world_size=dist.get_world_size(), dp=self.dp, zero_stage=self.layout.memory.zero_stage,
+                             pp=self.pp, offload_optimizer=self.layout.memory.offload_optimizer)
 
     def load(self, directory: Path) -> None:
         """engine.load_checkpoint of what `save` wrote (collective). Saved at another data-parallel
@@ -634,7 +634,7 @@ class DeepSpeedEngine:
             raise RuntimeError(
                 f"DeepSpeed found no checkpoint under {directory}/{CHECKPOINT_TAG}. DeepSpeed checkpoints load at the "
                 f"world size and ZeRO stage that wrote them (this run: {dist.get_world_size()} ranks, ZeRO-"
-                f"{self.layout.zero_stage}). Fix: resume with the saving layout, or checkpoint.resume=none."
+                f"{self.layout.memory.zero_stage}). Fix: resume with the saving layout, or checkpoint.resume=none."
             )
 
     def _load_universal(self, directory: Path) -> None:
@@ -701,14 +701,14 @@ class DeepSpeedEngine:
         import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
         from deepspeed.utils import safe_get_full_fp32_param  # lazy: as above
 
-        if self.layout.zero_stage == 0:
+        if self.layout.memory.zero_stage == 0:
             return param.detach()
-        if self.layout.offload_optimizer == "nvme":
+        if self.layout.memory.offload_optimizer == "nvme":
             with deepspeed.zero.GatheredParameters([param]):
                 return param.detach().clone()
         full = safe_get_full_fp32_param(param)
         if full is None:  # DeepSpeed linked no fp32 master to this parameter
-            raise RuntimeError(f"DeepSpeed ZeRO-{self.layout.zero_stage} holds no fp32 master weight for a "
+            raise RuntimeError(f"DeepSpeed ZeRO-{self.layout.memory.zero_stage} holds no fp32 master weight for a "
                                f"parameter of shape {tuple(param.shape)}: the export cannot read it")
         return full
 

@@ -25,9 +25,9 @@ STAGE3_PARAM_PERSISTENCE = 100_000
 
 
 def _offload_section(device: str, layout: Layout) -> Dict[str, Any]:
-    section: Dict[str, Any] = {"device": device, "pin_memory": layout.offload_pin_memory}
+    section: Dict[str, Any] = {"device": device, "pin_memory": layout.memory.offload_pin_memory}
     if device == "nvme":
-        section["nvme_path"] = layout.offload_nvme_path
+        section["nvme_path"] = layout.memory.offload_nvme_path
     return section
 
 
@@ -37,16 +37,16 @@ def data_parallel_size(layout: Layout) -> int:
 
 
 def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int) -> Dict[str, Any]:
-    """The DeepSpeed config dict for this job (layout.sharding_backend must be "deepspeed").
+    """The DeepSpeed config dict for this job (layout.owners.sharding_backend must be "deepspeed").
 
     Raises ValueError when the batch arithmetic does not close (global = micro x accum x dp).
     """
     lay = layout
     dp = data_parallel_size(lay)
-    micro, accum = lay.micro_batch_size, lay.microbatches
+    micro, accum = lay.batch.micro_batch_size, lay.batch.microbatches
     total = micro * accum * dp
-    bf16 = lay.precision == "bf16"
-    zero = int(lay.zero_stage)
+    bf16 = lay.numerics.precision == "bf16"
+    zero = int(lay.memory.zero_stage)
     zo: Dict[str, Any] = {
         "stage": zero,
         "contiguous_gradients": True,
@@ -61,10 +61,10 @@ def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int) -> Di
         zo["zero_quantized_weights"] = bool(lay.deepspeed.zeropp_quantized_weights)
         zo["zero_quantized_gradients"] = bool(lay.deepspeed.zeropp_quantized_gradients)
         zo["zero_hpz_partition_size"] = int(lay.deepspeed.hpz_partition_size)  # resolved (HSDP maps to hpZ)
-    if lay.offload_optimizer != "none":
-        zo["offload_optimizer"] = _offload_section(lay.offload_optimizer, lay)
-    if lay.offload_params != "none":
-        zo["offload_param"] = _offload_section(lay.offload_params, lay)
+    if lay.memory.offload_optimizer != "none":
+        zo["offload_optimizer"] = _offload_section(lay.memory.offload_optimizer, lay)
+    if lay.memory.offload_params != "none":
+        zo["offload_param"] = _offload_section(lay.memory.offload_params, lay)
 
     cfg: Dict[str, Any] = {
         "train_batch_size": total,
@@ -82,11 +82,11 @@ def build_deepspeed_config(layout: Layout, *, grad_clip: float, seed: int) -> Di
         "seed": int(seed),
     }
     if bf16:
-        cfg["communication_data_type"] = "fp32" if lay.reduce_dtype == "fp32" else "bf16"
-        if zero == 1 and lay.offload_optimizer == "none":
+        cfg["communication_data_type"] = "fp32" if lay.numerics.reduce_dtype == "fp32" else "bf16"
+        if zero == 1 and lay.memory.offload_optimizer == "none":
             # BF16 optimizer with fp32 gradient accumulation (stage 0 has no master weights).
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    if lay.ac_mode != "none" and lay.ac_backend == "deepspeed":
+    if lay.memory.ac_mode != "none" and lay.owners.ac_backend == "deepspeed":
         cfg["activation_checkpointing"] = {
             "partition_activations": False,
             "cpu_checkpointing": False,

@@ -129,7 +129,7 @@ class NativeEngine:
         self._source_sums = None
         self._accumulation = None  # launcher.parallel.fsdp.UnshardedAccumulation, built on first use
         self._fp8_all_gather = False
-        if lay.fp8_impl == "torchao":
+        if lay.owners.fp8_impl == "torchao":
             # Read from the built model: only float8 all-gather under FSDP needs per-step scales.
             self._fp8_all_gather = any(float8_scale_precompute_needed(p) for p in self.parts)
         n_params = sum(_local_numel(p) for part in self.parts for p in part.parameters())
@@ -139,7 +139,7 @@ class NativeEngine:
     # ---------------------------------------------------------------- building
     def _parallelize(self, part: nn.Module) -> None:
         lay, m, w, opts = self.layout, self.mesh_plan, self.world, self.options
-        if lay.fp8_impl == "torchao":
+        if lay.owners.fp8_impl == "torchao":
             convert_to_float8(part, lay.fp8_config(), device_type=self.device.type,
                               fsdp_enabled=m.dp * m.cp > 1)
         if m.tp > 1:
@@ -150,17 +150,17 @@ class NativeEngine:
             apply_expert_parallel(part, ep_mesh)
         if m.cp > 1:
             use_expanded_kv(part)
-        if lay.ac_mode != "none":
-            apply_activation_checkpointing(part, lay.ac_mode, lay.ac_selective)
+        if lay.memory.ac_mode != "none":
+            apply_activation_checkpointing(part, lay.memory.ac_mode, lay.memory.ac_selective)
         if opts.compile:
             apply_compile(part)
         # FSDP also wraps a single data-parallel rank when offloading: it is what moves the
         # parameters, gradients and optimizer states to the CPU (Layout.fsdp_wraps).
         if self.fsdp:
             dp_mesh = submesh(w, "hsdp" if m.dp_replicate > 1 else "dp_shard_cp")
-            apply_fsdp(part, dp_mesh, zero_stage=lay.zero_stage,
-                       mp_policy=mixed_precision_policy(lay.precision, lay.reduce_dtype),
-                       cpu_offload=lay.offload_to_cpu, pin_memory=lay.offload_pin_memory,
+            apply_fsdp(part, dp_mesh, zero_stage=lay.memory.zero_stage,
+                       mp_policy=mixed_precision_policy(lay.numerics.precision, lay.numerics.reduce_dtype),
+                       cpu_offload=lay.offload_to_cpu, pin_memory=lay.memory.offload_pin_memory,
                        expert_dp_mesh=expert_dp_mesh)
 
     def built(self) -> Dict[str, Any]:
@@ -179,7 +179,7 @@ class NativeEngine:
     # ---------------------------------------------------------------- training
     def _autocast(self):
         # Without FSDP there is no MixedPrecisionPolicy; autocast gives the same bf16 compute.
-        if self.layout.precision in ("bf16", "fp8") and not self.fsdp:
+        if self.layout.numerics.precision in ("bf16", "fp8") and not self.fsdp:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -275,10 +275,10 @@ class NativeEngine:
 
     def _unsharded_accumulation(self):
         """The per-micro-batch FSDP2 sync switches when the Layout holds the step unsharded."""
-        if not (self.layout.accumulate_unsharded and self.fsdp and self.pp_schedule is None):
+        if not (self.layout.memory.accumulate_unsharded and self.fsdp and self.pp_schedule is None):
             return None
         if self._accumulation is None:
-            self._accumulation = UnshardedAccumulation(self.parts, self.layout.zero_stage)
+            self._accumulation = UnshardedAccumulation(self.parts, self.layout.memory.zero_stage)
         return self._accumulation
 
     def train_step(self, microbatches: List[Microbatch]) -> StepStats:

@@ -31,8 +31,8 @@ def check_deepspeed_config(spec: JobConfig, plan: Plan) -> None:
     except Exception as err:  # DeepSpeed raises pydantic, assertion and value errors alike
         reason = " ".join(str(err).split())[:400]
         raise ConfigError([
-            f"DeepSpeed refused the generated config (ZeRO-{layout.zero_stage}, offload optimizer="
-            f"{layout.offload_optimizer}, params={layout.offload_params}): {type(err).__name__}: {reason}. "
+            f"DeepSpeed refused the generated config (ZeRO-{layout.memory.zero_stage}, offload optimizer="
+            f"{layout.memory.offload_optimizer}, params={layout.memory.offload_params}): {type(err).__name__}: {reason}. "
             f"Fix: change the keys it names, or backend=native where the native path serves this layout."
         ]) from err
 
@@ -41,7 +41,7 @@ def check_hf_support(spec: JobConfig, plan: Plan) -> None:
     """Hugging Face export (checkpoint.export=hf) is served by the native engine only (DeepSpeed
     loads model.init_from, but its export gathers the whole model on rank 0): refuse before launch
     when DeepSpeed owns the model states."""
-    if plan.layout.sharding_backend != "deepspeed":
+    if plan.layout.owners.sharding_backend != "deepspeed":
         return
     problems = []
     if spec.checkpoint.export == "hf":

@@ -130,7 +130,7 @@ def fsdp_modules(parts: Sequence[nn.Module]) -> List[FSDPModule]:
 
 
 class UnshardedAccumulation:
-    """Gradient accumulation held unsharded (Layout.accumulate_unsharded): one all-gather and one
+    """Gradient accumulation held unsharded (Layout.memory.accumulate_unsharded): one all-gather and one
     reduce-scatter of each unit per step instead of per micro-batch.
 
     ``before(last)`` runs before each micro-batch. Before every micro-batch but the last, the

@@ -114,7 +114,7 @@ def activation_dtype(layout: Layout) -> torch.dtype:
     """The dtype of the hidden states sent between stages. Under FSDP2 the MixedPrecisionPolicy
     gives bf16 parameters, so the residual stream is bf16; without FSDP the engine's autocast
     leaves the residual stream in fp32 (the embedding output is fp32 and fp32 + bf16 is fp32)."""
-    if layout.fsdp_wraps and layout.precision in ("bf16", "fp8"):
+    if layout.fsdp_wraps and layout.numerics.precision in ("bf16", "fp8"):
         return torch.bfloat16
     return torch.float32
 
@@ -130,7 +130,7 @@ def stage_io_meta(stage: int, n_stages: int, layout: Layout, model_cfg) -> Tuple
     stage's output (logits) is never sent; torch only counts it. Float tensors require grad:
     torch derives from that which gradients a stage receives and sends back.
     """
-    rows, seq = layout.micro_batch_size, layout.seq_len
+    rows, seq = layout.batch.micro_batch_size, layout.batch.seq_len
     tp = layout.mesh.tp
     local_seq = seq // tp if (tp > 1 and layout.sp) else seq
     hidden = (rows, local_seq, model_cfg.dim)

@@ -31,7 +31,7 @@ STOP_MARGIN_S = 120
 
 def checkpoint_bytes_per_rank(shape: ModelShape, lay: Layout) -> int:
     """Bytes the busiest rank writes: its parameters + optimizer states, on GPU or offloaded."""
-    on_device = dataclasses.replace(lay, offload_optimizer="none", offload_params="none")
+    on_device = dataclasses.replace(lay, memory=dataclasses.replace(lay.memory, offload_optimizer="none", offload_params="none"))
     stages = stage_params(shape, lay.mesh.pp, lay.vpp, lay.schedule, lay.pp_layers)
     per_stage = []
     for stage in stages:

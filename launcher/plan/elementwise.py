@@ -128,7 +128,7 @@ def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
 
 def fp8_cast_bytes(shape: ModelShape, lay: Layout) -> float:
     """Bytes per token per block the float8 casts of the converted Linears move (forward + backward)."""
-    if lay.precision != "fp8":
+    if lay.numerics.precision != "fp8":
         return 0.0
     a, h, t = lay.act_bytes, shape.dim, lay.mesh.tp
     f = shape.ffn_dim if not shape.n_moe_layers else shape.moe_ffn_dim * max(1, shape.top_k)
@@ -140,7 +140,7 @@ def fp8_cast_bytes(shape: ModelShape, lay: Layout) -> float:
     # MLA's down-projections are whole on every TP rank.
     whole = sum(m.in_features + m.out_features for m in mms if not m.split)
     cast = 2 * a + 1  # amax read, cast read, fp8 write
-    transposed = (a + 1) if lay.fp8_recipe == "tensorwise" else (2 * a + 1)
+    transposed = (a + 1) if lay.numerics.fp8_recipe == "tensorwise" else (2 * a + 1)
     return (inputs + grads + whole) * (cast + transposed)
 
 

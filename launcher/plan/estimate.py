@@ -54,7 +54,7 @@ def fill_from_layout(plan, spec, shape: ModelShape, lay: Layout) -> None:
     stages = estimate_memory(shape, lay, reserved_bytes(hw))
     plan.memory = memory_summary(stages, hw)
 
-    flops_per_token = training_flops_per_token(spec.model, lay.seq_len)
+    flops_per_token = training_flops_per_token(spec.model, lay.batch.seq_len)
     t = estimate_time(shape, lay, hw, flops_per_token, lay.tokens_per_step)
     comm = t.pop("comm")
     plan.comm = {
@@ -92,13 +92,13 @@ def warnings_for(plan, spec, lay: Layout) -> List[str]:
     gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
     if not mem["fits"]:
         fixes = []
-        if lay.ac_mode != "full":
+        if lay.memory.ac_mode != "full":
             fixes.append("activation_checkpointing=full")
-        if lay.zero_stage != 3:
+        if lay.memory.zero_stage != 3:
             fixes.append("parallel.zero_stage=3")
-        if lay.micro_batch_size > 1:
-            fixes.append(f"trainer.micro_batch_size={lay.micro_batch_size // 2}")
-        if lay.accumulate_unsharded:
+        if lay.batch.micro_batch_size > 1:
+            fixes.append(f"trainer.micro_batch_size={lay.batch.micro_batch_size // 2}")
+        if lay.memory.accumulate_unsharded:
             fixes.append("parallel.accumulate_unsharded=false (accumulate sharded gradients)")
         fixes.append("a larger parallel.tp / parallel.pp, or more nodes")
         fixes.append("`action=search` to list layouts that fit")
@@ -147,7 +147,7 @@ def accumulate_unsharded_note(spec, lay: Layout) -> List[str]:
     from launcher.config.validate import accumulate_unsharded_value
     from launcher.plan.resolve import accumulate_unsharded_blocker
 
-    if accumulate_unsharded_value(spec.parallel.accumulate_unsharded) != "true" or lay.accumulate_unsharded:
+    if accumulate_unsharded_value(spec.parallel.accumulate_unsharded) != "true" or lay.memory.accumulate_unsharded:
         return []
     return [f"parallel.accumulate_unsharded=true does not apply to this layout ({accumulate_unsharded_blocker(lay)}): "
             f"gradients accumulate as with false. Fix: parallel.accumulate_unsharded=auto to silence this."]

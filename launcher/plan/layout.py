@@ -13,7 +13,11 @@ JobConfig for each: it builds cheap candidates with ``dataclasses.replace`` on a
 so every field has a default and the derived values are properties of the fields.
 
 Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/mesh.py's MeshPlan, their
-only home), the DeepSpeed knobs `Layout.deepspeed`; plan.json writes both flat. OVERRIDE_FIELDS is
+only home), the per-rank batch `Layout.batch` (RankBatchPlan), the ZeRO stage, activation checkpointing
+and offload `Layout.memory` (MemoryPlan), the precision and fp8 options `Layout.numerics`
+(NumericsPlan), the backend owning each feature `Layout.owners` (BackendPlan; Layout.backends is
+its per-feature table as a dict), the DeepSpeed knobs `Layout.deepspeed`; plan.json
+writes them flat (PLAN_KEY_ORDER). OVERRIDE_FIELDS is
 the one map between a layout and the `train` overrides that select it.
 
 Pure Python, no torch.
@@ -52,9 +56,9 @@ OVERRIDE_FIELDS: Tuple[Tuple[str, str], ...] = (
     ("parallel.pp_virtual_stages", "vpp"),
     ("parallel.cp", "mesh.cp"),
     ("parallel.ep", "mesh.ep"),
-    ("parallel.zero_stage", "zero_stage"),
-    ("activation_checkpointing.mode", "ac_mode"),
-    ("trainer.micro_batch_size", "micro_batch_size"),
+    ("parallel.zero_stage", "memory.zero_stage"),
+    ("activation_checkpointing.mode", "memory.ac_mode"),
+    ("trainer.micro_batch_size", "batch.micro_batch_size"),
 )
 # The node count: an override of its own only where the search varies it (plan.search_nodes).
 NODES_OVERRIDE: Tuple[str, str] = ("cluster.nodes", "nodes")
@@ -73,8 +77,83 @@ class DeepSpeedPlan:
     hpz_partition_size: int = 1  # DeepSpeed zero_hpz_partition_size (HSDP maps to hpZ groups of dp_shard)
 
 
-# Sub-records plan.json writes flat, in the sub-record's place (its keys predate the records).
-FLAT_RECORDS = {"mesh": MeshPlan, "deepspeed": DeepSpeedPlan}
+@dataclass(frozen=True)
+class RankBatchPlan:
+    """The batch one data-parallel rank runs per optimizer step. `microbatches` is the gradient
+    accumulation: micro-batches per step on each data-parallel rank; the pipeline runs exactly
+    these micro-batches (Layout.pp_microbatches). The global sizes are Layout properties: they
+    need the mesh's dp, and a record that held a copy of dp would be a second source of it."""
+
+    micro_batch_size: int = 1
+    microbatches: int = 1
+    seq_len: int = 2048
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The memory knobs of a layout: ZeRO stage, activation checkpointing and offload, read by the
+    estimators, the engines and the DeepSpeed config generator."""
+
+    zero_stage: int = 3
+    ac_mode: AcMode = "none"
+    ac_selective: str = "op"  # op | N (every N-th block fully)
+    offload_optimizer: OffloadTarget = "none"
+    offload_params: OffloadTarget = "none"
+    # offload.nvme_path and offload.pin_memory: DeepSpeed's offload section, FSDP2's CPUOffloadPolicy.
+    offload_nvme_path: str = ""
+    offload_pin_memory: bool = False
+    # Native FSDP2 without pipelining, more than one micro-batch: parameters and gradients stay
+    # unsharded from the first micro-batch to the last backward of the step, so FSDP all-gathers
+    # and reduce-scatters once per step (parallel.accumulate_unsharded, resolved in resolve.py).
+    accumulate_unsharded: bool = False
+
+
+@dataclass(frozen=True)
+class NumericsPlan:
+    """How a layout computes: the training precision (its dtype name: fp32 | bf16 | fp8), the
+    gradient-reduce dtype, TF32 and the fp8 options. The rank builds its precision and fp8 from
+    these (not from the config): precision.tf32 (fp32 matmuls on TF32 tensor cores),
+    precision.fp8.recipe (also the float8 casting work perf.py costs), emulate / min_features /
+    exclude (which Linear layers torchao converts and whether it may emulate)."""
+
+    precision: Precision = "bf16"
+    reduce_dtype: ReduceDtype = "fp32"
+    fp8_all_gather: bool = True
+    fp8_recipe: str = "tensorwise"
+    tf32: bool = True
+    fp8_emulate: bool = False
+    fp8_min_features: int = 16
+    fp8_exclude: Tuple[str, ...] = ("output", "router")
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    """Who implements what: the backend that owns each feature and the per-feature record, as
+    the resolver decided (resolve.backend_fields; the engines and the estimators obey it)."""
+
+    sharding_backend: BackendName = "native"  # native (FSDP2) | deepspeed (ZeRO); owns the model states
+    offload_backend: BackendName = "native"  # native (FSDP2 CPUOffloadPolicy) | deepspeed (ZeRO-Offload)
+    pp_backend: BackendName = "native"
+    ac_backend: BackendName = "native"  # torch checkpoint | deepspeed.checkpointing
+    fp8_impl: Fp8Impl = "off"
+    # The per-feature record (feature, choice) in launcher.plan.features.FEATURES order.
+    choices: Tuple[Tuple[str, BackendChoice], ...] = ()
+
+
+# Sub-records plan.json writes flat (its keys predate the records), in PLAN_KEY_ORDER.
+FLAT_RECORDS = {"mesh": MeshPlan, "batch": RankBatchPlan, "memory": MemoryPlan, "numerics": NumericsPlan,
+                "owners": BackendPlan, "deepspeed": DeepSpeedPlan}
+# plan.json's layout keys in their order (as written before the records; MemoryPlan's fields were
+# spread over the flat Layout). to_dict writes these first, any newer key after them.
+PLAN_KEY_ORDER: Tuple[str, ...] = (
+    "nodes", "gpus_per_node", "pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "sp", "vpp", "schedule",
+    "pp_layers", "micro_batch_size", "microbatches", "seq_len", "zero_stage", "ac_mode", "ac_selective",
+    "precision", "reduce_dtype", "fp8_all_gather", "offload_optimizer", "offload_params", "sharding_backend",
+    "offload_backend", "pp_backend", "ac_backend", "fp8_impl", "reduce_bucket_size", "allgather_bucket_size",
+    "zeropp_quantized_weights", "zeropp_quantized_gradients", "zeropp_hierarchical_partition",
+    "hpz_partition_size", "accumulate_unsharded", "choices", "compile", "fp8_recipe", "document_mask", "tf32",
+    "fp8_emulate", "fp8_min_features", "fp8_exclude", "offload_nvme_path", "offload_pin_memory",
+)
 
 
 @dataclass(frozen=True)
@@ -89,82 +168,52 @@ class Layout:
     vpp: int = 1  # model chunks per pipeline rank
     schedule: Schedule = "1f1b"
     pp_layers: Tuple[int, ...] = ()
-    # Batch. `microbatches` is the gradient accumulation: micro-batches per optimizer step on
-    # each data-parallel rank. The pipeline runs exactly these micro-batches (see pp_microbatches).
-    micro_batch_size: int = 1
-    microbatches: int = 1
-    seq_len: int = 2048
-    # Memory knobs.
-    zero_stage: int = 3
-    ac_mode: AcMode = "none"
-    ac_selective: str = "op"  # op | N (every N-th block fully)
-    precision: Precision = "bf16"
-    reduce_dtype: ReduceDtype = "fp32"
-    fp8_all_gather: bool = True
-    offload_optimizer: OffloadTarget = "none"
-    offload_params: OffloadTarget = "none"
-    # Who implements what (the resolver's decision).
-    sharding_backend: BackendName = "native"  # native (FSDP2) | deepspeed (ZeRO); owns the model states
-    offload_backend: BackendName = "native"  # native (FSDP2 CPUOffloadPolicy) | deepspeed (ZeRO-Offload)
-    pp_backend: BackendName = "native"
-    ac_backend: BackendName = "native"  # torch checkpoint | deepspeed.checkpointing
-    fp8_impl: Fp8Impl = "off"
+    # The per-rank batch (RankBatchPlan); its global sizes are the properties below (they need the mesh).
+    batch: RankBatchPlan = field(default_factory=RankBatchPlan)
+    # The memory knobs: ZeRO stage, activation checkpointing, offload (MemoryPlan).
+    memory: MemoryPlan = field(default_factory=MemoryPlan)
+    # Precision, gradient-reduce dtype, TF32 and the fp8 options (NumericsPlan).
+    numerics: NumericsPlan = field(default_factory=NumericsPlan)
+    # Who implements what (the resolver's decision; BackendPlan).
+    owners: BackendPlan = field(default_factory=BackendPlan)
     deepspeed: DeepSpeedPlan = field(default_factory=DeepSpeedPlan)
-    # Native FSDP2 without pipelining, more than one micro-batch: parameters and gradients stay
-    # unsharded from the first micro-batch to the last backward of the step, so FSDP all-gathers
-    # and reduce-scatters once per step (parallel.accumulate_unsharded, resolved in resolve.py).
-    accumulate_unsharded: bool = False
-    # The per-feature record (feature, choice) in launcher.plan.features.FEATURES order.
-    choices: Tuple[Tuple[str, BackendChoice], ...] = ()
     # Speed-only knobs the planner costs (launcher/plan/perf.py): trainer.compile fuses each block's
     # elementwise ops; precision.fp8.recipe sets the float8 casting work.
     compile: bool = False
-    fp8_recipe: str = "tensorwise"
     # data.document_masking: how the runtime applies the block-causal mask (launcher/models/layers.py
     # document_attention_mask), which the planner costs: "none" (plain causal attention), "sdpa"
     # (CPU: SDPA with one [micro_batch, 1, s, s] mask per micro-batch), "flex" (CUDA: FlexAttention's
     # block mask, a few int32 per 128x128 block).
     document_mask: str = "none"
-    # What the rank needs besides the above to build its precision, fp8 and offload (so the rank
-    # reads them here, not from the config): precision.tf32 (fp32 matmuls on TF32 tensor cores),
-    # precision.fp8.emulate / min_features / exclude (which Linear layers torchao converts and
-    # whether it may emulate), offload.nvme_path and offload.pin_memory (DeepSpeed's offload
-    # section, FSDP2's CPUOffloadPolicy).
-    tf32: bool = True
-    fp8_emulate: bool = False
-    fp8_min_features: int = 16
-    fp8_exclude: Tuple[str, ...] = ("output", "router")
-    offload_nvme_path: str = ""
-    offload_pin_memory: bool = False
 
     # ------------------------------------------------------------------ derived, one formula each
     @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.microbatches * self.mesh.dp
+        return self.batch.micro_batch_size * self.batch.microbatches * self.mesh.dp
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.seq_len
+        return self.global_batch_size * self.batch.seq_len
 
     @property
     def pp_microbatches(self) -> int:
         """Pipeline micro-batches per step: THE rule (docs/parallelism.md) is that the schedule runs
         the gradient-accumulation micro-batches, each of trainer.micro_batch_size sequences."""
-        return self.microbatches
+        return self.batch.microbatches
 
     @property
     def uses_deepspeed(self) -> bool:
-        return self.sharding_backend == "deepspeed"
+        return self.owners.sharding_backend == "deepspeed"
 
     @property
     def offload_to_cpu(self) -> bool:
-        return "cpu" in (self.offload_optimizer, self.offload_params)
+        return "cpu" in (self.memory.offload_optimizer, self.memory.offload_params)
 
     @property
     def fsdp_wraps(self) -> bool:
         """Whether native FSDP2 wraps the model: more than one sharding rank, or a single one
         that offloads to the CPU (FSDP2's CPUOffloadPolicy is what moves the states)."""
-        if self.sharding_backend != "native":
+        if self.owners.sharding_backend != "native":
             return False
         return self.mesh.dp * self.mesh.cp > 1 or self.offload_to_cpu
 
@@ -173,14 +222,14 @@ class Layout:
         """Whether FSDP2 keeps every unit unsharded, gradients unreduced, across the step's
         micro-batches: under torch's pipeline schedules (they do it themselves) or with
         accumulate_unsharded. Then it all-gathers and reduce-scatters once per step."""
-        if self.sharding_backend != "native" or not self.zero_stage:
+        if self.owners.sharding_backend != "native" or not self.memory.zero_stage:
             return False
-        return self.mesh.pp > 1 or self.accumulate_unsharded
+        return self.mesh.pp > 1 or self.memory.accumulate_unsharded
 
     @property
     def act_bytes(self) -> int:
         """Bytes per activation element: fp8 training keeps bf16 activations between layers."""
-        return 4 if self.precision == "fp32" else 2
+        return 4 if self.numerics.precision == "fp32" else 2
 
     @property
     def fsdp_degree(self) -> int:
@@ -189,27 +238,28 @@ class Layout:
         Native FSDP2 shards over dp_shard * cp and replicates over dp_replicate (HSDP);
         DeepSpeed partitions over every data-parallel rank (its ZeRO group is the whole DP group).
         """
-        if self.zero_stage == 0:
+        if self.memory.zero_stage == 0:
             return 1
         n = self.mesh.dp_shard * self.mesh.cp
-        if self.sharding_backend == "deepspeed":
+        if self.owners.sharding_backend == "deepspeed":
             n *= self.mesh.dp_replicate
         return n
 
     @property
     def expert_fsdp_degree(self) -> int:
         """Expert weights are split over ep first; the remaining sharding ranks shard each expert."""
-        return max(1, self.fsdp_degree // self.mesh.ep) if self.zero_stage else 1
+        return max(1, self.fsdp_degree // self.mesh.ep) if self.memory.zero_stage else 1
 
     def fp8_config(self) -> Fp8Config:
         """The torchao conversion options (launcher/parallel/fp8.py) this layout resolved."""
-        return Fp8Config(recipe=self.fp8_recipe, emulate=self.fp8_emulate, all_gather=self.fp8_all_gather,
-                         min_features=self.fp8_min_features, exclude=list(self.fp8_exclude))
+        n = self.numerics
+        return Fp8Config(recipe=n.fp8_recipe, emulate=n.fp8_emulate, all_gather=n.fp8_all_gather,
+                         min_features=n.fp8_min_features, exclude=list(n.fp8_exclude))
 
     @property
     def backends(self) -> Dict[str, BackendChoice]:
         """feature -> BackendChoice (the plan's backend table)."""
-        return dict(self.choices)
+        return dict(self.owners.choices)
 
     def value_at(self, path: str) -> Any:
         """The value at a field path of OVERRIDE_FIELDS ("mesh.tp", "sp", ...)."""
@@ -224,17 +274,19 @@ class Layout:
     def to_dict(self) -> Dict[str, Any]:
         """plan.json's ``layout``: the fields plus the derived values the runtime checks against.
 
-        The FLAT_RECORDS (mesh degrees, DeepSpeed knobs) are written flat, in the record's place
+        The FLAT_RECORDS (mesh, batch, memory, numerics, owners, DeepSpeed knobs) are written flat, in PLAN_KEY_ORDER
         (plan.json's keys predate the records)."""
-        d: Dict[str, Any] = {}
+        flat: Dict[str, Any] = {}
         for f in fields(self):
             if f.name in FLAT_RECORDS:
-                d.update(asdict(getattr(self, f.name)))
+                flat.update(asdict(getattr(self, f.name)))
             else:
-                d[f.name] = getattr(self, f.name)
+                flat[f.name] = getattr(self, f.name)
+        d = {k: flat.pop(k) for k in PLAN_KEY_ORDER if k in flat}
+        d.update(flat)
         d["pp_layers"] = list(self.pp_layers)
-        d["fp8_exclude"] = list(self.fp8_exclude)
-        d["choices"] = {name: asdict(c) for name, c in self.choices}
+        d["fp8_exclude"] = list(self.numerics.fp8_exclude)
+        d["choices"] = {name: asdict(c) for name, c in self.owners.choices}
         d["derived"] = {
             "world_size": self.mesh.world_size,
             "dp": self.mesh.dp,
@@ -248,10 +300,10 @@ class Layout:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Layout":
         d = {k: v for k, v in d.items() if k != "derived"}
+        d["choices"] = tuple((name, BackendChoice(**c)) for name, c in d.get("choices", {}).items())
+        if "fp8_exclude" in d:
+            d["fp8_exclude"] = tuple(d["fp8_exclude"])
         for name, record in FLAT_RECORDS.items():
             d[name] = record(**{f.name: d.pop(f.name) for f in fields(record) if f.name in d})
         d["pp_layers"] = tuple(d.get("pp_layers", ()))
-        if "fp8_exclude" in d:
-            d["fp8_exclude"] = tuple(d["fp8_exclude"])
-        d["choices"] = tuple((name, BackendChoice(**c)) for name, c in d.get("choices", {}).items())
         return cls(**d)

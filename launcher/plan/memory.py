@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence
 
-from launcher.plan.layout import Layout
+from launcher.plan.layout import Layout, MemoryPlan
 from launcher.plan.params import ModelShape, StageParams, stage_params
 
 GiB = 1024**3
@@ -72,21 +72,21 @@ class StageMemory:
 
 def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
     """Bytes per parameter kept for the whole step: {params, grads, optimizer}, before sharding."""
-    if lay.sharding_backend == "deepspeed":
-        if lay.precision != "fp32":
-            if lay.zero_stage == 1 and lay.offload_optimizer == "none":
+    if lay.owners.sharding_backend == "deepspeed":
+        if lay.numerics.precision != "fp32":
+            if lay.memory.zero_stage == 1 and lay.memory.offload_optimizer == "none":
                 # launcher/engines/deepspeed_config.py accumulates gradients in fp32 at ZeRO-1, which makes
                 # DeepSpeed use its BF16_Optimizer: an unsharded fp32 gradient buffer (4 B/param)
                 # beside the bf16 gradients, i.e. 8 + 12/N bytes per parameter instead of 4 + 12/N.
                 return {"params": 2.0, "grads": 6.0, "optimizer": 12.0}
-            if lay.zero_stage >= 2 and lay.offload_optimizer == "none":
+            if lay.memory.zero_stage >= 2 and lay.memory.offload_optimizer == "none":
                 # At the optimizer step DeepSpeed copies the bf16 gradient partition into an fp32 one
                 # (single_grad_partition, 4 B) for the fp32 master step and then frees the bf16 one:
                 # the gradients' peak is 4 B per partitioned parameter. ZeRO-3: 2 + 4 + 12 = 18 B/param,
                 # as DeepSpeed's estimate_zero3_model_states_mem_needs counts.
                 return {"params": 2.0, "grads": 4.0, "optimizer": 12.0}
             return {"params": 2.0, "grads": 2.0, "optimizer": 12.0}  # bf16 p/g + fp32 master, m, v
-        if lay.zero_stage >= 1:
+        if lay.memory.zero_stage >= 1:
             # ZeRO's optimizer steps a flat fp32 copy of its partition even in fp32 training.
             return {"params": 4.0, "grads": 4.0, "optimizer": 12.0}
     return {"params": 4.0, "grads": 4.0, "optimizer": 8.0}  # fp32 p/g (FSDP2 master), m, v
@@ -95,27 +95,27 @@ def state_bytes_per_param(lay: Layout) -> Dict[str, float]:
 def _sharded(lay: Layout) -> tuple:
     """Which states ZeRO divides by the shard degree. FSDP2 shards all three at any stage >= 1
     (its stages 1/2 differ from 3 only in resharding after forward)."""
-    if lay.sharding_backend == "deepspeed":
-        return ((), ("optimizer",), ("grads", "optimizer"), ("params", "grads", "optimizer"))[lay.zero_stage]
-    return () if lay.zero_stage == 0 else ("params", "grads", "optimizer")
+    if lay.owners.sharding_backend == "deepspeed":
+        return ((), ("optimizer",), ("grads", "optimizer"), ("params", "grads", "optimizer"))[lay.memory.zero_stage]
+    return () if lay.memory.zero_stage == 0 else ("params", "grads", "optimizer")
 
 
 def _offloaded(lay: Layout) -> tuple:
     """States that live on the host instead of the GPU."""
-    if lay.offload_params != "none" or (lay.offload_optimizer != "none" and lay.offload_backend == "native"):
+    if lay.memory.offload_params != "none" or (lay.memory.offload_optimizer != "none" and lay.owners.offload_backend == "native"):
         # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together;
         # DeepSpeed parameter offload is used with optimizer offload in practice.
         return ("params", "grads", "optimizer")
-    if lay.offload_optimizer != "none":
+    if lay.memory.offload_optimizer != "none":
         return ("grads", "optimizer")  # ZeRO-Offload: fp32 grads + master + m + v on the host
     return ()
 
 
 def working_dtype_bytes(lay: Layout) -> float:
     """Bytes per element of the unsharded parameters the forward/backward compute with."""
-    if lay.precision == "fp32":
+    if lay.numerics.precision == "fp32":
         return 4.0
-    if lay.precision == "fp8" and lay.fp8_all_gather and lay.sharding_backend == "native":
+    if lay.numerics.precision == "fp8" and lay.numerics.fp8_all_gather and lay.owners.sharding_backend == "native":
         return 1.0
     return 2.0
 
@@ -138,9 +138,9 @@ def model_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelSha
             host += b
             b = 0.0
         out[cat] = int(b)
-    fsdp_accumulates_shards = (lay.sharding_backend == "native" and lay.zero_stage >= 1
+    fsdp_accumulates_shards = (lay.owners.sharding_backend == "native" and lay.memory.zero_stage >= 1
                                and lay.fsdp_degree > 1 and not lay.fsdp_holds_unsharded)
-    if lay.microbatches > 1 and out["grads"] and not fsdp_accumulates_shards:
+    if lay.batch.microbatches > 1 and out["grads"] and not fsdp_accumulates_shards:
         # Accumulating into existing gradients briefly holds a fresh gradient next to the old
         # one: one tensor (the largest) at a time, as measured with torch's MemTracker.
         # (FSDP2 adds its reduce-scatter output into the shard: counted with its buffers.)
@@ -165,7 +165,7 @@ def autocast_cast_elements(stage: StageParams, shape: Optional[ModelShape], lay:
         return 0.0
     local = (stage.shared - stage.tp_replicated) / lay.mesh.tp + stage.routed / lay.mesh.ep
     table = shape.vocab_size * shape.dim / lay.mesh.tp
-    if lay.precision == "fp8":
+    if lay.numerics.precision == "fp8":
         return table if stage.has_output else 0.0
     if stage.has_embedding and not (shape.tie_embeddings and stage.has_output):
         local -= table
@@ -179,7 +179,7 @@ def working_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelS
     # model_state_memory, only the rest divides by tp.
     local = (stage.shared - stage.tp_replicated) / lay.mesh.tp + stage.tp_replicated + stage.routed / lay.mesh.ep
     wb = working_dtype_bytes(lay)
-    grad_wb = 4.0 if lay.precision == "fp32" else 2.0
+    grad_wb = 4.0 if lay.numerics.precision == "fp32" else 2.0
     out: Dict[str, int] = {}
     if lay.fsdp_holds_unsharded:
         # torch's pipeline schedules, and accumulate_unsharded, keep FSDP2 units unsharded, and
@@ -187,29 +187,29 @@ def working_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelS
         out["unsharded_params"] = int(local * wb)
         # FSDP2 keeps the gradients it does not reduce yet in reduce_dtype (FSDPParam.
         # to_accumulated_grad_if_needed upcasts them), so fp32 with reduce_dtype=fp32.
-        acc_wb = 4.0 if lay.reduce_dtype == "fp32" else grad_wb
+        acc_wb = 4.0 if lay.numerics.reduce_dtype == "fp32" else grad_wb
         out["unsharded_grads"] = int(local * acc_wb)
-    elif lay.sharding_backend == "native" and not lay.fsdp_wraps:
+    elif lay.owners.sharding_backend == "native" and not lay.fsdp_wraps:
         # One sharding rank: no FSDP2, the engine's autocast computes in bf16 (native.py _autocast).
         # Autocast caches the bf16 cast of every weight it multiplies (leaf tensors that need grad)
         # and each matmul saves its cast for backward, so at the loss's backward all of them exist.
-        if lay.precision in ("bf16", "fp8"):
+        if lay.numerics.precision in ("bf16", "fp8"):
             out["autocast_weight_copies"] = int(autocast_cast_elements(stage, shape, lay) * 2.0)
-    elif lay.sharding_backend == "native":
-        if lay.zero_stage in (1, 2):
+    elif lay.owners.sharding_backend == "native":
+        if lay.memory.zero_stage in (1, 2):
             out["unsharded_params"] = int(local * wb)  # kept from forward to backward
-        elif lay.precision != "fp32" or lay.zero_stage == 3:
+        elif lay.numerics.precision != "fp32" or lay.memory.zero_stage == 3:
             out["unsharded_params"] = int(2 * unit * wb)  # current + prefetched unit
         # The unit being reduced: its unsharded grads, plus an fp32 copy when reducing in fp32.
-        extra = 4.0 if (lay.reduce_dtype == "fp32" and grad_wb != 4.0) else 0.0
-        out["unsharded_grads"] = int(unit * (grad_wb + extra)) if lay.zero_stage else 0
+        extra = 4.0 if (lay.numerics.reduce_dtype == "fp32" and grad_wb != 4.0) else 0.0
+        out["unsharded_grads"] = int(unit * (grad_wb + extra)) if lay.memory.zero_stage else 0
     else:
-        if lay.zero_stage == 3:
+        if lay.memory.zero_stage == 3:
             out["unsharded_params"] = int(2 * unit * wb)
             if lay.deepspeed.zeropp_hierarchical_partition > 1:
                 # hpZ keeps a secondary copy of the params sharded within the node.
                 out["hpz_secondary"] = int(local * wb / lay.deepspeed.zeropp_hierarchical_partition)
-        if lay.zero_stage >= 1:
+        if lay.memory.zero_stage >= 1:
             # Measured on CPU (bench/memory_accuracy.py): ZeRO-1/2/3 allocate one buffer of the full
             # configured reduce bucket size whatever the model size (ZeRO-2/3 fill it with the
             # contiguous gradients, which torch's MemTracker then counts as gradients).
@@ -275,7 +275,7 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
     (as "op" but every second matmul output recomputed: MoE blocks are refused by the validator).
     """
     a, h, t = lay.act_bytes, shape.dim, lay.mesh.tp
-    tokens = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
+    tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
     sp_div = t if lay.sp else 1
     if mode == "full":
         return tokens * a * h / sp_div
@@ -332,7 +332,7 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         if not moe:
             ffn = 3 * a * shape.ffn_dim / t
     linear_inputs = 2.0 * a * h
-    if lay.compile and lay.precision == "fp8" and not moe:
+    if lay.compile and lay.numerics.precision == "fp8" and not moe:
         # torchao's Float8Linear re-casts its input in its own backward, so in a compiled block the
         # partitioner recomputes the bf16 inputs that are pointwise functions of saved tensors (both
         # norm outputs, SwiGLU's product) instead of keeping them (measured as above, fp8 emulated).
@@ -355,7 +355,7 @@ def document_mask_bytes(lay: Layout) -> float:
     scores). "flex" (CUDA): the BlockMask's int32 tables, [micro_batch, 1, s/128] block counts and
     [micro_batch, 1, s/128, s/128] indices, for the partial and full blocks, forward and backward
     (4 of each). Context parallelism with masking is refused, so the sequence is whole."""
-    b, s = lay.micro_batch_size, lay.seq_len
+    b, s = lay.batch.micro_batch_size, lay.batch.seq_len
     if lay.document_mask == "sdpa":
         return float(b * s * s * lay.act_bytes)
     if lay.document_mask == "flex":
@@ -366,13 +366,13 @@ def document_mask_bytes(lay: Layout) -> float:
 
 def layer_modes(n_layers: int, lay: Layout) -> List[str]:
     """The recomputation mode of each block of a stage."""
-    if lay.ac_mode == "full":
+    if lay.memory.ac_mode == "full":
         return ["full"] * n_layers
-    if lay.ac_mode == "selective":
-        if lay.ac_selective.isdigit() and int(lay.ac_selective) > 0:
-            every = int(lay.ac_selective)
+    if lay.memory.ac_mode == "selective":
+        if lay.memory.ac_selective.isdigit() and int(lay.memory.ac_selective) > 0:
+            every = int(lay.memory.ac_selective)
             return ["full" if i % every == 0 else "none" for i in range(n_layers)]
-        return ["op_alternate_mm" if lay.ac_selective == "op_alternate_mm" else "op"] * n_layers
+        return ["op_alternate_mm" if lay.memory.ac_selective == "op_alternate_mm" else "op"] * n_layers
     return ["none"] * n_layers
 
 
@@ -384,7 +384,7 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
     (p-1)/(p v)) times 1F1B's p, Narayanan et al. 2021), more when it does not (torch's rounds);
     zbv (V-shape, 2 chunks) balances to about p on every rank.
     """
-    p, m, v = lay.mesh.pp, lay.microbatches, lay.vpp
+    p, m, v = lay.mesh.pp, lay.batch.microbatches, lay.vpp
     if p == 1:
         return 1.0
     if lay.schedule == "gpipe":
@@ -404,7 +404,7 @@ def inflight_microbatches(lay: Layout, rank: int) -> float:
 @lru_cache(maxsize=65536)
 def _layer_kinds(shape: ModelShape, stage: StageParams, ac_mode: str, ac_selective: str) -> Dict[tuple, int]:
     """Blocks of a stage counted per (is MoE, recompute mode): a 126-block stage costs a few formula calls."""
-    modes = layer_modes(stage.n_layers, Layout(ac_mode=ac_mode, ac_selective=ac_selective))
+    modes = layer_modes(stage.n_layers, Layout(memory=MemoryPlan(ac_mode=ac_mode, ac_selective=ac_selective)))
     kinds: Dict[tuple, int] = {}
     for mode, idx in zip(modes, stage.layers):
         key = (shape.is_moe_layer(idx), mode)
@@ -414,7 +414,7 @@ def _layer_kinds(shape: ModelShape, stage: StageParams, ac_mode: str, ac_selecti
 
 def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) -> Dict[str, int]:
     """Saved activations of a pipeline rank at its peak, plus the backward working set."""
-    kinds = _layer_kinds(shape, stage, lay.ac_mode, lay.ac_selective)
+    kinds = _layer_kinds(shape, stage, lay.memory.ac_mode, lay.memory.ac_selective)
     recompute = any(mode != "none" for _, mode in kinds)
     per_mb = sum(n * layer_activation_bytes(shape, lay, moe, mode) for (moe, mode), n in kinds.items())
     # A block recomputed for its backward holds its activations again; compiled blocks (trainer.compile)
@@ -422,7 +422,7 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     redo = "op" if lay.compile else "none"
     worst_layer = max((layer_activation_bytes(shape, lay, moe, redo) for moe, _ in kinds), default=0.0)
     inflight = inflight_microbatches(lay, stage.rank)
-    tokens = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
+    tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
     a, t = lay.act_bytes, lay.mesh.tp
     # The document mask is built once per micro-batch and stage and saved by every layer's attention
     # (the same tensor): one per micro-batch in flight.
@@ -514,7 +514,7 @@ def grads_freed_at_loss(lay: Layout) -> bool:
     step ends with zero_grad(set_to_none=True); FSDP2 allocates sharded gradients as it
     reduce-scatters them), one micro-batch per step and no pipeline (a later micro-batch's loss
     runs beside the earlier ones' gradients). DeepSpeed keeps its gradient buffers."""
-    return lay.sharding_backend == "native" and lay.microbatches == 1 and lay.mesh.pp == 1
+    return lay.owners.sharding_backend == "native" and lay.batch.microbatches == 1 and lay.mesh.pp == 1
 
 
 def most_loaded(stages: List[StageMemory]) -> StageMemory:

@@ -122,17 +122,17 @@ WIDTH_KNEE = 512
 
 def gemm_efficiency(shape: ModelShape, lay: Layout) -> float:
     """Fraction of `achievable_fraction` this layout's per-GPU matmuls reach (1.0 for large ones)."""
-    rows = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
+    rows = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
     width = (shape.moe_ffn_dim if shape.n_experts else shape.ffn_dim) / lay.mesh.tp
     return rows / (rows + TOKEN_KNEE) * width / (width + WIDTH_KNEE)
 
 
 def recompute_fraction(lay: Layout) -> float:
     """Share of the blocks whose forward is run twice (full recomputation)."""
-    if lay.ac_mode == "full":
+    if lay.memory.ac_mode == "full":
         return 1.0
-    if lay.ac_mode == "selective" and lay.ac_selective.isdigit() and int(lay.ac_selective) > 0:
-        return 1.0 / int(lay.ac_selective)
+    if lay.memory.ac_mode == "selective" and lay.memory.ac_selective.isdigit() and int(lay.memory.ac_selective) > 0:
+        return 1.0 / int(lay.memory.ac_selective)
     return 0.0  # op-level selective recomputes elementwise ops only: no matmul FLOPs
 
 
@@ -142,7 +142,7 @@ def alternate_mm_recompute_params(shape: ModelShape, st: StageParams, lay: Layou
     launcher/parallel/ac.py recomputes every second mm of a block, in the order they run (the
     family's attention matmuls, then w1, w3, w2): wk, wo and w3 of the Llama block (dense blocks
     only: the validator refuses the policy for MoE models)."""
-    if lay.ac_mode != "selective" or lay.ac_selective != "op_alternate_mm":
+    if lay.memory.ac_mode != "selective" or lay.memory.ac_selective != "op_alternate_mm":
         return 0.0
     mms = shape.attention_layout.linears + shape.ffn_linears
     return st.n_layers * sum(m.in_features * m.out_features for m in mms[1::2])
@@ -151,7 +151,7 @@ def alternate_mm_recompute_params(shape: ModelShape, st: StageParams, lay: Layou
 def elementwise_recompute_fraction(lay: Layout) -> float:
     """Share of the blocks whose elementwise ops run twice: full AC, and op-level selective AC
     (launcher/parallel/ac.py saves matmul, attention and collective outputs and recomputes the rest)."""
-    if lay.ac_mode == "selective" and not lay.ac_selective.isdigit():
+    if lay.memory.ac_mode == "selective" and not lay.memory.ac_selective.isdigit():
         return 1.0
     return recompute_fraction(lay)
 
@@ -174,7 +174,7 @@ def matmul_peak(hw: Any, precision: str) -> float:
 
 def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> float:
     """Forward + backward of one micro-batch on one GPU of a pipeline rank."""
-    tokens = lay.micro_batch_size * lay.seq_len
+    tokens = lay.batch.micro_batch_size * lay.batch.seq_len
     block, head = stage_matmul_params(shape, st)
     rf = recompute_fraction(lay)
     # Recomputing a forward costs a third of forward+backward.
@@ -183,8 +183,8 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     split = lay.mesh.tp * lay.mesh.cp  # each GPU of the TP x CP group computes its share
     eff = hw.achievable_fraction * gemm_efficiency(shape, lay)
     # Attention and the output layer stay in bf16 under fp8 (precision.fp8.exclude); fp32 runs use TF32.
-    other_peak = matmul_peak(hw, "fp32" if lay.precision == "fp32" else "bf16") * eff
-    block_peak = matmul_peak(hw, lay.precision) * eff
+    other_peak = matmul_peak(hw, "fp32" if lay.numerics.precision == "fp32" else "bf16") * eff
+    block_peak = matmul_peak(hw, lay.numerics.precision) * eff
     matmul_s = (block_flops / block_peak + head_flops / other_peak) / split + attention_s(shape, st, lay, hw)
     memory_bound_s = elementwise_s(shape, lay, hw, st.n_layers, elementwise_recompute_fraction(lay),
                                    st.has_output, tokens / lay.mesh.cp)
@@ -196,10 +196,10 @@ def attention_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> flo
     """Attention-score matmul seconds of one micro-batch on one GPU: the 12 L h s FLOPs (plus a
     recomputed forward) at the bf16 (TF32 under fp32) rate, split over tp x cp; under context
     parallelism the ring's hops run at RING_HOP_EFFICIENCY (launcher/plan/ring.py)."""
-    tokens = lay.micro_batch_size * lay.seq_len
+    tokens = lay.batch.micro_batch_size * lay.batch.seq_len
     rf = recompute_fraction(lay)
-    attn_flops = attention_flops_per_token(st.n_layers, attention_width(shape), lay.seq_len) * (1 + rf / 3) * tokens
-    peak = matmul_peak(hw, "fp32" if lay.precision == "fp32" else "bf16") * hw.achievable_fraction
+    attn_flops = attention_flops_per_token(st.n_layers, attention_width(shape), lay.batch.seq_len) * (1 + rf / 3) * tokens
+    peak = matmul_peak(hw, "fp32" if lay.numerics.precision == "fp32" else "bf16") * hw.achievable_fraction
     return attn_flops / (peak * gemm_efficiency(shape, lay)) / (lay.mesh.tp * lay.mesh.cp) * hop_time_factor(lay)
 
 
@@ -214,7 +214,7 @@ def document_mask_s(st: StageParams, lay: Layout, hw: Any) -> float:
     not modelled."""
     if lay.document_mask != "sdpa":
         return 0.0
-    mask = lay.micro_batch_size * lay.seq_len ** 2
+    mask = lay.batch.micro_batch_size * lay.batch.seq_len ** 2
     built = mask * (2 + lay.act_bytes)
     reads = mask * lay.act_bytes * st.n_layers * (2 + recompute_fraction(lay))
     return (built + reads) / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
@@ -246,24 +246,24 @@ def bubble_fraction(lay: Layout) -> float:
 def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> List[Collective]:
     """Per-step communication of one GPU on pipeline rank `st` (the busiest one)."""
     out: List[Collective] = []
-    m, a = lay.microbatches, lay.act_bytes
-    tokens = lay.micro_batch_size * lay.seq_len / lay.mesh.cp
+    m, a = lay.batch.microbatches, lay.act_bytes
+    tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
     shared = st.shared / lay.mesh.tp
     routed = st.routed / (lay.mesh.tp * lay.mesh.ep)
-    wb = 4.0 if lay.precision == "fp32" else (1.0 if lay.precision == "fp8" and lay.fp8_all_gather else 2.0)
-    rb = 4.0 if (lay.reduce_dtype == "fp32" or lay.precision == "fp32") else 2.0
-    ds = lay.sharding_backend == "deepspeed"
+    wb = 4.0 if lay.numerics.precision == "fp32" else (1.0 if lay.numerics.precision == "fp8" and lay.numerics.fp8_all_gather else 2.0)
+    rb = 4.0 if (lay.numerics.reduce_dtype == "fp32" or lay.numerics.precision == "fp32") else 2.0
+    ds = lay.owners.sharding_backend == "deepspeed"
     if ds:
         # DeepSpeed gathers its bf16/fp32 working parameters; gradients travel in
         # communication_data_type, which launcher/engines/deepspeed_config.py takes from reduce_dtype.
-        wb = 4.0 if lay.precision == "fp32" else 2.0
+        wb = 4.0 if lay.numerics.precision == "fp32" else 2.0
     shard_dims: Tuple[str, ...] = ("dp_replicate", "dp_shard", "cp") if ds else ("dp_shard", "cp")
     n_shard = lay.fsdp_degree
     # Expert parameters shard over the ranks left after ep (innermost part of dp_shard*cp).
     families = [("", shared, n_shard)]
     if routed:
         families.append((" experts", routed, lay.expert_fsdp_degree))
-    z = lay.zero_stage
+    z = lay.memory.zero_stage
     dp_all = lay.mesh.dp * lay.mesh.cp
     for tag, psize, n in families:
         if z == 0 or n == 1:
@@ -307,7 +307,7 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     if lay.mesh.cp > 1:
         # Ring attention (launcher/plan/ring.py): K/V, repeated to every query head, all-gathered in
         # forward, again when recomputed, and in backward; the fp32 dK/dV cross cp links per backward.
-        kv = lay.micro_batch_size * lay.seq_len * kv_bytes_per_token(shape, lay)
+        kv = lay.batch.micro_batch_size * lay.batch.seq_len * kv_bytes_per_token(shape, lay)
         out.append(_coll("CP K/V ring", "all_gather", ("cp",), lay.mesh.cp, lay, hw, kv, n_layers * m * (2 + rf)))
         dkv = kv / lay.mesh.cp * 4.0 / a
         out.append(_coll("CP dK/dV ring", "p2p", ("cp",), lay.mesh.cp, lay, hw, dkv, n_layers * m * lay.mesh.cp))
@@ -350,7 +350,7 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
     slowest_i = max(range(len(stages)), key=lambda i: t_mb[i])
     st = stages[slowest_i]
     slowest = st.rank
-    m = lay.microbatches
+    m = lay.batch.microbatches
     slots = bubble_slots(lay)
     compute_s = t_mb[slowest_i] * m
     bubble_s = t_mb[slowest_i] * slots
@@ -362,7 +362,7 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
     world = lay.mesh.world_size
     tokens_per_s_per_gpu = tokens_per_step / step_s / world
     flops_per_s_per_gpu = tokens_per_s_per_gpu * model_flops_per_token
-    peak = peak_tflops(hw, lay.precision) * 1e12
+    peak = peak_tflops(hw, lay.numerics.precision) * 1e12
     return {
         "step_s": step_s,
         "compute_s": compute_s,
@@ -399,7 +399,7 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
     for c in comm:
         if c.name.startswith("grad all-reduce"):
             # DDP buckets overlap the last micro-batch's backward (2/3 of its compute).
-            c.exposed_s = max(0.0, c.time_s - compute_s / max(1, lay.microbatches) * 2 / 3) + c.time_s / units
+            c.exposed_s = max(0.0, c.time_s - compute_s / max(1, lay.batch.microbatches) * 2 / 3) + c.time_s / units
         elif c.name.startswith(("TP", "EP", "router bias")):
             c.exposed_s = c.time_s
         elif c.name.startswith("CP K/V"):
@@ -410,7 +410,7 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
             # of them (a rank waits for it before the layer's backward ends): 1/cp of them exposed.
             c.exposed_s = c.time_s / lay.mesh.cp + max(0.0, c.time_s * (lay.mesh.cp - 1) / lay.mesh.cp - attn_s / 2)
         elif c.name.startswith("PP"):
-            per_send = c.time_s / max(1, 2 * lay.microbatches * lay.vpp)
+            per_send = c.time_s / max(1, 2 * lay.batch.microbatches * lay.vpp)
             c.exposed_s = 2 * (lay.mesh.pp - 1) * per_send
 
 
@@ -418,9 +418,9 @@ def optimizer_step_s(st: StageParams, lay: Layout, hw: Any) -> float:
     """AdamW over the local shard: memory-bound on the GPU, or on the host when offloaded."""
     shared = st.shared / lay.mesh.tp
     routed = st.routed / (lay.mesh.tp * lay.mesh.ep)
-    n = lay.fsdp_degree if lay.zero_stage >= 1 else 1
-    local = shared / n + routed / (lay.expert_fsdp_degree if lay.zero_stage >= 1 else 1)
-    if lay.offload_optimizer != "none" or lay.offload_params != "none":
+    n = lay.fsdp_degree if lay.memory.zero_stage >= 1 else 1
+    local = shared / n + routed / (lay.expert_fsdp_degree if lay.memory.zero_stage >= 1 else 1)
+    if lay.memory.offload_optimizer != "none" or lay.memory.offload_params != "none":
         pcie = hw.pcie_gbps * 1e9
         return local / HOST_ADAM_PARAMS_PER_S + local * (4 + 2) / pcie  # grads down, params up
     # Read p, g, m, v (16 B) and write p, m, v (12 B) in fp32.

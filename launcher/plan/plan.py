@@ -72,9 +72,8 @@ class Plan:
 
     @property
     def batch(self) -> BatchPlan:
-        lay = self.layout
-        return BatchPlan(lay.global_batch_size, lay.micro_batch_size, lay.microbatches, lay.seq_len,
-                         lay.tokens_per_step)
+        lay, b = self.layout, self.layout.batch
+        return BatchPlan(lay.global_batch_size, b.micro_batch_size, b.microbatches, b.seq_len, lay.tokens_per_step)
 
     @property
     def backends(self) -> Dict[str, BackendChoice]:

@@ -338,7 +338,7 @@ def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
         rows.append((*lead, tps, f"{c.mfu:.1%}",
                      f"{c.step_s:.2f} ({_range(c.step_s_range, '.2f')})",
                      f"{c.memory['total'] / GiB:.1f} ({_range([b / GiB for b in c.memory_total_range], '.1f')})", pipe, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp,
-                     lay.mesh.ep, lay.zero_stage, lay.ac_mode, lay.micro_batch_size, c.backends.get("sharding", "native")))
+                     lay.mesh.ep, lay.memory.zero_stage, lay.memory.ac_mode, lay.batch.micro_batch_size, c.backends.get("sharding", "native")))
     heads = ["#"] + ([OBJECTIVE_COLUMNS[objective]] if objective != "throughput" else []) + (["GPUs"] if nodes else [])
     table = _table((*heads, "tok/s/GPU", "MFU", "step s", "mem GiB", "pp", "dp_rep", "dp_shard", "cp", "tp", "ep",
                     "zero", "AC", "mbs", "sharding"), rows, "r" * len(heads) + "rrrrlrrrrrrlrl")

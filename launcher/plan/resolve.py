@@ -8,7 +8,7 @@ to derive
 - the gradient accumulation (micro-batches per optimizer step on each data-parallel rank),
 - the pipeline micro-batches (THE rule: the schedule runs the accumulation micro-batches),
 - the schedule and virtual stages, whether FSDP2 wraps the model (``Layout.fsdp_wraps``),
-- whether FSDP2 accumulates gradients unsharded (``Layout.accumulate_unsharded``, from
+- whether FSDP2 accumulates gradients unsharded (``Layout.memory.accumulate_unsharded``, from
   parallel.accumulate_unsharded: auto checks the planner's memory against hardware.memory_gb),
 - which backend and implementation owns each feature (launcher/plan/rules.py).
 
@@ -27,7 +27,7 @@ from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, Pro
 from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
 from launcher.plan.features import FEATURES, BackendChoice
-from launcher.plan.layout import DeepSpeedPlan, Layout
+from launcher.plan.layout import BackendPlan, DeepSpeedPlan, Layout, MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.rules import backend_conflicts, hpz_partition_size
 
@@ -136,26 +136,27 @@ def _layout_problems(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
     async_problems = async_checkpoint_problems(spec, layout) + local_tier_problems(spec, layout)
     if async_problems:
         return None, async_problems
-    return replace(layout, accumulate_unsharded=resolve_accumulate_unsharded(spec, layout)[0]), []
+    held = resolve_accumulate_unsharded(spec, layout)[0]
+    return replace(layout, memory=replace(layout.memory, accumulate_unsharded=held)), []
 
 
 def async_checkpoint_problems(spec: JobConfig, layout: Layout) -> List[str]:
     """checkpoint.async=true needs the native engine: DeepSpeed's save_checkpoint writes in the
     foreground and offers no staged background write with our atomic publish (refused, not ignored)."""
-    if not spec.checkpoint.saves_async or layout.sharding_backend != "deepspeed":
+    if not spec.checkpoint.saves_async or layout.owners.sharding_backend != "deepspeed":
         return []
     return [f"checkpoint.async=true: asynchronous checkpoints are written by the native engine (DCP async_save), "
-            f"but this layout gives the model states to DeepSpeed (ZeRO-{layout.zero_stage}), whose checkpoints are "
+            f"but this layout gives the model states to DeepSpeed (ZeRO-{layout.memory.zero_stage}), whose checkpoints are "
             f"written synchronously. Fix: checkpoint.async=false, or a layout the native engine runs (backend=native)."]
 
 
 def local_tier_problems(spec: JobConfig, layout: Layout) -> List[str]:
     """checkpoint.local_dir needs the native engine: its node-local save copies each rank's local
     shards, which DeepSpeed's ZeRO engine does not hand out (refused, not ignored)."""
-    if not (spec.checkpoint.enabled and spec.checkpoint.local_dir) or layout.sharding_backend != "deepspeed":
+    if not (spec.checkpoint.enabled and spec.checkpoint.local_dir) or layout.owners.sharding_backend != "deepspeed":
         return []
     return [f"checkpoint.local_dir={spec.checkpoint.local_dir}: the node-local checkpoint tier is written by the "
-            f"native engine, but this layout gives the model states to DeepSpeed (ZeRO-{layout.zero_stage}). "
+            f"native engine, but this layout gives the model states to DeepSpeed (ZeRO-{layout.memory.zero_stage}). "
             f"Fix: checkpoint.local_dir='' (the shared checkpoint at checkpoint.interval only), or a layout the "
             f"native engine runs (backend=native)."]
 
@@ -171,7 +172,7 @@ def profile_rank_problems(profile: ProfileConfig, world: int) -> List[str]:
 
 def accumulate_unsharded_blocker(lay: Layout) -> str:
     """Why FSDP2 cannot hold the step unsharded in this layout ("" when it can)."""
-    if lay.microbatches < 2:
+    if lay.batch.microbatches < 2:
         return "one micro-batch per step: nothing to accumulate"
     if lay.uses_deepspeed:
         return "DeepSpeed owns the sharding and accumulates gradients its own way"
@@ -200,7 +201,7 @@ def resolve_accumulate_unsharded(spec: JobConfig, lay: Layout) -> Tuple[bool, st
         return False, blocker
     if want == "true":
         return True, "parallel.accumulate_unsharded=true"
-    need = unsharded_peak_bytes(spec, replace(lay, accumulate_unsharded=True))
+    need = unsharded_peak_bytes(spec, replace(lay, memory=replace(lay.memory, accumulate_unsharded=True)))
     capacity = int(spec.hardware.memory_gb * 1024**3)
     if need > capacity:
         return False, (f"auto: held unsharded the most loaded GPU needs {need / 1024**3:.1f} GiB "
@@ -218,7 +219,7 @@ def unsharded_peak_bytes(spec: JobConfig, lay: Layout) -> int:
 
 
 def backend_fields(choices: Dict[str, BackendChoice], offload_optimizer: str, pp: int) -> Dict[str, str]:
-    """The Layout's backend fields from the per-feature choices (shared with the search)."""
+    """The BackendPlan's owner fields from the per-feature choices (shared with the search)."""
     choice = lambda name: choices.get(name) or BackendChoice("native", "off", "")  # noqa: E731
     owner = choice("sharding").backend
     offload = choice("offload_optimizer" if offload_optimizer != "none" else "offload_params")
@@ -234,18 +235,29 @@ def backend_fields(choices: Dict[str, BackendChoice], offload_optimizer: str, pp
 
 def spec_fields(spec: JobConfig) -> Dict[str, Any]:
     """The Layout fields read straight from the spec, the same for every layout of it
-    (precision, offload, DeepSpeed buckets and ZeRO++ keys, cluster size); shared with the search."""
+    (precision, offload, DeepSpeed buckets and ZeRO++ keys, cluster size, seq_len); shared with the search."""
     pr, b, o = spec.precision, spec.backend, spec.offload
     return dict(
         nodes=spec.cluster.nodes,
         gpus_per_node=spec.cluster.gpus_per_node,
-        seq_len=spec.trainer.seq_len,
-        ac_selective=str(spec.activation_checkpointing.selective),
-        precision=pr.name,
-        reduce_dtype=pr.reduce_dtype,
-        fp8_all_gather=bool(pr.fp8.all_gather),
-        offload_optimizer=o.optimizer,
-        offload_params=o.params,
+        batch=RankBatchPlan(seq_len=spec.trainer.seq_len),
+        numerics=NumericsPlan(
+            precision=pr.name,
+            reduce_dtype=pr.reduce_dtype,
+            fp8_all_gather=bool(pr.fp8.all_gather),
+            fp8_recipe=str(pr.fp8.recipe),
+            tf32=bool(pr.tf32),
+            fp8_emulate=bool(pr.fp8.emulate),
+            fp8_min_features=int(pr.fp8.min_features),
+            fp8_exclude=tuple(str(x) for x in pr.fp8.exclude),
+        ),
+        memory=MemoryPlan(
+            ac_selective=str(spec.activation_checkpointing.selective),
+            offload_optimizer=o.optimizer,
+            offload_params=o.params,
+            offload_nvme_path=str(o.nvme_path),
+            offload_pin_memory=bool(o.pin_memory),
+        ),
         deepspeed=DeepSpeedPlan(
             reduce_bucket_size=int(b.reduce_bucket_size),
             allgather_bucket_size=int(b.allgather_bucket_size),
@@ -254,14 +266,7 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
             zeropp_hierarchical_partition=int(b.zeropp_hierarchical_partition),
         ),
         compile=bool(spec.trainer.compile),
-        fp8_recipe=str(pr.fp8.recipe),
         document_mask=document_mask_kernel(spec),
-        tf32=bool(pr.tf32),
-        fp8_emulate=bool(pr.fp8.emulate),
-        fp8_min_features=int(pr.fp8.min_features),
-        fp8_exclude=tuple(str(x) for x in pr.fp8.exclude),
-        offload_nvme_path=str(o.nvme_path),
-        offload_pin_memory=bool(o.pin_memory),
     )
 
 
@@ -281,6 +286,8 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
     # hpZ groups follow the mesh (HSDP maps to groups of dp_shard), so they are set here, not in spec_fields.
     fixed["deepspeed"] = replace(fixed["deepspeed"], hpz_partition_size=hpz_partition_size(
         int(spec.backend.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard))
+    fixed["batch"] = replace(fixed["batch"], micro_batch_size=spec.trainer.micro_batch_size, microbatches=max(1, accum))
+    fixed["memory"] = replace(fixed["memory"], zero_stage=int(p.zero_stage), ac_mode=spec.activation_checkpointing.mode)
     return Layout(
         **fixed,
         mesh=mesh,
@@ -288,12 +295,8 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         vpp=max(1, int(p.pp_virtual_stages)) if mesh.pp > 1 else 1,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers),
-        micro_batch_size=spec.trainer.micro_batch_size,
-        microbatches=max(1, accum),
-        zero_stage=int(p.zero_stage),
-        ac_mode=spec.activation_checkpointing.mode,
-        choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
-        **backend_fields(choices, spec.offload.optimizer, mesh.pp),
+        owners=BackendPlan(choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
+                           **backend_fields(choices, spec.offload.optimizer, mesh.pp)),
     )
 
 

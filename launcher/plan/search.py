@@ -94,9 +94,9 @@ class Candidate:
             "world_size": self.layout.mesh.world_size,
             "nodes": self.layout.nodes,
             "mesh": self.layout.mesh.to_dict(),
-            "zero_stage": self.layout.zero_stage,
-            "activation_checkpointing": self.layout.ac_mode,
-            "micro_batch_size": self.layout.micro_batch_size,
+            "zero_stage": self.layout.memory.zero_stage,
+            "activation_checkpointing": self.layout.memory.ac_mode,
+            "micro_batch_size": self.layout.batch.micro_batch_size,
             "pp_schedule": self.layout.schedule,
             "pp_virtual_stages": self.layout.vpp,
             "memory": dict(self.memory),
@@ -193,7 +193,8 @@ class _BackendCache:
         self.cache: Dict[tuple, Optional[Dict[str, Any]]] = {}
 
     def get(self, lay: Layout) -> Optional[Dict[str, Any]]:
-        key = (lay.zero_stage, lay.mesh.pp > 1, lay.mesh.tp > 1, lay.sp, lay.mesh.cp > 1, lay.mesh.ep > 1, lay.ac_mode,
+        key = (lay.memory.zero_stage, lay.mesh.pp > 1, lay.mesh.tp > 1, lay.sp, lay.mesh.cp > 1, lay.mesh.ep > 1,
+               lay.memory.ac_mode,
                lay.mesh.dp_replicate > 1, lay.schedule if lay.mesh.pp > 1 else "", lay.vpp)
         if key not in self.cache:
             try:
@@ -232,7 +233,7 @@ def _accumulation_held(spec, shape: ModelShape, lay: Layout, reserve: int):
     want = accumulate_unsharded_value(spec.parallel.accumulate_unsharded)
     ranks = (0, lay.mesh.pp - 1)
     if want != "false" and not accumulate_unsharded_blocker(lay):
-        held = dataclasses.replace(lay, accumulate_unsharded=True)
+        held = dataclasses.replace(lay, memory=dataclasses.replace(lay.memory, accumulate_unsharded=True))
         mem = most_loaded(estimate_memory(shape, held, reserve, ranks=ranks))
         if want == "true" or mem.total <= capacity_bytes(spec.hardware):
             return held, mem
@@ -240,7 +241,8 @@ def _accumulation_held(spec, shape: ModelShape, lay: Layout, reserve: int):
 
 
 def _with_backends(lay: Layout, choices: Dict[str, Any], spec) -> Layout:
-    return dataclasses.replace(lay, **backend_fields(choices, spec.offload.optimizer, lay.mesh.pp))
+    owners = dataclasses.replace(lay.owners, **backend_fields(choices, spec.offload.optimizer, lay.mesh.pp))
+    return dataclasses.replace(lay, owners=owners)
 
 
 def node_counts(spec) -> List[int]:
@@ -297,8 +299,9 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
         for zero in zeros:
             if zero < 2 and dp_rep > 1:
                 continue  # replicate groups only matter when states are sharded (HSDP)
-            lay0 = dataclasses.replace(base, mesh=mesh, sp=tp > 1, vpp=vpp, schedule=sched, zero_stage=zero)
-            choices = backends.get(dataclasses.replace(lay0, ac_mode="none"))
+            memory = dataclasses.replace(base.memory, zero_stage=zero)
+            lay0 = dataclasses.replace(base, mesh=mesh, sp=tp > 1, vpp=vpp, schedule=sched, memory=memory)
+            choices = backends.get(dataclasses.replace(lay0, memory=dataclasses.replace(lay0.memory, ac_mode="none")))
             if choices is None:
                 stats["no_backend"] += 1
                 continue
@@ -316,7 +319,8 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
                     continue  # the schedule needs at least pp micro-batches to fill the pipeline
                 for ac in AC_MODES:
                     stats["layouts"] += 1
-                    lay = dataclasses.replace(lay0, micro_batch_size=mbs, microbatches=m, ac_mode=ac)
+                    batch = dataclasses.replace(lay0.batch, micro_batch_size=mbs, microbatches=m)
+                    lay = dataclasses.replace(lay0, batch=batch, memory=dataclasses.replace(lay0.memory, ac_mode=ac))
                     lay, mem = _accumulation_held(spec, shape, lay, reserve)
                     if mem.total > cap:
                         continue
@@ -375,7 +379,7 @@ def _dedupe(cands: List[Candidate]) -> List[Candidate]:
     out = []
     for c in cands:
         lay = c.layout
-        key = (lay.nodes, lay.mesh, lay.schedule, lay.vpp, lay.micro_batch_size, lay.ac_mode, round(c.step_s, 6),
+        key = (lay.nodes, lay.mesh, lay.schedule, lay.vpp, lay.batch.micro_batch_size, lay.memory.ac_mode, round(c.step_s, 6),
                c.memory["total"])
         if key in seen:
             continue

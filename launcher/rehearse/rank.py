@@ -108,7 +108,7 @@ def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
     engine's own autocast and loss-parallel contexts, its loss, then the optimizer step."""
 
 
-    shape = (layout.micro_batch_size, layout.seq_len)
+    shape = (layout.batch.micro_batch_size, layout.batch.seq_len)
     model = engine.parts[0]
     # The model's device: the CPU under the rehearsal's fake tensors, the GPU when a benchmark
     # runs this same step for real (bench/rehearse_gpu.py).
@@ -121,7 +121,7 @@ def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
             with engine._loss_parallel():
                 with engine._autocast():
                     logits = model(inputs)
-                loss = token_loss_sum(logits, labels) / float(layout.micro_batch_size * layout.seq_len)
+                loss = token_loss_sum(logits, labels) / float(layout.batch.micro_batch_size * layout.batch.seq_len)
                 loss.backward()
         for opt in engine.optimizers:
             opt.step()
@@ -210,7 +210,7 @@ def per_microbatch_bytes(engine, layout, stages, n_run: int) -> Dict[str, int]:
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     act = nbytes(acts) // n_run
     if engine.has_first:
-        act += layout.micro_batch_size * layout.seq_len * 8  # int64 token ids
+        act += layout.batch.micro_batch_size * layout.batch.seq_len * 8  # int64 token ids
     return {"activations": act, "other": nbytes(grads) // n_run}
 
 
@@ -222,13 +222,13 @@ def _fake_pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n
     schedule = schedule if schedule is not None else engine.pp_schedule
     n_microbatches = n_microbatches or engine.pp_microbatches
     _vote_static_shapes(schedule)
-    rows = layout.micro_batch_size * n_microbatches
-    shape = (rows, layout.seq_len)
+    rows = layout.batch.micro_batch_size * n_microbatches
+    shape = (rows, layout.batch.seq_len)
     inputs = torch.randint(0, vocab_size, shape)
     labels = torch.randint(0, vocab_size, shape)
 
     def step():
-        engine._token_norm = float(rows * layout.seq_len)
+        engine._token_norm = float(rows * layout.batch.seq_len)
         kwargs = {"target": labels, "losses": []} if engine.has_last else {}
         args = (inputs,) if engine.has_first else ()
         with engine._loss_parallel(), engine._autocast():
@@ -272,8 +272,8 @@ def set_up_pipeline_stages(engine, layout, schedule, n_microbatches: int) -> Non
 
 
     _vote_static_shapes(schedule)  # the set-up runs the vote; on a fake group it must not send
-    rows = layout.micro_batch_size * n_microbatches
-    tokens = torch.zeros((rows, layout.seq_len), dtype=torch.long)
+    rows = layout.batch.micro_batch_size * n_microbatches
+    tokens = torch.zeros((rows, layout.batch.seq_len), dtype=torch.long)
     args_split, kwargs_split = schedule._split_inputs((tokens,) if engine.has_first else (), {})
     target = next(iter(_split_tensor(tokens, _TARGET_CHUNK_SPEC, n_microbatches))) if engine.has_last else None
     for st in schedule_stages(schedule):
@@ -341,7 +341,7 @@ def balance_moe_routing(parts) -> str:
 
 def fake_step_skip_reason(layout, model_cfg) -> str:
     """Why no fake training step runs for this layout ("" when one runs)."""
-    if layout.sharding_backend == "deepspeed":
+    if layout.owners.sharding_backend == "deepspeed":
         return "DeepSpeed's forward does not run on a fake process group"
     return ""
 
@@ -361,7 +361,7 @@ def check_deepspeed_rank(layout, options) -> None:
         validate_deepspeed_config(cfg, data_parallel_size(layout))
     except Exception as err:  # DeepSpeed raises pydantic, assertion and value errors alike
         raise ValueError(
-            f"DeepSpeed refused the generated config (ZeRO-{layout.zero_stage}): {type(err).__name__}: "
+            f"DeepSpeed refused the generated config (ZeRO-{layout.memory.zero_stage}): {type(err).__name__}: "
             f"{' '.join(str(err).split())[:300]}. Fix: change the keys it names, or backend.sharding=native"
         ) from err
 
@@ -443,7 +443,7 @@ def _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank: int) -
     from launcher.engines.deepspeed import DeepSpeedEngine
 
     os.environ.setdefault("LOCAL_RANK", "0")  # zero.Init reads it (one CPU "device" per process)
-    notes = [f"DeepSpeed: deepspeed.initialize ran on the fake group (ZeRO-{layout.zero_stage}); no fake step "
+    notes = [f"DeepSpeed: deepspeed.initialize ran on the fake group (ZeRO-{layout.memory.zero_stage}); no fake step "
              f"(DeepSpeed's forward does not run on a fake process group)"]
     with FakeTensorMode(allow_non_fake_inputs=True):
         engine = DeepSpeedEngine(model_cfg, optim_cfg, layout, torch.device("cpu"), options)
@@ -454,7 +454,7 @@ def _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank: int) -
             held = probe.result()
             notes.append("states of DeepSpeed's plain torch optimizer, created by one step on zero gradients")
         else:
-            held = deepspeed_held_bytes(ds_optimizer, layout.zero_stage)
+            held = deepspeed_held_bytes(ds_optimizer, layout.memory.zero_stage)
             notes.append(f"partitions read from DeepSpeed's {type(ds_optimizer).__name__}")
     if held.get("host"):
         notes.append(f"optimizer offload: {held['host']} bytes of gradient partition and optimizer states on the host")
@@ -515,9 +515,9 @@ def _measure_fake_step(engine, layout, model_cfg, notes: List[str], fake_microba
     note = balance_moe_routing(engine.model_parts)
     if note:
         notes.append(note)
-    n_micro = max(1, min(layout.microbatches, fake_microbatches))
-    if n_micro < layout.microbatches and layout.mesh.pp == 1:
-        notes.append(f"fake steps run {n_micro} of the {layout.microbatches} micro-batches per step "
+    n_micro = max(1, min(layout.batch.microbatches, fake_microbatches))
+    if n_micro < layout.batch.microbatches and layout.mesh.pp == 1:
+        notes.append(f"fake steps run {n_micro} of the {layout.batch.microbatches} micro-batches per step "
                      f"(the peak is reached by the second: gradients exist from then on)")
     if layout.mesh.pp > 1:
         # The smallest micro-batch count that passes through the same memory states.
@@ -570,11 +570,11 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
 
 
     world = layout.mesh.world_size
-    if layout.sharding_backend == "deepspeed":
+    if layout.owners.sharding_backend == "deepspeed":
         check_deepspeed_rank(layout, options)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    if layout.sharding_backend == "deepspeed":
+    if layout.owners.sharding_backend == "deepspeed":
         return _rehearse_deepspeed_rank(model_cfg, optim_cfg, layout, options, rank)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     options = dataclasses.replace(options, fake_mode=fake)

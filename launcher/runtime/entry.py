@@ -146,8 +146,8 @@ def step_batches_from(spec: JobConfig, plan: Plan, rank: int, run_dir: Path, val
     part = BatchSlice(
         dp_rank=data_parallel_rank(plan, rank),
         dp_size=lay.mesh.dp,
-        micro_batch_size=lay.micro_batch_size,
-        grad_accum_steps=lay.microbatches,
+        micro_batch_size=lay.batch.micro_batch_size,
+        grad_accum_steps=lay.batch.microbatches,
     )
     return data_step_batches(spec.data, seq_len=spec.trainer.seq_len, seed=spec.trainer.seed,
                              global_batch_size=lay.global_batch_size, part=part,
@@ -297,7 +297,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     if spec.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(spec.trainer.seed)
-    apply_matmul_precision(plan.layout.precision, plan.layout.tf32, rank.device.type)
+    apply_matmul_precision(plan.layout.numerics.precision, plan.layout.numerics.tf32, rank.device.type)
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
     health = start_health(spec, plan, bundle, rank.device.type)
     log_placement(plan, rank)
@@ -408,7 +408,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         world_size=rank.world_size,
         mesh=plan.mesh.to_dict(),
         flops_per_token=training_flops_per_token(spec.model, spec.trainer.seq_len),
-        peak_tflops_per_gpu=peak_tflops(spec.hardware, plan.layout.precision) if rank.device.type == "cuda" else 0.0,
+        peak_tflops_per_gpu=peak_tflops(spec.hardware, plan.layout.numerics.precision) if rank.device.type == "cuda" else 0.0,
         track_memory=spec.trainer.track_memory,
         predicted_memory=plan.memory,
         device_type=rank.device.type,

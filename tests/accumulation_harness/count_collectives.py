@@ -66,7 +66,7 @@ def run(zero_stage: int, unsharded: bool, micro: int) -> dict:
                                "trainer.global_batch_size": 2 * micro,
                                "parallel.accumulate_unsharded": "true" if unsharded else "false"})
     layout = resolve(job)
-    assert layout.microbatches == micro and layout.accumulate_unsharded == unsharded, layout
+    assert layout.batch.microbatches == micro and layout.memory.accumulate_unsharded == unsharded, layout
     engine = NativeEngine(mcfg, OptimConfig(lr=1e-3, warmup_steps=1), layout, torch.device("cpu"),
                           EngineOptions(total_steps=4, grad_clip=1.0, seed=7, compile=False))
     rank = dist.get_rank()

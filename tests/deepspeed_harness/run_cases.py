@@ -77,7 +77,7 @@ def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False)
     from launcher.rehearse.rank import deepspeed_held_bytes
 
     per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, deepspeed_held_bytes(engine.optimizers[0], plan.layout.zero_stage))
+    dist.all_gather_object(per_rank, deepspeed_held_bytes(engine.optimizers[0], plan.layout.memory.zero_stage))
     result["held_per_rank"] = per_rank
     steps = spec.trainer.steps
     health = moe_health_for(engine, spec)

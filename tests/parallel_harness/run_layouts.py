@@ -146,7 +146,7 @@ def run_layout(spec: dict) -> dict:
         engine.load(Path(spec["load_dir"]))
     t0 = time.time()
     for step in range(start, steps):
-        stats = engine.train_step(rank_microbatches(step, mcfg.vocab_size, dp_rank, dp, layout.micro_batch_size))
+        stats = engine.train_step(rank_microbatches(step, mcfg.vocab_size, dp_rank, dp, layout.batch.micro_batch_size))
         out["losses"].append(stats.loss)
         out["grad_norms"].append(stats.grad_norm)
         out["lr"].append(stats.lr)
@@ -186,7 +186,7 @@ def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
         if layout.mesh.pp > 1:
             step, warmup = _fake_pipeline_step_runner(engine, layout, vocab_size), 1
         else:  # at most 2 micro-batches, as rehearse_rank; the optimizer states exist already
-            step, warmup = _fake_step_runner(engine, layout, vocab_size, max(1, min(layout.microbatches, 2))), 0
+            step, warmup = _fake_step_runner(engine, layout, vocab_size, max(1, min(layout.batch.microbatches, 2))), 0
     on_enter = None
     if layout.mesh.pp > 1:  # the stages' receive buffers counted from the step's start, as rehearse_rank does
         from launcher.parallel.pp import schedule_stages
