@@ -75,6 +75,25 @@ def fake_two_ranks():
 _PREBUILD = {}
 
 
+@pytest.fixture(scope="module")
+def debug_engine(tmp_path_factory):
+    """(engine, batches, plan): a one-rank native engine of the debug recipe (10 steps of 2 x 32
+    tokens, seed 0) with its batches, shared by the checkpoint tests of a module."""
+    import torch  # here, not at the top: conftest is imported by tests that never start torch
+
+    from launcher.config.loader import compose_spec
+    from launcher.engines.native import NativeEngine
+    from launcher.plan.plan import build_plan
+    from launcher.runtime.entry import build_batches, engine_options
+
+    tmp_path = tmp_path_factory.mktemp("engine")
+    spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=1", "trainer.global_batch_size=2", "trainer.seq_len=32"])
+    spec.trainer.steps, spec.trainer.grad_clip, spec.trainer.seed = 10, 1.0, 0
+    plan = build_plan(spec)
+    engine = NativeEngine(spec.model, spec.optim, plan.layout, torch.device("cpu"), engine_options(spec, tmp_path))
+    return engine, build_batches(spec, plan, 0, tmp_path), plan
+
+
 def _is_deepspeed_test(item) -> bool:
     return Path(str(item.fspath)).name.startswith("test_deepspeed")
 

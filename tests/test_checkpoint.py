@@ -15,28 +15,20 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from launcher.config.loader import compose_spec
-from launcher.plan.plan import build_plan
-from launcher.engines.native import NativeEngine
 from launcher.runtime import checkpoint as ckpt
 from launcher.runtime.checkpoint import CheckpointManager
 from launcher.runtime.checkpoint_folder import CheckpointDirInUse, lock_checkpoint_dir, share_of, verify_checkpoint
-from launcher.runtime.entry import build_batches, engine_options
 from tests.conftest import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def engine_and_batches(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("engine")
-    spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=1", "trainer.global_batch_size=2", "trainer.seq_len=32"])
-    spec.trainer.steps, spec.trainer.grad_clip, spec.trainer.seed = 10, 1.0, 0
-    plan = build_plan(spec)
-    engine = NativeEngine(spec.model, spec.optim, plan.layout, torch.device("cpu"), engine_options(spec, tmp_path))
-    return engine, build_batches(spec, plan, 0, tmp_path)
+def engine_and_batches(debug_engine):
+    engine, batches, _ = debug_engine
+    return engine, batches
 
 
 def _manager(root: Path, keep: int = 3) -> CheckpointManager:

@@ -17,11 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from launcher.config.loader import compose_spec
-from launcher.engines.native import NativeEngine
-from launcher.plan.plan import build_plan
 from launcher.runtime.checkpoint import rng_state
-from launcher.runtime.entry import build_batches, engine_options
 from launcher.runtime import local_checkpoint
 from launcher.runtime.local_checkpoint import Held, LocalTier, Source, agree, peer_of
 
@@ -70,23 +66,13 @@ def test_a_rank_reads_its_own_file_when_it_has_one_and_no_bytes_travel():
     assert swapped.sources[0] == Source(0, 0, True, 100) and swapped.sources[2] == Source(2, 0, False, 102)
 
 
-@pytest.fixture(scope="module")
-def engine_and_batches(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("engine")
-    spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=1", "trainer.global_batch_size=2", "trainer.seq_len=32"])
-    spec.trainer.steps, spec.trainer.grad_clip, spec.trainer.seed = 10, 1.0, 0
-    plan = build_plan(spec)
-    engine = NativeEngine(spec.model, spec.optim, plan.layout, torch.device("cpu"), engine_options(spec, tmp_path))
-    return engine, build_batches(spec, plan, 0, tmp_path), plan
-
-
 def _tier(tmp_path, plan, node="n1"):
     return LocalTier(str(tmp_path / "local"), tmp_path / "run", node, rank=0, world_size=1, ranks_per_node=1,
                      mesh=plan.mesh.to_dict(), device=torch.device("cpu"))
 
 
-def test_one_rank_restores_its_local_state_exactly_and_keeps_the_newest_two_steps(tmp_path, engine_and_batches, caplog):
-    engine, batches, plan = engine_and_batches
+def test_one_rank_restores_its_local_state_exactly_and_keeps_the_newest_two_steps(tmp_path, debug_engine, caplog):
+    engine, batches, plan = debug_engine
     tier = _tier(tmp_path, plan)
     for step in (1, 2, 3):
         engine.train_step(batches.for_step(step))

@@ -474,18 +474,16 @@ def _check_run_inputs(spec: JobConfig, problems: List[str]) -> None:
         )
     # '' is <run dir>/checkpoints, inside the folder `train` itself creates. Checked from this
     # machine: on a cluster, the path must also be writable on the compute nodes (a shared mount).
-    if spec.checkpoint.enabled:
-        problem = folder_problem(
-            "checkpoint.dir", spec.checkpoint.dir,
-            "a folder you can write on a file system every node mounts, or checkpoint.dir='' for "
-            "<run dir>/checkpoints.")
-        if problem:
-            problems.append(problem)
-        # Checked from this machine, like checkpoint.dir; on a cluster it is each node's own disk.
-        problem = folder_problem(
-            "checkpoint.local_dir", spec.checkpoint.local_dir,
-            "a folder every node can create and write on its own disk (e.g. /tmp/ckpt or an NVMe mount), "
-            "or checkpoint.local_dir='' for no node-local tier.")
+    # checkpoint.local_dir is checked from this machine too; on a cluster it is each node's own disk.
+    folders = (
+        ("checkpoint.dir", spec.checkpoint.dir,
+         "a folder you can write on a file system every node mounts, or checkpoint.dir='' for <run dir>/checkpoints."),
+        ("checkpoint.local_dir", spec.checkpoint.local_dir,
+         "a folder every node can create and write on its own disk (e.g. /tmp/ckpt or an NVMe mount), "
+         "or checkpoint.local_dir='' for no node-local tier."),
+    )
+    for key, folder, fix in folders:
+        problem = folder_problem(key, folder, fix) if spec.checkpoint.enabled else None
         if problem:
             problems.append(problem)
 
