@@ -121,9 +121,7 @@ def test_planning_actions_import_neither_torch_nor_deepspeed(tmp_path, action):
 
 # Function-local imports only where they buy something (a torch-free host path, a slow or
 # optional package on some paths), each saying why: `# lazy: <reason>` on its line or the line
-# above. plan/ and four runtime modules are not held to it yet (paths from the repository root).
-LAZY_RULE_SKIPS = ("launcher/plan/", "launcher/runtime/entry.py", "launcher/runtime/trainer.py",
-                   "launcher/runtime/resilience.py", "launcher/runtime/local_checkpoint.py")
+# above. Every module of the package is held to it.
 
 
 def unexplained_local_imports(source: str) -> List[int]:
@@ -150,8 +148,6 @@ def unexplained_local_imports(source: str) -> List[int]:
 def test_function_local_imports_say_why():
     problems = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.relative_to(REPO).as_posix().startswith(LAZY_RULE_SKIPS):
-            continue
         problems += [f"{path.relative_to(REPO)}:{line}" for line in unexplained_local_imports(path.read_text())]
     assert not problems, ("function-local imports without a `# lazy: <reason>` comment (move them to the top, or "
                           "say what importing them late buys):\n  " + "\n  ".join(problems))

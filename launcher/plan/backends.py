@@ -12,6 +12,7 @@ import argparse
 from typing import Dict, Tuple
 
 from launcher.config.errors import ConfigError
+from launcher.config.schema import JobConfig, set_dotted
 from launcher.plan.features import (  # noqa: F401 - the table's names, re-exported for readers
     BACKENDS,
     DEEPSPEED,
@@ -21,7 +22,9 @@ from launcher.plan.features import (  # noqa: F401 - the table's names, re-expor
     BackendChoice,
     Feature,
 )
+from launcher.plan.resolve import derive_mesh
 from launcher.plan.rules import Conflict  # noqa: F401
+from launcher.plan.rules import resolve_backends as resolve_for_mesh
 
 
 def resolve_backends(spec) -> Dict[str, BackendChoice]:
@@ -30,9 +33,6 @@ def resolve_backends(spec) -> Dict[str, BackendChoice]:
     Raises ConfigError with one line per conflict. A launch reads the decision from the
     Layout (`launcher.plan.resolve.resolve`); this is for reports, docs and tests.
     """
-    from launcher.plan.resolve import derive_mesh
-    from launcher.plan.rules import resolve_backends as resolve_for_mesh
-
     mesh, problems = derive_mesh(spec.parallel, spec.cluster)
     if mesh is None:
         raise ConfigError(problems)
@@ -77,8 +77,6 @@ CONFLICT_EXAMPLES: Tuple[Tuple[str, Dict[str, object]], ...] = (
 
 def example_spec(overrides: Dict[str, object], world_size: int = 8):
     """A default JobConfig on `world_size` local ranks with dotted-key overrides applied."""
-    from launcher.config.schema import JobConfig, set_dotted
-
     spec = JobConfig()
     spec.cluster.gpus_per_node = world_size
     for dotted, value in overrides.items():

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+from launcher.config.validate import accumulate_unsharded_value
 from launcher.plan.bands import band_summary, layout_kind, memory_range, value_range
 from launcher.plan.flops import training_flops_per_token
 from launcher.plan.layout import Layout
 from launcher.plan.memory import GiB, StageMemory, estimate_memory, inflight_microbatches, most_loaded
 from launcher.plan.params import ModelShape, chunk_layer_counts, model_shape
 from launcher.plan.perf import bubble_fraction, estimate_time
+from launcher.plan.resolve import accumulate_unsharded_blocker
 
 
 def capacity_bytes(hw: Any) -> int:
@@ -144,9 +146,6 @@ def replicated_experts_note(shape: ModelShape, lay: Layout) -> List[str]:
 
 def accumulate_unsharded_note(spec, lay: Layout) -> List[str]:
     """Why parallel.accumulate_unsharded=true was resolved to false for this layout, if it was."""
-    from launcher.config.validate import accumulate_unsharded_value
-    from launcher.plan.resolve import accumulate_unsharded_blocker
-
     if accumulate_unsharded_value(spec.parallel.accumulate_unsharded) != "true" or lay.memory.accumulate_unsharded:
         return []
     return [f"parallel.accumulate_unsharded=true does not apply to this layout ({accumulate_unsharded_blocker(lay)}): "

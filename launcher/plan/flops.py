@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from launcher.plan.params import attention_width, model_shape
+
 
 @dataclass(frozen=True)
 class ParamCounts:
@@ -40,8 +42,6 @@ def param_counts(model: Any) -> ParamCounts:
     The per-component breakdown is launcher.plan.params.model_shape (one parameter model for
     the planner and for FLOPs); this adds the matmul count FLOPs need.
     """
-    from launcher.plan.params import model_shape
-
     shape = model_shape(model)
     # Tied: the one table is used as the output matmul, so it stays in the matmul count;
     # untied: the input table is only looked up.
@@ -62,8 +62,6 @@ def attention_flops_per_token(n_layers: int, width: float, seq_len: int) -> floa
 
 def training_flops_per_token(model: Any, seq_len: int) -> float:
     """Model FLOPs to train on one token (forward + backward), see the module docstring."""
-    from launcher.plan.params import attention_width, model_shape
-
     n = param_counts(model).matmul_active
     return 6.0 * n + attention_flops_per_token(int(model.n_layers), attention_width(model_shape(model)), seq_len)
 

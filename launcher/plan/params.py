@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, FrozenSet, List, Tuple
 
+from launcher.models.family import family_of
 from launcher.models.shape import AttentionLayout, Linear, moe_layer_ids
 
 
@@ -113,8 +114,6 @@ class ModelShape:
 def model_shape(model: Any) -> ModelShape:
     """Build the breakdown from a ModelConfig (or anything with its field names): the counts are
     the model family's (launcher/models/<family>/params.py), the block kinds launcher/models/shape.py's."""
-    from launcher.models.family import family_of
-
     family = family_of(model).params_module()
     counts = family.component_counts(model)
     attention = family.attention_layout(model)

@@ -15,9 +15,15 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from launcher.config.schema import JobConfig
+from launcher.config.validate import stop_lead_warnings
+from launcher.data.checks import repeat_warnings
+from launcher.plan import estimate
+from launcher.plan.budget import budget
+from launcher.plan.checkpoint_time import checkpoint_estimate
 from launcher.plan.features import BackendChoice
 from launcher.plan.layout import Layout
 from launcher.plan.mesh import MeshPlan
+from launcher.plan.resolve import resolve
 
 PLAN_FILENAME = "plan.json"
 # The Plan's own sections besides the layout, in plan.json order.
@@ -128,28 +134,17 @@ def build_plan(spec: JobConfig, layout: Optional[Layout] = None) -> Plan:
     every problem at once; call it first).
     """
     if layout is None:
-        from launcher.plan.resolve import resolve
-
         layout = resolve(spec)
     plan = Plan(layout=layout)
-    from launcher.plan import estimate  # estimators fill memory / comm / pipeline / time
-
     estimate.fill(plan, spec)
     fill_checkpoint_time(plan, spec)
-    from launcher.plan.budget import budget
-
     plan.budget = budget(spec.trainer.steps, layout.tokens_per_step, plan.time["step_s"], plan.time["step_s_range"],
                          layout.mesh.world_size, spec.hardware.usd_per_gpu_hour)
-    from launcher.data.checks import repeat_warnings  # sources the planned steps read over and over
-
     plan.warnings = list(plan.warnings) + repeat_warnings(spec, spec.trainer.steps, layout.global_batch_size)
     return plan
 
 
 def fill_checkpoint_time(plan: Plan, spec: JobConfig) -> None:
     """Predict the save / stop time and warn when the SLURM warning signal comes too late."""
-    from launcher.config.validate import stop_lead_warnings
-    from launcher.plan.checkpoint_time import checkpoint_estimate
-
     plan.checkpoint = checkpoint_estimate(plan, spec)
     plan.warnings = list(plan.warnings) + stop_lead_warnings(spec, plan.checkpoint["stop_s"])

@@ -78,10 +78,10 @@ def schedule_blocks(pp: int, m: int, schedule: str, vpp: int = 1) -> List[List[T
 
 def save_plan_plots(plan, spec, out_dir) -> List[Path]:
     """Write the memory bar chart and the pipeline schedule chart into out_dir; return the paths."""
-    import matplotlib
+    import matplotlib  # lazy: ~0.5 s to import, only the plan's PNGs need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after use("Agg"), so no display backend is ever chosen
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -8,16 +8,17 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Sequence
 
+from launcher.models.family import family_of
 from launcher.plan.memory import GiB
 from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
+from launcher.plan.perf import correction_bias_bytes
+from launcher.plan.resolve import world_size
 
 def assumptions(model: Any) -> str:
     """The plan's assumptions line, naming the family's block the activation and elementwise formulas
     model (launcher/models/<family>/params.py block_description) and, for DeepSeek-V3, the size of
     the once-per-step router-bias update the step time includes."""
-    from launcher.models.family import family_of  # the registry loads family modules on first use
-
     block = family_of(model).params_module().block_description(model)
     shape = model_shape(model)
     text = (
@@ -28,8 +29,6 @@ def assumptions(model: Any) -> str:
         f"Korthikanti et al. for the {block} with flash attention (docs/planner.md)."
     )
     if shape.correction_bias:
-        from launcher.plan.perf import correction_bias_bytes  # report.py otherwise computes nothing
-
         text += (f" Aux-loss-free router-bias update: one all-reduce of {shape.n_layers} x {shape.n_experts} fp32 "
                  f"expert loads ({correction_bias_bytes(shape) / 1e3:.1f} kB) and a sign/add over "
                  f"{shape.n_moe_layers * shape.n_experts:,} biases per step, in the step time "
@@ -301,8 +300,6 @@ def _objective_cell(b, objective: str) -> str:
 
 def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
     """`action=search` output: the best `top_k` layouts with the overrides that select each."""
-    from launcher.plan.resolve import world_size
-
     world = world_size(spec.cluster)
     best = list(candidates)[: max(0, int(top_k))]
     if fmt == "json":

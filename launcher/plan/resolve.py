@@ -26,9 +26,12 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, ProfileConfig, TrainerConfig
 from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
+from launcher.data.checks import data_problems
 from launcher.plan.features import FEATURES, BackendChoice
 from launcher.plan.layout import BackendPlan, DeepSpeedPlan, Layout, MemoryPlan, NumericsPlan, RankBatchPlan
+from launcher.plan.memory import estimate_memory, most_loaded
 from launcher.plan.mesh import MeshPlan
+from launcher.plan.params import model_shape
 from launcher.plan.rules import backend_conflicts, hpz_partition_size
 
 
@@ -211,9 +214,6 @@ def resolve_accumulate_unsharded(spec: JobConfig, lay: Layout) -> Tuple[bool, st
 
 def unsharded_peak_bytes(spec: JobConfig, lay: Layout) -> int:
     """The planner's memory (bytes, most loaded GPU, with the reserve) of `lay`."""
-    from launcher.plan.memory import estimate_memory, most_loaded
-    from launcher.plan.params import model_shape
-
     reserved = int(spec.hardware.reserved_gb * 1024**3)
     return int(most_loaded(estimate_memory(model_shape(spec.model), lay, reserved)).total)
 
@@ -321,8 +321,6 @@ def resolve_all(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
     problems = validate_config(spec)
     if basic_problems(spec):
         return None, problems  # the derivation needs valid choices and positive degrees
-    from launcher.data.checks import data_problems  # the data files (read before launch, cached)
-
     problems += data_problems(spec)
     layout, derived = _layout_problems(spec)
     problems += derived

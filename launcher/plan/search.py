@@ -31,8 +31,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
 from launcher.config.schema import replaced_dotted
-from launcher.config.validate import (PLAN_OBJECTIVES, cp_pipeline_problems, tensor_parallel_problems,
-                                      tied_pipeline_problems)
+from launcher.config.validate import (PLAN_OBJECTIVES, accumulate_unsharded_value, cp_pipeline_problems,
+                                      tensor_parallel_problems, tied_pipeline_problems)
 from launcher.plan.bands import layout_kind, memory_range, value_range
 from launcher.plan.budget import budget
 from launcher.plan.estimate import capacity_bytes, reserved_bytes
@@ -42,7 +42,8 @@ from launcher.plan.mesh import MeshPlan
 from launcher.plan.memory import estimate_memory, model_state_memory, most_loaded
 from launcher.plan.params import ModelShape, model_shape, stage_params
 from launcher.plan.perf import estimate_time
-from launcher.plan.resolve import backend_fields, expert_parallel_problems, spec_fields, world_size
+from launcher.plan.resolve import (accumulate_unsharded_blocker, backend_fields, expert_parallel_problems, spec_fields,
+                                   validate, world_size)
 from launcher.plan.rules import backend_conflicts
 
 AC_MODES = ("none", "selective", "full")
@@ -227,9 +228,6 @@ def _accumulation_held(spec, shape: ModelShape, lay: Layout, reserve: int):
     for auto only when that fits hardware.memory_gb. Not the search's capacity with headroom: a
     layout between the two would be searched unheld and run held. The caller then drops a layout
     whose memory exceeds the capacity with headroom, as for any other."""
-    from launcher.config.validate import accumulate_unsharded_value
-    from launcher.plan.resolve import accumulate_unsharded_blocker
-
     want = accumulate_unsharded_value(spec.parallel.accumulate_unsharded)
     ranks = (0, lay.mesh.pp - 1)
     if want != "false" and not accumulate_unsharded_blocker(lay):
@@ -395,8 +393,6 @@ def search_layouts(spec, limit: Optional[int] = None, stats: Optional[Dict[str, 
     `launcher.config.validate.validate` with its overrides applied to `spec`. Raises
     ConfigError when the 50 best layouts all share a problem that no layout can fix.
     """
-    from launcher.plan.resolve import validate
-
     limit = limit if limit is not None else max(int(spec.plan.top_k), 20)
     ranked, st = evaluate_layouts(spec)
     valid: List[Candidate] = []

@@ -53,6 +53,9 @@ from launcher.job_env import job_facts
 from launcher.runtime import debug_hooks
 from launcher.data.heldout import load_val_token_arrays
 from launcher.runtime.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
+from launcher.plan.plots import save_plan_plots
+from launcher.rehearse.ranks import rehearsal_table
+from launcher.runtime.export_action import export_checkpoint
 
 log = logging.getLogger("launcher")
 
@@ -101,8 +104,6 @@ def record_built(engine: Engine, plan: Plan, rank: int, run_dir: Path) -> None:
     built = getattr(engine, "built", None)
     if built is None:
         return
-    import json
-
     path = Path(run_dir) / "logs" / f"built_rank_{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(built(), indent=1, sort_keys=True))
@@ -217,8 +218,6 @@ def log_plan_plots(spec: JobConfig, plan: Plan, run_dir: Path, metrics: MetricsL
     """The plan's memory and pipeline charts, as PNGs in the run dir and images in W&B."""
     if not spec.plan.plots:
         return
-    from launcher.plan.plots import save_plan_plots
-
     try:
         paths = save_plan_plots(plan, spec, run_dir)
     except Exception as err:  # a chart must never stop training
@@ -233,8 +232,6 @@ def log_rehearsal(run_dir: Path, metrics: MetricsLogger) -> None:
     path = Path(run_dir) / "rehearsal.json"
     if not path.exists():
         return
-    from launcher.rehearse.ranks import rehearsal_table
-
     result = json.loads(path.read_text())
     columns, rows = rehearsal_table(result)
     metrics.log_table("rehearsal/ranks", columns, rows)
@@ -313,8 +310,6 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     record_built(engine, plan, rank.rank, run_dir)
     debug_hooks.install_slow_compute(engine.model_parts, rank.rank)
     if spec.action == "export":
-        from launcher.runtime.export_action import export_checkpoint
-
         export_checkpoint(spec, engine, Path(run_dir), rank.rank, rank.world_size)
         if folder_lock is not None:
             folder_lock.release()

@@ -29,6 +29,7 @@ from launcher.runtime.resilience import RestartReport
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.stop_control import StopWithoutCheckpoint, write_stopped
 from launcher.runtime.debug_hooks import before_step as debug_before_step
+from launcher.runtime.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +169,6 @@ class Trainer:
 
     def _tracked_step(self, microbatches):
         """One training step under the memory tracker; returns its stats and predicted-vs-measured."""
-        from launcher.runtime.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
-
         result = {}
         measured = track_step_memory(
             getattr(self.engine, "model_parts", []),
