@@ -44,6 +44,8 @@ for path in (REPO, REPO / "tests"):  # run as a script from a checkout; the SLUR
 from slurm_cluster import JOB_NODES, SlurmCluster, _conf_path  # noqa: E402
 from test_slurm_train import job_logs, rank_pid, submit_train  # noqa: E402
 
+from launcher.runtime.resilience import read_json_lines  # noqa: E402
+
 # Three steps after the step-4 shared checkpoint (and before the step-8 one): the steps the shared
 # tier loses and the node-local tier (a save every step) keeps.
 KILL_AFTER_STEP = 7
@@ -51,16 +53,7 @@ CHECKPOINT_STEP = 4
 
 
 def _rows(run_dir: Path) -> List[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a row being written
-    return rows
+    return read_json_lines(run_dir / "metrics.jsonl")
 
 
 def _resumes(run_dir: Path) -> List[int]:

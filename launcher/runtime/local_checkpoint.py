@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.parallel.phase import phase_all_gather
+from launcher.runtime.checkpoint_folder import step_dir_name, step_of
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 LOCAL_KEEP = 2
 # Bytes per send between ranks: on a GPU one chunk each way is staged in device memory.
 CHUNK_BYTES = 64 * 2**20
-_STEP = re.compile(r"^step_(\d{8})$")
 _OWN = re.compile(r"^rank_(\d{5})\.pt$")
 _REPLICA = re.compile(r"^replica_of_rank_(\d{5})\.pt$")
 
@@ -123,6 +123,11 @@ def layout_key(world_size: int, mesh: Dict[str, int]) -> str:
     return f"world_{world_size}-{digest}"
 
 
+def state_file_name(rank: int, replica: bool) -> str:
+    """The file of `rank`'s state in a step folder: its own, or the replica its peer keeps."""
+    return f"replica_of_rank_{rank:05d}.pt" if replica else f"rank_{rank:05d}.pt"
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as handle:
@@ -166,12 +171,12 @@ class LocalTier:
 
     def save_bytes(self, step: int, data: bytes) -> None:
         """`save` once the state is serialized: this rank's file, the exchange with the peers, pruning."""
-        folder = self.folder / f"step_{step:08d}"
+        folder = self.folder / step_dir_name(step)
         folder.mkdir(parents=True, exist_ok=True)
-        _write_atomic(folder / f"rank_{self.rank:05d}.pt", data)
+        _write_atomic(folder / state_file_name(self.rank, replica=False), data)
         if self.peer != self.rank:
             replica = self._exchange(data)
-            _write_atomic(folder / f"replica_of_rank_{self.source:05d}.pt", replica)
+            _write_atomic(folder / state_file_name(self.source, replica=True), replica)
         self._prune(self._kept_steps(step))
 
     def _exchange(self, data: bytes) -> bytes:
@@ -202,11 +207,11 @@ class LocalTier:
     def _steps(self) -> List[int]:
         if not self.folder.is_dir():
             return []
-        return [int(m[1]) for m in (_STEP.match(p.name) for p in self.folder.iterdir()) if m]
+        return [step for step in map(step_of, self.folder.iterdir()) if step is not None]
 
     def _my_files(self, step: int) -> List[Path]:
-        folder = self.folder / f"step_{step:08d}"
-        return [folder / f"rank_{self.rank:05d}.pt", folder / f"replica_of_rank_{self.source:05d}.pt"]
+        folder = self.folder / step_dir_name(step)
+        return [folder / state_file_name(self.rank, replica=False), folder / state_file_name(self.source, replica=True)]
 
     def _prune(self, keep_from: int) -> None:
         """Remove this rank's files of steps before `keep_from`; a step folder goes when the last
@@ -217,7 +222,7 @@ class LocalTier:
             for path in self._my_files(step):
                 path.unlink(missing_ok=True)
             try:
-                (self.folder / f"step_{step:08d}").rmdir()
+                (self.folder / step_dir_name(step)).rmdir()
             except OSError:
                 pass  # other ranks' files are still there
 
@@ -226,7 +231,7 @@ class LocalTier:
         """Every complete state file in this node's folder (all ranks' files, own and replicas)."""
         found = []
         for step in self._steps():
-            for path in (self.folder / f"step_{step:08d}").iterdir():
+            for path in (self.folder / step_dir_name(step)).iterdir():
                 own, replica = _OWN.match(path.name), _REPLICA.match(path.name)
                 match = own or replica
                 if match:
@@ -297,8 +302,7 @@ class LocalTier:
         return mine
 
     def _read(self, step: int, source: Source) -> bytes:
-        name = f"replica_of_rank_{source.rank:05d}.pt" if source.replica else f"rank_{source.rank:05d}.pt"
-        return (self.folder / f"step_{step:08d}" / name).read_bytes()
+        return (self.folder / step_dir_name(step) / state_file_name(source.rank, source.replica)).read_bytes()
 
     def forget_newer(self, step: int) -> None:
         """After the run settled on `step` (before its first training step): this node's files of
@@ -306,7 +310,7 @@ class LocalTier:
         new one's. Every rank of the node may remove them; no rank writes before the next step."""
         for later in self._steps():
             if later > step:
-                shutil.rmtree(self.folder / f"step_{later:08d}", ignore_errors=True)
+                shutil.rmtree(self.folder / step_dir_name(later), ignore_errors=True)
 
 
 def _host_bytes(data: bytes) -> torch.Tensor:

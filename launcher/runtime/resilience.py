@@ -68,18 +68,23 @@ def append_event(run_dir: Path, event: Dict[str, Any]) -> Dict[str, Any]:
     return record
 
 
-def read_events(run_dir: Path) -> List[Dict[str, Any]]:
-    """Every event of the run so far (a torn last line, from a crash while writing it, is skipped)."""
-    path = Path(run_dir) / RESILIENCE_FILE
+def read_json_lines(path: Path) -> List[Dict[str, Any]]:
+    """Every record of a JSON-lines file (resilience.jsonl, metrics.jsonl) written so far; a torn
+    line, from a crash or a write in progress, is skipped. [] when the file does not exist."""
     if not path.exists():
         return []
-    events = []
+    records = []
     for line in path.read_text().splitlines():
         try:
-            events.append(json.loads(line))
+            records.append(json.loads(line))
         except ValueError:
             continue
-    return events
+    return records
+
+
+def read_events(run_dir: Path) -> List[Dict[str, Any]]:
+    """Every event of the run so far."""
+    return read_json_lines(Path(run_dir) / RESILIENCE_FILE)
 
 
 def _last_logged_step(run_dir: Path) -> Optional[int]:
