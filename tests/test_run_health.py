@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.runtime.resilience import read_events
 from tests.conftest import TRAIN, train_env
 
 pytestmark = pytest.mark.multiprocess
@@ -305,3 +306,30 @@ def test_moe_health_reports_dropped_tokens_and_aux_loss_of_a_real_layer():
     assert row["moe/dropped_frac"] == 6 / 8
     assert row["moe/aux_loss"] == pytest.approx(aux) and aux > 0
     assert health.observe(2) == {}  # read and reset: nothing routed since
+
+
+def test_a_straggler_with_straggler_action_exclude_ends_a_local_run_naming_its_node(run_dir):
+    """trainer.straggler_action=exclude: rank 1, slowed in every forward, is over the factor at
+    every log step; after trainer.straggler_checks=2 of them in a row (step 1, with its start-up
+    costs, does not count) every rank stops with a `straggler` failure naming rank 1's node. A local
+    run has no spare and no requeue: the run stops (`stop: unfit node`), nothing to exclude it from."""
+    proc = _start(["+recipe=debug", "trainer.steps=12", "trainer.log_every=1", "checkpoint.interval=0",
+                   "trainer.straggler_action=exclude", "trainer.straggler_checks=2", "cluster.max_restarts=1",
+                   "+cluster.env.LAUNCHER_DEBUG_SLOW_COMPUTE=1:200"], run_dir)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode != 0, out[-4000:]
+    summary = json.loads((run_dir / "failure" / "summary.json").read_text())
+    host = summary["host"]
+    assert (summary["what"], summary["rank"], summary["blamed_hosts"]) == ("straggler", 1, [host]), summary
+    assert summary["last_step"] == 3, summary  # judged at steps 2 and 3: two checks in a row
+    assert f"rank 1 on {host}" in summary["error"] and "x the other ranks' median" in summary["error"], summary
+    assert "not restarting in place" in out and "(restart 1)" not in out
+    # The verdict at step 3 ends the run inside that step's log collective, before its record.
+    steps = [r["step"] for r in _metrics(run_dir)]
+    assert steps == [1, 2], steps
+    events = read_events(run_dir)
+    failure = [e for e in events if e["event"] == "failure"]
+    assert len(failure) == 1 and failure[0]["cause"]["what"] == "straggler", events
+    assert failure[0]["action"] == "stop: unfit node" and failure[0]["cause"]["blamed_hosts"] == [host], events
+    # A local run has no other node to move to: nothing is excluded, the run just stops.
+    assert not [e for e in events if e["event"] == "exclude"], events
