@@ -21,6 +21,7 @@ import pytest
 
 from conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
 from slurm_cluster import JOB_NODES, JobInfo, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
+from launcher.runtime.resilience import read_events
 from tests.deepspeed_harness.common import deepspeed_env
 
 pytestmark = pytest.mark.slurm
@@ -76,6 +77,7 @@ def wait_done(cluster: SlurmCluster, job_id: str, run_dir: Path):
 
 
 SECRET = "hf_s3cr3t-VALUE-51d0"
+UNFIT_NODE = "n1"  # where the reference job's first run lands (submitted first, on an idle cluster)
 
 
 @dataclass
@@ -149,7 +151,9 @@ def kill_ranks_mid_run(cluster: SlurmCluster, runs: Dict[str, Tuple[str, Path]])
 @pytest.fixture(scope="module")
 def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, TrainJob]:
     """Four debug runs submitted together (they share the queue's idle time): "reference" runs
-    uninterrupted on one node (2 ranks); "preempted" runs on both nodes (1 rank each) and gets
+    uninterrupted on one node (2 ranks), after a first run on n1 (the idle cluster's first node)
+    that fails its pre-flight health check there (LAUNCHER_DEBUG_PROBE=n1:fail) before training
+    a step and is requeued with n1 excluded; "preempted" runs on both nodes (1 rank each) and gets
     USR1 after its third step; "restarted" runs on both nodes (1 rank each,
     cluster.max_restarts=1) and its rank 1 is SIGKILLed after step 5; "restarted_zero2" is
     "restarted" with DeepSpeed ZeRO-2 owning the model states, killed the same way.
@@ -167,7 +171,8 @@ def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, Train
     os.environ.update(env)
     try:
         ids = {
-            "reference": submit_train(dirs["reference"]),
+            "reference": submit_train(dirs["reference"], "trainer.health_check=on", "cluster.requeue_on_failure=true",
+                                      f"+cluster.env.LAUNCHER_DEBUG_PROBE={UNFIT_NODE}:fail"),
             "preempted": submit_train(dirs["preempted"], f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1"),
             "restarted": submit_train(dirs["restarted"], *restarted),
             # ZeRO-2 without offload needs one DeepSpeed JIT op, the shared-memory comm op (no CPU
@@ -219,13 +224,43 @@ def test_malformed_config_fails_before_sbatch(slurm_cluster: SlurmCluster, tmp_p
 
 def test_debug_recipe_trains_as_a_slurm_job(train_jobs: Dict[str, TrainJob]):
     ref = train_jobs["reference"]
-    assert ref.info.restarts == 0
+    assert ref.info.restarts == 1  # the requeue after the unfit node (the next test), nothing else
     losses_at = losses_by_step(ref.run_dir)
     assert sorted(losses_at) == list(range(1, STEPS + 1)), sorted(losses_at)
     losses = [losses_at[s] for s in sorted(losses_at)]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 0.1, f"loss did not fall: first steps {losses[:3]}, last steps {losses[-3:]}"
     assert "launcher: training finished" in ref.main_log
+
+
+def test_a_node_failing_its_health_check_is_excluded_from_the_requeued_job(
+        slurm_cluster: SlurmCluster, train_jobs: Dict[str, TrainJob]):
+    """No spare: the node whose probe fails ends the run before its first step (`stop: unfit
+    node`), and cluster.requeue_on_failure requeues the job with the node in its ExcNodeList (set
+    once the job is pending again: SLURM refuses it for a running job), so the requeued run lands
+    on another node, passes the check there and trains."""
+    ref = train_jobs["reference"]
+    log = ref.main_log
+    first_run = re.search(r"job \d+ restart 0 \(max \d+\) on (\S+) at", log)
+    assert first_run and first_run[1] == UNFIT_NODE, (
+        f"the reference job's first run was not on {UNFIT_NODE} (the idle cluster's first node), so its "
+        f"health-check hook never fired:\n{log[-3000:]}")
+    assert f"health check failed before the first step: rank 0 on {UNFIT_NODE}" in log, log[-4000:]
+    assert f"node(s) {UNFIT_NODE} join ExcNodeList once job {ref.job_id} is pending again" in log, log[-4000:]
+    assert f"excluded node(s) from the requeued job {ref.job_id} (ExcNodeList={UNFIT_NODE})" in log, log[-4000:]
+    second_run = re.search(r"job \d+ restart 1 \(max \d+\) on (\S+) at", log)
+    assert second_run and UNFIT_NODE not in slurm_cluster.run(
+        ["scontrol", "show", "hostnames", second_run[1]]).stdout.split(), log[-4000:]
+    assert f"job {ref.job_id} excludes node(s): {UNFIT_NODE}" in log, log[-4000:]
+    assert slurm_cluster.job(ref.job_id).fields["ExcNodeList"] == UNFIT_NODE
+    events = read_events(ref.run_dir)
+    health = [e for e in events if e["event"] == "health"]
+    assert not health[0]["ok"] and {b["host"] for b in health[0]["named"]} == {UNFIT_NODE}, events
+    assert health[-1]["ok"], events  # the requeued run's check, on a healthy node
+    failures = [(e["cause"]["what"], e["action"]) for e in events if e["event"] == "failure"]
+    assert failures == [("health", "stop: unfit node")], events
+    excluded = [(e["node"], e["action"]) for e in events if e["event"] == "exclude"]
+    assert excluded == [(UNFIT_NODE, "excluded from the requeued job")], events
 
 
 def test_secret_reaches_the_job_but_no_file_of_the_run(train_jobs: Dict[str, TrainJob]):
