@@ -53,6 +53,7 @@ def test_published_rows_within_tolerance_and_order(rows):
         assert r.source.startswith(("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table ",
                                     "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md, ",
                                     "pytorch/torchtitan pull request 2107 (Integrate DeepEP to torchtitan, 2025-12), ",
+                                    "pytorch/torchtitan torchtitan/distributed/deepep/README.md, ",
                                     "ours: docs/benchmarks.md 2026-11-23, bench/gpu_throughput.py on one H100"))
         assert r.ordered or ((r.status.startswith("approximated: ") or r.status.startswith(planner_accuracy.ORDER_NOT_HELD))
                              and len(r.status) > 40), r.status
@@ -103,15 +104,18 @@ def test_long_context_rows_planned_and_ordered(rows):
 
 def test_moe_rows_planned_as_moe_and_held_to_30_percent(rows):
     """The MoE rows: Megatron-Bridge's on H100 (Qwen3 30B-A3B on 16 GPUs, DeepSeek-V3 on 1,024) and
-    torchtitan's DeepSeek-V3 on 512 H100s (PR 2107): planned as moe layouts, judged at +-30 % on
-    tokens/s (not the dense +-20 %) and +-10 % on memory, on the ratio the planner computes here.
-    The torchtitan run with its default all-to-all (the runtime's own way) is held; every row run
-    with what the runtime lacks (Megatron-Core, DeepEP) says what. The moe bands are theirs."""
+    torchtitan's DeepSeek-V3 on 512 H100s (PR 2107) and Qwen3 30B-A3B on 8 B200s (the DeepEP
+    README): planned as moe layouts, judged at +-30 % on tokens/s (not the dense +-20 %) and +-10 %
+    on memory, on the ratio the planner computes here. The H100 torchtitan run with its default
+    all-to-all (the runtime's own way) is held; every row run with what the runtime lacks
+    (Megatron-Core, DeepEP) or on uncalibrated hardware (B200) says why not. The moe bands are theirs."""
     from launcher.plan.bands import BANDS
 
     megatron = [r for r in rows if r.source.startswith("NVIDIA-NeMo/Megatron-Bridge")]
     titan = [r for r in rows if r.table == "TT-2107"]
-    moe = megatron + titan
+    b200 = [r for r in rows if r.table == "TT-DEEPEP"]
+    assert len(b200) == 2 and all(r.kind == "moe" and not r.checked and "B200" in r.status for r in b200)
+    moe = megatron + titan + b200
     assert {r.model for r in megatron} == {"qwen3_30b_a3b", "deepseek_v3"}
     assert all(r.kind == "moe" and r.metric == "tps_per_gpu" and r.tolerance == 0.30 for r in megatron)
     assert all(r.within == (abs(r.predicted / r.value - 1) <= 0.30) for r in moe)
