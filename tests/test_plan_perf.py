@@ -273,3 +273,22 @@ def test_moe_imbalance_is_checked():
     assert not [p for p in validate(ok) if "moe_imbalance" in p]
     bad = compose_spec(["model=debug_moe", "plan.moe_imbalance=0.8"])
     assert any("plan.moe_imbalance=0.8 must be at least 1" in p for p in validate(bad))
+
+
+def test_moe_imbalance_flows_from_the_config_to_the_plan():
+    """plan.moe_imbalance reaches the Layout (plan.json's layout) and the step: a skewed routing load
+    slows an EP layout's plan and the assumptions line names it; a dense model ignores it."""
+    from launcher.plan.plan import build_plan
+    from launcher.plan.report import plan_json
+
+    base = ["model=qwen3_30b_a3b", "action=plan", "cluster.nodes=2", "cluster.gpus_per_node=8", "parallel.ep=16",
+            "trainer.seq_len=4096", "trainer.global_batch_size=16", "plan.plots=false"]
+    even, skewed = (compose_spec(base + [f"plan.moe_imbalance={f}"]) for f in (1.0, 1.4))
+    p_even, p_skewed = build_plan(even), build_plan(skewed)
+    assert p_skewed.layout.moe_imbalance == 1.4 and plan_json(p_skewed, skewed)["layout"]["moe_imbalance"] == 1.4
+    assert p_skewed.time["step_s"] > p_even.time["step_s"]
+    assert "1.4x the mean routed tokens (plan.moe_imbalance)" in plan_json(p_skewed, skewed)["assumptions"]
+    assert "balanced routing (plan.moe_imbalance=1" in plan_json(p_even, even)["assumptions"]
+    dense = ["model=llama_1b", "action=plan", "cluster.gpus_per_node=8", "plan.plots=false"]
+    assert build_plan(compose_spec(dense + ["plan.moe_imbalance=1.4"])).time["step_s"] == \
+        build_plan(compose_spec(dense)).time["step_s"]
