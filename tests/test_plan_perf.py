@@ -292,3 +292,28 @@ def test_moe_imbalance_flows_from_the_config_to_the_plan():
     dense = ["model=llama_1b", "action=plan", "cluster.gpus_per_node=8", "plan.plots=false"]
     assert build_plan(compose_spec(dense + ["plan.moe_imbalance=1.4"])).time["step_s"] == \
         build_plan(compose_spec(dense)).time["step_s"]
+
+
+def test_tp_leaves_the_moe_whole_by_hand():
+    """launcher/parallel/tp.py runs the whole MoE on the full sequence on every TP rank (all-gathered
+    under SP): with TP 2 + SP each rank dispatches all 4,096 tokens' rows (EP 32 strided by tp: 4 ep
+    ranks per node, 3/32 of the rows same-node, 28/32 over the network), and the routed experts'
+    extra FLOPs and activations of a skewed load are those of TP 1, not halved."""
+    from launcher.plan.memory import layer_activation_bytes
+    from launcher.plan.perf import microbatch_compute_s
+
+    st = stage_params(DSV3, 1)[0]
+    tp2 = dataclasses.replace(_ep_layout(32, tp=2), sp=True)
+    rows = 4096 * 8 * 7168 * 2 * 58 * 4
+    comm = {c.name: c for c in estimate_comm(DSV3, tp2, HW, st)}
+    assert comm["EP all-to-all, same-node peers"].bytes_per_step == pytest.approx(rows * 3 / 32)
+    assert comm["EP all-to-all, other nodes"].bytes_per_step == pytest.approx(rows * 28 / 32)
+
+    def skew(lay, what):
+        return what(dataclasses.replace(lay, moe_imbalance=1.5)) - what(lay)
+
+    tp1 = _ep_layout(32)
+    assert skew(tp2, lambda lay: microbatch_compute_s(DSV3, st, lay, HW)) == pytest.approx(
+        skew(tp1, lambda lay: microbatch_compute_s(DSV3, st, lay, HW)))
+    assert skew(tp2, lambda lay: layer_activation_bytes(DSV3, lay, True, "none")) == pytest.approx(
+        skew(tp1, lambda lay: layer_activation_bytes(DSV3, lay, True, "none")))

@@ -295,13 +295,14 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         # Under EP the expert tensors hold the rows this rank received: plan.moe_imbalance times the
         # mean on the busiest rank; what comes back to a token's own rank (the combine) is its own.
         load = routed_load_factor(lay)
+        # TP leaves the MoE whole: every TP rank runs it on the full sequence (launcher/parallel/tp.py).
         if mode == "op":  # dispatched input + w1/w3 outputs + expert output
-            routed = cap * k * ((a * h + 2 * a * fe) * load + a * h) / t
-            shared_e = shape.n_shared_experts * 2 * a * fe / t
+            routed = cap * k * ((a * h + 2 * a * fe) * load + a * h)
+            shared_e = shape.n_shared_experts * 2 * a * fe
         else:
             # dispatched input, SwiGLU tensors, fp32 expert output kept for the gate weighting
-            routed = cap * k * ((a * h + 4 * a * fe) * load + 4 * h) / t
-            shared_e = shape.n_shared_experts * 4 * a * fe / t
+            routed = cap * k * ((a * h + 4 * a * fe) * load + 4 * h)
+            shared_e = shape.n_shared_experts * 4 * a * fe
         ffn = router + routed + shared_e
     else:
         ffn = (2 if mode == "op" else 4) * a * shape.ffn_dim / t

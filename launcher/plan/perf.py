@@ -120,6 +120,13 @@ def stage_routed_params(shape: ModelShape, st: StageParams) -> float:
     return float(st.n_moe_layers * shape.top_k * shape.expert)
 
 
+def stage_moe_whole_params(shape: ModelShape, st: StageParams) -> float:
+    """Matmul params per token of the MoE blocks' router and shared experts on a rank: with the
+    routed experts, what tensor parallelism leaves whole (launcher/parallel/tp.py: every TP rank
+    runs the MoE on the full sequence, all-gathered under SP)."""
+    return float(st.n_moe_layers * (shape.router + shape.n_shared_experts * shape.expert))
+
+
 # Small matrix multiplications reach less of the peak: a heuristic knee (rows, columns) below
 # which efficiency halves. Splitting a micro-batch's tokens over cp ranks or the FFN columns
 # over tp ranks shrinks the GEMMs, which is why more TP/CP is not free even on NVLink.
@@ -222,10 +229,12 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     """Forward + backward of one micro-batch on one GPU of a pipeline rank."""
     tokens = lay.batch.micro_batch_size * lay.batch.seq_len
     block, head = stage_matmul_params(shape, st)
-    routed = stage_routed_params(shape, st)
+    routed, whole = stage_routed_params(shape, st), stage_moe_whole_params(shape, st)
     rf = recompute_fraction(lay)
     # Recomputing a forward costs a third of forward+backward.
-    block_flops = (6.0 * (block - routed) * (1 + rf / 3) + 2.0 * alternate_mm_recompute_params(shape, st, lay)) * tokens
+    block_flops = (6.0 * (block - routed - whole) * (1 + rf / 3)
+                   + 2.0 * alternate_mm_recompute_params(shape, st, lay)) * tokens
+    whole_flops = 6.0 * whole * (1 + rf / 3) * tokens
     # The busiest expert-parallel rank computes plan.moe_imbalance times the mean routed rows.
     routed_flops = 6.0 * routed * routed_load_factor(lay) * (1 + rf / 3) * tokens
     head_flops = 6.0 * head * tokens
@@ -235,8 +244,10 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     other_peak = matmul_peak(hw, "fp32" if lay.numerics.precision == "fp32" else "bf16") * eff
     block_peak = matmul_peak(hw, lay.numerics.precision) * eff
     expert_peak = matmul_peak(hw, lay.numerics.precision) * hw.achievable_fraction * expert_gemm_efficiency(shape, lay)
-    matmul_s = ((block_flops / block_peak + head_flops / other_peak + (routed_flops / expert_peak if routed else 0.0))
-                / split + attention_s(shape, st, lay, hw))
+    # The MoE (router, shared and routed experts) is whole on every TP rank: split by cp only.
+    moe_s = (whole_flops / block_peak + (routed_flops / expert_peak if routed else 0.0)) / lay.mesh.cp
+    matmul_s = ((block_flops / block_peak + head_flops / other_peak) / split + moe_s
+                + attention_s(shape, st, lay, hw))
     memory_bound_s = elementwise_s(shape, lay, hw, st.n_layers, elementwise_recompute_fraction(lay),
                                    st.has_output, tokens / lay.mesh.cp)
     ring_s = ring_bookkeeping_s(shape, lay, hw, st.n_layers, rf, tokens / lay.mesh.cp)
@@ -367,7 +378,8 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
         # One dim-wide row per routed copy (launcher/parallel/ep.py: top_k copies per token, however
         # many land on one rank or node), the busiest rank's share; dispatch + combine, forward,
         # backward and any recomputed forward. Each part runs on its own link (EP_PARTS).
-        x = tokens * shape.top_k * shape.dim * a / (lay.mesh.tp if lay.sp else 1) * routed_load_factor(lay)
+        # Every TP rank dispatches the full sequence (SP all-gathers the MoE input first).
+        x = tokens * shape.top_k * shape.dim * a * routed_load_factor(lay)
         count = n_moe * m * (4 + 2 * rf)
         for (name, where), share in zip(EP_PARTS, ep_peer_shares(lay)):
             if share > 0:
