@@ -317,3 +317,8 @@ def test_tp_leaves_the_moe_whole_by_hand():
         skew(tp1, lambda lay: microbatch_compute_s(DSV3, st, lay, HW)))
     assert skew(tp2, lambda lay: layer_activation_bytes(DSV3, lay, True, "none")) == pytest.approx(
         skew(tp1, lambda lay: layer_activation_bytes(DSV3, lay, True, "none")))
+    from launcher.plan.elementwise import moe_dispatch_bytes
+
+    # The token movement of the full sequence on each TP rank: 2a gather + 4a EP permutes + 3a
+    # compiled combine per element of the top_k dim-wide rows (eager: 16 + 5a for the combine).
+    assert moe_dispatch_bytes(DSV3, tp2) == moe_dispatch_bytes(DSV3, tp1) == (2 * 2 + 4 * 2 + 16 + 5 * 2) * 8 * 7168
