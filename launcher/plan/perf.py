@@ -243,7 +243,11 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     # Attention and the output layer stay in bf16 under fp8 (precision.fp8.exclude); fp32 runs use TF32.
     other_peak = matmul_peak(hw, "fp32" if lay.numerics.precision == "fp32" else "bf16") * eff
     block_peak = matmul_peak(hw, lay.numerics.precision) * eff
-    expert_peak = matmul_peak(hw, lay.numerics.precision) * hw.achievable_fraction * expert_gemm_efficiency(shape, lay)
+    # Routed experts under precision=fp8 (torchao's rowwise fp8 grouped GEMM, launcher/parallel/fp8.py)
+    # at the bf16 rate: measured no faster than the bf16 grouped GEMM at Mixtral's shapes on an H100
+    # (bench/gpu_moe.py, docs/benchmarks.md: 0.95x at 8,192 tokens, 1.10x at 32,768).
+    expert_peak = (matmul_peak(hw, "bf16" if lay.numerics.precision == "fp8" else lay.numerics.precision)
+                   * hw.achievable_fraction * expert_gemm_efficiency(shape, lay))
     # The MoE (router, shared and routed experts) is whole on every TP rank: split by cp only.
     moe_s = (whole_flops / block_peak + (routed_flops / expert_peak if routed else 0.0)) / lay.mesh.cp
     matmul_s = ((block_flops / block_peak + head_flops / other_peak) / split + moe_s
