@@ -15,7 +15,8 @@ Assumptions (printed by `action=plan`, documented in docs/planner.md):
   micro-batch, is exposed); DDP's all-reduce overlaps the last backward; context-parallel
   K/V gathers overlap the attention and the fp32 dK/dV ring overlaps the backward's hops but for
   the last hop of each layer (launcher/plan/ring.py); TP and EP collectives are exposed (the runtime has
-  no TP comm overlap and no async TP), and so is DeepSeek-V3's once-per-step router-bias all-reduce;
+  no TP comm overlap and no async TP; the EP all-to-all's same-node and other-node parts run at once,
+  the slower one exposed), and so is DeepSeek-V3's once-per-step router-bias all-reduce;
   pipeline sends are exposed during warm-up and cool-down only.
 """
 
