@@ -180,3 +180,154 @@ def test_deepseek_v3_router_bias_update_is_in_the_step():
     assert 0 < exposed < 1e-3 * t["step_s"]
     llama_lay = Layout(mesh=MeshPlan(dp_shard=8), gpus_per_node=8)
     assert not any("router bias" in c.name for c in estimate_comm(SHAPE, llama_lay, HW, stage_params(SHAPE, 1)[0]))
+
+
+DSV3 = model_shape(compose_spec(["model=deepseek_v3"]).model)
+
+
+def _ep_layout(ep: int, tp: int = 1, imbalance: float = 1.0) -> Layout:
+    """DeepSeek-V3 without a pipeline on 64 ranks per tp (8 per node), one 4,096-token micro-batch."""
+    return Layout(mesh=MeshPlan(dp_shard=64, tp=tp, ep=ep), gpus_per_node=8, nodes=8 * tp,
+                  batch=RankBatchPlan(micro_batch_size=1, microbatches=1, seq_len=4096),
+                  memory=MemoryPlan(zero_stage=2), moe_imbalance=imbalance)
+
+
+def test_ep_all_to_all_inside_and_across_nodes_by_hand():
+    """The runtime's EP all-to-all (launcher/parallel/ep.py): one bf16 dim-wide row per routed copy,
+    dispatch and combine in forward and backward (4 per MoE block), 1/ep of the rows per peer. EP 32
+    over 4 nodes of 8: 7/32 of the rows go to same-node peers over NVLink, 24/32 to the other nodes
+    over the network, at once, so only the slower part is exposed. TP 4 leaves 2 ep ranks per node;
+    EP 8 in one node sends nothing over the network. The busiest rank's share scales with
+    plan.moe_imbalance."""
+    from launcher.plan.perf import ep_peer_shares
+
+    st = stage_params(DSV3, 1)[0]
+    rows = 4096 * 8 * 7168 * 2 * 58 * 4  # tokens x top_k x dim x bf16 x MoE blocks x passes
+    comm = {c.name: c for c in estimate_comm(DSV3, _ep_layout(32), HW, st)}
+    same, other = comm["EP all-to-all, same-node peers"], comm["EP all-to-all, other nodes"]
+    assert (same.where, other.where) == ("intra", "inter")
+    assert same.bytes_per_step == pytest.approx(rows * 7 / 32)
+    assert other.bytes_per_step == pytest.approx(rows * 24 / 32)
+    assert other.time_s == pytest.approx(rows * 24 / 32 / (HW.network_gbps * 1e9 * HW.comm_efficiency))
+    t = estimate_time(DSV3, _ep_layout(32), HW, 6 * DSV3.active, 64 * 4096)
+    exposed = {c.name: c.exposed_s for c in t["comm"] if c.name.startswith("EP")}
+    assert exposed == {"EP all-to-all, same-node peers": 0.0, "EP all-to-all, other nodes": pytest.approx(other.time_s)}
+    assert ep_peer_shares(_ep_layout(8, tp=4)) == pytest.approx((1 / 8, 6 / 8))
+    one_node = {c.name: c for c in estimate_comm(DSV3, _ep_layout(8), HW, st)}
+    assert "EP all-to-all, other nodes" not in one_node
+    assert one_node["EP all-to-all, same-node peers"].bytes_per_step == pytest.approx(rows * 7 / 8)
+    skewed = {c.name: c for c in estimate_comm(DSV3, _ep_layout(32, imbalance=1.25), HW, st)}
+    assert skewed["EP all-to-all, other nodes"].bytes_per_step == pytest.approx(1.25 * other.bytes_per_step)
+
+
+def test_routing_imbalance_slows_the_busiest_ep_rank_by_hand():
+    """plan.moe_imbalance f: the busiest EP rank runs f x the mean routed rows through its experts
+    (the extra 6 x (f - 1) x top_k x expert params FLOPs per token, at the grouped-GEMM rate) and holds
+    f x their activations; without EP every rank runs its own tokens' copies, so f changes nothing."""
+    from launcher.plan.memory import layer_activation_bytes
+    from launcher.plan.perf import expert_gemm_efficiency, matmul_peak, microbatch_compute_s
+
+    st = stage_params(DSV3, 1)[0]
+    base, skewed = _ep_layout(32), _ep_layout(32, imbalance=1.5)
+    extra = microbatch_compute_s(DSV3, st, skewed, HW) - microbatch_compute_s(DSV3, st, base, HW)
+    routed_flops = 6 * 0.5 * 58 * 8 * DSV3.expert * 4096
+    rate = matmul_peak(HW, "bf16") * HW.achievable_fraction * expert_gemm_efficiency(DSV3, base)
+    assert extra == pytest.approx(routed_flops / rate)
+    a, h, fe = 2, 7168, 2048
+    grown = layer_activation_bytes(DSV3, skewed, True, "none") - layer_activation_bytes(DSV3, base, True, "none")
+    assert grown == pytest.approx(4096 * 8 * (a * h + 4 * a * fe) * 0.5)
+    no_ep = dataclasses.replace(base, mesh=MeshPlan(dp_shard=64))
+    assert microbatch_compute_s(DSV3, st, no_ep, HW) == microbatch_compute_s(
+        DSV3, st, dataclasses.replace(no_ep, moe_imbalance=1.5), HW)
+
+
+def test_grouped_gemm_efficiency_per_expert_by_hand():
+    """Routed experts run as one grouped GEMM whose per-expert problems are rows x moe_ffn_dim: each
+    expert gets tokens x top_k x ep / n_experts rows (balanced). Qwen3 30B-A3B at 32K tokens on one
+    GPU: 2,048 rows x 768 -> 0.8 x 0.6 of achievable_fraction = 26 % of the H100's bf16 peak, where
+    torch._grouped_mm measured 242 TFLOP/s (24 %) for that MoE forward (ByteDance-Seed/VeOmni PR 460).
+    The other matmuls of an MoE block: FLOP-weighted, each at its narrower side (MLA's latent
+    projections score low)."""
+    from launcher.plan.perf import expert_gemm_efficiency, expert_rows, knee, moe_block_gemm_knee
+
+    qwen = model_shape(compose_spec(["model=qwen3_30b_a3b"]).model)
+    one = Layout(batch=RankBatchPlan(micro_batch_size=1, seq_len=32768))
+    assert expert_rows(qwen, one) == 2048
+    assert expert_gemm_efficiency(qwen, one) == pytest.approx(2048 / 2560 * 768 / 1280)
+    tflops = expert_gemm_efficiency(qwen, one) * HW.achievable_fraction * HW.bf16_tflops
+    assert tflops == pytest.approx(242, rel=0.10)
+    # Our own H100 (docs/benchmarks.md, bench/gpu_moe.py): one launcher MoE layer at Mixtral 8x7B's
+    # expert shapes, grouped, forward + backward: 39.56 ms at 8,192 tokens, 132.75 ms at 32,768 (router,
+    # permutation and SwiGLU included). The experts' GEMMs alone, planned at the per-expert knee:
+    mixtral = model_shape(compose_spec(["model=mixtral_8x7b"]).model)
+    for tokens, measured_s in ((8192, 39.56e-3), (32768, 132.75e-3)):
+        lay = Layout(batch=RankBatchPlan(micro_batch_size=1, seq_len=tokens))
+        gemm_s = 6 * tokens * 2 * mixtral.expert / (HW.bf16_tflops * 1e12 * HW.achievable_fraction
+                                                    * expert_gemm_efficiency(mixtral, lay))
+        assert gemm_s == pytest.approx(measured_s, rel=0.10)
+    assert expert_rows(DSV3, _ep_layout(32)) == 4096  # 4,096 tokens x 8 / 256 experts x 32 ranks
+    # DeepSeek-V3's MLA (wq_a 7168->1536, wq_b 1536->128x192, wkv_a 7168->576, wkv_b 512->128x256,
+    # wo 128x128->7168) and its shared expert (3 x 7168 x 2048), 4,096 rows.
+    mms = [(7168 * 1536, 1536), (1536 * 24576, 1536), (7168 * 576, 576), (512 * 32768, 512),
+           (16384 * 7168, 7168)] + [(7168 * 2048, 2048)] * 3
+    expected = sum(f * knee(4096, w) for f, w in mms) / sum(f for f, _ in mms)
+    assert moe_block_gemm_knee(DSV3, 4096.0, 1) == pytest.approx(expected)
+    assert 0.7 < expected < 0.8
+
+
+def test_moe_imbalance_is_checked():
+    from launcher.config.validate import validate
+
+    ok = compose_spec(["model=debug_moe", "plan.moe_imbalance=1.3"])
+    assert not [p for p in validate(ok) if "moe_imbalance" in p]
+    bad = compose_spec(["model=debug_moe", "plan.moe_imbalance=0.8"])
+    assert any("plan.moe_imbalance=0.8 must be at least 1" in p for p in validate(bad))
+
+
+def test_moe_imbalance_flows_from_the_config_to_the_plan():
+    """plan.moe_imbalance reaches the Layout (plan.json's layout) and the step: a skewed routing load
+    slows an EP layout's plan and the assumptions line names it; a dense model ignores it."""
+    from launcher.plan.plan import build_plan
+    from launcher.plan.report import plan_json
+
+    base = ["model=qwen3_30b_a3b", "action=plan", "cluster.nodes=2", "cluster.gpus_per_node=8", "parallel.ep=16",
+            "trainer.seq_len=4096", "trainer.global_batch_size=16", "plan.plots=false"]
+    even, skewed = (compose_spec(base + [f"plan.moe_imbalance={f}"]) for f in (1.0, 1.4))
+    p_even, p_skewed = build_plan(even), build_plan(skewed)
+    assert p_skewed.layout.moe_imbalance == 1.4 and plan_json(p_skewed, skewed)["layout"]["moe_imbalance"] == 1.4
+    assert p_skewed.time["step_s"] > p_even.time["step_s"]
+    assert "1.4x the mean routed tokens (plan.moe_imbalance)" in plan_json(p_skewed, skewed)["assumptions"]
+    assert "balanced routing (plan.moe_imbalance=1" in plan_json(p_even, even)["assumptions"]
+    dense = ["model=llama_1b", "action=plan", "cluster.gpus_per_node=8", "plan.plots=false"]
+    assert build_plan(compose_spec(dense + ["plan.moe_imbalance=1.4"])).time["step_s"] == \
+        build_plan(compose_spec(dense)).time["step_s"]
+
+
+def test_tp_leaves_the_moe_whole_by_hand():
+    """launcher/parallel/tp.py runs the whole MoE on the full sequence on every TP rank (all-gathered
+    under SP): with TP 2 + SP each rank dispatches all 4,096 tokens' rows (EP 32 strided by tp: 4 ep
+    ranks per node, 3/32 of the rows same-node, 28/32 over the network), and the routed experts'
+    extra FLOPs and activations of a skewed load are those of TP 1, not halved."""
+    from launcher.plan.memory import layer_activation_bytes
+    from launcher.plan.perf import microbatch_compute_s
+
+    st = stage_params(DSV3, 1)[0]
+    tp2 = dataclasses.replace(_ep_layout(32, tp=2), sp=True)
+    rows = 4096 * 8 * 7168 * 2 * 58 * 4
+    comm = {c.name: c for c in estimate_comm(DSV3, tp2, HW, st)}
+    assert comm["EP all-to-all, same-node peers"].bytes_per_step == pytest.approx(rows * 3 / 32)
+    assert comm["EP all-to-all, other nodes"].bytes_per_step == pytest.approx(rows * 28 / 32)
+
+    def skew(lay, what):
+        return what(dataclasses.replace(lay, moe_imbalance=1.5)) - what(lay)
+
+    tp1 = _ep_layout(32)
+    assert skew(tp2, lambda lay: microbatch_compute_s(DSV3, st, lay, HW)) == pytest.approx(
+        skew(tp1, lambda lay: microbatch_compute_s(DSV3, st, lay, HW)))
+    assert skew(tp2, lambda lay: layer_activation_bytes(DSV3, lay, True, "none")) == pytest.approx(
+        skew(tp1, lambda lay: layer_activation_bytes(DSV3, lay, True, "none")))
+    from launcher.plan.elementwise import moe_dispatch_bytes
+
+    # The token movement of the full sequence on each TP rank: 2a gather + 4a EP permutes + 3a
+    # compiled combine per element of the top_k dim-wide rows (eager: 16 + 5a for the combine).
+    assert moe_dispatch_bytes(DSV3, tp2) == moe_dispatch_bytes(DSV3, tp1) == (2 * 2 + 4 * 2 + 16 + 5 * 2) * 8 * 7168

@@ -153,20 +153,25 @@ def test_token_budget_sets_the_steps_and_the_plan_gives_time_and_cost_with_range
 
 
 def test_unmeasured_kinds_get_a_wider_band_and_say_so():
-    """MoE layouts have measured step-time rows but no published memory: their time band is the
-    rows', their memory band is wider than any measured one and the plan says it is not measured.
-    A kind without any row gets the widened band for both figures."""
+    """MoE layouts have measured step-time and memory rows (torchtitan's DeepSeek-V3 on 512 H100s
+    published its peak): both bands are the rows'. A figure without rows (MoE memory before those
+    rows: the table without it) gets a band wider than any measured one, and a kind without any
+    row gets the widened band for both figures."""
     from launcher.plan.bands import BANDS, ratio_band
 
     spec = compose_spec(["+recipe=mixtral8x7b"])
     plan = build_plan(spec)
-    assert plan.time["band"] == {**plan.time["band"], "kind": "moe", "measured": True, "memory_measured": False,
+    assert plan.time["band"] == {**plan.time["band"], "kind": "moe", "measured": True, "memory_measured": True,
                                  "rows": BANDS["moe"]["rows"]}
     assert ratio_band("moe", "time")[:2] == BANDS["moe"]["time"]
     lo, hi, measured = ratio_band("moe", "memory")
-    measured_memory = [b["memory"] for b in BANDS.values() if "memory" in b]
+    assert measured and lo <= BANDS["moe"]["memory"][0] and hi >= BANDS["moe"]["memory"][1]
+    assert "memory: no measured moe row yet" not in render_plan(plan, spec, "text")
+    no_moe_memory = {k: ({kk: vv for kk, vv in v.items() if kk != "memory"} if k == "moe" else v)
+                     for k, v in BANDS.items()}
+    lo, hi, measured = ratio_band("moe", "memory", no_moe_memory)
+    measured_memory = [b["memory"] for b in no_moe_memory.values() if "memory" in b]
     assert not measured and lo < min(m[0] for m in measured_memory) and hi > max(m[1] for m in measured_memory)
-    assert "memory: no measured moe row yet" in render_plan(plan, spec, "text")
     without_cp = {k: v for k, v in BANDS.items() if k != "cp"}
     lo, hi, measured = ratio_band("cp", "time", without_cp)
     assert not measured and lo < min(b["time"][0] for b in without_cp.values())

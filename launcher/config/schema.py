@@ -475,6 +475,12 @@ class PlanConfig:
     # action=search also tries these cluster.nodes values (empty: cluster.nodes only); each
     # layout's overrides then carry its cluster.nodes.
     search_nodes: List[int] = field(default_factory=list)
+    # Mixture of experts under expert parallelism: the busiest EP rank's routed assignments over the
+    # mean (1 = balanced, the default: what the rehearsal routes and what force-balanced benchmark
+    # runs measure). The busiest rank's expert GEMMs and its share of the all-to-all set the pace
+    # of every EP rank. From a run: its `moe/tokens_per_expert_max_over_mean` (per expert, so an
+    # upper bound of the per-rank figure; docs/planner.md "Mixture of experts").
+    moe_imbalance: float = 1.0
 
 
 @dataclass

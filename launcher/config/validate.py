@@ -396,6 +396,12 @@ def _check_misc_values(spec: JobConfig, problems: List[str]) -> None:
             f"plan.search_headroom={spec.plan.search_headroom} must be within [0, 1) (a fraction of GPU memory). "
             f"Fix: e.g. plan.search_headroom=0.05."
         )
+    if not spec.plan.moe_imbalance >= 1.0:
+        problems.append(
+            f"plan.moe_imbalance={spec.plan.moe_imbalance} must be at least 1 (the busiest expert-parallel rank's "
+            f"routed tokens over the mean; 1 = balanced). Fix: e.g. plan.moe_imbalance=1.0, or a run's "
+            f"moe/tokens_per_expert_max_over_mean."
+        )
     if spec.action == "search" and spec.plan.objective == "cost" and spec.hardware.usd_per_gpu_hour is None:
         problems.append(
             "plan.objective=cost ranks layouts by USD to the budget, but hardware.usd_per_gpu_hour is not set "

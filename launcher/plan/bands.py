@@ -10,9 +10,10 @@ Step time: the ratio is predicted tokens/s over measured (a ratio below 1: the p
 pessimistic, the run was faster). Memory: predicted over measured allocator peak.
 
 Context parallel is banded from torchtitan's long-context rows (Tables 2 and 6, 32K-256K) and
-mixture of experts from Megatron-Bridge's H100 MoE rows (Qwen3 30B-A3B, DeepSeek-V3; time only:
-no memory was published), approximated ones included: they are real distances between plan and
-measurement. A kind (or a kind's figure) with no measured row gets UNMEASURED_WIDENING of the
+mixture of experts from Megatron-Bridge's H100 MoE rows (Qwen3 30B-A3B, DeepSeek-V3; time only)
+and torchtitan's (DeepSeek-V3 on 512 H100s, time and memory; Qwen3 30B-A3B on 8 B200s, time;
+each with its default all-to-all and with DeepEP) and our own one-layer Mixtral on one H100 (time),
+approximated ones included: they are real distances between plan and measurement. A kind (or a kind's figure) with no measured row gets UNMEASURED_WIDENING of the
 widest band of any kind for that figure, labelled unmeasured in the plan, until rows of it exist;
 a band from rows that agree closely is widened to MIN_HALF_WIDTH either side of its middle.
 """
@@ -28,7 +29,7 @@ BANDS: Dict[str, Dict[str, Any]] = {
     "2d": {"time": (0.82, 0.82), "memory": (0.91, 0.91), "rows": 2},
     "3d": {"time": (0.85, 0.86), "memory": (0.84, 0.95), "rows": 6},
     "cp": {"time": (0.85, 1.14), "memory": (0.82, 0.99), "rows": 12},
-    "moe": {"time": (0.46, 1.11), "rows": 3},
+    "moe": {"time": (0.26, 1.35), "memory": (0.98, 1.04), "rows": 12},
 }
 KINDS = ("single_gpu", "fsdp", "2d", "3d", "cp", "moe")
 # A kind without rows: the union of the measured bands, each side pushed 25 % further out.
@@ -73,7 +74,7 @@ def memory_range(total: float, reserved: float, kind: str) -> Tuple[float, float
 
 def band_summary(kind: str) -> Dict[str, Any]:
     """plan.json's `band`: the kind, whether rows of it were measured (`measured`: its step time;
-    `memory_measured`: its memory, which MoE rows lack), and how many."""
+    `memory_measured`: its memory, which a kind's rows may lack), and how many."""
     return {"kind": kind, "measured": ratio_band(kind, "time")[2], "memory_measured": ratio_band(kind, "memory")[2],
             "rows": BANDS.get(kind, {}).get("rows", 0),
             "time_ratio": list(ratio_band(kind, "time")[:2]), "memory_ratio": list(ratio_band(kind, "memory")[:2])}

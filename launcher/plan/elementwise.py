@@ -84,12 +84,13 @@ def moe_dispatch_bytes(shape: ModelShape, lay: Layout) -> float:
     - the combine: eager, y.float() (a + 4), times the routing weight (8), cast back (4 + a) and
       index_add_ into the output (3a: read the rows, read and write the sums) = 16 + 5a; compiled,
       the cast-multiply-cast chain fuses into the index_add: 3a.
-    Under sequence parallelism each TP rank moves its 1/tp of the tokens; without it, all of them."""
+    Every TP rank moves all the tokens: launcher/parallel/tp.py runs the whole MoE on the full
+    sequence on each (all-gathered under sequence parallelism)."""
     if not shape.n_moe_layers:
         return 0.0
     a, k, h = lay.act_bytes, max(1, shape.top_k), shape.dim
     per_elem = 2 * a + (4 * a if lay.mesh.ep > 1 else 0) + (3 * a if lay.compile else 16 + 5 * a)
-    return per_elem * k * h / (lay.mesh.tp if lay.sp else 1)
+    return per_elem * k * h
 
 
 def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
@@ -102,6 +103,7 @@ def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
     hq = at.n_heads * at.v_head_dim  # the SDPA output (n_heads x v head)
     rope_elems = (at.n_heads + at.rope_k_heads) * at.rope_dim
     sp = t if lay.sp else 1  # norms and residual adds: sequence-sharded only under SP
+    ft = 1 if shape.n_moe_layers else t  # TP splits a dense FFN's columns; it leaves the MoE whole
     extra = 0.0
     if at.norms:
         extra += _inner_norm_bytes(shape, lay)
@@ -116,14 +118,14 @@ def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
         norms = 2 * 4 * a * h / sp  # fused residual add + norm: read x and residual, write sum and output
         rope = 2 * a * rope_elems / t
         attn_copy = 2 * a * hq / t
-        swiglu = 3 * a * f / t
+        swiglu = 3 * a * f / ft
         return norms + rope + attn_copy + swiglu + extra
     norm = (2 * a + 36) * h  # fp32 RMSNorm as six kernels (module docstring)
     residual = 2 * 3 * a * h
     rope = (2 * a + 48) * rope_elems  # fp32 upcast, 4 multiplies, 2 adds, stack, cast back
     attn_copy = 2 * a * hq  # the SDPA output made contiguous for wo
     swiglu = 5 * a * f  # silu: read + write; multiply: 2 reads + write
-    return (2 * norm + residual) / sp + (rope + attn_copy + swiglu) / t + extra
+    return (2 * norm + residual) / sp + (rope + attn_copy) / t + swiglu / ft + extra
 
 
 def fp8_cast_bytes(shape: ModelShape, lay: Layout) -> float:

@@ -140,7 +140,8 @@ def replicated_experts_note(shape: ModelShape, lay: Layout) -> List[str]:
     per_gpu = shape.n_moe_layers * shape.moe_block_routed / (lay.mesh.ep * lay.mesh.pp)
     return [f"parallel.tp={lay.mesh.tp} with MoE: the routed experts are replicated on every TP rank (no expert-TP), "
             f"each TP rank computes with about {per_gpu / 1e9:.2f}B unsharded expert parameters where expert-TP would use "
-            f"{per_gpu / lay.mesh.tp / 1e9:.2f}B; the planner counts them in full. Fix: shard the experts with a larger "
+            f"{per_gpu / lay.mesh.tp / 1e9:.2f}B, and runs the whole MoE on the full sequence (its FLOPs, all-to-all "
+            f"and activations are not divided by tp); the planner counts them in full. Fix: shard the experts with a larger "
             f"parallel.ep (experts / ep per rank) or use a lower parallel.tp."]
 
 

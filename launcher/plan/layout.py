@@ -185,6 +185,9 @@ class Layout:
     # (CPU: SDPA with one [micro_batch, 1, s, s] mask per micro-batch), "flex" (CUDA: FlexAttention's
     # block mask, a few int32 per 128x128 block).
     document_mask: str = "none"
+    # plan.moe_imbalance: the busiest expert-parallel rank's routed assignments over the mean (1 =
+    # balanced), which scales that rank's expert GEMMs and all-to-all (launcher/plan/perf.py).
+    moe_imbalance: float = 1.0
 
     # ------------------------------------------------------------------ derived, one formula each
     @property

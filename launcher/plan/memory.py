@@ -245,6 +245,13 @@ def _inner_attention_bytes(shape: ModelShape, lay: Layout) -> float:
     return total
 
 
+def routed_load_factor(lay: Layout) -> float:
+    """The busiest rank's routed expert rows over the balanced mean: plan.moe_imbalance under
+    expert parallelism (the rows a rank receives follow the routing); 1 without it (every rank
+    computes the top_k copies of its own tokens, however they are routed)."""
+    return lay.moe_imbalance if lay.mesh.ep > 1 else 1.0
+
+
 def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str) -> float:
     """Bytes autograd saves for one block and one micro-batch on one GPU.
 
@@ -285,13 +292,17 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         cap = shape.capacity_factor if shape.capacity_factor > 0 else 1.0  # padding when dropping
         k, fe = shape.top_k, shape.moe_ffn_dim
         router = 8.0 * shape.n_experts
+        # Under EP the expert tensors hold the rows this rank received: plan.moe_imbalance times the
+        # mean on the busiest rank; what comes back to a token's own rank (the combine) is its own.
+        load = routed_load_factor(lay)
+        # TP leaves the MoE whole: every TP rank runs it on the full sequence (launcher/parallel/tp.py).
         if mode == "op":  # dispatched input + w1/w3 outputs + expert output
-            routed = cap * k * (a * h + 2 * a * fe + a * h) / t
-            shared_e = shape.n_shared_experts * 2 * a * fe / t
+            routed = cap * k * ((a * h + 2 * a * fe) * load + a * h)
+            shared_e = shape.n_shared_experts * 2 * a * fe
         else:
             # dispatched input, SwiGLU tensors, fp32 expert output kept for the gate weighting
-            routed = cap * k * (a * h + 4 * a * fe + 4 * h) / t
-            shared_e = shape.n_shared_experts * 4 * a * fe / t
+            routed = cap * k * ((a * h + 4 * a * fe) * load + 4 * h)
+            shared_e = shape.n_shared_experts * 4 * a * fe
         ffn = router + routed + shared_e
     else:
         ffn = (2 if mode == "op" else 4) * a * shape.ffn_dim / t

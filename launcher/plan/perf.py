@@ -15,7 +15,8 @@ Assumptions (printed by `action=plan`, documented in docs/planner.md):
   micro-batch, is exposed); DDP's all-reduce overlaps the last backward; context-parallel
   K/V gathers overlap the attention and the fp32 dK/dV ring overlaps the backward's hops but for
   the last hop of each layer (launcher/plan/ring.py); TP and EP collectives are exposed (the runtime has
-  no TP comm overlap and no async TP), and so is DeepSeek-V3's once-per-step router-bias all-reduce;
+  no TP comm overlap and no async TP; the EP all-to-all's same-node and other-node parts run at once,
+  the slower one exposed), and so is DeepSeek-V3's once-per-step router-bias all-reduce;
   pipeline sends are exposed during warm-up and cool-down only.
 """
 
@@ -28,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from launcher.plan.elementwise import HBM_EFFICIENCY, elementwise_s
 from launcher.plan.flops import attention_flops_per_token, peak_tflops
 from launcher.plan.layout import Layout
+from launcher.plan.memory import routed_load_factor
 from launcher.plan.params import ModelShape, StageParams, attention_width, stage_params
 from launcher.plan.ring import hop_time_factor, kv_bytes_per_token, ring_bookkeeping_s
 
@@ -113,6 +115,19 @@ def stage_matmul_params(shape: ModelShape, st: StageParams) -> Tuple[float, floa
     return block, head
 
 
+def stage_routed_params(shape: ModelShape, st: StageParams) -> float:
+    """Routed-expert matmul params per token on a rank (top_k experts per MoE block): the part of
+    stage_matmul_params's block that follows the routing."""
+    return float(st.n_moe_layers * shape.top_k * shape.expert)
+
+
+def stage_moe_whole_params(shape: ModelShape, st: StageParams) -> float:
+    """Matmul params per token of the MoE blocks' router and shared experts on a rank: with the
+    routed experts, what tensor parallelism leaves whole (launcher/parallel/tp.py: every TP rank
+    runs the MoE on the full sequence, all-gathered under SP)."""
+    return float(st.n_moe_layers * (shape.router + shape.n_shared_experts * shape.expert))
+
+
 # Small matrix multiplications reach less of the peak: a heuristic knee (rows, columns) below
 # which efficiency halves. Splitting a micro-batch's tokens over cp ranks or the FFN columns
 # over tp ranks shrinks the GEMMs, which is why more TP/CP is not free even on NVLink.
@@ -120,11 +135,50 @@ TOKEN_KNEE = 512
 WIDTH_KNEE = 512
 
 
-def gemm_efficiency(shape: ModelShape, lay: Layout) -> float:
-    """Fraction of `achievable_fraction` this layout's per-GPU matmuls reach (1.0 for large ones)."""
-    rows = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
-    width = (shape.moe_ffn_dim if shape.n_experts else shape.ffn_dim) / lay.mesh.tp
+def knee(rows: float, width: float) -> float:
+    """The small-GEMM heuristic: rows/(rows + TOKEN_KNEE) x width/(width + WIDTH_KNEE)."""
     return rows / (rows + TOKEN_KNEE) * width / (width + WIDTH_KNEE)
+
+
+def gemm_efficiency(shape: ModelShape, lay: Layout) -> float:
+    """Fraction of `achievable_fraction` this layout's per-GPU matmuls reach (1.0 for large ones):
+    every matmul but the routed experts' (those have expert_gemm_efficiency), whose rows are the
+    micro-batch's tokens on the rank. Width: a dense model's FFN width over tp (most of its matmul
+    FLOPs); an MoE model's remaining matmuls are its attention projections and shared experts,
+    scored one by one (moe_block_gemm_knee)."""
+    rows = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
+    if shape.n_moe_layers:
+        return moe_block_gemm_knee(shape, rows, lay.mesh.tp)
+    return knee(rows, shape.ffn_dim / lay.mesh.tp)
+
+
+@lru_cache(maxsize=4096)
+def moe_block_gemm_knee(shape: ModelShape, rows: float, tp: int) -> float:
+    """The knee of an MoE block's matmuls other than the routed experts, FLOP-weighted: each
+    attention projection (the family's layout; MLA's narrow latent ones score low) and each
+    shared-expert matmul with its narrower side as the width (over tp where TP splits it)."""
+    mms = [(m.in_features, m.out_features, m.split) for m in shape.attention_layout.linears]
+    fe = shape.n_shared_experts * shape.moe_ffn_dim
+    if fe:
+        mms += [(shape.dim, fe, True), (shape.dim, fe, True), (fe, shape.dim, True)]
+    flops = [i * o for i, o, _ in mms]
+    scores = [knee(rows, min(i, o) / (tp if split else 1)) for i, o, split in mms]
+    return sum(f * k for f, k in zip(flops, scores)) / sum(flops)
+
+
+def expert_rows(shape: ModelShape, lay: Layout) -> float:
+    """Rows one routed expert's GEMM gets per micro-batch on a rank, balanced routing: the rank's
+    tokens x top_k copies spread over n_experts, gathered from the ep ranks that route to it."""
+    tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
+    return tokens * max(1, shape.top_k) * lay.mesh.ep / max(1, shape.n_experts)
+
+
+def expert_gemm_efficiency(shape: ModelShape, lay: Layout) -> float:
+    """Fraction of `achievable_fraction` the routed experts' grouped GEMMs reach: the same knee per
+    expert, with that expert's rows (expert_rows) and its own width (moe_ffn_dim: TP leaves the
+    routed experts whole). One grouped GEMM runs every local expert in one kernel, but each
+    expert's tile grid is its own rows x width, which is what the knee scores."""
+    return knee(expert_rows(shape, lay), shape.moe_ffn_dim)
 
 
 def recompute_fraction(lay: Layout) -> float:
@@ -176,16 +230,29 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     """Forward + backward of one micro-batch on one GPU of a pipeline rank."""
     tokens = lay.batch.micro_batch_size * lay.batch.seq_len
     block, head = stage_matmul_params(shape, st)
+    routed, whole = stage_routed_params(shape, st), stage_moe_whole_params(shape, st)
     rf = recompute_fraction(lay)
     # Recomputing a forward costs a third of forward+backward.
-    block_flops = (6.0 * block * (1 + rf / 3) + 2.0 * alternate_mm_recompute_params(shape, st, lay)) * tokens
+    block_flops = (6.0 * (block - routed - whole) * (1 + rf / 3)
+                   + 2.0 * alternate_mm_recompute_params(shape, st, lay)) * tokens
+    whole_flops = 6.0 * whole * (1 + rf / 3) * tokens
+    # The busiest expert-parallel rank computes plan.moe_imbalance times the mean routed rows.
+    routed_flops = 6.0 * routed * routed_load_factor(lay) * (1 + rf / 3) * tokens
     head_flops = 6.0 * head * tokens
     split = lay.mesh.tp * lay.mesh.cp  # each GPU of the TP x CP group computes its share
     eff = hw.achievable_fraction * gemm_efficiency(shape, lay)
     # Attention and the output layer stay in bf16 under fp8 (precision.fp8.exclude); fp32 runs use TF32.
     other_peak = matmul_peak(hw, "fp32" if lay.numerics.precision == "fp32" else "bf16") * eff
     block_peak = matmul_peak(hw, lay.numerics.precision) * eff
-    matmul_s = (block_flops / block_peak + head_flops / other_peak) / split + attention_s(shape, st, lay, hw)
+    # Routed experts under precision=fp8 (torchao's rowwise fp8 grouped GEMM, launcher/parallel/fp8.py)
+    # at the bf16 rate: measured no faster than the bf16 grouped GEMM at Mixtral's shapes on an H100
+    # (bench/gpu_moe.py, docs/benchmarks.md: 0.95x at 8,192 tokens, 1.10x at 32,768).
+    expert_peak = (matmul_peak(hw, "bf16" if lay.numerics.precision == "fp8" else lay.numerics.precision)
+                   * hw.achievable_fraction * expert_gemm_efficiency(shape, lay))
+    # The MoE (router, shared and routed experts) is whole on every TP rank: split by cp only.
+    moe_s = (whole_flops / block_peak + (routed_flops / expert_peak if routed else 0.0)) / lay.mesh.cp
+    matmul_s = ((block_flops / block_peak + head_flops / other_peak) / split + moe_s
+                + attention_s(shape, st, lay, hw))
     memory_bound_s = elementwise_s(shape, lay, hw, st.n_layers, elementwise_recompute_fraction(lay),
                                    st.has_output, tokens / lay.mesh.cp)
     ring_s = ring_bookkeeping_s(shape, lay, hw, st.n_layers, rf, tokens / lay.mesh.cp)
@@ -313,11 +380,17 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
         out.append(_coll("CP dK/dV ring", "p2p", ("cp",), lay.mesh.cp, lay, hw, dkv, n_layers * m * lay.mesh.cp))
     n_moe = st.n_moe_layers
     if lay.mesh.ep > 1 and n_moe:
-        x = tokens * shape.top_k * shape.dim * a / (lay.mesh.tp if lay.sp else 1)
-        # dispatch + combine, forward and backward
-        # EP ranks are the innermost ep of dp_shard*cp, strided by tp.
-        out.append(_coll("EP all-to-all", "all_to_all", ("dp_shard", "cp"), lay.mesh.ep, lay, hw, x,
-                         n_moe * m * (4 + 2 * rf), span=lay.mesh.ep * lay.mesh.tp))
+        # One dim-wide row per routed copy (launcher/parallel/ep.py: top_k copies per token, however
+        # many land on one rank or node), the busiest rank's share; dispatch + combine, forward,
+        # backward and any recomputed forward. Each part runs on its own link (EP_PARTS).
+        # Every TP rank dispatches the full sequence (SP all-gathers the MoE input first).
+        x = tokens * shape.top_k * shape.dim * a * routed_load_factor(lay)
+        count = n_moe * m * (4 + 2 * rf)
+        for (name, where), share in zip(EP_PARTS, ep_peer_shares(lay)):
+            if share > 0:
+                nbytes = x * share * count
+                out.append(Collective(name, "all_to_all", "dp_shard*cp", lay.mesh.ep, where, nbytes,
+                                      nbytes / link_bandwidth(hw, where)))
     if lay.mesh.pp > 1:
         x = tokens * shape.dim * a / (lay.mesh.tp if lay.sp else 1)
         out.append(_coll("PP send/recv", "p2p", ("pp",), lay.mesh.pp, lay, hw, x, 2 * m * lay.vpp))
@@ -327,6 +400,30 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
         out.append(_coll("router bias all-reduce", "all_reduce", ("pp", "dp_replicate", "dp_shard", "cp"),
                          lay.mesh.world_size, lay, hw, correction_bias_bytes(shape), 1))
     return out
+
+
+# The EP all-to-all's two parts: rows for peers in the same node travel over NVLink, rows for other
+# nodes over the network, both at once (NCCL posts every peer's send together), so the slower part
+# sets the time (_apply_overlap).
+EP_PARTS = (("EP all-to-all, same-node peers", "intra"), ("EP all-to-all, other nodes", "inter"))
+
+
+def ep_peer_shares(lay: Layout) -> Tuple[float, float]:
+    """(share of a rank's EP all-to-all rows bound for peers in its own node, share bound for other
+    nodes), balanced routing: the experts are spread evenly over the ep ranks, so each peer gets
+    1/ep of the rows and the rank keeps its own 1/ep. The ep ranks are the innermost ep of
+    dp_shard*cp, strided by tp: a node holds gpus_per_node / tp of them.
+
+    DeepSeek-V3's group-limited routing (model.n_group / topk_group, launcher/models/moe.py) bounds
+    the nodes one token reaches, but not these shares: the runtime sends one row per routed expert,
+    and under balanced routing a copy lands on the rank's own node with probability
+    (ep ranks per node) / ep either way. Dispatchers that send one row per destination node
+    (DeepEP, Megatron's HybridEP) are what the bound helps; the runtime has none (docs/planner.md)."""
+    ep = lay.mesh.ep
+    if ep <= 1:
+        return 0.0, 0.0
+    per_node = max(1, min(ep, lay.gpus_per_node // lay.mesh.tp))
+    return (per_node - 1) / ep, (ep - per_node) / ep
 
 
 def correction_bias_bytes(shape: ModelShape) -> float:
@@ -400,7 +497,7 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
         if c.name.startswith("grad all-reduce"):
             # DDP buckets overlap the last micro-batch's backward (2/3 of its compute).
             c.exposed_s = max(0.0, c.time_s - compute_s / max(1, lay.batch.microbatches) * 2 / 3) + c.time_s / units
-        elif c.name.startswith(("TP", "EP", "router bias")):
+        elif c.name.startswith(("TP", "router bias")):
             c.exposed_s = c.time_s
         elif c.name.startswith("CP K/V"):
             # The gather runs behind the hops' attention kernels; what exceeds them is exposed.
@@ -412,6 +509,13 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
         elif c.name.startswith("PP"):
             per_send = c.time_s / max(1, 2 * lay.batch.microbatches * lay.vpp)
             c.exposed_s = 2 * (lay.mesh.pp - 1) * per_send
+    # The EP all-to-all is exposed (the runtime dispatches on the compute stream and waits); its
+    # same-node and other-node parts run at once, so only the slower one adds to the step.
+    ep = [c for c in comm if c.name.startswith("EP")]
+    if ep:
+        slowest = max(ep, key=lambda c: c.time_s)
+        for c in ep:
+            c.exposed_s = c.time_s if c is slowest else 0.0
 
 
 def optimizer_step_s(st: StageParams, lay: Layout, hw: Any) -> float:

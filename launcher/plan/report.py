@@ -15,10 +15,11 @@ from launcher.plan.params import model_shape
 from launcher.plan.perf import correction_bias_bytes
 from launcher.plan.resolve import world_size
 
-def assumptions(model: Any) -> str:
+def assumptions(model: Any, moe_imbalance: float = 1.0) -> str:
     """The plan's assumptions line, naming the family's block the activation and elementwise formulas
-    model (launcher/models/<family>/params.py block_description) and, for DeepSeek-V3, the size of
-    the once-per-step router-bias update the step time includes."""
+    model (launcher/models/<family>/params.py block_description), for MoE models the routing load
+    the expert-parallel terms assume (plan.moe_imbalance) and, for DeepSeek-V3, the size of the
+    once-per-step router-bias update the step time includes."""
     block = family_of(model).params_module().block_description(model)
     shape = model_shape(model)
     text = (
@@ -28,6 +29,12 @@ def assumptions(model: Any) -> str:
         "FSDP/ZeRO gathers and reductions overlap compute, TP and EP collectives do not; activations per "
         f"Korthikanti et al. for the {block} with flash attention (docs/planner.md)."
     )
+    if shape.n_moe_layers:
+        load = ("balanced routing (plan.moe_imbalance=1; a run's moe/tokens_per_expert_max_over_mean gives its own)"
+                if moe_imbalance == 1.0 else
+                f"the busiest expert-parallel rank at {moe_imbalance:g}x the mean routed tokens (plan.moe_imbalance)")
+        text += (f" Routed experts: {load}; one all-to-all row per routed copy, its other-node part on the "
+                 f"network link.")
     if shape.correction_bias:
         text += (f" Aux-loss-free router-bias update: one all-reduce of {shape.n_layers} x {shape.n_experts} fp32 "
                  f"expert loads ({correction_bias_bytes(shape) / 1e3:.1f} kB) and a sign/add over "
@@ -72,7 +79,7 @@ def plan_json(plan, spec) -> Dict[str, Any]:
     d["hardware"] = {"name": spec.hardware.name, "memory_gb": spec.hardware.memory_gb,
                      "bf16_tflops": spec.hardware.bf16_tflops, "fp8_tflops": spec.hardware.fp8_tflops,
                      "tf32_tflops": spec.hardware.tf32_tflops}
-    d["assumptions"] = assumptions(spec.model)
+    d["assumptions"] = assumptions(spec.model, spec.plan.moe_imbalance)
     return d
 
 
@@ -91,7 +98,7 @@ def render_plan(plan, spec, fmt: str = "text") -> str:
         _time_section(plan, spec),
         _checkpoint_section(plan),
         _budget_section(plan, spec),
-        assumptions(spec.model),
+        assumptions(spec.model, spec.plan.moe_imbalance),
     ]
     if plan.warnings:
         sections.append("Warnings\n" + "\n".join(f"  ! {w}" for w in plan.warnings))
@@ -342,4 +349,4 @@ def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
     cmds = "\n".join(f"  {i}: train {c.train_overrides}" for i, c in enumerate(best, 1))
     table += ("\n  (ranges: step time and peak memory measured for layouts of the same kind, scaled to each "
               "prediction: bench/planner_accuracy.py --bands, docs/planner.md)")
-    return f"{head}\n{table}\n\nOverrides that select each layout (add them to your command)\n{cmds}\n\n{assumptions(spec.model)}"
+    return f"{head}\n{table}\n\nOverrides that select each layout (add them to your command)\n{cmds}\n\n{assumptions(spec.model, spec.plan.moe_imbalance)}"

@@ -267,6 +267,7 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
         ),
         compile=bool(spec.trainer.compile),
         document_mask=document_mask_kernel(spec),
+        moe_imbalance=float(spec.plan.moe_imbalance),
     )
 
 
