@@ -310,13 +310,21 @@ def write_hardware_yaml(fit: Fit, run_dirs: Sequence[Path], path: Path) -> None:
 
 def derive_bands(rows: Sequence[Row]) -> Dict[str, Dict[str, object]]:
     """launcher/plan/bands.py's BANDS from predicted rows: per layout kind, the lowest and highest
-    predicted/measured ratio of each figure (2 decimals), over every row (approximated ones too:
-    they are real distances between plan and measurement)."""
+    predicted/measured ratio of each figure (2 decimals). Memory: over every row of the kind
+    (approximated ones too: a missing speed feature leaves the model states as they are). Time:
+    over the kind's held rows when it has any, since an approximated row's speed is another
+    runtime's (AsyncTP, DeepEP, Megatron's kernels) and would stretch the band to that runtime's
+    distance; a kind known only from approximated rows is banded by them. `rows`: how many rows
+    the band's figures come from."""
+    held_time = {r.kind for r in rows if r.checked and FIGURE[r.metric] == "time"}
     out: Dict[str, Dict[str, object]] = {}
     for r in rows:
+        figure = FIGURE[r.metric]
+        if figure == "time" and r.kind in held_time and not r.checked:
+            continue
         band = out.setdefault(r.kind, {"rows": 0})
-        lo, hi = band.get(FIGURE[r.metric], (r.ratio, r.ratio))
-        band[FIGURE[r.metric]] = (min(lo, r.ratio), max(hi, r.ratio))
+        lo, hi = band.get(figure, (r.ratio, r.ratio))
+        band[figure] = (min(lo, r.ratio), max(hi, r.ratio))
         band["rows"] += 1
     return {kind: {k: (round(v[0], 2), round(v[1], 2)) if isinstance(v, tuple) else v for k, v in band.items()}
             for kind, band in out.items()}
