@@ -334,12 +334,19 @@ def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
         lead += [lay.mesh.world_size] if nodes else []
         rows.append((*lead, tps, f"{c.mfu:.1%}",
                      f"{c.step_s:.2f} ({_range(c.step_s_range, '.2f')})",
-                     f"{c.memory['total'] / GiB:.1f} ({_range([b / GiB for b in c.memory_total_range], '.1f')})", pipe, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp,
+                     f"{c.memory['total'] / GiB:.1f} ({_range([b / GiB for b in c.memory_total_range], '.1f')})", c.fits,
+                     pipe, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp,
                      lay.mesh.ep, lay.memory.zero_stage, lay.memory.ac_mode, lay.batch.micro_batch_size, c.backends.get("sharding", "native")))
     heads = ["#"] + ([OBJECTIVE_COLUMNS[objective]] if objective != "throughput" else []) + (["GPUs"] if nodes else [])
-    table = _table((*heads, "tok/s/GPU", "MFU", "step s", "mem GiB", "pp", "dp_rep", "dp_shard", "cp", "tp", "ep",
-                    "zero", "AC", "mbs", "sharding"), rows, "r" * len(heads) + "rrrrlrrrrrrlrl")
+    table = _table((*heads, "tok/s/GPU", "MFU", "step s", "mem GiB", "fits", "pp", "dp_rep", "dp_shard", "cp", "tp",
+                    "ep", "zero", "AC", "mbs", "sharding"), rows, "r" * len(heads) + "rrrrllrrrrrrlrl")
     cmds = "\n".join(f"  {i}: train {c.train_overrides}" for i, c in enumerate(best, 1))
     table += ("\n  (ranges: step time and peak memory measured for layouts of the same kind, scaled to each "
               "prediction: bench/planner_accuracy.py --bands, docs/planner.md)")
+    at_risk = [i for i, c in enumerate(best, 1) if c.memory_at_risk]
+    if at_risk:
+        gpu = best[at_risk[0] - 1].gpu_capacity / GiB
+        table += (f"\n  at risk ({', '.join(f'#{i}' for i in at_risk)}): the upper end of the memory range exceeds the "
+                  f"GPU's {gpu:.1f} GiB (hardware.memory_gb), so the run may go out of memory; ranked after every "
+                  f"layout whose whole range fits")
     return f"{head}\n{table}\n\nOverrides that select each layout (add them to your command)\n{cmds}\n\n{assumptions(spec.model)}"
