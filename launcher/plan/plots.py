@@ -78,9 +78,9 @@ def schedule_blocks(pp: int, m: int, schedule: str, vpp: int = 1) -> List[List[T
 
 def save_plan_plots(plan, spec, out_dir) -> List[Path]:
     """Write the memory bar chart and the pipeline schedule chart into out_dir; return the paths."""
-    # lazy: ~0.4 s to import, only the plan's PNGs need it. A bare Figure, not pyplot: no display
-    # backend is chosen, no global figure registry, and savefig renders PNG with Agg.
-    from matplotlib.figure import Figure
+    # A bare Figure, not pyplot: no display backend is chosen, no global figure registry, and
+    # savefig renders PNG with Agg.
+    from matplotlib.figure import Figure  # lazy: ~0.4 s to import, only the plan's PNGs need it
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
