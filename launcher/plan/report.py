@@ -9,6 +9,7 @@ import json
 from typing import Any, Dict, List, Sequence
 
 from launcher.models.family import family_of
+from launcher.plan.bands import memory_at_risk
 from launcher.plan.memory import GiB
 from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
@@ -165,6 +166,9 @@ def _memory_section(plan, spec) -> str:
     margin = mem["margin"]
     verdict = (f"FITS with {_gib(margin)} to spare ({margin / mem['capacity']:.0%})" if mem["fits"]
                else f"DOES NOT FIT: {_gib(-margin)} over")
+    if mem["fits"] and mem.get("total_range") and memory_at_risk(mem["total_range"], mem["capacity"]):
+        verdict += (f", but AT RISK: measured peaks of this kind of layout reach {_gib(mem['total_range'][1])}, "
+                    f"over the GPU's {_gib(mem['capacity'])} (action=search ranks such layouts last)")
     per_rank = mem.get("per_pp_rank", [])
     spread = ""
     if len(per_rank) > 1:

@@ -37,7 +37,7 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import replaced_dotted
 from launcher.config.validate import (PLAN_OBJECTIVES, accumulate_unsharded_value, cp_pipeline_problems,
                                       tensor_parallel_problems, tied_pipeline_problems)
-from launcher.plan.bands import layout_kind, memory_range, value_range
+from launcher.plan.bands import layout_kind, memory_at_risk, memory_range, value_range
 from launcher.plan.budget import budget
 from launcher.plan.estimate import capacity_bytes, reserved_bytes
 from launcher.plan.flops import training_flops_per_token
@@ -93,7 +93,7 @@ class Candidate:
     def memory_at_risk(self) -> bool:
         """The upper end of the memory band exceeds the GPU (hardware.memory_gb): the point estimate
         fits, but layouts of this kind have peaked that much higher than planned, so it may OOM."""
-        return self.memory_total_range[1] > self.gpu_capacity
+        return memory_at_risk(self.memory_total_range, self.gpu_capacity)
 
     @property
     def fits(self) -> str:
