@@ -57,6 +57,25 @@ def test_text_has_every_section(planned):
         render_plan(plan, spec, "yaml")
 
 
+def test_verdict_says_at_risk_when_the_memory_band_reaches_past_the_gpu(planned):
+    """The point estimate fits, the upper end of the measured band does not (llama3_8b, FSDP 4 x
+    TP 2 on 64 GiB GPUs: 60.7 GiB planned, up to 70.2 GiB for 2D layouts): FITS, but AT RISK, with
+    the numbers; a plan whose whole band fits says FITS alone."""
+    spec = compose_spec(["model=llama3_8b", "cluster.gpus_per_node=8", "trainer.seq_len=8192",
+                         "trainer.global_batch_size=64", "hardware.memory_gb=64", "parallel.dp_shard=4", "parallel.tp=2",
+                         "parallel.sp=true", "parallel.zero_stage=3", "activation_checkpointing.mode=none",
+                         "trainer.micro_batch_size=1"])
+    plan = build_plan(spec)
+    low, high = plan.memory["total_range"]
+    assert plan.memory["fits"] and plan.memory["total"] <= 64 * 2**30 < high
+    verdict = next(line for line in render_plan(plan, spec, "text").splitlines() if "verdict:" in line)
+    assert verdict.strip().startswith("verdict: FITS with") and "but AT RISK" in verdict
+    assert f"reach {high / 2**30:.2f} GiB, over the GPU's 64.00 GiB" in verdict
+    fitting_plan, fitting_spec = planned
+    assert fitting_plan.memory["total_range"][1] <= fitting_plan.memory["capacity"]
+    assert "AT RISK" not in render_plan(fitting_plan, fitting_spec, "text")
+
+
 def test_moe_under_tp_warns_that_experts_are_replicated_with_the_numbers_and_a_fix():
     """The runtime has no expert-TP: under tp>1 every TP rank holds all routed experts of its ep
     shard. The plan says so with the per-GPU expert parameters (mixtral8x7b, ep=8: one 176M-parameter

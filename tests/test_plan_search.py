@@ -45,8 +45,9 @@ def test_results_are_valid_fit_and_ranked(llama70b):
     spec, cands, stats = llama70b
     assert len(cands) == 15
     assert stats["meshes"] > 100 and stats["states_too_big"] > 0  # it really enumerated and pruned
-    tps = [c.tokens_per_s_per_gpu for c in cands]
-    assert tps == sorted(tps, reverse=True)
+    # Ranked by tokens/s, after every layout whose whole memory band fits (none here is at risk).
+    order = [(c.memory_at_risk, -c.tokens_per_s_per_gpu) for c in cands]
+    assert order == sorted(order)
     for c in cands:
         chosen = _apply(spec, c.train_overrides)
         assert validate(chosen) == [], c.train_overrides
@@ -130,7 +131,7 @@ def by_objective():
 def test_each_objective_ranks_by_its_own_column(by_objective):
     for objective, (spec, cands) in by_objective.items():
         assert len(cands) == 8, objective
-        column = [OBJECTIVE_COLUMN[objective](c) for c in cands]
+        column = [(c.memory_at_risk, OBJECTIVE_COLUMN[objective](c)) for c in cands]
         assert column == sorted(column), objective
         # The figures are the plan's: the chosen layout planned alone gives the same budget.
         for c in cands[:2]:
@@ -167,6 +168,51 @@ def test_objective_column_in_the_table(by_objective):
     best = cands[0].budget
     assert f"{best['usd']:,.0f} ({best['usd_range'][0]:,.0f}-{best['usd_range'][1]:,.0f})" in render_search(
         cands, spec, "text", 1)
+
+
+# llama3_8b on 8 GPUs of 64 GiB: the fastest layouts' point estimates fit (with the 5 % headroom)
+# but their memory bands' upper ends do not (2026-11-27: 60.7 GiB, band up to 70.2 GiB).
+AT_RISK_ARGS = ["model=llama3_8b", "cluster.gpus_per_node=8", "trainer.seq_len=8192", "trainer.global_batch_size=64",
+                "hardware.memory_gb=64", "trainer.tokens=1000000000000", "hardware.usd_per_gpu_hour=2.5",
+                "action=search"]
+
+
+@pytest.mark.parametrize("objective", list(OBJECTIVE_COLUMN))
+def test_a_layout_that_may_run_out_of_memory_ranks_after_every_one_that_fits(objective):
+    """A layout whose point estimate fits but whose memory band's upper end exceeds the GPU is kept,
+    marked "at risk" (text and JSON), and ranked after every layout whose whole band fits, even
+    when plan.objective alone would rank it first."""
+    spec = compose_spec(AT_RISK_ARGS + [f"plan.objective={objective}"])
+    gpu = 64 * 2**30
+    cands = search_layouts(spec, limit=200)
+    risky = [c for c in cands if c.memory_at_risk]
+    safe = [c for c in cands if not c.memory_at_risk]
+    assert risky and safe
+    assert cands == safe + risky  # every fitting band first
+    for group in (safe, risky):
+        column = [OBJECTIVE_COLUMN[objective](c) for c in group]
+        assert column == sorted(column), objective
+    # Without the band the objective would have put an at-risk layout first.
+    best_by_objective = min(cands, key=OBJECTIVE_COLUMN[objective])
+    assert best_by_objective.memory_at_risk
+    assert OBJECTIVE_COLUMN[objective](best_by_objective) < OBJECTIVE_COLUMN[objective](cands[0])
+    for c in risky:
+        assert c.gpu_capacity == gpu and c.fits == "at risk"
+        assert c.memory["total"] <= c.capacity < gpu < c.memory_total_range[1]
+    for c in safe:
+        assert c.fits == "yes" and c.memory_total_range[1] <= gpu
+    # The mark in the table and in the JSON.
+    shown = safe[:2] + risky[:2]
+    text = render_search(shown, spec, "text", 4)
+    rows = [line.split() for line in text.splitlines() if line.strip()[:2] in ("1 ", "2 ", "3 ", "4 ")]
+    assert [r[0] for r in rows] == ["1", "2", "3", "4"]
+    assert ["at risk" in " ".join(r) for r in rows] == [False, False, True, True]
+    assert "fits" in text.splitlines()[1] and all("yes" in r for r in rows[:2])
+    assert "at risk (#3, #4): the upper end of the memory range exceeds the GPU's 64.0 GiB" in text
+    d = json.loads(render_search(shown, spec, "json", 4))
+    assert [c["fits"] for c in d["candidates"]] == ["yes", "yes", "at risk", "at risk"]
+    assert all(c["gpu_capacity"] == gpu for c in d["candidates"])
+    assert d["candidates"][2]["memory_total_range"][1] > gpu >= d["candidates"][2]["memory"]["total"]
 
 
 def test_objective_values_are_checked_before_the_search():

@@ -24,7 +24,7 @@ either side of its middle.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 # kind -> {"time": (lo, hi), "memory": (lo, hi), "rows": number of accuracy rows behind it}
 BANDS: Dict[str, Dict[str, Any]] = {
@@ -74,6 +74,12 @@ def memory_range(total: float, reserved: float, kind: str) -> Tuple[float, float
     (total minus the fixed reserve outside it, hardware.reserved_gb), as the rows measure it."""
     low, high = value_range(total - reserved, kind, "memory")
     return low + reserved, high + reserved
+
+
+def memory_at_risk(total_range: Sequence[float], capacity: float) -> bool:
+    """The upper end of a peak-memory range exceeds the GPU (hardware.memory_gb, in bytes): the
+    point estimate may fit, but layouts of this kind have peaked that much above their plan."""
+    return total_range[1] > capacity
 
 
 def band_summary(kind: str) -> Dict[str, Any]:

@@ -9,6 +9,7 @@ import json
 from typing import Any, Dict, List, Sequence
 
 from launcher.models.family import family_of
+from launcher.plan.bands import memory_at_risk
 from launcher.plan.memory import GiB
 from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
@@ -172,6 +173,9 @@ def _memory_section(plan, spec) -> str:
     margin = mem["margin"]
     verdict = (f"FITS with {_gib(margin)} to spare ({margin / mem['capacity']:.0%})" if mem["fits"]
                else f"DOES NOT FIT: {_gib(-margin)} over")
+    if mem["fits"] and mem.get("total_range") and memory_at_risk(mem["total_range"], mem["capacity"]):
+        verdict += (f", but AT RISK: measured peaks of this kind of layout reach {_gib(mem['total_range'][1])}, "
+                    f"over the GPU's {_gib(mem['capacity'])} (action=search ranks such layouts last)")
     per_rank = mem.get("per_pp_rank", [])
     spread = ""
     if len(per_rank) > 1:
@@ -341,12 +345,19 @@ def render_search(candidates, spec, fmt: str = "text", top_k: int = 10) -> str:
         lead += [lay.mesh.world_size] if nodes else []
         rows.append((*lead, tps, f"{c.mfu:.1%}",
                      f"{c.step_s:.2f} ({_range(c.step_s_range, '.2f')})",
-                     f"{c.memory['total'] / GiB:.1f} ({_range([b / GiB for b in c.memory_total_range], '.1f')})", pipe, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp,
+                     f"{c.memory['total'] / GiB:.1f} ({_range([b / GiB for b in c.memory_total_range], '.1f')})", c.fits,
+                     pipe, lay.mesh.dp_replicate, lay.mesh.dp_shard, lay.mesh.cp, lay.mesh.tp,
                      lay.mesh.ep, lay.memory.zero_stage, lay.memory.ac_mode, lay.batch.micro_batch_size, c.backends.get("sharding", "native")))
     heads = ["#"] + ([OBJECTIVE_COLUMNS[objective]] if objective != "throughput" else []) + (["GPUs"] if nodes else [])
-    table = _table((*heads, "tok/s/GPU", "MFU", "step s", "mem GiB", "pp", "dp_rep", "dp_shard", "cp", "tp", "ep",
-                    "zero", "AC", "mbs", "sharding"), rows, "r" * len(heads) + "rrrrlrrrrrrlrl")
+    table = _table((*heads, "tok/s/GPU", "MFU", "step s", "mem GiB", "fits", "pp", "dp_rep", "dp_shard", "cp", "tp",
+                    "ep", "zero", "AC", "mbs", "sharding"), rows, "r" * len(heads) + "rrrrllrrrrrrlrl")
     cmds = "\n".join(f"  {i}: train {c.train_overrides}" for i, c in enumerate(best, 1))
     table += ("\n  (ranges: step time and peak memory measured for layouts of the same kind, scaled to each "
               "prediction: bench/planner_accuracy.py --bands, docs/planner.md)")
+    at_risk = [i for i, c in enumerate(best, 1) if c.memory_at_risk]
+    if at_risk:
+        gpu = best[at_risk[0] - 1].gpu_capacity / GiB
+        table += (f"\n  at risk ({', '.join(f'#{i}' for i in at_risk)}): the upper end of the memory range exceeds the "
+                  f"GPU's {gpu:.1f} GiB (hardware.memory_gb), so the run may go out of memory; ranked after every "
+                  f"layout whose whole range fits")
     return f"{head}\n{table}\n\nOverrides that select each layout (add them to your command)\n{cmds}\n\n{assumptions(spec.model, spec.plan.moe_imbalance)}"

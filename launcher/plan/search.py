@@ -7,6 +7,10 @@ for the rest, ep (MoE: divides the experts and dp_shard*cp), zero_stage, activat
 checkpointing, micro-batch size (the global batch stays fixed); with plan.search_nodes, the
 node count too.
 
+Ranking: layouts whose whole memory band (launcher/plan/bands.py) fits the GPU come first; a
+layout whose point estimate fits but whose band's upper end exceeds hardware.memory_gb is kept,
+marked "at risk", and ranked after all of them, whatever the objective.
+
 Objective (plan.objective): throughput ranks by tokens/s per GPU; time by the wall time of the
 training steps to the budget (launcher/plan/budget.py: trainer.steps, which trainer.tokens sets);
 cost by the GPU-hours (hence USD) to it. On one GPU count the three orders agree (the global
@@ -33,7 +37,7 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import replaced_dotted
 from launcher.config.validate import (PLAN_OBJECTIVES, accumulate_unsharded_value, cp_pipeline_problems,
                                       tensor_parallel_problems, tied_pipeline_problems)
-from launcher.plan.bands import layout_kind, memory_range, value_range
+from launcher.plan.bands import layout_kind, memory_at_risk, memory_range, value_range
 from launcher.plan.budget import budget
 from launcher.plan.estimate import capacity_bytes, reserved_bytes
 from launcher.plan.flops import training_flops_per_token
@@ -65,6 +69,7 @@ class Candidate:
     backends: Dict[str, str] = field(default_factory=dict)  # feature -> backend (features in use)
     kind: str = "fsdp"  # the accuracy kind of the layout (launcher/plan/bands.py)
     reserved: int = 0  # bytes outside the allocator (the memory band is of the allocator's share)
+    gpu_capacity: int = 0  # hardware.memory_gb in bytes, no headroom: where the run goes out of memory
     # Steps, wall time, GPU-hours and cost to the budget (launcher/plan/budget.py), with ranges.
     budget: Dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +88,17 @@ class Candidate:
     def memory_total_range(self) -> List[float]:
         """Peak memory measured for layouts of this kind, scaled to this prediction."""
         return list(memory_range(self.memory["total"], self.reserved, self.kind))
+
+    @property
+    def memory_at_risk(self) -> bool:
+        """The upper end of the memory band exceeds the GPU (hardware.memory_gb): the point estimate
+        fits, but layouts of this kind have peaked that much higher than planned, so it may OOM."""
+        return memory_at_risk(self.memory_total_range, self.gpu_capacity)
+
+    @property
+    def fits(self) -> str:
+        """"yes" when the whole memory band fits the GPU, "at risk" when only its lower part does."""
+        return "at risk" if self.memory_at_risk else "yes"
 
     @property
     def train_overrides(self) -> str:
@@ -105,6 +121,8 @@ class Candidate:
             "step_s": self.step_s,
             "step_s_range": self.step_s_range,
             "memory_total_range": self.memory_total_range,
+            "gpu_capacity": self.gpu_capacity,
+            "fits": self.fits,
             "band_kind": self.kind,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "tokens_per_s_per_gpu_range": self.tokens_per_s_per_gpu_range,
@@ -268,7 +286,8 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
     shape: ModelShape = model_shape(spec.model)
     hw = spec.hardware
     # Leave headroom for allocator fragmentation and what the model does not see.
-    cap = int(capacity_bytes(hw) * (1.0 - float(spec.plan.search_headroom)))
+    gpu = capacity_bytes(hw)
+    cap = int(gpu * (1.0 - float(spec.plan.search_headroom)))
     reserve = reserved_bytes(hw)
     gbs, seq = spec.trainer.global_batch_size, spec.trainer.seq_len
     flops_tok = training_flops_per_token(spec.model, seq)
@@ -335,7 +354,7 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
                         mfu=t["mfu"],
                         bubble_fraction=(t["bubble_s"] / t["compute_s"]) if t["compute_s"] else 0.0,
                         backends={k: c.backend for k, c in choices.items() if getattr(c, "impl", "") != "off"},
-                        kind=layout_kind(lay, spec.model.n_experts), reserved=reserve,
+                        kind=layout_kind(lay, spec.model.n_experts), reserved=reserve, gpu_capacity=gpu,
                     )
                     cand.budget = budget(steps, tokens_per_step, cand.step_s, cand.step_s_range,
                                          lay.mesh.world_size, price)
@@ -356,8 +375,10 @@ def objective_value(c: Candidate, objective: str) -> float:
 
 
 def rank_key(objective: str):
-    """Sort key for plan.objective: the objective first, then (for equal estimates) the simpler
-    layout (fewer CP / pipeline / TP ranks), the lower memory, and the fewer GPUs."""
+    """Sort key for plan.objective: every layout whose whole memory band fits the GPU before any
+    that is at risk of running out of memory (Candidate.memory_at_risk), then the objective, then
+    (for equal estimates) the simpler layout (fewer CP / pipeline / TP ranks), the lower memory,
+    and the fewer GPUs. A faster layout that may OOM is worth less than a slower one that runs."""
     if objective not in PLAN_OBJECTIVES:  # fail here, not halfway through a sort
         raise ValueError(f"plan.objective={objective!r} is not one of {', '.join(PLAN_OBJECTIVES)}. "
                          f"Fix: set plan.objective to one of them.")
@@ -365,7 +386,7 @@ def rank_key(objective: str):
     def key(c: Candidate) -> tuple:
         lay = c.layout
         m = lay.mesh
-        return (float(f"{objective_value(c, objective):.6g}"), m.cp, m.pp * lay.vpp, m.tp, m.ep, m.dp_replicate,
+        return (c.memory_at_risk, float(f"{objective_value(c, objective):.6g}"), m.cp, m.pp * lay.vpp, m.tp, m.ep, m.dp_replicate,
                 c.memory["total"], m.world_size)
     return key
 
