@@ -32,13 +32,18 @@ class BackendEntry:
     # own the model states (DeepSpeed's checkpointing runs only inside deepspeed.initialize);
     # False: its implementation runs inside whichever engine owns them (torch checkpointing).
     owns_what_it_serves: bool
+    # Non-empty: when this backend runs the pipeline, its pipeline engine recomputes activations
+    # through this mechanism of its own, so activation checkpointing must be this backend's too
+    # (another backend's checkpointing would be a choice that engine ignores).
+    pipeline_recompute: str = ""
 
 
 # The registered backends, in preference order: with backend=auto the first one that can serve
 # every model-state feature owns them ("native where it serves").
 REGISTRY: Tuple[BackendEntry, ...] = (
     BackendEntry(NATIVE, "native", owns_what_it_serves=False),
-    BackendEntry(DEEPSPEED, "DeepSpeed", owns_what_it_serves=True),
+    BackendEntry(DEEPSPEED, "DeepSpeed", owns_what_it_serves=True,
+                 pipeline_recompute="activation_checkpoint_interval"),
 )
 BACKENDS = tuple(b.name for b in REGISTRY)
 PREFERENCES = ("auto", *BACKENDS)
