@@ -326,3 +326,45 @@ def test_a_third_backend_is_a_row_entry_not_new_decision_code():
     # The launcher's registry never saw the third backend.
     assert THIRD not in BACKENDS and _decide(zero1_tp)[1] is None
     assert _resolve({"backend.default": THIRD})[1][0].startswith(f"backend={THIRD} is not one of auto, native, deepspeed")
+
+
+def _third_impls(s, rides):
+    """The third backend's implementation strings: one per feature it can serve."""
+    return {name: (f"Megatron {name}", None) for name in [f.name for f in FEATURES]}
+
+
+def _resolve_third(overrides, *table_and_registry):
+    spec = example_spec(overrides)
+    mesh, problems = derive_mesh(spec.parallel, spec.cluster)
+    assert mesh is not None, problems
+    return rules.backend_conflicts(spec, mesh, *table_and_registry, impls={**rules.IMPLS, THIRD: _third_impls})
+
+
+def test_a_third_backend_resolves_end_to_end_from_data():
+    """Registry entry, support rows and an impls function: the full resolution (choices, implementation
+    strings, the pipeline rule) serves the third backend with no new decision code."""
+    no_ring = Refusal(lambda s: True, lambda s: "Megatron has no ring attention here")
+    table, registry = _third_backend({"cp": (no_ring,)})
+
+    # Forced: it owns every active feature, with its own implementation strings.
+    conflicts, choices = _resolve_third({"backend.default": THIRD, "parallel.tp": 2}, table, registry)
+    assert conflicts == [] and choices["sharding"].backend == THIRD and choices["tp"].impl == "Megatron tp"
+    assert choices["sharding"].reason.startswith(f"backend={THIRD} requested")
+    # Where it cannot serve a feature, a forced choice is refused with the backend that can.
+    conflicts, choices = _resolve_third({"backend.default": THIRD, "parallel.cp": 2}, table, registry)
+    assert choices is None and [c.text() for c in conflicts] == [
+        f"cp vs backend: parallel.cp=2 with backend={THIRD}: Megatron has no ring attention here. "
+        f"Fix: backend=auto or parallel.cp=1."]
+
+    # A pipeline engine that recomputes by itself is a flag on the entry: the rule follows the data.
+    recomputing = tuple(dataclasses.replace(b, pipeline_recompute="its own recompute") if b.name == THIRD else b
+                        for b in registry)
+    pp_ac = {"backend.default": THIRD, "parallel.pp": 2, "activation_checkpointing.mode": "full",
+             "backend.activation_checkpointing": "native"}
+    assert _resolve_third(pp_ac, table, registry)[0] == []
+    conflicts, choices = _resolve_third(pp_ac, table, recomputing)
+    assert choices is None and [c.feature for c in conflicts] == ["activation_checkpointing"]
+    assert conflicts[0].text().startswith("activation_checkpointing vs pp: Megatron's pipeline engine checkpoints "
+                                          "activations itself (its own recompute), but activation checkpointing "
+                                          "resolved to native torch.utils.checkpoint per block (full)")
+    assert conflicts[0].fixes == ("drop backend.activation_checkpointing=native",)

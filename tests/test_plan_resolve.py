@@ -270,3 +270,27 @@ def test_every_recipe_resolves_to_a_consistent_layout(recipe):
     assert lay.pp_microbatches == lay.batch.microbatches == plan.pipeline["microbatches"]
     assert lay.fsdp_wraps == (lay.owners.sharding_backend == "native" and (lay.mesh.dp * lay.mesh.cp > 1 or lay.offload_to_cpu))
     assert Plan.from_dict(json.loads(plan.to_json())).layout == lay
+
+
+def test_the_node_checks_auto_is_decided_by_the_resolver_and_plan_json_carries_it():
+    """trainer.health_check=auto (on with more than one node) and trainer.straggler_action=auto (exclude
+    only with a spare node) are decided once, into Layout.resilience; plan.json writes the booleans
+    last, and a plan.json written before them loads with both checks off."""
+    def resilience(*overrides):
+        r = resolve(compose_spec(["+recipe=debug", *overrides])).resilience
+        return r.health_check, r.exclude_stragglers
+
+    assert resilience() == (False, False)
+    assert resilience("cluster=slurm", "cluster.nodes=2", "cluster.gpus_per_node=1") == (True, False)
+    assert resilience("cluster=slurm", "cluster.nodes=2", "cluster.gpus_per_node=1",
+                      "cluster.spare_nodes=1") == (True, True)
+    assert resilience("trainer.health_check=on", "trainer.straggler_action=exclude") == (True, True)
+    assert resilience("cluster=slurm", "cluster.nodes=2", "cluster.gpus_per_node=1", "cluster.spare_nodes=1",
+                      "trainer.health_check=off", "trainer.straggler_action=warn") == (False, False)
+    lay = resolve(compose_spec(["+recipe=debug", "trainer.health_check=on"]))
+    d = lay.to_dict()
+    keys = [k for k in d if k != "derived"]  # added after the six numerics/offload keys of the last session
+    assert keys.index("health_check") - 1 == keys.index("offload_pin_memory") == keys.index("exclude_stragglers") - 2
+    older = {k: v for k, v in d.items() if k not in ("health_check", "exclude_stragglers")}
+    assert Layout.from_dict(older).resilience == Layout().resilience
+    assert (Layout().resilience.health_check, Layout().resilience.exclude_stragglers) == (False, False)

@@ -161,16 +161,19 @@ def test_a_requeued_jobs_failure_replaces_the_summary_its_earlier_run_left(tmp_p
 
 def test_the_check_is_on_for_multi_node_jobs_by_default_and_exclusion_of_stragglers_needs_a_spare():
     from launcher.config.loader import compose_spec
-    from launcher.runtime.entry import health_check_on, straggler_excludes
+    from launcher.plan.resolve import resolve
+
+    def checks(*overrides):
+        r = resolve(compose_spec(["+recipe=debug", *overrides])).resilience
+        return r.health_check, r.exclude_stragglers
 
     one_node = compose_spec(["+recipe=debug"])
-    two_nodes = compose_spec(["+recipe=debug", "cluster=slurm", "cluster.nodes=2", "cluster.gpus_per_node=1"])
+    two_nodes = ["cluster=slurm", "cluster.nodes=2", "cluster.gpus_per_node=1"]
     assert (one_node.trainer.health_check, one_node.trainer.health_factor) == ("auto", 3.0)
-    assert not health_check_on(one_node, 2) and health_check_on(two_nodes, 2)
-    assert health_check_on(compose_spec(["+recipe=debug", "trainer.health_check=on"]), 2)
-    assert not health_check_on(compose_spec(["+recipe=debug", "cluster=slurm", "cluster.nodes=2",
-                                             "trainer.health_check=off"]), 2)
+    assert checks() == (False, False) and checks(*two_nodes) == (True, False)
+    assert checks("trainer.health_check=on")[0]
+    assert not checks(*two_nodes, "trainer.health_check=off")[0]
     assert (one_node.trainer.straggler_checks, one_node.trainer.straggler_action) == (3, "auto")
-    assert not straggler_excludes(two_nodes)
-    assert straggler_excludes(compose_spec(["+recipe=debug", "cluster=slurm", "cluster.nodes=2", "cluster.spare_nodes=1"]))
-    assert straggler_excludes(compose_spec(["+recipe=debug", "trainer.straggler_action=exclude"]))
+    assert checks("cluster=slurm", "cluster.nodes=2", "cluster.spare_nodes=1")[1]
+    assert checks("trainer.straggler_action=exclude")[1]
+    assert not checks("cluster=slurm", "cluster.nodes=2", "cluster.spare_nodes=1", "trainer.straggler_action=warn")[1]

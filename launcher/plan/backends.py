@@ -19,6 +19,7 @@ from launcher.plan.features import (  # noqa: F401 - the table's names, re-expor
     FEATURE_BY_NAME,
     FEATURES,
     NATIVE,
+    REGISTRY,
     BackendChoice,
     Feature,
 )
@@ -97,12 +98,13 @@ def render_markdown() -> str:
         "feature exists only there or the user asks (`backend=auto|native|deepspeed`, or per feature",
         "`backend.<key>=native|deepspeed`). Conflicts are reported before launch, one line each, with fixes.",
         "",
-        "| feature | switched on by | override key | native | DeepSpeed | notes |",
-        "|---|---|---|---|---|---|",
+        "| feature | switched on by | override key | " + " | ".join(b.label for b in REGISTRY) + " | notes |",
+        "|---|---|---|" + "---|" * len(REGISTRY) + "---|",
     ]
-    for f in FEATURES:
+    for f in FEATURES:  # one implementation column per registered backend
         cells = [f.title + f" (`{f.name}`)", f"`{f.switches}`", f"`backend.{f.override}`",
-                 f.native or "-", f.deepspeed or "-", f.notes + ("" if f.coupled else "; may differ from the owner")]
+                 *(f.impls.get(b.name) or "-" for b in REGISTRY),
+                 f.notes + ("" if f.coupled else "; may differ from the owner")]
         out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     out += ["", "## Resolved examples (8 ranks)", ""]
     for title, overrides in EXAMPLES:

@@ -16,7 +16,7 @@ only natively.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Mapping, Tuple
 
 NATIVE = "native"
 DEEPSPEED = "deepspeed"
@@ -32,13 +32,18 @@ class BackendEntry:
     # own the model states (DeepSpeed's checkpointing runs only inside deepspeed.initialize);
     # False: its implementation runs inside whichever engine owns them (torch checkpointing).
     owns_what_it_serves: bool
+    # Non-empty: when this backend runs the pipeline, its pipeline engine recomputes activations
+    # through this mechanism of its own, so activation checkpointing must be this backend's too
+    # (another backend's checkpointing would be a choice that engine ignores).
+    pipeline_recompute: str = ""
 
 
 # The registered backends, in preference order: with backend=auto the first one that can serve
 # every model-state feature owns them ("native where it serves").
 REGISTRY: Tuple[BackendEntry, ...] = (
     BackendEntry(NATIVE, "native", owns_what_it_serves=False),
-    BackendEntry(DEEPSPEED, "DeepSpeed", owns_what_it_serves=True),
+    BackendEntry(DEEPSPEED, "DeepSpeed", owns_what_it_serves=True,
+                 pipeline_recompute="activation_checkpoint_interval"),
 )
 BACKENDS = tuple(b.name for b in REGISTRY)
 PREFERENCES = ("auto", *BACKENDS)
@@ -64,8 +69,7 @@ class Feature:
     title: str
     switches: str  # config keys that turn it on
     override: str  # BackendConfig field that forces its backend
-    native: str  # native implementation ("" = none)
-    deepspeed: str  # DeepSpeed implementation ("" = none)
+    impls: Mapping[str, str]  # registered backend name -> how it implements the feature (absent: it does not)
     notes: str
     coupled: bool = True  # must be served by the model-state owner
 
@@ -73,99 +77,94 @@ class Feature:
 FEATURES: Tuple[Feature, ...] = (
     Feature(
         "sharding", "Data-parallel sharding (ZeRO 0-3)", "parallel.zero_stage", "sharding",
-        "stage 2: FSDP2 `fully_shard(reshard_after_forward=False)`; stage 3: FSDP2 `fully_shard` "
-        "(reshard after forward)",
-        "`zero_optimization.stage` 0-3 in `deepspeed.initialize`",
+        {NATIVE: "stage 2: FSDP2 `fully_shard(reshard_after_forward=False)`; stage 3: FSDP2 `fully_shard` "
+                 "(reshard after forward)",
+         DEEPSPEED: "`zero_optimization.stage` 0-3 in `deepspeed.initialize`"},
         "ZeRO-1 (optimizer states only) exists only in DeepSpeed; ZeRO-0 (plain data parallel) runs on "
         "DeepSpeed because the native path implements FSDP2 only (parallel.zero_stage=2 is the closest native "
         "choice); with a single data-parallel rank every stage is served natively",
     ),
     Feature(
         "hsdp", "HSDP / hierarchical partitioning", "parallel.dp_replicate > 1", "sharding",
-        "FSDP2 on a 2-D (dp_replicate, dp_shard) mesh: shard inside a group, replicate across",
-        "ZeRO-3 only: ZeRO++ hpZ (`zero_hpz_partition_size` = dp_shard), a secondary parameter "
-        "partition inside each group; optimizer states stay sharded over all dp ranks",
+        {NATIVE: "FSDP2 on a 2-D (dp_replicate, dp_shard) mesh: shard inside a group, replicate across",
+         DEEPSPEED: "ZeRO-3 only: ZeRO++ hpZ (`zero_hpz_partition_size` = dp_shard), a secondary parameter "
+                    "partition inside each group; optimizer states stay sharded over all dp ranks"},
         "DeepSpeed ZeRO-1/2 have no replicate groups",
     ),
     Feature(
         "offload_optimizer", "Optimizer-state offload", "offload.optimizer=cpu|nvme", "offload",
-        "cpu only: FSDP2 `CPUOffloadPolicy` - it moves parameters, gradients and optimizer state "
-        "to the CPU together (the optimizer step runs on the CPU); needs zero_stage 2/3",
-        "ZeRO-Offload `offload_optimizer` device cpu (stage 1-3) or nvme (ZeRO-Infinity, stage 3)",
+        {NATIVE: "cpu only: FSDP2 `CPUOffloadPolicy` - it moves parameters, gradients and optimizer state "
+                 "to the CPU together (the optimizer step runs on the CPU); needs zero_stage 2/3",
+         DEEPSPEED: "ZeRO-Offload `offload_optimizer` device cpu (stage 1-3) or nvme (ZeRO-Infinity, stage 3)"},
         "NVMe offload exists only in DeepSpeed; optimizer-only offload (params stay on the GPU) "
         "only in DeepSpeed",
     ),
     Feature(
         "offload_params", "Parameter offload", "offload.params=cpu|nvme", "offload",
-        "cpu only: FSDP2 `CPUOffloadPolicy` (parameters, gradients and optimizer state together)",
-        "`offload_param` device cpu or nvme, ZeRO-3 only",
+        {NATIVE: "cpu only: FSDP2 `CPUOffloadPolicy` (parameters, gradients and optimizer state together)",
+         DEEPSPEED: "`offload_param` device cpu or nvme, ZeRO-3 only"},
         "NVMe offload exists only in DeepSpeed",
     ),
     Feature(
         "zeropp", "ZeRO++ quantized communication / hpZ",
         "backend.zeropp_quantized_weights, backend.zeropp_quantized_gradients, "
         "backend.zeropp_hierarchical_partition", "sharding",
-        "",
-        "`zero_quantized_weights` (qwZ), `zero_quantized_gradients` (qgZ), "
-        "`zero_hpz_partition_size` (hpZ); ZeRO-3 only",
+        {DEEPSPEED: "`zero_quantized_weights` (qwZ), `zero_quantized_gradients` (qgZ), "
+                    "`zero_hpz_partition_size` (hpZ); ZeRO-3 only"},
         "DeepSpeed only",
     ),
     Feature(
         "precision", "BF16 mixed precision", "precision.name=bf16|fp32|fp8", "precision",
-        "FSDP2 `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=precision.reduce_dtype)`, "
-        "fp32 master weights",
-        "`bf16.enabled` (bf16 params and grads, fp32 master weights in the ZeRO optimizer), "
-        "`communication_data_type` from precision.reduce_dtype",
+        {NATIVE: "FSDP2 `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=precision.reduce_dtype)`, "
+                 "fp32 master weights",
+         DEEPSPEED: "`bf16.enabled` (bf16 params and grads, fp32 master weights in the ZeRO optimizer), "
+                    "`communication_data_type` from precision.reduce_dtype"},
         "DeepSpeed bf16 at ZeRO stage 0 drifts (no fp32 master copy); prefer stage >= 1",
     ),
     Feature(
         "fp8", "FP8 training", "precision.name=fp8", "precision",
-        "torchao `convert_to_float8_training` (float8 all-gather with FSDP2); "
-        "`backend.fp8_impl=transformer_engine` is refused (not wired in the runtime)",
-        "",
+        {NATIVE: "torchao `convert_to_float8_training` (float8 all-gather with FSDP2); "
+                 "`backend.fp8_impl=transformer_engine` is refused (not wired in the runtime)"},
         "refused with DeepSpeed: FP8 is a module swap that this launcher applies only on the "
         "native path",
     ),
     Feature(
         "activation_checkpointing", "Activation checkpointing",
         "activation_checkpointing.mode=selective|full", "activation_checkpointing",
-        "`checkpoint_wrapper` per block (full), op-level selective (save matmuls), or every N-th block",
-        "`deepspeed.checkpointing.checkpoint` per block (full or every N-th block) configured by the "
-        "`activation_checkpointing` section; the pipeline engine uses `activation_checkpoint_interval`",
+        {NATIVE: "`checkpoint_wrapper` per block (full), op-level selective (save matmuls), or every N-th block",
+         DEEPSPEED: "`deepspeed.checkpointing.checkpoint` per block (full or every N-th block) configured by the "
+                    "`activation_checkpointing` section; the pipeline engine uses `activation_checkpoint_interval`"},
         "native torch checkpointing may run inside the DeepSpeed engine "
         "(`backend.activation_checkpointing=native`); op-level selective is native only",
         coupled=False,
     ),
     Feature(
         "tp", "Tensor (+ sequence) parallel", "parallel.tp > 1, parallel.sp", "tp",
-        "DTensor `parallelize_module` (Colwise/Rowwise, SequenceParallel, loss parallel)",
-        "",
+        {NATIVE: "DTensor `parallelize_module` (Colwise/Rowwise, SequenceParallel, loss parallel)"},
         "the DeepSpeed engine cannot wrap DTensor parameters",
     ),
     Feature(
         "pp", "Pipeline parallel", "parallel.pp > 1", "pp",
-        "`torch.distributed.pipelining` (all schedules in parallel.pp_schedule), composes with FSDP2",
-        "`PipelineModule` + `PipelineEngine` (1F1B schedule), ZeRO <= 1 only",
+        {NATIVE: "`torch.distributed.pipelining` (all schedules in parallel.pp_schedule), composes with FSDP2",
+         DEEPSPEED: "`PipelineModule` + `PipelineEngine` (1F1B schedule), ZeRO <= 1 only"},
         "DeepSpeed's pipeline engine refuses ZeRO 2/3, interleaved / zero-bubble schedules and "
         "explicit parallel.pp_layers",
     ),
     Feature(
         "ep", "Expert parallel", "parallel.ep > 1", "ep",
-        "all-to-all token dispatch over the ep ranks of the mesh",
-        "",
+        {NATIVE: "all-to-all token dispatch over the ep ranks of the mesh"},
         "the launcher's MoE layers are native modules; DeepSpeed-MoE layers are not wired",
     ),
     Feature(
         "cp", "Context parallel", "parallel.cp > 1", "cp",
-        "`torch.distributed.tensor.experimental.context_parallel` (ring attention; GPU only)",
-        "",
+        {NATIVE: "`torch.distributed.tensor.experimental.context_parallel` (ring attention; GPU only)"},
         "DeepSpeed-Ulysses needs its own attention wrapper, not wired here",
     ),
     Feature(
         "checkpoint", "Checkpoint format", "checkpoint.*", "checkpoint",
-        "torch.distributed.checkpoint (DCP), reshardable across world sizes",
-        "`engine.save_checkpoint` / `load_checkpoint` (ZeRO partitioned files); "
-        "per-parameter fp32 masters (`safe_get_full_fp32_param`)",
+        {NATIVE: "torch.distributed.checkpoint (DCP), reshardable across world sizes",
+         DEEPSPEED: "`engine.save_checkpoint` / `load_checkpoint` (ZeRO partitioned files); "
+                    "per-parameter fp32 masters (`safe_get_full_fp32_param`)"},
         "both export a consolidated fp32 / safetensors model",
     ),
 )

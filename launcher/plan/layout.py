@@ -16,7 +16,7 @@ Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/mesh.py's 
 only home), the per-rank batch `Layout.batch` (RankBatchPlan), the ZeRO stage, activation checkpointing
 and offload `Layout.memory` (MemoryPlan), the precision and fp8 options `Layout.numerics`
 (NumericsPlan), the backend owning each feature `Layout.owners` (BackendPlan; Layout.backends is
-its per-feature table as a dict), the DeepSpeed knobs `Layout.deepspeed`; plan.json
+its per-feature table as a dict), the DeepSpeed knobs `Layout.deepspeed`, the node checks `Layout.resilience` (ResiliencePlan); plan.json
 writes them flat (PLAN_KEY_ORDER). OVERRIDE_FIELDS is
 the one map between a layout and the `train` overrides that select it.
 
@@ -140,9 +140,19 @@ class BackendPlan:
     choices: Tuple[Tuple[str, BackendChoice], ...] = ()
 
 
+@dataclass(frozen=True)
+class ResiliencePlan:
+    """The node checks a rank runs, decided once from trainer.health_check / trainer.straggler_action
+    (their `auto` resolved by resolve.resilience_plan); the rank obeys these booleans."""
+
+    health_check: bool = False  # run the pre-flight health check before building the model
+    exclude_stragglers: bool = False  # end the attempt naming a straggler's node (else only warn)
+
+
 # Sub-records plan.json writes flat (its keys predate the records), in PLAN_KEY_ORDER.
 FLAT_RECORDS = {"mesh": MeshPlan, "batch": RankBatchPlan, "memory": MemoryPlan, "numerics": NumericsPlan,
-                "owners": BackendPlan, "deepspeed": DeepSpeedPlan}
+                "owners": BackendPlan, "deepspeed": DeepSpeedPlan,
+                "resilience": ResiliencePlan}
 # plan.json's layout keys in their order (as written before the records; MemoryPlan's fields were
 # spread over the flat Layout). to_dict writes these first, any newer key after them.
 PLAN_KEY_ORDER: Tuple[str, ...] = (
@@ -153,6 +163,7 @@ PLAN_KEY_ORDER: Tuple[str, ...] = (
     "zeropp_quantized_weights", "zeropp_quantized_gradients", "zeropp_hierarchical_partition",
     "hpz_partition_size", "accumulate_unsharded", "choices", "compile", "fp8_recipe", "document_mask", "tf32",
     "fp8_emulate", "fp8_min_features", "fp8_exclude", "offload_nvme_path", "offload_pin_memory",
+    "health_check", "exclude_stragglers",
 )
 
 
@@ -177,6 +188,8 @@ class Layout:
     # Who implements what (the resolver's decision; BackendPlan).
     owners: BackendPlan = field(default_factory=BackendPlan)
     deepspeed: DeepSpeedPlan = field(default_factory=DeepSpeedPlan)
+    # The node checks the ranks run: health check, straggler exclusion (ResiliencePlan).
+    resilience: ResiliencePlan = field(default_factory=ResiliencePlan)
     # Speed-only knobs the planner costs (launcher/plan/perf.py): trainer.compile fuses each block's
     # elementwise ops; precision.fp8.recipe sets the float8 casting work.
     compile: bool = False

@@ -28,7 +28,8 @@ from launcher.config.validate import _divisors, _fmt_choices, accumulate_unshard
 from launcher.config.validate import validate as validate_config
 from launcher.data.checks import data_problems
 from launcher.plan.features import FEATURES, BackendChoice
-from launcher.plan.layout import BackendPlan, DeepSpeedPlan, Layout, MemoryPlan, NumericsPlan, RankBatchPlan
+from launcher.plan.layout import (BackendPlan, DeepSpeedPlan, Layout, MemoryPlan, NumericsPlan, RankBatchPlan,
+                                   ResiliencePlan)
 from launcher.plan.memory import estimate_memory, most_loaded
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.params import model_shape
@@ -268,7 +269,19 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
         compile=bool(spec.trainer.compile),
         document_mask=document_mask_kernel(spec),
         moe_imbalance=float(spec.plan.moe_imbalance),
+        resilience=resilience_plan(spec),
     )
+
+
+def resilience_plan(spec: JobConfig) -> ResiliencePlan:
+    """The node checks, their `auto` decided here once. trainer.health_check=auto is on for multi-node
+    jobs (one node has no other node to compare with); trainer.straggler_action=auto excludes a
+    straggler's node only with a spare to take its place (cluster.spare_nodes > 0: without one, ending
+    the job for a slow node would cost a requeue, hours in a busy queue)."""
+    t, c = spec.trainer, spec.cluster
+    health = t.health_check == "on" or (t.health_check == "auto" and c.nodes > 1)
+    exclude = t.straggler_action == "exclude" or (t.straggler_action == "auto" and c.spare_nodes > 0)
+    return ResiliencePlan(health_check=health, exclude_stragglers=exclude)
 
 
 def document_mask_kernel(spec: JobConfig) -> str:

@@ -12,8 +12,10 @@ mesh degrees it derived: nothing here derives a degree again. It
 3. reports every conflict at once as data (`Conflict`: feature, other side, reason, fixes),
    rendered one line each.
 
-Nothing here names a backend except the implementation strings (`IMPLS`) and DeepSpeed's
-pipeline-engine rule: the decision iterates over the registry it is given.
+Nothing here names a backend except the implementation strings (`IMPLS`, a registry of one
+function per backend): the decision iterates over the registry, support table and impls it is
+given (the launcher's by default), and backend-specific facts are data on the backend's entry
+(features.py BackendEntry) or its rows of the support table.
 
 Pure Python (no torch import) so that ``action=plan`` stays instant.
 """
@@ -21,7 +23,7 @@ Pure Python (no torch import) so that ``action=plan`` stays instant.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from launcher.config.errors import ConfigError
 from launcher.plan.features import (DEEPSPEED, FEATURE_BY_NAME, FEATURES, FP8_IMPLS, NATIVE, REGISTRY,
@@ -93,13 +95,17 @@ class _Registry:
 _REGISTRY = _Registry(REGISTRY)
 
 
+def _registry(registry: Sequence[BackendEntry]) -> _Registry:
+    return _REGISTRY if registry is REGISTRY else _Registry(registry)
+
+
 def decide(spec, mesh: MeshPlan, table: Sequence[Row] = SUPPORT,
            registry: Sequence[BackendEntry] = REGISTRY) -> Tuple[List[Conflict], Optional[Decision]]:
     """(conflicts, None), or ([], the owner decision) for `spec` over the backends of `registry`.
 
     `table` and `registry` default to the launcher's; a caller may pass extended copies.
     """
-    reg = _REGISTRY if registry is REGISTRY else _Registry(registry)
+    reg = _registry(registry)
     s = Switches.read(spec, mesh)
     problems: List[Conflict] = []
     ns = needs(s, table, reg.names)
@@ -251,28 +257,39 @@ def _owner(ns: List[Need], reg: _Registry) -> Tuple[str, str]:
 # --------------------------------------------------------------------------- the resolver
 
 
-def backend_conflicts(spec, mesh: MeshPlan) -> Tuple[List[Conflict], Optional[Dict[str, BackendChoice]]]:
-    """(conflicts, choices): every conflict as data, and the per-feature decision when there is none."""
-    problems, decision = decide(spec, mesh)
+def backend_conflicts(spec, mesh: MeshPlan, table: Sequence[Row] = SUPPORT,
+                      registry: Sequence[BackendEntry] = REGISTRY, impls: Optional[Mapping[str, "Impls"]] = None,
+                      ) -> Tuple[List[Conflict], Optional[Dict[str, BackendChoice]]]:
+    """(conflicts, choices): every conflict as data, and the per-feature decision when there is none.
+
+    `table`, `registry` and `impls` (backend -> its implementation strings) default to the
+    launcher's SUPPORT, REGISTRY and IMPLS; a caller may pass extended copies (a third backend)."""
+    problems, decision = decide(spec, mesh, table, registry)
     if decision is None:
         return problems, None
-    choices = _choices(decision, _REGISTRY)
-    problems = _pipeline_checkpointing_conflicts(choices)
+    reg = _registry(registry)
+    choices = _choices(decision, reg, table, IMPLS if impls is None else impls)
+    problems = _pipeline_checkpointing_conflicts(choices, decision.switches, reg, table)
     return (problems, None) if problems else ([], choices)
 
 
-def _pipeline_checkpointing_conflicts(choices: Dict[str, BackendChoice]) -> List[Conflict]:
-    """DeepSpeed's pipeline engine recomputes through its own activation_checkpoint_interval:
-    torch checkpointing chosen for AC would be a choice that engine ignores."""
+def _pipeline_checkpointing_conflicts(choices: Dict[str, BackendChoice], s: Switches, reg: _Registry,
+                                      table: Sequence[Row]) -> List[Conflict]:
+    """A backend whose pipeline engine recomputes through its own mechanism
+    (BackendEntry.pipeline_recompute: DeepSpeed's activation_checkpoint_interval) ignores activation
+    checkpointing resolved to another backend: refused, with the changes that let its own serve."""
     ac, pp = choices["activation_checkpointing"], choices["pp"]
-    if pp.backend != DEEPSPEED or pp.impl == "off" or ac.impl == "off" or ac.backend == DEEPSPEED:
+    own = reg.entries[pp.backend].pipeline_recompute
+    if not own or pp.impl == "off" or ac.impl == "off" or ac.backend == pp.backend:
         return []
+    feature = FEATURE_BY_NAME["activation_checkpointing"]
+    (row,) = [r for r in table if r.feature == feature.name]
+    unblock = [u for refusal in row.refuses.get(pp.backend, ()) for u in refusal.unblock(s)]
     return [Conflict(
-        "activation_checkpointing", "pp",
-        f"DeepSpeed's pipeline engine checkpoints activations itself (activation_checkpoint_interval), "
-        f"but activation checkpointing resolved to native torch checkpointing ({ac.reason})",
-        ("activation_checkpointing.mode=full", "activation_checkpointing.selective=1 (every block)",
-         "drop backend.activation_checkpointing=native"))]
+        feature.name, "pp",
+        f"{reg.label(pp.backend)}'s pipeline engine checkpoints activations itself ({own}), "
+        f"but activation checkpointing resolved to {reg.label(ac.backend)} {ac.impl} ({ac.reason})",
+        (*unblock, f"drop backend.{feature.override}={ac.backend}"))]
 
 
 def resolve_backends(spec, mesh: MeshPlan) -> Dict[str, BackendChoice]:
@@ -288,7 +305,11 @@ def resolve_backends(spec, mesh: MeshPlan) -> Dict[str, BackendChoice]:
 
 
 def _detail_conflicts(s: Switches, problems: List[Conflict]) -> None:
-    """Value-level rules that are not about which backend owns the model."""
+    """Value-level rules that are not about which backend owns the model.
+
+    They stay code, not support-table rows: they check a key's value against the mesh whoever
+    serves it (the hpZ keys are DeepSpeed's own ZeRO++ knobs, one backend's fact; fp8_impl is what
+    the runtime wires, not a backend)."""
     if s.fp8_impl not in FP8_IMPLS:
         problems.append(Conflict("", "", f"backend.fp8_impl={s.fp8_impl} is not one of {', '.join(FP8_IMPLS)}",
                                  ("backend.fp8_impl=auto",)))
@@ -309,7 +330,6 @@ def _detail_conflicts(s: Switches, problems: List[Conflict]) -> None:
             f"parallel.dp_replicate={s.mesh.dp_replicate} maps to hpZ groups of dp_shard={s.mesh.dp_shard} "
             f"but backend.zeropp_hierarchical_partition={s.hpz}",
             (f"backend.zeropp_hierarchical_partition={s.mesh.dp_shard}", "0, or parallel.dp_replicate=1")))
-
 
 
 def hpz_partition_size(s_hpz: int, dp_replicate: int, dp_shard: int) -> int:
@@ -379,6 +399,7 @@ def _deepspeed_impls(s: Switches, rides: str) -> Dict[str, Tuple[str, Optional[s
     }
 
 
+# One implementation-strings function per registered backend (a registry, not a switch).
 IMPLS: Dict[str, Impls] = {NATIVE: _native_impls, DEEPSPEED: _deepspeed_impls}
 
 
@@ -390,35 +411,37 @@ def _ac_mode(s: Switches) -> str:
     return s.ac_mode if s.ac_mode == "full" else f"selective={s.ac_selective}"
 
 
-def _choices(decision: Decision, reg: _Registry) -> Dict[str, BackendChoice]:
+def _choices(decision: Decision, reg: _Registry, table: Sequence[Row],
+             impls: Mapping[str, Impls]) -> Dict[str, BackendChoice]:
     s, owner = decision.switches, decision.owner
     active = {n.feature: n for n in decision.needs}
     rides = f"rides with sharding ({reg.label(owner)} owns the model states)"
-    impls = IMPLS[owner](s, rides)
+    owned = impls[owner](s, rides)
     out: Dict[str, BackendChoice] = {}
-    for row in SUPPORT:
+    for row in table:
         n = active.get(row.feature)
         if n is None:
             out[row.feature] = BackendChoice(row.off_backend or owner, "off", row.off(s))
-        elif row.feature == "activation_checkpointing":
-            out[row.feature] = _ac_choice(s, n, owner, rides, reg)
+        elif not FEATURE_BY_NAME[row.feature].coupled:
+            out[row.feature] = _guest_choice(s, n, owner, rides, reg, impls)
         else:
-            impl, reason = impls[row.feature]
+            impl, reason = owned[row.feature]
             out[row.feature] = BackendChoice(owner, impl, decision.why if row.feature == "sharding" else reason or rides)
     return {f.name: out[f.name] for f in FEATURES}
 
 
-def _ac_choice(s: Switches, ac: Need, owner: str, rides: str, reg: _Registry) -> BackendChoice:
-    """Activation checkpointing may run on another backend than the owner: the forced one, or,
-    where the owner's cannot serve it, the first that serves it inside any owner's engine."""
-    backend = ac.forced or owner
-    if ac.blocked[backend] is not None:
-        backend = next(b for b in ac.serving() if not reg.entries[b].owns_what_it_serves)
-    impl, guest = IMPLS[backend](s, rides)["activation_checkpointing"]
-    if ac.forced_by and ac.forced == backend:
-        reason = f"{ac.forced_by} requested"
+def _guest_choice(s: Switches, n: Need, owner: str, rides: str, reg: _Registry,
+                  impls: Mapping[str, Impls]) -> BackendChoice:
+    """An uncoupled feature (activation checkpointing) may run on another backend than the owner: the
+    forced one, or, where the owner's cannot serve it, the first that serves it inside any owner's engine."""
+    backend = n.forced or owner
+    if n.blocked[backend] is not None:
+        backend = next(b for b in n.serving() if not reg.entries[b].owns_what_it_serves)
+    impl, guest = impls[backend](s, rides)[n.feature]
+    if n.forced_by and n.forced == backend:
+        reason = f"{n.forced_by} requested"
     elif backend != owner:
-        reason = f"{ac.blocked[owner]}: {str(guest).format(owner=reg.label(owner))}"
+        reason = f"{n.blocked[owner]}: {str(guest).format(owner=reg.label(owner))}"
     else:
         reason = rides
     return BackendChoice(backend, impl, reason)

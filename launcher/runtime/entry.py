@@ -190,28 +190,15 @@ def build_profiler(spec: JobConfig, plan: Plan, rank: RankInfo, run_dir: Path,
                         with_stack=cfg.with_stack, on_trace=lambda path: metrics.save_file(path))
 
 
-def build_stragglers(spec: JobConfig, rank: RankInfo, metrics: MetricsLogger) -> Optional[StragglerMonitor]:
-    """Per-log-step spread of busy time over ranks (off with one rank or trainer.straggler_factor=0)."""
+def build_stragglers(spec: JobConfig, plan: Plan, rank: RankInfo, metrics: MetricsLogger) -> Optional[StragglerMonitor]:
+    """Per-log-step spread of busy time over ranks (off with one rank or trainer.straggler_factor=0);
+    whether a straggler's node is excluded is the plan's decision (Layout.resilience)."""
     if spec.trainer.straggler_factor <= 0 or rank.world_size < 2:
         return None
     t = spec.trainer
     return StragglerMonitor(rank.rank, gather_hosts(host_name()), t.straggler_factor, rank.device,
                             publish=metrics.summary if rank.rank == 0 else None, checks=t.straggler_checks,
-                            exclude=straggler_excludes(spec))
-
-
-def straggler_excludes(spec: JobConfig) -> bool:
-    """trainer.straggler_action: auto excludes a straggler's node only with a spare to take its place
-    (without one, ending the job for a slow node would cost a requeue: hours in a busy queue)."""
-    action = spec.trainer.straggler_action
-    return action == "exclude" or (action == "auto" and spec.cluster.spare_nodes > 0)
-
-
-def health_check_on(spec: JobConfig, world_size: int) -> bool:
-    """trainer.health_check: auto is on for multi-node jobs (one node has no other node to compare with)."""
-    if spec.trainer.health_check == "auto":
-        return spec.cluster.nodes > 1 and world_size > 1
-    return spec.trainer.health_check == "on"
+                            exclude=plan.layout.resilience.exclude_stragglers)
 
 
 def log_plan_plots(spec: JobConfig, plan: Plan, run_dir: Path, metrics: MetricsLogger) -> None:
@@ -298,7 +285,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
     health = start_health(spec, plan, bundle, rank.device.type)
     log_placement(plan, rank)
-    if health_check_on(spec, rank.world_size):
+    if plan.layout.resilience.health_check:
         # Before anything is built or loaded: an unfit node is named before it costs the allocation.
         with health.phase("health check"):
             run_preflight(rank.device, rank.rank, rank.world_size, host_name(), spec.trainer.health_factor, run_dir,
@@ -415,7 +402,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         checkpoints=checkpoints, metrics=metrics, stop=stop, start_step=start_step, health=health,
         validator=build_validator(spec, plan, rank.rank, run_dir, engine),
         profiler=build_profiler(spec, plan, rank, run_dir, metrics),
-        stragglers=build_stragglers(spec, rank, metrics),
+        stragglers=build_stragglers(spec, plan, rank, metrics),
         moe_health=MoEHealth(engine.model_parts, spec.model.n_layers, spec.model.n_experts, rank.rank, rank.device,
                              log_table=metrics.log_table) if spec.model.n_experts > 0 else None,
         score=RunScore(run_dir, plan.time, plan.memory, rank.world_size, rank.device.type, spec.hardware.name,

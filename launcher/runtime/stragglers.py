@@ -26,8 +26,6 @@ from launcher.runtime.failure import NodeBlamed
 
 log = logging.getLogger(__name__)
 
-CONSECUTIVE_LOGS = 3  # the default of trainer.straggler_checks
-
 
 def gather_hosts(host: str) -> List[str]:
     """Every rank's host name, in rank order (once, at start)."""
@@ -39,9 +37,11 @@ def gather_hosts(host: str) -> List[str]:
 
 
 class StragglerMonitor:
-    def __init__(self, rank: int, hosts: List[str], factor: float, device: torch.device,
-                 publish: Optional[Callable[[Dict[str, Any]], None]] = None, checks: int = CONSECUTIVE_LOGS,
-                 exclude: bool = False):
+    """Per-log-step straggler check. `factor` and `checks` come from the caller
+    (trainer.straggler_factor / trainer.straggler_checks): their defaults live in the schema only."""
+
+    def __init__(self, rank: int, hosts: List[str], factor: float, device: torch.device, *, checks: int,
+                 publish: Optional[Callable[[Dict[str, Any]], None]] = None, exclude: bool = False):
         self.rank = rank
         self.hosts = hosts
         self.factor = factor
