@@ -138,8 +138,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# A requeued job may start again only after cred_expire+1 s (default 121 s).
-AuthInfo=cred_expire=10
+# A requeued job may start again only after cred_expire+1 s (default 121 s). A launch credential
+# must still reach its slurmd within cred_expire s: on one host that takes milliseconds.
+AuthInfo=cred_expire=5
 SlurmctldPort=6817
 StateSaveLocation=$STATE_DIR/ctld
 # Several slurmd on one host: each node's spool, PID file and log are its own (%n = node
