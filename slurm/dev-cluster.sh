@@ -174,7 +174,10 @@ JobAcctGatherType=jobacct_gather/none
 JobRequeue=1
 KillWait=30
 # A node whose slurmd stops answering is marked DOWN (its jobs end with NODE_FAIL, or requeue)
-# after about 10 s instead of the default 300 s.
+# after roughly SlurmdTimeout + 2 x MessageTimeout (default 10 s): 25-30 s here instead of over
+# 300 s. Not shorter: the silent (SIGSTOPped) node of tests/test_slurm_multinode.py must be DOWN
+# well after its peers' collective timeout (15 s); SlurmdTimeout=10 with MessageTimeout=5 gave
+# 14-17 s, SlurmdTimeout=5 with MessageTimeout=5 13 s.
 SlurmdTimeout=10
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=1
