@@ -138,8 +138,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# A requeued job may start again only after cred_expire+1 s (default 121 s).
-AuthInfo=cred_expire=10
+# A requeued job may start again only after cred_expire+1 s (default 121 s). A launch credential
+# must still reach its slurmd within cred_expire s: on one host that takes milliseconds.
+AuthInfo=cred_expire=5
 SlurmctldPort=6817
 StateSaveLocation=$STATE_DIR/ctld
 # Several slurmd on one host: each node's spool, PID file and log are its own (%n = node
@@ -173,7 +174,10 @@ JobAcctGatherType=jobacct_gather/none
 JobRequeue=1
 KillWait=30
 # A node whose slurmd stops answering is marked DOWN (its jobs end with NODE_FAIL, or requeue)
-# after about 10 s instead of the default 300 s.
+# after roughly SlurmdTimeout + 2 x MessageTimeout (default 10 s): 25-30 s here instead of over
+# 300 s. Not shorter: the silent (SIGSTOPped) node of tests/test_slurm_multinode.py must be DOWN
+# well after its peers' collective timeout (15 s); SlurmdTimeout=10 with MessageTimeout=5 gave
+# 14-17 s, SlurmdTimeout=5 with MessageTimeout=5 13 s.
 SlurmdTimeout=10
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=1

@@ -229,11 +229,21 @@ def test_percent_in_the_run_dir_reaches_sbatch_literally(slurm_cluster: SlurmClu
     assert "launcher: training finished" in main_log(run_dir, job_id)  # the log is where `train` said
 
 
-# Fails on the job's first run, succeeds on its rerun; each node records what it saw.
+# Fails on the job's first run, succeeds on its rerun; each node records what it saw. The first
+# run fails only once every node of the step has written its line: srun ends the step at the first
+# failed task, and a node still starting would never write one. (cluster.python also runs the
+# restart decision, whose last argument is a file, not the run folder: that call just fails.)
 FAIL_ONCE_RANKS = r"""#!/bin/bash
 run_dir="${@: -1}"
-echo "${SLURM_RESTART_COUNT:-0} $SLURMD_NODENAME $PET_RDZV_ENDPOINT" >> "$run_dir/runs.txt"
-((${SLURM_RESTART_COUNT:-0} > 0))
+[[ -d "$run_dir" ]] || exit 1
+restart="${SLURM_RESTART_COUNT:-0}"
+echo "$restart $SLURMD_NODENAME $PET_RDZV_ENDPOINT" >> "$run_dir/runs.txt"
+((restart > 0)) && exit 0
+for i in $(seq 1 300); do
+  (($(grep -c "^0 " "$run_dir/runs.txt") >= SLURM_NNODES)) && exit 1
+  sleep 0.1
+done
+exit 1
 """
 
 

@@ -43,7 +43,8 @@ pytestmark = pytest.mark.slurm
 STEPS = 24
 COLLECTIVE_TIMEOUT_S = 15
 # A death is noticed by the survivors at once (killed) or after the collective timeout (silent),
-# by SLURM after SlurmdTimeout (10 s) plus a ping interval; the requeued job starts ~12 s after.
+# by SLURM after 25-30 s (slurm/dev-cluster.sh, SlurmdTimeout); the requeued job starts ~6 s after
+# (cred_expire + 1 s, slurm/dev-cluster.sh).
 DEATH_TO_REQUEUE_S = 240
 JOB_TIMEOUT_S = 420
 # The spare-node job's two checkpoint tiers: shared every 8 steps, node-local every 2.

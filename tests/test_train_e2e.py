@@ -216,8 +216,10 @@ def _lines(path: Path) -> list:
     return path.read_text().splitlines() if path.exists() else []
 
 
-# Longer than torchrun's default 30 s between forwarding SIGTERM and SIGKILLing the ranks.
-SLOW_SAVE_S = 40
+# Longer than torchrun's default 30 s between forwarding SIGTERM and SIGKILLing the ranks: the
+# save's sleep starts after torchrun got the first SIGTERM, so without the launcher's
+# --shutdown-timeout the ranks would be killed at least 5 s before the save ends.
+SLOW_SAVE_S = 35
 
 
 def _torchrun_and_ranks(run_dir: Path) -> list:
@@ -227,7 +229,7 @@ def _torchrun_and_ranks(run_dir: Path) -> list:
 
 
 def test_sigterm_stop_with_a_save_longer_than_30s_is_not_cut_short(run_dir):
-    """SIGTERM to `train` mid-run; the stop's save takes 40 s (cluster.env sets the slow-save aid for
+    """SIGTERM to `train` mid-run; the stop's save takes SLOW_SAVE_S (cluster.env sets the slow-save aid for
     the ranks); a second SIGTERM to train, torchrun and every rank during the save is the same request."""
     run_dir.mkdir(parents=True)
     args = ["+recipe=debug", "trainer.steps=400", "trainer.log_every=1", "checkpoint.interval=0",
