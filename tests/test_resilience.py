@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from launcher.runtime.node_exclusion import NodeSet, blamed_nodes
-from launcher.runtime.resilience import (RESTART, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING, RestartReport, decide,
+from launcher.runtime.resilience import (EXCLUDE_DOWN, RESTART, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING, RestartReport, decide,
                                          read_events)
 
 
@@ -157,19 +157,20 @@ def test_a_crash_on_n2_excludes_it_and_the_next_step_runs_on_the_spare(tmp_path)
     events = read_events(tmp_path)
     assert [(e["event"], e["action"]) for e in events] == [
         ("failure", RESTART), ("exclude", "restart on a spare"),
-        ("failure", STOP_NODE_LOST), ("exclude", "excluded from the requeued job")]
+        ("failure", STOP_NODE_LOST), ("exclude", EXCLUDE_DOWN)]
     assert events[-1]["node"] == "n3" and events[-1]["cause"].startswith("node lost")
 
 
-def test_without_a_spare_a_lost_node_is_excluded_from_the_requeue(tmp_path):
+def test_without_a_spare_a_lost_node_goes_to_the_requeue_and_is_recorded_as_down(tmp_path):
     # The survivor's error (a reset connection on n1) is a consequence: the lost node is the cause.
     _summary(tmp_path, "exception", "RuntimeError: Connection reset by peer", 5, rank=0)
     nodes = NodeSet(["n1", "n2"], needed=2, step=["n1", "n2"])
     decision = decide(tmp_path, 0, 3, 1, lost_nodes=["n2"], nodes=nodes, requeue=True)
     assert decision.action == STOP_NODE_LOST
     assert (decision.nodes.step_nodes, decision.nodes.exclude_on_requeue) == ([], ["n2"])
+    # DOWN, so allocated to nobody: the batch script does not wait to set ExcNodeList for it.
     assert read_events(tmp_path)[-1] == {**read_events(tmp_path)[-1], "event": "exclude", "node": "n2",
-                                         "action": "excluded from the requeued job"}
+                                         "action": EXCLUDE_DOWN}
     # Not requeued (requeue_on_failure=false): recorded, nothing for ExcNodeList.
     other = tmp_path / "no_requeue"
     other.mkdir()

@@ -34,6 +34,7 @@ from typing import Dict, List
 
 import pytest
 
+from launcher.runtime.resilience import EXCLUDE_DOWN
 from conftest import losses_by_step, read_metrics, run_train
 from slurm_cluster import JOB_NODES, SlurmCluster, dev_cluster_up, slurm_cluster  # noqa: F401  (fixture)
 from test_slurm_train import job_logs, submit_train
@@ -243,13 +244,14 @@ def test_node_deaths_name_the_node_requeue_and_resume_with_the_local_losses(node
         assert log.count(f"node(s) {node} stopped responding") == 1, log
     assert log.count("cluster.requeue_on_failure: requeueing job") == 2, log
     # No in-job restart onto a dead node (cluster.max_restarts=3 is SLURM's default; no spare
-    # node): each loss is recorded with its node, which the requeued job excludes.
+    # node): each loss is recorded with its node, DOWN and so allocated to nobody while down.
     events = [json.loads(line) for line in (run.run_dir / "resilience.jsonl").read_text().splitlines()]
     failures = [e for e in events if e["event"] == "failure"]
     assert [(e["action"], e["cause"]["lost_nodes"]) for e in failures] == [
         ("stop: node lost", [run.killed]), ("stop: node lost", [run.stopped])], events
     excluded = [(e["node"], e["action"]) for e in events if e["event"] == "exclude"]
-    assert excluded == [(run.killed, "excluded from the requeued job"), (run.stopped, "excluded from the requeued job")]
+    assert excluded == [(run.killed, EXCLUDE_DOWN), (run.stopped, EXCLUDE_DOWN)]
+    assert log.count("not added to ExcNodeList: not responding") == 2, log
     rank0 = (run.run_dir / "logs" / "rank_0.log").read_text()
     resumed = re.findall(r"resumed from \S+ at step (\d+)", rank0)
     assert [int(s) for s in resumed] == [run.killed_after, run.stopped_after], resumed

@@ -15,6 +15,7 @@ import pytest
 from launcher.config.loader import compose_spec
 from launcher.launch import slurm
 from launcher.plan.plan import build_plan
+from launcher.runtime.resilience import EXCLUDE_DOWN
 
 SECRET = "s3cr3t-VALUE-7f2a"
 
@@ -409,15 +410,15 @@ def test_with_a_spare_the_job_asks_for_one_more_node_and_restarts_on_it_without_
         ("failure", "n2", "restart"), ("exclude", "n2", "restart on a spare")]
 
 
-def test_without_a_spare_a_lost_node_goes_to_exc_node_list_before_the_requeue(tmp_path):
+def test_without_a_spare_a_lost_node_is_requeued_without_waiting_to_exclude_it(tmp_path):
     # n2 stops responding: its ranks write nothing, sinfo -d names it; no spare to take its place.
     lost_n2 = 'echo n2 > "$STUBS/lost"; exit 1\n'
     proc, run_dir, steps, log = run_spare_script(tmp_path, lost_n2, "n1 n2", "cluster.requeue_on_failure=true")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and steps == [("n1,n2", "n1:29611")], out
-    # Appended to the job's exclusions, before the requeue; a SLURM that refuses it for a running job
-    # (22.05, as the stand-in) is reported and the job requeues anyway.
-    assert "no spare node left" in out and "refused to exclude node(s) n2 from job 7 (scontrol update ExcNodeList=n0,n2)" in out
-    assert log.splitlines() == ["update JobId=7 ExcNodeList=n0,n2", "requeue 7"], log
+    # A node that stopped responding is DOWN and not allocated while down: the requeue does not wait
+    # to add it to ExcNodeList (SLURM takes it only once the job is pending), and says so.
+    assert "no spare node left" in out and "node(s) n2 not added to ExcNodeList: not responding" in out
+    assert log.splitlines() == ["requeue 7"], log
     event = json.loads((run_dir / "resilience.jsonl").read_text().splitlines()[-1])
-    assert (event["event"], event["node"], event["action"]) == ("exclude", "n2", "excluded from the requeued job")
+    assert (event["event"], event["node"], event["action"]) == ("exclude", "n2", EXCLUDE_DOWN)

@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from launcher.runtime.node_exclusion import NODE_FAULT_KINDS, NodeOutcome, NodeSet, blamed_nodes, split_nodes
 
@@ -53,6 +53,9 @@ STOP_NODE_UNFIT = "stop: unfit node"
 # What an "exclude" event did with the node.
 EXCLUDE_RESTART, EXCLUDE_REQUEUE, EXCLUDE_NONE = "restart on a spare", "excluded from the requeued job", \
     "none: the job is not requeued"
+# A node not responding: SLURM marks it DOWN and allocates it to nobody while down, and the batch
+# script does not wait on such a job to set its ExcNodeList (slurm/sbatch.sh.j2 requeue_excluding).
+EXCLUDE_DOWN = "none: not responding (DOWN, not allocated while down)"
 
 
 def _now() -> Dict[str, Any]:
@@ -229,16 +232,17 @@ def decide(run_dir: Path, restarts_done: int, max_restarts: int, exit_code: int,
         "event": "failure", "node": cause.get("node"), "rank": cause.get("rank"), "cause": cause,
         "action": action, "restart": restarts_done + 1 if action == RESTART else restarts_done,
     })
-    outcome = _node_outcome(run_dir, nodes, blamed, action, on_spare, requeue)
+    outcome = _node_outcome(run_dir, nodes, blamed, action, on_spare, requeue, lost_nodes)
     if action == RESTART:
         _set_failure_aside(run_dir, restarts_done + 1)
     return Decision(action, message, event, outcome)
 
 
 def _node_outcome(run_dir: Path, nodes: Optional[NodeSet], blamed: Dict[str, str], action: str,
-                  on_spare: List[str], requeue: bool) -> Optional[NodeOutcome]:
+                  on_spare: List[str], requeue: bool, lost_nodes: Sequence[str] = ()) -> Optional[NodeOutcome]:
     """The nodes after the decision, each exclusion recorded ("exclude" events). `on_spare`: the
-    next step's nodes chosen without the blamed ones ([] when no healthy spare is left)."""
+    next step's nodes chosen without the blamed ones ([] when no healthy spare is left);
+    `lost_nodes`: those not responding (DOWN: a requeue leaves them out of its ExcNodeList)."""
     if nodes is None:
         return None
     if action == RESTART and on_spare:
@@ -251,8 +255,8 @@ def _node_outcome(run_dir: Path, nodes: Optional[NodeSet], blamed: Dict[str, str
     # Stopping: every bad node of this job run goes to the requeued job's ExcNodeList.
     bad = [*nodes.excluded, *blamed]
     for node, why in blamed.items():
-        append_event(run_dir, {"event": "exclude", "node": node, "cause": why,
-                               "action": EXCLUDE_REQUEUE if requeue else EXCLUDE_NONE})
+        done = (EXCLUDE_NONE if not requeue else EXCLUDE_DOWN if node in lost_nodes else EXCLUDE_REQUEUE)
+        append_event(run_dir, {"event": "exclude", "node": node, "cause": why, "action": done})
     return NodeOutcome([], bad, bad if requeue else [])
 
 
