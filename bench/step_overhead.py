@@ -227,7 +227,7 @@ def launcher_loop(spec, plan, rank, run_dir: Path, batches):
     checkpoints = CheckpointManager(checkpoint_root(spec.checkpoint.dir, run_dir), keep=spec.checkpoint.keep,
                                     verify_checksums=spec.checkpoint.verify_checksums, rank=rank.rank,
                                     world_size=rank.world_size)
-    stragglers = entry.build_stragglers(spec, rank, metrics)
+    stragglers = entry.build_stragglers(spec, plan, rank, metrics)
     moe = (MoEHealth(engine.model_parts, spec.model.n_layers, spec.model.n_experts, rank.rank, rank.device,
                      log_table=metrics.log_table) if spec.model.n_experts > 0 else None)
     losses = {}
