@@ -4,6 +4,7 @@
     .venv/bin/python bench/memory_accuracy.py --only zero3     # configs whose name contains "zero3"
     .venv/bin/python bench/memory_accuracy.py --device cuda    # on GPUs (peak from max_memory_allocated too)
     .venv/bin/python bench/memory_accuracy.py --json out.json  # also write the rows
+    .venv/bin/python bench/memory_accuracy.py --keep DIR       # keep the run dirs (plan, measured)
 
 Each config runs through the real rank runtime's engine (launcher.runtime.entry.engine_for_rank:
 native FSDP2 / TP / PP / AC, or DeepSpeed) under torchrun with the gloo backend, one warm-up
@@ -127,12 +128,17 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="run configs whose name contains this text")
     ap.add_argument("--json", type=Path, help="write all rows to this file")
     ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--keep", type=Path, help="keep each config's run dir (config.yaml, plan.json, "
+                    "measured_<rank>.json with the breakdown at the peak) under this directory")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return 0
     rows = {}
     with tempfile.TemporaryDirectory(prefix="memacc_") as tmp:
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            tmp = str(args.keep.resolve())
         for name, world, overrides in MATRIX:
             if args.only and args.only not in name:
                 continue

@@ -18,6 +18,7 @@ from launcher.plan.memory import (
     ALLOCATOR_FRAGMENTATION,
     estimate_memory,
     layer_activation_bytes,
+    model_state_memory,
     stage_activation_memory,
     working_state_memory,
 )
@@ -212,11 +213,27 @@ def test_head_activations_are_one_microbatch_outside_gpipe(schedule, vpp):
         stage_activation_memory(shape, last(one), one)["head"]
 
 
+def test_a_pipeline_without_a_sharding_rank_holds_no_unsharded_copy():
+    shape = model_shape(_spec("llama3_8b").model)
+    lay = _lay(pp=8, dp_shard=1)
+    assert not lay.fsdp_wraps and not lay.fsdp_holds_unsharded
+    working = working_state_memory(stage_params(shape, 8)[0], lay, shape)
+    assert "unsharded_params" not in working and "unsharded_grads" not in working
+
+
 def test_fsdp_held_unsharded_grads_accumulate_in_reduce_dtype():
     st = stage_params(model_shape(_spec("llama3_8b").model), 2)[0]
     fp32 = working_state_memory(st, _lay(pp=2, reduce_dtype="fp32"))
     bf16 = working_state_memory(st, _lay(pp=2, reduce_dtype="bf16"))
     assert fp32["unsharded_grads"] == 2 * bf16["unsharded_grads"] == pytest.approx(4 * st.shared, rel=1e-9)
+
+
+def _phases(shape, lay, st=None):
+    """The two backward phases of the first stage, recomputed here from the parts the plan lists."""
+    st = st or stage_params(shape, lay.mesh.pp)[0]
+    acts = stage_activation_memory(shape, st, lay)
+    grads = model_state_memory(st, lay, shape)["grads"]
+    return acts, grads
 
 
 def test_peak_is_the_larger_backward_phase_plus_fragmentation():
@@ -225,23 +242,58 @@ def test_peak_is_the_larger_backward_phase_plus_fragmentation():
         lay = _lay(tp=tp, sp=tp > 1, dp_shard=8 // tp, ac_mode="selective")
         mem = estimate_memory(shape, lay, reserved_bytes=0)[0]
         d = mem.detail
-        # One micro-batch: the loss's backward is the step's first, before any gradient exists; a
-        # block's backward is bounded with all of them.
-        loss, block = d["logits_transient"], d["backward_workspace"] + d["recomputed_block"] + d["grads_held"]
-        assert mem.grads == (0 if loss > block else d["grads_held"]) and d["grads_held"] > 0
-        phase = max(loss, block) - mem.grads
+        acts, grads = _phases(shape, lay)
+        all_acts = acts["layers"] + acts["head"]
+        # One micro-batch: no gradient exists at the loss's backward (the step's first); in the
+        # blocks' backward the head's tensors are freed and the gradients appear as the blocks'
+        # activations go, so that phase holds the larger of the two, never both.
+        block_acts = all_acts - acts["head_freed_before_blocks"]
+        assert 0 < acts["head_freed_before_blocks"] <= acts["head"] and d["grads_held"] == grads > 0
+        loss = all_acts + d["logits_transient"]
+        block = block_acts + d["backward_workspace"] + d["recomputed_block"] + (0 if block_acts >= grads else grads)
+        assert mem.activations + mem.grads == (all_acts if loss > block else block_acts + (0 if block_acts >= grads else grads))
+        phase = max(loss, block) - mem.grads - mem.activations
         # FSDP2's gathered units, or (tp 8, no sharding rank: no FSDP2) autocast's bf16 weight casts.
         working = sum(d.get(k, 0) for k in ("unsharded_params", "unsharded_grads", "autocast_weight_copies"))
         assert working > 0
         allocated = mem.params + mem.grads + mem.optimizer + mem.activations + working + phase
         assert d["allocator_fragmentation"] == int(allocated * ALLOCATOR_FRAGMENTATION)
         assert mem.other == working + phase + d["allocator_fragmentation"]
-        with_grads = estimate_memory(shape, dataclasses.replace(lay, batch=dataclasses.replace(lay.batch, microbatches=2)), reserved_bytes=0)[0]
-        assert with_grads.grads == with_grads.detail["grads_held"] >= d["grads_held"] > 0  # earlier micro-batches' gradients
+        # Two micro-batches, FSDP2 resharding after each: the first one's gradients exist through the second.
+        two = dataclasses.replace(lay, batch=dataclasses.replace(lay.batch, microbatches=2))
+        with_grads = estimate_memory(shape, two, reserved_bytes=0)[0]
+        assert with_grads.grads == with_grads.detail["grads_held"] >= d["grads_held"] > 0
+        # Held unsharded across them (accumulate_unsharded): the sharded ones are born in the last backward.
+        held = dataclasses.replace(two, memory=dataclasses.replace(two.memory, accumulate_unsharded=True))
+        assert held.fsdp_holds_unsharded == (tp == 1)  # tp 8 leaves no sharding rank: no FSDP2 to hold them
+        assert estimate_memory(shape, held, reserved_bytes=0)[0].grads == (0 if tp == 1 else with_grads.grads)
         # The loss's backward: bf16 logits + fp32 grads of the log-softmax output and input, plus
         # loss_parallel's extra fp32 temporary under TP.
         v, tokens = shape.vocab_size / tp, 2 * 8192
         assert d["logits_transient"] == pytest.approx(tokens * (2 + 8 + (4 if tp > 1 else 0)) * v, abs=2)
+
+
+def test_gradients_larger_than_the_activations_are_at_the_blocks_backward_peak():
+    # A short sequence on few ranks: the step's gradients outweigh the blocks' activations, so the
+    # end of the blocks' backward (every gradient born) is that phase's peak.
+    shape = model_shape(_spec("llama3_8b").model)
+    lay = _lay(dp_shard=2, gpus_per_node=2, seq_len=256, micro_batch_size=1, ac_mode="full")
+    acts, grads = _phases(shape, lay)
+    assert acts["layers"] < grads
+    mem = estimate_memory(shape, lay, reserved_bytes=0)[0]
+    assert mem.grads == grads
+
+
+def test_recomputed_block_is_what_the_checkpoint_did_not_keep():
+    shape = model_shape(_spec("llama3_8b").model)
+    for ac_mode, selective, mode in (("full", "op", "full"), ("selective", "op", "op"),
+                                     ("selective", "op_alternate_mm", "op_alternate_mm")):
+        lay = _lay(ac_mode=ac_mode, ac_selective=selective)
+        acts, _ = _phases(shape, lay)
+        whole = layer_activation_bytes(shape, lay, False, "none")
+        kept = layer_activation_bytes(shape, lay, False, mode)
+        assert 0 < kept < whole and acts["recomputed_block"] == int(whole - kept)
+    assert _phases(shape, _lay())[0]["recomputed_block"] == 0
 
 
 # ----------------------------------------------------------------------------- time terms

@@ -37,6 +37,7 @@ def memory_summary(stages: List[StageMemory], hw: Any) -> Dict[str, Any]:
         fits=top.total <= cap,
         margin=cap - top.total,
         most_loaded_pp_rank=top.rank,
+        peak_phase=top.peak_phase,
         host=top.host,
         detail=dict(top.detail),
         per_pp_rank=[s.as_dict() | {"pp_rank": s.rank, "host": s.host} for s in stages],

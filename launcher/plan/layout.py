@@ -237,8 +237,9 @@ class Layout:
     def fsdp_holds_unsharded(self) -> bool:
         """Whether FSDP2 keeps every unit unsharded, gradients unreduced, across the step's
         micro-batches: under torch's pipeline schedules (they do it themselves) or with
-        accumulate_unsharded. Then it all-gathers and reduce-scatters once per step."""
-        if self.owners.sharding_backend != "native" or not self.memory.zero_stage:
+        accumulate_unsharded. Then it all-gathers and reduce-scatters once per step. Only when
+        FSDP2 wraps the model: a pipeline without a sharding rank has no unsharded copy to hold."""
+        if not self.fsdp_wraps or not self.memory.zero_stage:
             return False
         return self.mesh.pp > 1 or self.memory.accumulate_unsharded
 

@@ -24,14 +24,15 @@ attention layout: launcher/models/<family>/params.py); see
 
 What exists at the peak follows how torch runs the step: without FSDP2 autocast's bf16 weight
 casts (`autocast_cast_elements`), and with one micro-batch no gradient during the loss's
-backward (`grads_freed_at_loss`); docs/planner.md, "Working memory".
+backward and the blocks' gradients born as their activations are freed
+(`grads_born_in_backward`); docs/planner.md, "Working memory".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from launcher.plan.layout import Layout, MemoryPlan
 from launcher.plan.params import ModelShape, StageParams, stage_params
@@ -48,7 +49,7 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 
 @dataclass
 class StageMemory:
-    """Bytes on one GPU of one pipeline rank at its peak (start of the first backward)."""
+    """Bytes on one GPU of one pipeline rank at its peak (in the backward: the loss's or the blocks')."""
 
     rank: int
     params: int = 0
@@ -58,6 +59,7 @@ class StageMemory:
     other: int = 0  # unsharded working copies, buckets, backward temporaries, CUDA/NCCL reserve
     host: int = 0  # offloaded to CPU RAM / NVMe (not counted against the GPU)
     detail: Dict[str, int] = field(default_factory=dict)
+    peak_phase: str = "blocks"  # the backward phase of the peak: "loss" or "blocks" (BackwardPhase)
 
     @property
     def total(self) -> int:
@@ -428,10 +430,13 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     kinds = _layer_kinds(shape, stage, lay.memory.ac_mode, lay.memory.ac_selective)
     recompute = any(mode != "none" for _, mode in kinds)
     per_mb = sum(n * layer_activation_bytes(shape, lay, moe, mode) for (moe, mode), n in kinds.items())
-    # A block recomputed for its backward holds its activations again; compiled blocks (trainer.compile)
-    # save only the matmul inputs and the norms' statistics, about what op-level selective AC keeps.
+    # A block recomputed for its backward saves again what its recomputed ops produce: the block's
+    # activations without recomputation, less what the checkpoint already kept (the block input
+    # under full AC; the matmul and attention outputs under selective AC, which the recomputed
+    # forward reuses instead of producing again). Compiled blocks (trainer.compile) save less.
     redo = "op" if lay.compile else "none"
-    worst_layer = max((layer_activation_bytes(shape, lay, moe, redo) for moe, _ in kinds), default=0.0)
+    worst_layer = max((recomputed_block_bytes(shape, lay, moe, mode, redo) for moe, mode in kinds if mode != "none"),
+                      default=0.0)
     inflight = inflight_microbatches(lay, stage.rank)
     tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
     a, t = lay.act_bytes, lay.mesh.tp
@@ -447,6 +452,8 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
         head = tokens * (8.0 * shape.dim / (t if lay.sp else 1) + a * shape.dim)
         saved_logits = tokens * 4.0 * v / t
         out["head"] = int((head + saved_logits) * last_inflight)
+        # The loss's backward frees the head's saved tensors of its micro-batch before the blocks'.
+        out["head_freed_before_blocks"] = int(head + saved_logits)
         # Peak of the loss's backward, beside the saved fp32 log-softmax output: the bf16 logits
         # (kept by the engine's `logits` variable), the fp32 gradient of the log-softmax output and
         # the fp32 gradient of its input. Under TP the loss is computed by loss_parallel, whose
@@ -458,13 +465,62 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     # activations exist at the same time.
     width = (shape.moe_ffn_dim * max(1, shape.top_k) if shape.n_moe_layers else shape.ffn_dim) / t
     out["backward_workspace"] = int(tokens * a * (3 * width + 2 * shape.dim))
-    # The block being recomputed holds its full activations again during its backward; like
-    # torch's MemTracker, count it with the backward temporaries ("other").
+    # The block being recomputed holds those tensors during its backward; like torch's
+    # MemTracker, count them with the backward temporaries ("other").
     out["recomputed_block"] = int(worst_layer) if recompute else 0
     return out
 
 
+def recomputed_block_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str, redo: str) -> float:
+    """Bytes the recomputation of one checkpointed block adds during its backward.
+
+    The recomputed forward saves what `redo` (the block's mode without checkpointing: "none",
+    or "op" when compiled) saves, but the tensors the checkpoint kept (`mode`) are reused, not
+    made again: the difference. Measured on CPU (bench/memory_accuracy.py, docs/benchmarks.md
+    2026-11-27): charging the whole block under selective AC over-estimated the step's peak.
+    """
+    return max(0.0, layer_activation_bytes(shape, lay, moe, redo) - layer_activation_bytes(shape, lay, moe, mode))
+
+
 # ----------------------------------------------------------------------------- per stage
+
+
+class BackwardPhase(NamedTuple):
+    """What one phase of the backward holds beside the states and working memory (bytes)."""
+
+    name: str  # "loss" or "blocks"
+    activations: int
+    temporaries: int
+    grads: int
+
+    def bytes(self) -> int:
+        return self.activations + self.temporaries + self.grads
+
+
+# The backward temporaries each phase holds (detail keys); the rest of `detail` that is not a
+# category's own maximum (grads_held, activations_*) is working memory, fragmentation and reserve.
+PHASE_TEMPORARIES = {"loss": ("logits_transient",), "blocks": ("backward_workspace", "recomputed_block")}
+NOT_IN_OTHER = ("grads_held", "activations_layers", "activations_head")
+
+
+def other_parts(detail: Dict[str, int], peak_phase: str) -> Dict[str, int]:
+    """The parts that add up to the plan's `other` (bytes), for the phase of the peak."""
+    temporaries = {k for ks in PHASE_TEMPORARIES.values() for k in ks}
+    counted = set(PHASE_TEMPORARIES.get(peak_phase, ()))
+    return {k: v for k, v in detail.items()
+            if k not in NOT_IN_OTHER and (k not in temporaries or k in counted)}
+
+
+def category_maxima(plan_memory: Dict[str, Any]) -> Dict[str, int]:
+    """The plan's categories each at its own maximum over the step, as a memory tracker reports
+    them: `grads` and `activations` of a plan are what exists at its peak (the gradients may not
+    be born yet, the head's activations freed), their maxima are in `detail`."""
+    detail = plan_memory.get("detail", {})
+    out = {c: int(plan_memory.get(c, 0)) for c in ("params", "grads", "optimizer", "activations", "other")}
+    out["grads"] = max(out["grads"], int(detail.get("grads_held", 0)))
+    out["activations"] = max(out["activations"],
+                             int(detail.get("activations_layers", 0)) + int(detail.get("activations_head", 0)))
+    return out
 
 
 def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
@@ -482,25 +538,33 @@ def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
         states = model_state_memory(st, lay, shape)
         acts = stage_activation_memory(shape, st, lay)
         working = {k: v for k, v in states.items() if k not in ("params", "grads", "optimizer", "host")}
-        # The loss's logits live during the head's backward, the recomputed block and the
-        # gradient workspace during a block's backward: two phases, the peak is the larger. The
-        # loss's backward is the first of the step, so with one micro-batch no gradient exists yet
-        # (zero_grad(set_to_none=True) freed them after the last step); a block's backward is
-        # bounded with all of them.
+        # Two phases of the backward, the peak is the larger. The loss's backward: every saved
+        # activation, the head's included, and the logits' transients. The blocks' backward: the
+        # head's tensors of that micro-batch are freed by then; the recomputed block and the
+        # gradient workspace live. When the step's gradients are born in the backward
+        # (grads_born_in_backward) none exists at the loss's backward, and in the blocks'
+        # backward each block's gradients appear as its activations are freed: that phase peaks
+        # at its start (every activation, no gradient) or at its end (every gradient), whichever
+        # holds more. Else all gradients are there in both.
         grads_full = states["grads"]
-        loss_phase = acts.get("logits_transient", 0) + (0 if grads_freed_at_loss(lay) else grads_full)
-        block_temporaries = acts["backward_workspace"] + acts["recomputed_block"]
-        if loss_phase > block_temporaries + grads_full:
-            temporaries, grads = acts.get("logits_transient", 0), loss_phase - acts.get("logits_transient", 0)
-        else:
-            temporaries, grads = block_temporaries, grads_full
+        born = grads_born_in_backward(lay)
+        all_activations = acts["layers"] + acts.get("head", 0)
+        block_activations = all_activations - acts.get("head_freed_before_blocks", 0)
+        loss_phase = BackwardPhase(name="loss", activations=all_activations, temporaries=acts.get("logits_transient", 0),
+                                   grads=0 if born else grads_full)
+        block_phase = BackwardPhase(name="blocks", activations=block_activations,
+                                    temporaries=acts["backward_workspace"] + acts["recomputed_block"],
+                                    grads=0 if born and block_activations >= grads_full else grads_full)
+        peak = max(block_phase, loss_phase, key=BackwardPhase.bytes)  # a tie goes to the blocks'
+        activations, temporaries, grads = peak.activations, peak.temporaries, peak.grads
         mem = StageMemory(
             rank=st.rank,
             params=states["params"],
             grads=grads,
             optimizer=states["optimizer"],
-            activations=acts["layers"] + acts.get("head", 0),
+            activations=activations,
             host=states["host"],
+            peak_phase=peak.name,
         )
         allocated = mem.params + mem.grads + mem.optimizer + mem.activations + sum(working.values()) + temporaries
         fragmentation = int(allocated * ALLOCATOR_FRAGMENTATION)
@@ -520,12 +584,18 @@ def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
     return result
 
 
-def grads_freed_at_loss(lay: Layout) -> bool:
-    """Whether no gradient exists when the loss's backward runs: native engine (its optimizer
-    step ends with zero_grad(set_to_none=True); FSDP2 allocates sharded gradients as it
-    reduce-scatters them), one micro-batch per step and no pipeline (a later micro-batch's loss
-    runs beside the earlier ones' gradients). DeepSpeed keeps its gradient buffers."""
-    return lay.owners.sharding_backend == "native" and lay.batch.microbatches == 1 and lay.mesh.pp == 1
+def grads_born_in_backward(lay: Layout) -> bool:
+    """Whether the step's (sharded) gradients are allocated only in the backward that ends it, so
+    none exists when that backward starts. Native engine only (its optimizer step ends with
+    zero_grad(set_to_none=True); DeepSpeed keeps its gradient buffers), and either one
+    micro-batch per step without a pipeline (a later micro-batch's backward runs beside the
+    earlier ones' gradients), or FSDP2 holding the units unsharded across the micro-batches
+    (Layout.fsdp_holds_unsharded: pipeline schedules, accumulate_unsharded), which accumulates
+    unreduced gradients in its working memory and reduce-scatters them into the sharded ones in
+    the last backward, as it frees the unsharded ones."""
+    if lay.owners.sharding_backend != "native":
+        return False
+    return (lay.batch.microbatches == 1 and lay.mesh.pp == 1) or lay.fsdp_holds_unsharded
 
 
 def most_loaded(stages: List[StageMemory]) -> StageMemory:

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Sequence
 
 from launcher.models.family import family_of
 from launcher.plan.bands import memory_at_risk
-from launcher.plan.memory import GiB
+from launcher.plan.memory import GiB, other_parts
 from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
 from launcher.plan.perf import correction_bias_bytes
@@ -156,15 +156,20 @@ def _memory_section(plan, spec) -> str:
     if not mem:
         return ""
     detail = mem.get("detail", {})
-    other_parts = ", ".join(f"{k} {_gib(v)}" for k, v in detail.items()
-                            if v and not k.startswith("activations_"))
+    phase = mem.get("peak_phase", "blocks")
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in other_parts(detail, phase).items() if v)
+    held = detail.get("grads_held", 0)
+    grads_note = (f"none yet at this peak; {_gib(held)} once the backward has made them (optimizer step)"
+                  if not mem["grads"] and held else "")
+    head = detail.get("activations_head", 0)
+    head_note = (f"head {_gib(head)}" if mem["activations"] >= detail.get("activations_layers", 0) + head
+                 else f"head {_gib(head)}, its last micro-batch's freed by then")
     rows = [
         ("params", _gib(mem["params"]), ""),
-        ("grads", _gib(mem["grads"]), ""),
+        ("grads", _gib(mem["grads"]), grads_note),
         ("optimizer", _gib(mem["optimizer"]), ""),
-        ("activations", _gib(mem["activations"]),
-         f"blocks {_gib(detail.get('activations_layers', 0))}, head {_gib(detail.get('activations_head', 0))}"),
-        ("other", _gib(mem["other"]), other_parts),
+        ("activations", _gib(mem["activations"]), f"blocks {_gib(detail.get('activations_layers', 0))}, {head_note}"),
+        ("other", _gib(mem["other"]), parts),
         ("total", _gib(mem["total"]), f"of {_gib(mem['capacity'])}; measured peaks of this kind of layout: "
                                       f"{_gib_range(mem.get('total_range'))}"),
     ]

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from launcher.plan.memory import category_maxima
 from launcher.runtime.state_bytes import torch_optimizers
 
 log = logging.getLogger("launcher")
@@ -393,8 +394,10 @@ def compare_with_plan(measured: Dict[str, int], plan_memory: Dict[str, Any], dev
     # max_memory_allocated count allocations, so it is left out on every device.
     reserved += int(detail.get("allocator_fragmentation", 0))
     row: Dict[str, Any] = {}
+    # Each measured category is at its own maximum, so the plan's are too (category_maxima).
+    maxima = category_maxima(plan_memory)
     for cat in CATEGORIES + ("total",):
-        predicted = int(plan_memory.get(cat, 0))
+        predicted = maxima.get(cat, int(plan_memory.get(cat, 0)))
         if cat in ("other", "total"):
             predicted -= reserved
         got = int(measured.get(cat, 0))
