@@ -46,8 +46,10 @@ def test_single_process_prediction_matches_measurement(accum):
     assert abs(row["mem_optimizer_error"]) < 0.05
     # Activations within the 15 % target (one micro-batch alive: accumulation frees them).
     assert abs(row["mem_activations_error"]) < 0.15, row
-    # The prediction bounds the real peak from above, by less than a third.
-    assert 0.67 < measured["total"] / row["mem_total_predicted"] <= 1.0
+    # The peak within 5 % (the GPU goal is 10 %): the phase of the backward it falls in, with what
+    # exists then (no gradient yet with one micro-batch, the first one's with two), is modelled.
+    assert abs(row["mem_total_error"]) < 0.05, row
+    assert plan.memory["peak_phase"] == "loss" and measured["at_peak_grads"] == (0 if accum == 1 else measured["params"])
     assert measured["at_peak_params"] == measured["params"]
 
 
