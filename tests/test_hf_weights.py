@@ -176,8 +176,9 @@ def _hf_on_disk_shapes(model) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b", "llama3_405b", "mixtral_8x7b", "qwen3_0_6b", "qwen3_8b",
-                                  "qwen3_32b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "deepseek_v3_small"])
+@pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b", "llama3_405b", "mixtral_8x7b", "mixtral_8x22b", "qwen3_0_6b",
+                                  "qwen3_8b", "qwen3_32b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3",
+                                  "deepseek_v3_small"])
 def test_real_model_configs_map_name_for_name_on_meta(name):
     """Our conf/model/NAME.yaml and transformers' config of the same size map one to one: every
     transformers tensor has exactly one source in our model with the right shape, and back (so

@@ -54,6 +54,9 @@ def test_published_sizes():
     ds = model_shape(compose_spec(["model=deepseek_v3"]).model)
     assert (round(ds.total / 1e9), int(ds.active / 1e9)) == (671, 37)
     assert round(model_shape(compose_spec(["model=deepseek_v3_small"]).model).total / 1e9, 1) == 15.7
+    # Mixtral 8x22B: 141B total, 39B active (Mistral AI's announcement).
+    mx = model_shape(compose_spec(["model=mixtral_8x22b"]).model)
+    assert (round(mx.total / 1e9), round(mx.active / 1e9)) == (141, 39)
 
 
 def test_gqa_and_tied_embeddings_by_hand():
