@@ -69,6 +69,7 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
     spec = _spec(model, dotted, device)
     optim, opts = OptimConfig(lr=3e-4, warmup_steps=1), EngineOptions(total_steps=10, seed=7)
     if mode == "plan":
+        from launcher.plan.memory import category_maxima
         from launcher.plan.plan import build_plan
         from launcher.plan.resolve import check
 
@@ -76,8 +77,10 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
         detail = mem.get("detail", {})
         # The planner's reserve (CUDA context, NCCL) and fragmentation are not allocations.
         unallocated = int(detail.get("reserved", 0)) + int(detail.get("allocator_fragmentation", 0))
-        return {"params": int(mem["params"]), "grads": int(mem["grads"]), "optimizer": int(mem["optimizer"]),
-                "activations": int(mem["activations"]), "peak": int(mem["total"]) - unallocated}
+        # Categories at their own maxima, as measured (the plan's are what exists at its peak).
+        maxima = category_maxima(mem)
+        return {**{k: maxima[k] for k in ("params", "grads", "optimizer", "activations")},
+                "peak": int(mem["total"]) - unallocated}
     layout = resolve(spec)
     if mode == "fake":
         from launcher.rehearse.rank import rehearse_rank
