@@ -40,7 +40,7 @@ def memory_summary(stages: List[StageMemory], hw: Any) -> Dict[str, Any]:
         peak_phase=top.peak_phase,
         host=top.host,
         detail=dict(top.detail),
-        per_pp_rank=[s.as_dict() | {"pp_rank": s.rank, "host": s.host} for s in stages],
+        per_pp_rank=[s.as_dict() | {"pp_rank": s.rank, "host": s.host} | s.maxima() for s in stages],
     )
     return d
 

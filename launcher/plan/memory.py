@@ -68,6 +68,20 @@ class StageMemory:
     def as_dict(self) -> Dict[str, int]:
         return {c: int(getattr(self, c)) for c in CATEGORIES} | {"total": int(self.total)}
 
+    def maxima(self) -> Dict[str, int]:
+        """`grads` and `activations` at their own maxima over the step, beside what exists at the
+        peak (`grads`, `activations`): {grads_held, activations_max}."""
+        return own_maxima(self.detail, self.grads, self.activations)
+
+
+def own_maxima(detail: Dict[str, int], grads: int, activations: int) -> Dict[str, int]:
+    """Gradients and activations at their own maxima over the step: the gradients held for the
+    optimizer step, and every block's and the head's saved activations (none is freed yet at the
+    loss's backward). `grads` / `activations` (at the peak) bound them from below."""
+    saved = int(detail.get("activations_layers", 0)) + int(detail.get("activations_head", 0))
+    return {"grads_held": max(int(grads), int(detail.get("grads_held", 0))),
+            "activations_max": max(int(activations), saved)}
+
 
 # ----------------------------------------------------------------------------- model states
 
@@ -515,11 +529,9 @@ def category_maxima(plan_memory: Dict[str, Any]) -> Dict[str, int]:
     """The plan's categories each at its own maximum over the step, as a memory tracker reports
     them: `grads` and `activations` of a plan are what exists at its peak (the gradients may not
     be born yet, the head's activations freed), their maxima are in `detail`."""
-    detail = plan_memory.get("detail", {})
-    out = {c: int(plan_memory.get(c, 0)) for c in ("params", "grads", "optimizer", "activations", "other")}
-    out["grads"] = max(out["grads"], int(detail.get("grads_held", 0)))
-    out["activations"] = max(out["activations"],
-                             int(detail.get("activations_layers", 0)) + int(detail.get("activations_head", 0)))
+    out = {c: int(plan_memory.get(c, 0)) for c in CATEGORIES}
+    own = own_maxima(plan_memory.get("detail", {}), out["grads"], out["activations"])
+    out["grads"], out["activations"] = own["grads_held"], own["activations_max"]
     return out
 
 

@@ -14,7 +14,8 @@ world (every coordinate last). For llama405b (pp 8 x dp_shard 8 x tp 8 on 512 GP
 rehearsal's categories: the rehearsal measures what a rank *holds* between steps, so
 `grads` here is the plan's gradient memory without the accumulation transient (one extra
 gradient tensor while a micro-batch's gradient is added to the existing one), which the
-plan keeps in its `grads` figure and is reported as `grads_step_peak`.
+plan keeps in its `grads_held` figure and is reported as `grads_step_peak`; `activations` is the
+plan's `activations_max` (every block's and the head's, as the rehearsal measures them).
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def predicted_for_rank(shape: ModelShape, layout: Layout, plan_memory: Dict[str,
     row = row or {}
     # The CUDA context / NCCL reserve is no tensor: the rehearsal (on CPU) cannot see it.
     reserved = int(plan_memory.get("detail", {}).get("reserved", 0))
-    out["grads_step_peak"] = int(row.get("grads", held["grads"]))
-    out["activations"] = int(row.get("activations", 0))
+    # Each category at its own maximum, as the rehearsal measures them (a plan.json from before
+    # these keys: what exists at the peak).
+    out["grads_step_peak"] = int(row.get("grads_held", row.get("grads", held["grads"])))
+    out["activations"] = int(row.get("activations_max", row.get("activations", 0)))
     out["other"] = max(0, int(row.get("other", 0)) - reserved)
     out["peak"] = max(0, int(row.get("total", 0)) - reserved)
     return out
