@@ -114,6 +114,27 @@ def test_layer_activations_by_hand():
     assert layer_activation_bytes(SHAPE, lay, False, "full") == pytest.approx(2 * tokens * h)
 
 
+def test_compiled_selective_block_drops_w2_output():
+    """trainer.compile under selective AC: the compiled block keeps what the policy saves except
+    w2's output, which only the residual add reads (measured on the real llama_1b block:
+    bench/compiled_block_activations.py, a x h per token and block less under op and
+    op_alternate_mm). Full AC and MoE blocks (compiled without their experts) are unchanged."""
+    base = Layout(batch=RankBatchPlan(seq_len=8192, micro_batch_size=2))
+    tokens, a, h = 2 * 8192, 2, 4096
+
+    def saving(lay, moe, mode):
+        compiled = dataclasses.replace(lay, compile=True)
+        return layer_activation_bytes(SHAPE, lay, moe, mode) - layer_activation_bytes(SHAPE, compiled, moe, mode)
+
+    for mode in ("op", "op_alternate_mm"):
+        assert saving(base, False, mode) == pytest.approx(tokens * a * h)
+        # Under SP the term the formula counts for w2's output is split over TP.
+        sp = dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, tp=8), sp=True)
+        assert saving(sp, False, mode) == pytest.approx(tokens * a * h / 8)
+    assert saving(base, False, "full") == 0
+    assert saving(base, True, "op") == 0
+
+
 def test_tp_sp_cp_and_selective_shrink_activations():
     base = Layout(batch=RankBatchPlan(seq_len=8192, micro_batch_size=2))
     none = layer_activation_bytes(SHAPE, base, False, "none")
