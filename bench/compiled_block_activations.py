@@ -3,11 +3,12 @@
     PYTHONPATH=$PWD .venv/bin/python bench/compiled_block_activations.py [--model llama_1b] [--seq 512]
 
 One block of the model (its real weights' shapes, bf16 parameters and input as under FSDP's mixed
-precision, bf16 autocast on), wrapped and compiled by the runtime's own functions in the runtime's
-order (launcher/engines/native.py: apply_activation_checkpointing, then apply_compile, which
-compiles the checkpoint-wrapped block). Modes: none, full, op, op_alternate_mm; each eager and
-compiled, each in a fresh process (after a forward and backward of warm-up, so compilation and
-the first gradients are done; the parameters' .grad stay allocated, as in training).
+precision, bf16 autocast on; `--precision fp32`: fp32, no autocast), wrapped and compiled by the
+runtime's own functions in the runtime's order (launcher/engines/native.py:
+apply_activation_checkpointing, then apply_compile, which compiles the checkpoint-wrapped block).
+Modes: none, full, op, op_alternate_mm; each eager and compiled, each in a fresh process (after a
+forward and backward of warm-up, so compilation and the first gradients are done; the
+parameters' .grad stay allocated, as in training).
 
 Measured with the CPU allocator's own accounting (torch.profiler, profile_memory: every allocation
 and free, inductor's buffers included, whatever holds them: autograd's saved tensors,
@@ -15,8 +16,8 @@ checkpoint's selective-AC cache, a compiled graph's saved outputs):
 - saved: bytes allocated after the forward returns, minus before it, minus the block's output
   (what stays alive between the block's forward and its backward);
 - backward peak: the highest allocation during the backward over the level before it (the
-  recomputed tensors, the activation gradients and one weight gradient at a time before it is
-  accumulated into .grad).
+  recomputed tensors, the activation gradients, and the weight gradients before they are
+  accumulated into .grad: a constant, so per token it shrinks with the tokens; compare lengths).
 Both are printed per token (batch x seq). Prints a markdown table; not a test (the planner's
 formulas are checked against it by hand: docs/planner.md, "Activations").
 """
@@ -35,8 +36,8 @@ sys.path.insert(0, str(REPO))
 MODES = ("none", "full", "op", "op_alternate_mm")
 
 
-def _block_model(model_name: str):
-    """The model with one block (its own config otherwise), bf16 parameters, on CPU."""
+def _block_model(model_name: str, dtype):
+    """The model with one block (its own config otherwise), parameters in `dtype`, on CPU."""
     import dataclasses as dc
 
     import torch
@@ -50,7 +51,7 @@ def _block_model(model_name: str):
     model.to_empty(device="cpu")
     model.init_weights(0)
     for p in model.parameters():
-        p.data = p.data.to(torch.bfloat16)
+        p.data = p.data.to(dtype)
     return cfg, model
 
 
@@ -65,7 +66,7 @@ def _allocation_curve(prof) -> list:
     return curve
 
 
-def measure(model_name: str, mode: str, compiled: bool, batch: int, seq: int) -> dict:
+def measure(model_name: str, mode: str, compiled: bool, batch: int, seq: int, precision: str = "bf16") -> dict:
     """Saved bytes and backward peak of one block (see the module docstring), in this process."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -74,7 +75,8 @@ def measure(model_name: str, mode: str, compiled: bool, batch: int, seq: int) ->
     from launcher.parallel.compile import apply_compile
 
     torch.manual_seed(0)
-    cfg, model = _block_model(model_name)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    cfg, model = _block_model(model_name, dtype)
     if mode == "full":
         apply_activation_checkpointing(model, "full")
     elif mode != "none":
@@ -82,17 +84,17 @@ def measure(model_name: str, mode: str, compiled: bool, batch: int, seq: int) ->
     if compiled:
         apply_compile(model)
     block, rope = model.layers["0"], model.rope
-    x = torch.randn(batch, seq, cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(batch, seq, cfg.dim, dtype=dtype, requires_grad=True)
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             out = block(x, rope)
         return out
 
     for _ in range(2):  # compile, allocate .grad
-        step().backward(torch.ones(batch, seq, cfg.dim, dtype=torch.bfloat16))
+        step().backward(torch.ones(batch, seq, cfg.dim, dtype=dtype))
     x.grad = None
-    grad_out = torch.ones(batch, seq, cfg.dim, dtype=torch.bfloat16)
+    grad_out = torch.ones(batch, seq, cfg.dim, dtype=dtype)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("block_forward"):
             out = step()
@@ -106,7 +108,7 @@ def measure(model_name: str, mode: str, compiled: bool, batch: int, seq: int) ->
     in_bwd = [lvl for t, lvl in curve if bwd_start <= t <= bwd_end]
     out_bytes = out.untyped_storage().nbytes()
     tokens = batch * seq
-    return {"model": model_name, "mode": mode, "compiled": compiled, "tokens": tokens,
+    return {"model": model_name, "precision": precision, "mode": mode, "compiled": compiled, "tokens": tokens,
             "saved_per_token": (after_fwd - out_bytes) / tokens,
             "backward_peak_per_token": (max(in_bwd, default=after_fwd) - after_fwd) / tokens,
             "dim": cfg.dim, "ffn_dim": cfg.ffn_dim}
@@ -118,23 +120,26 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                    help="bf16: bf16 parameters and input under bf16 autocast; fp32: fp32, no autocast")
     ap.add_argument("--one", nargs=2, metavar=("MODE", "COMPILED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         mode, compiled = args.one[0], args.one[1] == "1"
-        print(json.dumps(measure(args.model, mode, compiled, args.batch, args.seq)))
+        print(json.dumps(measure(args.model, mode, compiled, args.batch, args.seq, args.precision)))
         return
     rows = []
     for mode in args.modes.split(","):
         for compiled in (False, True):
             cmd = [sys.executable, __file__, "--model", args.model, "--batch", str(args.batch),
-                   "--seq", str(args.seq), "--one", mode, "1" if compiled else "0"]
+                   "--seq", str(args.seq), "--precision", args.precision, "--one", mode, "1" if compiled else "0"]
             res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
             if res.returncode != 0:
                 raise SystemExit(f"{mode} compiled={compiled} failed:\n{res.stderr[-3000:]}")
             rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(f"\n{args.model} block, batch {args.batch} x seq {args.seq}, bf16 parameters, bf16 autocast, CPU "
+    numerics = "bf16 parameters, bf16 autocast" if args.precision == "bf16" else "fp32, no autocast"
+    print(f"\n{args.model} block, batch {args.batch} x seq {args.seq}, {numerics}, CPU "
           f"(h {rows[0]['dim']}, f {rows[0]['ffn_dim']}); bytes per token")
     print("| AC mode | eager saved | compiled saved | eager backward peak | compiled backward peak |")
     print("|---|---:|---:|---:|---:|")
