@@ -4,6 +4,8 @@ per backend, ZeRO stage and offload, and the activation formulas' behaviour unde
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -114,6 +116,27 @@ def test_layer_activations_by_hand():
     assert layer_activation_bytes(SHAPE, lay, False, "full") == pytest.approx(2 * tokens * h)
 
 
+def test_compiled_selective_block_drops_w2_output():
+    """trainer.compile under selective AC: the compiled block keeps what the policy saves except
+    w2's output, which only the residual add reads (measured on the real llama_1b block:
+    bench/compiled_block_activations.py, a x h per token and block less under op and
+    op_alternate_mm). Full AC and MoE blocks (compiled without their experts) are unchanged."""
+    base = Layout(batch=RankBatchPlan(seq_len=8192, micro_batch_size=2))
+    tokens, a, h = 2 * 8192, 2, 4096
+
+    def saving(lay, moe, mode):
+        compiled = dataclasses.replace(lay, compile=True)
+        return layer_activation_bytes(SHAPE, lay, moe, mode) - layer_activation_bytes(SHAPE, compiled, moe, mode)
+
+    for mode in ("op", "op_alternate_mm"):
+        assert saving(base, False, mode) == pytest.approx(tokens * a * h)
+        # Under SP the term the formula counts for w2's output is split over TP.
+        sp = dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, tp=8), sp=True)
+        assert saving(sp, False, mode) == pytest.approx(tokens * a * h / 8)
+    assert saving(base, False, "full") == 0
+    assert saving(base, True, "op") == 0
+
+
 def test_tp_sp_cp_and_selective_shrink_activations():
     base = Layout(batch=RankBatchPlan(seq_len=8192, micro_batch_size=2))
     none = layer_activation_bytes(SHAPE, base, False, "none")
@@ -196,6 +219,26 @@ def _saved_bytes_of_block(cfg, layer: int, batch: int, seq: int) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.layers[str(layer)](x, model.rope)
     return sum(saved.values())
+
+
+def test_compiled_selective_block_saves_what_the_formula_says():
+    """The real debug block under selective AC, eager vs compiled (the runtime's wrapping and
+    compile, in the engine's order), measured by bench/compiled_block_activations.py with the CPU
+    allocator: the bytes the compiled block stops keeping are what layer_activation_bytes takes
+    out for trainer.compile (w2's output)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import compiled_block_activations as bench  # lazy: imports torch and compiles blocks
+
+    cfg = compose_spec(["model=debug"]).model
+    shape = model_shape(cfg)
+    batch, seq = 4, 128
+    lay = Layout(batch=RankBatchPlan(micro_batch_size=batch, seq_len=seq), numerics=NumericsPlan(precision="bf16"))
+    for mode in ("op", "op_alternate_mm"):
+        eager, compiled = (bench.measure("debug", mode, c, batch, seq)["saved_per_token"] * batch * seq
+                           for c in (False, True))
+        predicted = (layer_activation_bytes(shape, lay, False, mode)
+                     - layer_activation_bytes(shape, dataclasses.replace(lay, compile=True), False, mode))
+        assert eager - compiled == predicted > 0, (mode, eager, compiled, predicted)
 
 
 @pytest.mark.parametrize("family,layer,tolerance", [("llama", 0, 0.05), ("qwen3", 0, 0.05),

@@ -325,6 +325,17 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
     # Matmul outputs before wo (the last attention matmul, whose output is counted with the
     # residual-sized tensors): TP-split ones and replicated ones.
     before_wo = at.linears[:-1]
+    # The last matmul's (w2's) output under selective AC: the policy saves it in eager mode, but in a
+    # compiled block (trainer.compile, which compiles the checkpoint-wrapped block:
+    # launcher/engines/native.py) AOTAutograd's partitioner saves only what the backward reads, and
+    # w2's output is read by the residual add alone, whose backward needs no input. Everything else
+    # the policy saves is read by the backward and kept. Measured on CPU with the real llama_1b block
+    # under bf16 autocast (bench/compiled_block_activations.py, docs/planner.md): per token and block
+    # "op" 51,328 B eager, 47,232 compiled, "op_alternate_mm" 29,824 and 25,728 (without the block
+    # input): a x h less in both, w2's output, the only tensor missing from the compiled block's
+    # saved list. Dense blocks only (MoE blocks are compiled without their experts); under TP the
+    # same term is dropped (the collective after w2 is not read by the backward either; not measured).
+    last_mm_out = 0.0 if lay.compile and not moe else a * h / sp_div
     if mode == "op_alternate_mm":
         # torchtitan's policy (launcher/parallel/ac.py): every second mm output is recomputed, so of
         # wq, wk, wv, wo, w1, w3, w2 only wq, wv, w1, w2 are kept. wk and w3 go; wo's output goes
@@ -332,7 +343,7 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         # (Counted for a four-matmul attention: the policy is refused for MoE models, MLA's.)
         kept_mm = sum(m.out_features for m in before_wo[::2])
         attn = a * (kept_mm + w["o"]) / t  # q, v, SDPA output
-        kept = a * h / sp_div * (3 if t > 1 else 2)  # block input, w2 output (+ wo's collective)
+        kept = a * h / sp_div * (2 if t > 1 else 1) + last_mm_out  # block input (+ wo's collective), w2 output
         ffn = a * shape.ffn_dim / t  # w1 output
         gathered = 2 * a * h if lay.sp else 0.0
         return tokens * (attn + kept + ffn + gathered)
@@ -341,7 +352,7 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         # (norms, silu, mul recomputed)
         split_mm = sum(m.out_features for m in before_wo if m.split)
         attn = a * (split_mm + w["o"]) / t + a * sum(m.out_features for m in before_wo if not m.split)
-        kept = a * h / sp_div * 3  # block input, wo output, w2 output (residual-stream sized)
+        kept = a * h / sp_div * 2 + last_mm_out  # block input, wo output, w2 output (residual-stream sized)
         # Under SP the policy (launcher/parallel/ac.py) also saves its collectives' outputs: the two
         # all-gathered norm outputs (full sequence) that feed wq/wk/wv and w1/w3.
         gathered = 2 * a * h if lay.sp else 0.0
