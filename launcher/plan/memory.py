@@ -458,9 +458,9 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     # A block recomputed for its backward saves again what its recomputed ops produce: the block's
     # activations without recomputation, less what the checkpoint already kept (the block input
     # under full AC; the matmul and attention outputs under selective AC, which the recomputed
-    # forward reuses instead of producing again). Compiled blocks (trainer.compile) save less.
-    redo = "op" if lay.compile else "none"
-    worst_layer = max((recomputed_block_bytes(shape, lay, moe, mode, redo) for moe, mode in kinds if mode != "none"),
+    # forward reuses instead of producing again). Compiled blocks (trainer.compile) save less in
+    # both, which layer_activation_bytes models.
+    worst_layer = max((recomputed_block_bytes(shape, lay, moe, mode) for moe, mode in kinds if mode != "none"),
                       default=0.0)
     inflight = inflight_microbatches(lay, stage.rank)
     tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
@@ -496,15 +496,15 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     return out
 
 
-def recomputed_block_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str, redo: str) -> float:
+def recomputed_block_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str) -> float:
     """Bytes the recomputation of one checkpointed block adds during its backward.
 
-    The recomputed forward saves what `redo` (the block's mode without checkpointing: "none",
-    or "op" when compiled) saves, but the tensors the checkpoint kept (`mode`) are reused, not
-    made again: the difference. Measured on CPU (bench/memory_accuracy.py, docs/benchmarks.md
-    2026-11-27): charging the whole block under selective AC over-estimated the step's peak.
+    The recomputed forward saves what the block saves without checkpointing (mode "none", eager
+    or compiled), but the tensors the checkpoint kept (`mode`) are reused, not made again: the
+    difference. Measured on CPU (bench/memory_accuracy.py, docs/benchmarks.md 2026-11-27):
+    charging the whole block under selective AC over-estimated the step's peak.
     """
-    return max(0.0, layer_activation_bytes(shape, lay, moe, redo) - layer_activation_bytes(shape, lay, moe, mode))
+    return max(0.0, layer_activation_bytes(shape, lay, moe, "none") - layer_activation_bytes(shape, lay, moe, mode))
 
 
 # ----------------------------------------------------------------------------- per stage
