@@ -18,8 +18,9 @@ checkpoint's selective-AC cache, a compiled graph's saved outputs):
 - backward peak: the highest allocation during the backward over the level before it (the
   recomputed tensors, the activation gradients, and the weight gradients before they are
   accumulated into .grad: a constant, so per token it shrinks with the tokens; compare lengths).
-Both are printed per token (batch x seq). Prints a markdown table; not a test (the planner's
-formulas are checked against it by hand: docs/planner.md, "Activations").
+Both are printed per token (batch x seq). Prints a markdown table; not a test itself:
+tests/test_plan_memory.py holds the planner's compile term to `measure` on the debug block, and
+docs/planner.md ("Activations") quotes llama_1b's numbers.
 """
 
 from __future__ import annotations
