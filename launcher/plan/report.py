@@ -162,8 +162,9 @@ def _memory_section(plan, spec) -> str:
     grads_note = (f"none yet at this peak; {_gib(held)} once the backward has made them (optimizer step)"
                   if not mem["grads"] and held else "")
     head = detail.get("activations_head", 0)
-    head_note = (f"head {_gib(head)}" if mem["activations"] >= detail.get("activations_layers", 0) + head
-                 else f"head {_gib(head)}, its last micro-batch's freed by then")
+    freed = detail.get("activations_layers", 0) + head - mem["activations"]
+    head_note = f"head {_gib(head)}" + (f" ({_gib(freed)} of it freed by the loss's backward, before this peak)"
+                                        if freed > 0 else "")
     rows = [
         ("params", _gib(mem["params"]), ""),
         ("grads", _gib(mem["grads"]), grads_note),
