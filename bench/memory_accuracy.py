@@ -18,6 +18,7 @@ Not a test: it takes minutes; targets (issue 6): states within 5 %, activations 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -135,10 +136,10 @@ def main(argv=None) -> int:
         worker(args.worker)
         return 0
     rows = {}
-    with tempfile.TemporaryDirectory(prefix="memacc_") as tmp:
-        if args.keep:
-            args.keep.mkdir(parents=True, exist_ok=True)
-            tmp = str(args.keep.resolve())
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    out_dir = contextlib.nullcontext(str(args.keep.resolve())) if args.keep else tempfile.TemporaryDirectory(prefix="memacc_")
+    with out_dir as tmp:
         for name, world, overrides in MATRIX:
             if args.only and args.only not in name:
                 continue

@@ -16,9 +16,11 @@ from launcher.plan.flops import peak_tflops
 from launcher.plan.layout import Layout
 from launcher.plan.memory import (
     ALLOCATOR_FRAGMENTATION,
+    PHASE_TEMPORARIES,
     estimate_memory,
     layer_activation_bytes,
     model_state_memory,
+    other_parts,
     stage_activation_memory,
     working_state_memory,
 )
@@ -249,9 +251,10 @@ def test_fsdp_held_unsharded_grads_accumulate_in_reduce_dtype():
     assert fp32["unsharded_grads"] == 2 * bf16["unsharded_grads"] == pytest.approx(4 * st.shared, rel=1e-9)
 
 
-def _phases(shape, lay, st=None):
-    """The two backward phases of the first stage, recomputed here from the parts the plan lists."""
-    st = st or stage_params(shape, lay.mesh.pp)[0]
+def _phases(shape, lay):
+    """The first stage's activation parts and its step's gradients, from which a test rebuilds the
+    two backward phases."""
+    st = stage_params(shape, lay.mesh.pp)[0]
     acts = stage_activation_memory(shape, st, lay)
     grads = model_state_memory(st, lay, shape)["grads"]
     return acts, grads
@@ -292,6 +295,23 @@ def test_peak_is_the_larger_backward_phase_plus_fragmentation():
         # loss_parallel's extra fp32 temporary under TP.
         v, tokens = shape.vocab_size / tp, 2 * 8192
         assert d["logits_transient"] == pytest.approx(tokens * (2 + 8 + (4 if tp > 1 else 0)) * v, abs=2)
+
+
+def test_the_other_row_lists_exactly_what_it_adds_up_in_either_phase():
+    # plan.memory.peak_phase names the phase; the report's "other" parts (other_parts) are that
+    # phase's temporaries with the working memory, fragmentation and reserve, and sum to `other`.
+    shape = model_shape(_spec("llama3_8b").model)
+    phases = set()
+    for lay in (_lay(ac_mode="selective"), _lay(dp_shard=2, gpus_per_node=2, seq_len=256, micro_batch_size=1,
+                                                 ac_mode="full")):
+        mem = estimate_memory(shape, lay, reserved_bytes=1000)[0]
+        parts = other_parts(mem.detail, mem.peak_phase)
+        assert sum(parts.values()) == mem.other
+        assert not {"grads_held", "activations_layers", "activations_head"} & set(parts)
+        other_phase = {"loss", "blocks"} - {mem.peak_phase}
+        assert not set(PHASE_TEMPORARIES[other_phase.pop()]) & set(parts)
+        phases.add(mem.peak_phase)
+    assert phases == {"loss", "blocks"}
 
 
 def test_gradients_larger_than_the_activations_are_at_the_blocks_backward_peak():

@@ -453,7 +453,6 @@ def _layer_kinds(shape: ModelShape, stage: StageParams, ac_mode: str, ac_selecti
 def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) -> Dict[str, int]:
     """Saved activations of a pipeline rank at its peak, plus the backward working set."""
     kinds = _layer_kinds(shape, stage, lay.memory.ac_mode, lay.memory.ac_selective)
-    recompute = any(mode != "none" for _, mode in kinds)
     per_mb = sum(n * layer_activation_bytes(shape, lay, moe, mode) for (moe, mode), n in kinds.items())
     # A block recomputed for its backward saves again what its recomputed ops produce: the block's
     # activations without recomputation, less what the checkpoint already kept (the block input
@@ -492,7 +491,7 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     out["backward_workspace"] = int(tokens * a * (3 * width + 2 * shape.dim))
     # The block being recomputed holds those tensors during its backward; like torch's
     # MemTracker, count them with the backward temporaries ("other").
-    out["recomputed_block"] = int(worst_layer) if recompute else 0
+    out["recomputed_block"] = int(worst_layer)  # 0 without recomputation
     return out
 
 
@@ -526,6 +525,12 @@ class BackwardPhase(NamedTuple):
 # category's own maximum (grads_held, activations_*) is working memory, fragmentation and reserve.
 PHASE_TEMPORARIES = {"loss": ("logits_transient",), "blocks": ("backward_workspace", "recomputed_block")}
 NOT_IN_OTHER = ("grads_held", "activations_layers", "activations_head")
+
+
+def phase_temporaries(acts: Dict[str, int], phase: str) -> int:
+    """Bytes of the backward temporaries `phase` holds (PHASE_TEMPORARIES), from
+    stage_activation_memory's output or a plan's detail."""
+    return sum(int(acts.get(k, 0)) for k in PHASE_TEMPORARIES[phase])
 
 
 def other_parts(detail: Dict[str, int], peak_phase: str) -> Dict[str, int]:
@@ -573,10 +578,10 @@ def estimate_memory(shape: ModelShape, lay: Layout, reserved_bytes: int = 0,
         born = grads_born_in_backward(lay)
         all_activations = acts["layers"] + acts.get("head", 0)
         block_activations = all_activations - acts.get("head_freed_before_blocks", 0)
-        loss_phase = BackwardPhase(name="loss", activations=all_activations, temporaries=acts.get("logits_transient", 0),
+        loss_phase = BackwardPhase(name="loss", activations=all_activations, temporaries=phase_temporaries(acts, "loss"),
                                    grads=0 if born else grads_full)
         block_phase = BackwardPhase(name="blocks", activations=block_activations,
-                                    temporaries=acts["backward_workspace"] + acts["recomputed_block"],
+                                    temporaries=phase_temporaries(acts, "blocks"),
                                     grads=0 if born and block_activations >= grads_full else grads_full)
         peak = max(block_phase, loss_phase, key=BackwardPhase.bytes)  # a tie goes to the blocks'
         activations, temporaries, grads = peak.activations, peak.temporaries, peak.grads

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Sequence
 
 from launcher.models.family import family_of
 from launcher.plan.bands import memory_at_risk
-from launcher.plan.memory import GiB, other_parts
+from launcher.plan.memory import GiB, other_parts, own_maxima
 from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
 from launcher.plan.perf import correction_bias_bytes
@@ -158,11 +158,12 @@ def _memory_section(plan, spec) -> str:
     detail = mem.get("detail", {})
     phase = mem.get("peak_phase", "blocks")
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in other_parts(detail, phase).items() if v)
-    held = detail.get("grads_held", 0)
+    own = own_maxima(detail, mem["grads"], mem["activations"])
+    held = own["grads_held"]
     grads_note = (f"none yet at this peak; {_gib(held)} once the backward has made them (optimizer step)"
                   if not mem["grads"] and held else "")
     head = detail.get("activations_head", 0)
-    freed = detail.get("activations_layers", 0) + head - mem["activations"]
+    freed = own["activations_max"] - mem["activations"]
     head_note = f"head {_gib(head)}" + (f" ({_gib(freed)} of it freed by the loss's backward, before this peak)"
                                         if freed > 0 else "")
     rows = [
