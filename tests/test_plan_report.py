@@ -57,6 +57,23 @@ def test_text_has_every_section(planned):
         render_plan(plan, spec, "yaml")
 
 
+def test_memory_rows_say_what_exists_at_the_peak():
+    # One micro-batch of llama3_8b on 8 GPUs: the peak is the loss's backward, before any gradient
+    # is born. The grads row says so with the gradients held for the optimizer step, and "other"
+    # lists only the parts it adds up (plan.json: memory.peak_phase, per_pp_rank's maxima).
+    spec = compose_spec(["+recipe=llama8b", "trainer.global_batch_size=8"])
+    plan = build_plan(spec)
+    mem = plan.memory
+    assert mem["peak_phase"] == "loss" and mem["grads"] == 0 < mem["detail"]["grads_held"]
+    row = mem["per_pp_rank"][0]
+    assert row["grads_held"] == mem["detail"]["grads_held"] and row["activations_max"] >= row["activations"]
+    lines = {line.split()[0]: line for line in render_plan(plan, spec, "text").splitlines()
+             if line.split() and line.split()[0] in ("grads", "other")}
+    assert "none yet at this peak" in lines["grads"]
+    assert "logits_transient" in lines["other"]
+    assert not any(k in lines["other"] for k in ("grads_held", "backward_workspace", "recomputed_block"))
+
+
 def test_verdict_says_at_risk_when_the_memory_band_reaches_past_the_gpu(planned):
     """The point estimate fits, the upper end of the measured band does not (llama3_8b, FSDP 4 x
     TP 2 on 64 GiB GPUs: 60.7 GiB planned, up to 70.2 GiB for 2D layouts): FITS, but AT RISK, with
