@@ -12,10 +12,8 @@ files with the source byte for byte.
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -147,11 +145,9 @@ def main() -> None:
         dist.barrier()
     if dist.get_rank() == 0:
         Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
-    # Clean gloo teardown (docs: PLATFORM.md "Gotchas seen").
-    dist.barrier()
-    dist.destroy_process_group()
-    gc.collect()
-    time.sleep(0.1)
+    from launcher.runtime.dist import exit_after_shutdown
+
+    exit_after_shutdown()  # gloo's abort at exit: PLATFORM.md "Gotchas seen"
 
 
 if __name__ == "__main__":

@@ -165,8 +165,9 @@ def main() -> int:
         dist.barrier()
     if dist.get_rank() == 0:
         Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
-    return 0
+    from launcher.runtime.dist import exit_after_shutdown
+
+    exit_after_shutdown()
 
 
 if __name__ == "__main__":

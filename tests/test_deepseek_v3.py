@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from launcher.config.schema import ModelConfig, RopeScalingConfig
 from launcher.models import build_model
 from launcher.models.moe import MoE, update_correction_bias
+from launcher.runtime.dist import exit_after_shutdown
 
 TINY = dict(name="tiny_dsv3", family="deepseek_v3", n_layers=3, dim=32, n_heads=4, n_kv_heads=4, ffn_dim=48,
             vocab_size=96, max_seq_len=32, norm_eps=1e-6, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
@@ -236,8 +237,10 @@ def _tp_worker(rank: int, port: int, sequence_parallel: bool, out: dict) -> None
         if rank == 0:
             out["logits"] = float((logits - want).abs().max())
             out["grads"] = grads
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_after_shutdown()
 
 
 @pytest.mark.multiprocess

@@ -63,8 +63,9 @@ def _worker(out_path: str) -> None:
             dist.barrier()
     if rank == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    from launcher.runtime.dist import exit_after_shutdown
+
+    exit_after_shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from launcher.runtime.checkpoint import rng_state
 from launcher.runtime import local_checkpoint
+from launcher.runtime.dist import exit_after_shutdown
 from launcher.runtime.local_checkpoint import Held, LocalTier, Source, agree, peer_of
 
 
@@ -127,8 +128,10 @@ def _ring_worker(rank: int, port: int, folder: str, out: dict) -> None:
         # Node b is lost; its rank runs on the spare d, whose disk is empty.
         agreement, data = tier("adc"[rank]).restore_bytes(shared_step=3)
         out[rank] = (agreement.step, agreement.sources[rank], data == _state_of(rank, 6))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_after_shutdown()
 
 
 @pytest.mark.multiprocess

@@ -31,6 +31,7 @@ from launcher.models.grouped_mm import expert_swiglu, grouped_mm_problem
 from launcher.models.moe import MoE
 from launcher.plan.mesh import MeshPlan
 from launcher.plan.layout import MemoryPlan, NumericsPlan, RankBatchPlan
+from launcher.runtime.dist import exit_after_shutdown
 
 aten = torch.ops.aten
 # Ops whose result size or value the host must read from the device (a sync on CUDA).
@@ -216,13 +217,8 @@ def _ep_rank(rank: int, port: int, out_dir: str) -> None:
                       f"dropped={dropped} "
                       f"out_diff={out_diff:.3g} grad_diff={grad_diff:.3g} events={counter.events}")
     Path(out_dir, f"rank{rank}.txt").write_text("\n".join(report))
-    dist.barrier()
-    dist.destroy_process_group()
-    # Leave without the interpreter's teardown: once in CI (2026-11-26, 1 of 4 full runs) rank 0
-    # died with SIGABRT ("terminate called without an active exception", a C++ thread destroyed
-    # while joinable) after this point, failing mp.spawn although every result was written. A
-    # crash during the work still fails the test: its report file is missing or incomplete.
-    os._exit(0)
+    # A crash during the work still fails the test: its report file is missing or incomplete.
+    exit_after_shutdown()
 
 
 def _free_port() -> int:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -80,3 +82,17 @@ def shutdown_distributed() -> None:
             dist.destroy_process_group()
     gc.collect()
     time.sleep(0.1)
+
+
+def exit_after_shutdown(code: int = 0) -> NoReturn:
+    """shutdown_distributed, then end the process at once, skipping the interpreter's teardown.
+
+    For worker processes whose results are already written (test and bench workers under
+    mp.spawn or torchrun). The barrier + destroy above makes gloo's abort at exit rare, not
+    impossible: CI saw a worker that had written its results die of it on 2026-11-27, failing
+    mp.spawn. The abort happens in C++ destructors at interpreter exit, which os._exit skips.
+    Call it only once the work succeeded, so that a failure during the work still fails the run."""
+    shutdown_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

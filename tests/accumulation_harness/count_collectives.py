@@ -98,8 +98,9 @@ def main() -> int:
                 results[f"zero{zero_stage}_{str(unsharded).lower()}_{micro}"] = run(zero_stage, unsharded, micro)
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
-    return 0
+    from launcher.runtime.dist import exit_after_shutdown
+
+    exit_after_shutdown()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.runtime.dist import shutdown_distributed
+from launcher.runtime.dist import exit_after_shutdown
 
 # A model whose fp32 state (about 200 MB) is 50x its largest tensor (4 MB: a 2048x512 matrix).
 OVERRIDES = dict(dim=512, n_heads=8, n_kv_heads=8, ffn_dim=2048, vocab_size=2048, n_layers=12)
@@ -108,8 +108,7 @@ def main() -> int:
         gc.collect()
     if rank == 0:
         results_path.write_text(json.dumps(results, indent=1))
-    shutdown_distributed()
-    return 0
+    exit_after_shutdown()
 
 
 if __name__ == "__main__":

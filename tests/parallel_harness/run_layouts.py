@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from launcher.runtime.dist import shutdown_distributed
+from launcher.runtime.dist import exit_after_shutdown
 
 REPO = Path(__file__).resolve().parents[2]
 # HARNESS_DEVICE=cuda runs the same layouts on GPUs (nccl, one GPU per rank).
@@ -256,8 +256,7 @@ def main() -> int:
             dist.barrier()
     if rank == 0:
         Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
-    shutdown_distributed()
-    return 0
+    exit_after_shutdown()
 
 
 if __name__ == "__main__":
