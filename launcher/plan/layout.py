@@ -212,6 +212,16 @@ class Layout:
         return self.global_batch_size * self.batch.seq_len
 
     @property
+    def microbatch_tokens(self) -> int:
+        """Tokens of one micro-batch of one data-parallel rank, over all its context-parallel ranks."""
+        return self.batch.micro_batch_size * self.batch.seq_len
+
+    @property
+    def rank_microbatch_tokens(self) -> float:
+        """Tokens of one micro-batch that one GPU holds: context parallelism splits the sequence."""
+        return self.microbatch_tokens / self.mesh.cp
+
+    @property
     def pp_microbatches(self) -> int:
         """Pipeline micro-batches per step: THE rule (docs/parallelism.md) is that the schedule runs
         the gradient-accumulation micro-batches, each of trainer.micro_batch_size sequences."""

@@ -298,7 +298,7 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
     (as "op" but every second matmul output recomputed: MoE blocks are refused by the validator).
     """
     a, h, t = lay.act_bytes, shape.dim, lay.mesh.tp
-    tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
+    tokens = lay.rank_microbatch_tokens
     sp_div = t if lay.sp else 1
     if mode == "full":
         return tokens * a * h / sp_div
@@ -462,7 +462,7 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     worst_layer = max((recomputed_block_bytes(shape, lay, moe, mode) for moe, mode in kinds if mode != "none"),
                       default=0.0)
     inflight = inflight_microbatches(lay, stage.rank)
-    tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
+    tokens = lay.rank_microbatch_tokens
     a, t = lay.act_bytes, lay.mesh.tp
     # The document mask is built once per micro-batch and stage and saved by every layer's attention
     # (the same tensor): one per micro-batch in flight.

@@ -146,7 +146,7 @@ def gemm_efficiency(shape: ModelShape, lay: Layout) -> float:
     micro-batch's tokens on the rank. Width: a dense model's FFN width over tp (most of its matmul
     FLOPs); an MoE model's remaining matmuls are its attention projections and shared experts,
     scored one by one (moe_block_gemm_knee)."""
-    rows = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
+    rows = lay.rank_microbatch_tokens
     if shape.n_moe_layers:
         return moe_block_gemm_knee(shape, rows, lay.mesh.tp)
     return knee(rows, shape.ffn_dim / lay.mesh.tp)
@@ -169,7 +169,7 @@ def moe_block_gemm_knee(shape: ModelShape, rows: float, tp: int) -> float:
 def expert_rows(shape: ModelShape, lay: Layout) -> float:
     """Rows one routed expert's GEMM gets per micro-batch on a rank, balanced routing: the rank's
     tokens x top_k copies spread over n_experts, gathered from the ep ranks that route to it."""
-    tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
+    tokens = lay.rank_microbatch_tokens
     return tokens * max(1, shape.top_k) * lay.mesh.ep / max(1, shape.n_experts)
 
 
@@ -228,7 +228,7 @@ def matmul_peak(hw: Any, precision: str) -> float:
 
 def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> float:
     """Forward + backward of one micro-batch on one GPU of a pipeline rank."""
-    tokens = lay.batch.micro_batch_size * lay.batch.seq_len
+    tokens = lay.microbatch_tokens
     block, head = stage_matmul_params(shape, st)
     routed, whole = stage_routed_params(shape, st), stage_moe_whole_params(shape, st)
     rf = recompute_fraction(lay)
@@ -263,7 +263,7 @@ def attention_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> flo
     """Attention-score matmul seconds of one micro-batch on one GPU: the 12 L h s FLOPs (plus a
     recomputed forward) at the bf16 (TF32 under fp32) rate, split over tp x cp; under context
     parallelism the ring's hops run at RING_HOP_EFFICIENCY (launcher/plan/ring.py)."""
-    tokens = lay.batch.micro_batch_size * lay.batch.seq_len
+    tokens = lay.microbatch_tokens
     rf = recompute_fraction(lay)
     attn_flops = attention_flops_per_token(st.n_layers, attention_width(shape), lay.batch.seq_len) * (1 + rf / 3) * tokens
     peak = matmul_peak(hw, "fp32" if lay.numerics.precision == "fp32" else "bf16") * hw.achievable_fraction
@@ -281,7 +281,7 @@ def document_mask_s(st: StageParams, lay: Layout, hw: Any) -> float:
     not modelled."""
     if lay.document_mask != "sdpa":
         return 0.0
-    mask = lay.batch.micro_batch_size * lay.batch.seq_len ** 2
+    mask = lay.microbatch_tokens * lay.batch.seq_len
     built = mask * (2 + lay.act_bytes)
     reads = mask * lay.act_bytes * st.n_layers * (2 + recompute_fraction(lay))
     return (built + reads) / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
@@ -314,7 +314,7 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     """Per-step communication of one GPU on pipeline rank `st` (the busiest one)."""
     out: List[Collective] = []
     m, a = lay.batch.microbatches, lay.act_bytes
-    tokens = lay.batch.micro_batch_size * lay.batch.seq_len / lay.mesh.cp
+    tokens = lay.rank_microbatch_tokens
     shared = st.shared / lay.mesh.tp
     routed = st.routed / (lay.mesh.tp * lay.mesh.ep)
     wb = 4.0 if lay.numerics.precision == "fp32" else (1.0 if lay.numerics.precision == "fp8" and lay.numerics.fp8_all_gather else 2.0)
@@ -374,7 +374,7 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     if lay.mesh.cp > 1:
         # Ring attention (launcher/plan/ring.py): K/V, repeated to every query head, all-gathered in
         # forward, again when recomputed, and in backward; the fp32 dK/dV cross cp links per backward.
-        kv = lay.batch.micro_batch_size * lay.batch.seq_len * kv_bytes_per_token(shape, lay)
+        kv = lay.microbatch_tokens * kv_bytes_per_token(shape, lay)
         out.append(_coll("CP K/V ring", "all_gather", ("cp",), lay.mesh.cp, lay, hw, kv, n_layers * m * (2 + rf)))
         dkv = kv / lay.mesh.cp * 4.0 / a
         out.append(_coll("CP dK/dV ring", "p2p", ("cp",), lay.mesh.cp, lay, hw, dkv, n_layers * m * lay.mesh.cp))

@@ -121,7 +121,7 @@ def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
             with engine._loss_parallel():
                 with engine._autocast():
                     logits = model(inputs)
-                loss = token_loss_sum(logits, labels) / float(layout.batch.micro_batch_size * layout.batch.seq_len)
+                loss = token_loss_sum(logits, labels) / float(layout.microbatch_tokens)
                 loss.backward()
         for opt in engine.optimizers:
             opt.step()
@@ -210,7 +210,7 @@ def per_microbatch_bytes(engine, layout, stages, n_run: int) -> Dict[str, int]:
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     act = nbytes(acts) // n_run
     if engine.has_first:
-        act += layout.batch.micro_batch_size * layout.batch.seq_len * 8  # int64 token ids
+        act += layout.microbatch_tokens * 8  # int64 token ids
     return {"activations": act, "other": nbytes(grads) // n_run}
 
 
