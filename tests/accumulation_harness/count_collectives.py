@@ -23,7 +23,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.parallel_harness.run_layouts import model_config, rank_microbatches  # noqa: E402
+from tests.parallel_harness.run_layouts import model_config  # noqa: E402
 
 
 def count(step_fn) -> dict:
