@@ -1,7 +1,8 @@
 """`action=rehearse`: every recipe's ranks built at the real world size on a fake process group.
 
-Each rehearsed rank is a real subprocess running the real engine code (launcher/runtime/
-rehearse.py) on fake tensors; nothing is mocked. The comparison with real multi-process runs
+Each rehearsed rank is a real process of its own (forked from one server process that imported
+torch once) running the real engine code (launcher/rehearse/rank.py) on fake tensors; nothing
+is mocked. The comparison with real multi-process runs
 is in tests/test_parallel_layouts.py (test_rehearsal_holds_what_the_real_ranks_hold).
 """
 
@@ -24,6 +25,7 @@ from launcher.rehearse.ranks import rehearsal_ranks
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 ROW_KEYS = {"rank", "coords", "params_numel", "memory", "predicted", "error"}
+ENV_BEFORE = dict(os.environ)
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "peak"}
 
 pytestmark = pytest.mark.multiprocess
@@ -97,6 +99,27 @@ def test_a_layout_the_runtime_cannot_build_is_refused_naming_rank_module_and_fix
     assert "launcher.parallel.tp" in first and "n_kv_heads=2 is not divisible by 4" in first, first
     assert "Fix: " in first and "Traceback" not in first, first
     assert problems[1].startswith("rank 3 (mesh coords pp=0 dp_replicate=0 dp_shard=0 cp=0 tp=3;"), problems[1]
+
+
+def test_a_rank_past_the_time_limit_is_killed_and_reported_and_no_process_is_left(tmp_path, monkeypatch):
+    """A rank still running at the time limit is killed and reported (its log named, the Fix says
+    what to change); the ranks run as forks of one server process, which is stopped afterwards."""
+    import multiprocessing.forkserver
+
+    from launcher.rehearse import driver
+
+    monkeypatch.setattr(driver, "RANK_TIMEOUT_S", 0.5)  # the fake step alone takes longer
+    _, plan, result = _rehearse(["+recipe=debug"], tmp_path)
+    assert not result["ok"]
+    for row in result["ranks"]:
+        err = row["error"]
+        assert err["type"] == "ProcessDied", err
+        assert f"rank {row['rank']} was killed after the time limit" in err["message"], err
+        assert str(tmp_path / "rehearsal" / f"rank_{row['rank']}.log") in err["message"], err
+        assert "rehearse.activations=false" in err["fix"] and "0.5 s per rank" in err["fix"], err
+        assert not (tmp_path / "rehearsal" / f"rank_{row['rank']}.json").exists(), "the rank was not killed"
+    assert multiprocessing.forkserver._forkserver._forkserver_pid is None, "the rank server was left running"
+    assert os.environ.get("OMP_NUM_THREADS") == ENV_BEFORE.get("OMP_NUM_THREADS"), "the ranks' environment leaked"
 
 
 def test_trainer_rehearse_aborts_a_run_that_does_not_fit_before_launching(tmp_path):

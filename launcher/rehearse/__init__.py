@@ -1,7 +1,7 @@
 """The rehearsal: the real rank code at the real world size on a fake process group, on a CPU.
 
 - driver.py: `action=rehearse` / `trainer.rehearse=true` on the host: picks the ranks, runs one
-  subprocess per rank, compares each with the plan, renders the table and rehearsal.json;
+  process per rank (forked from a server that imported torch once), compares each with the plan, renders the table and rehearsal.json;
 - ranks.py: which ranks to rehearse and what the plan predicts for each (pure Python);
 - rank.py: one rank (`python -m launcher.rehearse.rank`): builds its engine under fake tensors,
   measures the states it holds and a tracked fake step;

@@ -4,9 +4,12 @@
     print(render_rehearsal(result))
 
 The run dir holds config.yaml and plan.json as for a real run; every chosen rank runs
-`python -m launcher.rehearse.rank` (launcher/rehearse/rank.py) in a subprocess of its
-own, `rehearse.workers` at a time, so a rank whose build aborts in C++ (or is killed) is
-that rank's reported problem. rehearsal.json:
+launcher/rehearse/rank.py's main in a process of its own, `rehearse.workers` at a time, so a
+rank whose build aborts in C++ (or is killed) is that rank's reported problem. Each such
+process is forked from one server process that imported rank.py (torch, the engines) once
+(multiprocessing's forkserver): a rank starts in a fraction of a second instead of spending
+about 3 s importing torch, and starts from a process that has built nothing, as a fresh
+interpreter would. rehearsal.json:
 
     {"world_size": N, "ranks": [{"rank", "coords", "params_numel",
        "memory": {"params", "grads", "optimizer", "activations", "peak"},
@@ -18,10 +21,10 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -45,25 +48,67 @@ RANK_TIMEOUT_S = 900  # one rank's build and fake step; a llama405b pipeline ran
 SHARED_STEPS_DIR = "rehearsal/steps"
 
 
+RANK_MODULE = "launcher.rehearse.rank"
+
+
 def _rank_env() -> Dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")  # fake tensors compute nothing; no thread pools
-    env.setdefault("DS_ACCELERATOR", "cpu")
+    """What the rank processes' environment adds to this process's."""
+    env = {"PYTHONUNBUFFERED": "1"}
+    for key, value in (("OMP_NUM_THREADS", "1"),  # fake tensors compute nothing; no thread pools
+                       ("DS_ACCELERATOR", "cpu")):
+        env[key] = os.environ.get(key, value)
     return env
 
 
-def _start(run_dir: Path, rank: int, activations: bool) -> Tuple[subprocess.Popen, Path, Path]:
+def _rank_context() -> multiprocessing.context.BaseContext:
+    """The forkserver context the ranks are forked from, its server started with the rank module
+    imported and the ranks' environment (the server's, which its forks inherit; this process's
+    own is restored at once: a real launch after the rehearsal must not inherit it)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([RANK_MODULE])
+    added = _rank_env()
+    saved = {key: os.environ.get(key) for key in added}
+    os.environ.update(added)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return ctx
+
+
+def _stop_rank_server() -> None:
+    """Stop the forkserver once the ranks are done: it holds torch imported (about 300 MB), idle
+    for the rest of this process (a real run may follow the rehearsal). Its stop is not public
+    API; without it the server still ends with this process."""
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
+def _rank_process(run_dir: str, rank: int, out: str, activations: bool, log_path: str) -> None:
+    """A rank process's body: its output goes to its log, its report to `out` (rank.py's main)."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from launcher.rehearse.rank import main
+
+    main(["--run-dir", run_dir, "--rank", str(rank), "--out", out] + ([] if activations else ["--no-activations"]))
+
+
+def _start(ctx: multiprocessing.context.BaseContext, run_dir: Path, rank: int,
+           activations: bool) -> Tuple[multiprocessing.process.BaseProcess, Path, Path]:
     work = run_dir / "rehearsal"
     work.mkdir(parents=True, exist_ok=True)
     out, log_path = work / f"rank_{rank}.json", work / f"rank_{rank}.log"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "launcher.rehearse.rank", "--run-dir", str(run_dir), "--rank", str(rank),
-           "--out", str(out)]
-    if not activations:
-        cmd.append("--no-activations")
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=_rank_env())
+    proc = ctx.Process(target=_rank_process, args=(str(run_dir), rank, str(out), activations, str(log_path)),
+                       name=f"rehearse-rank-{rank}")
+    proc.start()
     return proc, out, log_path
 
 
@@ -94,26 +139,40 @@ def run_ranks(run_dir: Path, ranks: List[int], workers: int, activations: bool,
     one report per rank, in the order of `ranks`. Fake steps measured by an earlier rehearsal in
     this run dir are dropped first."""
     shutil.rmtree(Path(run_dir) / SHARED_STEPS_DIR, ignore_errors=True)
+    ctx = _rank_context()
+    try:
+        return _run_in(ctx, run_dir, ranks, workers, activations, order)
+    finally:
+        _stop_rank_server()
+
+
+def _run_in(ctx: multiprocessing.context.BaseContext, run_dir: Path, ranks: List[int], workers: int,
+            activations: bool, order: Optional[List[int]]) -> List[Dict[str, Any]]:
     pending, running, reports = list(order or ranks), [], {}
-    while pending or running:
-        while pending and len(running) < max(1, workers):
-            rank = pending.pop(0)
-            running.append((rank, time.monotonic(), *_start(run_dir, rank, activations)))
-        time.sleep(0.05)
-        for item in list(running):
-            rank, started, proc, out, log_path = item
-            code = proc.poll()
-            if code is None and time.monotonic() - started > RANK_TIMEOUT_S:
-                proc.kill()
-                proc.wait()
-                reports[rank] = _died(rank, None, log_path)
-            elif code is None:
-                continue
-            elif out.exists():
-                reports[rank] = json.loads(out.read_text())
-            else:
-                reports[rank] = _died(rank, code, log_path)
-            running.remove(item)
+    try:
+        while pending or running:
+            while pending and len(running) < max(1, workers):
+                rank = pending.pop(0)
+                running.append((rank, time.monotonic(), *_start(ctx, run_dir, rank, activations)))
+            time.sleep(0.05)
+            for item in list(running):
+                rank, started, proc, out, log_path = item
+                code = proc.exitcode
+                if code is None and time.monotonic() - started > RANK_TIMEOUT_S:
+                    proc.kill()
+                    proc.join()
+                    reports[rank] = _died(rank, None, log_path)
+                elif code is None:
+                    continue
+                elif out.exists():
+                    reports[rank] = json.loads(out.read_text())
+                else:
+                    reports[rank] = _died(rank, code, log_path)
+                running.remove(item)
+    except BaseException:  # interrupted: leave no rank process behind
+        for item in running:
+            item[2].kill()
+        raise
     return [reports[r] for r in ranks]
 
 

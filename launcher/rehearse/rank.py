@@ -2,8 +2,8 @@
 
     python -m launcher.rehearse.rank --run-dir DIR --rank R --out FILE [--no-activations]
 
-started by launcher/rehearse/driver.py, one process per rank (a C++ abort then takes down
-that rank's report only). It reads the run dir's config.yaml and plan.json like a real rank,
+or its main, started by launcher/rehearse/driver.py in one forked process per rank (a C++
+abort then takes down that rank's report only). It reads the run dir's config.yaml and plan.json like a real rank,
 joins a fake process group of the plan's world size as rank R (torch's FakeStore and
 "fake" backend: collectives return at once, nothing is sent), and builds the engine the
 Layout names with the same code a real run uses (launcher/engines: fp8, TP/SP, EP, AC,
