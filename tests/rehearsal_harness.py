@@ -8,16 +8,17 @@ engine options the real harness (tests/parallel_harness/run_layouts.py) used; OU
 [report of rank 0, rank 1, ...]}. Cases without "steps" are rehearsed states-only, one fake
 process group after the other in this process; cases with "steps" run the rehearsal's fake
 training steps (gradients from a real backward), each rank in a fresh process of its own
-(torch's functional collectives keep process-group names across a re-initialised group).
+(torch's functional collectives keep process-group names across a re-initialised group),
+forked from a server process that imported torch once.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
@@ -41,33 +42,31 @@ def rehearse_case_rank(case: dict, rank: int, activations: bool) -> dict:
     return report
 
 
-def _rehearse_in_own_process(case_file: Path, rank: int, out: Path) -> dict:
+def _rank_with_steps(case: dict, rank: int) -> dict:
     """One rank of a case with fake steps, in a fresh process (see the module docstring)."""
-    subprocess.run([sys.executable, __file__, "--one", str(case_file), str(rank), str(out)], check=True)
-    return json.loads(out.read_text())
+    return rehearse_case_rank(case, rank, True)
+
+
+def _fresh_process_per_rank() -> ProcessPoolExecutor:
+    """Worker processes forked from a server that imported this module (torch, the engines) once,
+    one per task (max_tasks_per_child=1): a fresh process per rank without an interpreter's imports."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__"])
+    return ProcessPoolExecutor(max_workers=min(4, os.cpu_count() or 1), mp_context=ctx, max_tasks_per_child=1)
 
 
 def main() -> int:
-    if sys.argv[1] == "--one":  # CASE.json RANK OUT.json: one rank with fake steps
-        case = json.loads(Path(sys.argv[2]).read_text())
-        Path(sys.argv[4]).write_text(json.dumps(rehearse_case_rank(case, int(sys.argv[3]), True)))
-        return 0
     cases = json.loads(Path(sys.argv[1]).read_text())
     out_path = Path(sys.argv[2])
-    # The per-rank processes of the cases with steps run side by side (each is mostly its torch
-    # import and its own fake steps: nothing is shared but the CPUs) while this process rehearses
-    # the states-only cases; a failed rank process fails the harness (check=True, .result()).
+    # The per-rank processes of the cases with steps run side by side (each is its own fake steps:
+    # nothing is shared but the CPUs) while this process rehearses the states-only cases; a failed
+    # rank process fails the harness (.result() raises).
     reports = {}
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        for i, case in enumerate(cases):
+    with _fresh_process_per_rank() as pool:
+        for case in cases:
             if case.get("steps"):
-                case_file = out_path.with_name(f"case_{i}.json")
-                case_file.write_text(json.dumps(case))
                 world = Layout.from_dict(case["layout"]).mesh.world_size
-                reports[case["name"]] = [
-                    pool.submit(_rehearse_in_own_process, case_file, rank,
-                                out_path.with_name(f"case_{i}_rank_{rank}.json"))
-                    for rank in range(world)]
+                reports[case["name"]] = [pool.submit(_rank_with_steps, case, rank) for rank in range(world)]
         for case in cases:
             if not case.get("steps"):
                 world = Layout.from_dict(case["layout"]).mesh.world_size
