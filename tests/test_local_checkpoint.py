@@ -138,9 +138,11 @@ def _ring_worker(rank: int, port: int, folder: str, out: dict) -> None:
 def test_a_lost_node_in_a_ring_of_three_is_restored_from_the_next_nodes_replica(tmp_path):
     with mp.Manager() as manager:
         out = manager.dict()
-        # fork: the workers need nothing the parent has not imported (a spawn re-imports torch thrice)
+        # forkserver: torch is imported once, by the server, and the workers are forked from a
+        # process without threads (a spawn re-imports torch thrice; a fork of this process copies
+        # whatever its threads held)
         mp.start_processes(_ring_worker, args=(_free_port(), str(tmp_path), out), nprocs=3, join=True,
-                           start_method="fork")
+                           start_method="forkserver")
         out = dict(out)
     # Rank 1's state came from node c, where rank 2 kept it; the others read their own files.
     assert out == {0: (6, Source(0, 0, False, len(_state_of(0, 6))), True),

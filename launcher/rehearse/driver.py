@@ -65,6 +65,7 @@ def _rank_context() -> multiprocessing.context.BaseContext:
     imported and the ranks' environment (the server's, which its forks inherit; this process's
     own is restored at once: a real launch after the rehearsal must not inherit it)."""
     ctx = multiprocessing.get_context("forkserver")
+    _stop_rank_server()  # one started by other code of this process has neither the module nor the environment
     ctx.set_forkserver_preload([RANK_MODULE])
     added = _rank_env()
     saved = {key: os.environ.get(key) for key in added}
@@ -81,9 +82,9 @@ def _rank_context() -> multiprocessing.context.BaseContext:
 
 
 def _stop_rank_server() -> None:
-    """Stop the forkserver once the ranks are done: it holds torch imported (about 300 MB), idle
-    for the rest of this process (a real run may follow the rehearsal). Its stop is not public
-    API; without it the server still ends with this process."""
+    """Stop this process's forkserver, if one runs: once the ranks are done, it holds torch
+    imported (about 300 MB), idle for the rest of this process (a real run may follow the
+    rehearsal). Its stop is not public API; without it the server still ends with this process."""
     stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
     if stop is not None:
         stop()
