@@ -96,6 +96,7 @@ def _rank_process(run_dir: str, rank: int, out: str, activations: bool, log_path
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # lazy: torch and the engines, in the rank process only (preloaded by its server); the host imports no torch
     from launcher.rehearse.rank import main
 
     main(["--run-dir", run_dir, "--rank", str(rank), "--out", out] + ([] if activations else ["--no-activations"]))

@@ -87,11 +87,11 @@ def shutdown_distributed() -> None:
 def exit_after_shutdown(code: int = 0) -> NoReturn:
     """shutdown_distributed, then end the process at once, skipping the interpreter's teardown.
 
-    For worker processes whose results are already written (test and bench workers under
-    mp.spawn or torchrun). The barrier + destroy above makes gloo's abort at exit rare, not
-    impossible: CI saw a worker that had written its results die of it on 2026-11-27, failing
-    mp.spawn. The abort happens in C++ destructors at interpreter exit, which os._exit skips.
-    Call it only once the work succeeded, so that a failure during the work still fails the run."""
+    For worker processes whose results are already written (test workers under mp.spawn or
+    torchrun). Workers that had written their results died of gloo's abort at exit in CI,
+    failing the test: on 2026-11-26 after a barrier and destroy, on 2026-11-27 after a destroy
+    alone. The abort happens in C++ destructors at interpreter exit, which os._exit skips. Call
+    it only once the work succeeded, so that a failure during the work still fails the run."""
     shutdown_distributed()
     sys.stdout.flush()
     sys.stderr.flush()
