@@ -2,8 +2,8 @@
 
 Each rehearsed rank is a real process of its own (forked from one server process that imported
 torch once) running the real engine code (launcher/rehearse/rank.py) on fake tensors; nothing
-is mocked. The comparison with real multi-process runs
-is in tests/test_parallel_layouts.py (test_rehearsal_holds_what_the_real_ranks_hold).
+is mocked. The comparison with real multi-process runs is in tests/test_parallel_layouts.py
+(test_rehearsal_holds_what_the_real_ranks_hold).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from launcher.rehearse.ranks import rehearsal_ranks
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 ROW_KEYS = {"rank", "coords", "params_numel", "memory", "predicted", "error"}
-ENV_BEFORE = dict(os.environ)
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "peak"}
 
 pytestmark = pytest.mark.multiprocess
@@ -109,6 +108,7 @@ def test_a_rank_past_the_time_limit_is_killed_and_reported_and_no_process_is_lef
     from launcher.rehearse import driver
 
     monkeypatch.setattr(driver, "RANK_TIMEOUT_S", 0.5)  # the fake step alone takes longer
+    threads_before = os.environ.get("OMP_NUM_THREADS")
     _, plan, result = _rehearse(["+recipe=debug"], tmp_path)
     assert not result["ok"]
     for row in result["ranks"]:
@@ -119,7 +119,7 @@ def test_a_rank_past_the_time_limit_is_killed_and_reported_and_no_process_is_lef
         assert "rehearse.activations=false" in err["fix"] and "0.5 s per rank" in err["fix"], err
         assert not (tmp_path / "rehearsal" / f"rank_{row['rank']}.json").exists(), "the rank was not killed"
     assert multiprocessing.forkserver._forkserver._forkserver_pid is None, "the rank server was left running"
-    assert os.environ.get("OMP_NUM_THREADS") == ENV_BEFORE.get("OMP_NUM_THREADS"), "the ranks' environment leaked"
+    assert os.environ.get("OMP_NUM_THREADS") == threads_before, "the ranks' environment leaked"
 
 
 def test_trainer_rehearse_aborts_a_run_that_does_not_fit_before_launching(tmp_path):

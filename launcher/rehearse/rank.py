@@ -3,13 +3,14 @@
     python -m launcher.rehearse.rank --run-dir DIR --rank R --out FILE [--no-activations]
 
 or its main, started by launcher/rehearse/driver.py in one forked process per rank (a C++
-abort then takes down that rank's report only). It reads the run dir's config.yaml and plan.json like a real rank,
-joins a fake process group of the plan's world size as rank R (torch's FakeStore and
-"fake" backend: collectives return at once, nothing is sent), and builds the engine the
-Layout names with the same code a real run uses (launcher/engines: fp8, TP/SP, EP, AC,
-compile wrapping, FSDP2/HSDP, the pipeline split and schedule). The model is built on the
-meta device and sharded; from materialisation on every tensor is a FakeTensor on the CPU
-(shapes, dtypes and sizes, no storage), so host memory stays small at any model size.
+abort then takes down that rank's report only). It reads the run dir's config.yaml and
+plan.json like a real rank, joins a fake process group of the plan's world size as rank R
+(torch's FakeStore and "fake" backend: collectives return at once, nothing is sent), and
+builds the engine the Layout names with the same code a real run uses (launcher/engines:
+fp8, TP/SP, EP, AC, compile wrapping, FSDP2/HSDP, the pipeline split and schedule). The
+model is built on the meta device and sharded; from materialisation on every tensor is a
+FakeTensor on the CPU (shapes, dtypes and sizes, no storage), so host memory stays small at
+any model size.
 
 Then, per rank: the bytes of parameters, gradients and optimizer states it holds
 (launcher/runtime/state_bytes.py, the same probe the real-run tests use), and with
