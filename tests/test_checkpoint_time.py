@@ -11,7 +11,8 @@ from launcher.config.loader import compose_spec
 from launcher.config.validate import validate
 from launcher.launch import slurm
 from launcher.launch.local import rank_environment
-from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
+from launcher.compat import TorchCapabilities
+from launcher.launch.torchrun import SHUTDOWN_TIMEOUT, shutdown_timeout_of, torchrun_argv
 from launcher.plan.checkpoint_time import STOP_MARGIN_S
 from launcher.plan.plan import Plan, build_plan
 from launcher.plan.report import render_plan
@@ -87,7 +88,9 @@ def test_torchrun_gets_the_shutdown_timeout_locally_and_in_the_sbatch_script(tmp
     spec = compose_spec(LLAMA70B)
     plan = build_plan(spec)
     timeout = plan.checkpoint["shutdown_timeout_s"]
-    argv = torchrun_argv(tmp_path, nproc_per_node=2, shutdown_timeout_s=shutdown_timeout_of(plan))
+    # A torch with the option (launcher/compat.py; tests/test_torch_compat.py covers the floor's fallback).
+    argv = torchrun_argv(tmp_path, nproc_per_node=2, shutdown_timeout_s=shutdown_timeout_of(plan),
+                         capabilities=TorchCapabilities("2.13", frozenset({SHUTDOWN_TIMEOUT})))
     assert f"--shutdown-timeout={timeout}" in argv
     assert "--shutdown-timeout" not in " ".join(torchrun_argv(tmp_path, nproc_per_node=2))  # old plan.json: torchrun's own
     script = slurm.render_script(spec, plan, tmp_path / "run", cwd=tmp_path)

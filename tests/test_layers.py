@@ -22,7 +22,9 @@ FLOOR = {
     "rehearse": 5,
     "hf": 1,
     "job_env": 0,
+    "compat": 0,
     "cli": 7,
+    "__main__": 7,  # python -m launcher: the cli
     "launch": 6,
     "runtime": 5,
     "engines": 4,

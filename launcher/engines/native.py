@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 
+from launcher import compat
 from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, StepStats, as_microbatches,
                                    aux_loss_scale, built_report, local_token_count, model_kwargs, source_means,
                                    source_sums, step_source_count, token_loss_sum, token_losses)
@@ -445,7 +446,7 @@ class NativeEngine:
         run on another thread). storage_writer: a DCP FileSystemWriter for `directory`.
         """
         stager = getattr(self, "_async_stager", None)
-        if stager is None:
+        if stager is None or not compat.has("dcp_reusable_stager"):
             pinned = self.device.type == "cuda"
             stager = self._async_stager = DefaultStager(StagingOptions(
                 use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,

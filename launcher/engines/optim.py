@@ -115,7 +115,11 @@ def _sq_norm_local_view(grads: List[torch.Tensor]) -> torch.Tensor:
         # The DTensor norm knows its placements: Shard dims are summed across ranks,
         # Replicate dims are counted once. full_tensor() does that reduction.
         # One foreach call per mesh: a per-tensor norm costs one DTensor dispatch per parameter.
-        n = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)))
+        # In fp32, without _foreach_norm's dtype argument: torch 2.14's DTensor sharding rule for it
+        # reads that argument as a dimension and fails (bench/torch_compat.sh). Gradients are fp32
+        # here (FSDP2 reduces into the fp32 shards; autocast keeps fp32 parameters), so no copy is made.
+        gs = [g if g.dtype == torch.float32 else g.float() for g in gs]
+        n = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, 2)))
         n = n.full_tensor() if isinstance(n, DTensor) else n
         total = total + n.to(device) ** 2
     for g in plain:

@@ -29,7 +29,8 @@ import jinja2
 
 from launcher.config.slurm_keys import SlurmConfigError, sanitize_job_name, slurm_key_problems
 from launcher.config.schema import ClusterConfig, JobConfig
-from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
+from launcher.compat import TorchCapabilities, floor_capabilities, ranks_capabilities
+from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv, torchrun_env
 from launcher.paths import slurm_dir
 from launcher.plan.plan import Plan
 
@@ -207,21 +208,31 @@ def container_args(c: ClusterConfig, cwd: Path, run_dir: Path) -> List[str]:
     ]
 
 
-def launch_argv(spec: JobConfig, plan: Plan, run_dir: Path) -> List[str]:
+def ranks_python(c: ClusterConfig) -> str:
+    """The interpreter that runs the ranks: cluster.python, the container's `python`, or this one."""
+    return c.python or ("python" if c.container else sys.executable)
+
+
+def ranks_torch(c: ClusterConfig) -> TorchCapabilities:
+    """What the ranks' torch has, asked here when their interpreter runs here (a shared file
+    system: cluster.python or this venv); the floor's answer inside a container image."""
+    return floor_capabilities() if c.container else ranks_capabilities(ranks_python(c))
+
+
+def launch_argv(spec: JobConfig, plan: Plan, run_dir: Path, caps: Optional[TorchCapabilities] = None) -> List[str]:
     """The per-node torchrun command, from torchrun_argv.
 
     The rendezvous endpoint and id are known only inside the job (first node, job id), so
     the script exports them as PET_RDZV_ENDPOINT / PET_RDZV_ID, which torchrun reads.
     """
-    c = spec.cluster
-    python = c.python or ("python" if c.container else sys.executable)
     return torchrun_argv(
         run_dir,
         nproc_per_node=plan.gpus_per_node,
         nnodes=plan.nodes,
         rdzv_from_env=True,
-        python=python,
+        python=ranks_python(spec.cluster),
         shutdown_timeout_s=shutdown_timeout_of(plan),
+        capabilities=caps,
     )
 
 
@@ -230,7 +241,7 @@ def resilience_argv(spec: JobConfig, cwd: Path, run_dir: Path) -> List[str]:
     it appends `--restarts-done N --max-restarts M --exit-code C`. With a container the launcher's
     Python lives in the image, so the decision runs there too, as one task on one node."""
     c = spec.cluster
-    python = c.python or ("python" if c.container else sys.executable)
+    python = ranks_python(c)
     prefix: List[str] = []
     if c.container:
         prefix = ["srun", "--nodes=1", "--ntasks=1", *container_args(c, cwd, run_dir)]
@@ -242,6 +253,7 @@ def template_context(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[P
     c = spec.cluster
     cwd = Path(cwd or os.getcwd()).resolve()
     paths = slurm_paths(c, run_dir)
+    caps = ranks_torch(c)
     return {
         "spec": spec,
         "plan": plan,
@@ -256,7 +268,8 @@ def template_context(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[P
         "secret_env": [str(s) for s in c.secret_env],
         "setup": [str(s) for s in c.setup],
         "srun_argv": srun_argv(spec, cwd, paths.run_dir),
-        "launch_argv": launch_argv(spec, plan, paths.run_dir),
+        "launch_argv": launch_argv(spec, plan, paths.run_dir, caps),
+        "torchrun_env": torchrun_env(shutdown_timeout_of(plan), caps),
         "resilience_argv": resilience_argv(spec, cwd, paths.run_dir),
         "max_restarts": int(c.max_restarts),
         "nodes": int(c.nodes),

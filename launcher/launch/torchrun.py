@@ -1,10 +1,18 @@
-"""The one place that builds the torch elastic launcher (torchrun) command line."""
+"""The one place that builds the torch elastic launcher (torchrun) command line.
+
+Every option used here exists in the torch floor's torchrun (bench/reference/torchrun_flags/,
+held by tests/test_torch_compat.py), except those a `TorchCapabilities` says the ranks' torch has.
+"""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
+
+from launcher.compat import TorchCapabilities, floor_capabilities
+
+SHUTDOWN_TIMEOUT = "torchrun_shutdown_timeout"  # the capability name in launcher/compat.py
 
 
 def torchrun_argv(
@@ -18,6 +26,7 @@ def torchrun_argv(
     python: str = "",
     max_restarts: int = 0,
     shutdown_timeout_s: int = 0,
+    capabilities: Optional[TorchCapabilities] = None,
 ) -> List[str]:
     """argv that starts `nproc_per_node` ranks of the rank runtime for `run_dir`.
 
@@ -26,8 +35,12 @@ def torchrun_argv(
     `rdzv_from_env` the endpoint and id are left to PET_RDZV_ENDPOINT / PET_RDZV_ID, which a
     job script exports once it knows its first node and job id. `shutdown_timeout_s` (> 0) is
     how long torchrun waits after forwarding SIGTERM before it SIGKILLs the ranks (its own
-    default is 30 s, shorter than a large checkpoint's save): the plan's `checkpoint.shutdown_timeout_s`.
+    default is 30 s, shorter than a large checkpoint's save): the plan's `checkpoint.shutdown_timeout_s`,
+    passed as an option only when `capabilities` (the ranks' torch; default: the floor's) has it
+    (see `torchrun_env` for the other case).
     """
+    caps = capabilities or floor_capabilities()
+    with_timeout = shutdown_timeout_s > 0 and caps.has(SHUTDOWN_TIMEOUT)
     argv = [python or sys.executable, "-m", "torch.distributed.run"]
     if rdzv_endpoint is None and not rdzv_from_env:
         argv += ["--standalone", "--nnodes=1"]
@@ -38,7 +51,7 @@ def torchrun_argv(
     argv += [
         f"--nproc_per_node={nproc_per_node}",
         f"--max_restarts={max_restarts}",
-        *([f"--shutdown-timeout={int(shutdown_timeout_s)}"] if shutdown_timeout_s > 0 else []),
+        *([f"--shutdown-timeout={int(shutdown_timeout_s)}"] if with_timeout else []),
         "-m",
         "launcher.runtime.entry",
         "--run-dir",
@@ -50,3 +63,13 @@ def torchrun_argv(
 def shutdown_timeout_of(plan: Any) -> int:
     """The plan's torchrun shutdown timeout in seconds (0: torchrun's default, for an old plan.json)."""
     return int((getattr(plan, "checkpoint", None) or {}).get("shutdown_timeout_s", 0))
+
+
+def torchrun_env(shutdown_timeout_s: int, capabilities: Optional[TorchCapabilities] = None) -> Dict[str, str]:
+    """Environment for torchrun when the option could not be passed: a torchrun that has
+    --shutdown-timeout also reads it from PET_SHUTDOWN_TIMEOUT, and one without ignores the variable.
+    Empty when the option is on the command line (or there is no timeout)."""
+    caps = capabilities or floor_capabilities()
+    if shutdown_timeout_s <= 0 or caps.has(SHUTDOWN_TIMEOUT):
+        return {}
+    return {"PET_SHUTDOWN_TIMEOUT": str(int(shutdown_timeout_s))}

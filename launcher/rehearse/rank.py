@@ -45,11 +45,11 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import _MemRefType
-from torch.distributed.pipelining._utils import InferenceMode
-from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, PipelineScheduleMulti, _split_tensor
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 from torch.distributed.tensor import DTensor, Replicate, zeros
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from launcher import compat
 from launcher.config.loader import load_spec
 from launcher.engines import build_engine
 from launcher.engines.base import token_loss_sum
@@ -248,8 +248,11 @@ def _vote_static_shapes(schedule) -> None:
     whether its shapes are static; a received value decides) cannot run: the stages were built
     with static shapes (launcher.parallel.pp.stage_io_meta), so each is set STATIC, as the vote
     would decide in a real run. Checked, not assumed: a stage torch would infer dynamically is
-    refused."""
-
+    refused. A torch without the vote (launcher/compat.py) needs nothing here: a stage given its
+    shapes never infers them."""
+    if not compat.has("pipeline_shape_vote"):
+        return
+    from torch.distributed.pipelining._utils import InferenceMode  # lazy: newer than the torch floor (absent in 2.11)
 
     for st in schedule_stages(schedule):
         if InferenceMode.needs_dynamic(st._user_meta, True):
@@ -276,13 +279,15 @@ def set_up_pipeline_stages(engine, layout, schedule, n_microbatches: int) -> Non
     rows = layout.batch.micro_batch_size * n_microbatches
     tokens = torch.zeros((rows, layout.batch.seq_len), dtype=torch.long)
     args_split, kwargs_split = schedule._split_inputs((tokens,) if engine.has_first else (), {})
-    target = next(iter(_split_tensor(tokens, _TARGET_CHUNK_SPEC, n_microbatches))) if engine.has_last else None
+    # The first micro-batch's target, split along the rows as the schedule splits it.
+    target = tokens.tensor_split(n_microbatches)[0] if engine.has_last else None
     for st in schedule_stages(schedule):
         st.has_backward = schedule._has_backward
     initialize = (schedule._initialize_stages if isinstance(schedule, PipelineScheduleMulti)
                   else schedule._initialize_stage)
+    with_target = (target,) if compat.has("pipeline_init_with_target") else ()
     with engine._loss_parallel(), engine._autocast():
-        initialize(args_split[0], kwargs_split[0], target)
+        initialize(args_split[0], kwargs_split[0], *with_target)
 
 
 def _zero_grad_step(engine) -> None:
