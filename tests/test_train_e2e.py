@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -67,6 +68,11 @@ def test_the_run_is_scored_against_its_plan(reference_run):
     assert tokens["range"] == pytest.approx([low, high]) and tokens["in_band"] is (low <= measured <= high)
     assert summary["log_steps"] == 11 and summary["device"] == "cpu" and "the plan is for hardware=" in summary["note"]
     assert summary["figures"]["mfu"]["measured"] is None and summary["figures"]["peak_memory_bytes"]["measured"] is None
+    # What it ran on: the ranks' torch, and no GPU here (CUDA fields empty on a CPU build).
+    import torch
+
+    env = summary["environment"]
+    assert env["torch"] == torch.__version__ and env["gpu_count"] == 0 and env["gpu"] is None and env["nccl"] is None
     for r in records:
         assert r["plan/tokens_per_s_ratio"] == pytest.approx(r["tokens_per_s"] / 2 / tokens["predicted"])
         assert r["plan/tokens_per_s_in_band"] in (0.0, 1.0)
@@ -183,15 +189,50 @@ def test_a_failing_rank_stops_all_ranks(run_dir):
     assert "training failed" in proc.stdout.read()
 
 
-def test_ctrl_c_stops_all_ranks(run_dir):
+def test_ctrl_c_checkpoints_and_stops_and_the_printed_command_resumes_exactly(reference_run, run_dir):
+    """Ctrl-C is a graceful stop: every rank finishes its step and saves, `train` exits 0 with one
+    line saying so and the command that resumes, and no traceback reaches the console (torchrun
+    gets no signal: train asks the ranks through control/stop, on any torch). The printed command
+    resumes at the stop's checkpoint and reproduces the uninterrupted losses."""
     run_dir.mkdir(parents=True)
-    proc = _start(["+recipe=debug", "trainer.steps=400", "checkpoint.interval=0"], run_dir)
-    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size > 0, 240, proc)
+    proc = _start(BASE, run_dir)
+    _wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").is_dir() and 5 in losses_by_step(run_dir), 240, proc)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground process group
     code = proc.wait(timeout=120)
-    assert code != 0
+    out = proc.stdout.read()
+    assert code == 0, out[-4000:]
+    assert "Traceback" not in out and "SignalException" not in out, out[-4000:]
+    assert "SIGINT: the ranks finish their step, save a checkpoint and stop (Ctrl-C again stops at once)" in out
     assert _no_ranks_left(run_dir)
-    assert max(losses_by_step(run_dir)) < 400
+    stopped = json.loads((run_dir / "control" / "stopped").read_text())
+    assert stopped["reason"].startswith("SIGINT to train") and 5 <= stopped["step"] < 12, stopped
+    assert verify_checkpoint(run_dir / "checkpoints" / f"step_{stopped['step']:08d}") is None
+    resume = next(line for line in out.splitlines() if "resume with: " in line).split("resume with: ", 1)[1]
+    argv = shlex.split(resume)
+    assert argv[0] == "train" and argv[-1] == f"hydra.run.dir={run_dir.resolve()}" and argv[1:-1] == BASE
+
+    run_train(argv[1:-1], run_dir, check=True)  # run_train adds the same hydra.run.dir
+    stop_checkpoint = run_dir / "checkpoints" / f"step_{stopped['step']:08d}"
+    assert f"resumed from {stop_checkpoint}" in (run_dir / "logs" / "rank_0.log").read_text()
+    assert losses_by_step(run_dir) == losses_by_step(reference_run)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(run_dir):
+    run_dir.mkdir(parents=True)
+    # Every save takes 60 s more (test aid): the first Ctrl-C's save is still running at the second.
+    proc = _start(["+recipe=debug", "trainer.steps=400", "trainer.log_every=1", "checkpoint.interval=0",
+                   "+cluster.env.LAUNCHER_DEBUG_SLOW_SAVE_S=60"], run_dir)
+    _wait_for(lambda: len(_lines(run_dir / "metrics.jsonl")) >= 2, 240, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    _wait_for(lambda: any((run_dir / "checkpoints").glob(".incomplete_step_*")), 240, proc)
+    started = time.time()
+    os.killpg(proc.pid, signal.SIGINT)
+    code = proc.wait(timeout=60)
+    out = proc.stdout.read()
+    assert time.time() - started < 30, out[-3000:]  # not the 60 s save
+    assert code == 130 and "SIGINT again: stopping at once" in out, out[-3000:]
+    assert _no_ranks_left(run_dir)
+    assert not list((run_dir / "checkpoints").glob("step_*"))  # the cut save never became a checkpoint
 
 
 def test_stop_request_checkpoints_and_resume_continues_exactly(reference_run, run_dir):
@@ -247,7 +288,8 @@ def test_sigterm_stop_with_a_save_longer_than_30s_is_not_cut_short(run_dir):
     assert "checkpointed and stopped" in out, out[-4000:]
     rank0 = (run_dir / "logs" / "rank_0.log").read_text()
     assert f"LAUNCHER_DEBUG_SLOW_SAVE_S={SLOW_SAVE_S}" in rank0  # cluster.env reached the ranks
-    assert "received SIGTERM again: already stopping" in rank0, rank0[-3000:]
+    # train asked through the stop file first, so each SIGTERM a rank then gets is the same request.
+    assert "received SIGTERM: already stopping (SIGTERM to train (stop file" in rank0, rank0[-3000:]
     stopped = json.loads((run_dir / "control" / "stopped").read_text())
     assert "SIGTERM" in stopped["reason"] and 2 <= stopped["step"] < 400
     assert verify_checkpoint(run_dir / "checkpoints" / f"step_{stopped['step']:08d}") is None

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.parallel.phase import phase_group
-from launcher.runtime.stop_control import STOP_FILE, StopSignals, control_dir
+from launcher.runtime.stop_control import STOP_FILE, StopSignals, control_dir, stop_request_reason
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ class StopWatcher(StopSignals):
         log.warning("received %s: will checkpoint and stop at the end of a step (the next one the ranks agree on)", name)
 
     def local_request(self) -> Optional[str]:
-        if self.reason is None and self.stop_file.exists():
-            self.reason = f"stop file {self.stop_file}"
+        if self.reason is None:
+            self.reason = stop_request_reason(self.stop_file)
         return self.reason
 
     def should_stop(self) -> bool:

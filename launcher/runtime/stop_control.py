@@ -52,13 +52,27 @@ class StopSignals:
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.first_signal is not None:
-            log.warning("received %s again: already stopping (asked by %s; SIGKILL aborts)", name, self.first_signal)
+            self.on_repeat(name)
             return
         self.first_signal = name
         self.on_stop_signal(name)
 
     def on_stop_signal(self, name: str) -> None:
         raise NotImplementedError
+
+    def on_repeat(self, name: str) -> None:
+        """A signal after the first: by default the same request, only logged."""
+        log.warning("received %s again: already stopping (asked by %s; SIGKILL aborts)", name, self.first_signal)
+
+
+def stop_request_reason(stop_file: Path) -> Optional[str]:
+    """Why control/stop was written (its text, e.g. "SIGINT to train"), or None when there is no
+    stop request. An empty file (`touch control/stop`) is a request too."""
+    try:
+        text = stop_file.read_text().strip()
+    except OSError:
+        return None
+    return f"{text} (stop file {stop_file})" if text else f"stop file {stop_file}"
 
 
 def write_stopped(run_dir: Path, step: int, reason: str) -> Path:
