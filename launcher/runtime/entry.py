@@ -21,6 +21,7 @@ from typing import Optional
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from launcher.config.loader import load_spec
 from launcher.engines import build_engine
@@ -47,7 +48,7 @@ from launcher.runtime.profiler import StepProfiler, default_profile_ranks
 from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
 from launcher.runtime.preflight import run_preflight
 from launcher.runtime.moe_health import MoEHealth
-from launcher.runtime.run_score import RunScore
+from launcher.runtime.run_score import RunScore, environment
 from launcher.runtime.resilience import RestartReport
 from launcher.job_env import job_facts
 from launcher.runtime import debug_hooks
@@ -279,10 +280,14 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
             f"Fix: launch with cluster.nodes * cluster.gpus_per_node = {plan.world_size} ranks."
         )
     if spec.trainer.deterministic:
+        # cuBLAS is deterministic only with a fixed workspace, read when its handle is made (at the
+        # first matmul, after this); without it torch raises at that matmul on CUDA.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(spec.trainer.seed)
     apply_matmul_precision(plan.layout.numerics.precision, plan.layout.numerics.tf32, rank.device.type)
-    log.info("rank %d/%d on %s, mesh %s", rank.rank, rank.world_size, rank.device, plan.mesh.to_dict())
+    log.info("rank %d/%d on %s (process group: backend %s), mesh %s", rank.rank, rank.world_size, rank.device,
+             dist.get_backend(), plan.mesh.to_dict())
     health = start_health(spec, plan, bundle, rank.device.type)
     log_placement(plan, rank)
     if plan.layout.resilience.health_check:
@@ -366,7 +371,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         run_dir,
         enabled=rank.rank == 0,
         wandb_cfg=spec.logging.wandb,
-        config=config_for_logging(spec),
+        config={**config_for_logging(spec), "environment": environment()},
         total_steps=spec.trainer.steps,
         progress=spec.logging.progress,
         resume_step=start_step,

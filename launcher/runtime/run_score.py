@@ -7,7 +7,11 @@ writes <run_dir>/run_summary.json:
 
     {"figures": {"tokens_per_s_per_gpu": {"measured", "predicted", "ratio", "in_band", "range"},
                  "mfu": {...}, "peak_memory_bytes": {... per rank: "by_rank"}},
-     "device": "cuda", "hardware": "h100_sxm", "band": {...}, "log_steps": 9, "note": "..."}
+     "device": "cuda", "hardware": "h100_sxm", "band": {...}, "log_steps": 9, "note": "...",
+     "environment": {"torch", "cuda", "nccl", "driver", "gpu", "gpu_count", "python"}}
+
+`environment` (also in the W&B run's config) says what the run ran on, so a figure can be traced to
+the torch, CUDA and NCCL build and the GPU that produced it.
 
 `ratio` is measured / predicted. The measured tokens/s and MFU are medians over the logged
 windows after the first (step 1 carries start-up and compilation). Peak memory is the caching
@@ -20,6 +24,8 @@ the accuracy table, so a cluster's own runs calibrate the bands (docs/planner.md
 from __future__ import annotations
 
 import json
+import platform
+import re
 import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -37,6 +43,33 @@ def figure(measured: Optional[float], predicted: Optional[float], band: Optional
     in_band = None if not band else bool(band[0] <= measured <= band[1])
     return {"measured": measured, "predicted": predicted, "ratio": measured / predicted, "in_band": in_band,
             "range": band}
+
+
+NVIDIA_DRIVER_VERSION = Path("/proc/driver/nvidia/version")
+
+
+def _driver_version() -> Optional[str]:
+    """The NVIDIA kernel driver's version (e.g. 580.159.04), read from the driver's /proc file."""
+    try:
+        found = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", NVIDIA_DRIVER_VERSION.read_text())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
+def environment() -> Dict[str, Any]:
+    """The software and devices this rank runs on: torch, CUDA, NCCL, driver, GPU name and count."""
+    env: Dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": None, "driver": None,
+                           "gpu": None, "gpu_count": 0, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        env["gpu_count"] = torch.cuda.device_count()
+        env["gpu"] = torch.cuda.get_device_name()
+        env["driver"] = _driver_version()
+        try:
+            env["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except (AttributeError, RuntimeError):  # a build without NCCL
+            pass
+    return env
 
 
 class RunScore:
@@ -109,6 +142,7 @@ class RunScore:
             "band": self.time.get("band"),
             "log_steps": len(self.tokens_per_s),
             "note": note,
+            "environment": environment(),
         }
 
     def finish(self) -> Optional[Path]:
