@@ -25,11 +25,13 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from launcher.config.composition_errors import composition_problem
 from launcher.config.errors import ConfigError, print_problems
 from launcher.config.executors import cluster_key_problems
 from launcher.config.loader import compose_spec, save_spec, to_spec, user_overrides
+from launcher.config.overrides import override_problems
 from launcher.config.schema import JobConfig
-from launcher.config.store import available_recipes, register_configs
+from launcher.config.store import register_configs
 from launcher.config.validate import validate as validate_config
 from launcher.paths import config_dir
 from launcher.plan.plan import build_plan
@@ -49,17 +51,6 @@ def _fail_config(problems: List[str]) -> None:
     sys.exit(EXIT_INVALID_CONFIG)
 
 
-def _composition_problem(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    msg = " ".join(line.strip() for line in text if line.strip())
-    cause = err.__cause__
-    if cause is not None and str(cause).strip():
-        msg += f" ({str(cause).strip().splitlines()[0]})"
-    if "recipe" in msg and "not found" in msg.lower():
-        msg += f". Available recipes: {', '.join(available_recipes())}"
-    return msg + ". Fix: check the key name and type against conf/ (`train --cfg job` prints the composed config)."
-
-
 def _precheck(argv: List[str]) -> None:
     """Compose and validate before Hydra runs (and before torch is imported).
 
@@ -67,16 +58,20 @@ def _precheck(argv: List[str]) -> None:
     nothing written: Hydra creates the run dir and its .hydra/*.yaml only after this. With
     -m/--multirun every point of the sweep is checked before any job runs or is submitted.
     """
-    if any(a in ("-h", "--help", "--hydra-help", "--info", "-c", "--cfg", "-i") for a in argv):
+    if any(a in ("-h", "--help", "--hydra-help") for a in argv):
+        return
+    if any(a in ("--info", "-c", "--cfg", "-i") for a in argv):  # shows the config: a typo is still named
+        _fail_if_problems(override_problems(user_overrides(argv)))
         return
     overrides = user_overrides(argv)
     if not any(a in ("-m", "--multirun") for a in argv):
         _fail_if_problems(_point_problems(overrides))
         return
+    _fail_if_problems(override_problems(overrides))  # a typo shared by every job: said once
     try:
         points = sweep_points(overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as err:
-        _fail_config([_composition_problem(err)])
+        _fail_config([composition_problem(err)])
         return
     problems: List[str] = []
     for num, (label, point) in enumerate(points):
@@ -91,12 +86,15 @@ def _fail_if_problems(problems: List[str]) -> None:
 
 def _point_problems(overrides: List[str]) -> List[str]:
     """Every problem of the job these overrides compose (composition errors included)."""
+    problems = override_problems(overrides)
+    if problems:
+        return problems
     try:
         spec = compose_spec(overrides)
     except ConfigError as err:
         return err.problems
     except (HydraException, OmegaConfBaseException, ValueError) as err:
-        return [_composition_problem(err)]
+        return [composition_problem(err)]
     if spec.action == "prepare":
         return _prepare_problems(spec)
     layout, problems = resolve_all(spec)
