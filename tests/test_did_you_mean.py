@@ -90,7 +90,14 @@ def test_a_new_key_of_a_free_form_map_is_the_one_place_plus_is_advised(run_dir):
     assert problem.endswith("Fix: +cluster.env.FOO=1."), problem
 
 
+def test_several_values_without_m_say_how_to_write_a_list_or_sweep(run_dir):
+    (problem,) = _refusal(["+recipe=debug", "parallel.tp=1,2"], run_dir)
+    assert "Fix: parallel.tp=[1,2] for a list, or `train -m ...`" in problem, problem
+
+
 def test_valid_overrides_raise_no_problem():
+    # `+` on a key the job has is Hydra's to judge: it takes one whose value is null.
     assert override_problems(["+recipe=llama8b", "model=llama3_8b", "trainer.steps=10", "+cluster.env.A=b",
+                              "+hardware.usd_per_gpu_hour=2",
                               "model.rope_scaling.factor=8", "parallel.tp=1,2", "precision=glob(fp*)",
                               "data.mix=[]", "rehearse.ranks=all", "~trainer.tokens"]) == []

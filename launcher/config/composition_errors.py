@@ -23,6 +23,7 @@ _IN_FILE = re.compile(r"^In '([^']+)':")
 _MISSING_KEY = re.compile(r"Key '([^']+)' (?:not in|is not in struct)")
 _FULL_KEY = re.compile(r"full_key: (\S+)")
 _APPEND_ADVICE = re.compile(r"To append to your config use (\+\S+)")
+_SWEEP_IN_A_RUN = re.compile(r"Ambiguous value for argument '(([^=']+)=([^']*))'")
 
 
 def composition_problem(err: BaseException) -> str:
@@ -36,6 +37,11 @@ def composition_problem(err: BaseException) -> str:
         group, _, option = err.missing_cfg_file.rpartition("/")
         typed = f"+{group}" if group == RECIPE_GROUP else group
         return unknown_option_problem(group, option, err.options or [], typed, where)
+    sweep = _SWEEP_IN_A_RUN.search(text)
+    if sweep:
+        typed, key, values = sweep.groups()
+        return (f"{typed} gives several values to one job. Fix: {key}=[{values}] for a list, or `train -m ...` "
+                f"to run one job per value.")
     full_key = _FULL_KEY.search(details)
     if _MISSING_KEY.search(details) and full_key:
         return _missing_key_problem(full_key.group(1), text, where)

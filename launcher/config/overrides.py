@@ -85,10 +85,7 @@ def key_problem(override: Override) -> Optional[str]:
             last = depth == len(parts) - 1
             return unknown_key_problem(".".join(parts[: depth + 1]), fields, value if last else None)
         node = fields[part]
-    if override.type == OverrideType.ADD:
-        return (f"+{override.key_or_group}: the job already has {override.key_or_group}, so `+` (add a new key) "
-                f"fails. Fix: {override.key_or_group}={value} (without +).")
-    return None
+    return None  # `+` on a key the job has: Hydra allows it where the value is null or a dict/list
 
 
 def option_problem(override: Override, options: List[str]) -> Optional[str]:
