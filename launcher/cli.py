@@ -25,11 +25,14 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from launcher.config.composition_errors import composition_problem
 from launcher.config.errors import ConfigError, print_problems
 from launcher.config.executors import cluster_key_problems
+from launcher.config.hydra_run import ComposedRun, is_plain_run, job_config
 from launcher.config.loader import compose_spec, save_spec, to_spec, user_overrides
+from launcher.config.overrides import override_problems
 from launcher.config.schema import JobConfig
-from launcher.config.store import available_recipes, register_configs
+from launcher.config.store import register_configs
 from launcher.config.validate import validate as validate_config
 from launcher.paths import config_dir
 from launcher.plan.plan import build_plan
@@ -49,34 +52,51 @@ def _fail_config(problems: List[str]) -> None:
     sys.exit(EXIT_INVALID_CONFIG)
 
 
-def _composition_problem(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    msg = " ".join(line.strip() for line in text if line.strip())
-    cause = err.__cause__
-    if cause is not None and str(cause).strip():
-        msg += f" ({str(cause).strip().splitlines()[0]})"
-    if "recipe" in msg and "not found" in msg.lower():
-        msg += f". Available recipes: {', '.join(available_recipes())}"
-    return msg + ". Fix: check the key name and type against conf/ (`train --cfg job` prints the composed config)."
+def _compose_check_and_run(argv: List[str]) -> None:
+    """A plain run (`train KEY=VALUE...`): compose once, check, then run in Hydra's run dir.
+
+    A mistyped key or option, or an invalid config, exits 2 with one line per problem and no
+    traceback before Hydra writes anything (the run dir and .hydra/*.yaml come after) and before
+    torch is imported; the config checked is the config the job runs.
+    """
+    _fail_if_problems(override_problems(user_overrides(argv)))
+    app = ComposedRun(_job, config_path=str(config_dir()), config_name="train")
+    try:
+        try:
+            cfg = app.compose(argv)
+            spec = to_spec(job_config(cfg))
+        except ConfigError as err:
+            _fail_config(err.problems)
+        except (HydraException, OmegaConfBaseException, ValueError) as err:  # ValueError: as compose_spec's callers
+            _fail_config([composition_problem(err)])
+        _fail_if_problems(_spec_problems(spec))
+        app.run(cfg, lambda _job_cfg: _dispatch(spec))
+    finally:
+        app.close()
 
 
 def _precheck(argv: List[str]) -> None:
-    """Compose and validate before Hydra runs (and before torch is imported).
+    """Compose and validate before Hydra's own main runs (and before torch is imported), for the
+    command lines that go through it: `-m` sweeps and other flags.
 
     A bad key, type or value exits 2 with one clean line per problem, no traceback, and
     nothing written: Hydra creates the run dir and its .hydra/*.yaml only after this. With
     -m/--multirun every point of the sweep is checked before any job runs or is submitted.
     """
-    if any(a in ("-h", "--help", "--hydra-help", "--info", "-c", "--cfg", "-i") for a in argv):
+    if any(a in ("-h", "--help", "--hydra-help") for a in argv):
+        return
+    if any(a in ("--info", "-c", "--cfg", "-i") for a in argv):  # shows the config: a typo is still named
+        _fail_if_problems(override_problems(user_overrides(argv)))
         return
     overrides = user_overrides(argv)
     if not any(a in ("-m", "--multirun") for a in argv):
         _fail_if_problems(_point_problems(overrides))
         return
+    _fail_if_problems(override_problems(overrides))  # a typo shared by every job: said once
     try:
         points = sweep_points(overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as err:
-        _fail_config([_composition_problem(err)])
+        _fail_config([composition_problem(err)])
         return
     problems: List[str] = []
     for num, (label, point) in enumerate(points):
@@ -91,12 +111,20 @@ def _fail_if_problems(problems: List[str]) -> None:
 
 def _point_problems(overrides: List[str]) -> List[str]:
     """Every problem of the job these overrides compose (composition errors included)."""
+    problems = override_problems(overrides)
+    if problems:
+        return problems
     try:
         spec = compose_spec(overrides)
     except ConfigError as err:
         return err.problems
     except (HydraException, OmegaConfBaseException, ValueError) as err:
-        return [_composition_problem(err)]
+        return [composition_problem(err)]
+    return _spec_problems(spec)
+
+
+def _spec_problems(spec: JobConfig) -> List[str]:
+    """Every problem of a composed job; its Layout, when it has one, is kept for the launch."""
     if spec.action == "prepare":
         return _prepare_problems(spec)
     layout, problems = resolve_all(spec)
@@ -145,8 +173,8 @@ def _resolve_local_device(spec: JobConfig) -> JobConfig:
     return dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, device=device))
 
 
-# (spec, Layout) of the jobs the pre-check resolved: Hydra composes the same job again, and its
-# Layout is reused rather than derived a second time (the backend rules run once per launch).
+# (spec, Layout) of the jobs the checks resolved: the launch reuses the Layout rather than derive
+# it a second time (the backend rules run once per launch); a sweep's jobs are matched by spec.
 _PRECHECKED: List[Tuple[JobConfig, "Layout"]] = []
 
 
@@ -279,12 +307,20 @@ def _rehearse_before_launch(spec: JobConfig, plan, run_dir: Path) -> None:
         _fail_config(problems)
 
 
-@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
-def hydra_main(cfg: DictConfig) -> None:
+def _job(cfg: DictConfig) -> None:
+    """Hydra's task function: one job of a run or of a sweep, in its run dir."""
     try:
         spec = to_spec(cfg)
     except ConfigError as err:
         _fail_config(err.problems)
+    _dispatch(spec)
+
+
+hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")(_job)
+
+
+def _dispatch(spec: JobConfig) -> None:
+    """Do the job's action in Hydra's run dir; exit with its code when that is not 0."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if spec.action in ("run", "export"):  # export: the ranks load checkpoint.resume and export it
         code = _run(spec, run_dir)
@@ -302,7 +338,11 @@ def hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     """Console entry point of `train`."""
     register_configs()
-    _precheck(sys.argv[1:])
+    argv = sys.argv[1:]
+    if is_plain_run(argv):
+        _compose_check_and_run(argv)
+        return
+    _precheck(argv)
     hydra_main()
 
 

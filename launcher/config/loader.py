@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
+from launcher.config.suggest import unknown_key_problem
 from launcher.hf.format import fill_from_hf
 from launcher.paths import config_dir
 
@@ -51,7 +52,8 @@ def steps_from_token_budget(cfg: DictConfig) -> None:
 
 
 def unknown_keys(cfg: DictConfig, prefix: str = "") -> List[str]:
-    """One problem line per key of `cfg` that its schema dataclass does not declare.
+    """One problem line per key of `cfg` that its schema dataclass does not declare, naming the
+    closest keys it does declare.
 
     Nodes typed as plain dicts in the schema (e.g. `cluster.env`) take any key.
     """
@@ -61,11 +63,7 @@ def unknown_keys(cfg: DictConfig, prefix: str = "") -> List[str]:
     for key in cfg.keys():
         dotted = f"{prefix}{key}"
         if known is not None and key not in known:
-            problems.append(
-                f"{dotted} is not a config key (added with `+`?); {prefix.rstrip('.') or 'the job'} has: "
-                f"{', '.join(sorted(known))}. Fix: correct the key name or remove it "
-                f"(`train --cfg job` prints every key)."
-            )
+            problems.append(unknown_key_problem(dotted, known))
             continue
         child = cfg._get_node(key)
         if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
@@ -123,11 +121,13 @@ def compose_spec(overrides: Sequence[str] = ()) -> JobConfig:
 
 
 def user_overrides(argv: Sequence[str]) -> List[str]:
-    """The config overrides in a `train` command line (drops Hydra flags and hydra.* keys)."""
+    """The config overrides in a `train` command line, as Hydra's own argument parser reads it
+    (so a flag's value, as in `--cfg job`, is not taken for one); drops hydra.* keys."""
+    # lazy: hydra's parser (hydra is imported by the CLI anyway); ranks import this module without hydra
+    from hydra._internal.utils import get_args_parser
+
     out = []
-    for arg in argv:
-        if arg.startswith("-"):
-            continue
+    for arg in get_args_parser().parse_intermixed_args(list(argv)).overrides:
         key = arg.lstrip("+~").split("=", 1)[0]
         if key.startswith("hydra.") or key.startswith("hydra/"):
             continue
