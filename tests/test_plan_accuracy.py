@@ -59,7 +59,8 @@ def test_published_rows_within_tolerance_and_order(rows):
                                     "pytorch/torchtitan torchtitan/distributed/deepep/README.md, ",
                                     "NVIDIA NeMo Framework user guide, performance/performance_summary.html ",
                                     "yanring/Megatron-MoE-ModelZoo best_practice/Mixtral/run_mixtral_8x22B.sh ",
-                                    "ours: docs/benchmarks.md 2026-11-23, bench/gpu_throughput.py on one H100"))
+                                    "ours: docs/benchmarks.md 2026-11-23, bench/gpu_throughput.py on one H100",
+                                    "ours: docs/benchmarks.md 2026-11-27, bench/gpu_throughput.py on one H200"))
         assert r.ordered or ((r.status.startswith("approximated: ") or r.status.startswith(planner_accuracy.ORDER_NOT_HELD))
                              and len(r.status) > 40), r.status
     # The 8B memory rows are held since the runtime has torchtitan's selective AC (op_alternate_mm).
@@ -70,6 +71,14 @@ def test_published_rows_within_tolerance_and_order(rows):
     assert [r.note for r in ours] == ["1 GPU bf16 eager", "1 GPU bf16 + compile", "1 GPU fp8 + compile"]
     assert all(r.ordered for r in ours)
     assert all(0.9 <= r.predicted / r.value <= 1.1 for r in ours), [(r.note, r.predicted, r.value) for r in ours]
+    # The same on one H200 (issue 38): llama_1b and a 4-layer Qwen3-8B, bf16 and fp8, compiled;
+    # the fp8 slice peaks below the bf16 one, and the planner keeps that order.
+    h200 = [r for r in rows if r.table.startswith("H200-")]
+    assert {r.hardware for r in h200} == {"h200"} and {r.kind for r in h200} == {"single_gpu"}
+    assert sorted((r.table, r.metric) for r in h200) == sorted(
+        [("H200-1", "tps_per_gpu"), ("H200-1", "allocated_gib")]
+        + [("H200-QWEN", "tps_per_gpu")] * 2 + [("H200-QWEN", "allocated_gib")] * 2)
+    assert all(r.ordered and 0.9 <= r.ratio <= 1.1 for r in h200 if r.metric == "allocated_gib")
 
 
 def test_error_bands_are_what_the_accuracy_rows_give(rows):
@@ -80,7 +89,8 @@ def test_error_bands_are_what_the_accuracy_rows_give(rows):
 
     assert planner_accuracy.derive_bands(rows) == BANDS
     assert {r.kind for r in rows if r.table == "H100-1"} == {"single_gpu"}
-    assert BANDS["single_gpu"]["rows"] == 6
+    # Three H100 and three H200 runs, each a tokens/s and a peak-memory row.
+    assert BANDS["single_gpu"]["rows"] == 12
 
 
 def test_long_context_rows_planned_and_ordered(rows):
