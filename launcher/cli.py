@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Tuple
@@ -156,13 +157,22 @@ def sweep_points(overrides: List[str]) -> List[Tuple[str, List[str]]]:
 
 
 def _resolve_local_device(spec: JobConfig) -> JobConfig:
-    """For local runs, decide `trainer.device=auto` here (the ranks run on this machine)."""
-    if spec.cluster.name != "local" or spec.trainer.device != "auto":
+    """For local runs, decide `trainer.device=auto` here (the ranks run on this machine), and refuse
+    `trainer.device=cuda` without enough visible GPUs before any rank starts."""
+    if spec.cluster.name != "local" or spec.trainer.device == "cpu":
         return spec
     # lazy: the launch side (launch/, jinja2, data.prepare: ~0.1 s) only when a job starts; action=plan skips it
     from launcher.launch.local import visible_gpu_count
 
     gpus = visible_gpu_count()
+    if spec.trainer.device == "cuda":
+        if gpus < spec.cluster.gpus_per_node:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            seen = f"{gpus} visible GPU(s)" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+            fix = (f"cluster.gpus_per_node={gpus}" if gpus else "trainer.device=cpu or trainer.device=auto")
+            _fail_config([f"trainer.device=cuda: cluster.gpus_per_node={spec.cluster.gpus_per_node} local ranks need "
+                          f"as many GPUs, and this machine has {seen}. Fix: {fix}, or run on a GPU machine."])
+        return spec
     device = "cuda" if gpus >= spec.cluster.gpus_per_node else "cpu"
     if 0 < gpus < spec.cluster.gpus_per_node:
         log.warning(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,4 +60,32 @@ def test_visible_gpu_count_reads_the_driver_and_cuda_visible_devices(tmp_path, m
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert visible_gpu_count(gpus) == expected
-    assert visible_gpu_count(tmp_path / "no_driver") == 0
+    assert visible_gpu_count(tmp_path / "no_driver", dev_dir=tmp_path / "no_dev") == 0
+
+
+def test_without_the_drivers_proc_folder_the_device_files_are_counted(tmp_path, monkeypatch):
+    """A container or VM may have /dev/nvidiaN but no /proc/driver/nvidia/gpus."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-modeset"):
+        (dev / name).touch()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpu_count(tmp_path / "no_proc", dev_dir=dev) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert visible_gpu_count(tmp_path / "no_proc", dev_dir=dev) == 1
+
+
+def test_cuda_without_a_visible_gpu_is_refused_before_any_rank_starts(tmp_path):
+    """trainer.device=cuda on a machine without GPUs: one exit-2 line with the fix, in seconds,
+    instead of torchrun starting ranks that fail with tracebacks."""
+    env = {**train_env(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "launcher", "+recipe=debug", "trainer.device=cuda",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert time.monotonic() - started < 5
+    out = proc.stdout + proc.stderr
+    assert "trainer.device=cuda: cluster.gpus_per_node=2 local ranks need as many GPUs" in out
+    assert "Fix: trainer.device=cpu or trainer.device=auto" in out and "Traceback" not in out
+    assert not (tmp_path / "run" / "logs").exists()  # no rank started
