@@ -4,6 +4,7 @@ warning when SLURM's time-limit signal comes too late for a stop. Pure Python, n
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from launcher.plan.checkpoint_time import STOP_MARGIN_S
 from launcher.plan.plan import Plan, build_plan
 from launcher.plan.report import render_plan
 
+REPO = Path(__file__).resolve().parents[1]
 LLAMA70B = ["+recipe=llama70b", "cluster.nodes=2"]  # 2 nodes: 16 ranks share the 70B states
 
 
@@ -103,3 +105,30 @@ def test_cluster_env_reaches_local_ranks_and_wins(tmp_path, monkeypatch):
     env = rank_environment(tmp_path, "cpu", {"MY_FLAG": "1", "WANDB_DIR": "/from/cluster/env"})
     assert env["MY_FLAG"] == "1" and env["WANDB_DIR"] == "/from/cluster/env"
     assert rank_environment(tmp_path, "cpu")["WANDB_DIR"] == "/from/the/shell"
+
+
+def test_an_interval_that_loses_hours_per_failure_is_a_warning_with_the_interval_to_use():
+    spec = compose_spec([*LLAMA70B, "checkpoint.interval=400"])
+    plan = build_plan(spec)
+    step_s = plan.time["step_s"]
+    assert plan.checkpoint["lost_per_failure_s"] == pytest.approx(200 * step_s) and 200 * step_s > 3600
+    [warning] = [w for w in plan.warnings if w.startswith("checkpoint.interval=400 ")]
+    suggested = int(warning.split("Fix: checkpoint.interval=")[1].split(" ")[0])
+    assert 0.4 * 3600 <= suggested * step_s / 2 <= 0.5 * 3600  # about half an hour lost per failure
+    assert not [w for w in build_plan(compose_spec([*LLAMA70B, f"checkpoint.interval={suggested}"])).warnings
+                if w.startswith("checkpoint.interval=")]
+    # A node-local tier bounds the loss: no warning.
+    local = compose_spec([*LLAMA70B, "checkpoint.interval=400", "checkpoint.local_dir=/local", "checkpoint.local_interval=20"])
+    assert not [w for w in build_plan(local).warnings if w.startswith("checkpoint.interval=")]
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (REPO / "recipes").glob("*.yaml")))
+def test_every_recipe_plans_without_a_warning_about_its_own_checkpointing(recipe):
+    """A shipped recipe at its own size: SLURM's time-limit warning comes early enough for a stop's
+    save, and a failure loses at most an hour of training."""
+    spec = compose_spec([f"+recipe={recipe}"])
+    plan = build_plan(spec)
+    own = [w for w in plan.warnings if w.startswith(("cluster.signal_seconds=", "checkpoint.interval="))]
+    assert not own, own
+    lost = plan.checkpoint["lost_per_failure_s"]
+    assert lost is None or lost <= 3600, lost

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from launcher.plan.layout import Layout
 from launcher.plan.memory import model_state_memory
@@ -57,6 +57,29 @@ def lost_work_seconds(interval_steps: int, step_s: float) -> Optional[float]:
     if interval_steps <= 0:
         return None
     return interval_steps * step_s / 2
+
+
+# A failure should cost at most this much training (half a checkpoint interval on average); the
+# suggested interval loses half of it. Torchtitan's and Megatron's large-run configs save every
+# 20-60 minutes of training for the same reason.
+LOST_WORK_WARN_S = 3600.0
+SUGGESTED_LOST_S = 1800.0
+
+
+def lost_work_warnings(checkpoint: Dict[str, Any], step_s: float) -> List[str]:
+    """A warning when a failure would lose more than LOST_WORK_WARN_S of training with the
+    configured intervals (the node-local tier, when set, bounds the loss), with the interval that
+    loses about SUGGESTED_LOST_S."""
+    losses = [x for x in (checkpoint.get("lost_per_failure_s"), checkpoint.get("local_lost_per_failure_s")) if x]
+    if not losses or min(losses) <= LOST_WORK_WARN_S or step_s <= 0:
+        return []
+    interval = checkpoint["interval_steps"]
+    suggested = max(1, int(2 * SUGGESTED_LOST_S / step_s))
+    return [
+        f"checkpoint.interval={interval} steps of {step_s:.0f} s loses about {min(losses) / 3600:.1f} h of training "
+        f"per failure (half an interval). Fix: checkpoint.interval={suggested} (about {2 * SUGGESTED_LOST_S / 60:.0f} "
+        f"minutes of steps), or checkpoint.local_dir for a node-local tier at checkpoint.local_interval."
+    ]
 
 
 def checkpoint_estimate(plan: Any, spec: Any) -> Dict[str, Any]:

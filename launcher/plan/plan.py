@@ -19,7 +19,7 @@ from launcher.config.validate import stop_lead_warnings
 from launcher.data.checks import repeat_warnings
 from launcher.plan import estimate
 from launcher.plan.budget import budget
-from launcher.plan.checkpoint_time import checkpoint_estimate
+from launcher.plan.checkpoint_time import checkpoint_estimate, lost_work_warnings
 from launcher.plan.features import BackendChoice
 from launcher.plan.layout import Layout
 from launcher.plan.mesh import MeshPlan
@@ -147,4 +147,5 @@ def build_plan(spec: JobConfig, layout: Optional[Layout] = None) -> Plan:
 def fill_checkpoint_time(plan: Plan, spec: JobConfig) -> None:
     """Predict the save / stop time and warn when the SLURM warning signal comes too late."""
     plan.checkpoint = checkpoint_estimate(plan, spec)
-    plan.warnings = list(plan.warnings) + stop_lead_warnings(spec, plan.checkpoint["stop_s"])
+    plan.warnings = (list(plan.warnings) + stop_lead_warnings(spec, plan.checkpoint["stop_s"])
+                     + lost_work_warnings(plan.checkpoint, plan.time["step_s"]))
