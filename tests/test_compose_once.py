@@ -74,6 +74,13 @@ def test_flags_keep_hydras_main(tmp_path):
     assert shown.returncode == 0 and "steps: 7" in shown.stdout, shown.stderr
     helped = _train(["--help"], tmp_path)
     assert helped.returncode == 0 and "model:" in helped.stdout, helped.stderr
+    # A newcomer's help: the actions, the main keys and three examples that compose (planned here).
+    assert helped.stdout.startswith("train: validate, plan and launch LLM training runs")
+    assert "Actions (action=...): run (default), plan" in helped.stdout and "Main keys:" in helped.stdout
+    examples = [line.split("   ")[0].strip() for line in helped.stdout.splitlines() if line.startswith("  train ")]
+    assert len(examples) == 3
+    planned = _train([*examples[1].split()[1:], "plan.format=json", f"hydra.run.dir={tmp_path / 'planned'}"], tmp_path)
+    assert planned.returncode == 0 and '"layout"' in planned.stdout, planned.stderr[-2000:]
     sweep = tmp_path / "sweep"
     swept = _train(["-m", "+recipe=debug", "action=plan", "plan.format=json", "trainer.steps=3,4",
                     f"hydra.sweep.dir={sweep}"], tmp_path)
