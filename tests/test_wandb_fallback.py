@@ -87,9 +87,14 @@ def test_online_without_network_falls_back_to_offline(run_dir: Path):
     """mode=auto with an API key (as SLURM forwards it) and an unreachable server."""
     env = train_env(run_dir.parent)
     env.pop("WANDB_MODE")  # train_env forces offline; this test needs wandb to try online
+    env.pop("WANDB_SILENT")  # what a user's shell has: W&B's own console output is logging.wandb.quiet's job
     with SilentServer() as server:
         env.update(WANDB_API_KEY="0123456789abcdef" * 2 + "01234567", WANDB_BASE_URL=server.url)
-        _train(run_dir, ["logging.wandb.mode=auto", "logging.wandb.init_timeout_s=5"], env)
+        proc = _train(run_dir, ["logging.wandb.mode=auto", "logging.wandb.init_timeout_s=5"], env)
+    console = proc.stdout + proc.stderr
+    assert "Run summary:" not in console and "Run history:" not in console, console[-3000:]
+    [offline] = (run_dir / "wandb").glob("offline-run-*")
+    assert f"W&B offline run in {offline}: upload it with `wandb sync {offline}`" in console
     _assert_trained(run_dir)
     log = _rank0_log(run_dir)
     assert log.count(FALLBACK_WARNING) == 1, f"expected one fallback warning in rank_0.log:\n{log[-3000:]}"
@@ -98,6 +103,10 @@ def test_online_without_network_falls_back_to_offline(run_dir: Path):
     assert len(runs) == 1, f"no offline W&B run in {run_dir / 'wandb'}: {list((run_dir / 'wandb').glob('*'))}"
     data = runs[0].read_bytes()
     assert b"trainer/step" in data and b"loss" in data, "the offline W&B run holds no logged metrics"
+    import torch
+
+    # The run's config records what it ran on (also in run_summary.json): torch, CUDA, NCCL, GPU...
+    assert b"environment" in data and torch.__version__.encode() in data and b"gpu_count" in data
 
 
 def test_missing_wandb_package_trains_and_warns(run_dir: Path, tmp_path: Path):

@@ -328,6 +328,9 @@ class WandbConfig:
     # Seconds wandb.init may wait for the W&B server (wandb.Settings.init_timeout, wandb's own
     # default 90 s); past it, or on any start error, the run logs to W&B offline instead.
     init_timeout_s: float = 30.0
+    # W&B's own console output at the end of a run (its history and summary tables) stays off; the
+    # launcher prints one line saying where an offline run is and how to upload it. false shows it.
+    quiet: bool = True
 
 
 @dataclass

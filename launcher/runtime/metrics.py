@@ -63,7 +63,8 @@ def import_wandb(mode: str) -> Optional[ModuleType]:
     return wandb
 
 
-def start_wandb_run(wandb: ModuleType, init_args: Dict[str, Any], mode: str, timeout_s: float, run_dir: Path):
+def start_wandb_run(wandb: ModuleType, init_args: Dict[str, Any], mode: str, timeout_s: float, run_dir: Path,
+                    quiet: bool = True):
     """wandb.init in `mode`; if online cannot start (no network, server down, bad key), offline.
 
     Compute nodes often have no internet while WANDB_API_KEY is forwarded, so `auto` asks for
@@ -76,7 +77,7 @@ def start_wandb_run(wandb: ModuleType, init_args: Dict[str, Any], mode: str, tim
     # not to the user, so it is off unless WANDB_ERROR_REPORTING is set explicitly.
     os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
     try:
-        return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=timeout_s), **init_args)
+        return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=timeout_s, quiet=quiet), **init_args)
     except Exception as e:  # noqa: BLE001 - wandb raises CommError, UsageError, timeouts, OSError...
         first_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if mode != "online":
@@ -92,7 +93,7 @@ def start_wandb_run(wandb: ModuleType, init_args: Dict[str, Any], mode: str, tim
         # The failed online attempt still holds the run id in wandb's service: shut it down
         # first, or the offline run is refused with "run ID ... is in use".
         wandb.teardown()
-        return wandb.init(mode="offline", **init_args)
+        return wandb.init(mode="offline", settings=wandb.Settings(quiet=quiet), **init_args)
     except Exception as e:  # noqa: BLE001
         log.warning("W&B could not start offline either (%s: %s): training continues without W&B",
                     type(e).__name__, e)
@@ -176,7 +177,7 @@ class MetricsLogger:
             id=id_file.read_text().strip(),
             resume="allow",
         )
-        self._wandb = start_wandb_run(wandb, init_args, mode, init_timeout_s(cfg), self.run_dir)
+        self._wandb = start_wandb_run(wandb, init_args, mode, init_timeout_s(cfg), self.run_dir, quiet=cfg.quiet)
         if self._wandb is None:
             return
         self._wandb_call("define_metric", lambda run: run.define_metric("trainer/step"))
@@ -256,5 +257,9 @@ class MetricsLogger:
         if self._progress is not None:
             self._progress.stop()
         self._file.close()
+        offline = self._wandb is not None and self._wandb.settings.mode == "offline"
+        folder = Path(self._wandb.dir).parent if offline else None
         self._wandb_call("finish", lambda run: run.finish())
         self._wandb = None
+        if folder is not None:
+            log.info("W&B offline run in %s: upload it with `wandb sync %s`", folder, shlex.quote(str(folder)))
