@@ -88,6 +88,44 @@ def test_group_limited_routing_never_spans_more_than_topk_group_groups(n_group, 
     assert torch.allclose(ours_w.gather(1, experts.argsort(-1)), ref_weights.gather(1, ref_idx.argsort(-1)))
 
 
+@pytest.mark.parametrize("overrides", [["model=deepseek_v3"], ["model=deepseek_v3_small"], ["+recipe=deepseek_v3"]])
+def test_from_scratch_configs_pretrain_with_plain_rope(overrides):
+    """DeepSeek pretrained at 4K without YaRN: the from-scratch model configs and recipe carry no
+    rope_scaling (a released folder's YaRN comes with model=hf, tests/test_hf_weights.py)."""
+    from launcher.config.loader import compose_spec
+
+    spec = compose_spec(overrides)
+    assert spec.model.rope_scaling.type == "none" and not spec.model.init_from
+
+
+YARN_4K = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=40",
+           "model.rope_scaling.original_max_position_embeddings=4096"]
+
+
+def test_plan_warns_when_a_from_scratch_run_scales_rope_within_its_original_context(tmp_path):
+    """`train action=plan` with YaRN set on a from-scratch run at seq_len <= its original context:
+    one warning with a Fix; none past that context or when starting from a model (model.init_from)."""
+    import dataclasses
+    import subprocess
+
+    from launcher.config.loader import compose_spec
+    from launcher.config.validate import rope_scaling_warnings
+    from tests.conftest import TRAIN, train_env
+
+    proc = subprocess.run([TRAIN, "+recipe=deepseek_v3", "action=plan", *YARN_4K, f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=train_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    hits = [line for line in proc.stdout.splitlines() if "model.rope_scaling.type=yarn on a from-scratch run" in line]
+    assert len(hits) == 1 and "trainer.seq_len=4096" in hits[0] and "Fix: model.rope_scaling.type=none" in hits[0]
+    assert rope_scaling_warnings(compose_spec(["+recipe=deepseek_v3"])) == []  # plain RoPE: nothing to say
+    spec = compose_spec(["+recipe=deepseek_v3", *YARN_4K])
+    assert len(rope_scaling_warnings(spec)) == 1
+    longer = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, seq_len=8192))
+    assert rope_scaling_warnings(longer) == []  # extending the context is what YaRN is for
+    loaded = dataclasses.replace(spec, model=dataclasses.replace(spec.model, init_from=str(tmp_path)))
+    assert rope_scaling_warnings(loaded) == []  # a model trained with it keeps it
+
+
 def test_correction_bias_chooses_experts_but_does_not_weight_them():
     moe = _router(n_group=1, topk_group=1)
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(2))

@@ -692,6 +692,21 @@ def stop_lead_warnings(spec: JobConfig, stop_s: float) -> List[str]:
     ]
 
 
+def rope_scaling_warnings(spec: JobConfig) -> List[str]:
+    """A warning (not an error) when a from-scratch run scales RoPE within the context it was meant
+    to extend: `rope_scaling` belongs to a checkpoint trained with it (a folder whose config.json has
+    it); pretraining at or below `original_max_position_embeddings` wants plain RoPE, as DeepSeek-V3
+    and Llama 3 were pretrained, and scaling there changes the frequencies (and YaRN's softmax scale)."""
+    r = spec.model.rope_scaling
+    if r.type == "none" or spec.model.init_from or spec.trainer.seq_len > r.original_max_position_embeddings:
+        return []
+    return [f"model.rope_scaling.type={r.type} on a from-scratch run (no model.init_from) at trainer.seq_len="
+            f"{spec.trainer.seq_len}, within its original_max_position_embeddings="
+            f"{r.original_max_position_embeddings}: the model pretrains with scaled RoPE frequencies its "
+            f"authors used only to extend a trained model's context. Fix: model.rope_scaling.type=none for "
+            f"pretraining, or model.init_from=<folder of a model trained with this scaling>."]
+
+
 def check(spec: JobConfig) -> None:
     """Raise ConfigError with every config-level problem, if any."""
     problems = validate(spec)
