@@ -88,6 +88,47 @@ def test_group_limited_routing_never_spans_more_than_topk_group_groups(n_group, 
     assert torch.allclose(ours_w.gather(1, experts.argsort(-1)), ref_weights.gather(1, ref_idx.argsort(-1)))
 
 
+def test_group_limited_routing_with_biased_scores_below_zero_equals_transformers():
+    """Large negative correction biases push every biased score below zero: the excluded groups
+    must then be masked with -inf (DeepSeek's code, transformers >= 5), not 0.0 (transformers 4.x's
+    DeepSeek-V2-era code), or a masked expert outranks every allowed one. Our router's selection is
+    transformers' DeepseekV3TopkRouter's exactly, and the MoE layer's output (its gate weights
+    through the same experts) equals transformers' DeepseekV3MoE."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    moe = _router(n_experts=16, top_k=4, n_group=4, topk_group=2)
+    with torch.no_grad():
+        moe.e_score_correction_bias.copy_(-torch.linspace(1.0, 4.0, 16))  # later experts: further below zero
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(3))
+    scores = moe.router(x).float().sigmoid()
+    biased = scores + moe.e_score_correction_bias
+    assert (biased < 0).all()  # the regime where -inf and 0.0 masking disagree
+    config = DeepseekV3Config(hidden_size=8, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, norm_topk_prob=True, moe_intermediate_size=4,
+                              n_shared_experts=1, hidden_act="silu")
+    ref = DeepseekV3MoE(config)
+    with torch.no_grad():
+        ref.gate.weight.copy_(moe.router.weight)
+        ref.gate.e_score_correction_bias.copy_(moe.e_score_correction_bias)
+        ref.experts.gate_up_proj.copy_(torch.cat([moe.experts.w1, moe.experts.w3], dim=1))
+        ref.experts.down_proj.copy_(moe.experts.w2)
+        ref.shared_experts.gate_proj.weight.copy_(moe.shared_experts.w1.weight)
+        ref.shared_experts.up_proj.weight.copy_(moe.shared_experts.w3.weight)
+        ref.shared_experts.down_proj.weight.copy_(moe.shared_experts.w2.weight)
+        _, ref_weights, ref_idx = ref.gate(x)
+        experts = moe.choose_experts(scores)
+        assert torch.equal(experts.sort(-1)[0], ref_idx.sort(-1)[0])
+        # The test can tell the conventions apart: 0.0 masking picks experts of excluded groups here.
+        grouped = biased.view(256, 4, 4)
+        keep = torch.zeros(256, 4).scatter_(1, grouped.topk(2, dim=-1)[0].sum(-1).topk(2, dim=-1)[1], 1)
+        zero_masked = biased.masked_fill(~keep.repeat_interleave(4, dim=1).bool(), 0.0)
+        assert not torch.equal(zero_masked.topk(4, dim=-1)[1].sort(-1)[0], ref_idx.sort(-1)[0])
+        ours, theirs = moe(x), ref(x)
+    assert ref_weights.sum(-1).sub(2.5).abs().max() < 1e-5  # renormalised over the chosen 4, times 2.5
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("overrides", [["model=deepseek_v3"], ["model=deepseek_v3_small"], ["+recipe=deepseek_v3"]])
 def test_from_scratch_configs_pretrain_with_plain_rope(overrides):
     """DeepSeek pretrained at 4K without YaRN: the from-scratch model configs and recipe carry no
