@@ -2,8 +2,9 @@
 
 Parity with transformers (logits, exports, the real configs on the meta device) is in
 tests/test_hf_weights.py; here: group-limited routing on the routing indices (and equal to
-transformers' DeepseekV3TopkRouter), aux-loss-free balancing on a constructed skewed router (the
-bias moves load toward uniform, outside the optimizer, saved with the model), the sequence-wise
+transformers' DeepseekV3TopkRouter, biased scores below zero included), aux-loss-free balancing on
+a constructed skewed router (the bias moves load toward uniform, outside the optimizer, saved with
+the model; a real checkpoint and a resume in a new process are bit-identical), the sequence-wise
 balance loss by hand, MLA under tensor parallelism (2 gloo ranks, with and without SP) equal
 to one rank in logits and gradients, and MLA's RoPE in context parallelism's head-tail order.
 """
@@ -340,18 +341,11 @@ def test_mla_under_tensor_parallelism_equals_one_rank(sequence_parallel):
 # ----------------------------------------------------------------------------- the `train` command
 
 
-@pytest.mark.multiprocess
-def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path):
-    """`train model=hf model.init_from=<tiny DeepSeek-V3> model.bias_update_speed=0.01`, 3 steps, fp32
-    export: every correction bias moved by whole steps of 0.01 (at most 3), and transformers reads the
-    export as our model does (logits within 1e-5). metrics.jsonl has each MoE layer's load and bias
-    spread (launcher/runtime/moe_load.py) on every log step."""
+def _tiny_deepseek_v3_folder_and_corpus(tmp_path):
+    """A tiny DeepSeek-V3 saved by transformers (random norms and correction biases) and a text corpus."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from launcher.hf.format import hf_model_fields, read_hf_config
-    from launcher.hf.weights import load_hf_weights
-    from tests.conftest import run_train
-    from tests.test_hf_weights import DEEPSEEK_V3, WORDS, _hf_logits, _hf_tensors, _randomize_norms, _save_tokenizer
+    from tests.test_hf_weights import DEEPSEEK_V3, WORDS, _randomize_norms, _save_tokenizer
 
     torch.manual_seed(0)
     src = tmp_path / "src"
@@ -359,11 +353,31 @@ def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path
     _save_tokenizer(src)
     text = tmp_path / "corpus.txt"
     text.write_text(" ".join(WORDS[i % len(WORDS)] for i in range(3000)))
+    return src, text
+
+
+def _train_args(src, text):
+    """`train` from that folder with the bias moving 0.01 per step, fp32, an fp32 HF export at the end."""
+    return ["model=hf", f"model.init_from={src}", "model.bias_update_speed=0.01", "data=text", f"data.path={text}",
+            "trainer.seq_len=16", "trainer.global_batch_size=2", "precision=fp32", "checkpoint.export=hf",
+            "checkpoint.export_dtype=fp32", "cluster.gpus_per_node=1", "logging.progress=false", "plan.plots=false",
+            "logging.wandb.mode=disabled"]
+
+
+@pytest.mark.multiprocess
+def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path):
+    """`train model=hf model.init_from=<tiny DeepSeek-V3> model.bias_update_speed=0.01`, 3 steps, fp32
+    export: every correction bias moved by whole steps of 0.01 (at most 3), and transformers reads the
+    export as our model does (logits within 1e-5). metrics.jsonl has each MoE layer's load and bias
+    spread (launcher/runtime/moe_load.py) on every log step."""
+    from launcher.hf.format import hf_model_fields, read_hf_config
+    from launcher.hf.weights import load_hf_weights
+    from tests.conftest import run_train
+    from tests.test_hf_weights import _hf_logits, _hf_tensors
+
+    src, text = _tiny_deepseek_v3_folder_and_corpus(tmp_path)
     run = tmp_path / "run"
-    run_train(["model=hf", f"model.init_from={src}", "model.bias_update_speed=0.01", "data=text", f"data.path={text}",
-               "trainer.steps=3", "trainer.seq_len=16", "trainer.global_batch_size=2", "precision=fp32",
-               "checkpoint.export=hf", "checkpoint.export_dtype=fp32", "cluster.gpus_per_node=1",
-               "logging.progress=false", "plan.plots=false", "logging.wandb.mode=disabled"], run, check=True, timeout=600)
+    run_train([*_train_args(src, text), "trainer.steps=3"], run, check=True, timeout=600)
     # Per-layer metrics: MoE layers 1 and 2 (first_k_dense_replace=1); 8 experts, top-2.
     from tests.conftest import read_metrics
     rows = [r for r in read_metrics(run) if "loss" in r]
@@ -401,6 +415,32 @@ def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path
     with torch.no_grad():
         ours = model(toks)
     assert (ours - _hf_logits(export, toks)).abs().max() <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_router_bias_survives_a_checkpoint_on_disk_and_a_resume_in_a_new_process(tmp_path):
+    """4 steps in one `train`, saving at step 2; a second `train` process resumes from that step-2
+    checkpoint on disk and runs steps 3-4: its correction biases (and every other tensor) at the end
+    are bit-identical to the uninterrupted run's. A bias not saved, or not restored, would restart
+    from the folder's values and end elsewhere."""
+    from tests.conftest import losses_by_step, run_train
+    from tests.test_hf_weights import _hf_tensors
+
+    src, text = _tiny_deepseek_v3_folder_and_corpus(tmp_path)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run_train([*_train_args(src, text), "trainer.steps=4", "checkpoint.interval=2"], whole, check=True, timeout=600)
+    step2 = whole / "checkpoints" / "step_00000002"
+    assert step2.is_dir()
+    run_train([*_train_args(src, text), "trainer.steps=4", "checkpoint.interval=2", f"checkpoint.resume={step2}"],
+              resumed, check=True, timeout=600)
+    assert sorted(losses_by_step(resumed)) == [3, 4]  # it resumed: steps 1-2 were not run again
+    source, a, b = _hf_tensors(src), _hf_tensors(whole / "export" / "hf"), _hf_tensors(resumed / "export" / "hf")
+    biases = [k for k in a if k.endswith("e_score_correction_bias")]
+    assert len(biases) == 2 and all(b[k].dtype == torch.float32 for k in biases)
+    assert any(not torch.equal(a[k], source[k]) for k in biases)  # the biases moved
+    assert all(torch.equal(a[k], b[k]) for k in biases), [(a[k] - b[k]).abs().max() for k in biases]
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses_by_step(resumed) == {s: l for s, l in losses_by_step(whole).items() if s > 2}
 
 
 def test_multi_token_prediction_weights_are_skipped_with_one_log_line(tmp_path, caplog):
