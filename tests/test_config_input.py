@@ -350,9 +350,9 @@ def test_non_finite_values_and_conflicting_inputs_are_all_refused_at_once(tmp_pa
         hits = [p for p in problems if all(f in p for f in fragments)]
         assert len(hits) == 1 and "Fix:" in hits[0], (fragments, problems)
 
-    line("data.mix: weights must be finite numbers > 0", "web=inf", "code=nan")
+    line("data.mix: weights must be > 0 and finite", "web=inf", "code=nan")
     line("data.reset_positions=true with parallel.cp=2", "Fix: parallel.cp=1")
-    line("plan.moe_imbalance=inf must be a finite number >= 1")
+    line("plan.moe_imbalance=inf must be at least 1 and finite")
     line("trainer.steps=7 and trainer.tokens=100000 disagree", "gives 98 steps", "Fix: drop trainer.steps")
 
 
@@ -360,7 +360,7 @@ def test_non_finite_values_and_conflicting_inputs_are_all_refused_at_once(tmp_pa
 def test_non_finite_gpu_hour_price_is_refused(tmp_path, price):
     (problem,) = [p for p in _train_refuses(tmp_path, f"hardware.usd_per_gpu_hour={price}")
                   if "hardware.usd_per_gpu_hour" in p]
-    assert f"hardware.usd_per_gpu_hour={price} must be a finite number >= 0" in problem and "Fix:" in problem
+    assert f"hardware.usd_per_gpu_hour={price} must be >= 0 and finite" in problem and "Fix:" in problem
 
 
 def test_token_budget_with_agreeing_or_recipe_steps_still_runs_the_plan(tmp_path):

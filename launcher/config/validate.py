@@ -136,7 +136,7 @@ def _check_positive(spec: JobConfig, problems: List[str]) -> None:
                         f"as an integer: 2000000000000), or 0 to train trainer.steps steps.")
     price = spec.hardware.usd_per_gpu_hour
     if price is not None and not 0 <= price < math.inf:  # nan and inf too: the budget multiplies by it
-        problems.append(f"hardware.usd_per_gpu_hour={price} must be a finite number >= 0. Fix: your price of one GPU-hour, e.g. "
+        problems.append(f"hardware.usd_per_gpu_hour={price} must be >= 0 and finite. Fix: your price of one GPU-hour, e.g. "
                         f"hardware.usd_per_gpu_hour=2.5, or null for no cost line.")
     if spec.trainer.grad_clip < 0:
         problems.append(f"trainer.grad_clip={spec.trainer.grad_clip} must be >= 0. Fix: e.g. trainer.grad_clip=1.0, or 0 to disable clipping.")
@@ -399,7 +399,7 @@ def _check_misc_values(spec: JobConfig, problems: List[str]) -> None:
         )
     if not 1.0 <= spec.plan.moe_imbalance < math.inf:  # nan and inf too: the plan multiplies by it
         problems.append(
-            f"plan.moe_imbalance={spec.plan.moe_imbalance} must be a finite number >= 1 (the busiest expert-parallel rank's "
+            f"plan.moe_imbalance={spec.plan.moe_imbalance} must be at least 1 and finite (the busiest expert-parallel rank's "
             f"routed tokens over the mean; 1 = balanced). Fix: e.g. plan.moe_imbalance=1.0, or a run's "
             f"moe/tokens_per_expert_max_over_mean."
         )

@@ -69,7 +69,7 @@ def _mix_problems(cfg: DataConfig, key: str, validation: bool, problems: List[st
     # nan and inf too: every rank turns the weights into exact fractions (launcher/data/mixture.py)
     bad = [f"{s.name}={s.weight:g}" for s in sources if not 0 < s.weight < math.inf]
     if bad:
-        problems.append(f"{key}: weights must be finite numbers > 0, got {', '.join(bad)} (weights are relative "
+        problems.append(f"{key}: weights must be > 0 and finite, got {', '.join(bad)} (weights are relative "
                         f"shares). Fix: give every source a positive finite weight, or remove it from {key}.")
     elif sum(weights) <= 0:
         problems.append(f"{key}: the weights sum to 0. Fix: positive weights.")
