@@ -11,8 +11,10 @@ to one rank in logits and gradients, and MLA's RoPE in context parallelism's hea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import subprocess
 
 import pytest
 import torch
@@ -147,9 +149,6 @@ YARN_4K = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=40",
 def test_plan_warns_when_a_from_scratch_run_scales_rope_within_its_original_context(tmp_path):
     """`train action=plan` with YaRN set on a from-scratch run at seq_len <= its original context:
     one warning with a Fix; none past that context or when starting from a model (model.init_from)."""
-    import dataclasses
-    import subprocess
-
     from launcher.config.loader import compose_spec
     from launcher.config.validate import rope_scaling_warnings
     from tests.conftest import TRAIN, train_env
