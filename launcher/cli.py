@@ -30,7 +30,7 @@ from launcher.config.composition_errors import composition_problem
 from launcher.config.errors import ConfigError, print_problems
 from launcher.config.executors import cluster_key_problems
 from launcher.config.hydra_run import ComposedRun, is_plain_run, job_config
-from launcher.config.loader import compose_spec, save_spec, to_spec, user_overrides
+from launcher.config.loader import compose_spec, save_spec, to_spec, token_budget_problems, user_overrides
 from launcher.config.overrides import override_problems
 from launcher.config.schema import JobConfig
 from launcher.config.store import register_configs
@@ -70,7 +70,7 @@ def _compose_check_and_run(argv: List[str]) -> None:
             _fail_config(err.problems)
         except (HydraException, OmegaConfBaseException, ValueError) as err:  # ValueError: as compose_spec's callers
             _fail_config([composition_problem(err)])
-        _fail_if_problems(_spec_problems(spec))
+        _fail_if_problems(_spec_problems(spec) + token_budget_problems(user_overrides(argv), spec))
         app.run(cfg, lambda _job_cfg: _dispatch(spec))
     finally:
         app.close()
@@ -121,7 +121,7 @@ def _point_problems(overrides: List[str]) -> List[str]:
         return err.problems
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         return [composition_problem(err)]
-    return _spec_problems(spec)
+    return _spec_problems(spec) + token_budget_problems(overrides, spec)
 
 
 def _spec_problems(spec: JobConfig) -> List[str]:

@@ -318,3 +318,57 @@ def test_tokenizer_vocab_check_runs_without_torch(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), check=True)
     assert out.stdout.split() == ["300", "False"]
+
+
+# --- Inputs every rank used to fail on (or silently override), refused before launch -----------------------
+
+NON_FINITE_AND_CONFLICTING = [
+    "data=indexed", "data.mix=[{path:/nonexistent/web,weight:inf,name:web},{path:/nonexistent/code,weight:nan,name:code}]",
+    "data.reset_positions=true", "parallel.cp=2", "plan.moe_imbalance=inf", "trainer.tokens=100000", "trainer.steps=7",
+]
+
+
+def _train_refuses(tmp_path, *overrides):
+    """The real `train` on the debug recipe: exit 2, no traceback, nothing written; its problem lines."""
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run([TRAIN, "+recipe=debug", *overrides, f"hydra.run.dir={work / 'run'}"],
+                          cwd=work, env=train_env(work), capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out
+    assert list(work.iterdir()) == [], "something was written before the refusal"
+    return [line for line in proc.stderr.splitlines() if line.startswith("  - ")]
+
+
+def test_non_finite_values_and_conflicting_inputs_are_all_refused_at_once(tmp_path):
+    """An inf/nan data.mix weight (every rank failed on Fraction('inf')), an inf plan.moe_imbalance,
+    data.reset_positions with context parallelism (every rank raised in the engine) and a command-line
+    trainer.steps that the token budget would silently override: one exit 2, every line with a Fix."""
+    problems = _train_refuses(tmp_path, *NON_FINITE_AND_CONFLICTING)
+
+    def line(*fragments):
+        hits = [p for p in problems if all(f in p for f in fragments)]
+        assert len(hits) == 1 and "Fix:" in hits[0], (fragments, problems)
+
+    line("data.mix: weights must be > 0 and finite", "web=inf", "code=nan")
+    line("data.reset_positions=true with parallel.cp=2", "Fix: parallel.cp=1")
+    line("plan.moe_imbalance=inf must be at least 1 and finite")
+    line("trainer.steps=7 and trainer.tokens=100000 disagree", "gives 98 steps", "Fix: drop trainer.steps")
+
+
+@pytest.mark.parametrize("price", ["inf", "nan"])
+def test_non_finite_gpu_hour_price_is_refused(tmp_path, price):
+    (problem,) = [p for p in _train_refuses(tmp_path, f"hardware.usd_per_gpu_hour={price}")
+                  if "hardware.usd_per_gpu_hour" in p]
+    assert f"hardware.usd_per_gpu_hour={price} must be >= 0 and finite" in problem and "Fix:" in problem
+
+
+def test_token_budget_with_agreeing_or_recipe_steps_still_runs_the_plan(tmp_path):
+    """trainer.steps on the command line equal to what trainer.tokens gives, or a recipe's own
+    trainer.steps (its default without a budget), is not a conflict: the plan runs."""
+    for steps in (["trainer.steps=98"], []):
+        proc = subprocess.run([TRAIN, "+recipe=debug", "action=plan", "trainer.tokens=100000", *steps,
+                               f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=train_env(tmp_path),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "Budget (trainer.tokens=100,000): 98 steps" in proc.stdout

@@ -2,16 +2,19 @@
 
 Parity with transformers (logits, exports, the real configs on the meta device) is in
 tests/test_hf_weights.py; here: group-limited routing on the routing indices (and equal to
-transformers' DeepseekV3TopkRouter), aux-loss-free balancing on a constructed skewed router (the
-bias moves load toward uniform, outside the optimizer, saved with the model), the sequence-wise
+transformers' DeepseekV3TopkRouter, biased scores below zero included), aux-loss-free balancing on
+a constructed skewed router (the bias moves load toward uniform, outside the optimizer, saved with
+the model; a real checkpoint and a resume in a new process are bit-identical), the sequence-wise
 balance loss by hand, MLA under tensor parallelism (2 gloo ranks, with and without SP) equal
 to one rank in logits and gradients, and MLA's RoPE in context parallelism's head-tail order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import subprocess
 
 import pytest
 import torch
@@ -86,6 +89,82 @@ def test_group_limited_routing_never_spans_more_than_topk_group_groups(n_group, 
     ours_w = scores.gather(1, experts)
     ours_w = ours_w / (ours_w.sum(-1, keepdim=True) + 1e-20) * 2.5
     assert torch.allclose(ours_w.gather(1, experts.argsort(-1)), ref_weights.gather(1, ref_idx.argsort(-1)))
+
+
+def test_group_limited_routing_with_biased_scores_below_zero_equals_transformers():
+    """Large negative correction biases push every biased score below zero: the excluded groups
+    must then be masked with -inf (DeepSeek's code, transformers >= 5), not 0.0 (transformers 4.x's
+    DeepSeek-V2-era code), or a masked expert outranks every allowed one. Our router's selection is
+    transformers' DeepseekV3TopkRouter's exactly, and the MoE layer's output (its gate weights
+    through the same experts) equals transformers' DeepseekV3MoE."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    moe = _router(n_experts=16, top_k=4, n_group=4, topk_group=2)
+    with torch.no_grad():
+        moe.e_score_correction_bias.copy_(-torch.linspace(1.0, 4.0, 16))  # later experts: further below zero
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(3))
+    scores = moe.router(x).float().sigmoid()
+    biased = scores + moe.e_score_correction_bias
+    assert (biased < 0).all()  # the regime where -inf and 0.0 masking disagree
+    config = DeepseekV3Config(hidden_size=8, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, norm_topk_prob=True, moe_intermediate_size=4,
+                              n_shared_experts=1, hidden_act="silu")
+    ref = DeepseekV3MoE(config)
+    with torch.no_grad():
+        ref.gate.weight.copy_(moe.router.weight)
+        ref.gate.e_score_correction_bias.copy_(moe.e_score_correction_bias)
+        ref.experts.gate_up_proj.copy_(torch.cat([moe.experts.w1, moe.experts.w3], dim=1))
+        ref.experts.down_proj.copy_(moe.experts.w2)
+        ref.shared_experts.gate_proj.weight.copy_(moe.shared_experts.w1.weight)
+        ref.shared_experts.up_proj.weight.copy_(moe.shared_experts.w3.weight)
+        ref.shared_experts.down_proj.weight.copy_(moe.shared_experts.w2.weight)
+        _, ref_weights, ref_idx = ref.gate(x)
+        experts = moe.choose_experts(scores)
+        assert torch.equal(experts.sort(-1)[0], ref_idx.sort(-1)[0])
+        # The test can tell the conventions apart: 0.0 masking picks experts of excluded groups here.
+        grouped = biased.view(256, 4, 4)
+        keep = torch.zeros(256, 4).scatter_(1, grouped.topk(2, dim=-1)[0].sum(-1).topk(2, dim=-1)[1], 1)
+        zero_masked = biased.masked_fill(~keep.repeat_interleave(4, dim=1).bool(), 0.0)
+        assert not torch.equal(zero_masked.topk(4, dim=-1)[1].sort(-1)[0], ref_idx.sort(-1)[0])
+        ours, theirs = moe(x), ref(x)
+    assert ref_weights.sum(-1).sub(2.5).abs().max() < 1e-5  # renormalised over the chosen 4, times 2.5
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [["model=deepseek_v3"], ["model=deepseek_v3_small"], ["+recipe=deepseek_v3"]])
+def test_from_scratch_configs_pretrain_with_plain_rope(overrides):
+    """DeepSeek pretrained at 4K without YaRN: the from-scratch model configs and recipe carry no
+    rope_scaling (a released folder's YaRN comes with model=hf, tests/test_hf_weights.py)."""
+    from launcher.config.loader import compose_spec
+
+    spec = compose_spec(overrides)
+    assert spec.model.rope_scaling.type == "none" and not spec.model.init_from
+
+
+YARN_4K = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=40",
+           "model.rope_scaling.original_max_position_embeddings=4096"]
+
+
+def test_plan_warns_when_a_from_scratch_run_scales_rope_within_its_original_context(tmp_path):
+    """`train action=plan` with YaRN set on a from-scratch run at seq_len <= its original context:
+    one warning with a Fix; none past that context or when starting from a model (model.init_from)."""
+    from launcher.config.loader import compose_spec
+    from launcher.config.validate import rope_scaling_warnings
+    from tests.conftest import TRAIN, train_env
+
+    proc = subprocess.run([TRAIN, "+recipe=deepseek_v3", "action=plan", *YARN_4K, f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=train_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    hits = [line for line in proc.stdout.splitlines() if "model.rope_scaling.type=yarn on a from-scratch run" in line]
+    assert len(hits) == 1 and "trainer.seq_len=4096" in hits[0] and "Fix: model.rope_scaling.type=none" in hits[0]
+    assert rope_scaling_warnings(compose_spec(["+recipe=deepseek_v3"])) == []  # plain RoPE: nothing to say
+    spec = compose_spec(["+recipe=deepseek_v3", *YARN_4K])
+    assert len(rope_scaling_warnings(spec)) == 1
+    longer = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, seq_len=8192))
+    assert rope_scaling_warnings(longer) == []  # extending the context is what YaRN is for
+    loaded = dataclasses.replace(spec, model=dataclasses.replace(spec.model, init_from=str(tmp_path)))
+    assert rope_scaling_warnings(loaded) == []  # a model trained with it keeps it
 
 
 def test_correction_bias_chooses_experts_but_does_not_weight_them():
@@ -261,18 +340,11 @@ def test_mla_under_tensor_parallelism_equals_one_rank(sequence_parallel):
 # ----------------------------------------------------------------------------- the `train` command
 
 
-@pytest.mark.multiprocess
-def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path):
-    """`train model=hf model.init_from=<tiny DeepSeek-V3> model.bias_update_speed=0.01`, 3 steps, fp32
-    export: every correction bias moved by whole steps of 0.01 (at most 3), and transformers reads the
-    export as our model does (logits within 1e-5). metrics.jsonl has each MoE layer's load and bias
-    spread (launcher/runtime/moe_load.py) on every log step."""
+def _tiny_deepseek_v3_folder_and_corpus(tmp_path):
+    """A tiny DeepSeek-V3 saved by transformers (random norms and correction biases) and a text corpus."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from launcher.hf.format import hf_model_fields, read_hf_config
-    from launcher.hf.weights import load_hf_weights
-    from tests.conftest import run_train
-    from tests.test_hf_weights import DEEPSEEK_V3, WORDS, _hf_logits, _hf_tensors, _randomize_norms, _save_tokenizer
+    from tests.test_hf_weights import DEEPSEEK_V3, WORDS, _randomize_norms, _save_tokenizer
 
     torch.manual_seed(0)
     src = tmp_path / "src"
@@ -280,11 +352,31 @@ def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path
     _save_tokenizer(src)
     text = tmp_path / "corpus.txt"
     text.write_text(" ".join(WORDS[i % len(WORDS)] for i in range(3000)))
+    return src, text
+
+
+def _train_args(src, text):
+    """`train` from that folder with the bias moving 0.01 per step, fp32, an fp32 HF export at the end."""
+    return ["model=hf", f"model.init_from={src}", "model.bias_update_speed=0.01", "data=text", f"data.path={text}",
+            "trainer.seq_len=16", "trainer.global_batch_size=2", "precision=fp32", "checkpoint.export=hf",
+            "checkpoint.export_dtype=fp32", "cluster.gpus_per_node=1", "logging.progress=false", "plan.plots=false",
+            "logging.wandb.mode=disabled"]
+
+
+@pytest.mark.multiprocess
+def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path):
+    """`train model=hf model.init_from=<tiny DeepSeek-V3> model.bias_update_speed=0.01`, 3 steps, fp32
+    export: every correction bias moved by whole steps of 0.01 (at most 3), and transformers reads the
+    export as our model does (logits within 1e-5). metrics.jsonl has each MoE layer's load and bias
+    spread (launcher/runtime/moe_load.py) on every log step."""
+    from launcher.hf.format import hf_model_fields, read_hf_config
+    from launcher.hf.weights import load_hf_weights
+    from tests.conftest import run_train
+    from tests.test_hf_weights import _hf_logits, _hf_tensors
+
+    src, text = _tiny_deepseek_v3_folder_and_corpus(tmp_path)
     run = tmp_path / "run"
-    run_train(["model=hf", f"model.init_from={src}", "model.bias_update_speed=0.01", "data=text", f"data.path={text}",
-               "trainer.steps=3", "trainer.seq_len=16", "trainer.global_batch_size=2", "precision=fp32",
-               "checkpoint.export=hf", "checkpoint.export_dtype=fp32", "cluster.gpus_per_node=1",
-               "logging.progress=false", "plan.plots=false", "logging.wandb.mode=disabled"], run, check=True, timeout=600)
+    run_train([*_train_args(src, text), "trainer.steps=3"], run, check=True, timeout=600)
     # Per-layer metrics: MoE layers 1 and 2 (first_k_dense_replace=1); 8 experts, top-2.
     from tests.conftest import read_metrics
     rows = [r for r in read_metrics(run) if "loss" in r]
@@ -322,6 +414,32 @@ def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path
     with torch.no_grad():
         ours = model(toks)
     assert (ours - _hf_logits(export, toks)).abs().max() <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_router_bias_survives_a_checkpoint_on_disk_and_a_resume_in_a_new_process(tmp_path):
+    """4 steps in one `train`, saving at step 2; a second `train` process resumes from that step-2
+    checkpoint on disk and runs steps 3-4: its correction biases (and every other tensor) at the end
+    are bit-identical to the uninterrupted run's. A bias not saved, or not restored, would restart
+    from the folder's values and end elsewhere."""
+    from tests.conftest import losses_by_step, run_train
+    from tests.test_hf_weights import _hf_tensors
+
+    src, text = _tiny_deepseek_v3_folder_and_corpus(tmp_path)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run_train([*_train_args(src, text), "trainer.steps=4", "checkpoint.interval=2"], whole, check=True, timeout=600)
+    step2 = whole / "checkpoints" / "step_00000002"
+    assert step2.is_dir()
+    run_train([*_train_args(src, text), "trainer.steps=4", "checkpoint.interval=2", f"checkpoint.resume={step2}"],
+              resumed, check=True, timeout=600)
+    assert sorted(losses_by_step(resumed)) == [3, 4]  # it resumed: steps 1-2 were not run again
+    source, a, b = _hf_tensors(src), _hf_tensors(whole / "export" / "hf"), _hf_tensors(resumed / "export" / "hf")
+    biases = [k for k in a if k.endswith("e_score_correction_bias")]
+    assert len(biases) == 2 and all(b[k].dtype == torch.float32 for k in biases)
+    assert any(not torch.equal(a[k], source[k]) for k in biases)  # the biases moved
+    assert all(torch.equal(a[k], b[k]) for k in biases), [(a[k] - b[k]).abs().max() for k in biases]
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses_by_step(resumed) == {s: l for s, l in losses_by_step(whole).items() if s > 2}
 
 
 def test_multi_token_prediction_weights_are_skipped_with_one_log_line(tmp_path, caplog):

@@ -339,6 +339,26 @@ def test_a_file_truncated_after_the_check_is_a_clear_rank_error(hf_models, tmp_p
         load_hf_weights([model], str(folder), cfg)
 
 
+def test_a_parameter_without_a_hugging_face_name_names_the_families_that_load(hf_models, tmp_path):
+    """A model parameter the family's tensor map does not name: the rank's error names the family
+    and today's families (not the Llama-and-Mixtral-only wording of before), with a Fix."""
+    from launcher.hf.weights import load_hf_weights
+    from launcher.models import build_model
+    from launcher.models.family import FAMILY_PACKAGES
+
+    folder = hf_models["qwen3"]
+    cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    model.register_parameter("unmapped_scale", torch.nn.Parameter(torch.ones(4)))
+    with pytest.raises(ValueError) as err:
+        load_hf_weights([model], str(folder), cfg)
+    message = str(err.value)
+    assert "unmapped_scale" in message and "model.family=qwen3" in message and "Fix: " in message
+    assert all(family in message for family in FAMILY_PACKAGES) and "Llama and Mixtral" not in message
+
+
 # ----------------------------------------------------------------------------- 2 ranks, one launch
 
 

@@ -51,6 +51,31 @@ def steps_from_token_budget(cfg: DictConfig) -> None:
     trainer.steps = -(-int(trainer.tokens) // per_step)
 
 
+def token_budget_problems(overrides: Sequence[str], spec: JobConfig) -> List[str]:
+    """A trainer.steps given in `overrides` (the command line) that disagrees with the steps
+    trainer.tokens decided (steps_from_token_budget): one problem, since the budget would silently win.
+
+    Only the command line counts as explicit: a recipe's trainer.steps is its default for runs
+    without a token budget (`+recipe=qwen3_8b trainer.tokens=...` is the documented use)."""
+    if spec.trainer.tokens <= 0:
+        return []
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # lazy: ranks import this module without hydra
+
+    problems: List[str] = []
+    for parsed in OverridesParser.create().parse_overrides(list(overrides)):
+        if parsed.key_or_group != "trainer.steps" or parsed.is_delete() or parsed.is_sweep_override():
+            continue
+        given = parsed.value()
+        if isinstance(given, bool) or not isinstance(given, int) or given == spec.trainer.steps:
+            continue  # a non-integer is the schema's problem; an agreeing count is harmless
+        t = spec.trainer
+        problems.append(f"trainer.steps={given} and trainer.tokens={t.tokens} disagree: the token budget gives "
+                        f"{t.steps} steps (ceil(tokens / (global_batch_size {t.global_batch_size} x seq_len "
+                        f"{t.seq_len}))) and would win. Fix: drop trainer.steps to train to the budget, or "
+                        f"trainer.tokens=0 to train {given} steps.")
+    return problems
+
+
 def unknown_keys(cfg: DictConfig, prefix: str = "") -> List[str]:
     """One problem line per key of `cfg` that its schema dataclass does not declare, naming the
     closest keys it does declare.

@@ -79,7 +79,7 @@ class ModelConfig:
     # Weight of the Switch-style load-balancing loss added to the LM loss.
     aux_loss_coef: float = 0.01
     init_std: float = 0.02
-    # A local Hugging Face folder (config.json + *.safetensors, Llama or Mixtral) whose weights
+    # A local Hugging Face folder (config.json + *.safetensors; launcher/models/family.py) whose weights
     # replace the random initialisation; "" = random init (launcher/hf/format.py).
     init_from: str = ""
     # RoPE scaling (launcher/models/layers.py scale_rope_frequencies); default: none.

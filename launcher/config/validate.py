@@ -11,6 +11,7 @@ Pure Python so that `action=plan` and `action=search` can call it for thousands 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
@@ -134,8 +135,8 @@ def _check_positive(spec: JobConfig, problems: List[str]) -> None:
         problems.append(f"trainer.tokens={spec.trainer.tokens} must be >= 0. Fix: a token budget (e.g. trainer.tokens=2e12 "
                         f"as an integer: 2000000000000), or 0 to train trainer.steps steps.")
     price = spec.hardware.usd_per_gpu_hour
-    if price is not None and not price >= 0:
-        problems.append(f"hardware.usd_per_gpu_hour={price} must be >= 0. Fix: your price of one GPU-hour, e.g. "
+    if price is not None and not 0 <= price < math.inf:  # nan and inf too: the budget multiplies by it
+        problems.append(f"hardware.usd_per_gpu_hour={price} must be >= 0 and finite. Fix: your price of one GPU-hour, e.g. "
                         f"hardware.usd_per_gpu_hour=2.5, or null for no cost line.")
     if spec.trainer.grad_clip < 0:
         problems.append(f"trainer.grad_clip={spec.trainer.grad_clip} must be >= 0. Fix: e.g. trainer.grad_clip=1.0, or 0 to disable clipping.")
@@ -396,9 +397,9 @@ def _check_misc_values(spec: JobConfig, problems: List[str]) -> None:
             f"plan.search_headroom={spec.plan.search_headroom} must be within [0, 1) (a fraction of GPU memory). "
             f"Fix: e.g. plan.search_headroom=0.05."
         )
-    if not spec.plan.moe_imbalance >= 1.0:
+    if not 1.0 <= spec.plan.moe_imbalance < math.inf:  # nan and inf too: the plan multiplies by it
         problems.append(
-            f"plan.moe_imbalance={spec.plan.moe_imbalance} must be at least 1 (the busiest expert-parallel rank's "
+            f"plan.moe_imbalance={spec.plan.moe_imbalance} must be at least 1 and finite (the busiest expert-parallel rank's "
             f"routed tokens over the mean; 1 = balanced). Fix: e.g. plan.moe_imbalance=1.0, or a run's "
             f"moe/tokens_per_expert_max_over_mean."
         )
@@ -690,6 +691,21 @@ def stop_lead_warnings(spec: JobConfig, stop_s: float) -> List[str]:
         f"limit SLURM kills the job before the save ends. Fix: cluster.signal_seconds={wanted}, or set "
         f"hardware.storage_gbps to your storage's measured write bandwidth."
     ]
+
+
+def rope_scaling_warnings(spec: JobConfig) -> List[str]:
+    """A warning (not an error) when a from-scratch run scales RoPE within the context it was meant
+    to extend: `rope_scaling` belongs to a checkpoint trained with it (a folder whose config.json has
+    it); pretraining at or below `original_max_position_embeddings` wants plain RoPE, as DeepSeek-V3
+    and Llama 3 were pretrained, and scaling there changes the frequencies (and YaRN's softmax scale)."""
+    r = spec.model.rope_scaling
+    if r.type == "none" or spec.model.init_from or spec.trainer.seq_len > r.original_max_position_embeddings:
+        return []
+    return [f"model.rope_scaling.type={r.type} on a from-scratch run (no model.init_from) at trainer.seq_len="
+            f"{spec.trainer.seq_len}, within its original_max_position_embeddings="
+            f"{r.original_max_position_embeddings}: the model pretrains with scaled RoPE frequencies its "
+            f"authors used only to extend a trained model's context. Fix: model.rope_scaling.type=none for "
+            f"pretraining, or model.init_from=<folder of a model trained with this scaling>."]
 
 
 def check(spec: JobConfig) -> None:

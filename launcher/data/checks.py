@@ -10,6 +10,7 @@ each source over.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +66,11 @@ def _open(src: SourceSpec, key: str, problems: List[str]) -> Optional[CorpusInfo
 def _mix_problems(cfg: DataConfig, key: str, validation: bool, problems: List[str]) -> List[SourceSpec]:
     sources = data_sources(cfg, validation)
     weights = [s.weight for s in sources]
-    bad = [f"{s.name}={s.weight:g}" for s in sources if not s.weight > 0]
+    # nan and inf too: every rank turns the weights into exact fractions (launcher/data/mixture.py)
+    bad = [f"{s.name}={s.weight:g}" for s in sources if not 0 < s.weight < math.inf]
     if bad:
-        problems.append(f"{key}: weights must be > 0, got {', '.join(bad)} (weights are relative shares). "
-                        f"Fix: give every source a positive weight, or remove it from {key}.")
+        problems.append(f"{key}: weights must be > 0 and finite, got {', '.join(bad)} (weights are relative "
+                        f"shares). Fix: give every source a positive finite weight, or remove it from {key}.")
     elif sum(weights) <= 0:
         problems.append(f"{key}: the weights sum to 0. Fix: positive weights.")
     names = [s.name for s in sources]
@@ -169,6 +171,9 @@ def data_problems(spec: JobConfig) -> List[str]:
             _indexed_problems(spec, sources, key, problems)
         if validating and not d.val_mix and not d.val_path:
             pass  # launcher.config.validate names the missing data.val_path
+    if d.reset_positions and spec.parallel.cp > 1:
+        problems.append(f"data.reset_positions=true with parallel.cp={spec.parallel.cp}: context parallelism does not "
+                        f"take per-document positions yet. Fix: parallel.cp=1 (use tp/dp), or data.reset_positions=false.")
     if d.document_masking and spec.parallel.cp > 1:
         problems.append(f"data.document_masking=true with parallel.cp={spec.parallel.cp}: context parallelism does not "
                         f"take a document mask yet. Fix: parallel.cp=1 (use tp/dp), or data.document_masking=false.")

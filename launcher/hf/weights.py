@@ -28,6 +28,7 @@ from torch import nn
 
 from launcher.hf.format import (CONFIG_FILE, DTYPES, INDEX_FILE, TOKENIZER_FILES,
                                        TensorMap, hf_config_for, tensor_maps, weight_files)
+from launcher.models.family import FAMILY_PACKAGES
 from launcher.models.init import canonical_name, local_box
 from launcher.hf.tensor_stream import SafetensorsStreamWriter, TensorGather
 from launcher.models.layers import model_rope_table
@@ -130,8 +131,11 @@ def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
             cname = canonical_name(name)
             m = maps.get(cname)
             if m is None:
-                raise ValueError(f"parameter {cname} has no Hugging Face counterpart (model {model_cfg.name}). "
-                                 f"Fix: model.init_from supports Llama and Mixtral shapes only.")
+                raise ValueError(f"parameter {cname} has no Hugging Face counterpart in model.family="
+                                 f"{model_cfg.family}'s tensor names (model {model_cfg.name}). Fix: model.init_from "
+                                 f"loads the {', '.join(FAMILY_PACKAGES)} families as their Hugging Face releases "
+                                 f"shape them: model=hf (every shape key from the folder's config.json), or that "
+                                 f"family's conf/model/*.yaml without extra shape options.")
             local, box = local_box(param)
             if local.numel() == 0:
                 continue

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from launcher.config.schema import JobConfig
-from launcher.config.validate import stop_lead_warnings
+from launcher.config.validate import rope_scaling_warnings, stop_lead_warnings
 from launcher.data.checks import repeat_warnings
 from launcher.plan import estimate
 from launcher.plan.budget import budget
@@ -140,7 +140,8 @@ def build_plan(spec: JobConfig, layout: Optional[Layout] = None) -> Plan:
     fill_checkpoint_time(plan, spec)
     plan.budget = budget(spec.trainer.steps, layout.tokens_per_step, plan.time["step_s"], plan.time["step_s_range"],
                          layout.mesh.world_size, spec.hardware.usd_per_gpu_hour)
-    plan.warnings = list(plan.warnings) + repeat_warnings(spec, spec.trainer.steps, layout.global_batch_size)
+    plan.warnings = (list(plan.warnings) + repeat_warnings(spec, spec.trainer.steps, layout.global_batch_size)
+                     + rope_scaling_warnings(spec))
     return plan
 
 
