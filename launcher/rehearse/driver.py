@@ -36,17 +36,13 @@ from launcher.plan.memory import GiB
 from launcher.plan.mesh import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
 from launcher.plan.plan import Plan
+from launcher.rehearse.files import SHARED_STEPS_DIR
 from launcher.rehearse.ranks import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors
 
 log = logging.getLogger(__name__)
 
 REHEARSAL_FILENAME = "rehearsal.json"
 RANK_TIMEOUT_S = 900  # one rank's build and fake step; a llama405b pipeline rank takes about a minute
-
-# Under the run dir: the fake steps measured so far, by step signature (the ranks share them;
-# emptied when a rehearsal starts). Here, not in rank.py, so the host imports no torch.
-SHARED_STEPS_DIR = "rehearsal/steps"
-
 
 RANK_MODULE = "launcher.rehearse.rank"
 

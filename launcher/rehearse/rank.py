@@ -57,8 +57,8 @@ from launcher.engines.deepspeed_config import build_deepspeed_config, data_paral
 from launcher.models.moe import moe_layers_of
 from launcher.parallel.pp import pipeline_order, schedule_stages, schedule_with_microbatches
 from launcher.plan.plan import Plan
-from launcher.rehearse.driver import SHARED_STEPS_DIR
 from launcher.rehearse.fake_memory import fake_step_as_real
+from launcher.rehearse.files import SHARED_STEPS_DIR
 from launcher.rehearse.pp_states import smallest_equivalent_microbatches
 from launcher.runtime.entry import engine_options
 from launcher.runtime.memtrack import track_step_memory
