@@ -23,7 +23,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from launcher.hf.format import folder_problems, hf_model_fields, hf_shapes, read_hf_config, tensor_maps
+from launcher.config.hf_model import hf_model_fields
+from launcher.hf.format import folder_problems, hf_shapes, read_hf_config, tensor_maps
 from launcher.config.schema import ModelConfig, RopeScalingConfig
 from tests.conftest import REPO, TRAIN, run_train, train_env
 from tests.deepspeed_harness.common import deepspeed_env
