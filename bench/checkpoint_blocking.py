@@ -90,7 +90,7 @@ def worker(args: argparse.Namespace) -> None:
     from launcher.plan.plan import build_plan
     from launcher.plan.resolve import check
     from launcher.runtime import entry
-    from launcher.runtime.checkpoint import CheckpointManager
+    from launcher.checkpoint.manager import CheckpointManager
     from launcher.runtime.dist import init_distributed, shutdown_distributed
     from launcher.parallel.phase import init_phase_group
 

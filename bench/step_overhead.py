@@ -211,8 +211,8 @@ def launcher_loop(spec, plan, rank, run_dir: Path, batches):
     from launcher.runtime.failure import FailureBundle
     from launcher.runtime.metrics import MetricsLogger
     from launcher.runtime.moe_health import MoEHealth
-    from launcher.runtime.checkpoint import CheckpointManager
-    from launcher.runtime.checkpoint_folder import checkpoint_root
+    from launcher.checkpoint.manager import CheckpointManager
+    from launcher.checkpoint.folder import checkpoint_root
     from launcher.runtime.signals import StopWatcher
     from launcher.runtime.trainer import LoopConfig, Trainer
     from launcher.plan.flops import training_flops_per_token

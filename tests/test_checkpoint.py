@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.runtime import checkpoint as ckpt
-from launcher.runtime.checkpoint import CheckpointManager
-from launcher.runtime.checkpoint_folder import CheckpointDirInUse, lock_checkpoint_dir, share_of, verify_checkpoint
+from launcher.checkpoint import manager as ckpt
+from launcher.checkpoint.manager import CheckpointManager
+from launcher.checkpoint.folder import CheckpointDirInUse, lock_checkpoint_dir, share_of, verify_checkpoint
 from tests.conftest import run_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -205,7 +205,7 @@ HOLD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from launcher.runtime.checkpoint_folder import lock_checkpoint_dir
+    from launcher.checkpoint.folder import lock_checkpoint_dir
     lock = lock_checkpoint_dir(Path(sys.argv[1]), Path(sys.argv[2]))
     print("locked", flush=True)
     time.sleep(float(sys.argv[3]))

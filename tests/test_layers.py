@@ -19,18 +19,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "launcher"
 FLOOR = {
-    "rehearse": 5,
+    "cli": 10,
+    "launch": 9,
+    "runtime": 8,
+    "rehearse": 8,
+    "checkpoint": 7,
+    "engines": 5,
+    "parallel": 4,
+    "plan": 3,
+    "data": 3,
+    "config": 2,
     "hf": 1,
-    "job_env": 0,
-    "cli": 7,
-    "launch": 6,
-    "runtime": 5,
-    "engines": 4,
-    "parallel": 3,
-    "plan": 2,
-    "data": 2,
-    "config": 1,
     "models": 0,
+    "job_env": 0,
     "paths": 0,
 }
 

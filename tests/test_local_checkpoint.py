@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from launcher.runtime.checkpoint import rng_state
-from launcher.runtime import local_checkpoint
+from launcher.checkpoint.manager import rng_state
+from launcher.checkpoint import local_tier as local_checkpoint
 from launcher.runtime.dist import exit_after_shutdown
-from launcher.runtime.local_checkpoint import Held, LocalTier, Source, agree, peer_of
+from launcher.checkpoint.local_tier import Held, LocalTier, Source, agree, peer_of
 
 
 def _own(rank, *steps):
@@ -94,7 +94,7 @@ def test_one_rank_restores_its_local_state_exactly_and_keeps_the_newest_two_step
     # Another layout of the same run finds nothing to restore, and says why.
     other = LocalTier(str(tmp_path / "local"), tmp_path / "run", "n1", rank=0, world_size=1, ranks_per_node=1,
                       mesh={**plan.mesh.to_dict(), "tp": 2}, device=torch.device("cpu"))
-    with caplog.at_level(logging.INFO, logger="launcher.runtime.local_checkpoint"):
+    with caplog.at_level(logging.INFO, logger="launcher.checkpoint.local_tier"):
         assert other.restore(-1, engine) is None
     assert "ignoring node-local states of another layout" in caplog.text
 

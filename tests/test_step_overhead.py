@@ -123,7 +123,7 @@ def test_the_loop_reads_step_stats_only_at_log_steps_and_logs_the_eager_values(t
     from launcher.plan.plan import build_plan
     from launcher.plan.resolve import check
     from launcher.runtime import entry
-    from launcher.runtime.checkpoint import CheckpointManager
+    from launcher.checkpoint.manager import CheckpointManager
     from launcher.runtime.metrics import MetricsLogger
     from launcher.runtime.signals import StopWatcher
     from launcher.runtime.trainer import LoopConfig, Trainer

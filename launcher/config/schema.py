@@ -195,7 +195,7 @@ class CheckpointConfig:
     # Verify file checksums (crc32) before resuming; sizes are always checked.
     verify_checksums: bool = True
     save_final: bool = True
-    # The node-local tier (launcher/runtime/local_checkpoint.py): "" = off; else a folder on each
+    # The node-local tier (launcher/checkpoint/local_tier.py): "" = off; else a folder on each
     # node's own disk (e.g. /tmp or NVMe) where every rank saves its state every local_interval
     # steps, with a replica on the next node; restart uses it when newer than the shared one.
     local_dir: str = ""

@@ -462,7 +462,7 @@ class NativeEngine:
     def local_state(self) -> Dict[str, Any]:
         """This rank's own part of `save`'s state, as plain CPU tensors: the local shard of every
         DTensor, copies of plain tensors, the other values as they are (the node-local checkpoint
-        tier, launcher/runtime/local_checkpoint.py). Restored by `load_local_state` in the same layout."""
+        tier, launcher/checkpoint/local_tier.py). Restored by `load_local_state` in the same layout."""
         flat: Dict[str, Any] = {}
         for path, value in _leaves(self._state()):
             if isinstance(value, torch.Tensor):

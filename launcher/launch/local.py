@@ -16,7 +16,7 @@ from launcher.config.schema import JobConfig
 from launcher.job_env import IN_JOB_RESTARTS_ENV
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.plan.plan import Plan
-from launcher.runtime.checkpoint_folder import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
+from launcher.checkpoint.folder import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
 from launcher.runtime.resilience import decide
 from launcher.runtime.failure import FAILURE_DIR, SUMMARY_FILE
 from launcher.runtime.watchdog import HANG_EXIT_CODE, REPORT_GRACE_S, flight_recorder_env

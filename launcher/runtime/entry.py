@@ -31,9 +31,9 @@ from launcher.hf.weights import tokenizer_files_for
 from launcher.plan.flops import peak_tflops, training_flops_per_token
 from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
 from launcher.plan.plan import Plan
-from launcher.runtime.checkpoint import CheckpointManager, lock_for_run, set_rng_state
-from launcher.runtime.checkpoint_folder import checkpoint_root, step_of
-from launcher.runtime.local_checkpoint import LocalTier
+from launcher.checkpoint.manager import CheckpointManager, lock_for_run, set_rng_state
+from launcher.checkpoint.folder import checkpoint_root, step_of
+from launcher.checkpoint.local_tier import LocalTier
 from launcher.runtime.failure import FAILURE_DIR, FailureBundle, NodeBlamed, host_name
 from launcher.runtime.health import RunHealth
 from launcher.runtime.memory_snapshot import MemorySnapshot

@@ -15,8 +15,8 @@ from typing import Any, Dict, Optional
 from launcher.data.dataset import StepBatches
 from launcher.data.prefetch import Prefetcher, should_pin
 from launcher.plan.flops import achieved_tflops, mfu
-from launcher.runtime.checkpoint import CheckpointManager, rng_state
-from launcher.runtime.local_checkpoint import LocalTier
+from launcher.checkpoint.manager import CheckpointManager, rng_state
+from launcher.checkpoint.local_tier import LocalTier
 from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.health import RunHealth

@@ -21,7 +21,7 @@ folder. docs/checkpoints.md describes all of this for users.
 
 checkpoint.async=true (CheckpointManager(async_save=True)): `save` returns once the engine has
 staged its state in host memory; DCP writes it from a background thread and a finisher thread
-runs the protocol above (on a process group of its own, launcher/runtime/async_checkpoint.py).
+runs the protocol above (on a process group of its own, launcher/checkpoint/async_save.py).
 One save is in flight at a time; `wait` blocks until it is published, `poll` checks without blocking.
 """
 
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from launcher.engines.base import Engine
-from launcher.runtime.async_checkpoint import CheckpointGroup, storage_writer
-from launcher.runtime.checkpoint_folder import (
+from launcher.checkpoint.async_save import CheckpointGroup, storage_writer
+from launcher.checkpoint.folder import (
     STEP_DIR, TRAINER_STATE, CheckpointDirInUse, FolderLock, _fsync_dir, checksum_files, list_files,
     lock_checkpoint_dir, publish, read_manifest, recover_replaced, set_aside_newer, share_of, step_dir_name,
     verify_checkpoint, verify_files, write_manifest,

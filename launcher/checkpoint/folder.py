@@ -2,7 +2,7 @@
 
 Used by the host side (`train` checks that no other job holds the checkpoint folder before it
 starts any rank, and must not import torch to do so) and by the ranks' CheckpointManager
-(launcher/runtime/checkpoint.py, which adds the engines' state, RNG and the save protocol's
+(launcher/checkpoint/manager.py, which adds the engines' state, RNG and the save protocol's
 collectives). docs/checkpoints.md describes the layout and the protocol for users.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from launcher.job_env import job_facts
 
-log = logging.getLogger("launcher.runtime.checkpoint")  # one logger name for the whole checkpoint story
+log = logging.getLogger("launcher.checkpoint.manager")  # one logger name for the whole checkpoint story
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 REPLACED_DIR = re.compile(r"^\.replaced_(step_\d{8})$")

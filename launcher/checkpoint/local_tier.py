@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.parallel.phase import phase_all_gather
-from launcher.runtime.checkpoint_folder import step_dir_name, step_of
+from launcher.checkpoint.folder import step_dir_name, step_of
 
 log = logging.getLogger(__name__)
 
