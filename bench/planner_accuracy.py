@@ -180,7 +180,7 @@ def _runs(run_dirs: Sequence[Path]):
 
 
 def rows_from_runs(run_dirs: Sequence[Path]) -> List[Row]:
-    """Rows from finished runs (their run_summary.json, launcher/runtime/run_score.py): each run's
+    """Rows from finished runs (their run_summary.json, launcher/observe/run_score.py): each run's
     measured tokens/s per GPU and peak memory against its own config planned again here, so a
     cluster's runs join the table and --bands gives that cluster's error bands. Printed and
     banded, never held to the published tolerances (status "run")."""

@@ -9,7 +9,7 @@ how that relates to a GPU. For each row (one rank, bf16 autocast over fp32 maste
 AdamW, two micro-batches per step):
 
     real   NativeEngine on the GPU; one untracked step, then one step tracked by
-           launcher.runtime.memtrack.track_step_memory (MemTracker categories), which also
+           launcher.observe.memtrack.track_step_memory (MemTracker categories), which also
            reads torch.cuda.max_memory_allocated over that step
     fake   launcher.rehearse.rank.rehearse_rank: what `action=rehearse` reports for the rank
     plan   launcher.plan.plan.build_plan: the planner's per-category prediction
@@ -91,7 +91,7 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
     import torch.distributed as dist
 
     from launcher.engines.native import NativeEngine
-    from launcher.runtime.memtrack import track_step_memory
+    from launcher.observe.memtrack import track_step_memory
     from launcher.rehearse.rank import _fake_step_runner
 
     dist.init_process_group("gloo" if device == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1)

@@ -210,7 +210,7 @@ def launcher_loop(spec, plan, rank, run_dir: Path, batches):
     from launcher.runtime import entry
     from launcher.runtime.failure import FailureBundle
     from launcher.runtime.metrics import MetricsLogger
-    from launcher.runtime.moe_health import MoEHealth
+    from launcher.observe.moe_health import MoEHealth
     from launcher.checkpoint.manager import CheckpointManager
     from launcher.checkpoint.folder import checkpoint_root
     from launcher.runtime.signals import StopWatcher

@@ -266,7 +266,7 @@ def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path
     """`train model=hf model.init_from=<tiny DeepSeek-V3> model.bias_update_speed=0.01`, 3 steps, fp32
     export: every correction bias moved by whole steps of 0.01 (at most 3), and transformers reads the
     export as our model does (logits within 1e-5). metrics.jsonl has each MoE layer's load and bias
-    spread (launcher/runtime/moe_load.py) on every log step."""
+    spread (launcher/observe/moe_load.py) on every log step."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from launcher.config.hf_model import hf_model_fields

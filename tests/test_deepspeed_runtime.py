@@ -199,7 +199,7 @@ def test_pipeline_moe_aux_loss_matches_native(slow_results):
     """debug_moe through DeepSpeed's pipeline (pp=2): the aux loss is weighted 1/accumulation steps
     (later steps' losses and aux follow the native pipeline's), logged (not 0), and the MoE layers
     of both stages reach the moe/* metrics."""
-    from launcher.runtime.moe_load import KEYS
+    from launcher.observe.moe_load import KEYS
 
     ds, native = slow_results["pipeline_moe"], slow_results["native_pipeline_moe"]
     _assert_built_the_layout(ds, "pipeline_moe")

@@ -258,7 +258,7 @@ from launcher.config.schema import OptimConfig
 from launcher.engines.base import EngineOptions
 from launcher.engines.native import NativeEngine
 from launcher.plan.resolve import resolve
-from launcher.runtime.memtrack import track_step_memory
+from launcher.observe.memtrack import track_step_memory
 from launcher.rehearse.rank import _fake_step_runner, rehearse_rank
 from tests.layout_for import job_spec
 from tests.parallel_harness.run_layouts import model_config

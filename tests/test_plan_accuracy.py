@@ -383,7 +383,7 @@ def fit_runs(tmp_path_factory):
 
     from launcher.config.loader import save_spec
     from launcher.plan.plan import build_plan
-    from launcher.runtime.run_score import RUN_SUMMARY_FILE, figure
+    from launcher.observe.run_score import RUN_SUMMARY_FILE, figure
 
     out = {1.0: ([], []), 1.1: ([], [])}
     for i, (model, overrides) in enumerate(FIT_RUNS):

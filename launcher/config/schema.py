@@ -485,7 +485,7 @@ class PlanConfig:
 
 @dataclass
 class ProfileConfig:
-    """torch.profiler traces (launcher/runtime/profiler.py) into <run dir>/profile/rank_<r>/."""
+    """torch.profiler traces (launcher/observe/profiler.py) into <run dir>/profile/rank_<r>/."""
 
     enabled: bool = False
     steps: List[int] = field(default_factory=lambda: [10, 12])  # [first, last], inclusive

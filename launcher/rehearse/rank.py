@@ -13,9 +13,9 @@ FakeTensor on the CPU (shapes, dtypes and sizes, no storage), so host memory sta
 any model size.
 
 Then, per rank: the bytes of parameters, gradients and optimizer states it holds
-(launcher/runtime/state_bytes.py, the same probe the real-run tests use), and with
+(launcher/observe/state_bytes.py, the same probe the real-run tests use), and with
 activations the peak of a fake training step by category (torch's MemTracker /
-FSDPMemTracker through launcher/runtime/memtrack.py: the optimizer states are created from
+FSDPMemTracker through launcher/observe/memtrack.py: the optimizer states are created from
 zero gradients, a pipeline's stages are set up as its first step would, then one tracked
 step). Ranks of one rehearsal with the same `step_signature` (pipeline rank, local shapes)
 share one fake step through the run dir.
@@ -61,8 +61,8 @@ from launcher.rehearse.fake_memory import fake_step_as_real
 from launcher.rehearse.files import SHARED_STEPS_DIR
 from launcher.rehearse.pp_states import smallest_equivalent_microbatches
 from launcher.runtime.entry import engine_options
-from launcher.runtime.memtrack import track_step_memory
-from launcher.runtime.state_bytes import StateBytesProbe, torch_optimizers
+from launcher.observe.memtrack import track_step_memory
+from launcher.observe.state_bytes import StateBytesProbe, torch_optimizers
 
 # The launcher module that refused a layout -> the keys that change what it builds.
 FIX_BY_MODULE = {

@@ -36,18 +36,18 @@ from launcher.checkpoint.folder import checkpoint_root, step_of
 from launcher.checkpoint.local_tier import LocalTier
 from launcher.runtime.failure import FAILURE_DIR, FailureBundle, NodeBlamed, host_name
 from launcher.runtime.health import RunHealth
-from launcher.runtime.memory_snapshot import MemorySnapshot
+from launcher.observe.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.matmul_precision import apply_matmul_precision
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
 from launcher.runtime.heldout_loss import Validator
-from launcher.runtime.profiler import StepProfiler, default_profile_ranks
+from launcher.observe.profiler import StepProfiler, default_profile_ranks
 from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
 from launcher.runtime.preflight import run_preflight
-from launcher.runtime.moe_health import MoEHealth
-from launcher.runtime.run_score import RunScore
+from launcher.observe.moe_health import MoEHealth
+from launcher.observe.run_score import RunScore
 from launcher.runtime.resilience import RestartReport
 from launcher.job_env import job_facts
 from launcher.runtime import debug_hooks

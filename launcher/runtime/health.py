@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from launcher.runtime.failure import FailureBundle
-from launcher.runtime.memory_snapshot import MemorySnapshot, is_oom
+from launcher.observe.memory_snapshot import MemorySnapshot, is_oom
 from launcher.runtime.watchdog import HangWatchdog
 
 

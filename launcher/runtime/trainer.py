@@ -21,15 +21,15 @@ from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.health import RunHealth
 from launcher.runtime.heldout_loss import Validator
-from launcher.runtime.profiler import StepProfiler
+from launcher.observe.profiler import StepProfiler
 from launcher.runtime.stragglers import StragglerMonitor
-from launcher.runtime.moe_health import MoEHealth
-from launcher.runtime.run_score import RunScore
+from launcher.observe.moe_health import MoEHealth
+from launcher.observe.run_score import RunScore
 from launcher.runtime.resilience import RestartReport
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.stop_control import StopWithoutCheckpoint, write_stopped
 from launcher.runtime.debug_hooks import before_step as debug_before_step
-from launcher.runtime.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
+from launcher.observe.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
 
 log = logging.getLogger(__name__)
 

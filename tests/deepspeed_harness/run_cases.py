@@ -48,7 +48,7 @@ def moe_health_for(engine, spec):
     """The runtime's MoE metrics over this engine's model parts (None for a dense model)."""
     if spec.model.n_experts == 0:
         return None
-    from launcher.runtime.moe_health import MoEHealth
+    from launcher.observe.moe_health import MoEHealth
 
     return MoEHealth(engine.model_parts, spec.model.n_layers, spec.model.n_experts, dist.get_rank(), torch.device("cpu"))
 
@@ -90,7 +90,7 @@ def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False)
     # After real steps: the bytes of the states the optimizer inside DeepSpeed's wrapper
     # created (AdamW's exp_avg / exp_avg_sq of each fp32 master partition), which the
     # rehearsal can only infer from the masters' shapes.
-    from launcher.runtime.state_bytes import StateBytesProbe
+    from launcher.observe.state_bytes import StateBytesProbe
 
     inner = StateBytesProbe(engine.optimizers)
     states = [None] * dist.get_world_size()

@@ -138,7 +138,7 @@ def run_layout(spec: dict) -> dict:
            "layout": layout.to_dict(), "built": engine.built()}
     # Bytes of params / grads / optimizer states each rank holds, for the rehearsal comparison
     # (tests/test_parallel_layouts.py::test_rehearsal_holds_what_the_real_ranks_hold).
-    from launcher.runtime.state_bytes import StateBytesProbe
+    from launcher.observe.state_bytes import StateBytesProbe
 
     probe = StateBytesProbe(engine.optimizers)
     start = spec.get("start_step", 0)
@@ -176,7 +176,7 @@ def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
     """The rehearsal's tracked step (launcher/rehearse/rank.py: rehearse_rank) on this real
     rank: the same step function, micro-batch count and warm-up, on real tensors; {activations,
     peak} for tests/test_parallel_layouts.py::test_rehearsal_activation_peak_is_the_real_ones."""
-    from launcher.runtime.memtrack import track_step_memory
+    from launcher.observe.memtrack import track_step_memory
     from launcher.rehearse.rank import _fake_pipeline_step_runner, _fake_step_runner
 
     with torch.random.fork_rng():

@@ -10,7 +10,7 @@ W&B also gets the full table (layer, expert, tokens). An expert with no tokens f
 IDLE_LOGS log steps in a row is warned about. Tensor-parallel ranks see the same tokens and
 count them again: shares and idle experts are unaffected by that duplication.
 The same all-reduce carries each layer's dropped assignments and aux-loss sum, from which
-launcher/runtime/moe_load.py computes the `moe/*` load metrics (cv, max/mean, dropped
+launcher/observe/moe_load.py computes the `moe/*` load metrics (cv, max/mean, dropped
 fraction, aux loss) over the MoE layers of every pipeline stage, and the per-layer ones
 (`moe/layer<i>/*`: max/mean, and the spread of a correction bias, read here only on log steps).
 """
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.runtime.moe_load import layer_metrics, load_metrics
+from launcher.observe.moe_load import layer_metrics, load_metrics
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from launcher.plan.memory import category_maxima
-from launcher.runtime.state_bytes import torch_optimizers
+from launcher.observe.state_bytes import torch_optimizers
 
 log = logging.getLogger("launcher")
 

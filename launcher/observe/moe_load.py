@@ -1,6 +1,6 @@
 """Expert load metrics (`moe/*`) from per-layer routed-token counts, dropped counts and aux losses.
 
-Pure math on tensors already summed over ranks (launcher/runtime/moe_health.py does the one
+Pure math on tensors already summed over ranks (launcher/observe/moe_health.py does the one
 all-reduce). Definitions, for the MoE layers that routed tokens in the window:
 
 - `moe/tokens_per_expert_cv`: per layer, std / mean of the assignments per expert (population
