@@ -194,8 +194,7 @@ def test_first_failure_wins_and_each_kind_is_classified(tmp_path):
     """In-process: the summary of the first failing rank stays; later ranks' failures do not replace it."""
     import torch
 
-    from launcher.runtime.failure import FailureBundle
-    from launcher.runtime.stop_control import StopWithoutCheckpoint
+    from launcher.runtime.failure import FailureBundle, StopWithoutCheckpoint
 
     first = FailureBundle(tmp_path, rank=1, world_size=2)
     first.progress.last_step = 5

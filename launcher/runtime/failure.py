@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from launcher.job_env import job_facts
-from launcher.runtime.stop_control import StopWithoutCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +50,11 @@ class RunProgress:
     last_step: int = 0
     last_checkpoint: Optional[str] = None
     phase: str = "startup"
+
+
+class StopWithoutCheckpoint(RuntimeError):
+    """A stop was requested but checkpoints are off: the run ends with an error (nothing to resume).
+    Raised by the trainer (launcher/runtime/trainer.py); a summary names it `signal`."""
 
 
 class NodeBlamed(RuntimeError):

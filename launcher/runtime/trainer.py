@@ -27,7 +27,8 @@ from launcher.observe.moe_health import MoEHealth
 from launcher.observe.run_score import RunScore
 from launcher.runtime.resilience import RestartReport
 from launcher.runtime.signals import StopWatcher
-from launcher.runtime.stop_control import StopWithoutCheckpoint, write_stopped
+from launcher.runtime.failure import StopWithoutCheckpoint
+from launcher.runtime.stop_control import write_stopped
 from launcher.runtime.debug_hooks import before_step as debug_before_step
 from launcher.observe.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
 
