@@ -208,7 +208,7 @@ def bare_loop(spec, rank, batches):
 def launcher_loop(spec, plan, rank, run_dir: Path, batches):
     """The real Trainer with the pieces launcher.runtime.entry.run gives it."""
     from launcher.runtime import entry
-    from launcher.runtime.failure import FailureBundle
+    from launcher.resilience.failure import FailureBundle
     from launcher.runtime.metrics import MetricsLogger
     from launcher.observe.moe_health import MoEHealth
     from launcher.checkpoint.manager import CheckpointManager

@@ -24,6 +24,7 @@ FLOOR = {
     "runtime": 8,
     "rehearse": 8,
     "checkpoint": 7,
+    "resilience": 7,
     "observe": 6,
     "engines": 5,
     "parallel": 4,

@@ -1,5 +1,5 @@
-"""The pre-flight health check (launcher/runtime/preflight.py) and the straggler exclusion
-(launcher/runtime/stragglers.py): their verdicts, the failure bundle they leave, the restart
+"""The pre-flight health check (launcher/resilience/preflight.py) and the straggler exclusion
+(launcher/resilience/stragglers.py): their verdicts, the failure bundle they leave, the restart
 decision on it, and one real 2-rank local run whose rank 1 fails its probe."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.runtime.failure import FailureBundle, NodeBlamed
-from launcher.runtime.node_exclusion import NodeSet
-from launcher.runtime.preflight import probe, verdict
-from launcher.runtime.resilience import RESTART, STOP_NODE_UNFIT, decide, read_events
-from launcher.runtime.stragglers import StragglerMonitor
+from launcher.resilience.failure import FailureBundle, NodeBlamed
+from launcher.resilience.node_exclusion import NodeSet
+from launcher.resilience.preflight import probe, verdict
+from launcher.resilience.restarts import RESTART, STOP_NODE_UNFIT, decide, read_events
+from launcher.resilience.stragglers import StragglerMonitor
 from tests.conftest import TRAIN, train_env
 
 

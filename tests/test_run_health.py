@@ -1,6 +1,6 @@
 """Real 2-rank runs that go wrong: a hang and a crash leave <run dir>/failure/ naming the culprit.
 
-The misbehaviour comes from the rank runtime's debug hooks (launcher/runtime/debug_hooks.py),
+The misbehaviour comes from the rank runtime's debug hooks (launcher/resilience/debug_hooks.py),
 passed to the ranks through cluster.env, so the code under test is the code that runs in a job.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.runtime.resilience import read_events
+from launcher.resilience.restarts import read_events
 from tests.conftest import TRAIN, train_env
 
 pytestmark = pytest.mark.multiprocess
@@ -194,7 +194,7 @@ def test_first_failure_wins_and_each_kind_is_classified(tmp_path):
     """In-process: the summary of the first failing rank stays; later ranks' failures do not replace it."""
     import torch
 
-    from launcher.runtime.failure import FailureBundle, StopWithoutCheckpoint
+    from launcher.resilience.failure import FailureBundle, StopWithoutCheckpoint
 
     first = FailureBundle(tmp_path, rank=1, world_size=2)
     first.progress.last_step = 5
@@ -206,7 +206,7 @@ def test_first_failure_wins_and_each_kind_is_classified(tmp_path):
     summary = json.loads((tmp_path / "failure" / "summary.json").read_text())
     assert (summary["rank"], summary["what"], summary["error"], summary["last_step"]) == (1, "exception", "RuntimeError: boom", 5)
     assert sorted(summary["files"]["tracebacks"]) == ["failure/traceback_rank_1.txt"]
-    from launcher.runtime.failure import classify
+    from launcher.resilience.failure import classify
 
     assert classify(torch.OutOfMemoryError("CUDA out of memory")) == "oom"
     assert classify(StopWithoutCheckpoint("stop requested")) == "signal"

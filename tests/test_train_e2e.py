@@ -301,7 +301,7 @@ def test_async_checkpoint_killed_mid_write_keeps_the_previous_one_and_resumes_ex
     assert not list(root.glob(".incomplete_*"))
 
 
-# --- In-job restart (cluster.max_restarts; launcher/runtime/resilience.py) -----------------------
+# --- In-job restart (cluster.max_restarts; launcher/resilience/restarts.py) -----------------------
 
 
 def _rank_pids(run_dir: Path) -> list:

@@ -289,7 +289,7 @@ class TrainerConfig:
     track_memory: bool = False
     device: str = "auto"  # auto | cpu | cuda
     deterministic: bool = False
-    # Hang watchdog (launcher/runtime/watchdog.py): seconds without a finished step before every
+    # Hang watchdog (launcher/resilience/watchdog.py): seconds without a finished step before every
     # rank dumps its stacks into <run dir>/failure/ and the job fails. -1: auto (20 x the plan's
     # step time, at least 300 s); 0: off. Saves, validation, resume and the first steps have their own bound.
     hang_timeout_s: float = -1.0
@@ -297,7 +297,7 @@ class TrainerConfig:
     val_every: int = 0
     val_steps: int = 2
     # Straggler warning: a rank busier than this x the other ranks' median for straggler_checks log
-    # steps in a row (launcher/runtime/stragglers.py; one all-gather of one float per log step). 0: off.
+    # steps in a row (launcher/resilience/stragglers.py; one all-gather of one float per log step). 0: off.
     straggler_factor: float = 1.5
     straggler_checks: int = 3
     # What a straggler does: warn (log and run summary), exclude (every rank ends the attempt with a
@@ -305,7 +305,7 @@ class TrainerConfig:
     # excludes it from the requeued job), auto (exclude when cluster.spare_nodes > 0, else warn).
     straggler_action: str = "auto"
     # Pre-flight health check before the first step (and after each in-job restart):
-    # launcher/runtime/preflight.py. auto: on for multi-node jobs (cluster.nodes > 1) | on | off.
+    # launcher/resilience/preflight.py. auto: on for multi-node jobs (cluster.nodes > 1) | on | off.
     health_check: str = "auto"
     # A rank whose probe matmul takes over this x the other ranks' median, or whose all-reduce
     # bandwidth is under their median / this, names its node (as does a wrong matmul result).

@@ -34,8 +34,8 @@ from launcher.plan.plan import Plan
 from launcher.checkpoint.manager import CheckpointManager, lock_for_run, set_rng_state
 from launcher.checkpoint.folder import checkpoint_root, step_of
 from launcher.checkpoint.local_tier import LocalTier
-from launcher.runtime.failure import FAILURE_DIR, FailureBundle, NodeBlamed, host_name
-from launcher.runtime.health import RunHealth
+from launcher.resilience.failure import FAILURE_DIR, FailureBundle, NodeBlamed, host_name
+from launcher.resilience.health import RunHealth
 from launcher.observe.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.matmul_precision import apply_matmul_precision
@@ -44,15 +44,15 @@ from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
 from launcher.runtime.heldout_loss import Validator
 from launcher.observe.profiler import StepProfiler, default_profile_ranks
-from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
-from launcher.runtime.preflight import run_preflight
+from launcher.resilience.stragglers import StragglerMonitor, gather_hosts
+from launcher.resilience.preflight import run_preflight
 from launcher.observe.moe_health import MoEHealth
 from launcher.observe.run_score import RunScore
-from launcher.runtime.resilience import RestartReport
+from launcher.resilience.restarts import RestartReport
 from launcher.job_env import job_facts
-from launcher.runtime import debug_hooks
+from launcher.resilience import debug_hooks
 from launcher.data.heldout import load_val_token_arrays
-from launcher.runtime.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
+from launcher.resilience.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
 from launcher.plan.plots import save_plan_plots
 from launcher.rehearse.ranks import rehearsal_table
 from launcher.runtime.export_action import export_checkpoint

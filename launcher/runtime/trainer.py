@@ -19,17 +19,17 @@ from launcher.checkpoint.manager import CheckpointManager, rng_state
 from launcher.checkpoint.local_tier import LocalTier
 from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
-from launcher.runtime.health import RunHealth
+from launcher.resilience.health import RunHealth
 from launcher.runtime.heldout_loss import Validator
 from launcher.observe.profiler import StepProfiler
-from launcher.runtime.stragglers import StragglerMonitor
+from launcher.resilience.stragglers import StragglerMonitor
 from launcher.observe.moe_health import MoEHealth
 from launcher.observe.run_score import RunScore
-from launcher.runtime.resilience import RestartReport
+from launcher.resilience.restarts import RestartReport
 from launcher.runtime.signals import StopWatcher
-from launcher.runtime.failure import StopWithoutCheckpoint
+from launcher.resilience.failure import StopWithoutCheckpoint
 from launcher.runtime.stop_control import write_stopped
-from launcher.runtime.debug_hooks import before_step as debug_before_step
+from launcher.resilience.debug_hooks import before_step as debug_before_step
 from launcher.observe.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
-from launcher.runtime.failure import SUMMARY_FILE, FailureBundle, host_name
+from launcher.resilience.failure import SUMMARY_FILE, FailureBundle, host_name
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ They let the real multi-process tests produce the failures the health tools exis
 - LAUNCHER_DEBUG_RAISE=R:S  rank R raises RuntimeError before step S;
 - LAUNCHER_DEBUG_OOM=R:S    rank R raises torch.OutOfMemoryError before step S;
 - LAUNCHER_DEBUG_SLOW_COMPUTE=R:N  rank R does N extra matmuls in every forward (install_slow_compute);
-- LAUNCHER_DEBUG_PROBE=R:fail      rank R's pre-flight health probe (launcher/runtime/preflight.py)
+- LAUNCHER_DEBUG_PROBE=R:fail      rank R's pre-flight health probe (launcher/resilience/preflight.py)
   gets a wrong matmul result; R:slow: its probe matmuls are repeated PROBE_SLOWDOWN times. R may
   be a node name instead (n2:fail): every rank on that node, whichever ranks a restart puts there.
 """

@@ -1,7 +1,7 @@
 """Bad-node exclusion for the in-job restart: which node a failure blames, and on which nodes the
 next srun step runs (`cluster.spare_nodes`).
 
-Torch-free, used by launcher/runtime/resilience.py `decide`. The job allocates `cluster.nodes +
+Torch-free, used by launcher/resilience/restarts.py `decide`. The job allocates `cluster.nodes +
 cluster.spare_nodes` nodes; each srun step runs on `cluster.nodes` of them (an explicit
 `--nodelist`). A node the failure names as the cause is excluded for the rest of the job: the next
 step runs on the healthy nodes, a spare taking its place. Without a healthy spare the node goes to

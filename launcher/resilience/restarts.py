@@ -1,7 +1,7 @@
 """In-job restarts, recorded: <run_dir>/resilience.jsonl, the restart decision and the metrics after one.
 
 Torch-free: the executor's side (`train` for a local run, the SLURM batch script through
-`python -m launcher.runtime.resilience decide`) reads the failure bundle of the attempt that
+`python -m launcher.resilience.restarts decide`) reads the failure bundle of the attempt that
 just ended, decides whether to start the ranks again and writes one event; the ranks of the next
 attempt read that event back and report what the restart cost (`resilience/*` metrics on their
 first logged step). One JSON object per line in resilience.jsonl:
@@ -11,12 +11,12 @@ first logged step). One JSON object per line in resilience.jsonl:
     {"time": ..., "event": "exclude", "node": "n2", "cause": "node lost: ...", "action": "restart on a spare"}
     {"time": ..., "event": "health", "node": "n1", "rank": 0, "ok": true, "ranks": [...], "named": []}
 
-(the last written by rank 0 at each pre-flight health check, launcher/runtime/preflight.py). A
+(the last written by rank 0 at each pre-flight health check, launcher/resilience/preflight.py). A
 health check or a straggler that names a node (kind "health" / "straggler") restarts on a spare;
 with none the decision stops ("stop: unfit node": in place the same node would fail again) and the
 node goes to the requeue's ExcNodeList.
 
-A failure that names a node (launcher/runtime/node_exclusion.py) excludes it for the rest of the job:
+A failure that names a node (launcher/resilience/node_exclusion.py) excludes it for the rest of the job:
 the next srun step runs on the healthy nodes, a spare (`cluster.spare_nodes`) taking its place;
 without one the node goes to the requeue's `scontrol update ExcNodeList=`.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from launcher.runtime.node_exclusion import NODE_FAULT_KINDS, NodeOutcome, NodeSet, blamed_nodes, split_nodes
+from launcher.resilience.node_exclusion import NODE_FAULT_KINDS, NodeOutcome, NodeSet, blamed_nodes, split_nodes
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _last_logged_step(run_dir: Path) -> Optional[int]:
 
 
 def failure_cause(run_dir: Path, exit_code: int, attempt_started: Optional[float] = None) -> Dict[str, Any]:
-    """What ended the attempt: the failure bundle's summary (launcher/runtime/failure.py) when a
+    """What ended the attempt: the failure bundle's summary (launcher/resilience/failure.py) when a
     rank wrote one, else what the executor saw (a rank killed by a signal writes nothing).
 
     A summary older than `attempt_started` (unix time) is an earlier launch's, left in the run
@@ -311,7 +311,7 @@ class RestartReport:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """`python -m launcher.runtime.resilience decide ...`: the batch script's restart decision.
+    """`python -m launcher.resilience.restarts decide ...`: the batch script's restart decision.
 
     Exit 0: restart; 1: stop (the reason is printed). Prints one line for the job's log.
     """

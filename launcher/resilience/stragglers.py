@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from launcher.runtime.failure import NodeBlamed
+from launcher.resilience.failure import NodeBlamed
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Every rank gathers every rank's numbers and reaches the same verdict (`verdict`)
 result is wrong, whose compute time is over trainer.health_factor x the other ranks' median, or
 whose bandwidth is under the other ranks' median / trainer.health_factor, names its node. The
 ranks then all raise NodeBlamed (kind "health"): the failure bundle names the node and the
-restart decision excludes it (launcher/runtime/node_exclusion.py). Rank 0 logs one line per
+restart decision excludes it (launcher/resilience/node_exclusion.py). Rank 0 logs one line per
 probe and appends a "health" event with every rank's numbers to resilience.jsonl.
 
 A slow link slows the whole ring of an all-reduce, so every rank sees the same bandwidth: the
@@ -32,9 +32,9 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from launcher.runtime import debug_hooks
-from launcher.runtime.failure import NodeBlamed
-from launcher.runtime.resilience import append_event
+from launcher.resilience import debug_hooks
+from launcher.resilience.failure import NodeBlamed
+from launcher.resilience.restarts import append_event
 
 log = logging.getLogger(__name__)
 

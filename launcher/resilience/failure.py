@@ -59,8 +59,8 @@ class StopWithoutCheckpoint(RuntimeError):
 
 class NodeBlamed(RuntimeError):
     """Every rank ends its attempt because a check named ranks' nodes as unfit: the pre-flight
-    health probe (kind "health", launcher/runtime/preflight.py) or a straggler over
-    trainer.straggler_factor (kind "straggler", launcher/runtime/stragglers.py). `named`: one
+    health probe (kind "health", launcher/resilience/preflight.py) or a straggler over
+    trainer.straggler_factor (kind "straggler", launcher/resilience/stragglers.py). `named`: one
     {rank, host, why} per rank; the summary's blamed_hosts is what the restart decision excludes."""
 
     def __init__(self, kind: str, named: List[Dict[str, Any]], message: str):

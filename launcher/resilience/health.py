@@ -11,9 +11,9 @@ import contextlib
 from pathlib import Path
 from typing import Iterator, Optional
 
-from launcher.runtime.failure import FailureBundle
+from launcher.resilience.failure import FailureBundle
 from launcher.observe.memory_snapshot import MemorySnapshot, is_oom
-from launcher.runtime.watchdog import HangWatchdog
+from launcher.resilience.watchdog import HangWatchdog
 
 
 class RunHealth:
