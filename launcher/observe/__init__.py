@@ -9,7 +9,8 @@
 - memory_snapshot.py: CUDA allocator snapshots on an OOM or on request;
 - profiler.py: torch.profiler traces of the chosen ranks;
 - moe_health.py and moe_load.py: tokens per expert, idle experts, the `moe/*` load metrics;
-- run_score.py: measured tokens/s, MFU and peak memory against the plan's prediction.
+- run_score.py: measured tokens/s, MFU and peak memory against the plan's prediction;
+- rehearsal_table.py: the rehearsal's rehearsed-vs-planned bytes per rank, as a W&B table.
 
 Imports from launcher/plan/ (the predictions it compares with) and launcher/models/, never from
 the rank's loop (launcher/runtime/), which calls in, nor from the engines. The rehearsal

@@ -54,7 +54,7 @@ from launcher.resilience import debug_hooks
 from launcher.data.heldout import load_val_token_arrays
 from launcher.resilience.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
 from launcher.plan.plots import save_plan_plots
-from launcher.rehearse.ranks import rehearsal_table
+from launcher.observe.rehearsal_table import rehearsal_table
 from launcher.runtime.export_action import export_checkpoint
 
 log = logging.getLogger("launcher")
