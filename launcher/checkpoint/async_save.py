@@ -73,7 +73,7 @@ def slow_write_seconds(step: int) -> float:
 
 def storage_writer(directory: str, step: int):
     """The DCP FileSystemWriter of one save (the same files a synchronous `dcp.save` writes)."""
-    # lazy: DCP (~0.5 s): checkpoint.py imports this module on every rank; a DeepSpeed rank loads DCP nowhere else
+    # lazy: DCP (~0.5 s): manager.py imports this module on every rank; a DeepSpeed rank loads DCP nowhere else
     from torch.distributed.checkpoint import FileSystemWriter
 
     seconds = slow_write_seconds(step)

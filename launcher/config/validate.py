@@ -533,7 +533,8 @@ def tokenizer_vocab_size(path: str, mtime_ns: int) -> Tuple[Optional[int], str]:
 
 
 def _check_observability(spec: JobConfig, problems: List[str]) -> None:
-    """Hang watchdog, validation, profiler and straggler settings (launcher/runtime/)."""
+    """Hang watchdog, validation, profiler and straggler settings (launcher/resilience/, launcher/runtime/,
+    launcher/observe/)."""
     t = spec.trainer
     if t.hang_timeout_s < 0 and t.hang_timeout_s != -1:
         problems.append(

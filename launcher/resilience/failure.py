@@ -110,7 +110,7 @@ class FailureBundle:
         return {
             "what": what,
             "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "unix_time": round(time.time(), 3),  # the start of an in-job restart's downtime (resilience.py)
+            "unix_time": round(time.time(), 3),  # the start of an in-job restart's downtime (restarts.py)
             "rank": self.rank,
             "host": host_name(),
             "world_size": self.world_size,
