@@ -20,7 +20,7 @@ from launcher.config.schema import ModelConfig
 from launcher.models import build_model
 from launcher.parallel.ac import apply_activation_checkpointing
 from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.memory import layer_activation_bytes
 from launcher.plan.params import model_shape
 

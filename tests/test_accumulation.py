@@ -19,7 +19,7 @@ import pytest
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
 from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.memory import estimate_memory
 from launcher.plan.params import model_shape, stage_params
 from launcher.plan.perf import estimate_comm

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from launcher.models.grouped_mm import expert_swiglu, grouped_mm_problem
 from launcher.models.moe import MoE
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.layout import MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.runtime.dist import exit_after_shutdown
 

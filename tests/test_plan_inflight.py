@@ -11,7 +11,7 @@ import pytest
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from launcher.plan.layout import RankBatchPlan, Layout
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.memory import inflight_microbatches
 
 

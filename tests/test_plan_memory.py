@@ -11,7 +11,7 @@ import pytest
 
 from launcher.config.loader import compose_spec
 from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.memory import (
     estimate_memory,
     inflight_microbatches,

@@ -8,7 +8,7 @@ import pytest
 
 from launcher.config.loader import compose_spec
 from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.params import model_shape, stage_params
 from launcher.plan.perf import bubble_fraction, estimate_comm, estimate_time, placement, ring_factor
 

@@ -10,7 +10,7 @@ import pytest
 from launcher.config.loader import compose_spec
 from launcher.config.schema import get_dotted
 from launcher.plan.layout import Layout, MemoryPlan, OVERRIDE_FIELDS, RankBatchPlan
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.resolve import validate
 from launcher.plan.plan import build_plan
 from launcher.plan.report import render_search

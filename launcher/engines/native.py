@@ -48,7 +48,7 @@ from launcher.parallel.cp import context_parallel_region, context_parallel_unsup
 from launcher.parallel.ep import apply_expert_parallel
 from launcher.parallel.fp8 import convert_to_float8, float8_scale_precompute_needed, precompute_float8_scales
 from launcher.parallel.fsdp import UnshardedAccumulation, apply_fsdp, mixed_precision_policy
-from launcher.parallel.mesh import build_device_mesh, expert_meshes, submesh
+from launcher.parallel.device_mesh import build_device_mesh, expert_meshes, submesh
 from launcher.parallel.phase import phase_barrier
 from launcher.parallel.pp import build_schedule, split_into_stages
 from launcher.parallel.tp import apply_tensor_parallel

@@ -16,7 +16,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 
 log = logging.getLogger(__name__)
 

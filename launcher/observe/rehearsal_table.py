@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from launcher.plan.mesh import MESH_DIM_NAMES
+from launcher.plan.degrees import MESH_DIM_NAMES
 
 
 def rehearsal_table(result: Dict[str, Any]) -> Tuple[List[str], List[List[Any]]]:

@@ -12,7 +12,7 @@ The search (search.py) evaluates tens of thousands of layouts and cannot afford 
 JobConfig for each: it builds cheap candidates with ``dataclasses.replace`` on a base Layout,
 so every field has a default and the derived values are properties of the fields.
 
-Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/mesh.py's MeshPlan, their
+Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/degrees.py's MeshPlan, their
 only home), the per-rank batch `Layout.batch` (RankBatchPlan), the ZeRO stage, activation checkpointing
 and offload `Layout.memory` (MemoryPlan), the precision and fp8 options `Layout.numerics`
 (NumericsPlan), the backend owning each feature `Layout.owners` (BackendPlan; Layout.backends is
@@ -31,7 +31,7 @@ from typing import Any, Dict, Literal, Tuple
 
 from launcher.config.schema import Fp8Config
 from launcher.plan.features import BackendChoice
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
 Precision = Literal["fp32", "bf16", "fp8"]
@@ -173,7 +173,7 @@ class Layout:
     nodes: int = 1
     gpus_per_node: int = 8
     # The mesh degrees pp, dp_replicate, dp_shard, cp, tp, ep and their derived sizes (world_size,
-    # dp): the one record of them (launcher/plan/mesh.py, which also gives the rank order).
+    # dp): the one record of them (launcher/plan/degrees.py, which also gives the rank order).
     mesh: MeshPlan = field(default_factory=MeshPlan)
     sp: bool = False
     vpp: int = 1  # model chunks per pipeline rank

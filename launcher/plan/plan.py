@@ -22,7 +22,7 @@ from launcher.plan.budget import budget
 from launcher.plan.checkpoint_time import checkpoint_estimate
 from launcher.plan.features import BackendChoice
 from launcher.plan.layout import Layout
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.resolve import resolve
 
 PLAN_FILENAME = "plan.json"

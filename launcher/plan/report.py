@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Sequence
 from launcher.models.family import family_of
 from launcher.plan.bands import memory_at_risk
 from launcher.plan.memory import GiB, other_parts, own_maxima
-from launcher.plan.mesh import MESH_DIM_NAMES
+from launcher.plan.degrees import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
 from launcher.plan.perf import correction_bias_bytes
 from launcher.plan.resolve import world_size

@@ -31,7 +31,7 @@ from launcher.plan.features import FEATURES, BackendChoice
 from launcher.plan.layout import (BackendPlan, DeepSpeedPlan, Layout, MemoryPlan, NumericsPlan, RankBatchPlan,
                                    ResiliencePlan)
 from launcher.plan.memory import estimate_memory, most_loaded
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.params import model_shape
 from launcher.plan.rules import backend_conflicts, hpz_partition_size
 

@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 from launcher.config.errors import ConfigError
 from launcher.plan.features import (DEEPSPEED, FEATURE_BY_NAME, FEATURES, FP8_IMPLS, NATIVE, REGISTRY,
                                     BackendChoice, BackendEntry)
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.support import SUPPORT, Need, Row, Switches, needs
 
 

@@ -42,7 +42,7 @@ from launcher.plan.budget import budget
 from launcher.plan.estimate import capacity_bytes, reserved_bytes
 from launcher.plan.flops import training_flops_per_token
 from launcher.plan.layout import NODES_OVERRIDE, Layout
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.memory import estimate_memory, model_state_memory, most_loaded
 from launcher.plan.params import ModelShape, model_shape, stage_params
 from launcher.plan.perf import estimate_time

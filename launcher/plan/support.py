@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from launcher.plan.features import DEEPSPEED, NATIVE
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 
 
 @dataclass(frozen=True)

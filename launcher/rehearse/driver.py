@@ -33,7 +33,7 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 from launcher.config.validate import rehearse_ranks_value
 from launcher.plan.memory import GiB
-from launcher.plan.mesh import MESH_DIM_NAMES
+from launcher.plan.degrees import MESH_DIM_NAMES
 from launcher.plan.params import model_shape
 from launcher.plan.plan import Plan
 from launcher.rehearse.files import SHARED_STEPS_DIR

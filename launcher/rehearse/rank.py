@@ -70,7 +70,7 @@ FIX_BY_MODULE = {
     "launcher.parallel.fsdp": "change parallel.dp_shard / parallel.dp_replicate / parallel.zero_stage",
     "launcher.parallel.pp": "change parallel.pp, parallel.pp_layers, parallel.pp_schedule or parallel.pp_virtual_stages",
     "launcher.parallel.ep": "choose parallel.ep among the divisors of model.n_experts and dp_shard*cp",
-    "launcher.parallel.mesh": "make the parallel degrees multiply to cluster.nodes * cluster.gpus_per_node",
+    "launcher.parallel.device_mesh": "make the parallel degrees multiply to cluster.nodes * cluster.gpus_per_node",
     "launcher.parallel.fp8": "use precision=bf16, or adjust precision.fp8.* for this model",
     "launcher.parallel.ac": "change activation_checkpointing.mode / activation_checkpointing.selective",
     "launcher.parallel.compile": "set trainer.compile=false",

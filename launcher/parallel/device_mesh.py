@@ -1,6 +1,6 @@
 """The DeviceMesh every native parallelism is applied on, built from the plan's MeshPlan.
 
-Rank order (row-major, outermost to innermost), as in launcher/plan/mesh.py:
+Rank order (row-major, outermost to innermost), as in launcher/plan/degrees.py:
 
     pp  ×  dp_replicate  ×  dp_shard  ×  cp  ×  tp
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from launcher.plan.mesh import MESH_DIM_NAMES, MeshPlan
+from launcher.plan.degrees import MESH_DIM_NAMES, MeshPlan
 
 log = logging.getLogger(__name__)
 
