@@ -334,3 +334,19 @@ class Layout:
             d[name] = record(**{f.name: d.pop(f.name) for f in fields(record) if f.name in d})
         d["pp_layers"] = tuple(d.get("pp_layers", ()))
         return cls(**d)
+
+
+def accumulate_unsharded_blocker(lay: Layout) -> str:
+    """Why FSDP2 cannot hold the step unsharded in this layout ("" when it can)."""
+    if lay.batch.microbatches < 2:
+        return "one micro-batch per step: nothing to accumulate"
+    if lay.uses_deepspeed:
+        return "DeepSpeed owns the sharding and accumulates gradients its own way"
+    if lay.mesh.pp > 1:
+        return ("torch's pipeline schedules already keep FSDP2 units unsharded and skip the "
+                "gradient sync until the last backward of the step")
+    if not lay.fsdp_wraps:
+        return "FSDP2 does not wrap the model (a single data-parallel rank)"
+    if lay.offload_to_cpu:
+        return "offload to the CPU: holding unsharded states on the GPU would defeat it"
+    return ""

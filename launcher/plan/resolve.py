@@ -29,7 +29,7 @@ from launcher.config.validate import validate as validate_config
 from launcher.data.checks import data_problems
 from launcher.plan.features import FEATURES, BackendChoice
 from launcher.plan.layout import (BackendPlan, DeepSpeedPlan, Layout, MemoryPlan, NumericsPlan, RankBatchPlan,
-                                   ResiliencePlan)
+                                   ResiliencePlan, accumulate_unsharded_blocker)
 from launcher.plan.memory import estimate_memory, most_loaded
 from launcher.plan.degrees import MeshPlan
 from launcher.plan.params import model_shape
@@ -172,22 +172,6 @@ def profile_rank_problems(profile: ProfileConfig, world: int) -> List[str]:
         return []
     return [f"profile.ranks has {bad}, outside the job's ranks 0..{world - 1}. Fix: e.g. profile.ranks=[0], or [] "
             f"for rank 0 and the last pipeline rank."]
-
-
-def accumulate_unsharded_blocker(lay: Layout) -> str:
-    """Why FSDP2 cannot hold the step unsharded in this layout ("" when it can)."""
-    if lay.batch.microbatches < 2:
-        return "one micro-batch per step: nothing to accumulate"
-    if lay.uses_deepspeed:
-        return "DeepSpeed owns the sharding and accumulates gradients its own way"
-    if lay.mesh.pp > 1:
-        return ("torch's pipeline schedules already keep FSDP2 units unsharded and skip the "
-                "gradient sync until the last backward of the step")
-    if not lay.fsdp_wraps:
-        return "FSDP2 does not wrap the model (a single data-parallel rank)"
-    if lay.offload_to_cpu:
-        return "offload to the CPU: holding unsharded states on the GPU would defeat it"
-    return ""
 
 
 def resolve_accumulate_unsharded(spec: JobConfig, lay: Layout) -> Tuple[bool, str]:

@@ -41,13 +41,12 @@ from launcher.plan.bands import layout_kind, memory_at_risk, memory_range, value
 from launcher.plan.budget import budget
 from launcher.plan.estimate import capacity_bytes, reserved_bytes
 from launcher.plan.flops import training_flops_per_token
-from launcher.plan.layout import NODES_OVERRIDE, Layout
+from launcher.plan.layout import NODES_OVERRIDE, Layout, accumulate_unsharded_blocker
 from launcher.plan.degrees import MeshPlan
 from launcher.plan.memory import estimate_memory, model_state_memory, most_loaded
 from launcher.plan.params import ModelShape, model_shape, stage_params
 from launcher.plan.perf import estimate_time
-from launcher.plan.resolve import (accumulate_unsharded_blocker, backend_fields, expert_parallel_problems, spec_fields,
-                                   validate, world_size)
+from launcher.plan.resolve import backend_fields, expert_parallel_problems, spec_fields, validate, world_size
 from launcher.plan.rules import backend_conflicts
 
 AC_MODES = ("none", "selective", "full")
