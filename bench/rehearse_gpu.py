@@ -69,7 +69,7 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
     spec = _spec(model, dotted, device)
     optim, opts = OptimConfig(lr=3e-4, warmup_steps=1), EngineOptions(total_steps=10, seed=7)
     if mode == "plan":
-        from launcher.plan.memory import category_maxima
+        from launcher.plan.estimate.memory import category_maxima
         from launcher.plan.plan import build_plan
         from launcher.plan.resolve import check
 

@@ -215,7 +215,7 @@ def launcher_loop(spec, plan, rank, run_dir: Path, batches):
     from launcher.checkpoint.folder import checkpoint_root
     from launcher.runtime.signals import StopWatcher
     from launcher.runtime.trainer import LoopConfig, Trainer
-    from launcher.plan.flops import training_flops_per_token
+    from launcher.plan.estimate.flops import training_flops_per_token
 
     bundle = FailureBundle(run_dir, rank.rank, rank.world_size)
     health = entry.start_health(spec, plan, bundle, rank.device.type)

@@ -20,9 +20,9 @@ from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
 from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.plan.degrees import MeshPlan
-from launcher.plan.memory import estimate_memory
-from launcher.plan.params import model_shape, stage_params
-from launcher.plan.perf import estimate_comm
+from launcher.plan.estimate.memory import estimate_memory
+from launcher.plan.estimate.params import model_shape, stage_params
+from launcher.plan.estimate.perf import estimate_comm
 from launcher.plan.plan import Plan, build_plan
 from launcher.plan.resolve import check, resolve, resolve_accumulate_unsharded
 

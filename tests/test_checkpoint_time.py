@@ -12,7 +12,7 @@ from launcher.config.validate import validate
 from launcher.launch import slurm
 from launcher.launch.local import rank_environment
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
-from launcher.plan.checkpoint_time import STOP_MARGIN_S
+from launcher.plan.estimate.checkpoint_time import STOP_MARGIN_S
 from launcher.plan.plan import Plan, build_plan
 from launcher.plan.report import render_plan
 

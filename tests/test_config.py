@@ -98,7 +98,7 @@ RULES = [
     (["trainer.health_factor=1"], ["trainer.health_factor=1", "above 1"]),
     (["profile.enabled=true", "profile.steps=[5,2]"], ["profile.steps=[5, 2]", "first <= last"]),
     (["profile.enabled=true", "profile.ranks=[7]"], ["profile.ranks has [7]", "0..1"]),
-    # Budget keys (launcher/plan/budget.py).
+    # Budget keys (launcher/plan/estimate/budget.py).
     (["trainer.tokens=-5"], ["trainer.tokens=-5", ">= 0"]),
     (["hardware.usd_per_gpu_hour=-1"], ["hardware.usd_per_gpu_hour=-1", "null for no cost"]),
     # Model families (launcher/models/family.py) and the Qwen3 keys.

@@ -316,8 +316,8 @@ def test_plan_counts_tp_replicated_experts_in_unsharded_copies():
     local expert on each TP rank, as its sharded states already did."""
     from launcher.config.loader import compose_spec
     from launcher.plan.layout import Layout
-    from launcher.plan.memory import working_state_memory
-    from launcher.plan.params import model_shape, stage_params
+    from launcher.plan.estimate.memory import working_state_memory
+    from launcher.plan.estimate.params import model_shape, stage_params
 
     shape = model_shape(compose_spec(["model=mixtral_8x7b"]).model)
     st = stage_params(shape, 2)[0]

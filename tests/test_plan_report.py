@@ -171,7 +171,7 @@ def test_token_budget_sets_the_steps_and_the_plan_gives_time_and_cost_with_range
     assert b["gpu_hours"] == pytest.approx(b["wall_s"] * 128 / 3600)
     assert b["usd"] == pytest.approx(b["gpu_hours"] * 2.5)
     # The ranges: the step time scaled by the fsdp+tp ("2d") band's predicted/measured ratios.
-    from launcher.plan.bands import ratio_band
+    from launcher.plan.estimate.bands import ratio_band
 
     lo, hi, measured = ratio_band("2d", "time")
     assert measured and t["band"]["kind"] == "2d"
@@ -193,7 +193,7 @@ def test_unmeasured_kinds_get_a_wider_band_and_say_so():
     published its peak): both bands are the rows'. A figure without rows (MoE memory before those
     rows: the table without it) gets a band wider than any measured one, and a kind without any
     row gets the widened band for both figures."""
-    from launcher.plan.bands import BANDS, ratio_band
+    from launcher.plan.estimate.bands import BANDS, ratio_band
 
     spec = compose_spec(["+recipe=mixtral8x7b"])
     plan = build_plan(spec)

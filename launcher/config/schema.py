@@ -424,7 +424,7 @@ class HardwareConfig:
     # Host <-> GPU bandwidth per GPU (PCIe), one direction; used for offload time.
     pcie_gbps: float = 25.0
     # Write bandwidth from one node to the checkpoint storage (GB/s, shared by the node's
-    # ranks); predicts the save time of a stop (launcher/plan/checkpoint_time.py). The
+    # ranks); predicts the save time of a stop (launcher/plan/estimate/checkpoint_time.py). The
     # default, 5 GB/s, is a conservative per-node share of a parallel file system (Lustre,
     # GPFS, WEKA); NFS often gives 1, local NVMe 5-10. Measure yours (`fio`/`dd`) and set it.
     storage_gbps: float = 5.0

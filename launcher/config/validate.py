@@ -678,7 +678,7 @@ def stop_lead_warnings(spec: JobConfig, stop_s: float) -> List[str]:
     """Warnings (not errors) when SLURM's time-limit warning comes later than a stop needs.
 
     `stop_s` is the planner's predicted time to finish a step and save a checkpoint
-    (launcher/plan/checkpoint_time.py). SLURM kills the job at its time limit whatever
+    (launcher/plan/estimate/checkpoint_time.py). SLURM kills the job at its time limit whatever
     the ranks are doing, so a shorter lead loses the save.
     """
     lead = spec.cluster.signal_seconds

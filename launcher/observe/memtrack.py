@@ -3,7 +3,7 @@
     measured = track_step_memory(engine.model_parts, engine.optimizers, lambda: engine.train_step(mbs))
     row = compare_with_plan(measured, plan.memory)   # predicted vs measured, per category
 
-Categories are the planner's (launcher/plan/memory.py): params, grads, optimizer,
+Categories are the planner's (launcher/plan/estimate/memory.py): params, grads, optimizer,
 activations, other (buffers, unsharded FSDP copies, collective buffers, temporaries), total.
 Each category is reported at its own maximum over the step (what the planner predicts) and
 `total` is the peak of the sum (what decides an OOM), with the breakdown at that peak; measured
@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from launcher.plan.memory import category_maxima
+from launcher.plan.estimate.memory import category_maxima
 from launcher.observe.state_bytes import torch_optimizers
 
 log = logging.getLogger("launcher")

@@ -190,7 +190,7 @@ class Layout:
     deepspeed: DeepSpeedPlan = field(default_factory=DeepSpeedPlan)
     # The node checks the ranks run: health check, straggler exclusion (ResiliencePlan).
     resilience: ResiliencePlan = field(default_factory=ResiliencePlan)
-    # Speed-only knobs the planner costs (launcher/plan/perf.py): trainer.compile fuses each block's
+    # Speed-only knobs the planner costs (launcher/plan/estimate/perf.py): trainer.compile fuses each block's
     # elementwise ops; precision.fp8.recipe sets the float8 casting work.
     compile: bool = False
     # data.document_masking: how the runtime applies the block-causal mask (launcher/models/layers.py
@@ -199,7 +199,7 @@ class Layout:
     # block mask, a few int32 per 128x128 block).
     document_mask: str = "none"
     # plan.moe_imbalance: the busiest expert-parallel rank's routed assignments over the mean (1 =
-    # balanced), which scales that rank's expert GEMMs and all-to-all (launcher/plan/perf.py).
+    # balanced), which scales that rank's expert GEMMs and all-to-all (launcher/plan/estimate/perf.py).
     moe_imbalance: float = 1.0
 
     # ------------------------------------------------------------------ derived, one formula each

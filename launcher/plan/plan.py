@@ -17,9 +17,9 @@ from typing import Any, Dict, List, Optional
 from launcher.config.schema import JobConfig
 from launcher.config.validate import stop_lead_warnings
 from launcher.data.checks import repeat_warnings
-from launcher.plan import estimate
-from launcher.plan.budget import budget
-from launcher.plan.checkpoint_time import checkpoint_estimate
+from launcher.plan.estimate import figures
+from launcher.plan.estimate.budget import budget
+from launcher.plan.estimate.checkpoint_time import checkpoint_estimate
 from launcher.plan.features import BackendChoice
 from launcher.plan.layout import Layout
 from launcher.plan.degrees import MeshPlan
@@ -45,7 +45,7 @@ class BatchPlan:
 @dataclass
 class Plan:
     layout: Layout
-    # Filled by the estimators (launcher/plan/memory.py, perf.py); plain dicts so that
+    # Filled by the estimators (launcher/plan/estimate/memory.py, perf.py); plain dicts so that
     # plan.json stays a stable, readable schema.
     params_total: int = 0
     params_active: int = 0
@@ -53,9 +53,9 @@ class Plan:
     comm: Dict[str, Any] = field(default_factory=dict)
     pipeline: Dict[str, Any] = field(default_factory=dict)
     time: Dict[str, Any] = field(default_factory=dict)
-    # Predicted checkpoint size, save and stop time (launcher/plan/checkpoint_time.py).
+    # Predicted checkpoint size, save and stop time (launcher/plan/estimate/checkpoint_time.py).
     checkpoint: Dict[str, Any] = field(default_factory=dict)
-    # Steps, wall time, GPU-hours and cost of the run (launcher/plan/budget.py).
+    # Steps, wall time, GPU-hours and cost of the run (launcher/plan/estimate/budget.py).
     budget: Dict[str, Any] = field(default_factory=dict)
     warnings: List[str] = field(default_factory=list)
 
@@ -136,7 +136,7 @@ def build_plan(spec: JobConfig, layout: Optional[Layout] = None) -> Plan:
     if layout is None:
         layout = resolve(spec)
     plan = Plan(layout=layout)
-    estimate.fill(plan, spec)
+    figures.fill(plan, spec)
     fill_checkpoint_time(plan, spec)
     plan.budget = budget(spec.trainer.steps, layout.tokens_per_step, plan.time["step_s"], plan.time["step_s_range"],
                          layout.mesh.world_size, spec.hardware.usd_per_gpu_hour)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Tuple
 
-from launcher.plan.memory import CATEGORIES, GiB
+from launcher.plan.estimate.memory import CATEGORIES, GiB
 
 MEMORY_PNG = "plan_memory.png"
 PIPELINE_PNG = "plan_pipeline.png"

@@ -9,11 +9,11 @@ import json
 from typing import Any, Dict, List, Sequence
 
 from launcher.models.family import family_of
-from launcher.plan.bands import memory_at_risk
-from launcher.plan.memory import GiB, other_parts, own_maxima
+from launcher.plan.estimate.bands import memory_at_risk
+from launcher.plan.estimate.memory import GiB, other_parts, own_maxima
 from launcher.plan.degrees import MESH_DIM_NAMES
-from launcher.plan.params import model_shape
-from launcher.plan.perf import correction_bias_bytes
+from launcher.plan.estimate.params import model_shape
+from launcher.plan.estimate.perf import correction_bias_bytes
 from launcher.plan.resolve import world_size
 
 def assumptions(model: Any, moe_imbalance: float = 1.0) -> str:
@@ -238,7 +238,7 @@ def _gib_range(pair) -> str:
 
 
 def _band_line(band) -> str:
-    """Where the ranges in brackets come from (launcher/plan/bands.py, docs/planner.md)."""
+    """Where the ranges in brackets come from (launcher/plan/estimate/bands.py, docs/planner.md)."""
     if not band:
         return ""
     if band["measured"]:
@@ -310,7 +310,7 @@ def _objective_label(spec) -> str:
 
 
 def _objective_cell(b, objective: str) -> str:
-    """The budget figure plan.objective ranks by, with its range (launcher/plan/budget.py)."""
+    """The budget figure plan.objective ranks by, with its range (launcher/plan/estimate/budget.py)."""
     if objective == "time":
         return f"{b['wall_s'] / 3600:,.1f} ({_range([s / 3600 for s in b['wall_s_range']], ',.1f')})"
     return f"{b['usd']:,.0f} ({_range(b['usd_range'], ',.0f')})"

@@ -30,9 +30,9 @@ from launcher.data.checks import data_problems
 from launcher.plan.features import FEATURES, BackendChoice
 from launcher.plan.layout import (BackendPlan, DeepSpeedPlan, Layout, MemoryPlan, NumericsPlan, RankBatchPlan,
                                    ResiliencePlan, accumulate_unsharded_blocker)
-from launcher.plan.memory import estimate_memory, most_loaded
+from launcher.plan.estimate.memory import estimate_memory, most_loaded
 from launcher.plan.degrees import MeshPlan
-from launcher.plan.params import model_shape
+from launcher.plan.estimate.params import model_shape
 from launcher.plan.rules import backend_conflicts, hpz_partition_size
 
 

@@ -7,12 +7,12 @@ for the rest, ep (MoE: divides the experts and dp_shard*cp), zero_stage, activat
 checkpointing, micro-batch size (the global batch stays fixed); with plan.search_nodes, the
 node count too.
 
-Ranking: layouts whose whole memory band (launcher/plan/bands.py) fits the GPU come first; a
+Ranking: layouts whose whole memory band (launcher/plan/estimate/bands.py) fits the GPU come first; a
 layout whose point estimate fits but whose band's upper end exceeds hardware.memory_gb is kept,
 marked "at risk", and ranked after all of them, whatever the objective.
 
 Objective (plan.objective): throughput ranks by tokens/s per GPU; time by the wall time of the
-training steps to the budget (launcher/plan/budget.py: trainer.steps, which trainer.tokens sets);
+training steps to the budget (launcher/plan/estimate/budget.py: trainer.steps, which trainer.tokens sets);
 cost by the GPU-hours (hence USD) to it. On one GPU count the three orders agree (the global
 batch is fixed, so each is a function of the step time); across node counts more GPUs finish
 sooner but usually cost more, and the orders differ.
@@ -37,15 +37,15 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import replaced_dotted
 from launcher.config.validate import (PLAN_OBJECTIVES, accumulate_unsharded_value, cp_pipeline_problems,
                                       tensor_parallel_problems, tied_pipeline_problems)
-from launcher.plan.bands import layout_kind, memory_at_risk, memory_range, value_range
-from launcher.plan.budget import budget
-from launcher.plan.estimate import capacity_bytes, reserved_bytes
-from launcher.plan.flops import training_flops_per_token
+from launcher.plan.estimate.bands import layout_kind, memory_at_risk, memory_range, value_range
+from launcher.plan.estimate.budget import budget
+from launcher.plan.estimate.figures import capacity_bytes, reserved_bytes
+from launcher.plan.estimate.flops import training_flops_per_token
 from launcher.plan.layout import NODES_OVERRIDE, Layout, accumulate_unsharded_blocker
 from launcher.plan.degrees import MeshPlan
-from launcher.plan.memory import estimate_memory, model_state_memory, most_loaded
-from launcher.plan.params import ModelShape, model_shape, stage_params
-from launcher.plan.perf import estimate_time
+from launcher.plan.estimate.memory import estimate_memory, model_state_memory, most_loaded
+from launcher.plan.estimate.params import ModelShape, model_shape, stage_params
+from launcher.plan.estimate.perf import estimate_time
 from launcher.plan.resolve import backend_fields, expert_parallel_problems, spec_fields, validate, world_size
 from launcher.plan.rules import backend_conflicts
 
@@ -66,10 +66,10 @@ class Candidate:
     mfu: float
     bubble_fraction: float
     backends: Dict[str, str] = field(default_factory=dict)  # feature -> backend (features in use)
-    kind: str = "fsdp"  # the accuracy kind of the layout (launcher/plan/bands.py)
+    kind: str = "fsdp"  # the accuracy kind of the layout (launcher/plan/estimate/bands.py)
     reserved: int = 0  # bytes outside the allocator (the memory band is of the allocator's share)
     gpu_capacity: int = 0  # hardware.memory_gb in bytes, no headroom: where the run goes out of memory
-    # Steps, wall time, GPU-hours and cost to the budget (launcher/plan/budget.py), with ranges.
+    # Steps, wall time, GPU-hours and cost to the budget (launcher/plan/estimate/budget.py), with ranges.
     budget: Dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -32,9 +32,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 from launcher.config.validate import rehearse_ranks_value
-from launcher.plan.memory import GiB
+from launcher.plan.estimate.memory import GiB
 from launcher.plan.degrees import MESH_DIM_NAMES
-from launcher.plan.params import model_shape
+from launcher.plan.estimate.params import model_shape
 from launcher.plan.plan import Plan
 from launcher.rehearse.files import SHARED_STEPS_DIR
 from launcher.rehearse.ranks import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors

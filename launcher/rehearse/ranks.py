@@ -24,9 +24,9 @@ import dataclasses
 from typing import Any, Dict, List, Sequence, Union
 
 from launcher.plan.layout import Layout
-from launcher.plan.memory import model_state_memory
+from launcher.plan.estimate.memory import model_state_memory
 from launcher.plan.degrees import MESH_DIM_NAMES
-from launcher.plan.params import ModelShape, stage_params
+from launcher.plan.estimate.params import ModelShape, stage_params
 
 STATE_CATEGORIES = ("params", "grads", "optimizer")
 

@@ -28,7 +28,7 @@ from launcher.engines.base import Engine, EngineOptions
 from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, data_step_batches, load_token_arrays
 from launcher.hf.weights import tokenizer_files_for
-from launcher.plan.flops import peak_tflops, training_flops_per_token
+from launcher.plan.estimate.flops import peak_tflops, training_flops_per_token
 from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
 from launcher.plan.plan import Plan
 from launcher.checkpoint.manager import CheckpointManager, lock_for_run, set_rng_state

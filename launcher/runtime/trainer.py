@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 
 from launcher.data.dataset import StepBatches
 from launcher.data.prefetch import Prefetcher, should_pin
-from launcher.plan.flops import achieved_tflops, mfu
+from launcher.plan.estimate.flops import achieved_tflops, mfu
 from launcher.checkpoint.manager import CheckpointManager, rng_state
 from launcher.checkpoint.local_tier import LocalTier
 from launcher.engines.base import Engine
@@ -48,7 +48,7 @@ class LoopConfig:
     samples_per_step: int
     world_size: int
     mesh: Dict[str, int]
-    flops_per_token: float = 0.0  # model FLOPs (launcher.plan.flops) for TFLOP/s and MFU
+    flops_per_token: float = 0.0  # model FLOPs (launcher.plan.estimate.flops) for TFLOP/s and MFU
     peak_tflops_per_gpu: float = 0.0  # 0: no MFU (e.g. on CPU, where no peak is meaningful)
     # Measure peak memory per category on the second step of this run (the first allocates
     # optimizer states) and record it next to the plan's prediction.

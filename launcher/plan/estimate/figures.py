@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from launcher.config.validate import accumulate_unsharded_value
-from launcher.plan.bands import band_summary, layout_kind, memory_range, value_range
-from launcher.plan.flops import training_flops_per_token
+from launcher.plan.estimate.bands import band_summary, layout_kind, memory_range, value_range
+from launcher.plan.estimate.flops import training_flops_per_token
 from launcher.plan.layout import Layout, accumulate_unsharded_blocker
-from launcher.plan.memory import GiB, StageMemory, estimate_memory, inflight_microbatches, most_loaded
-from launcher.plan.params import ModelShape, chunk_layer_counts, model_shape
-from launcher.plan.perf import bubble_fraction, estimate_time
+from launcher.plan.estimate.memory import GiB, StageMemory, estimate_memory, inflight_microbatches, most_loaded
+from launcher.plan.estimate.params import ModelShape, chunk_layer_counts, model_shape
+from launcher.plan.estimate.perf import bubble_fraction, estimate_time
 
 
 def capacity_bytes(hw: Any) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from launcher.plan.layout import Layout
-from launcher.plan.params import ModelShape
+from launcher.plan.estimate.params import ModelShape
 
 # Streaming kernels reach about 80-90 % of HBM bandwidth on H100/A100 (STREAM-like copy
 # kernels); PyTorch's elementwise kernels on these tensor sizes sit at the low end.

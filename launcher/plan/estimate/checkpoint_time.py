@@ -2,7 +2,7 @@
 
 A stop (SIGTERM, the SLURM warning signal, control/stop) finishes the current step, then
 saves. The save writes each rank's model states: the parameters and optimizer states it
-holds (launcher/plan/memory.py's `model_state_memory`, offloaded states included; gradients
+holds (launcher/plan/estimate/memory.py's `model_state_memory`, offloaded states included; gradients
 are not saved). The ranks of a node share its storage bandwidth (`hardware.storage_gbps`,
 GB/s per node), so the predicted save time is the busiest rank's bytes times the ranks per
 node over that bandwidth. It is an upper bound where states are replicated (DCP writes a
@@ -20,8 +20,8 @@ import math
 from typing import Any, Dict, Optional
 
 from launcher.plan.layout import Layout
-from launcher.plan.memory import model_state_memory
-from launcher.plan.params import ModelShape, model_shape, stage_params
+from launcher.plan.estimate.memory import model_state_memory
+from launcher.plan.estimate.params import ModelShape, model_shape, stage_params
 
 # shutdown timeout = STOP_FACTOR * (step + save) + STOP_MARGIN_S: generous on purpose (a
 # timeout that is too long only delays the teardown of a failed run; one too short loses work).

@@ -1,6 +1,6 @@
 """Time and money to a token budget: steps, wall time, GPU-hours and cost, with their ranges.
 
-Pure Python, from the plan's step time and its error band (launcher/plan/bands.py). The wall
+Pure Python, from the plan's step time and its error band (launcher/plan/estimate/bands.py). The wall
 time counts the training steps only: start-up, checkpoint saves, validation and restarts come on
 top (the checkpoint section gives the save time; `checkpoint.async_save` hides most of it).
 """

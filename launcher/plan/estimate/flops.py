@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.plan.params import attention_width, model_shape
+from launcher.plan.estimate.params import attention_width, model_shape
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ParamCounts:
 def param_counts(model: Any) -> ParamCounts:
     """Parameter counts from a model shape (a ModelConfig or anything with its fields).
 
-    The per-component breakdown is launcher.plan.params.model_shape (one parameter model for
+    The per-component breakdown is launcher.plan.estimate.params.model_shape (one parameter model for
     the planner and for FLOPs); this adds the matmul count FLOPs need.
     """
     shape = model_shape(model)
@@ -56,7 +56,7 @@ def param_counts(model: Any) -> ParamCounts:
 
 def attention_flops_per_token(n_layers: int, width: float, seq_len: int) -> float:
     """12 * L * h * s: attention-score FLOPs per token, forward + backward; `width` is h, the
-    mean of the q.k width and the v width (launcher.plan.params.attention_width)."""
+    mean of the q.k width and the v width (launcher.plan.estimate.params.attention_width)."""
     return 12.0 * n_layers * width * seq_len
 
 

@@ -1,6 +1,6 @@
 """Parameter counts from a model shape, broken down the way the planner needs them.
 
-Pure Python (no torch). The totals agree with `launcher.plan.flops.param_counts` (the FLOPs
+Pure Python (no torch). The totals agree with `launcher.plan.estimate.flops.param_counts` (the FLOPs
 module) and with `sum(p.numel())` of the model that `launcher.models` builds; the tests
 check both. The breakdown separates what tensor, pipeline and expert parallelism divide
 differently: the embedding table lives on the first pipeline stage, the output layer on the
@@ -153,7 +153,7 @@ def model_shape(model: Any) -> ModelShape:
 
 
 def attention_width(shape: ModelShape) -> float:
-    """h of the attention-FLOPs formula (launcher/plan/flops.py): the mean of the q.k and v widths."""
+    """h of the attention-FLOPs formula (launcher/plan/estimate/flops.py): the mean of the q.k and v widths."""
     return (shape.qk_width + shape.v_width) / 2
 
 

@@ -8,13 +8,13 @@ Assumptions (printed by `action=plan`, documented in docs/planner.md):
   a collective reaches `comm_efficiency` of the link's one-direction bandwidth.
 - Compute runs at `achievable_fraction` of the dense peak (FP8 peak x FP8_GEMM_EFFICIENCY for
   the block matmuls under precision=fp8; attention and the output layer stay BF16; TF32 peak under
-  precision=fp32), plus the memory-bound work of launcher/plan/elementwise.py (norms, RoPE,
+  precision=fp32), plus the memory-bound work of launcher/plan/estimate/elementwise.py (norms, RoPE,
   SwiGLU, residual adds, the loss, float8 casts) at HBM bandwidth.
 - Overlap: FSDP/ZeRO all-gathers and reduce-scatters overlap the compute of other units
   (only the part longer than the compute, plus the first gather and last reduce of a
   micro-batch, is exposed); DDP's all-reduce overlaps the last backward; context-parallel
   K/V gathers overlap the attention and the fp32 dK/dV ring overlaps the backward's hops but for
-  the last hop of each layer (launcher/plan/ring.py); TP and EP collectives are exposed (the runtime has
+  the last hop of each layer (launcher/plan/estimate/ring.py); TP and EP collectives are exposed (the runtime has
   no TP comm overlap and no async TP; the EP all-to-all's same-node and other-node parts run at once,
   the slower one exposed), and so is DeepSeek-V3's once-per-step router-bias all-reduce;
   pipeline sends are exposed during warm-up and cool-down only.
@@ -26,12 +26,12 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from launcher.plan.elementwise import HBM_EFFICIENCY, elementwise_s
-from launcher.plan.flops import attention_flops_per_token, peak_tflops
+from launcher.plan.estimate.elementwise import HBM_EFFICIENCY, elementwise_s
+from launcher.plan.estimate.flops import attention_flops_per_token, peak_tflops
 from launcher.plan.layout import Layout
-from launcher.plan.memory import routed_load_factor
-from launcher.plan.params import ModelShape, StageParams, attention_width, stage_params
-from launcher.plan.ring import hop_time_factor, kv_bytes_per_token, ring_bookkeeping_s
+from launcher.plan.estimate.memory import routed_load_factor
+from launcher.plan.estimate.params import ModelShape, StageParams, attention_width, stage_params
+from launcher.plan.estimate.ring import hop_time_factor, kv_bytes_per_token, ring_bookkeeping_s
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -213,7 +213,7 @@ def elementwise_recompute_fraction(lay: Layout) -> float:
 # FP8 GEMMs reach a smaller share of their (2x) tensor-core peak than BF16 GEMMs do of theirs:
 # the FP8 rate meets the power and clock limit sooner, and the per-tensor scaling adds epilogue
 # work. 0.84 is what torchtitan's published 8B pair (compile vs compile + float8, Table 1) implies
-# once the casts (launcher/plan/elementwise.py) are costed; docs/planner.md.
+# once the casts (launcher/plan/estimate/elementwise.py) are costed; docs/planner.md.
 FP8_GEMM_EFFICIENCY = 0.84
 
 
@@ -262,7 +262,7 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
 def attention_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> float:
     """Attention-score matmul seconds of one micro-batch on one GPU: the 12 L h s FLOPs (plus a
     recomputed forward) at the bf16 (TF32 under fp32) rate, split over tp x cp; under context
-    parallelism the ring's hops run at RING_HOP_EFFICIENCY (launcher/plan/ring.py)."""
+    parallelism the ring's hops run at RING_HOP_EFFICIENCY (launcher/plan/estimate/ring.py)."""
     tokens = lay.microbatch_tokens
     rf = recompute_fraction(lay)
     attn_flops = attention_flops_per_token(st.n_layers, attention_width(shape), lay.batch.seq_len) * (1 + rf / 3) * tokens
@@ -372,7 +372,7 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
         else:
             out.append(_coll("TP all-reduce", "all_reduce", ("tp",), lay.mesh.tp, lay, hw, x, count))
     if lay.mesh.cp > 1:
-        # Ring attention (launcher/plan/ring.py): K/V, repeated to every query head, all-gathered in
+        # Ring attention (launcher/plan/estimate/ring.py): K/V, repeated to every query head, all-gathered in
         # forward, again when recomputed, and in backward; the fp32 dK/dV cross cp links per backward.
         kv = lay.microbatch_tokens * kv_bytes_per_token(shape, lay)
         out.append(_coll("CP K/V ring", "all_gather", ("cp",), lay.mesh.cp, lay, hw, kv, n_layers * m * (2 + rf)))

@@ -35,7 +35,7 @@ from functools import lru_cache
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from launcher.plan.layout import Layout, MemoryPlan
-from launcher.plan.params import ModelShape, StageParams, stage_params
+from launcher.plan.estimate.params import ModelShape, StageParams, stage_params
 
 GiB = 1024**3
 # PyTorch's caching allocator reserves more than it hands out: blocks are rounded up (to 512 B,

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.plan.elementwise import HBM_EFFICIENCY
+from launcher.plan.estimate.elementwise import HBM_EFFICIENCY
 from launcher.plan.layout import Layout
-from launcher.plan.params import ModelShape
+from launcher.plan.estimate.params import ModelShape
 
 F32 = 4.0
 
