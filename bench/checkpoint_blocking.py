@@ -88,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import check
+    from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
     from launcher.checkpoint.manager import CheckpointManager
     from launcher.runtime.dist import init_distributed, shutdown_distributed

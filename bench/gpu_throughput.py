@@ -314,7 +314,7 @@ def _unique_params(parts) -> int:
 def launcher_step_fn(spec, device, run_dir: Path) -> Callable:
     """The real launcher path: validate -> plan -> entry.engine_for_rank -> Engine.train_step."""
     from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import check
+    from launcher.plan.decide.resolve import check
     from launcher.runtime.dist import RankInfo
     from launcher.runtime.entry import engine_for_rank
 

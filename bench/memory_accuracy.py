@@ -58,7 +58,7 @@ CATS = ("params", "grads", "optimizer", "activations", "other", "activations_oth
 def prepare(name: str, world: int, overrides, device: str, out_dir: Path) -> Path:
     """Compose, validate and plan a config; write config.yaml + plan.json like the launcher does."""
     from launcher.config.loader import compose_spec, save_spec
-    from launcher.plan.resolve import validate
+    from launcher.plan.decide.resolve import validate
     from launcher.plan.plan import build_plan
 
     spec = compose_spec(BASE + [f"cluster.gpus_per_node={world}", f"trainer.device={device}"] + list(overrides))

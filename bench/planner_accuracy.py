@@ -242,7 +242,7 @@ def fit_hardware(run_dirs: Sequence[Path]) -> List[Fit]:
     import statistics
 
     from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
 
     groups: Dict[str, List[Tuple[object, object, float]]] = {}
     for _, summary, spec in _runs(run_dirs):

@@ -38,7 +38,7 @@ MULTI = {"fsdp2": {"parallel.dp_shard": 2},
 
 
 def _layout(ac: str, precision: str, world: int = 1, extra=None):
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
     from tests.layout_for import job_spec
     from tests.parallel_harness.run_layouts import model_config
 
@@ -88,7 +88,7 @@ def measure(mode: str, ac: str, precision: str) -> dict:
     from launcher.config.schema import OptimConfig
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
     from launcher.observe.memtrack import track_step_memory
     from launcher.rehearse.rank import _fake_step_runner, rehearse_rank
     from tests.layout_for import job_spec

@@ -63,7 +63,7 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
 
     from launcher.config.schema import OptimConfig
     from launcher.engines.base import EngineOptions
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
 
     name, model, dotted = next(r for r in ROWS if r[0] == row)
     spec = _spec(model, dotted, device)
@@ -71,7 +71,7 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
     if mode == "plan":
         from launcher.plan.estimate.memory import category_maxima
         from launcher.plan.plan import build_plan
-        from launcher.plan.resolve import check
+        from launcher.plan.decide.resolve import check
 
         mem = build_plan(spec, check(spec)).memory
         detail = mem.get("detail", {})

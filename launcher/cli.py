@@ -34,7 +34,7 @@ from launcher.config.validate import validate as validate_config
 from launcher.paths import config_dir
 from launcher.plan.plan import build_plan
 from launcher.plan.report import render_plan, render_search
-from launcher.plan.resolve import check, resolve_all
+from launcher.plan.decide.resolve import check, resolve_all
 
 if TYPE_CHECKING:  # pragma: no cover
     from launcher.plan.layout import Layout

@@ -85,7 +85,7 @@ def run_job(job: dict) -> dict:
     from launcher.config.schema import ModelConfig, OptimConfig
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
     from tests.layout_for import job_spec
 
     folder = job["folder"]

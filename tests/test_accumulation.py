@@ -24,7 +24,7 @@ from launcher.plan.estimate.memory import estimate_memory
 from launcher.plan.estimate.params import model_shape, stage_params
 from launcher.plan.estimate.perf import estimate_comm
 from launcher.plan.plan import Plan, build_plan
-from launcher.plan.resolve import check, resolve, resolve_accumulate_unsharded
+from launcher.plan.decide.resolve import check, resolve, resolve_accumulate_unsharded
 
 REPO = Path(__file__).resolve().parents[1]
 HW = compose_spec([]).hardware

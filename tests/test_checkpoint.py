@@ -311,7 +311,7 @@ def test_train_refuses_a_checkpoint_dir_another_job_holds(tmp_path):
 
 
 def test_async_checkpoints_are_refused_for_deepspeed_with_a_fix():
-    from launcher.plan.resolve import validate
+    from launcher.plan.decide.resolve import validate
 
     problems = validate(compose_spec(["+recipe=debug", "backend=deepspeed", "checkpoint.async=true"]))
     assert len(problems) == 1 and problems[0].startswith("checkpoint.async=true") and "Fix: checkpoint.async=false" in problems[0]

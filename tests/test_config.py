@@ -8,7 +8,7 @@ import pytest
 
 from launcher.config.loader import compose_spec, user_overrides
 from launcher.config.store import RECIPES_ENV, available_recipes
-from launcher.plan.resolve import validate
+from launcher.plan.decide.resolve import validate
 from tests.conftest import TRAIN, train_env
 
 RECIPES = ["debug", "llama8b", "llama70b", "llama405b", "mixtral8x7b", "qwen3_8b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3"]

@@ -19,7 +19,7 @@ from launcher.cli import sweep_points
 from launcher.config.errors import ConfigError
 from launcher.config.loader import RESOLVED_CONFIG, compose_spec, load_spec, save_spec
 from launcher.config.store import RECIPES_ENV
-from launcher.plan.resolve import resolve, validate
+from launcher.plan.decide.resolve import resolve, validate
 from tests.conftest import TRAIN, losses_by_step, train_env
 
 # Shell text that must reach config.yaml, the ranks and the job script unchanged.

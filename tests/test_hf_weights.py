@@ -494,7 +494,7 @@ def test_deepspeed_backend_refuses_hf_export_before_launch(hf_models):
     from launcher.config.errors import ConfigError
     from launcher.config.loader import compose_spec
     from launcher.launch.preflight import check_hf_support
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
 
     spec = compose_spec(["model=hf", f"model.init_from={hf_models['llama']}", "backend=deepspeed",
                          "checkpoint.export=hf", "cluster.gpus_per_node=1"])

@@ -50,7 +50,7 @@ FLOOR = {
 
 
 def room_of(module: str) -> str:
-    """'launcher.plan.resolve' -> 'plan'; 'launcher.cli' -> 'cli'."""
+    """'launcher.plan.decide.resolve' -> 'plan'; 'launcher.cli' -> 'cli'."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 

@@ -257,7 +257,7 @@ import torch
 from launcher.config.schema import OptimConfig
 from launcher.engines.base import EngineOptions
 from launcher.engines.native import NativeEngine
-from launcher.plan.resolve import resolve
+from launcher.plan.decide.resolve import resolve
 from launcher.observe.memtrack import track_step_memory
 from launcher.rehearse.rank import _fake_step_runner, rehearse_rank
 from tests.layout_for import job_spec

@@ -12,10 +12,10 @@ import pytest
 
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
-from launcher.plan import rules
+from launcher.plan.decide import rules
 from launcher.plan.layout import FLAT_RECORDS, PLAN_KEY_ORDER, Layout
 from launcher.plan.plan import Plan, build_plan
-from launcher.plan.resolve import check, derive_mesh, resolve, validate
+from launcher.plan.decide.resolve import check, derive_mesh, resolve, validate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def test_backend_rules_run_once_per_launch(monkeypatch):
         calls.append(mesh)
         return real(spec, mesh)
 
-    monkeypatch.setattr("launcher.plan.resolve.backend_conflicts", counting)
+    monkeypatch.setattr("launcher.plan.decide.resolve.backend_conflicts", counting)
     spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=2"])
     build_plan(spec, check(spec))  # what `train` does
     assert len(calls) == 1
@@ -99,7 +99,7 @@ def test_conflicts_are_data():
 
 
 def test_world_size_is_derived_in_one_place():
-    """`nodes * gpus_per_node` is computed by launcher.plan.resolve.world_size and nowhere else."""
+    """`nodes * gpus_per_node` is computed by launcher.plan.decide.resolve.world_size and nowhere else."""
     found = []
     for path in (REPO / "launcher").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -107,7 +107,7 @@ def test_world_size_is_derived_in_one_place():
                 sides = {getattr(s, "attr", getattr(s, "id", None)) for s in (node.left, node.right)}
                 if sides == {"nodes", "gpus_per_node"}:
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
-    assert len(found) == 1 and found[0].startswith("launcher/plan/resolve.py"), found
+    assert len(found) == 1 and found[0].startswith("launcher/plan/decide/resolve.py"), found
 
 
 DEGREES = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"}
@@ -246,7 +246,7 @@ def test_cli_reuses_the_prechecked_layout(monkeypatch):
 
     calls = []
     real = rules.backend_conflicts
-    monkeypatch.setattr("launcher.plan.resolve.backend_conflicts", lambda s, m: calls.append(m) or real(s, m))
+    monkeypatch.setattr("launcher.plan.decide.resolve.backend_conflicts", lambda s, m: calls.append(m) or real(s, m))
     monkeypatch.setattr(cli, "_PRECHECKED", [])
     overrides = ["+recipe=debug", "cluster.gpus_per_node=2", "action=plan"]
     cli._precheck(overrides)

@@ -161,7 +161,7 @@ def test_a_requeued_jobs_failure_replaces_the_summary_its_earlier_run_left(tmp_p
 
 def test_the_check_is_on_for_multi_node_jobs_by_default_and_exclusion_of_stragglers_needs_a_spare():
     from launcher.config.loader import compose_spec
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
 
     def checks(*overrides):
         r = resolve(compose_spec(["+recipe=debug", *overrides])).resilience

@@ -121,7 +121,7 @@ def test_the_loop_reads_step_stats_only_at_log_steps_and_logs_the_eager_values(t
     what reading every step at once gives."""
     from launcher.engines import build_engine
     from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import check
+    from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
     from launcher.checkpoint.manager import CheckpointManager
     from launcher.runtime.metrics import MetricsLogger

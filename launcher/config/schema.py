@@ -157,7 +157,7 @@ class ParallelConfig:
     # Explicit layers per stage (length pp * pp_virtual_stages); empty = even split.
     pp_layers: List[int] = field(default_factory=list)
     # Pipeline micro-batches per step: always the gradient-accumulation steps (-1); any other
-    # value must restate them (the rule lives in launcher/plan/resolve.py).
+    # value must restate them (the rule lives in launcher/plan/decide/resolve.py).
     microbatches: int = -1
     cp: int = 1
     ep: int = 1

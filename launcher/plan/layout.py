@@ -1,6 +1,6 @@
 """The resolved layout: every decision derived from the config, made once and obeyed everywhere.
 
-`launcher.plan.resolve.resolve(spec)` is the only code that reads the parallel, offload,
+`launcher.plan.decide.resolve.resolve(spec)` is the only code that reads the parallel, offload,
 precision, backend and cluster groups to derive the world size, the mesh degrees (dp_shard
 inferred), gradient accumulation, the pipeline micro-batches and schedule, whether FSDP
 wraps the model, and which backend and implementation owns each feature. It returns one

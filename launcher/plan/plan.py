@@ -1,6 +1,6 @@
 """The Plan: what the launcher decided before any GPU is touched.
 
-`build_plan(spec, layout)` turns a spec and its resolved `Layout` (launcher/plan/resolve.py,
+`build_plan(spec, layout)` turns a spec and its resolved `Layout` (launcher/plan/decide/resolve.py,
 every derived decision made once) into the plan: the layout plus the estimates. The launcher
 writes it to <run_dir>/plan.json and every rank reads it back: the runtime obeys
 ``plan.layout`` and never re-decides. The mesh, batch and backend sections of plan.json are
@@ -23,7 +23,7 @@ from launcher.plan.estimate.checkpoint_time import checkpoint_estimate
 from launcher.plan.features import BackendChoice
 from launcher.plan.layout import Layout
 from launcher.plan.degrees import MeshPlan
-from launcher.plan.resolve import resolve
+from launcher.plan.decide.resolve import resolve
 
 PLAN_FILENAME = "plan.json"
 # The Plan's own sections besides the layout, in plan.json order.
@@ -130,7 +130,7 @@ class Plan:
 def build_plan(spec: JobConfig, layout: Optional[Layout] = None) -> Plan:
     """Plan a spec: its Layout (resolved here unless the caller already has it) plus estimates.
 
-    Raises ConfigError when the spec cannot be resolved (`launcher.plan.resolve.check` reports
+    Raises ConfigError when the spec cannot be resolved (`launcher.plan.decide.resolve.check` reports
     every problem at once; call it first).
     """
     if layout is None:

@@ -14,7 +14,7 @@ from launcher.plan.estimate.memory import GiB, other_parts, own_maxima
 from launcher.plan.degrees import MESH_DIM_NAMES
 from launcher.plan.estimate.params import model_shape
 from launcher.plan.estimate.perf import correction_bias_bytes
-from launcher.plan.resolve import world_size
+from launcher.plan.decide.resolve import world_size
 
 def assumptions(model: Any, moe_imbalance: float = 1.0) -> str:
     """The plan's assumptions line, naming the family's block the activation and elementwise formulas

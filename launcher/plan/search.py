@@ -46,8 +46,8 @@ from launcher.plan.degrees import MeshPlan
 from launcher.plan.estimate.memory import estimate_memory, model_state_memory, most_loaded
 from launcher.plan.estimate.params import ModelShape, model_shape, stage_params
 from launcher.plan.estimate.perf import estimate_time
-from launcher.plan.resolve import backend_fields, expert_parallel_problems, spec_fields, validate, world_size
-from launcher.plan.rules import backend_conflicts
+from launcher.plan.decide.resolve import backend_fields, expert_parallel_problems, spec_fields, validate, world_size
+from launcher.plan.decide.rules import backend_conflicts
 
 AC_MODES = ("none", "selective", "full")
 MAX_MICRO_BATCH = 16

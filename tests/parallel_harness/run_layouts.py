@@ -13,7 +13,7 @@ zero_stage, precision, offload (offload.optimizer), accumulate_unsharded, backen
 save_after (save after that many steps), load_dir + start_step (resume, then run steps
 start_step..steps-1).
 
-Each layout is resolved by the real resolver (`launcher.plan.resolve.resolve`, what `train`
+Each layout is resolved by the real resolver (`launcher.plan.decide.resolve.resolve`, what `train`
 writes into plan.json) and the engine is built from that Layout; the result records both the
 Layout and what the engine reports it built (`engine.built()`), which the test compares.
 """
@@ -93,7 +93,7 @@ def run_layout(spec: dict) -> dict:
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
     from tests.layout_for import job_spec
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
 
     mcfg = model_config(spec.get("model", "debug"), spec.get("model_overrides"))
     if spec.get("tie"):

@@ -3,7 +3,7 @@
 One `Row` per feature: when it is active, what switched it on, how to drop it, and per
 backend the `Refusal`s (predicate on the config, reason, fixes) under which that backend
 cannot serve it. A backend with no refusal for a row serves it whenever it is active. The
-rules (launcher/plan/rules.py) read this table for every registered backend
+rules (launcher/plan/decide/rules.py) read this table for every registered backend
 (launcher/plan/features.py REGISTRY): a new backend is a new key in the rows' `refuses`
 maps, not new decision code.
 

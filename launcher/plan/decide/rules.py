@@ -1,10 +1,10 @@
 """The backend rules: which implementation serves each active feature, and every conflict.
 
-`resolve_backends(spec, mesh)` is called by the resolver (launcher/plan/resolve.py) with the
+`resolve_backends(spec, mesh)` is called by the resolver (launcher/plan/decide/resolve.py) with the
 mesh degrees it derived: nothing here derives a degree again. It
 
 1. works out, per active feature, which backends can serve it for this config (the support
-   table, launcher/plan/support.py) and which one the user forced (``backend=...`` globally,
+   table, launcher/plan/decide/support.py) and which one the user forced (``backend=...`` globally,
    ``backend.<feature>=...``);
 2. intersects those sets to pick the owner: the first registered backend that serves
    (launcher/plan/features.py REGISTRY: native, then DeepSpeed), another one when a requested
@@ -29,7 +29,7 @@ from launcher.config.errors import ConfigError
 from launcher.plan.features import (DEEPSPEED, FEATURE_BY_NAME, FEATURES, FP8_IMPLS, NATIVE, REGISTRY,
                                     BackendChoice, BackendEntry)
 from launcher.plan.degrees import MeshPlan
-from launcher.plan.support import SUPPORT, Need, Row, Switches, needs
+from launcher.plan.decide.support import SUPPORT, Need, Row, Switches, needs
 
 
 @dataclass(frozen=True)

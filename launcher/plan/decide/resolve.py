@@ -10,7 +10,7 @@ to derive
 - the schedule and virtual stages, whether FSDP2 wraps the model (``Layout.fsdp_wraps``),
 - whether FSDP2 accumulates gradients unsharded (``Layout.memory.accumulate_unsharded``, from
   parallel.accumulate_unsharded: auto checks the planner's memory against hardware.memory_gb),
-- which backend and implementation owns each feature (launcher/plan/rules.py).
+- which backend and implementation owns each feature (launcher/plan/decide/rules.py).
 
 `validate(spec)` is the full check: the config-level rules of launcher/config/validate.py
 plus the rules that need those derived values; the CLI, the search and the tests use it.
@@ -33,7 +33,7 @@ from launcher.plan.layout import (BackendPlan, DeepSpeedPlan, Layout, MemoryPlan
 from launcher.plan.estimate.memory import estimate_memory, most_loaded
 from launcher.plan.degrees import MeshPlan
 from launcher.plan.estimate.params import model_shape
-from launcher.plan.rules import backend_conflicts, hpz_partition_size
+from launcher.plan.decide.rules import backend_conflicts, hpz_partition_size
 
 
 def world_size(cluster: ClusterConfig) -> int:
