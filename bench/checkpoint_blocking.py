@@ -87,7 +87,7 @@ def compose(args: argparse.Namespace):
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
     from launcher.checkpoint.manager import CheckpointManager

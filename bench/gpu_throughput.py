@@ -313,7 +313,7 @@ def _unique_params(parts) -> int:
 
 def launcher_step_fn(spec, device, run_dir: Path) -> Callable:
     """The real launcher path: validate -> plan -> entry.engine_for_rank -> Engine.train_step."""
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import check
     from launcher.runtime.dist import RankInfo
     from launcher.runtime.entry import engine_for_rank
@@ -347,7 +347,7 @@ def predicted_peak_bytes(spec) -> Optional[int]:
     torch.cuda.max_memory_allocated does not count; None when the planner gives no total.
     """
     try:
-        from launcher.plan.plan import build_plan
+        from launcher.plan.present.plan import build_plan
 
         memory = build_plan(spec).memory
     except Exception as err:  # a planner gap must not hide the measurement

@@ -59,7 +59,7 @@ def prepare(name: str, world: int, overrides, device: str, out_dir: Path) -> Pat
     """Compose, validate and plan a config; write config.yaml + plan.json like the launcher does."""
     from launcher.config.loader import compose_spec, save_spec
     from launcher.plan.decide.resolve import validate
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     spec = compose_spec(BASE + [f"cluster.gpus_per_node={world}", f"trainer.device={device}"] + list(overrides))
     problems = validate(spec)
@@ -77,7 +77,7 @@ def worker(run_dir: Path) -> None:
     import torch  # noqa: F401  (only the worker needs torch)
 
     from launcher.config.loader import load_spec
-    from launcher.plan.plan import Plan
+    from launcher.plan.present.plan import Plan
     from launcher.runtime.dist import init_distributed, resolve_device_type, shutdown_distributed
     from launcher.runtime.entry import build_batches, engine_for_rank
     from launcher.observe.memtrack import process_peak_rss_bytes, track_step_memory
@@ -101,7 +101,7 @@ def worker(run_dir: Path) -> None:
 
 
 def run_one(name: str, world: int, overrides, device: str, out_dir: Path, timeout: int):
-    from launcher.plan.plan import Plan
+    from launcher.plan.present.plan import Plan
     from launcher.observe.memtrack import compare_with_plan
 
     run_dir = prepare(name, world, overrides, device, out_dir)

@@ -122,7 +122,7 @@ def predicted_value(plan, metric: str) -> float:
 def predict(rows: Sequence[Row]) -> None:
     """Fill each row's `predicted` and layout kind from one plan per distinct layout."""
     from launcher.config.loader import compose_spec
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     plans: Dict[Tuple[str, ...], object] = {}
     for row in rows:
@@ -185,7 +185,7 @@ def rows_from_runs(run_dirs: Sequence[Path]) -> List[Row]:
     cluster's runs join the table and --bands gives that cluster's error bands. Printed and
     banded, never held to the published tolerances (status "run")."""
     from launcher.plan.estimate.memory import GiB
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     rows: List[Row] = []
     for run_dir, summary, spec in _runs(run_dirs):
@@ -241,7 +241,7 @@ def fit_hardware(run_dirs: Sequence[Path]) -> List[Fit]:
     without a measured tokens/s, or not run on a GPU, are left out (a CPU run says nothing of a GPU)."""
     import statistics
 
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import resolve
 
     groups: Dict[str, List[Tuple[object, object, float]]] = {}

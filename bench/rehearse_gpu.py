@@ -12,7 +12,7 @@ AdamW, two micro-batches per step):
            launcher.observe.memtrack.track_step_memory (MemTracker categories), which also
            reads torch.cuda.max_memory_allocated over that step
     fake   launcher.rehearse.rank.rehearse_rank: what `action=rehearse` reports for the rank
-    plan   launcher.plan.plan.build_plan: the planner's per-category prediction
+    plan   launcher.plan.present.plan.build_plan: the planner's per-category prediction
 
 The step function is the rehearsal's own (`_fake_step_runner`) in both, so the only
 difference is the device's kernels and allocator. Each measurement runs in a fresh process.
@@ -70,7 +70,7 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
     optim, opts = OptimConfig(lr=3e-4, warmup_steps=1), EngineOptions(total_steps=10, seed=7)
     if mode == "plan":
         from launcher.plan.estimate.memory import category_maxima
-        from launcher.plan.plan import build_plan
+        from launcher.plan.present.plan import build_plan
         from launcher.plan.decide.resolve import check
 
         mem = build_plan(spec, check(spec)).memory

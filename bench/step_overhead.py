@@ -311,7 +311,7 @@ def data_path_worker(args: argparse.Namespace) -> None:
 
     from launcher.config.loader import compose_spec
     from launcher.parallel.phase import init_phase_group
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
     from launcher.runtime.dist import init_distributed, shutdown_distributed
@@ -364,7 +364,7 @@ def data_path_worker(args: argparse.Namespace) -> None:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
     from launcher.runtime.dist import init_distributed, shutdown_distributed

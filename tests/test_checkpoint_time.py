@@ -13,8 +13,8 @@ from launcher.launch import slurm
 from launcher.launch.local import rank_environment
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.plan.estimate.checkpoint_time import STOP_MARGIN_S
-from launcher.plan.plan import Plan, build_plan
-from launcher.plan.report import render_plan
+from launcher.plan.present.plan import Plan, build_plan
+from launcher.plan.present.report import render_plan
 
 LLAMA70B = ["+recipe=llama70b", "cluster.nodes=2"]  # 2 nodes: 16 ranks share the 70B states
 

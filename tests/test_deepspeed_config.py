@@ -18,7 +18,7 @@ from launcher.engines.deepspeed_config import (  # noqa: E402
     write_deepspeed_config,
 )
 from launcher.plan.decide.backends import example_spec  # noqa: E402
-from launcher.plan.plan import build_plan  # noqa: E402
+from launcher.plan.present.plan import build_plan  # noqa: E402
 
 SWITCHES = {
     "parallel.zero_stage": [0, 1, 2, 3],
@@ -118,7 +118,7 @@ def test_preflight_checks_the_generated_config_with_deepspeed():
     import dataclasses
 
     from launcher.launch.preflight import check_deepspeed_config
-    from launcher.plan.plan import Plan
+    from launcher.plan.present.plan import Plan
 
     spec = _debug_spec({"parallel.zero_stage": 2, "backend.default": "deepspeed"})
     plan = build_plan(spec)

@@ -247,7 +247,7 @@ def _assert_rehearsal_holds_the_real_partitions(run: dict, case: str, overrides,
     plan's prediction for that rank, and the optimizer states the real run's steps created."""
     from launcher.config.loader import save_spec
     from launcher.rehearse.driver import rehearsal_problems, rehearse
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     spec = spec_for(list(overrides) + ["rehearse.activations=false"])
     plan = build_plan(spec, None)

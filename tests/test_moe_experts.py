@@ -284,7 +284,7 @@ def test_moe_rehearsal_runs_a_fake_step_close_to_the_real_one(tmp_path):
     activation peak (balanced routing gives the dispatch static splits)."""
     from launcher.config.loader import compose_spec, save_spec
     from launcher.rehearse.driver import rehearse
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))

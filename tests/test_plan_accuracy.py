@@ -26,7 +26,7 @@ from launcher.plan.estimate.memory import (
 )
 from launcher.plan.estimate.params import model_shape, stage_params
 from launcher.plan.estimate.perf import microbatch_compute_s
-from launcher.plan.search import evaluate_layouts
+from launcher.plan.present.search import evaluate_layouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import planner_accuracy  # noqa: E402
@@ -382,7 +382,7 @@ def fit_runs(tmp_path_factory):
     import json
 
     from launcher.config.loader import save_spec
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
     from launcher.observe.run_score import RUN_SUMMARY_FILE, figure
 
     out = {1.0: ([], []), 1.1: ([], [])}
@@ -406,7 +406,7 @@ def fit_runs(tmp_path_factory):
 def test_fit_recovers_the_factor_the_runs_were_measured_at(fit_runs, tmp_path, capsys):
     from omegaconf import OmegaConf
 
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     dirs, measured = fit_runs[1.0]
     out = tmp_path / "mine.yaml"

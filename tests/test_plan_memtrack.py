@@ -8,7 +8,7 @@ import torch  # noqa: E402
 
 from launcher.config.loader import compose_spec  # noqa: E402
 from launcher.models import build_model  # noqa: E402
-from launcher.plan.plan import build_plan  # noqa: E402
+from launcher.plan.present.plan import build_plan  # noqa: E402
 from launcher.observe.memtrack import compare_with_plan, track_step_memory  # noqa: E402
 
 

@@ -122,7 +122,7 @@ def test_family_blocks_in_the_elementwise_time_and_the_assumptions():
     concatenation, normalises its two latents and routes through DeepSeek-V3's sigmoid router. The
     plan's assumptions line names the family's block."""
     from launcher.plan.estimate.elementwise import block_forward_bytes, router_bytes
-    from launcher.plan.report import assumptions
+    from launcher.plan.present.report import assumptions
 
     qwen = compose_spec(["model=qwen3_8b"]).model
     plain = dataclasses.replace(qwen, qk_norm=False)
@@ -287,8 +287,8 @@ def test_moe_imbalance_is_checked():
 def test_moe_imbalance_flows_from_the_config_to_the_plan():
     """plan.moe_imbalance reaches the Layout (plan.json's layout) and the step: a skewed routing load
     slows an EP layout's plan and the assumptions line names it; a dense model ignores it."""
-    from launcher.plan.plan import build_plan
-    from launcher.plan.report import plan_json
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.present.report import plan_json
 
     base = ["model=qwen3_30b_a3b", "action=plan", "cluster.nodes=2", "cluster.gpus_per_node=8", "parallel.ep=16",
             "trainer.seq_len=4096", "trainer.global_batch_size=16", "plan.plots=false"]

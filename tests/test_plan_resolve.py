@@ -14,7 +14,7 @@ from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
 from launcher.plan.decide import rules
 from launcher.plan.layout import FLAT_RECORDS, PLAN_KEY_ORDER, Layout
-from launcher.plan.plan import Plan, build_plan
+from launcher.plan.present.plan import Plan, build_plan
 from launcher.plan.decide.resolve import check, derive_mesh, resolve, validate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import pytest
 
 from launcher.config.loader import compose_spec, save_spec
 from launcher.rehearse.driver import rehearsal_problems, rehearse
-from launcher.plan.plan import build_plan
+from launcher.plan.present.plan import build_plan
 from launcher.rehearse.ranks import rehearsal_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,7 +203,7 @@ import json, sys
 from pathlib import Path
 from launcher.config.loader import compose_spec
 from launcher.models.transformer import Transformer
-from launcher.plan.plan import build_plan
+from launcher.plan.present.plan import build_plan
 from launcher.runtime.entry import engine_options
 from launcher.rehearse.rank import rehearse_rank
 

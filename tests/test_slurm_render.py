@@ -14,7 +14,7 @@ import pytest
 
 from launcher.config.loader import compose_spec
 from launcher.launch import slurm
-from launcher.plan.plan import build_plan
+from launcher.plan.present.plan import build_plan
 from launcher.resilience.restarts import EXCLUDE_DOWN
 
 SECRET = "s3cr3t-VALUE-7f2a"

@@ -23,7 +23,7 @@ from launcher.models.family import family_problems
 from launcher.models.shape import head_dim_of, moe_layer_ids
 from launcher.config.writable import folder_problem
 
-# What action=search ranks by (launcher/plan/search.py rank_key).
+# What action=search ranks by (launcher/plan/present/search.py rank_key).
 PLAN_OBJECTIVES = ("throughput", "cost", "time")
 
 CHOICES = {
@@ -701,7 +701,7 @@ def check(spec: JobConfig) -> None:
 
 
 # --------------------------------------------------------------------------- rules shared with
-# the search (launcher/plan/search.py) and the parallel modules: written once, here.
+# the search (launcher/plan/present/search.py) and the parallel modules: written once, here.
 
 
 def tensor_parallel_problems(m: ModelConfig, tp: int) -> List[str]:

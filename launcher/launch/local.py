@@ -15,7 +15,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from launcher.config.schema import JobConfig
 from launcher.job_env import IN_JOB_RESTARTS_ENV
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
-from launcher.plan.plan import Plan
+from launcher.plan.present.plan import Plan
 from launcher.checkpoint.folder import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
 from launcher.resilience.restarts import decide
 from launcher.resilience.failure import FAILURE_DIR, SUMMARY_FILE

@@ -31,7 +31,7 @@ from launcher.config.slurm_keys import SlurmConfigError, sanitize_job_name, slur
 from launcher.config.schema import ClusterConfig, JobConfig
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv
 from launcher.paths import slurm_dir
-from launcher.plan.plan import Plan
+from launcher.plan.present.plan import Plan
 
 DEFAULT_TEMPLATE = "sbatch.sh.j2"
 SCRIPT_NAME = "job.sbatch"

@@ -35,7 +35,7 @@ from launcher.config.validate import rehearse_ranks_value
 from launcher.plan.estimate.memory import GiB
 from launcher.plan.degrees import MESH_DIM_NAMES
 from launcher.plan.estimate.params import model_shape
-from launcher.plan.plan import Plan
+from launcher.plan.present.plan import Plan
 from launcher.rehearse.files import SHARED_STEPS_DIR
 from launcher.rehearse.ranks import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors
 

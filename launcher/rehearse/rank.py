@@ -56,7 +56,7 @@ from launcher.engines.base import token_loss_sum
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
 from launcher.models.moe import moe_layers_of
 from launcher.parallel.pp import pipeline_order, schedule_stages, schedule_with_microbatches
-from launcher.plan.plan import Plan
+from launcher.plan.present.plan import Plan
 from launcher.rehearse.fake_memory import fake_step_as_real
 from launcher.rehearse.files import SHARED_STEPS_DIR
 from launcher.rehearse.pp_states import smallest_equivalent_microbatches

@@ -30,7 +30,7 @@ from launcher.data.dataset import BatchSlice, StepBatches, data_step_batches, lo
 from launcher.hf.weights import tokenizer_files_for
 from launcher.plan.estimate.flops import peak_tflops, training_flops_per_token
 from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
-from launcher.plan.plan import Plan
+from launcher.plan.present.plan import Plan
 from launcher.checkpoint.manager import CheckpointManager, lock_for_run, set_rng_state
 from launcher.checkpoint.folder import checkpoint_root, step_of
 from launcher.checkpoint.local_tier import LocalTier
@@ -53,7 +53,7 @@ from launcher.job_env import job_facts
 from launcher.resilience import debug_hooks
 from launcher.data.heldout import load_val_token_arrays
 from launcher.resilience.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
-from launcher.plan.plots import save_plan_plots
+from launcher.plan.present.plots import save_plan_plots
 from launcher.observe.rehearsal_table import rehearsal_table
 from launcher.runtime.export_action import export_checkpoint
 

@@ -55,7 +55,7 @@ def moe_health_for(engine, spec):
 
 def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False):
     from launcher.engines.deepspeed import DeepSpeedEngine
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import check
     from launcher.runtime.entry import engine_options
 
@@ -121,7 +121,7 @@ def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False)
 def run_loaded(name, overrides, work: Path, checkpoint: Path):
     """Build the case's engine at this world size, load `checkpoint` (saved at step SAVE_AT), continue."""
     from launcher.engines.deepspeed import DeepSpeedEngine
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import check
     from launcher.runtime.entry import engine_options
 
@@ -139,7 +139,7 @@ def run_loaded(name, overrides, work: Path, checkpoint: Path):
 
 def run_native(work: Path, overrides=("parallel.zero_stage=3", "backend=native")):
     from launcher.engines.native import NativeEngine
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import check
     from launcher.runtime.entry import engine_options
 
