@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from launcher.checkpoint.manager import rng_state
-from launcher.checkpoint import local_tier as local_checkpoint
+from launcher.checkpoint import local_tier
 from launcher.runtime.dist import exit_after_shutdown
 from launcher.checkpoint.local_tier import Held, LocalTier, Source, agree, peer_of
 
@@ -113,7 +113,7 @@ def _state_of(rank: int, step: int) -> bytes:
 def _ring_worker(rank: int, port: int, folder: str, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=3)
-    local_checkpoint.CHUNK_BYTES = 1000  # a state travels in several chunks
+    local_tier.CHUNK_BYTES = 1000  # a state travels in several chunks
 
     def tier(node: str) -> LocalTier:
         return LocalTier(folder, Path(folder) / "run", node, rank=rank, world_size=3, ranks_per_node=1,
