@@ -87,10 +87,10 @@ def compose(args: argparse.Namespace):
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import check
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
-    from launcher.runtime.checkpoint import CheckpointManager
+    from launcher.checkpoint.manager import CheckpointManager
     from launcher.runtime.dist import init_distributed, shutdown_distributed
     from launcher.parallel.phase import init_phase_group
 

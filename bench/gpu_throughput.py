@@ -15,7 +15,7 @@ initialisation, one after the other in one process:
     launcher fp8 + compile
 
 The launcher's overhead is the ratio of its bf16 + compile step time to the reference's,
-measured in the same run. FLOPs per token come from launcher.plan.flops (6N + 12*L*h*s, the
+measured in the same run. FLOPs per token come from launcher.plan.estimate.flops (6N + 12*L*h*s, the
 one place that formula lives); MFU is against the dense BF16 peak of the GPU's
 conf/hardware entry (also for fp8, so rows compare: fp8 shows up as a higher MFU). Peak
 memory is torch.cuda.max_memory_allocated per variant next to the planner's prediction
@@ -313,8 +313,8 @@ def _unique_params(parts) -> int:
 
 def launcher_step_fn(spec, device, run_dir: Path) -> Callable:
     """The real launcher path: validate -> plan -> entry.engine_for_rank -> Engine.train_step."""
-    from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import check
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.decide.resolve import check
     from launcher.runtime.dist import RankInfo
     from launcher.runtime.entry import engine_for_rank
 
@@ -347,7 +347,7 @@ def predicted_peak_bytes(spec) -> Optional[int]:
     torch.cuda.max_memory_allocated does not count; None when the planner gives no total.
     """
     try:
-        from launcher.plan.plan import build_plan
+        from launcher.plan.present.plan import build_plan
 
         memory = build_plan(spec).memory
     except Exception as err:  # a planner gap must not hide the measurement
@@ -445,7 +445,7 @@ def run_variant(v: Variant, s: Settings, batches, flops_per_token: float, peak_t
     if device.type == "cuda":
         res.peak_mem_bytes = int(torch.cuda.max_memory_allocated(device))
         torch.cuda.empty_cache()
-    from launcher.plan.flops import achieved_tflops, mfu
+    from launcher.plan.estimate.flops import achieved_tflops, mfu
 
     res.step_s = statistics.median(times)
     res.tokens_per_s = s.micro_batch * s.seq_len / res.step_s
@@ -508,7 +508,7 @@ def render_markdown(s: Settings, env: Dict[str, str], hw, params: int, flops_per
         f"- mode: {mode}; torch {env['torch']} (CUDA {env['cuda']}), torchao {env['torchao']}",
         f"- model `{s.model}` ({_count(params)} params), seq {s.seq_len}, micro-batch {s.micro_batch}, "
         f"{s.steps} timed steps after {s.warmup} warm-up; FLOPs/token {flops_per_token / 1e9:.3f} G "
-        f"(launcher.plan.flops: 6N + 12·L·h·s)",
+        f"(launcher.plan.estimate.flops: 6N + 12·L·h·s)",
         *([f"- overrides: `{' '.join(s.extra)}`"] if s.extra else []),
         f"- MFU against the dense BF16 peak of conf/hardware/{hw.name}.yaml: {hw.bf16_tflops:g} TFLOP/s "
         f"(fp8 rows too; the FP8 peak is {hw.fp8_tflops:g})",
@@ -546,7 +546,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import torch
 
-    from launcher.plan.flops import param_counts, training_flops_per_token
+    from launcher.plan.estimate.flops import param_counts, training_flops_per_token
 
     base = compose_job(s, "bf16", False)
     s.tied = bool(base.model.tie_embeddings)

@@ -8,7 +8,7 @@
 
 Each config runs through the real rank runtime's engine (launcher.runtime.entry.engine_for_rank:
 native FSDP2 / TP / PP / AC, or DeepSpeed) under torchrun with the gloo backend, one warm-up
-step, then one step measured by launcher.runtime.memtrack.track_step_memory. The rank with
+step, then one step measured by launcher.observe.memtrack.track_step_memory. The rank with
 the largest measured total is compared with the plan's most loaded rank. It does not go
 through the trainer loop (`trainer.track_memory=true` does that in real runs), so it needs
 no data files, checkpoints or W&B. Prints predicted vs measured per category and the error.
@@ -58,8 +58,8 @@ CATS = ("params", "grads", "optimizer", "activations", "other", "activations_oth
 def prepare(name: str, world: int, overrides, device: str, out_dir: Path) -> Path:
     """Compose, validate and plan a config; write config.yaml + plan.json like the launcher does."""
     from launcher.config.loader import compose_spec, save_spec
-    from launcher.plan.resolve import validate
-    from launcher.plan.plan import build_plan
+    from launcher.plan.decide.resolve import validate
+    from launcher.plan.present.plan import build_plan
 
     spec = compose_spec(BASE + [f"cluster.gpus_per_node={world}", f"trainer.device={device}"] + list(overrides))
     problems = validate(spec)
@@ -77,10 +77,10 @@ def worker(run_dir: Path) -> None:
     import torch  # noqa: F401  (only the worker needs torch)
 
     from launcher.config.loader import load_spec
-    from launcher.plan.plan import Plan
+    from launcher.plan.present.plan import Plan
     from launcher.runtime.dist import init_distributed, resolve_device_type, shutdown_distributed
     from launcher.runtime.entry import build_batches, engine_for_rank
-    from launcher.runtime.memtrack import process_peak_rss_bytes, track_step_memory
+    from launcher.observe.memtrack import process_peak_rss_bytes, track_step_memory
 
     spec = load_spec(run_dir)
     plan = Plan.load(run_dir)
@@ -101,8 +101,8 @@ def worker(run_dir: Path) -> None:
 
 
 def run_one(name: str, world: int, overrides, device: str, out_dir: Path, timeout: int):
-    from launcher.plan.plan import Plan
-    from launcher.runtime.memtrack import compare_with_plan
+    from launcher.plan.present.plan import Plan
+    from launcher.observe.memtrack import compare_with_plan
 
     run_dir = prepare(name, world, overrides, device, out_dir)
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu" if device == "cpu" else "cuda",

@@ -3,7 +3,7 @@
     .venv/bin/python bench/planner_accuracy.py           # table of predicted vs published, ratios
     .venv/bin/python bench/planner_accuracy.py --check   # exit 1 when a row is outside the tolerances
     .venv/bin/python bench/planner_accuracy.py --markdown  # the table for docs/planner.md
-    .venv/bin/python bench/planner_accuracy.py --bands     # the error bands (launcher/plan/bands.py)
+    .venv/bin/python bench/planner_accuracy.py --bands     # the error bands (launcher/plan/estimate/bands.py)
     .venv/bin/python bench/planner_accuracy.py --bands --runs RUN_DIR...  # with your cluster's runs
     .venv/bin/python bench/planner_accuracy.py --fit --runs RUN_DIR... [--fit-out conf/hardware/mine.yaml]
         # hardware.achievable_fraction fitted to your runs: the override line (and a hardware yaml)
@@ -65,7 +65,7 @@ class Row:
     # cannot express the published run" (printed, not held)
     status: str
     predicted: float = 0.0
-    kind: str = ""  # launcher/plan/bands.py layout_kind of the planned layout
+    kind: str = ""  # launcher/plan/estimate/bands.py layout_kind of the planned layout
 
     @property
     def checked(self) -> bool:
@@ -108,7 +108,7 @@ def predicted_value(plan, metric: str) -> float:
     """The plan's figure a row of `metric` is compared with: tokens/s per GPU; the allocator's
     share of the peak in GiB (total minus hardware.reserved_gb), as max reserved reports it; or,
     for max allocated, that share without the allocator's fragmentation either (no tensor's bytes)."""
-    from launcher.plan.memory import GiB
+    from launcher.plan.estimate.memory import GiB
 
     if metric == "tps_per_gpu":
         return plan.time["tokens_per_s_per_gpu"]
@@ -122,7 +122,7 @@ def predicted_value(plan, metric: str) -> float:
 def predict(rows: Sequence[Row]) -> None:
     """Fill each row's `predicted` and layout kind from one plan per distinct layout."""
     from launcher.config.loader import compose_spec
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     plans: Dict[Tuple[str, ...], object] = {}
     for row in rows:
@@ -180,12 +180,12 @@ def _runs(run_dirs: Sequence[Path]):
 
 
 def rows_from_runs(run_dirs: Sequence[Path]) -> List[Row]:
-    """Rows from finished runs (their run_summary.json, launcher/runtime/run_score.py): each run's
+    """Rows from finished runs (their run_summary.json, launcher/observe/run_score.py): each run's
     measured tokens/s per GPU and peak memory against its own config planned again here, so a
     cluster's runs join the table and --bands gives that cluster's error bands. Printed and
     banded, never held to the published tolerances (status "run")."""
-    from launcher.plan.memory import GiB
-    from launcher.plan.plan import build_plan
+    from launcher.plan.estimate.memory import GiB
+    from launcher.plan.present.plan import build_plan
 
     rows: List[Row] = []
     for run_dir, summary, spec in _runs(run_dirs):
@@ -241,8 +241,8 @@ def fit_hardware(run_dirs: Sequence[Path]) -> List[Fit]:
     without a measured tokens/s, or not run on a GPU, are left out (a CPU run says nothing of a GPU)."""
     import statistics
 
-    from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import resolve
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.decide.resolve import resolve
 
     groups: Dict[str, List[Tuple[object, object, float]]] = {}
     for _, summary, spec in _runs(run_dirs):
@@ -309,7 +309,7 @@ def write_hardware_yaml(fit: Fit, run_dirs: Sequence[Path], path: Path) -> None:
 
 
 def derive_bands(rows: Sequence[Row]) -> Dict[str, Dict[str, object]]:
-    """launcher/plan/bands.py's BANDS from predicted rows: per layout kind, the lowest and highest
+    """launcher/plan/estimate/bands.py's BANDS from predicted rows: per layout kind, the lowest and highest
     predicted/measured ratio of each figure (2 decimals). Memory: over every row of the kind
     (approximated ones too: a missing speed feature leaves the model states as they are). Time:
     over the kind's held rows when it has any, since an approximated row's speed is another
@@ -351,7 +351,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 when a row is outside the tolerances")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
-    ap.add_argument("--bands", action="store_true", help="print the error bands these rows give (launcher/plan/bands.py)")
+    ap.add_argument("--bands", action="store_true", help="print the error bands these rows give (launcher/plan/estimate/bands.py)")
     ap.add_argument("--csv", type=Path, nargs="+", default=list(REFERENCE_FILES))
     ap.add_argument("--runs", type=Path, nargs="+", default=[],
                     help="run directories with run_summary.json: add their measurements (your cluster's bands)")

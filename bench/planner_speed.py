@@ -92,8 +92,8 @@ FIRST_OUTPUT = [
 
 def time_in_process(repeat: int):
     from launcher.config.loader import compose_spec
-    from launcher.plan.plan import build_plan
-    from launcher.plan.search import search_layouts
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.present.search import search_layouts
 
     rows = []
     spec = compose_spec(["+recipe=llama405b", "cluster.nodes=1024", "trainer.global_batch_size=2048", "action=plan"])

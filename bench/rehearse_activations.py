@@ -4,7 +4,7 @@
 
 One rank (debug model, seq 128, micro-batch 2, 2 micro-batches), AC none/full x fp32/bf16: the
 engine built for real (NativeEngine on real CPU tensors) and tracked with
-launcher.runtime.memtrack.track_step_memory, then rehearsed (launcher.rehearse.rank, fake
+launcher.observe.memtrack.track_step_memory, then rehearsed (launcher.rehearse.rank, fake
 tensors, fake process group of 1), the same step function in both. Each measurement runs in a
 fresh process. Prints a markdown table; not a test.
 
@@ -38,7 +38,7 @@ MULTI = {"fsdp2": {"parallel.dp_shard": 2},
 
 
 def _layout(ac: str, precision: str, world: int = 1, extra=None):
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
     from tests.layout_for import job_spec
     from tests.parallel_harness.run_layouts import model_config
 
@@ -56,7 +56,7 @@ def measure_multi(mode: str, name: str, rank: int = -1) -> dict:
     from launcher.config.schema import OptimConfig
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
-    from launcher.runtime.memtrack import track_step_memory
+    from launcher.observe.memtrack import track_step_memory
     from launcher.rehearse.rank import _fake_pipeline_step_runner, _fake_step_runner, rehearse_rank
 
     mcfg, lay = _layout("none", "bf16", 2, MULTI[name])
@@ -88,8 +88,8 @@ def measure(mode: str, ac: str, precision: str) -> dict:
     from launcher.config.schema import OptimConfig
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
-    from launcher.plan.resolve import resolve
-    from launcher.runtime.memtrack import track_step_memory
+    from launcher.plan.decide.resolve import resolve
+    from launcher.observe.memtrack import track_step_memory
     from launcher.rehearse.rank import _fake_step_runner, rehearse_rank
     from tests.layout_for import job_spec
     from tests.parallel_harness.run_layouts import model_config

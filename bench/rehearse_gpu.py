@@ -9,10 +9,10 @@ how that relates to a GPU. For each row (one rank, bf16 autocast over fp32 maste
 AdamW, two micro-batches per step):
 
     real   NativeEngine on the GPU; one untracked step, then one step tracked by
-           launcher.runtime.memtrack.track_step_memory (MemTracker categories), which also
+           launcher.observe.memtrack.track_step_memory (MemTracker categories), which also
            reads torch.cuda.max_memory_allocated over that step
     fake   launcher.rehearse.rank.rehearse_rank: what `action=rehearse` reports for the rank
-    plan   launcher.plan.plan.build_plan: the planner's per-category prediction
+    plan   launcher.plan.present.plan.build_plan: the planner's per-category prediction
 
 The step function is the rehearsal's own (`_fake_step_runner`) in both, so the only
 difference is the device's kernels and allocator. Each measurement runs in a fresh process.
@@ -63,15 +63,15 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
 
     from launcher.config.schema import OptimConfig
     from launcher.engines.base import EngineOptions
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
 
     name, model, dotted = next(r for r in ROWS if r[0] == row)
     spec = _spec(model, dotted, device)
     optim, opts = OptimConfig(lr=3e-4, warmup_steps=1), EngineOptions(total_steps=10, seed=7)
     if mode == "plan":
-        from launcher.plan.memory import category_maxima
-        from launcher.plan.plan import build_plan
-        from launcher.plan.resolve import check
+        from launcher.plan.estimate.memory import category_maxima
+        from launcher.plan.present.plan import build_plan
+        from launcher.plan.decide.resolve import check
 
         mem = build_plan(spec, check(spec)).memory
         detail = mem.get("detail", {})
@@ -91,7 +91,7 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
     import torch.distributed as dist
 
     from launcher.engines.native import NativeEngine
-    from launcher.runtime.memtrack import track_step_memory
+    from launcher.observe.memtrack import track_step_memory
     from launcher.rehearse.rank import _fake_step_runner
 
     dist.init_process_group("gloo" if device == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1)

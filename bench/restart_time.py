@@ -44,7 +44,7 @@ for path in (REPO, REPO / "tests"):  # run as a script from a checkout; the SLUR
 from slurm_cluster import JOB_NODES, SlurmCluster, _conf_path  # noqa: E402
 from test_slurm_train import job_logs, rank_pid, submit_train  # noqa: E402
 
-from launcher.runtime.resilience import read_json_lines  # noqa: E402
+from launcher.resilience.restarts import read_json_lines  # noqa: E402
 
 # Three steps after the step-4 shared checkpoint (and before the step-8 one): the steps the shared
 # tier loses and the node-local tier (a save every step) keeps.

@@ -208,14 +208,14 @@ def bare_loop(spec, rank, batches):
 def launcher_loop(spec, plan, rank, run_dir: Path, batches):
     """The real Trainer with the pieces launcher.runtime.entry.run gives it."""
     from launcher.runtime import entry
-    from launcher.runtime.failure import FailureBundle
+    from launcher.resilience.failure import FailureBundle
     from launcher.runtime.metrics import MetricsLogger
-    from launcher.runtime.moe_health import MoEHealth
-    from launcher.runtime.checkpoint import CheckpointManager
-    from launcher.runtime.checkpoint_folder import checkpoint_root
+    from launcher.observe.moe_health import MoEHealth
+    from launcher.checkpoint.manager import CheckpointManager
+    from launcher.checkpoint.folder import checkpoint_root
     from launcher.runtime.signals import StopWatcher
     from launcher.runtime.trainer import LoopConfig, Trainer
-    from launcher.plan.flops import training_flops_per_token
+    from launcher.plan.estimate.flops import training_flops_per_token
 
     bundle = FailureBundle(run_dir, rank.rank, rank.world_size)
     health = entry.start_health(spec, plan, bundle, rank.device.type)
@@ -311,8 +311,8 @@ def data_path_worker(args: argparse.Namespace) -> None:
 
     from launcher.config.loader import compose_spec
     from launcher.parallel.phase import init_phase_group
-    from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import check
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
     from launcher.runtime.dist import init_distributed, shutdown_distributed
 
@@ -364,8 +364,8 @@ def data_path_worker(args: argparse.Namespace) -> None:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import check
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
     from launcher.runtime.dist import init_distributed, shutdown_distributed
 

@@ -36,9 +36,9 @@ from launcher.config.schema import JobConfig
 from launcher.config.store import register_configs
 from launcher.config.validate import validate as validate_config
 from launcher.paths import config_dir
-from launcher.plan.plan import build_plan
-from launcher.plan.report import render_plan, render_search
-from launcher.plan.resolve import check, resolve_all
+from launcher.plan.present.plan import build_plan
+from launcher.plan.present.report import render_plan, render_search
+from launcher.plan.decide.resolve import check, resolve_all
 
 if TYPE_CHECKING:  # pragma: no cover
     from launcher.plan.layout import Layout
@@ -243,7 +243,7 @@ def _plan(spec: JobConfig, run_dir: Path) -> int:
     print(render_plan(plan, spec, spec.plan.format), flush=True)
     # JSON is for tools: keep it instant (matplotlib alone costs about a second).
     if spec.plan.plots and spec.plan.format != "json":
-        from launcher.plan.plots import save_plan_plots  # lazy: only when plots are drawn (~6 ms)
+        from launcher.plan.present.plots import save_plan_plots  # lazy: only when plots are drawn (~6 ms)
 
         run_dir.mkdir(parents=True, exist_ok=True)
         plan.save(run_dir)
@@ -252,7 +252,7 @@ def _plan(spec: JobConfig, run_dir: Path) -> int:
 
 
 def _search(spec: JobConfig) -> int:
-    from launcher.plan.search import search_layouts  # lazy: action=search only; action=plan's imports stay as they were
+    from launcher.plan.present.search import search_layouts  # lazy: action=search only; action=plan's imports stay as they were
 
     _resolved(spec)
     candidates = search_layouts(spec)

@@ -83,7 +83,7 @@ def debug_engine(tmp_path_factory):
 
     from launcher.config.loader import compose_spec
     from launcher.engines.native import NativeEngine
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
     from launcher.runtime.entry import build_batches, engine_options
 
     tmp_path = tmp_path_factory.mktemp("engine")

@@ -80,11 +80,12 @@ def _source_tensors(folder: str) -> dict:
 
 
 def run_job(job: dict) -> dict:
-    from launcher.hf.format import hf_model_fields, read_hf_config
+    from launcher.config.hf_model import hf_model_fields
+    from launcher.hf.format import read_hf_config
     from launcher.config.schema import ModelConfig, OptimConfig
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
     from tests.layout_for import job_spec
 
     folder = job["folder"]

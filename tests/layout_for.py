@@ -1,6 +1,6 @@
 """Test helper: the resolved Layout of a small job, through the real resolver.
 
-Engines are built from a Layout; tests get theirs from `launcher.plan.resolve.resolve` on a
+Engines are built from a Layout; tests get theirs from `launcher.plan.decide.resolve.resolve` on a
 JobConfig (never a hand-made mesh), so what a test runs is what `train` would have planned.
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from launcher.config.schema import JobConfig, set_dotted
 from launcher.plan.layout import Layout
-from launcher.plan.resolve import resolve
+from launcher.plan.decide.resolve import resolve
 
 
 def job_spec(model_cfg, world: int, **dotted: Any) -> JobConfig:

@@ -20,9 +20,9 @@ from launcher.config.schema import ModelConfig
 from launcher.models import build_model
 from launcher.parallel.ac import apply_activation_checkpointing
 from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
-from launcher.plan.mesh import MeshPlan
-from launcher.plan.memory import layer_activation_bytes
-from launcher.plan.params import model_shape
+from launcher.plan.degrees import MeshPlan
+from launcher.plan.estimate.memory import layer_activation_bytes
+from launcher.plan.estimate.params import model_shape
 
 REPO = Path(__file__).resolve().parents[1]
 B, S = 2, 16
@@ -96,8 +96,8 @@ def test_planner_drops_exactly_the_recomputed_outputs():
 
 def test_planner_times_the_recomputed_matmuls():
     from launcher.config.schema import HardwareConfig
-    from launcher.plan.params import stage_params
-    from launcher.plan.perf import gemm_efficiency, matmul_peak, microbatch_compute_s
+    from launcher.plan.estimate.params import stage_params
+    from launcher.plan.estimate.perf import gemm_efficiency, matmul_peak, microbatch_compute_s
 
     shape, hw = model_shape(_cfg()), HardwareConfig()
     lay = Layout(batch=RankBatchPlan(micro_batch_size=B, seq_len=S), memory=MemoryPlan(ac_mode="selective", ac_selective="op"), numerics=NumericsPlan(precision="bf16"))

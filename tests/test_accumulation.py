@@ -19,12 +19,12 @@ import pytest
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
 from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
-from launcher.plan.mesh import MeshPlan
-from launcher.plan.memory import estimate_memory
-from launcher.plan.params import model_shape, stage_params
-from launcher.plan.perf import estimate_comm
-from launcher.plan.plan import Plan, build_plan
-from launcher.plan.resolve import check, resolve, resolve_accumulate_unsharded
+from launcher.plan.degrees import MeshPlan
+from launcher.plan.estimate.memory import estimate_memory
+from launcher.plan.estimate.params import model_shape, stage_params
+from launcher.plan.estimate.perf import estimate_comm
+from launcher.plan.present.plan import Plan, build_plan
+from launcher.plan.decide.resolve import check, resolve, resolve_accumulate_unsharded
 
 REPO = Path(__file__).resolve().parents[1]
 HW = compose_spec([]).hardware
@@ -180,7 +180,7 @@ def test_the_plan_says_why_true_was_not_applied():
 
 def test_search_plans_what_the_resolver_will_run():
     """The search evaluates each candidate with accumulate_unsharded as the resolver resolves it."""
-    from launcher.plan.search import candidate_spec, search_layouts
+    from launcher.plan.present.search import candidate_spec, search_layouts
 
     spec = compose_spec(["model=llama_1b", "cluster.nodes=2", "cluster.gpus_per_node=8",
                          "trainer.seq_len=4096", "trainer.global_batch_size=512", "action=search"])

@@ -13,11 +13,11 @@ import pytest
 
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
-from launcher.plan import rules
+from launcher.plan.decide import rules
 from launcher.plan.features import REGISTRY, BackendEntry
-from launcher.plan.resolve import derive_mesh, validate
-from launcher.plan.support import SUPPORT, Refusal
-from launcher.plan.backends import (
+from launcher.plan.decide.resolve import derive_mesh, validate
+from launcher.plan.decide.support import SUPPORT, Refusal
+from launcher.plan.decide.backends import (
     BACKENDS,
     FEATURES,
     example_spec,
@@ -234,12 +234,12 @@ def test_bad_preference_values_are_reported():
 def test_docs_match_the_code():
     committed = (REPO / "docs" / "backends.md").read_text()
     assert committed == render_markdown(), (
-        "docs/backends.md is stale. Fix: python -m launcher.plan.backends --markdown > docs/backends.md"
+        "docs/backends.md is stale. Fix: python -m launcher.plan.decide.backends --markdown > docs/backends.md"
     )
 
 
 def test_resolver_imports_no_torch():
-    code = "import sys, launcher.plan.backends; print('torch' in sys.modules)"
+    code = "import sys, launcher.plan.decide.backends; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.plan.flops import achieved_tflops, mfu, param_counts, training_flops_per_token
+from launcher.plan.estimate.flops import achieved_tflops, mfu, param_counts, training_flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.runtime import checkpoint as ckpt
-from launcher.runtime.checkpoint import CheckpointManager
-from launcher.runtime.checkpoint_folder import CheckpointDirInUse, lock_checkpoint_dir, share_of, verify_checkpoint
+from launcher.checkpoint import manager as ckpt
+from launcher.checkpoint.manager import CheckpointManager
+from launcher.checkpoint.folder import CheckpointDirInUse, lock_checkpoint_dir, share_of, verify_checkpoint
 from tests.conftest import run_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -205,7 +205,7 @@ HOLD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from launcher.runtime.checkpoint_folder import lock_checkpoint_dir
+    from launcher.checkpoint.folder import lock_checkpoint_dir
     lock = lock_checkpoint_dir(Path(sys.argv[1]), Path(sys.argv[2]))
     print("locked", flush=True)
     time.sleep(float(sys.argv[3]))
@@ -311,7 +311,7 @@ def test_train_refuses_a_checkpoint_dir_another_job_holds(tmp_path):
 
 
 def test_async_checkpoints_are_refused_for_deepspeed_with_a_fix():
-    from launcher.plan.resolve import validate
+    from launcher.plan.decide.resolve import validate
 
     problems = validate(compose_spec(["+recipe=debug", "backend=deepspeed", "checkpoint.async=true"]))
     assert len(problems) == 1 and problems[0].startswith("checkpoint.async=true") and "Fix: checkpoint.async=false" in problems[0]

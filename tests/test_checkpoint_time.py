@@ -14,9 +14,9 @@ from launcher.launch import slurm
 from launcher.launch.local import rank_environment
 from launcher.compat import TorchCapabilities
 from launcher.launch.torchrun import SHUTDOWN_TIMEOUT, shutdown_timeout_of, torchrun_argv
-from launcher.plan.checkpoint_time import STOP_MARGIN_S
-from launcher.plan.plan import Plan, build_plan
-from launcher.plan.report import render_plan
+from launcher.plan.estimate.checkpoint_time import STOP_MARGIN_S
+from launcher.plan.present.plan import Plan, build_plan
+from launcher.plan.present.report import render_plan
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA70B = ["+recipe=llama70b", "cluster.nodes=2"]  # 2 nodes: 16 ranks share the 70B states

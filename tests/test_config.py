@@ -8,7 +8,7 @@ import pytest
 
 from launcher.config.loader import compose_spec, user_overrides
 from launcher.config.store import RECIPES_ENV, available_recipes
-from launcher.plan.resolve import validate
+from launcher.plan.decide.resolve import validate
 from tests.conftest import TRAIN, train_env
 
 RECIPES = ["debug", "llama8b", "llama70b", "llama405b", "mixtral8x7b", "qwen3_8b", "qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3"]
@@ -83,21 +83,22 @@ RULES = [
     (["parallel.tp=2", "parallel.dp_shard=1", "model.tie_embeddings=true", "trainer.global_batch_size=4"], ["tie_embeddings", "parallel.tp=2"]),
     (["parallel.cp=2", "parallel.pp=2", "cluster.gpus_per_node=4", "trainer.device=cuda", "trainer.global_batch_size=4"], ["parallel.cp=2", "parallel.pp=2"]),
     (["parallel.pp=2", "parallel.dp_shard=1", "trainer.global_batch_size=2"], ["1f1b", "at least 2 micro-batches", "= 1"]),
-    # Observability keys (launcher/runtime/watchdog.py, heldout_loss.py, stragglers.py, profiler.py).
+    # Observability keys (launcher/resilience/watchdog.py and stragglers.py, launcher/runtime/heldout_loss.py,
+    # launcher/observe/profiler.py).
     (["trainer.hang_timeout_s=-5"], ["trainer.hang_timeout_s=-5", "-1 (auto"]),
     (["trainer.val_every=-1"], ["trainer.val_every=-1", ">= 0"]),
     (["trainer.val_every=5", "trainer.val_steps=0"], ["trainer.val_steps=0", "at least 1"]),
     (["trainer.val_every=5", "data=tokens", "data.path=/"], ["trainer.val_every=5", "data.source=tokens", "data.val_path"]),
     (["trainer.val_every=5", "data.val_path=/nonexistent/val.bin"], ["data.val_path=/nonexistent/val.bin", "does not exist"]),
     (["trainer.straggler_factor=0.5"], ["trainer.straggler_factor=0.5", "above 1"]),
-    # Straggler exclusion and the pre-flight health check (launcher/runtime/preflight.py).
+    # Straggler exclusion and the pre-flight health check (launcher/resilience/preflight.py).
     (["trainer.straggler_checks=0"], ["trainer.straggler_checks=0", "at least 1"]),
     (["trainer.straggler_action=kill"], ["trainer.straggler_action='kill'", "auto, warn or exclude"]),
     (["trainer.health_check=maybe"], ["trainer.health_check='maybe'", "auto (on for multi-node jobs), on or off"]),
     (["trainer.health_factor=1"], ["trainer.health_factor=1", "above 1"]),
     (["profile.enabled=true", "profile.steps=[5,2]"], ["profile.steps=[5, 2]", "first <= last"]),
     (["profile.enabled=true", "profile.ranks=[7]"], ["profile.ranks has [7]", "0..1"]),
-    # Budget keys (launcher/plan/budget.py).
+    # Budget keys (launcher/plan/estimate/budget.py).
     (["trainer.tokens=-5"], ["trainer.tokens=-5", ">= 0"]),
     (["hardware.usd_per_gpu_hour=-1"], ["hardware.usd_per_gpu_hour=-1", "null for no cost"]),
     # Model families (launcher/models/family.py) and the Qwen3 keys.

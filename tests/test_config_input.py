@@ -19,7 +19,7 @@ from launcher.cli import sweep_points
 from launcher.config.errors import ConfigError
 from launcher.config.loader import RESOLVED_CONFIG, compose_spec, load_spec, save_spec
 from launcher.config.store import RECIPES_ENV
-from launcher.plan.resolve import resolve, validate
+from launcher.plan.decide.resolve import resolve, validate
 from tests.conftest import TRAIN, losses_by_step, train_env
 
 # Shell text that must reach config.yaml, the ranks and the job script unchanged.
@@ -73,7 +73,7 @@ EXPECTED_ENV = {"LIBS": "/x:${LD_LIBRARY_PATH:-}", "HOMEBIN": "export PATH=${HOM
 def test_slurm_job_script_has_shell_text_literally(tmp_path):
     """The job's ranks read config.yaml: render from what they would load, as SLURM runs it."""
     from launcher.launch import slurm
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     spec = compose_spec([  # written as on a command line: `\${` is Hydra's escape for a literal `${`
         "+recipe=debug", "cluster=slurm", 'cluster.setup=["export PATH=\\${HOME}/bin:$PATH"]',

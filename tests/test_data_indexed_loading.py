@@ -132,7 +132,7 @@ def test_paths_without_data_and_document_options_without_boundaries_exit_2(tmp_p
 
 def test_plan_warns_when_a_source_would_repeat_more_than_max_epochs(tmp_path):
     from launcher.config.loader import compose_spec
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     small = write_corpus(tmp_path / "small", [random_documents(40, 200, 5)])  # ~4,000 tokens: ~31 windows of 128
     big = write_corpus(tmp_path / "big", [random_documents(4000, 200, 6)])

@@ -70,7 +70,7 @@ def _equal(a, b):
 
 
 def test_the_stream_is_the_same_on_one_rank_and_on_dp2_x_tp2(corpora):
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
     from launcher.runtime.entry import data_parallel_rank
 
     spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=4", "parallel.tp=2", "trainer.global_batch_size=8",

@@ -368,8 +368,9 @@ def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path
     """`train model=hf model.init_from=<tiny DeepSeek-V3> model.bias_update_speed=0.01`, 3 steps, fp32
     export: every correction bias moved by whole steps of 0.01 (at most 3), and transformers reads the
     export as our model does (logits within 1e-5). metrics.jsonl has each MoE layer's load and bias
-    spread (launcher/runtime/moe_load.py) on every log step."""
-    from launcher.hf.format import hf_model_fields, read_hf_config
+    spread (launcher/observe/moe_load.py) on every log step."""
+    from launcher.config.hf_model import hf_model_fields
+    from launcher.hf.format import read_hf_config
     from launcher.hf.weights import load_hf_weights
     from tests.conftest import run_train
     from tests.test_hf_weights import _hf_logits, _hf_tensors
@@ -450,7 +451,8 @@ def test_multi_token_prediction_weights_are_skipped_with_one_log_line(tmp_path, 
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from launcher.hf.format import folder_problems, hf_model_fields, read_hf_config
+    from launcher.config.hf_model import hf_model_fields
+    from launcher.hf.format import folder_problems, read_hf_config
     from launcher.hf.weights import load_hf_weights
     from tests.test_hf_weights import DEEPSEEK_V3
 

@@ -11,14 +11,14 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from launcher.config.errors import ConfigError  # noqa: E402
-from launcher.plan.resolve import validate  # noqa: E402
+from launcher.plan.decide.resolve import validate  # noqa: E402
 from launcher.engines.deepspeed_config import (  # noqa: E402
     build_deepspeed_config,
     validate_deepspeed_config,
     write_deepspeed_config,
 )
-from launcher.plan.backends import example_spec  # noqa: E402
-from launcher.plan.plan import build_plan  # noqa: E402
+from launcher.plan.decide.backends import example_spec  # noqa: E402
+from launcher.plan.present.plan import build_plan  # noqa: E402
 
 SWITCHES = {
     "parallel.zero_stage": [0, 1, 2, 3],
@@ -108,7 +108,7 @@ def test_unsupported_combination_is_refused_before_config():
     problems = validate(spec)
     assert any("refuses ZeRO-2" in p for p in problems), problems
     with pytest.raises(ConfigError):
-        from launcher.plan.backends import resolve_backends
+        from launcher.plan.decide.backends import resolve_backends
 
         resolve_backends(spec)
 
@@ -118,7 +118,7 @@ def test_preflight_checks_the_generated_config_with_deepspeed():
     import dataclasses
 
     from launcher.launch.preflight import check_deepspeed_config
-    from launcher.plan.plan import Plan
+    from launcher.plan.present.plan import Plan
 
     spec = _debug_spec({"parallel.zero_stage": 2, "backend.default": "deepspeed"})
     plan = build_plan(spec)

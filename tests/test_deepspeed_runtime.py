@@ -199,7 +199,7 @@ def test_pipeline_moe_aux_loss_matches_native(slow_results):
     """debug_moe through DeepSpeed's pipeline (pp=2): the aux loss is weighted 1/accumulation steps
     (later steps' losses and aux follow the native pipeline's), logged (not 0), and the MoE layers
     of both stages reach the moe/* metrics."""
-    from launcher.runtime.moe_load import KEYS
+    from launcher.observe.moe_load import KEYS
 
     ds, native = slow_results["pipeline_moe"], slow_results["native_pipeline_moe"]
     _assert_built_the_layout(ds, "pipeline_moe")
@@ -247,7 +247,7 @@ def _assert_rehearsal_holds_the_real_partitions(run: dict, case: str, overrides,
     plan's prediction for that rank, and the optimizer states the real run's steps created."""
     from launcher.config.loader import save_spec
     from launcher.rehearse.driver import rehearsal_problems, rehearse
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     spec = spec_for(list(overrides) + ["rehearse.activations=false"])
     plan = build_plan(spec, None)

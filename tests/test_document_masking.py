@@ -276,11 +276,11 @@ def test_planner_costs_the_mask_the_model_saves():
     mask adds exactly that per micro-batch in flight to the activations (and time to the step)."""
     from dataclasses import replace as dc_replace
 
-    from launcher.plan.memory import document_mask_bytes, estimate_memory
-    from launcher.plan.params import model_shape
+    from launcher.plan.estimate.memory import document_mask_bytes, estimate_memory
+    from launcher.plan.estimate.params import model_shape
     from launcher.config.loader import compose_spec
-    from launcher.plan.params import stage_params
-    from launcher.plan.perf import document_mask_s, microbatch_compute_s
+    from launcher.plan.estimate.params import stage_params
+    from launcher.plan.estimate.perf import document_mask_s, microbatch_compute_s
     from tests.layout_for import layout_for
 
     cfg = _cfg("dense_gqa")

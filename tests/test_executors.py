@@ -11,7 +11,7 @@ from launcher.config.executors import EXECUTOR_NAMES, cluster_key_problems
 from launcher.config.schema import ClusterConfig, ClusterKeys, SlurmKeys
 from launcher.job_env import job_facts
 from launcher.launch.executor import EXECUTORS, executor_for
-from launcher.runtime.checkpoint_folder import describe_holder, holder_record
+from launcher.checkpoint.folder import describe_holder, holder_record
 
 
 def test_every_executor_has_key_checks_and_every_key_checker_an_executor():

@@ -31,7 +31,7 @@ def _worker(out_path: str) -> None:
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
     from tests.layout_for import job_spec
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
     from tests.parallel_harness.run_layouts import model_config, rank_microbatches
 
     dist.init_process_group("gloo")

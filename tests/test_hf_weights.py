@@ -23,7 +23,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from launcher.hf.format import folder_problems, hf_model_fields, hf_shapes, read_hf_config, tensor_maps
+from launcher.config.hf_model import hf_model_fields
+from launcher.hf.format import folder_problems, hf_shapes, read_hf_config, tensor_maps
 from launcher.config.schema import ModelConfig, RopeScalingConfig
 from tests.conftest import REPO, TRAIN, run_train, train_env
 from tests.deepspeed_harness.common import deepspeed_env
@@ -513,7 +514,7 @@ def test_deepspeed_backend_refuses_hf_export_before_launch(hf_models):
     from launcher.config.errors import ConfigError
     from launcher.config.loader import compose_spec
     from launcher.launch.preflight import check_hf_support
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
 
     spec = compose_spec(["model=hf", f"model.init_from={hf_models['llama']}", "backend=deepspeed",
                          "checkpoint.export=hf", "cluster.gpus_per_node=1"])

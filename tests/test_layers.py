@@ -1,9 +1,11 @@
-"""Imports run only downward, and the planning actions stay free of torch and DeepSpeed.
+"""Imports run only downward, never in a cycle, and the planning actions stay free of torch and DeepSpeed.
 
-Floors, top to bottom (docs/parallelism.md, "Layers"): cli -> launch -> runtime -> engines ->
-parallel -> plan, data -> config -> models, paths. A module may import from its own floor
-or below, never above: an AST walk of every module in launcher/, imports inside functions
-included.
+Floors, top to bottom (docs/parallelism.md, "Layers"): cli -> launch -> runtime, rehearse ->
+checkpoint, resilience -> observe -> engines -> parallel -> plan, data -> config -> hf ->
+models, paths, job_env. A module may import from its own floor or below, never above; and no
+two modules, nor two packages (the rooms of launcher/, the subpackages of a room), import each
+other, directly or round a longer loop. An AST walk of every module in launcher/, imports inside
+functions included.
 """
 
 from __future__ import annotations
@@ -12,33 +14,45 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import Dict, Iterator, List, Set, Tuple
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "launcher"
+# Each room's floor follows from what it imports:
+# - the rehearsal runs the runtime's entry for each rank, so it shares the runtime's floor and the
+#   cycle check keeps the import one way (rehearse -> runtime);
+# - checkpoint/ saves the engines' states (engines, parallel's phase group), resilience/ dumps the
+#   OOM memory snapshot (observe): both sit under the rank's loop, which calls them, and over what
+#   they use; launch/ (the host) reads their torch-free modules from above;
+# - observe/ compares measurements with the plan (plan, models) and imports no engine: the floor
+#   just above the engines, so the rank loop, the rehearsal and resilience can all reach it;
+# - config/ reads Hugging Face folders through hf/ (model=hf, folder checks); hf/ imports only models.
 FLOOR = {
-    "rehearse": 5,
+    "cli": 10,
+    "__main__": 10,  # python -m launcher: the cli
+    "launch": 9,
+    "runtime": 8,
+    "rehearse": 8,
+    "checkpoint": 7,
+    "resilience": 7,
+    "observe": 6,
+    "engines": 5,
+    "parallel": 4,
+    "plan": 3,
+    "data": 3,
+    "config": 2,
     "hf": 1,
-    "job_env": 0,
-    "compat": 0,
-    "cli": 7,
-    "__main__": 7,  # python -m launcher: the cli
-    "launch": 6,
-    "runtime": 5,
-    "engines": 4,
-    "parallel": 3,
-    "plan": 2,
-    "data": 2,
-    "config": 1,
     "models": 0,
+    "job_env": 0,
     "paths": 0,
+    "compat": 0,  # every torch capability newer than the floor: imports nothing of the launcher
 }
 
 
 def room_of(module: str) -> str:
-    """'launcher.plan.resolve' -> 'plan'; 'launcher.cli' -> 'cli'."""
+    """'launcher.plan.decide.resolve' -> 'plan'; 'launcher.cli' -> 'cli'."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 
@@ -92,7 +106,7 @@ def test_imports_only_run_downward():
 @pytest.mark.parametrize("source, module", [
     ("def f():\n    from launcher.launch.slurm import check_cluster_config\n", "launcher.config.validate"),
     ("import launcher.runtime.entry\n", "launcher.engines.native"),
-    ("from launcher import cli\n", "launcher.plan.plan"),
+    ("from launcher import cli\n", "launcher.plan.present.plan"),
 ])
 def test_the_walk_sees_upward_imports_even_inside_functions(source, module):
     assert upward_imports(source, module), "an upward import went unnoticed"
@@ -100,7 +114,138 @@ def test_the_walk_sees_upward_imports_even_inside_functions(source, module):
 
 def test_downward_and_same_floor_imports_pass():
     assert upward_imports("from launcher.plan.layout import Layout\nimport launcher.data.dataset\n",
-                          "launcher.plan.plan") == []
+                          "launcher.plan.present.plan") == []
+
+
+# Cycles: the graph of which module imports which, and for every package the graph of its
+# children (subpackages and modules) that it implies. A floor says nothing about two modules or
+# two subpackages on one floor; a cycle between them still makes neither understandable alone.
+
+
+def imported_modules(source: str, modules: Set[str]) -> Set[str]:
+    """The modules of `modules` that `source` imports anywhere; `from pkg import name` counts as
+    pkg.name when that is a module, else as pkg (its __init__)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in modules else node.module)
+    return found & modules
+
+
+def import_graph(sources: Dict[str, str]) -> Dict[str, Set[str]]:
+    """Module -> the modules it imports, over the modules given as {name: source}."""
+    modules = set(sources)
+    return {module: imported_modules(source, modules) - {module} for module, source in sources.items()}
+
+
+def strongly_connected(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """The cycles of a directed graph, each as the sorted nodes of a strongly connected
+    component of more than one node (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def package_cycles(graph: Dict[str, Set[str]], packages: Set[str]) -> List[str]:
+    """For every package, cycles among its children that involve a subpackage: a child imports
+    another when any module inside it does. (Cycles of plain modules are the module check's.)"""
+    problems = []
+    for package in sorted(packages):
+        def child(module: str) -> str:
+            rest = module[len(package) + 1:] if module.startswith(package + ".") else ""
+            return f"{package}.{rest.split('.')[0]}" if rest else ""
+
+        edges: Dict[str, Set[str]] = {}
+        for module, targets in graph.items():
+            here = child(module)
+            for target in targets:
+                there = child(target)
+                if here and there and here != there:
+                    edges.setdefault(here, set()).add(there)
+        problems += [f"{package}: {' <-> '.join(component)}" for component in strongly_connected(edges)
+                     if set(component) & packages]
+    return problems
+
+
+def launcher_sources() -> Tuple[Dict[str, str], Set[str]]:
+    """({module: source} of every module in launcher/, the packages among them)."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    return ({module_name(p): p.read_text() for p in paths},
+            {module_name(p) for p in paths if p.name == "__init__.py"})
+
+
+def test_no_two_modules_import_each_other():
+    sources, _ = launcher_sources()
+    cycles = strongly_connected(import_graph(sources))
+    assert not cycles, "modules that import each other (round a loop):\n  " + "\n  ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_two_packages_import_each_other():
+    sources, packages = launcher_sources()
+    cycles = package_cycles(import_graph(sources), packages)
+    assert not cycles, ("packages that import each other (move what both need below both):\n  "
+                        + "\n  ".join(cycles))
+
+
+@pytest.mark.parametrize("sources", [
+    {"launcher.a.x": "from launcher.a.y import f\n", "launcher.a.y": "def g():\n    from launcher.a.x import h\n"},
+    {"launcher.a.x": "import launcher.a.y\n", "launcher.a.y": "import launcher.a.z\n",
+     "launcher.a.z": "from launcher.a import x\n"},
+])
+def test_the_walk_sees_module_cycles_even_inside_functions(sources):
+    assert strongly_connected(import_graph(sources)), "a cycle of modules went unnoticed"
+
+
+def test_the_walk_sees_package_cycles_without_module_cycles():
+    """hf.format imports config.errors, config.loader imports hf.format: no module loop, a package loop."""
+    sources = {"launcher.hf.format": "from launcher.config.errors import ConfigError\n",
+               "launcher.config.errors": "", "launcher.config.loader": "from launcher.hf.format import f\n",
+               "launcher.hf": "", "launcher.config": "", "launcher": ""}
+    graph = import_graph(sources)
+    assert not strongly_connected(graph)
+    assert package_cycles(graph, {"launcher", "launcher.hf", "launcher.config"}) == [
+        "launcher: launcher.config <-> launcher.hf"]
+
+
+def test_one_way_imports_between_packages_pass():
+    sources = {"launcher.plan.decide.resolve": "from launcher.plan.estimate.memory import m\n",
+               "launcher.plan.estimate.memory": "from launcher.plan.layout import Layout\n",
+               "launcher.plan.layout": "", "launcher.plan": "", "launcher.plan.decide": "", "launcher.plan.estimate": ""}
+    graph = import_graph(sources)
+    assert not strongly_connected(graph)
+    assert package_cycles(graph, {"launcher.plan", "launcher.plan.decide", "launcher.plan.estimate"}) == []
 
 
 @pytest.mark.parametrize("action", ["plan", "search"])

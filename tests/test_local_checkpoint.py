@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from launcher.runtime.checkpoint import rng_state
-from launcher.runtime import local_checkpoint
+from launcher.checkpoint.manager import rng_state
+from launcher.checkpoint import local_tier
 from launcher.runtime.dist import exit_after_shutdown
-from launcher.runtime.local_checkpoint import Held, LocalTier, Source, agree, peer_of
+from launcher.checkpoint.local_tier import Held, LocalTier, Source, agree, peer_of
 
 
 def _own(rank, *steps):
@@ -94,7 +94,7 @@ def test_one_rank_restores_its_local_state_exactly_and_keeps_the_newest_two_step
     # Another layout of the same run finds nothing to restore, and says why.
     other = LocalTier(str(tmp_path / "local"), tmp_path / "run", "n1", rank=0, world_size=1, ranks_per_node=1,
                       mesh={**plan.mesh.to_dict(), "tp": 2}, device=torch.device("cpu"))
-    with caplog.at_level(logging.INFO, logger="launcher.runtime.local_checkpoint"):
+    with caplog.at_level(logging.INFO, logger="launcher.checkpoint.local_tier"):
         assert other.restore(-1, engine) is None
     assert "ignoring node-local states of another layout" in caplog.text
 
@@ -113,7 +113,7 @@ def _state_of(rank: int, step: int) -> bytes:
 def _ring_worker(rank: int, port: int, folder: str, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=3)
-    local_checkpoint.CHUNK_BYTES = 1000  # a state travels in several chunks
+    local_tier.CHUNK_BYTES = 1000  # a state travels in several chunks
 
     def tier(node: str) -> LocalTier:
         return LocalTier(folder, Path(folder) / "run", node, rank=rank, world_size=3, ranks_per_node=1,

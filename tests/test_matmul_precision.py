@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from launcher.config.loader import compose_spec
-from launcher.plan.plan import build_plan
+from launcher.plan.present.plan import build_plan
 from launcher.runtime.matmul_precision import apply_matmul_precision
 
 

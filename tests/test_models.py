@@ -13,7 +13,7 @@ from launcher.config.schema import ModelConfig
 from launcher.models import build_model
 from launcher.models.init import canonical_name
 from launcher.models.moe import MoE
-from launcher.plan.params import model_shape
+from launcher.plan.estimate.params import model_shape
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_forward_shape_and_backward(name):
 
 @pytest.mark.parametrize("name", ["debug", "debug_moe", "llama3_8b", "mixtral_8x7b", "deepseek_v3"])
 def test_parameter_count_matches_planner(name):
-    """The builder and the planner (launcher.plan.params) count the same parameters."""
+    """The builder and the planner (launcher.plan.estimate.params) count the same parameters."""
     cfg = model_cfg(name)
     with torch.device("meta"):
         m = build_model(cfg)

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from launcher.models.grouped_mm import expert_swiglu, grouped_mm_problem
 from launcher.models.moe import MoE
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 from launcher.plan.layout import MemoryPlan, NumericsPlan, RankBatchPlan
 from launcher.runtime.dist import exit_after_shutdown
 
@@ -257,8 +257,8 @@ import torch
 from launcher.config.schema import OptimConfig
 from launcher.engines.base import EngineOptions
 from launcher.engines.native import NativeEngine
-from launcher.plan.resolve import resolve
-from launcher.runtime.memtrack import track_step_memory
+from launcher.plan.decide.resolve import resolve
+from launcher.observe.memtrack import track_step_memory
 from launcher.rehearse.rank import _fake_step_runner, rehearse_rank
 from tests.layout_for import job_spec
 from tests.parallel_harness.run_layouts import model_config
@@ -284,7 +284,7 @@ def test_moe_rehearsal_runs_a_fake_step_close_to_the_real_one(tmp_path):
     activation peak (balanced routing gives the dispatch static splits)."""
     from launcher.config.loader import compose_spec, save_spec
     from launcher.rehearse.driver import rehearse
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -316,8 +316,8 @@ def test_plan_counts_tp_replicated_experts_in_unsharded_copies():
     local expert on each TP rank, as its sharded states already did."""
     from launcher.config.loader import compose_spec
     from launcher.plan.layout import Layout
-    from launcher.plan.memory import working_state_memory
-    from launcher.plan.params import model_shape, stage_params
+    from launcher.plan.estimate.memory import working_state_memory
+    from launcher.plan.estimate.params import model_shape, stage_params
 
     shape = model_shape(compose_spec(["model=mixtral_8x7b"]).model)
     st = stage_params(shape, 2)[0]

@@ -220,7 +220,7 @@ REHEARSED = ("fsdp2_tp2_dense", "tp2_sp_dense", "fsdp2_odd", "pp2_interleaved_1f
 # pp2_interleaved_1f1b_dense runs the real pipeline schedule (static stage shapes, two chunks
 # per rank) on the fake process group; the zero-bubble schedules split each backward into input
 # and weight gradients (torch.autograd.grad on the stages' leaf inputs), which torch's module
-# tracker refused before launcher/runtime/memtrack.py left leaves out of its hooks.
+# tracker refused before launcher/observe/memtrack.py left leaves out of its hooks.
 REHEARSED_WITH_STEPS = ("tp2_sp_dense", "fsdp2_tp2_dense", "pp2_interleaved_1f1b_dense",
                         "pp2_zero_bubble_dense", "pp2_zbv_dense")
 # Of those, the real ranks also track the rehearsal's step (same step function, micro-batches
@@ -230,7 +230,7 @@ REHEARSED_WITH_STEPS = ("tp2_sp_dense", "fsdp2_tp2_dense", "pp2_interleaved_1f1b
 # input (NCCL makes none). Before launcher/rehearse/fake_memory.py the rehearsal counted DTensor's
 # global-shape propagation (TP/SP: +8.8 % activations) and missed the tensors real P2P Works
 # hold (interleaved 1F1B: -4 to -6 % peak). With the collector running during the tracked step
-# (launcher/runtime/memtrack.py pauses it) the zero-bubble ranks differed by chance of its timing
+# (launcher/observe/memtrack.py pauses it) the zero-bubble ranks differed by chance of its timing
 # (pp2_zero_bubble_dense rank 0: rehearsal 461,568 vs real 498,432 B activations).
 ACTIVATIONS_COMPARED = REHEARSED_WITH_STEPS
 

@@ -11,7 +11,7 @@ from launcher.parallel.fsdp import check_zero_stage
 from launcher.engines.optim import lr_factor
 from launcher.parallel.pp import layers_per_stage, stage_ids_for_rank
 from launcher.parallel.tp import check_tensor_parallel
-from launcher.plan.params import model_shape, stage_params
+from launcher.plan.estimate.params import model_shape, stage_params
 
 
 def test_even_and_explicit_layer_split():
@@ -25,7 +25,7 @@ def test_even_and_explicit_layer_split():
 
 
 def test_stage_placement_matches_planner():
-    from launcher.plan.params import chunks_of_rank
+    from launcher.plan.estimate.params import chunks_of_rank
 
     assert stage_ids_for_rank(1, 2, 1, "1f1b") == [1]
     assert stage_ids_for_rank(0, 2, 2, "interleaved_1f1b") == [0, 2]

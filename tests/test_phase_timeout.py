@@ -39,7 +39,7 @@ class TinyEngine:
 
 def _save_with_slow_publish(rank: int, root: str, port: int, result_dir: str) -> None:
     from launcher.parallel.phase import init_phase_group, phase_timeout_s
-    from launcher.runtime import checkpoint
+    from launcher.checkpoint import manager as checkpoint
     from launcher.runtime.dist import init_distributed
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.plan import elementwise
-from launcher.plan.flops import peak_tflops
+from launcher.plan.estimate import elementwise
+from launcher.plan.estimate.flops import peak_tflops
 from launcher.plan.layout import Layout
-from launcher.plan.memory import (
+from launcher.plan.estimate.memory import (
     ALLOCATOR_FRAGMENTATION,
     PHASE_TEMPORARIES,
     estimate_memory,
@@ -24,9 +24,9 @@ from launcher.plan.memory import (
     stage_activation_memory,
     working_state_memory,
 )
-from launcher.plan.params import model_shape, stage_params
-from launcher.plan.perf import microbatch_compute_s
-from launcher.plan.search import evaluate_layouts
+from launcher.plan.estimate.params import model_shape, stage_params
+from launcher.plan.estimate.perf import microbatch_compute_s
+from launcher.plan.present.search import evaluate_layouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import planner_accuracy  # noqa: E402
@@ -82,10 +82,10 @@ def test_published_rows_within_tolerance_and_order(rows):
 
 
 def test_error_bands_are_what_the_accuracy_rows_give(rows):
-    """launcher/plan/bands.py's table equals the spread of predicted/measured ratios per layout
+    """launcher/plan/estimate/bands.py's table equals the spread of predicted/measured ratios per layout
     kind over these rows (`bench/planner_accuracy.py --bands` prints it): the bands the plan shows
     cannot drift from the measurements. Our own one-GPU H100 rows are in it."""
-    from launcher.plan.bands import BANDS
+    from launcher.plan.estimate.bands import BANDS
 
     assert planner_accuracy.derive_bands(rows) == BANDS
     assert {r.kind for r in rows if r.table == "H100-1"} == {"single_gpu"}
@@ -98,7 +98,7 @@ def test_long_context_rows_planned_and_ordered(rows):
     every row is planned as context parallel beyond CP 1, the held ones within 20 % by the ratio
     the planner computes here, and the predicted tokens/s fall with sequence length in the order
     published, the rows not held (CP >= 4 of Table 2, Table 6's AsyncTP) included."""
-    from launcher.plan.bands import BANDS, ratio_band
+    from launcher.plan.estimate.bands import BANDS, ratio_band
 
     long_rows = [r for r in rows if r.table in ("2", "6")]
     assert len(long_rows) == 16
@@ -125,7 +125,7 @@ def test_moe_rows_planned_as_moe_and_held_to_30_percent(rows):
     on memory, on the ratio the planner computes here. The H100 torchtitan run with its default
     all-to-all (the runtime's own way) is held; every row run with what the runtime lacks
     (Megatron-Core, DeepEP) or on uncalibrated hardware (B200) says why not. The moe bands are theirs."""
-    from launcher.plan.bands import BANDS
+    from launcher.plan.estimate.bands import BANDS
 
     megatron = [r for r in rows if r.source.startswith("NVIDIA-NeMo/Megatron-Bridge")]
     titan = [r for r in rows if r.table == "TT-2107"]
@@ -165,7 +165,7 @@ def test_mixtral_rows_planned_as_moe_and_approximated(rows):
     Megatron-MoE-ModelZoo's 8x22B on H100): planned as moe layouts at the published degrees, each
     approximated with what the published run had that the runtime lacks and its predicted/published
     ratio; printed, not held, so they leave the moe bands as the held rows give them."""
-    from launcher.plan.bands import BANDS
+    from launcher.plan.estimate.bands import BANDS
 
     mixtral = [r for r in rows if r.table in ("NEMO-25.02", "MZ-8X22B")]
     assert sorted((r.table, r.model, r.hardware) for r in mixtral) == [
@@ -392,8 +392,8 @@ def fit_runs(tmp_path_factory):
     import json
 
     from launcher.config.loader import save_spec
-    from launcher.plan.plan import build_plan
-    from launcher.runtime.run_score import RUN_SUMMARY_FILE, figure
+    from launcher.plan.present.plan import build_plan
+    from launcher.observe.run_score import RUN_SUMMARY_FILE, figure
 
     out = {1.0: ([], []), 1.1: ([], [])}
     for i, (model, overrides) in enumerate(FIT_RUNS):
@@ -416,7 +416,7 @@ def fit_runs(tmp_path_factory):
 def test_fit_recovers_the_factor_the_runs_were_measured_at(fit_runs, tmp_path, capsys):
     from omegaconf import OmegaConf
 
-    from launcher.plan.plan import build_plan
+    from launcher.plan.present.plan import build_plan
 
     dirs, measured = fit_runs[1.0]
     out = tmp_path / "mine.yaml"

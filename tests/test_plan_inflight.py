@@ -1,4 +1,4 @@
-"""In-flight micro-batches per pipeline rank (launcher.plan.memory.inflight_microbatches) against
+"""In-flight micro-batches per pipeline rank (launcher.plan.estimate.memory.inflight_microbatches) against
 the order torch's own ScheduleInterleaved1F1B runs (its _calculate_single_rank_operations): the
 planner must hold as many micro-batches' activations as the real schedule does, including when
 the micro-batches are not a multiple of pp (torch then runs one round of m micro-batches)."""
@@ -11,8 +11,8 @@ import pytest
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from launcher.plan.layout import RankBatchPlan, Layout
-from launcher.plan.mesh import MeshPlan
-from launcher.plan.memory import inflight_microbatches
+from launcher.plan.degrees import MeshPlan
+from launcher.plan.estimate.memory import inflight_microbatches
 
 
 def _torch_peak_chunks(p: int, v: int, m: int, rank: int) -> int:

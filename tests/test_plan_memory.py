@@ -11,14 +11,14 @@ import pytest
 
 from launcher.config.loader import compose_spec
 from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
-from launcher.plan.mesh import MeshPlan
-from launcher.plan.memory import (
+from launcher.plan.degrees import MeshPlan
+from launcher.plan.estimate.memory import (
     estimate_memory,
     inflight_microbatches,
     layer_activation_bytes,
     model_state_memory,
 )
-from launcher.plan.params import StageParams, model_shape
+from launcher.plan.estimate.params import StageParams, model_shape
 
 
 def _states(psi, **lay):

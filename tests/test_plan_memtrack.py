@@ -1,4 +1,4 @@
-"""Measured memory (launcher.runtime.memtrack) against the planner's prediction, one CPU process."""
+"""Measured memory (launcher.observe.memtrack) against the planner's prediction, one CPU process."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch  # noqa: E402
 
 from launcher.config.loader import compose_spec  # noqa: E402
 from launcher.models import build_model  # noqa: E402
-from launcher.plan.plan import build_plan  # noqa: E402
-from launcher.runtime.memtrack import compare_with_plan, track_step_memory  # noqa: E402
+from launcher.plan.present.plan import build_plan  # noqa: E402
+from launcher.observe.memtrack import compare_with_plan, track_step_memory  # noqa: E402
 
 
 def _train_step_fn(model, opt, batch, seq, vocab, accum):
@@ -70,7 +70,7 @@ def test_tracking_skips_the_per_module_peak_walk_with_the_same_peaks(monkeypatch
     same numbers as torch's own update."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    import launcher.runtime.memtrack as memtrack
+    import launcher.observe.memtrack as memtrack
 
     spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=1", "parallel.zero_stage=0"])
     with torch.device("meta"):
@@ -104,7 +104,7 @@ def test_lean_tracker_dispatch_records_what_torchs_memtracker_records(monkeypatc
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    import launcher.runtime.memtrack as memtrack
+    import launcher.observe.memtrack as memtrack
     from launcher.parallel.ac import apply_activation_checkpointing
 
     assert memtrack._lean_memtracker_class().__torch_dispatch__ is not MemTracker.__torch_dispatch__

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.plan.flops import param_counts
-from launcher.plan.params import model_shape, stage_params
+from launcher.plan.estimate.flops import param_counts
+from launcher.plan.estimate.params import model_shape, stage_params
 
 # `hf` has no shape of its own (it reads model.init_from's config.json: tests/test_hf_weights.py).
 MODELS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "model").glob("*.yaml") if p.stem != "hf")
@@ -130,7 +130,7 @@ def test_flops_per_token_match_the_meta_models_matmuls(name):
     (not dim / n_heads), MLA's low-rank projections and its q.k (nope + rope) and v widths."""
     import torch
     from launcher.models import build_model
-    from launcher.plan.flops import training_flops_per_token
+    from launcher.plan.estimate.flops import training_flops_per_token
 
     cfg = compose_spec([f"model={name}"]).model
     with torch.device("meta"):
@@ -147,8 +147,8 @@ def test_deepseek_v3_flops_per_token_against_the_published_count():
     torchtitan/models/deepseek_v3/model/args.py). With the published 37B (rounded; it includes the
     0.93B input embedding a lookup does not multiply) the planner's count lies within 2 %; the
     attention term is torchtitan's exactly."""
-    from launcher.plan.flops import attention_flops_per_token, training_flops_per_token
-    from launcher.plan.params import attention_width
+    from launcher.plan.estimate.flops import attention_flops_per_token, training_flops_per_token
+    from launcher.plan.estimate.params import attention_width
 
     cfg = compose_spec(["model=deepseek_v3"]).model
     seq = 4096

@@ -8,9 +8,9 @@ import pytest
 
 from launcher.config.loader import compose_spec
 from launcher.plan.layout import Layout, MemoryPlan, NumericsPlan, RankBatchPlan
-from launcher.plan.mesh import MeshPlan
-from launcher.plan.params import model_shape, stage_params
-from launcher.plan.perf import bubble_fraction, estimate_comm, estimate_time, placement, ring_factor
+from launcher.plan.degrees import MeshPlan
+from launcher.plan.estimate.params import model_shape, stage_params
+from launcher.plan.estimate.perf import bubble_fraction, estimate_comm, estimate_time, placement, ring_factor
 
 HW = compose_spec([]).hardware  # h100_sxm
 SHAPE = model_shape(compose_spec(["model=llama3_8b"]).model)
@@ -68,7 +68,7 @@ def test_cp_ring_volume_by_hand():
     """torch's ring attention, as the runtime runs it: K/V repeated to all 32 query heads (not the 8
     K/V heads) gathered once in forward and once in backward, and the fp32 dK/dV sent on after each
     of the cp hops; the merges' bytes grow with the hops at the same tokens per GPU."""
-    from launcher.plan.ring import ring_bookkeeping_s
+    from launcher.plan.estimate.ring import ring_bookkeeping_s
 
     st = stage_params(SHAPE, 1)[0]
     lay = Layout(mesh=MeshPlan(cp=4, dp_shard=2), batch=RankBatchPlan(seq_len=8192, micro_batch_size=1, microbatches=1))
@@ -121,8 +121,8 @@ def test_family_blocks_in_the_elementwise_time_and_the_assumptions():
     the qk_rope channels (of every query head and the one shared key), builds q and k by
     concatenation, normalises its two latents and routes through DeepSeek-V3's sigmoid router. The
     plan's assumptions line names the family's block."""
-    from launcher.plan.elementwise import block_forward_bytes, router_bytes
-    from launcher.plan.report import assumptions
+    from launcher.plan.estimate.elementwise import block_forward_bytes, router_bytes
+    from launcher.plan.present.report import assumptions
 
     qwen = compose_spec(["model=qwen3_8b"]).model
     plain = dataclasses.replace(qwen, qk_norm=False)
@@ -199,7 +199,7 @@ def test_ep_all_to_all_inside_and_across_nodes_by_hand():
     over the network, at once, so only the slower part is exposed. TP 4 leaves 2 ep ranks per node;
     EP 8 in one node sends nothing over the network. The busiest rank's share scales with
     plan.moe_imbalance."""
-    from launcher.plan.perf import ep_peer_shares
+    from launcher.plan.estimate.perf import ep_peer_shares
 
     st = stage_params(DSV3, 1)[0]
     rows = 4096 * 8 * 7168 * 2 * 58 * 4  # tokens x top_k x dim x bf16 x MoE blocks x passes
@@ -224,8 +224,8 @@ def test_routing_imbalance_slows_the_busiest_ep_rank_by_hand():
     """plan.moe_imbalance f: the busiest EP rank runs f x the mean routed rows through its experts
     (the extra 6 x (f - 1) x top_k x expert params FLOPs per token, at the grouped-GEMM rate) and holds
     f x their activations; without EP every rank runs its own tokens' copies, so f changes nothing."""
-    from launcher.plan.memory import layer_activation_bytes
-    from launcher.plan.perf import expert_gemm_efficiency, matmul_peak, microbatch_compute_s
+    from launcher.plan.estimate.memory import layer_activation_bytes
+    from launcher.plan.estimate.perf import expert_gemm_efficiency, matmul_peak, microbatch_compute_s
 
     st = stage_params(DSV3, 1)[0]
     base, skewed = _ep_layout(32), _ep_layout(32, imbalance=1.5)
@@ -248,7 +248,7 @@ def test_grouped_gemm_efficiency_per_expert_by_hand():
     torch._grouped_mm measured 242 TFLOP/s (24 %) for that MoE forward (ByteDance-Seed/VeOmni PR 460).
     The other matmuls of an MoE block: FLOP-weighted, each at its narrower side (MLA's latent
     projections score low)."""
-    from launcher.plan.perf import expert_gemm_efficiency, expert_rows, knee, moe_block_gemm_knee
+    from launcher.plan.estimate.perf import expert_gemm_efficiency, expert_rows, knee, moe_block_gemm_knee
 
     qwen = model_shape(compose_spec(["model=qwen3_30b_a3b"]).model)
     one = Layout(batch=RankBatchPlan(micro_batch_size=1, seq_len=32768))
@@ -287,8 +287,8 @@ def test_moe_imbalance_is_checked():
 def test_moe_imbalance_flows_from_the_config_to_the_plan():
     """plan.moe_imbalance reaches the Layout (plan.json's layout) and the step: a skewed routing load
     slows an EP layout's plan and the assumptions line names it; a dense model ignores it."""
-    from launcher.plan.plan import build_plan
-    from launcher.plan.report import plan_json
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.present.report import plan_json
 
     base = ["model=qwen3_30b_a3b", "action=plan", "cluster.nodes=2", "cluster.gpus_per_node=8", "parallel.ep=16",
             "trainer.seq_len=4096", "trainer.global_batch_size=16", "plan.plots=false"]
@@ -308,8 +308,8 @@ def test_tp_leaves_the_moe_whole_by_hand():
     under SP): with TP 2 + SP each rank dispatches all 4,096 tokens' rows (EP 32 strided by tp: 4 ep
     ranks per node, 3/32 of the rows same-node, 28/32 over the network), and the routed experts'
     extra FLOPs and activations of a skewed load are those of TP 1, not halved."""
-    from launcher.plan.memory import layer_activation_bytes
-    from launcher.plan.perf import microbatch_compute_s
+    from launcher.plan.estimate.memory import layer_activation_bytes
+    from launcher.plan.estimate.perf import microbatch_compute_s
 
     st = stage_params(DSV3, 1)[0]
     tp2 = dataclasses.replace(_ep_layout(32, tp=2), sp=True)
@@ -326,7 +326,7 @@ def test_tp_leaves_the_moe_whole_by_hand():
         skew(tp1, lambda lay: microbatch_compute_s(DSV3, st, lay, HW)))
     assert skew(tp2, lambda lay: layer_activation_bytes(DSV3, lay, True, "none")) == pytest.approx(
         skew(tp1, lambda lay: layer_activation_bytes(DSV3, lay, True, "none")))
-    from launcher.plan.elementwise import moe_dispatch_bytes
+    from launcher.plan.estimate.elementwise import moe_dispatch_bytes
 
     # The token movement of the full sequence on each TP rank: 2a gather + 4a EP permutes + 3a
     # compiled combine per element of the top_k dim-wide rows (eager: 16 + 5a for the combine).

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from launcher.config.loader import compose_spec
-from launcher.plan.plan import Plan, build_plan
-from launcher.plan.report import render_plan
+from launcher.plan.present.plan import Plan, build_plan
+from launcher.plan.present.report import render_plan
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(Path(sys.executable).with_name("train"))
@@ -121,7 +121,7 @@ def test_more_gpus_less_memory_per_gpu():
 
 
 def test_plots_are_pngs(planned, tmp_path):
-    from launcher.plan.plots import save_plan_plots
+    from launcher.plan.present.plots import save_plan_plots
 
     plan, spec = planned
     paths = save_plan_plots(plan, spec, tmp_path)
@@ -131,7 +131,7 @@ def test_plots_are_pngs(planned, tmp_path):
 
 
 def test_pipeline_schedule_blocks_show_the_bubble():
-    from launcher.plan.plots import schedule_blocks
+    from launcher.plan.present.plots import schedule_blocks
 
     p, m = 4, 8
     blocks = schedule_blocks(p, m, "1f1b")
@@ -171,7 +171,7 @@ def test_token_budget_sets_the_steps_and_the_plan_gives_time_and_cost_with_range
     assert b["gpu_hours"] == pytest.approx(b["wall_s"] * 128 / 3600)
     assert b["usd"] == pytest.approx(b["gpu_hours"] * 2.5)
     # The ranges: the step time scaled by the fsdp+tp ("2d") band's predicted/measured ratios.
-    from launcher.plan.bands import ratio_band
+    from launcher.plan.estimate.bands import ratio_band
 
     lo, hi, measured = ratio_band("2d", "time")
     assert measured and t["band"]["kind"] == "2d"
@@ -193,7 +193,7 @@ def test_unmeasured_kinds_get_a_wider_band_and_say_so():
     published its peak): both bands are the rows'. A figure without rows (MoE memory before those
     rows: the table without it) gets a band wider than any measured one, and a kind without any
     row gets the widened band for both figures."""
-    from launcher.plan.bands import BANDS, ratio_band
+    from launcher.plan.estimate.bands import BANDS, ratio_band
 
     spec = compose_spec(["+recipe=mixtral8x7b"])
     plan = build_plan(spec)
@@ -215,8 +215,8 @@ def test_unmeasured_kinds_get_a_wider_band_and_say_so():
 
 
 def test_planner_never_imports_torch():
-    code = ("import sys; from launcher.config.loader import compose_spec; from launcher.plan.plan import build_plan; "
-            "from launcher.plan.report import render_plan; from launcher.plan.search import search_layouts; "
+    code = ("import sys; from launcher.config.loader import compose_spec; from launcher.plan.present.plan import build_plan; "
+            "from launcher.plan.present.report import render_plan; from launcher.plan.present.search import search_layouts; "
             "s = compose_spec(['+recipe=llama405b', 'cluster.nodes=1024', 'trainer.global_batch_size=2048']); render_plan(build_plan(s), s, 'json'); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -12,10 +12,10 @@ import pytest
 
 from launcher.config.errors import ConfigError
 from launcher.config.loader import compose_spec
-from launcher.plan import rules
+from launcher.plan.decide import rules
 from launcher.plan.layout import FLAT_RECORDS, PLAN_KEY_ORDER, Layout
-from launcher.plan.plan import Plan, build_plan
-from launcher.plan.resolve import check, derive_mesh, resolve, validate
+from launcher.plan.present.plan import Plan, build_plan
+from launcher.plan.decide.resolve import check, derive_mesh, resolve, validate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def test_backend_rules_run_once_per_launch(monkeypatch):
         calls.append(mesh)
         return real(spec, mesh)
 
-    monkeypatch.setattr("launcher.plan.resolve.backend_conflicts", counting)
+    monkeypatch.setattr("launcher.plan.decide.resolve.backend_conflicts", counting)
     spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=2"])
     build_plan(spec, check(spec))  # what `train` does
     assert len(calls) == 1
@@ -99,7 +99,7 @@ def test_conflicts_are_data():
 
 
 def test_world_size_is_derived_in_one_place():
-    """`nodes * gpus_per_node` is computed by launcher.plan.resolve.world_size and nowhere else."""
+    """`nodes * gpus_per_node` is computed by launcher.plan.decide.resolve.world_size and nowhere else."""
     found = []
     for path in (REPO / "launcher").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -107,7 +107,7 @@ def test_world_size_is_derived_in_one_place():
                 sides = {getattr(s, "attr", getattr(s, "id", None)) for s in (node.left, node.right)}
                 if sides == {"nodes", "gpus_per_node"}:
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
-    assert len(found) == 1 and found[0].startswith("launcher/plan/resolve.py"), found
+    assert len(found) == 1 and found[0].startswith("launcher/plan/decide/resolve.py"), found
 
 
 DEGREES = {"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"}
@@ -122,7 +122,7 @@ def _product_names(node: ast.AST) -> List[str]:
 
 def test_the_degrees_and_their_sizes_live_in_one_record():
     """The mesh degrees are declared only by MeshPlan (the plan's record, Layout.mesh) and by
-    ParallelConfig (the user's input); world_size and dp are multiplied out only in plan/mesh.py.
+    ParallelConfig (the user's input); world_size and dp are multiplied out only in plan/degrees.py.
     A class field named like a degree anywhere else is a second copy, unless it is typed `str`
     (backend.tp etc. name the backend of a feature, not a degree)."""
     fields, products = [], []
@@ -141,21 +141,21 @@ def test_the_degrees_and_their_sizes_live_in_one_record():
                 names = set(_product_names(node))
                 if {"dp_replicate", "dp_shard"} <= names or {"pp", "dp", "cp", "tp"} <= names:
                     products.append(f"{where}:{node.lineno} {ast.unparse(node)}")
-    owners = {"launcher/plan/mesh.py": "MeshPlan", "launcher/config/schema.py": "ParallelConfig"}
+    owners = {"launcher/plan/degrees.py": "MeshPlan", "launcher/config/schema.py": "ParallelConfig"}
     stray = [f for f in fields if owners.get(f.split(":")[0]) != f.split()[1].split(".")[0]]
     assert not stray, stray
     assert len(fields) == 2 * len(DEGREES), fields  # MeshPlan's and ParallelConfig's, each declared once
-    assert products and all(p.startswith("launcher/plan/mesh.py") for p in products), products
+    assert products and all(p.startswith("launcher/plan/degrees.py") for p in products), products
     assert len(products) == 2, products  # world_size and dp, once each
 
 
 def test_each_sub_record_field_is_declared_only_in_its_record():
     """Layout's sub-records (FLAT_RECORDS: mesh, batch, deepspeed, ...) are the only home of their
-    fields: Layout and the other plan records (plan/layout.py, plan/mesh.py) declare none of them,
+    fields: Layout and the other plan records (plan/layout.py, plan/degrees.py) declare none of them,
     Layout holds each record under its name, typed by its class, and plan.json's flat keys name one
     field each and keep their names and order (PLAN_KEY_ORDER: the keys before the records)."""
     decls = {}  # class -> field names it declares
-    for path in (REPO / "launcher/plan/layout.py", REPO / "launcher/plan/mesh.py"):
+    for path in (REPO / "launcher/plan/layout.py", REPO / "launcher/plan/degrees.py"):
         for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
             decls[cls.name] = {st.target.id: ast.unparse(st.annotation) for st in cls.body
                                if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)}
@@ -246,7 +246,7 @@ def test_cli_reuses_the_prechecked_layout(monkeypatch):
 
     calls = []
     real = rules.backend_conflicts
-    monkeypatch.setattr("launcher.plan.resolve.backend_conflicts", lambda s, m: calls.append(m) or real(s, m))
+    monkeypatch.setattr("launcher.plan.decide.resolve.backend_conflicts", lambda s, m: calls.append(m) or real(s, m))
     monkeypatch.setattr(cli, "_PRECHECKED", [])
     overrides = ["+recipe=debug", "cluster.gpus_per_node=2", "action=plan"]
     cli._precheck(overrides)

@@ -10,11 +10,11 @@ import pytest
 from launcher.config.loader import compose_spec
 from launcher.config.schema import get_dotted
 from launcher.plan.layout import Layout, MemoryPlan, OVERRIDE_FIELDS, RankBatchPlan
-from launcher.plan.mesh import MeshPlan
-from launcher.plan.resolve import validate
-from launcher.plan.plan import build_plan
-from launcher.plan.report import render_search
-from launcher.plan.search import candidate_spec, search_layouts
+from launcher.plan.degrees import MeshPlan
+from launcher.plan.decide.resolve import validate
+from launcher.plan.present.plan import build_plan
+from launcher.plan.present.report import render_search
+from launcher.plan.present.search import candidate_spec, search_layouts
 
 
 def _apply(spec, overrides: str):

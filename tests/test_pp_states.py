@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage
 from launcher.config.loader import compose_spec
 from launcher.parallel.pp import chunks_of_rank, pipeline_order, schedule_class
 from launcher.rehearse.pp_states import smallest_equivalent_microbatches
-from launcher.plan.plan import build_plan
+from launcher.plan.present.plan import build_plan
 from launcher.runtime.entry import engine_options
 from launcher.rehearse.rank import rehearse_rank
 

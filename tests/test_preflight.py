@@ -1,5 +1,5 @@
-"""The pre-flight health check (launcher/runtime/preflight.py) and the straggler exclusion
-(launcher/runtime/stragglers.py): their verdicts, the failure bundle they leave, the restart
+"""The pre-flight health check (launcher/resilience/preflight.py) and the straggler exclusion
+(launcher/resilience/stragglers.py): their verdicts, the failure bundle they leave, the restart
 decision on it, and one real 2-rank local run whose rank 1 fails its probe."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.runtime.failure import FailureBundle, NodeBlamed
-from launcher.runtime.node_exclusion import NodeSet
-from launcher.runtime.preflight import probe, verdict
-from launcher.runtime.resilience import RESTART, STOP_NODE_UNFIT, decide, read_events
-from launcher.runtime.stragglers import StragglerMonitor
+from launcher.resilience.failure import FailureBundle, NodeBlamed
+from launcher.resilience.node_exclusion import NodeSet
+from launcher.resilience.preflight import probe, verdict
+from launcher.resilience.restarts import RESTART, STOP_NODE_UNFIT, decide, read_events
+from launcher.resilience.stragglers import StragglerMonitor
 from tests.conftest import TRAIN, train_env
 
 
@@ -161,7 +161,7 @@ def test_a_requeued_jobs_failure_replaces_the_summary_its_earlier_run_left(tmp_p
 
 def test_the_check_is_on_for_multi_node_jobs_by_default_and_exclusion_of_stragglers_needs_a_spare():
     from launcher.config.loader import compose_spec
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
 
     def checks(*overrides):
         r = resolve(compose_spec(["+recipe=debug", *overrides])).resilience

@@ -19,7 +19,7 @@ import pytest
 
 from launcher.config.loader import compose_spec, save_spec
 from launcher.rehearse.driver import rehearsal_problems, rehearse
-from launcher.plan.plan import build_plan
+from launcher.plan.present.plan import build_plan
 from launcher.rehearse.ranks import rehearsal_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def test_a_layout_the_runtime_cannot_build_is_refused_naming_rank_module_and_fix
     """A layout the resolver would refuse, written into plan.json as is (tp=4 with n_kv_heads=2):
     every rehearsed rank reports the tensor-parallel code's refusal, with its coordinates and a Fix."""
     spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=4"])
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
 
     good = resolve(spec)
     bad = dataclasses.replace(good, mesh=dataclasses.replace(good.mesh, dp_shard=1, tp=4))
@@ -140,7 +140,7 @@ def test_trainer_rehearse_aborts_a_run_that_does_not_fit_before_launching(tmp_pa
 
 
 def test_auto_ranks_cover_every_pipeline_rank_and_the_last_coordinates():
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
 
     lay = resolve(compose_spec(["+recipe=llama405b", "cluster.nodes=1024"]))
     assert (lay.mesh.pp, lay.mesh.dp_shard, lay.mesh.tp, lay.mesh.world_size) == (8, 128, 8, 8192)
@@ -203,7 +203,7 @@ import json, sys
 from pathlib import Path
 from launcher.config.loader import compose_spec
 from launcher.models.transformer import Transformer
-from launcher.plan.plan import build_plan
+from launcher.plan.present.plan import build_plan
 from launcher.runtime.entry import engine_options
 from launcher.rehearse.rank import rehearse_rank
 

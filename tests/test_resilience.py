@@ -1,4 +1,4 @@
-"""The in-job restart decision (launcher/runtime/resilience.py) on real run folders: what it reads
+"""The in-job restart decision (launcher/resilience/restarts.py) on real run folders: what it reads
 from the failure bundle, when it stops, what it writes. The multi-process runs that use it are in
 tests/test_train_e2e.py (local) and tests/test_slurm_train.py (SLURM)."""
 
@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.runtime.node_exclusion import NodeSet, blamed_nodes
-from launcher.runtime.resilience import (EXCLUDE_DOWN, RESTART, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING, RestartReport, decide,
+from launcher.resilience.node_exclusion import NodeSet, blamed_nodes
+from launcher.resilience.restarts import (EXCLUDE_DOWN, RESTART, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING, RestartReport, decide,
                                          read_events)
 
 
@@ -103,7 +103,7 @@ def test_restart_report_gives_the_metrics_once_after_a_restart(tmp_path):
 
 def test_the_batch_scripts_command_exits_0_to_restart_and_1_to_stop(tmp_path):
     def run(done: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "launcher.runtime.resilience", "decide", "--run-dir", str(tmp_path),
+        return subprocess.run([sys.executable, "-m", "launcher.resilience.restarts", "decide", "--run-dir", str(tmp_path),
                                "--restarts-done", str(done), "--max-restarts", "1", "--exit-code", "1",
                                "--attempt-started", str(time.time() - 60)], capture_output=True, text=True, timeout=60)
 
@@ -124,7 +124,7 @@ def test_a_lost_node_is_not_restarted_in_the_job_and_is_recorded(tmp_path):
 
 
 def _decide_cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher.runtime.resilience", "decide", "--run-dir", str(run_dir),
+    return subprocess.run([sys.executable, "-m", "launcher.resilience.restarts", "decide", "--run-dir", str(run_dir),
                            "--max-restarts", "3", "--exit-code", "1", "--attempt-started", str(time.time() - 60),
                            "--state-file", str(run_dir / "next_step.env"), *args],
                           capture_output=True, text=True, timeout=60)

@@ -1,6 +1,6 @@
 """Real 2-rank runs that go wrong: a hang and a crash leave <run dir>/failure/ naming the culprit.
 
-The misbehaviour comes from the rank runtime's debug hooks (launcher/runtime/debug_hooks.py),
+The misbehaviour comes from the rank runtime's debug hooks (launcher/resilience/debug_hooks.py),
 passed to the ranks through cluster.env, so the code under test is the code that runs in a job.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.runtime.resilience import read_events
+from launcher.resilience.restarts import read_events
 from tests.conftest import TRAIN, train_env
 
 pytestmark = pytest.mark.multiprocess
@@ -138,7 +138,7 @@ def test_moe_expert_shares_are_logged_per_log_step(two_rank_run):
         # debug_moe: 4 experts, top-2, so every expert's share is within (0, 1) and they cannot all be equal to 0.
         assert 0 <= r["moe/expert_share_min"] <= 0.25 <= r["moe/expert_share_max"] <= 1, r
         assert isinstance(r["moe/idle_experts"], int)
-        # Load metrics (launcher/runtime/moe_load.py) at every log step; debug_moe is dropless.
+        # Load metrics (launcher/observe/moe_load.py) at every log step; debug_moe is dropless.
         assert r["moe/tokens_per_expert_cv"] >= 0 and r["moe/tokens_per_expert_max_over_mean"] >= 1, r
         assert r["moe/dropped_frac"] == 0.0 and r["moe/aux_loss"] > 0, r
         # Per MoE layer (debug_moe: blocks 1-3; block 0 dense): the values the mean above averages.
@@ -194,8 +194,7 @@ def test_first_failure_wins_and_each_kind_is_classified(tmp_path):
     """In-process: the summary of the first failing rank stays; later ranks' failures do not replace it."""
     import torch
 
-    from launcher.runtime.failure import FailureBundle
-    from launcher.runtime.stop_control import StopWithoutCheckpoint
+    from launcher.resilience.failure import FailureBundle, StopWithoutCheckpoint
 
     first = FailureBundle(tmp_path, rank=1, world_size=2)
     first.progress.last_step = 5
@@ -207,7 +206,7 @@ def test_first_failure_wins_and_each_kind_is_classified(tmp_path):
     summary = json.loads((tmp_path / "failure" / "summary.json").read_text())
     assert (summary["rank"], summary["what"], summary["error"], summary["last_step"]) == (1, "exception", "RuntimeError: boom", 5)
     assert sorted(summary["files"]["tracebacks"]) == ["failure/traceback_rank_1.txt"]
-    from launcher.runtime.failure import classify
+    from launcher.resilience.failure import classify
 
     assert classify(torch.OutOfMemoryError("CUDA out of memory")) == "oom"
     assert classify(StopWithoutCheckpoint("stop requested")) == "signal"
@@ -221,7 +220,7 @@ def test_an_expert_that_gets_no_tokens_is_warned_about(caplog):
     from torch import nn
 
     from launcher.models.moe import MoE
-    from launcher.runtime.moe_health import IDLE_LOGS, MoEHealth
+    from launcher.observe.moe_health import IDLE_LOGS, MoEHealth
 
     class Block(nn.Module):
         def __init__(self):
@@ -237,7 +236,7 @@ def test_an_expert_that_gets_no_tokens_is_warned_about(caplog):
         model.layers["1"].moe.router.weight[0].fill_(-100.0)  # positive inputs: expert 0 always scores lowest
     health = MoEHealth([model], n_layers=2, n_experts=4, rank=0, device=torch.device("cpu"))
     x = torch.randn(64, 8).abs()
-    with caplog.at_level(logging.WARNING, logger="launcher.runtime.moe_health"):
+    with caplog.at_level(logging.WARNING, logger="launcher.observe.moe_health"):
         for step in range(1, IDLE_LOGS + 1):
             model.layers["1"].moe(x)
             row = health.observe(step)
@@ -254,7 +253,7 @@ def test_moe_load_metrics_math_on_hand_made_counts():
     """cv and max/mean per layer, then the mean over the layers that routed tokens; dropped and aux."""
     import torch
 
-    from launcher.runtime.moe_load import KEYS, layer_metrics, load_metrics
+    from launcher.observe.moe_load import KEYS, layer_metrics, load_metrics
 
     counts = torch.tensor([[3.0, 1.0], [2.0, 2.0], [0.0, 0.0]])  # the last layer: on no stage / dense
     got = load_metrics(counts, dropped=torch.tensor([1.0, 0.0, 0.0]), aux_sum=torch.tensor([0.02, 0.06, 0.0]),
@@ -283,7 +282,7 @@ def test_moe_health_reports_dropped_tokens_and_aux_loss_of_a_real_layer():
     from torch import nn
 
     from launcher.models.moe import MoE
-    from launcher.runtime.moe_health import MoEHealth
+    from launcher.observe.moe_health import MoEHealth
 
     torch.manual_seed(0)
     block = nn.Module()

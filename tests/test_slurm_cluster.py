@@ -17,7 +17,7 @@ import pytest
 
 from launcher.config.loader import compose_spec
 from launcher.launch import slurm
-from launcher.plan.plan import build_plan
+from launcher.plan.present.plan import build_plan
 from slurm_cluster import DEV_CLUSTER, JOB_NODES, NODES, SlurmCluster, dev_cluster_up, slurm_cluster  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slurm

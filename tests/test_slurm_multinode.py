@@ -34,7 +34,7 @@ from typing import Dict, List
 
 import pytest
 
-from launcher.runtime.resilience import EXCLUDE_DOWN
+from launcher.resilience.restarts import EXCLUDE_DOWN
 from conftest import losses_by_step, read_metrics, run_train
 from slurm_cluster import JOB_NODES, SlurmCluster, dev_cluster_up, slurm_cluster  # noqa: F401  (fixture)
 from test_slurm_train import job_logs, submit_train

@@ -14,8 +14,8 @@ import pytest
 
 from launcher.config.loader import compose_spec
 from launcher.launch import slurm
-from launcher.plan.plan import build_plan
-from launcher.runtime.resilience import EXCLUDE_DOWN
+from launcher.plan.present.plan import build_plan
+from launcher.resilience.restarts import EXCLUDE_DOWN
 
 SECRET = "s3cr3t-VALUE-7f2a"
 
@@ -153,9 +153,9 @@ def test_options_gpu_cluster_and_container(tmp_path):
     assert "--ntasks=2" in srun and "--cpus-per-task=16" in srun
     assert "--container-image=nvcr.io/nvidia/pytorch:24.05-py3" in srun
     # The in-job restart decision needs the launcher's Python: in the image, one task on one node.
-    decide = next(line.strip() for line in script.splitlines() if "-m launcher.runtime.resilience" in line)
+    decide = next(line.strip() for line in script.splitlines() if "-m launcher.resilience.restarts" in line)
     assert decide.startswith("srun --nodes=1 --ntasks=1 --container-image=nvcr.io/nvidia/pytorch:24.05-py3 ")
-    assert " python -m launcher.runtime.resilience decide --run-dir " in decide
+    assert " python -m launcher.resilience.restarts decide --run-dir " in decide
 
 
 def test_launch_uses_torchrun_with_c10d_on_first_node(tmp_path):
@@ -172,12 +172,12 @@ def test_launch_uses_torchrun_with_c10d_on_first_node(tmp_path):
 
 def test_a_failed_srun_step_is_followed_by_the_restart_decision_and_a_new_step(tmp_path):
     """cluster.max_restarts (3 on SLURM) reaches the script; after a failed step it asks
-    launcher.runtime.resilience (this Python, quoted) and loops to a new srun step."""
+    launcher.resilience.restarts (this Python, quoted) and loops to a new srun step."""
     script = render(make_spec("cluster.max_restarts=2"), tmp_path / "run dir")
     assert "MAX_RESTARTS=2" in script
-    decide = next(line.strip() for line in script.splitlines() if "-m launcher.runtime.resilience" in line)
+    decide = next(line.strip() for line in script.splitlines() if "-m launcher.resilience.restarts" in line)
     run_dir = str((tmp_path / "run dir").resolve())
-    assert decide.startswith(f"{shlex.quote(sys.executable)} -m launcher.runtime.resilience decide "
+    assert decide.startswith(f"{shlex.quote(sys.executable)} -m launcher.resilience.restarts decide "
                              f"--run-dir {shlex.quote(run_dir)}")
     assert '--restarts-done "$RESTARTS_DONE" --max-restarts "$MAX_RESTARTS" --exit-code "$SRUN_RC"' in script
     assert 'export LAUNCHER_RESTART="$RESTARTS_DONE"' in script

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
 from slurm_cluster import JOB_NODES, JobInfo, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
-from launcher.runtime.resilience import read_events
+from launcher.resilience.restarts import read_events
 from tests.deepspeed_harness.common import deepspeed_env
 
 pytestmark = pytest.mark.slurm

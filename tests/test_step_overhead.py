@@ -120,10 +120,10 @@ def test_the_loop_reads_step_stats_only_at_log_steps_and_logs_the_eager_values(t
     host (StepStats.materialise, one device wait) only at the steps it logs, and what it logs is
     what reading every step at once gives."""
     from launcher.engines import build_engine
-    from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import check
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
-    from launcher.runtime.checkpoint import CheckpointManager
+    from launcher.checkpoint.manager import CheckpointManager
     from launcher.runtime.metrics import MetricsLogger
     from launcher.runtime.signals import StopWatcher
     from launcher.runtime.trainer import LoopConfig, Trainer

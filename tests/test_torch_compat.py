@@ -20,7 +20,7 @@ from launcher.config.loader import compose_spec
 from launcher.launch import slurm
 from launcher.launch.local import local_torchrun_argv
 from launcher.launch.torchrun import SHUTDOWN_TIMEOUT, torchrun_argv, torchrun_env
-from launcher.plan.plan import build_plan
+from launcher.plan.present.plan import build_plan
 
 REPO = Path(__file__).resolve().parents[1]
 FLAGS_DIR = REPO / "bench" / "reference" / "torchrun_flags"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.runtime.checkpoint_folder import verify_checkpoint
+from launcher.checkpoint.folder import verify_checkpoint
 from tests.conftest import REPO, TRAIN, losses_by_step, read_metrics, run_train, train_env
 
 pytestmark = pytest.mark.multiprocess
@@ -319,7 +319,7 @@ def test_async_checkpoint_killed_mid_write_keeps_the_previous_one_and_resumes_ex
     run_dir.mkdir(parents=True)
     root = run_dir / "checkpoints"
     args = [*BASE, "checkpoint.async=true"]
-    # Test aid (launcher/runtime/async_checkpoint.py): every rank's write of step 4 starts 3 s late
+    # Test aid (launcher/checkpoint/async_save.py): every rank's write of step 4 starts 3 s late
     # (steps 5-7 change the parameters meanwhile: only the staged copy gives the right checkpoint),
     # the write of step 8 600 s late (in flight when the run is killed).
     proc = _start([*args, "+cluster.env.LAUNCHER_DEBUG_SLOW_CKPT_WRITE='4:3,8:600'"], run_dir)
@@ -343,7 +343,7 @@ def test_async_checkpoint_killed_mid_write_keeps_the_previous_one_and_resumes_ex
     assert not list(root.glob(".incomplete_*"))
 
 
-# --- In-job restart (cluster.max_restarts; launcher/runtime/resilience.py) -----------------------
+# --- In-job restart (cluster.max_restarts; launcher/resilience/restarts.py) -----------------------
 
 
 def _rank_pids(run_dir: Path) -> list:

@@ -10,9 +10,9 @@ from typing import Any, List, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.config.errors import ConfigError
+from launcher.config.hf_model import fill_from_hf
 from launcher.config.schema import JobConfig
 from launcher.config.suggest import unknown_key_problem
-from launcher.hf.format import fill_from_hf
 from launcher.paths import config_dir
 
 RESOLVED_CONFIG = "config.yaml"

@@ -157,7 +157,7 @@ class ParallelConfig:
     # Explicit layers per stage (length pp * pp_virtual_stages); empty = even split.
     pp_layers: List[int] = field(default_factory=list)
     # Pipeline micro-batches per step: always the gradient-accumulation steps (-1); any other
-    # value must restate them (the rule lives in launcher/plan/resolve.py).
+    # value must restate them (the rule lives in launcher/plan/decide/resolve.py).
     microbatches: int = -1
     cp: int = 1
     ep: int = 1
@@ -195,7 +195,7 @@ class CheckpointConfig:
     # Verify file checksums (crc32) before resuming; sizes are always checked.
     verify_checksums: bool = True
     save_final: bool = True
-    # The node-local tier (launcher/runtime/local_checkpoint.py): "" = off; else a folder on each
+    # The node-local tier (launcher/checkpoint/local_tier.py): "" = off; else a folder on each
     # node's own disk (e.g. /tmp or NVMe) where every rank saves its state every local_interval
     # steps, with a replica on the next node; restart uses it when newer than the shared one.
     local_dir: str = ""
@@ -289,7 +289,7 @@ class TrainerConfig:
     track_memory: bool = False
     device: str = "auto"  # auto | cpu | cuda
     deterministic: bool = False
-    # Hang watchdog (launcher/runtime/watchdog.py): seconds without a finished step before every
+    # Hang watchdog (launcher/resilience/watchdog.py): seconds without a finished step before every
     # rank dumps its stacks into <run dir>/failure/ and the job fails. -1: auto (20 x the plan's
     # step time, at least 300 s); 0: off. Saves, validation, resume and the first steps have their own bound.
     hang_timeout_s: float = -1.0
@@ -297,7 +297,7 @@ class TrainerConfig:
     val_every: int = 0
     val_steps: int = 2
     # Straggler warning: a rank busier than this x the other ranks' median for straggler_checks log
-    # steps in a row (launcher/runtime/stragglers.py; one all-gather of one float per log step). 0: off.
+    # steps in a row (launcher/resilience/stragglers.py; one all-gather of one float per log step). 0: off.
     straggler_factor: float = 1.5
     straggler_checks: int = 3
     # What a straggler does: warn (log and run summary), exclude (every rank ends the attempt with a
@@ -305,7 +305,7 @@ class TrainerConfig:
     # excludes it from the requeued job), auto (exclude when cluster.spare_nodes > 0, else warn).
     straggler_action: str = "auto"
     # Pre-flight health check before the first step (and after each in-job restart):
-    # launcher/runtime/preflight.py. auto: on for multi-node jobs (cluster.nodes > 1) | on | off.
+    # launcher/resilience/preflight.py. auto: on for multi-node jobs (cluster.nodes > 1) | on | off.
     health_check: str = "auto"
     # A rank whose probe matmul takes over this x the other ranks' median, or whose all-reduce
     # bandwidth is under their median / this, names its node (as does a wrong matmul result).
@@ -427,7 +427,7 @@ class HardwareConfig:
     # Host <-> GPU bandwidth per GPU (PCIe), one direction; used for offload time.
     pcie_gbps: float = 25.0
     # Write bandwidth from one node to the checkpoint storage (GB/s, shared by the node's
-    # ranks); predicts the save time of a stop (launcher/plan/checkpoint_time.py). The
+    # ranks); predicts the save time of a stop (launcher/plan/estimate/checkpoint_time.py). The
     # default, 5 GB/s, is a conservative per-node share of a parallel file system (Lustre,
     # GPFS, WEKA); NFS often gives 1, local NVMe 5-10. Measure yours (`fio`/`dd`) and set it.
     storage_gbps: float = 5.0
@@ -488,7 +488,7 @@ class PlanConfig:
 
 @dataclass
 class ProfileConfig:
-    """torch.profiler traces (launcher/runtime/profiler.py) into <run dir>/profile/rank_<r>/."""
+    """torch.profiler traces (launcher/observe/profiler.py) into <run dir>/profile/rank_<r>/."""
 
     enabled: bool = False
     steps: List[int] = field(default_factory=lambda: [10, 12])  # [first, last], inclusive

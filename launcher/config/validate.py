@@ -3,7 +3,7 @@
 `validate(spec)` returns the problems that the config alone shows (choices, positive values,
 model shape vs the degrees the user wrote, sequence lengths, offload keys, cluster keys).
 Rules that need a derived value (the world size, the inferred dp_shard, gradient
-accumulation, the backend per feature) belong to the resolver, launcher/plan/resolve.py,
+accumulation, the backend per feature) belong to the resolver, launcher/plan/decide/resolve.py,
 whose `validate(spec)` runs these rules and its own: that is the full check the CLI uses.
 Pure Python so that `action=plan` and `action=search` can call it for thousands of layouts.
 """
@@ -24,7 +24,7 @@ from launcher.models.family import family_problems
 from launcher.models.shape import head_dim_of, moe_layer_ids
 from launcher.config.writable import folder_problem
 
-# What action=search ranks by (launcher/plan/search.py rank_key).
+# What action=search ranks by (launcher/plan/present/search.py rank_key).
 PLAN_OBJECTIVES = ("throughput", "cost", "time")
 
 CHOICES = {
@@ -534,7 +534,8 @@ def tokenizer_vocab_size(path: str, mtime_ns: int) -> Tuple[Optional[int], str]:
 
 
 def _check_observability(spec: JobConfig, problems: List[str]) -> None:
-    """Hang watchdog, validation, profiler and straggler settings (launcher/runtime/)."""
+    """Hang watchdog, validation, profiler and straggler settings (launcher/resilience/, launcher/runtime/,
+    launcher/observe/)."""
     t = spec.trainer
     if t.hang_timeout_s < 0 and t.hang_timeout_s != -1:
         problems.append(
@@ -575,7 +576,7 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
     if pr.enabled and (len(pr.steps) != 2 or pr.steps[0] < 1 or pr.steps[1] < pr.steps[0]):
         problems.append(
             f"profile.steps={list(pr.steps)} must be [first, last] with 1 <= first <= last. Fix: e.g. profile.steps=[10,12].")
-    # profile.ranks against the world size: launcher.plan.resolve (it owns the world size).
+    # profile.ranks against the world size: launcher.plan.decide.resolve (it owns the world size).
     # data.source=indexed takes PREFIXes too: launcher/data/checks.py checks those paths.
     if spec.action == "run" and d.val_path and d.source != "indexed" and not os.path.exists(d.val_path):
         problems.append(f"data.val_path={d.val_path} does not exist. Fix: point data.val_path at held-out {d.source} data.")
@@ -667,7 +668,7 @@ def basic_problems(spec: JobConfig) -> List[str]:
 
 def validate(spec: JobConfig) -> List[str]:
     """Every problem the config alone shows (empty list: none). The full check, with the
-    resolver's rules and backend conflicts, is `launcher.plan.resolve.validate`."""
+    resolver's rules and backend conflicts, is `launcher.plan.decide.resolve.validate`."""
     problems = basic_problems(spec)
     for rule in RULES:
         rule(spec, problems)
@@ -678,7 +679,7 @@ def stop_lead_warnings(spec: JobConfig, stop_s: float) -> List[str]:
     """Warnings (not errors) when SLURM's time-limit warning comes later than a stop needs.
 
     `stop_s` is the planner's predicted time to finish a step and save a checkpoint
-    (launcher/plan/checkpoint_time.py). SLURM kills the job at its time limit whatever
+    (launcher/plan/estimate/checkpoint_time.py). SLURM kills the job at its time limit whatever
     the ranks are doing, so a shorter lead loses the save.
     """
     lead = spec.cluster.signal_seconds
@@ -716,7 +717,7 @@ def check(spec: JobConfig) -> None:
 
 
 # --------------------------------------------------------------------------- rules shared with
-# the search (launcher/plan/search.py) and the parallel modules: written once, here.
+# the search (launcher/plan/present/search.py) and the parallel modules: written once, here.
 
 
 def tensor_parallel_problems(m: ModelConfig, tp: int) -> List[str]:

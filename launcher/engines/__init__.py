@@ -1,7 +1,11 @@
 """The engines: native PyTorch (native.py) and DeepSpeed (deepspeed.py), one contract (base.py).
 
-Below the runtime, above the parallel techniques: the runtime builds one engine from the
-plan's Layout (`build_engine`), the engine applies launcher/parallel/* as the Layout says.
+Each engine implements one `backend` of the config (`backend=native|deepspeed`): which engine
+owns the model states is decided per feature by the planner (launcher/plan/decide/backends.py,
+recorded in the Layout's owners), never here. The runtime builds the engine that owns them from
+the plan's Layout (`build_engine`); the engine applies launcher/parallel/* as the Layout says.
+
+Below the runtime, checkpoint/ and observe/, above the parallel techniques and the plan.
 """
 
 from __future__ import annotations

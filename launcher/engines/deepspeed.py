@@ -296,7 +296,7 @@ class _EmbedStage(nn.Module):
 class _BlockStage(nn.Module):
     """One Transformer block, held as `layers.<its index in the whole model>` so that this stage's
     parameter and module names read as the Transformer's (`<pipeline index>.layers.<i>.…`): the
-    moe/* metrics (launcher/runtime/moe_health.py) find the MoE layers by that name."""
+    moe/* metrics (launcher/observe/moe_health.py) find the MoE layers by that name."""
 
     def __init__(self, index: int, block: nn.Module, rope: torch.Tensor):
         super().__init__()

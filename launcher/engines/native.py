@@ -49,7 +49,7 @@ from launcher.parallel.cp import context_parallel_region, context_parallel_unsup
 from launcher.parallel.ep import apply_expert_parallel
 from launcher.parallel.fp8 import convert_to_float8, float8_scale_precompute_needed, precompute_float8_scales
 from launcher.parallel.fsdp import UnshardedAccumulation, apply_fsdp, mixed_precision_policy
-from launcher.parallel.mesh import build_device_mesh, expert_meshes, submesh
+from launcher.parallel.device_mesh import build_device_mesh, expert_meshes, submesh
 from launcher.parallel.phase import phase_barrier
 from launcher.parallel.pp import build_schedule, split_into_stages
 from launcher.parallel.tp import apply_tensor_parallel
@@ -463,7 +463,7 @@ class NativeEngine:
     def local_state(self) -> Dict[str, Any]:
         """This rank's own part of `save`'s state, as plain CPU tensors: the local shard of every
         DTensor, copies of plain tensors, the other values as they are (the node-local checkpoint
-        tier, launcher/runtime/local_checkpoint.py). Restored by `load_local_state` in the same layout."""
+        tier, launcher/checkpoint/local_tier.py). Restored by `load_local_state` in the same layout."""
         flat: Dict[str, Any] = {}
         for path, value in _leaves(self._state()):
             if isinstance(value, torch.Tensor):

@@ -14,7 +14,8 @@ config.json's `model_type` (reading) or model.family (writing):
   written to both. Other rope types are refused by name unless a family implements them;
 - dtypes: loading takes each tensor's dtype from its file; an export writes both `dtype`
   (transformers 5) and `torch_dtype` (4.x);
-- the folder checks (files, safetensors headers, shapes) and model=hf's filling of model.*.
+- the folder checks (files, safetensors headers, shapes). model=hf's filling of model.* is the
+  config's (launcher/config/hf_model.py), which reads config.json through this module.
 """
 
 from __future__ import annotations
@@ -25,10 +26,6 @@ import struct
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from omegaconf import OmegaConf, open_dict
-
-from launcher.config.errors import ConfigError
-from launcher.config.schema import RopeScalingConfig
 from launcher.models.hf_common import TensorMap, rope_scaling_summary  # TensorMap: launcher/hf/weights.py reads it here
 from launcher.models.family import DEFAULT_FAMILY, family_for_hf_type, family_of, get_family, hf_model_types
 from launcher.models.shape import head_dim_of
@@ -78,11 +75,10 @@ def _family_for_config(hf: Dict[str, Any]):
     return spec
 
 
-def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
-    """model.* values a config.json describes (its family's map, chosen by `model_type`)."""
-    fields = {**_SHAPE_DEFAULTS, **_family_for_config(hf).hf_module().hf_model_fields(hf)}
-
-    return dict(fields, rope_scaling=RopeScalingConfig(**fields["rope_scaling"]))
+def hf_model_values(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """model.* values a config.json describes (its family's map, chosen by `model_type`), as
+    plain values: rope_scaling is a dict (launcher/config/hf_model.py types it for ModelConfig)."""
+    return {**_SHAPE_DEFAULTS, **_family_for_config(hf).hf_module().hf_model_fields(hf)}
 
 
 def unsupported_features(hf: Dict[str, Any]) -> List[str]:
@@ -175,7 +171,10 @@ def folder_problems(model, folder: str, check_shapes: bool = True) -> List[str]:
         return problems
     if check_shapes:
         try:
-            fields = hf_model_fields(hf)
+            fields = hf_model_values(hf)
+            # Typed by model.rope_scaling's own class, whose defaults fill what config.json leaves
+            # out, as loading does (launcher/config/hf_model.py); hf/ imports nothing from config/.
+            fields["rope_scaling"] = type(model.rope_scaling)(**fields["rope_scaling"])
         except (KeyError, TypeError, ValueError) as err:
             return [f"{key}={folder}: config.json lacks or garbles {err}. {fix_folder}"]
         # head_dim 0 means dim // n_heads: compare the widths both sides mean.
@@ -222,37 +221,3 @@ def folder_problems(model, folder: str, check_shapes: bool = True) -> List[str]:
         problems.append(f"{key}={folder}: {len(wrong)} tensor(s) with the wrong shape, e.g. {', '.join(wrong[:3])}. "
                         f"Fix: a checkpoint whose config.json matches its weights.")
     return problems
-
-
-def fill_from_hf(cfg) -> None:
-    """model=hf: fill the model.* shape keys from config.json of model.init_from,
-    and data.tokenizer from the folder's tokenizer.json when data=text has none (a DictConfig,
-    edited in place before it becomes a JobConfig). Problems raise ConfigError."""
-    model = cfg.get("model")
-    if model is None or OmegaConf.is_missing(model, "init_from") or not model.get("init_from"):
-        if model is not None and model.get("name") == "hf":
-            raise ConfigError(["model=hf takes its shape from a Hugging Face folder but model.init_from is not set. "
-                               "Fix: model=hf model.init_from=/path/to/folder (with config.json)."])
-        return
-    folder = str(model.init_from)
-    data = cfg.get("data")
-    if data is not None and data.get("source") == "text" and not data.get("tokenizer"):
-        tok = Path(folder) / "tokenizer.json"
-        if tok.is_file():
-            with open_dict(data):
-                data.tokenizer = str(tok)
-    # model=hf: every shape key from config.json (a yaml ??? cannot override a schema default in
-    # OmegaConf's merge, so the name decides); max_seq_len only where left 0 (a user value wins).
-    if model.get("name") == "hf":
-        missing = list(SHAPE_KEYS) + [k for k in FILL_ONLY_KEYS if not model.get(k)]
-    else:
-        missing = [k for k in SHAPE_KEYS + FILL_ONLY_KEYS if OmegaConf.is_missing(model, k)]
-    if not missing:
-        return
-    try:
-        fields = hf_model_fields(read_hf_config(folder))
-    except (FileNotFoundError, ValueError, KeyError) as err:
-        raise ConfigError([f"model.init_from={folder}: cannot take model.{', model.'.join(missing)} from it ({err}). "
-                           f"Fix: point model.init_from at a local Hugging Face folder with config.json."]) from err
-    for k in missing:
-        model[k] = fields[k]

@@ -23,8 +23,8 @@ from launcher.data.prepare import PrepareError, report_failure, run_prepare
 from launcher.launch.local import launch_local
 from launcher.launch.prepare_job import submit_prepare
 from launcher.launch.slurm import submit
-from launcher.plan.plan import Plan
-from launcher.runtime.checkpoint_folder import CheckpointDirInUse
+from launcher.plan.present.plan import Plan
+from launcher.checkpoint.folder import CheckpointDirInUse
 
 EXIT_INVALID_INPUT = 2  # as an invalid configuration: the input is what is wrong
 EXIT_CHECKPOINT_DIR_IN_USE = 3

@@ -18,11 +18,11 @@ from launcher.compat import TorchCapabilities, ranks_capabilities
 from launcher.config.schema import JobConfig
 from launcher.job_env import IN_JOB_RESTARTS_ENV
 from launcher.launch.torchrun import SHUTDOWN_TIMEOUT, shutdown_timeout_of, torchrun_argv
-from launcher.plan.plan import Plan
-from launcher.runtime.checkpoint_folder import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
-from launcher.runtime.resilience import decide
-from launcher.runtime.failure import FAILURE_DIR, SUMMARY_FILE
-from launcher.runtime.watchdog import HANG_EXIT_CODE, REPORT_GRACE_S, flight_recorder_env
+from launcher.plan.present.plan import Plan
+from launcher.checkpoint.folder import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
+from launcher.resilience.restarts import decide
+from launcher.resilience.failure import FAILURE_DIR, SUMMARY_FILE
+from launcher.resilience.watchdog import HANG_EXIT_CODE, REPORT_GRACE_S, flight_recorder_env
 from launcher.runtime.stop_control import STOP_FILE, STOPPED_FILE, StopSignals, control_dir
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ def launch_local(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
     graceful stop (StopForwarder: every rank saves and exits; a second Ctrl-C stops at once); a run
     whose ranks checkpointed and stopped returns 0. torchrun tears down all ranks when one fails;
     then, while cluster.max_restarts allows and the failure is not a repeat of the last one, the
-    ranks are started again and resume from the newest checkpoint (launcher/runtime/resilience.py).
+    ranks are started again and resume from the newest checkpoint (launcher/resilience/restarts.py).
     """
     if spec.checkpoint.enabled:
         # Refuse before any rank starts (the ranks' own lock is the real guard).
@@ -271,7 +271,7 @@ def _run_once(argv: List[str], env: Dict[str, str], run_dir: Path, grace_s: floa
     return (INTERRUPTED_EXIT_CODE if forwarder.abort else code), forwarder.first_signal is not None
 
 
-# After the hang watchdog's evidence, how long the ranks' own way out (launcher/runtime/watchdog.py)
+# After the hang watchdog's evidence, how long the ranks' own way out (launcher/resilience/watchdog.py)
 # may take before the executor ends the attempt: from the first rank's stacks, rank 0's wait for
 # the others' reports plus their wait for its summary; from rank 0's hang summary, the exits.
 HANG_EXIT_GRACE_S = REPORT_GRACE_S + 45.0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
-from launcher.plan.plan import Plan
+from launcher.plan.present.plan import Plan
 
 
 def check_deepspeed_config(spec: JobConfig, plan: Plan) -> None:

@@ -32,7 +32,7 @@ from launcher.config.schema import ClusterConfig, JobConfig
 from launcher.compat import TorchCapabilities, floor_capabilities, ranks_capabilities
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv, torchrun_env
 from launcher.paths import slurm_dir
-from launcher.plan.plan import Plan
+from launcher.plan.present.plan import Plan
 
 DEFAULT_TEMPLATE = "sbatch.sh.j2"
 SCRIPT_NAME = "job.sbatch"
@@ -237,7 +237,7 @@ def launch_argv(spec: JobConfig, plan: Plan, run_dir: Path, caps: Optional[Torch
 
 
 def resilience_argv(spec: JobConfig, cwd: Path, run_dir: Path) -> List[str]:
-    """The batch script's restart decision after a failed srun step (launcher/runtime/resilience.py):
+    """The batch script's restart decision after a failed srun step (launcher/resilience/restarts.py):
     it appends `--restarts-done N --max-restarts M --exit-code C`. With a container the launcher's
     Python lives in the image, so the decision runs there too, as one task on one node."""
     c = spec.cluster
@@ -245,7 +245,7 @@ def resilience_argv(spec: JobConfig, cwd: Path, run_dir: Path) -> List[str]:
     prefix: List[str] = []
     if c.container:
         prefix = ["srun", "--nodes=1", "--ntasks=1", *container_args(c, cwd, run_dir)]
-    return [*prefix, python, "-m", "launcher.runtime.resilience", "decide", "--run-dir", str(run_dir)]
+    return [*prefix, python, "-m", "launcher.resilience.restarts", "decide", "--run-dir", str(run_dir)]
 
 
 def template_context(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[Path] = None) -> Dict[str, Any]:

@@ -36,7 +36,7 @@ class ModelFamily:
     launcher.parallel.tp.BlockStyles, so the family imports nothing from launcher/parallel);
     hf: module with hf_model_fields(hf), unsupported_features(hf), hf_config_for(model, dtype)
     and tensor_maps(model) (pure Python);
-    params: module with component_counts(model) -> Dict[str, int] (see launcher/plan/params.py for
+    params: module with component_counts(model) -> Dict[str, int] (see launcher/plan/estimate/params.py for
     the keys), attention_layout(model) and ffn_linears(model) (the block's matmul shapes and head
     sizes the planner's formulas read: launcher/models/shape.py) and block_description(model) (pure Python);
     hf_model_types: config.json `model_type` values this family reads."""

@@ -52,7 +52,7 @@ def hf_rope_params(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
 
 
 def rope_scaling_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
-    """model.rope_scaling's fields (a plain dict; launcher/hf/format.py makes the RopeScalingConfig)
+    """model.rope_scaling's fields (a plain dict; launcher/config/hf_model.py makes the RopeScalingConfig)
     of a config.json. An unsupported rope type is kept by name (validation and
     unsupported_features refuse it; the model never runs it silently as plain RoPE); fields it
     lacks are left out (the schema defaults fill them; unsupported_features names them)."""

@@ -22,7 +22,7 @@ Routing (per forward call, over the call's b*s tokens):
   counts once per optimizer step: the engine sets 1 / (micro-batches * data-parallel ranks).
   The latest (unscaled) value is kept in ``last_aux_loss`` for logging.
 
-Load accounting (read and reset by launcher/runtime/moe_health.py at log steps): over the
+Load accounting (read and reset by launcher/observe/moe_health.py at log steps): over the
 forwards that record gradients (training; validation runs under no_grad), ``routed_tokens``
 [E] counts assignments per expert before any capacity drop, ``dropped_tokens`` the assignments
 dropped by capacity (stays 0 when dropless), ``aux_loss_sum`` / ``aux_loss_calls`` the summed
@@ -153,7 +153,7 @@ class MoE(nn.Module):
         # Assignment order: "topk" (the router decides) or "balanced" (see balanced_assignment).
         self.routing = "topk"
         self._last_dropped: "torch.Tensor | None" = None
-        # Assignments routed to each expert since the runtime last read them (launcher/runtime/moe_health.py).
+        # Assignments routed to each expert since the runtime last read them (launcher/observe/moe_health.py).
         self.routed_tokens: "torch.Tensor | None" = None
         self.dropped_tokens: "torch.Tensor | None" = None
         self.aux_loss_sum: "torch.Tensor | None" = None

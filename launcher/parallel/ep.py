@@ -15,7 +15,7 @@ expert and calls ``experts(x_sorted, counts, sizes)``. Hooks around that call do
 3. regroup the received rows by local expert, run the local experts, undo the regrouping;
 4. all-to-all the results back; the MoE layer combines them with the routing weights.
 
-The ep ranks are carved out of dp_shard*cp (``launcher.parallel.mesh.expert_meshes``); the
+The ep ranks are carved out of dp_shard*cp (``launcher.parallel.device_mesh.expert_meshes``); the
 experts are FSDP-sharded over the remaining dp_shard*cp/ep ranks. Expert gradients collect
 every ep rank's tokens through step 2's backward, which is why data-parallel gradients are
 summed (not averaged) in launcher/parallel/fsdp.py.

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from launcher.plan.layout import Layout
-from launcher.plan.params import chunk_layer_counts, chunks_of_rank
+from launcher.plan.estimate.params import chunk_layer_counts, chunks_of_rank
 
 log = logging.getLogger(__name__)
 

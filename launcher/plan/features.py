@@ -2,8 +2,8 @@
 (`FEATURES`: what each backend implements), and the record of one decision (`BackendChoice`).
 
 Pure data, no torch. Under which condition each backend can serve a feature is the support
-table (launcher/plan/support.py); the decision is made in launcher/plan/rules.py; the docs and
-the `--markdown` generator live in launcher/plan/backends.py.
+table (launcher/plan/decide/support.py); the decision is made in launcher/plan/decide/rules.py; the docs and
+the `--markdown` generator live in launcher/plan/decide/backends.py.
 
 The one fact that shapes every rule: a single engine owns the model states. Either the
 native stack (FSDP2 / DTensor / torch pipelining) wraps the model, or DeepSpeed's engine

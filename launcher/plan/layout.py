@@ -1,6 +1,6 @@
 """The resolved layout: every decision derived from the config, made once and obeyed everywhere.
 
-`launcher.plan.resolve.resolve(spec)` is the only code that reads the parallel, offload,
+`launcher.plan.decide.resolve.resolve(spec)` is the only code that reads the parallel, offload,
 precision, backend and cluster groups to derive the world size, the mesh degrees (dp_shard
 inferred), gradient accumulation, the pipeline micro-batches and schedule, whether FSDP
 wraps the model, and which backend and implementation owns each feature. It returns one
@@ -12,7 +12,7 @@ The search (search.py) evaluates tens of thousands of layouts and cannot afford 
 JobConfig for each: it builds cheap candidates with ``dataclasses.replace`` on a base Layout,
 so every field has a default and the derived values are properties of the fields.
 
-Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/mesh.py's MeshPlan, their
+Sub-records: the mesh degrees and their sizes are `Layout.mesh` (plan/degrees.py's MeshPlan, their
 only home), the per-rank batch `Layout.batch` (RankBatchPlan), the ZeRO stage, activation checkpointing
 and offload `Layout.memory` (MemoryPlan), the precision and fp8 options `Layout.numerics`
 (NumericsPlan), the backend owning each feature `Layout.owners` (BackendPlan; Layout.backends is
@@ -31,7 +31,7 @@ from typing import Any, Dict, Literal, Tuple
 
 from launcher.config.schema import Fp8Config
 from launcher.plan.features import BackendChoice
-from launcher.plan.mesh import MeshPlan
+from launcher.plan.degrees import MeshPlan
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
 Precision = Literal["fp32", "bf16", "fp8"]
@@ -173,7 +173,7 @@ class Layout:
     nodes: int = 1
     gpus_per_node: int = 8
     # The mesh degrees pp, dp_replicate, dp_shard, cp, tp, ep and their derived sizes (world_size,
-    # dp): the one record of them (launcher/plan/mesh.py, which also gives the rank order).
+    # dp): the one record of them (launcher/plan/degrees.py, which also gives the rank order).
     mesh: MeshPlan = field(default_factory=MeshPlan)
     sp: bool = False
     vpp: int = 1  # model chunks per pipeline rank
@@ -190,7 +190,7 @@ class Layout:
     deepspeed: DeepSpeedPlan = field(default_factory=DeepSpeedPlan)
     # The node checks the ranks run: health check, straggler exclusion (ResiliencePlan).
     resilience: ResiliencePlan = field(default_factory=ResiliencePlan)
-    # Speed-only knobs the planner costs (launcher/plan/perf.py): trainer.compile fuses each block's
+    # Speed-only knobs the planner costs (launcher/plan/estimate/perf.py): trainer.compile fuses each block's
     # elementwise ops; precision.fp8.recipe sets the float8 casting work.
     compile: bool = False
     # data.document_masking: how the runtime applies the block-causal mask (launcher/models/layers.py
@@ -199,7 +199,7 @@ class Layout:
     # block mask, a few int32 per 128x128 block).
     document_mask: str = "none"
     # plan.moe_imbalance: the busiest expert-parallel rank's routed assignments over the mean (1 =
-    # balanced), which scales that rank's expert GEMMs and all-to-all (launcher/plan/perf.py).
+    # balanced), which scales that rank's expert GEMMs and all-to-all (launcher/plan/estimate/perf.py).
     moe_imbalance: float = 1.0
 
     # ------------------------------------------------------------------ derived, one formula each
@@ -334,3 +334,19 @@ class Layout:
             d[name] = record(**{f.name: d.pop(f.name) for f in fields(record) if f.name in d})
         d["pp_layers"] = tuple(d.get("pp_layers", ()))
         return cls(**d)
+
+
+def accumulate_unsharded_blocker(lay: Layout) -> str:
+    """Why FSDP2 cannot hold the step unsharded in this layout ("" when it can)."""
+    if lay.batch.microbatches < 2:
+        return "one micro-batch per step: nothing to accumulate"
+    if lay.uses_deepspeed:
+        return "DeepSpeed owns the sharding and accumulates gradients its own way"
+    if lay.mesh.pp > 1:
+        return ("torch's pipeline schedules already keep FSDP2 units unsharded and skip the "
+                "gradient sync until the last backward of the step")
+    if not lay.fsdp_wraps:
+        return "FSDP2 does not wrap the model (a single data-parallel rank)"
+    if lay.offload_to_cpu:
+        return "offload to the CPU: holding unsharded states on the GPU would defeat it"
+    return ""

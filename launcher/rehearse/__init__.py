@@ -6,8 +6,9 @@
 - rank.py: one rank (`python -m launcher.rehearse.rank`): builds its engine under fake tensors,
   measures the states it holds and a tracked fake step;
 - fake_memory.py: corrections that make a fake step hold what a real one holds;
-- pp_states.py: the smallest pipeline micro-batch count with the same peak.
+- pp_states.py: the smallest pipeline micro-batch count with the same peak;
+- files.py: where a rehearsal keeps its files under the run dir (driver and ranks both read it).
 
-The bytes are measured by the same code a real run uses (launcher/runtime/state_bytes.py and
-launcher/runtime/memtrack.py). docs/planner.md, "Rehearsal", is the user guide.
+The bytes are measured by the same code a real run uses (launcher/observe/state_bytes.py and
+launcher/observe/memtrack.py). docs/planner.md, "Rehearsal", is the user guide.
 """

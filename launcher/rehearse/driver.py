@@ -32,21 +32,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 from launcher.config.validate import rehearse_ranks_value
-from launcher.plan.memory import GiB
-from launcher.plan.mesh import MESH_DIM_NAMES
-from launcher.plan.params import model_shape
-from launcher.plan.plan import Plan
+from launcher.plan.estimate.memory import GiB
+from launcher.plan.degrees import MESH_DIM_NAMES
+from launcher.plan.estimate.params import model_shape
+from launcher.plan.present.plan import Plan
+from launcher.rehearse.files import SHARED_STEPS_DIR
 from launcher.rehearse.ranks import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors
 
 log = logging.getLogger(__name__)
 
 REHEARSAL_FILENAME = "rehearsal.json"
 RANK_TIMEOUT_S = 900  # one rank's build and fake step; a llama405b pipeline rank takes about a minute
-
-# Under the run dir: the fake steps measured so far, by step signature (the ranks share them;
-# emptied when a rehearsal starts). Here, not in rank.py, so the host imports no torch.
-SHARED_STEPS_DIR = "rehearsal/steps"
-
 
 RANK_MODULE = "launcher.rehearse.rank"
 

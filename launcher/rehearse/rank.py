@@ -13,9 +13,9 @@ FakeTensor on the CPU (shapes, dtypes and sizes, no storage), so host memory sta
 any model size.
 
 Then, per rank: the bytes of parameters, gradients and optimizer states it holds
-(launcher/runtime/state_bytes.py, the same probe the real-run tests use), and with
+(launcher/observe/state_bytes.py, the same probe the real-run tests use), and with
 activations the peak of a fake training step by category (torch's MemTracker /
-FSDPMemTracker through launcher/runtime/memtrack.py: the optimizer states are created from
+FSDPMemTracker through launcher/observe/memtrack.py: the optimizer states are created from
 zero gradients, a pipeline's stages are set up as its first step would, then one tracked
 step). Ranks of one rehearsal with the same `step_signature` (pipeline rank, local shapes)
 share one fake step through the run dir.
@@ -56,13 +56,13 @@ from launcher.engines.base import token_loss_sum
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
 from launcher.models.moe import moe_layers_of
 from launcher.parallel.pp import pipeline_order, schedule_stages, schedule_with_microbatches
-from launcher.plan.plan import Plan
-from launcher.rehearse.driver import SHARED_STEPS_DIR
+from launcher.plan.present.plan import Plan
 from launcher.rehearse.fake_memory import fake_step_as_real
+from launcher.rehearse.files import SHARED_STEPS_DIR
 from launcher.rehearse.pp_states import smallest_equivalent_microbatches
 from launcher.runtime.entry import engine_options
-from launcher.runtime.memtrack import track_step_memory
-from launcher.runtime.state_bytes import StateBytesProbe, torch_optimizers
+from launcher.observe.memtrack import track_step_memory
+from launcher.observe.state_bytes import StateBytesProbe, torch_optimizers
 
 # The launcher module that refused a layout -> the keys that change what it builds.
 FIX_BY_MODULE = {
@@ -70,7 +70,7 @@ FIX_BY_MODULE = {
     "launcher.parallel.fsdp": "change parallel.dp_shard / parallel.dp_replicate / parallel.zero_stage",
     "launcher.parallel.pp": "change parallel.pp, parallel.pp_layers, parallel.pp_schedule or parallel.pp_virtual_stages",
     "launcher.parallel.ep": "choose parallel.ep among the divisors of model.n_experts and dp_shard*cp",
-    "launcher.parallel.mesh": "make the parallel degrees multiply to cluster.nodes * cluster.gpus_per_node",
+    "launcher.parallel.device_mesh": "make the parallel degrees multiply to cluster.nodes * cluster.gpus_per_node",
     "launcher.parallel.fp8": "use precision=bf16, or adjust precision.fp8.* for this model",
     "launcher.parallel.ac": "change activation_checkpointing.mode / activation_checkpointing.selective",
     "launcher.parallel.compile": "set trainer.compile=false",

@@ -21,12 +21,12 @@ plan's `activations_max` (every block's and the head's, as the rehearsal measure
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Sequence, Tuple, Union
+from typing import Any, Dict, List, Sequence, Union
 
 from launcher.plan.layout import Layout
-from launcher.plan.memory import model_state_memory
-from launcher.plan.mesh import MESH_DIM_NAMES
-from launcher.plan.params import ModelShape, stage_params
+from launcher.plan.estimate.memory import model_state_memory
+from launcher.plan.degrees import MESH_DIM_NAMES
+from launcher.plan.estimate.params import ModelShape, stage_params
 
 STATE_CATEGORIES = ("params", "grads", "optimizer")
 
@@ -88,20 +88,3 @@ def relative_errors(measured: Dict[str, Any], predicted: Dict[str, Any]) -> Dict
         if got is not None and want:
             out[cat] = (got - want) / want
     return out
-
-
-def rehearsal_table(result: Dict[str, Any]) -> Tuple[List[str], List[List[Any]]]:
-    """(columns, rows) of the rehearsed-vs-planned comparison, for W&B's table."""
-    cols = ["rank", "coords", "params_numel", "error"]
-    for k in ("params", "grads", "optimizer", "activations", "peak"):
-        cols += [f"{k}_rehearsed", f"{k}_planned", f"{k}_rel_error"]
-    rows = []
-    for row in result["ranks"]:
-        mem, pred = row["memory"] or {}, row["predicted"]
-        coords = ",".join(str(row["coords"][k]) for k in MESH_DIM_NAMES)
-        err = row["error"]
-        line = [row["rank"], coords, row["params_numel"], f"{err['type']}: {err['message']}" if err else ""]
-        for k in ("params", "grads", "optimizer", "activations", "peak"):
-            line += [mem.get(k), pred.get(k), pred.get("relative_error", {}).get(k)]
-        rows.append(line)
-    return cols, rows

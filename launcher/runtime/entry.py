@@ -29,33 +29,33 @@ from launcher.engines.base import Engine, EngineOptions
 from launcher.config.schema import JobConfig
 from launcher.data.dataset import BatchSlice, StepBatches, data_step_batches, load_token_arrays
 from launcher.hf.weights import tokenizer_files_for
-from launcher.plan.flops import peak_tflops, training_flops_per_token
+from launcher.plan.estimate.flops import peak_tflops, training_flops_per_token
 from launcher.parallel.phase import init_phase_group, phase_barrier, phase_timeout_s
-from launcher.plan.plan import Plan
-from launcher.runtime.checkpoint import CheckpointManager, lock_for_run, set_rng_state
-from launcher.runtime.checkpoint_folder import checkpoint_root, step_of
-from launcher.runtime.local_checkpoint import LocalTier
-from launcher.runtime.failure import FAILURE_DIR, FailureBundle, NodeBlamed, host_name
-from launcher.runtime.health import RunHealth
-from launcher.runtime.memory_snapshot import MemorySnapshot
+from launcher.plan.present.plan import Plan
+from launcher.checkpoint.manager import CheckpointManager, lock_for_run, set_rng_state
+from launcher.checkpoint.folder import checkpoint_root, step_of
+from launcher.checkpoint.local_tier import LocalTier
+from launcher.resilience.failure import FAILURE_DIR, FailureBundle, NodeBlamed, host_name
+from launcher.resilience.health import RunHealth
+from launcher.observe.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.matmul_precision import apply_matmul_precision
 from launcher.runtime.metrics import MetricsLogger
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
 from launcher.runtime.heldout_loss import Validator
-from launcher.runtime.profiler import StepProfiler, default_profile_ranks
-from launcher.runtime.stragglers import StragglerMonitor, gather_hosts
-from launcher.runtime.preflight import run_preflight
-from launcher.runtime.moe_health import MoEHealth
-from launcher.runtime.run_score import RunScore, environment
-from launcher.runtime.resilience import RestartReport
+from launcher.observe.profiler import StepProfiler, default_profile_ranks
+from launcher.resilience.stragglers import StragglerMonitor, gather_hosts
+from launcher.resilience.preflight import run_preflight
+from launcher.observe.moe_health import MoEHealth
+from launcher.observe.run_score import RunScore, environment
+from launcher.resilience.restarts import RestartReport
 from launcher.job_env import job_facts
-from launcher.runtime import debug_hooks
+from launcher.resilience import debug_hooks
 from launcher.data.heldout import load_val_token_arrays
-from launcher.runtime.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
-from launcher.plan.plots import save_plan_plots
-from launcher.rehearse.ranks import rehearsal_table
+from launcher.resilience.watchdog import HangWatchdog, flight_recorder_env, resolve_hang_timeout
+from launcher.plan.present.plots import save_plan_plots
+from launcher.observe.rehearsal_table import rehearsal_table
 from launcher.runtime.export_action import export_checkpoint
 
 log = logging.getLogger("launcher")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from launcher.config.schema import JobConfig
 from launcher.engines.base import Engine
-from launcher.runtime.checkpoint import CheckpointManager
+from launcher.checkpoint.manager import CheckpointManager
 
 log = logging.getLogger("launcher")
 

@@ -19,10 +19,6 @@ STOP_FILE = "stop"
 STOPPED_FILE = "stopped"
 
 
-class StopWithoutCheckpoint(RuntimeError):
-    """A stop was requested but checkpoints are off: the run ends with an error (nothing to resume)."""
-
-
 def control_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "control"
 

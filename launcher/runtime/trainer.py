@@ -14,22 +14,23 @@ from typing import Any, Dict, Optional
 
 from launcher.data.dataset import StepBatches
 from launcher.data.prefetch import Prefetcher, should_pin
-from launcher.plan.flops import achieved_tflops, mfu
-from launcher.runtime.checkpoint import CheckpointManager, rng_state
-from launcher.runtime.local_checkpoint import LocalTier
+from launcher.plan.estimate.flops import achieved_tflops, mfu
+from launcher.checkpoint.manager import CheckpointManager, rng_state
+from launcher.checkpoint.local_tier import LocalTier
 from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
-from launcher.runtime.health import RunHealth
+from launcher.resilience.health import RunHealth
 from launcher.runtime.heldout_loss import Validator
-from launcher.runtime.profiler import StepProfiler
-from launcher.runtime.stragglers import StragglerMonitor
-from launcher.runtime.moe_health import MoEHealth
-from launcher.runtime.run_score import RunScore
-from launcher.runtime.resilience import RestartReport
+from launcher.observe.profiler import StepProfiler
+from launcher.resilience.stragglers import StragglerMonitor
+from launcher.observe.moe_health import MoEHealth
+from launcher.observe.run_score import RunScore
+from launcher.resilience.restarts import RestartReport
 from launcher.runtime.signals import StopWatcher
-from launcher.runtime.stop_control import StopWithoutCheckpoint, write_stopped
-from launcher.runtime.debug_hooks import before_step as debug_before_step
-from launcher.runtime.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
+from launcher.resilience.failure import StopWithoutCheckpoint
+from launcher.runtime.stop_control import write_stopped
+from launcher.resilience.debug_hooks import before_step as debug_before_step
+from launcher.observe.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class LoopConfig:
     samples_per_step: int
     world_size: int
     mesh: Dict[str, int]
-    flops_per_token: float = 0.0  # model FLOPs (launcher.plan.flops) for TFLOP/s and MFU
+    flops_per_token: float = 0.0  # model FLOPs (launcher.plan.estimate.flops) for TFLOP/s and MFU
     peak_tflops_per_gpu: float = 0.0  # 0: no MFU (e.g. on CPU, where no peak is meaningful)
     # Measure peak memory per category on the second step of this run (the first allocates
     # optimizer states) and record it next to the plan's prediction.

@@ -58,7 +58,7 @@ def run(zero_stage: int, unsharded: bool, micro: int) -> dict:
     from launcher.config.schema import OptimConfig
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
     from tests.layout_for import job_spec
 
     mcfg = model_config("debug")

@@ -48,15 +48,15 @@ def moe_health_for(engine, spec):
     """The runtime's MoE metrics over this engine's model parts (None for a dense model)."""
     if spec.model.n_experts == 0:
         return None
-    from launcher.runtime.moe_health import MoEHealth
+    from launcher.observe.moe_health import MoEHealth
 
     return MoEHealth(engine.model_parts, spec.model.n_layers, spec.model.n_experts, dist.get_rank(), torch.device("cpu"))
 
 
 def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False):
     from launcher.engines.deepspeed import DeepSpeedEngine
-    from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import check
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.decide.resolve import check
     from launcher.runtime.entry import engine_options
 
     run_dir = work / name
@@ -90,7 +90,7 @@ def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False)
     # After real steps: the bytes of the states the optimizer inside DeepSpeed's wrapper
     # created (AdamW's exp_avg / exp_avg_sq of each fp32 master partition), which the
     # rehearsal can only infer from the masters' shapes.
-    from launcher.runtime.state_bytes import StateBytesProbe
+    from launcher.observe.state_bytes import StateBytesProbe
 
     inner = StateBytesProbe(engine.optimizers)
     states = [None] * dist.get_world_size()
@@ -121,8 +121,8 @@ def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False)
 def run_loaded(name, overrides, work: Path, checkpoint: Path):
     """Build the case's engine at this world size, load `checkpoint` (saved at step SAVE_AT), continue."""
     from launcher.engines.deepspeed import DeepSpeedEngine
-    from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import check
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.decide.resolve import check
     from launcher.runtime.entry import engine_options
 
     run_dir = work / f"loaded_{name}"
@@ -139,8 +139,8 @@ def run_loaded(name, overrides, work: Path, checkpoint: Path):
 
 def run_native(work: Path, overrides=("parallel.zero_stage=3", "backend=native")):
     from launcher.engines.native import NativeEngine
-    from launcher.plan.plan import build_plan
-    from launcher.plan.resolve import check
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.decide.resolve import check
     from launcher.runtime.entry import engine_options
 
     spec = spec_for(list(overrides))

@@ -13,7 +13,7 @@ zero_stage, precision, offload (offload.optimizer), accumulate_unsharded, backen
 save_after (save after that many steps), load_dir + start_step (resume, then run steps
 start_step..steps-1).
 
-Each layout is resolved by the real resolver (`launcher.plan.resolve.resolve`, what `train`
+Each layout is resolved by the real resolver (`launcher.plan.decide.resolve.resolve`, what `train`
 writes into plan.json) and the engine is built from that Layout; the result records both the
 Layout and what the engine reports it built (`engine.built()`), which the test compares.
 """
@@ -93,7 +93,7 @@ def run_layout(spec: dict) -> dict:
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
     from tests.layout_for import job_spec
-    from launcher.plan.resolve import resolve
+    from launcher.plan.decide.resolve import resolve
 
     mcfg = model_config(spec.get("model", "debug"), spec.get("model_overrides"))
     if spec.get("tie"):
@@ -138,7 +138,7 @@ def run_layout(spec: dict) -> dict:
            "layout": layout.to_dict(), "built": engine.built()}
     # Bytes of params / grads / optimizer states each rank holds, for the rehearsal comparison
     # (tests/test_parallel_layouts.py::test_rehearsal_holds_what_the_real_ranks_hold).
-    from launcher.runtime.state_bytes import StateBytesProbe
+    from launcher.observe.state_bytes import StateBytesProbe
 
     probe = StateBytesProbe(engine.optimizers)
     start = spec.get("start_step", 0)
@@ -176,7 +176,7 @@ def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
     """The rehearsal's tracked step (launcher/rehearse/rank.py: rehearse_rank) on this real
     rank: the same step function, micro-batch count and warm-up, on real tensors; {activations,
     peak} for tests/test_parallel_layouts.py::test_rehearsal_activation_peak_is_the_real_ones."""
-    from launcher.runtime.memtrack import track_step_memory
+    from launcher.observe.memtrack import track_step_memory
     from launcher.rehearse.rank import _fake_pipeline_step_runner, _fake_step_runner
 
     with torch.random.fork_rng():

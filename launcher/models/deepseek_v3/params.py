@@ -65,6 +65,6 @@ def block_description(model: Any) -> str:
 
 
 def component_counts(model: Any) -> Dict[str, int]:
-    """Elements of each component (see launcher/plan/params.py ModelShape for the keys): MLA's
+    """Elements of each component (see launcher/plan/estimate/params.py ModelShape for the keys): MLA's
     attention, the rest as Llama's decoder counts it."""
     return {"attention": attention_layout(model).weights, **decoder_counts(model)}

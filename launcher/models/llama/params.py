@@ -1,6 +1,6 @@
 """Parameter counts of the Llama-style decoder (llama, mixtral, qwen3), per component.
 
-Pure Python (no torch); launcher/plan/params.py turns them into the planner's ModelShape. Per
+Pure Python (no torch); launcher/plan/estimate/params.py turns them into the planner's ModelShape. Per
 block: two RMSNorm weights; attention wq/wo (dim x n_heads*head_dim) and wk/wv
 (dim x n_kv_heads*head_dim), no biases, plus two [head_dim] norms with qk_norm; a SwiGLU FFN of
 three matrices; MoE blocks replace the FFN with a router (dim x n_experts), routed and shared
@@ -71,5 +71,5 @@ def block_description(model: Any) -> str:
 
 
 def component_counts(model: Any) -> Dict[str, int]:
-    """Elements of each component (see launcher/plan/params.py ModelShape for the keys)."""
+    """Elements of each component (see launcher/plan/estimate/params.py ModelShape for the keys)."""
     return {"attention": attention_layout(model).weights, **decoder_counts(model)}

@@ -1,0 +1,95 @@
+"""Test aids: make one rank misbehave at a chosen step, through environment variables.
+
+They let the real multi-process tests produce the failures the health tools exist for
+(a hang, a crash) without patching code. Each variable is "RANK:STEP"; unset, nothing happens.
+
+- LAUNCHER_DEBUG_HANG=R:S   rank R sleeps forever before step S (before the step's first collective);
+- LAUNCHER_DEBUG_RAISE=R:S  rank R raises RuntimeError before step S;
+- LAUNCHER_DEBUG_OOM=R:S    rank R raises torch.OutOfMemoryError before step S;
+- LAUNCHER_DEBUG_SLOW_COMPUTE=R:N  rank R does N extra matmuls in every forward (install_slow_compute);
+- LAUNCHER_DEBUG_PROBE=R:fail      rank R's pre-flight health probe (launcher/resilience/preflight.py)
+  gets a wrong matmul result; R:slow: its probe matmuls are repeated PROBE_SLOWDOWN times. R may
+  be a node name instead (n2:fail): every rank on that node, whichever ranks a restart puts there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional, Tuple
+
+import torch
+
+from launcher.job_env import job_facts
+
+log = logging.getLogger(__name__)
+
+
+def _target(name: str) -> Optional[Tuple[int, int]]:
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    rank, step = (int(x) for x in value.split(":"))
+    return rank, step
+
+
+PROBE_SLOWDOWN = 100  # far over any sensible trainer.health_factor, and over the noise floor (preflight.MIN_COMPUTE_GAP_S)
+
+
+def _probe_hit(rank: int, how: str) -> bool:
+    """LAUNCHER_DEBUG_PROBE=WHO:HOW names this rank: WHO is its rank number or its node's name (a
+    node keeps failing after a restart moves the ranks, as a sick node would)."""
+    value = os.environ.get("LAUNCHER_DEBUG_PROBE", "")
+    if not value:
+        return False
+    who, _, wanted = value.rpartition(":")
+    if wanted not in ("fail", "slow"):
+        raise ValueError(f"LAUNCHER_DEBUG_PROBE={value!r}: the part after the rank or node must be fail or slow. "
+                         f"Fix: e.g. LAUNCHER_DEBUG_PROBE=1:fail or LAUNCHER_DEBUG_PROBE=n2:slow.")
+    if wanted != how:
+        return False
+    return who == str(rank) or who == job_facts().node_name
+
+
+def probe_fails(rank: int) -> bool:
+    """LAUNCHER_DEBUG_PROBE=R:fail (or NODE:fail): this rank's probe result is made wrong."""
+    if _probe_hit(rank, "fail"):
+        log.warning("LAUNCHER_DEBUG_PROBE: rank %d's health probe gets a wrong matmul result", rank)
+        return True
+    return False
+
+
+def probe_slowdown(rank: int) -> int:
+    """LAUNCHER_DEBUG_PROBE=R:slow (or NODE:slow): how many times over this rank repeats its probe's matmuls (1 elsewhere)."""
+    return PROBE_SLOWDOWN if _probe_hit(rank, "slow") else 1
+
+
+def before_step(rank: int, step: int) -> None:
+    """Called by the loop before each step's compute."""
+    if _target("LAUNCHER_DEBUG_HANG") == (rank, step):
+        log.warning("LAUNCHER_DEBUG_HANG: rank %d sleeps forever before step %d", rank, step)
+        while True:
+            time.sleep(3600)
+    if _target("LAUNCHER_DEBUG_RAISE") == (rank, step):
+        raise RuntimeError(f"LAUNCHER_DEBUG_RAISE: rank {rank} fails before step {step}")
+    if _target("LAUNCHER_DEBUG_OOM") == (rank, step):
+        raise torch.OutOfMemoryError(f"LAUNCHER_DEBUG_OOM: rank {rank} is out of memory before step {step}")
+
+
+def install_slow_compute(modules, rank: int) -> None:
+    """LAUNCHER_DEBUG_SLOW_COMPUTE=R:N: on rank R, every forward of the model parts first does N
+    extra 256x256 matmuls (fixed work, inside the compute: the numbers trained are unchanged)."""
+    target = _target("LAUNCHER_DEBUG_SLOW_COMPUTE")
+    if target is None or target[0] != rank:
+        return
+    n = target[1]
+    log.warning("LAUNCHER_DEBUG_SLOW_COMPUTE: rank %d does %d extra matmuls per forward", rank, n)
+
+    def burn(module, args):
+        a = torch.ones(256, 256)
+        for _ in range(n):
+            a = torch.mm(a, a).clamp_(max=1.0)
+
+    for m in modules:
+        m.register_forward_pre_hook(burn)
