@@ -361,7 +361,7 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
     if lay.compile:
         # trainer.compile (launcher/parallel/compile.py): AOTAutograd's partitioner saves what the
         # backward reads and recomputes cheap pointwise ops there. Measured on CPU with the real
-        # llama_1b block under bf16 autocast (saved_tensors_hooks, docs/planner.md): each norm's
+        # llama_1b block under bf16 autocast (saved_tensors_hooks; the record is in docs/benchmarks.md): each norm's
         # fp32 normalised output is recomputed from its input and the per-token rsqrt; in a block
         # compiled whole one of the two fp32 norm inputs is too (the residual add of the other and
         # the attention output), and SwiGLU keeps three of its four f-wide tensors (silu's output
