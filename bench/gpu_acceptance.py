@@ -104,10 +104,14 @@ class Acceptance:
             args.append(f"hardware={self.hardware}")
         return args
 
+    def command(self, run_dir: Path, args: List[str]) -> List[str]:
+        """The `train` command line of one run (python -m launcher: no console script needed)."""
+        return [sys.executable, "-m", "launcher", *self.base_args(), *args, f"hydra.run.dir={run_dir}"]
+
     def train(self, name: str, args: List[str], timeout_s: Optional[float] = None, env: Optional[dict] = None,
               check: bool = True) -> "Run":
         run_dir = self.runs / name
-        cmd = [sys.executable, "-m", "launcher", *self.base_args(), *args, f"hydra.run.dir={run_dir}"]
+        cmd = self.command(run_dir, args)
         log = self.out / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         timeout = max(10.0, min(timeout_s or 1e9, self.left_s() + 60))
@@ -279,7 +283,7 @@ class Acceptance:
     # -- driver --------------------------------------------------------------------------
     def _start(self, run_dir: Path, args: List[str]) -> subprocess.Popen:
         log = open(self.out / "logs" / f"{run_dir.name}.log", "a")
-        cmd = [sys.executable, "-m", "launcher", *self.base_args(), *args, f"hydra.run.dir={run_dir}"]
+        cmd = self.command(run_dir, args)
         return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def run_rows(self, names: str) -> List[Row]:
