@@ -205,7 +205,8 @@ class Acceptance:
 
     def row_c(self, row: Row) -> None:
         """Async checkpoint, SIGKILL of every process after a checkpoint, resume: equal losses."""
-        # Enough steps that the kill lands mid-run on a fast GPU (a step of this model takes ~0.1 s).
+        # The killed run's rank 0 sleeps before step 10 (LAUNCHER_DEBUG_HANG), so the kill lands
+        # mid-run however fast the steps are, after step 8's checkpoint has been committed.
         steps = 12 if self.cpu else 40
         args = ["checkpoint.interval=4", "checkpoint.async=true", f"trainer.steps={steps}", "trainer.deterministic=true",
                 "data=indexed", f"data.path={self.corpus()}"]
@@ -214,7 +215,7 @@ class Acceptance:
                      "trainer.global_batch_size=2", "precision=bf16"]
         reference = self.train("c_reference", args)
         killed_dir = self.runs / "c_killed"
-        proc = self._start(killed_dir, args)
+        proc = self._start(killed_dir, args, env={"LAUNCHER_DEBUG_HANG": "0:10"})
         deadline = time.monotonic() + max(30.0, self.left_s())
         while not (killed_dir / "checkpoints" / "step_00000008").is_dir() and proc.poll() is None:
             if time.monotonic() > deadline:
@@ -225,7 +226,7 @@ class Acceptance:
         proc.kill()
         proc.wait()
         was = Run(killed_dir, -9, 0.0, self.out / "logs" / "c_killed.log").losses_by_step()
-        row.check(max(was, default=0) < steps, f"killed after step {max(was, default=0)} of {steps} (a checkpoint at step 8)")
+        row.check(max(was, default=0) < steps, f"killed after step {max(was, default=0)} of {steps} (a checkpoint at step 8, paused before step 10)")
         resumed = self.train("c_killed", args)
         a, b = reference.losses_by_step(), resumed.losses_by_step()
         worst = max(abs(a[s] - b[s]) for s in a) if set(a) == set(b) else math.inf
@@ -281,10 +282,11 @@ class Acceptance:
         row.notes.append("not built yet: rehearse.device=cuda rehearse.tensors=real (issue 38 item 3)")
 
     # -- driver --------------------------------------------------------------------------
-    def _start(self, run_dir: Path, args: List[str]) -> subprocess.Popen:
+    def _start(self, run_dir: Path, args: List[str], env: Optional[dict] = None) -> subprocess.Popen:
         log = open(self.out / "logs" / f"{run_dir.name}.log", "a")
         cmd = self.command(run_dir, args)
-        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
 
     def run_rows(self, names: str) -> List[Row]:
         titles = row_titles()

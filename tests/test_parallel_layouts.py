@@ -274,9 +274,13 @@ def test_rehearsal_activation_peak_is_the_real_ones(results, rehearsed, name):
         act, peak = rep["memory"]["activations"], rep["memory"]["peak"]
         assert tracked["activations"] > 0, f"{name} rank {rank}: the real step tracked nothing: {tracked}"
         assert act == tracked["activations"], f"{name} rank {rank}: rehearsal activations {act} != real run {tracked}"
-        # Exact, except that gloo copies an FSDP2 reduce-scatter input inside the collective
-        # (NCCL does not), which a real CPU run's peak may include: 0 without FSDP.
+        # Exact, except for two buffers of gloo's (NCCL has neither) that a real CPU run's peak may
+        # include: its copy of an FSDP2 reduce-scatter input (0 without FSDP) and, under loss
+        # parallel, a per-token all-reduce buffer its worker thread lets go of late (0 without TP;
+        # tests/parallel_harness/run_layouts.py: rehearsal_step_memory).
         extra = tracked["peak"] - peak
-        assert 0 <= extra <= tracked["gloo_reduce_scatter_copy"], (
+        allowed = tracked["gloo_reduce_scatter_copy"] + tracked["gloo_loss_parallel_buffer"]
+        assert 0 <= extra <= allowed, (
             f"{name} rank {rank}: rehearsal peak {peak} vs real run {tracked['peak']}: the real run is "
-            f"{extra} B higher, allowed 0..{tracked['gloo_reduce_scatter_copy']} (gloo's reduce-scatter copy)")
+            f"{extra} B higher, allowed 0..{allowed} (gloo's reduce-scatter copy "
+            f"{tracked['gloo_reduce_scatter_copy']} + loss-parallel buffer {tracked['gloo_loss_parallel_buffer']})")

@@ -117,7 +117,10 @@ def test_failing_ranks_fail_the_job_and_their_error_is_in_the_main_log(slurm_clu
 # Follows the rank side of the stop contract (launcher/runtime/signals.py) without training:
 # "trains" until control/stop appears, then writes control/stopped and exits 0; a requeued
 # run (SLURM_RESTART_COUNT=1) records that it ran and finishes.
+# Submitting asks cluster.python which torch it runs (launcher/compat.py: `python -c CODE`):
+# the stand-in is no Python and says so at once, so the job is built for the torch floor.
 STAND_IN_RANKS = r"""#!/bin/bash
+[[ "$1" == "-c" ]] && exit 1
 run_dir="${@: -1}"
 echo "run ${SLURM_RESTART_COUNT:-0}" >> "$run_dir/runs.txt"
 if [[ "${SLURM_RESTART_COUNT:-0}" -ge 1 ]]; then exit 0; fi

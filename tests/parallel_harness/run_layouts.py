@@ -195,8 +195,14 @@ def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
         on_enter = register_recv_buffers(schedule_stages(engine.pp_schedule))
     measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup,
                                  on_enter=on_enter)
+    # Loss parallel (tp > 1) all-reduces one fp32 value per token of the micro-batch (the logits'
+    # max, the sum of exponentials). Gloo's worker thread drops its reference to such a buffer a
+    # moment after the waiting rank has resumed, so on a loaded machine the real peak may still
+    # include one of them (seen once in CI: tp2_sp_dense rank 1, +64 B = 1 x 16 tokens x 4 B).
+    tokens = layout.batch.micro_batch_size * layout.batch.seq_len
     return {"activations": int(measured["activations"]), "peak": int(measured["total"]),
-            "gloo_reduce_scatter_copy": largest_reduce_scatter_input_bytes(engine.model_parts, 4)}
+            "gloo_reduce_scatter_copy": largest_reduce_scatter_input_bytes(engine.model_parts, 4),
+            "gloo_loss_parallel_buffer": 4 * tokens if layout.mesh.tp > 1 else 0}
 
 
 def largest_reduce_scatter_input_bytes(model_parts, reduce_bytes: int) -> int:
