@@ -33,6 +33,7 @@ from launcher.config.hydra_run import ComposedRun, is_plain_run, job_config
 from launcher.config.loader import compose_spec, save_spec, to_spec, token_budget_problems, user_overrides
 from launcher.config.overrides import override_problems
 from launcher.config.schema import JobConfig
+from launcher.config.slurm_keys import sbatch_problems
 from launcher.config.store import register_configs
 from launcher.config.validate import validate as validate_config
 from launcher.paths import config_dir
@@ -127,9 +128,10 @@ def _point_problems(overrides: List[str]) -> List[str]:
 def _spec_problems(spec: JobConfig) -> List[str]:
     """Every problem of a composed job; its Layout, when it has one, is kept for the launch."""
     if spec.action == "prepare":
-        return _prepare_problems(spec)
+        return _prepare_problems(spec) + sbatch_problems(spec.cluster, spec.action)
     layout, problems = resolve_all(spec)
-    if layout is not None:
+    problems += sbatch_problems(spec.cluster, spec.action)
+    if layout is not None and not problems:
         _PRECHECKED.append((spec, layout))
     return problems
 
@@ -317,6 +319,13 @@ def _rehearse_before_launch(spec: JobConfig, plan, run_dir: Path) -> None:
         _fail_config(problems)
 
 
+def _export_dir(spec: JobConfig) -> Path:
+    """Where action=export wrote: beside the checkpoint (launcher/runtime/export_action.py)."""
+    from launcher.checkpoint.folder import export_dir_of  # lazy: action=export only (torch-free)
+
+    return export_dir_of(Path(spec.checkpoint.resume).resolve())
+
+
 def _job(cfg: DictConfig) -> None:
     """Hydra's task function: one job of a run or of a sweep, in its run dir."""
     try:
@@ -335,6 +344,8 @@ def _dispatch(spec: JobConfig) -> None:
     if spec.action in ("run", "export"):  # export: the ranks load checkpoint.resume and export it
         code = _run(spec, run_dir)
         print(f"run directory: {run_dir}")
+        if spec.action == "export" and not code:
+            print(f"exported {spec.checkpoint.resume} ({spec.checkpoint.export}) to {_export_dir(spec)}")
     elif spec.action == "rehearse":
         code = _rehearse(spec, run_dir)
     elif spec.action == "prepare":

@@ -492,18 +492,25 @@ def test_train_fine_tunes_from_a_folder_and_exports_for_transformers(hf_models, 
     assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
     assert all(t.dtype == torch.bfloat16 for t in _hf_tensors(export).values())
     again = tmp_path / "again"
-    run_train(["model=hf", f"model.init_from={hf_models['llama']}", "action=export", "checkpoint.export=hf",
-               "checkpoint.export_dtype=fp32", f"checkpoint.resume={run / 'checkpoints' / 'step_00000002'}",
-               "precision=fp32", "trainer.seq_len=16", "trainer.global_batch_size=2", "cluster.gpus_per_node=1",
-               "plan.plots=false", "logging.wandb.mode=disabled"], again, check=True, timeout=600)
-    fp32 = _hf_tensors(again / "export" / "hf")
+    # The training-only settings a training command carries are ignored (trainer.seq_len=2048, the
+    # default, exceeds this model's max_seq_len=32; a batch no layout would split), and the export
+    # goes beside the checkpoint, which the console names.
+    step = run / "checkpoints" / "step_00000002"
+    done = run_train(["model=hf", f"model.init_from={hf_models['llama']}", "action=export", "checkpoint.export=hf",
+                      "checkpoint.export_dtype=fp32", f"checkpoint.resume={step}", "precision=fp32",
+                      "trainer.global_batch_size=7", "trainer.tokens=1000", "cluster.gpus_per_node=1",
+                      "plan.plots=false", "logging.wandb.mode=disabled"], again, check=True, timeout=600)
+    beside = run / "checkpoints" / "step_00000002_export"
+    assert f"to {beside}" in done.stdout, done.stdout[-2000:]
+    assert not (again / "export").exists()
+    fp32 = _hf_tensors(beside / "hf")
     bf16 = _hf_tensors(export)
     assert sorted(fp32) == sorted(bf16)
     assert all(torch.equal(fp32[k].to(torch.bfloat16), bf16[k]) for k in bf16)
     source = _hf_tensors(hf_models["llama"])
     assert any(not torch.equal(fp32[k], source[k]) for k in source)  # it trained
     toks = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(5))
-    assert _hf_logits(again / "export" / "hf", toks).isfinite().all()
+    assert _hf_logits(beside / "hf", toks).isfinite().all()
 
 
 def test_deepspeed_backend_refuses_hf_export_before_launch(hf_models):

@@ -141,6 +141,10 @@ def test_moe_expert_shares_are_logged_per_log_step(two_rank_run):
         # Load metrics (launcher/observe/moe_load.py) at every log step; debug_moe is dropless.
         assert r["moe/tokens_per_expert_cv"] >= 0 and r["moe/tokens_per_expert_max_over_mean"] >= 1, r
         assert r["moe/dropped_frac"] == 0.0 and r["moe/aux_loss"] > 0, r
+        # The two aux-loss figures under names that say what each is, the older names kept: the
+        # total over debug_moe's 3 MoE layers (last micro-batch) is about 3 x the per-layer mean.
+        assert r["moe/aux_loss_total"] == r["moe_aux_loss"] and r["moe/aux_loss_per_layer"] == r["moe/aux_loss"], r
+        assert r["moe_aux_loss"] == pytest.approx(3 * r["moe/aux_loss"], rel=0.3), r
         # Per MoE layer (debug_moe: blocks 1-3; block 0 dense): the values the mean above averages.
         # Its softmax router has no correction bias, so no bias spread.
         per_layer = [r[f"moe/layer{i}/tokens_per_expert_max_over_mean"] for i in (1, 2, 3)]

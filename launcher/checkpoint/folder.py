@@ -47,6 +47,14 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def export_dir_of(checkpoint: Path) -> Path:
+    """Where `action=export` writes the export of `checkpoint` (a step_NNNNNNNN folder): beside it,
+    `<checkpoint>_export/`. No checkpoint rule touches that name: pruning (`checkpoint.keep`),
+    setting newer steps aside and resume only ever take `step_NNNNNNNN` folders."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.parent / f"{checkpoint.name}_export"
+
+
 def _crc32(path: Path, fsync: bool = False) -> int:
     crc = 0
     with open(path, "rb") as f:

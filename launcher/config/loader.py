@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.config.errors import ConfigError
 from launcher.config.hf_model import fill_from_hf
+from launcher.config.export_spec import export_spec
 from launcher.config.schema import JobConfig
 from launcher.config.suggest import unknown_key_problem
 from launcher.paths import config_dir
@@ -35,7 +36,7 @@ def to_spec(cfg: DictConfig) -> JobConfig:
 
     fill_from_hf(cfg)  # model=hf: shape keys (and data.tokenizer) from model.init_from's config.json
     steps_from_token_budget(cfg)
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    return export_spec(OmegaConf.to_object(cfg))  # type: ignore[arg-type]  # action=export: no training-only limits
 
 
 def steps_from_token_budget(cfg: DictConfig) -> None:

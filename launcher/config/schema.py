@@ -406,6 +406,12 @@ class ClusterConfig(SlurmKeys, ClusterKeys):
     keys are declared in its own dataclass above; a new executor adds its dataclass as a base)."""
 
 
+def world_size(cluster: ClusterKeys) -> int:
+    """Ranks in the job: the one place the world size is computed from the cluster keys (here, under
+    both the planner and the config rules that need it, e.g. launcher/config/export_spec.py)."""
+    return cluster.nodes * cluster.gpus_per_node
+
+
 @dataclass
 class HardwareConfig:
     name: str = "h100_sxm"

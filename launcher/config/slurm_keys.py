@@ -5,6 +5,7 @@ only the config, so that the validator (config/) does not import the launch laye
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import List
 
@@ -30,6 +31,22 @@ def sanitize_job_name(name: str, fallback: str = "train") -> str:
 
 
 # --- validation ---------------------------------------------------------------------------
+
+# The actions that submit a job with sbatch (unless cluster.dry_run): plan, search and rehearse never do.
+SUBMITTING_ACTIONS = ("run", "export", "prepare")
+
+
+def sbatch_problems(cluster: ClusterConfig, action: str) -> List[str]:
+    """A job that would call `sbatch` on a machine without one on PATH: the recipes of large
+    models set cluster=slurm, and a user trying one on a workstation must hear it before anything
+    is written. Checked where `train` checks a job before launching it (launcher/cli.py), not in
+    the config rules, which also check jobs for other machines (a sweep, the search)."""
+    if cluster.name != "slurm" or action not in SUBMITTING_ACTIONS or cluster.dry_run or shutil.which("sbatch"):
+        return []
+    return [f"cluster=slurm submits the job with sbatch, which is not on PATH here (not a SLURM login node); "
+            f"the recipes of large models set cluster=slurm. Fix: cluster=local to run on this machine "
+            f"(cluster.gpus_per_node = its GPUs), cluster.dry_run=true to see the job script, or run `train` "
+            f"on a SLURM login node (with cluster.partition=... and data.path=... where the recipe needs them)."]
 
 
 def slurm_key_problems(cluster: ClusterConfig) -> List[str]:

@@ -9,8 +9,10 @@ all-reduce). Definitions, for the MoE layers that routed tokens in the window:
   mean (1 = balanced, at most n_experts / top_k), then the mean over layers;
 - `moe/dropped_frac`: assignments dropped by the capacity limit over all assignments, summed
   over layers (0 by construction for a dropless model, `model.capacity_factor <= 0`);
-- `moe/aux_loss`: per layer, the mean over its forwards of the load-balancing loss the model
-  adds (coef * n_experts * sum_e f_e P_e, unscaled), then the mean over layers.
+- `moe/aux_loss` (also `moe/aux_loss_per_layer`): per layer, the mean over its forwards of the
+  load-balancing loss the model adds (coef * n_experts * sum_e f_e P_e, unscaled), then the mean
+  over layers. The engines' `moe_aux_loss` (also `moe/aux_loss_total`) is that loss summed over
+  the layers, for the step's last micro-batch: about n_layers times this one.
 
 All four are ratios or means, so counting the same tokens on several ranks (tensor-parallel
 ranks, recomputed forwards under activation checkpointing) does not change them.
@@ -31,6 +33,21 @@ from typing import Dict
 import torch
 
 KEYS = ("moe/tokens_per_expert_cv", "moe/tokens_per_expert_max_over_mean", "moe/dropped_frac", "moe/aux_loss")
+
+# The two aux-loss figures of a metrics row under names that say what each is; the older names
+# stay beside them, unchanged, for the tools that read them (docs/observability.md, "Metrics").
+# moe_aux_loss (the engines', StepStats.extra): the load-balancing loss summed over the MoE
+# layers, i.e. the whole aux term the step's last micro-batch added to its loss;
+# moe/aux_loss (load_metrics): the same loss per layer, the mean over layers and the window's forwards.
+AUX_LOSS_NAMES = {"moe_aux_loss": "moe/aux_loss_total", "moe/aux_loss": "moe/aux_loss_per_layer"}
+
+
+def with_aux_loss_names(row: Dict[str, object]) -> Dict[str, object]:
+    """`row` with the descriptive name of each aux-loss figure it has added (AUX_LOSS_NAMES)."""
+    for old, new in AUX_LOSS_NAMES.items():
+        if old in row:
+            row[new] = row[old]
+    return row
 
 
 def load_metrics(counts: torch.Tensor, dropped: torch.Tensor, aux_sum: torch.Tensor,

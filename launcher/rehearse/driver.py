@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 from launcher.config.validate import rehearse_ranks_value
+from launcher.observe.rehearsal_table import CATEGORIES, COLUMN_MEANINGS, GAP_THRESHOLD, known_gaps, planned_figure
 from launcher.plan.estimate.memory import GiB
 from launcher.plan.degrees import MESH_DIM_NAMES
 from launcher.plan.estimate.params import model_shape
@@ -263,13 +264,27 @@ def _size(v: Optional[int]) -> str:
     return f"{v}B"
 
 
+def _cell(got: Optional[int], want: Optional[int], gap: Optional[float], flagged: bool) -> str:
+    """`rehearsed/planned gap`, the gap marked `!` when it is over the threshold."""
+    text = f"{_size(got)}/{_size(want)}"
+    if gap is not None:
+        text += f" {gap:+.0%}" + ("!" if flagged else "")
+    return text
+
+
 def render_rehearsal(result: Dict[str, Any]) -> str:
-    """The console table: per rank, measured vs predicted GiB per category and the relative error."""
-    head = (f"{'rank':>6} {'coords (pp,dpr,dps,cp,tp)':<26} {'params':>14} "
-            f"{'params':>17} {'grads':>17} {'optimizer':>17} {'activations':>17} {'peak':>17}")
-    lines = [f"rehearsal of {len(result['ranks'])} rank(s) at world size {result['world_size']}: bytes held, "
-             f"rehearsed/planned (activations and peak: CPU kernels on fake tensors, no CUDA reserve)",
-             head, "-" * len(head)]
+    """The console table: what each column is, per rank the rehearsed bytes next to the plan's
+    figure for the same quantity with their gap, then every gap over GAP_THRESHOLD with the
+    reason known for it (launcher/observe/rehearsal_table.py); `ok` only when there is none."""
+    width = 22
+    head = (f"{'rank':>6} {'coords (pp,dpr,dps,cp,tp)':<26} {'param count':>14} "
+            + " ".join(f"{k:>{width}}" for k in CATEGORIES))
+    lines = [f"rehearsal of {len(result['ranks'])} rank(s) at world size {result['world_size']}: bytes each rank "
+             f"holds, rehearsed/planned (the plan's figure for the same quantity) and the gap "
+             f"(rehearsed - planned) / planned, `!` over {GAP_THRESHOLD:.0%}; fake tensors on the CPU",
+             *(f"  {meaning}" for meaning in COLUMN_MEANINGS), head, "-" * len(head)]
+    gaps: Dict[Tuple[str, str], List[Tuple[int, float]]] = {}
+    set_apart: Dict[str, int] = {}
     for row in result["ranks"]:
         c = row["coords"]
         coords = ",".join(str(c[k]) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
@@ -278,7 +293,25 @@ def render_rehearsal(result: Dict[str, Any]) -> str:
                          f"{row['error']['message'][:120]}")
             continue
         m, p = row["memory"], row["predicted"]
-        cells = [f"{_size(m[k])}/{_size(p.get(k))}" for k in ("params", "grads", "optimizer", "activations", "peak")]
-        lines.append(f"{row['rank']:>6} {coords:<26} {row['params_numel']:>14,} " + " ".join(f"{x:>17}" for x in cells))
-    lines.append("ok" if result["ok"] else "FAILED: see the problems below")
+        flagged = {cat: (gap, reason) for cat, gap, reason in known_gaps(row)}
+        for cat, (gap, reason) in flagged.items():
+            gaps.setdefault((cat, reason), []).append((row["rank"], gap))
+        for part, size in p.get("peak_set_apart", {}).items():
+            set_apart[part] = max(set_apart.get(part, 0), size)
+        errors = p.get("relative_error", {})
+        cells = [_cell(m.get(k), planned_figure(p, k), errors.get(k), k in flagged) for k in CATEGORIES]
+        lines.append(f"{row['rank']:>6} {coords:<26} {row['params_numel']:>14,} " + " ".join(f"{x:>{width}}" for x in cells))
+    if set_apart:
+        lines.append("the plan's peak set apart above (the most on a rank): "
+                     + ", ".join(f"{k} {_size(v)}" for k, v in set_apart.items()))
+    for (cat, reason), where in gaps.items():
+        ranks = ", ".join(str(r) for r, _ in where)
+        spread = sorted({f"{g:+.0%}" for _, g in where})
+        lines.append(f"gap over {GAP_THRESHOLD:.0%}: {cat} on rank(s) {ranks} ({' to '.join([spread[0], spread[-1]][:len(spread)])}): {reason}")
+    if not result["ok"]:
+        lines.append("FAILED: see the problems below")
+    elif gaps:
+        lines.append(f"every rank built; the gaps above are over {GAP_THRESHOLD:.0%} (docs/planner.md, \"Rehearsal\")")
+    else:
+        lines.append(f"ok: every rank built, every figure within {GAP_THRESHOLD:.0%} of the plan's")
     return "\n".join(lines)

@@ -15,7 +15,8 @@ rehearsal's categories: the rehearsal measures what a rank *holds* between steps
 `grads` here is the plan's gradient memory without the accumulation transient (one extra
 gradient tensor while a micro-batch's gradient is added to the existing one), which the
 plan keeps in its `grads_held` figure and is reported as `grads_step_peak`; `activations` is the
-plan's `activations_max` (every block's and the head's, as the rehearsal measures them).
+plan's `activations_max` (every block's and the head's, as the rehearsal measures them);
+`peak_comparable` is the plan's peak less what a fake step cannot hold (`peak_set_apart`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Sequence, Union
 
+from launcher.observe.rehearsal_table import planned_figure
 from launcher.plan.layout import Layout
 from launcher.plan.estimate.memory import model_state_memory
 from launcher.plan.degrees import MESH_DIM_NAMES
@@ -77,14 +79,25 @@ def predicted_for_rank(shape: ModelShape, layout: Layout, plan_memory: Dict[str,
     out["activations"] = int(row.get("activations_max", row.get("activations", 0)))
     out["other"] = max(0, int(row.get("other", 0)) - reserved)
     out["peak"] = max(0, int(row.get("total", 0)) - reserved)
+    # The plan's figure for what the rehearsal's peak measures (tensors its fake step holds): the
+    # allocator's fragmentation margin is no tensor, and the fake step runs its micro-batches
+    # without the unsharded accumulation buffers (parallel.accumulate_unsharded keeps the whole
+    # unsharded parameters and gradients across the step's micro-batches; pipelines excepted,
+    # whose schedule the fake step runs).
+    apart = {"allocator_fragmentation": int(row.get("allocator_fragmentation", 0))}
+    if layout.memory.accumulate_unsharded and layout.mesh.pp == 1:
+        apart["unsharded_accumulation"] = int(row.get("unsharded_params", 0)) + int(row.get("unsharded_grads", 0))
+    out["peak_set_apart"] = {k: v for k, v in apart.items() if v}
+    out["peak_comparable"] = max(0, out["peak"] - sum(apart.values()))
     return out
 
 
 def relative_errors(measured: Dict[str, Any], predicted: Dict[str, Any]) -> Dict[str, float]:
-    """(measured - predicted) / predicted per category measured and predicted (> 0)."""
+    """(measured - planned) / planned per category measured and planned (> 0), the planned figure
+    being the one for the same quantity (`planned_figure`)."""
     out = {}
     for cat in STATE_CATEGORIES + ("activations", "peak"):
-        got, want = measured.get(cat), predicted.get(cat)
+        got, want = measured.get(cat), planned_figure(predicted, cat)
         if got is not None and want:
             out[cat] = (got - want) / want
     return out

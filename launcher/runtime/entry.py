@@ -302,7 +302,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     record_built(engine, plan, rank.rank, run_dir)
     debug_hooks.install_slow_compute(engine.model_parts, rank.rank)
     if spec.action == "export":
-        export_checkpoint(spec, engine, Path(run_dir), rank.rank, rank.world_size)
+        export_checkpoint(spec, engine, rank.rank, rank.world_size)
         if folder_lock is not None:
             folder_lock.release()
         return 0

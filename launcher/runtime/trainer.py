@@ -24,6 +24,7 @@ from launcher.runtime.heldout_loss import Validator
 from launcher.observe.profiler import StepProfiler
 from launcher.resilience.stragglers import StragglerMonitor
 from launcher.observe.moe_health import MoEHealth
+from launcher.observe.moe_load import with_aux_loss_names
 from launcher.observe.run_score import RunScore
 from launcher.resilience.restarts import RestartReport
 from launcher.runtime.signals import StopWatcher
@@ -269,7 +270,7 @@ class Trainer:
                     record.update(self.moe_health.observe(step))
                 if self.score is not None:
                     record.update(self.score.observe(record))
-                self.metrics.log(record)
+                self.metrics.log(with_aux_loss_names(record))
                 window_start, window_steps, set_apart = time.perf_counter(), 0, 0.0
             elif memory_row:
                 self.metrics.log(dict(memory_row, step=step), console=False)

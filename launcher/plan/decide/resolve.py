@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from launcher.config.errors import ConfigError
-from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, ProfileConfig, TrainerConfig
+from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, ProfileConfig, TrainerConfig, world_size
 from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
 from launcher.data.checks import data_problems
@@ -34,11 +34,6 @@ from launcher.plan.estimate.memory import estimate_memory, most_loaded
 from launcher.plan.degrees import MeshPlan
 from launcher.plan.estimate.params import model_shape
 from launcher.plan.decide.rules import backend_conflicts, hpz_partition_size
-
-
-def world_size(cluster: ClusterConfig) -> int:
-    """Ranks in the job: the one place the world size is computed from the cluster keys."""
-    return cluster.nodes * cluster.gpus_per_node
 
 
 def derive_mesh(parallel: ParallelConfig, cluster: ClusterConfig) -> Tuple[Optional[MeshPlan], List[str]]:

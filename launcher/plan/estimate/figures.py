@@ -39,9 +39,15 @@ def memory_summary(stages: List[StageMemory], hw: Any) -> Dict[str, Any]:
         peak_phase=top.peak_phase,
         host=top.host,
         detail=dict(top.detail),
-        per_pp_rank=[s.as_dict() | {"pp_rank": s.rank, "host": s.host} | s.maxima() for s in stages],
+        per_pp_rank=[s.as_dict() | {"pp_rank": s.rank, "host": s.host} | s.maxima()
+                     | {k: int(s.detail.get(k, 0)) for k in PEAK_PARTS} for s in stages],
     )
     return d
+
+
+# Parts of each rank's peak that the rehearsal compares apart (launcher/rehearse/ranks.py,
+# predicted_for_rank: what its fake step cannot hold).
+PEAK_PARTS = ("allocator_fragmentation", "unsharded_params", "unsharded_grads")
 
 
 def fill(plan, spec) -> None:
