@@ -548,6 +548,24 @@ def test_action_export_needs_a_checkpoint_and_a_format(tmp_path):
                                       f"checkpoint.resume={tmp_path}"]))
 
 
+def test_action_export_ignores_the_training_only_settings(tmp_path):
+    """A training command's sequence length, batch and token budget do not refuse its export
+    (every rule, the resolver's batch split included), and a run keeps its own."""
+    from launcher.config.loader import compose_spec
+    from launcher.plan.decide.resolve import validate
+
+    training = ["+recipe=debug", "trainer.seq_len=2048", "trainer.global_batch_size=7", "parallel.tp=2",
+                "parallel.microbatches=3", "trainer.tokens=100000", "checkpoint.export=hf"]
+    run = compose_spec(training)
+    assert any("trainer.seq_len=2048 exceeds model.max_seq_len" in p for p in validate(run))
+    export = compose_spec([*training, "action=export", f"checkpoint.resume={tmp_path}"])
+    assert validate(export) == []
+    t = export.trainer
+    assert t.seq_len <= export.model.max_seq_len and t.seq_len % 2 == 0 and t.tokens == 0
+    assert t.global_batch_size == t.micro_batch_size * 2 and export.parallel.microbatches == -1
+    assert export.model == run.model and export.parallel.tp == 2  # what is exported is unchanged
+
+
 def test_rope_scaling_read_in_both_spellings_written_back_and_validated(hf_models, tmp_path):
     """Llama 3.1's rope_scaling: config.json's `rope_parameters` (transformers 5) and `rope_scaling`
     (4.x) give the same model.rope_scaling; model=hf fills it; export writes it in both spellings;

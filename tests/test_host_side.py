@@ -89,3 +89,23 @@ def test_cuda_without_a_visible_gpu_is_refused_before_any_rank_starts(tmp_path):
     assert "trainer.device=cuda: cluster.gpus_per_node=2 local ranks need as many GPUs" in out
     assert "Fix: trainer.device=cpu or trainer.device=auto" in out and "Traceback" not in out
     assert not (tmp_path / "run" / "logs").exists()  # no rank started
+
+
+def test_a_recipe_that_submits_without_sbatch_on_path_is_refused_naming_cluster_local(tmp_path):
+    """`train +recipe=llama8b data.path=...` on a machine without SLURM: the recipe sets cluster=slurm,
+    so the command would call sbatch; one exit-2 line naming cluster=local, before anything is written."""
+    import numpy as np
+
+    (tmp_path / "tokens").mkdir()
+    np.arange(50_000, dtype=np.uint16).tofile(tmp_path / "tokens" / "a.bin")
+    no_slurm = tmp_path / "bin"  # PATH with no sbatch on it (this machine may have one)
+    no_slurm.mkdir()
+    env = {**train_env(tmp_path), "PATH": str(no_slurm)}
+    proc = subprocess.run([sys.executable, "-m", "launcher", "+recipe=llama8b", f"data.path={tmp_path / 'tokens'}",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Invalid configuration (1 problem)" in out and "sbatch, which is not on PATH" in out, out[-3000:]
+    assert "Fix: cluster=local" in out and "Traceback" not in out
+    assert not (tmp_path / "run").exists()  # nothing written

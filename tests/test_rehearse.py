@@ -248,3 +248,39 @@ def test_ranks_with_the_same_local_shapes_share_one_fake_step(tmp_path):
     assert mem[1] == mem[0] == alone["ranks"][0]["memory"]
     assert mem[2]["params"] < mem[0]["params"], "rank 2's shards were expected to be the smaller ones"
     assert mem[2]["activations"] > 0
+
+
+def _rank_row(rank: int, memory, planned, peak_comparable):
+    from launcher.rehearse.ranks import relative_errors
+
+    predicted = dict(planned, peak_comparable=peak_comparable,
+                     peak_set_apart={"allocator_fragmentation": planned["peak"] - peak_comparable})
+    predicted["relative_error"] = relative_errors(memory, predicted)
+    coords = {"pp": 0, "dp_replicate": 0, "dp_shard": rank, "cp": 0, "tp": 0, "ep": 0}
+    return {"rank": rank, "coords": coords, "params_numel": 10, "memory": memory, "predicted": predicted, "error": None}
+
+
+def test_the_rehearsal_table_says_what_it_compares_and_names_each_gap_with_its_reason():
+    """Each column is explained; the peak is compared with the plan's figure for the same quantity
+    (its peak less what a fake step cannot hold); a gap over the threshold is marked with the
+    reason known for it instead of `ok`; `ok` only when every figure is within it."""
+    from launcher.observe.rehearsal_table import GAP_THRESHOLD, rehearsal_table
+    from launcher.rehearse.driver import render_rehearsal
+
+    gib = 1024 ** 3
+    states = {"params": 4 * gib, "grads": 4 * gib, "optimizer": 8 * gib}
+    planned = dict(states, activations=2 * gib, peak=70 * gib)
+    gapped = {"world_size": 2, "ok": True, "ranks": [
+        _rank_row(r, dict(states, activations=3 * gib, peak=20 * gib), planned, 19 * gib) for r in (0, 1)]}
+    text = render_rehearsal(gapped)
+    assert "rehearsed/planned" in text and "the plan's figure for the same quantity" in text
+    assert "activations: " in text and "peak: every tensor byte" in text  # what each column is
+    assert "3.00G/2.00G +50%!" in text and "20.00G/19.00G +5%" in text and "20.00G/70.00G" not in text
+    assert f"gap over {GAP_THRESHOLD:.0%}: activations on rank(s) 0, 1 (+50%): the fake step runs the CPU's kernels" in text
+    assert "allocator_fragmentation 51.00G" in text
+    assert not text.splitlines()[-1].startswith("ok")
+    cols, rows = rehearsal_table(gapped)
+    assert rows[0][cols.index("peak_planned")] == 19 * gib and "activations +50%" in rows[0][-1]
+    close = {"world_size": 1, "ok": True, "ranks": [_rank_row(0, dict(states, activations=2 * gib, peak=19 * gib),
+                                                              planned, 19 * gib)]}
+    assert render_rehearsal(close).splitlines()[-1] == f"ok: every rank built, every figure within {GAP_THRESHOLD:.0%} of the plan's"
