@@ -100,9 +100,12 @@ def _precheck(argv: List[str]) -> None:
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         _fail_config([composition_problem(err)])
         return
-    problems: List[str] = []
-    for num, (label, point) in enumerate(points):
-        problems.extend(f"sweep job #{num} ({label}): {p}" for p in _point_problems(point))
+    per_job = [(num, label, _point_problems(point)) for num, (label, point) in enumerate(points)]
+    # A problem every job has (e.g. no sbatch on PATH for a recipe that submits) is said once.
+    shared = [p for p in per_job[0][2] if all(p in job for _, _, job in per_job[1:])] if len(per_job) > 1 else []
+    problems: List[str] = [f"every sweep job: {p}" for p in shared]
+    for num, label, job in per_job:
+        problems.extend(f"sweep job #{num} ({label}): {p}" for p in job if p not in shared)
     _fail_if_problems(problems)
 
 

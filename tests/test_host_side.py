@@ -109,3 +109,20 @@ def test_a_recipe_that_submits_without_sbatch_on_path_is_refused_naming_cluster_
     assert "Invalid configuration (1 problem)" in out and "sbatch, which is not on PATH" in out, out[-3000:]
     assert "Fix: cluster=local" in out and "Traceback" not in out
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_sweep_without_sbatch_says_it_once_for_every_job(tmp_path, monkeypatch, capsys):
+    """`train -m +recipe=llama8b optim.lr=1e-4,3e-4 ...` without sbatch: the problem every job has is
+    one line, not one per job."""
+    import numpy as np
+
+    from launcher.cli import _precheck
+
+    (tmp_path / "tokens").mkdir()
+    np.arange(50_000, dtype=np.uint16).tofile(tmp_path / "tokens" / "a.bin")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        _precheck(["-m", "+recipe=llama8b", "optim.lr=1e-4,3e-4", f"data.path={tmp_path / 'tokens'}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Invalid configuration (1 problem)" in err, err
+    assert err.count("sbatch, which is not on PATH") == 1 and "every sweep job: cluster=slurm" in err, err
