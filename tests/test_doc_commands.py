@@ -5,8 +5,9 @@ Cheap by design: a `train` command goes through what `train` does before it writ
 starts a rank (compose, every config rule, the plan; launcher/cli.py `_point_problems`), in this
 process, with the paths it names (`/raw/...`, `/data/...`, `/models/...`) mapped to a small corpus and
 tokenizer this test makes, and without `sbatch` on PATH; an `action=plan` command also renders
-its plan. A command marked as needing a cluster or a GPU is held to its keys and options existing
-(a renamed key fails here). `make TARGET` must be a target (`make -n`), and a script a command runs
+its plan. A command marked `# needs: slurm` gets the same checks with `cluster.dry_run=true` (all
+but the submission); one marked `# needs: gpu` (a model and weights no CPU machine holds) is held
+to its keys and options existing (a renamed key fails here). `make TARGET` must be a target (`make -n`), and a script a command runs
 must exist. The `$ train ...` examples with their output are tests/test_readme_examples.py's.
 """
 
@@ -73,17 +74,28 @@ def _argv(command: str) -> List[str]:
 
 @pytest.fixture(scope="module")
 def user_files(tmp_path_factory) -> Path:
-    """The files the docs' commands name, small: raw text, a tokenizer folder per /models/ name."""
+    """The files the docs' commands name, small: raw text, a tokenizer folder per /models/ name,
+    a token-id folder (/data/tokens), and the datasets the docs' mixtures read, written by the
+    docs' own `action=prepare` steps (the same input, tokenizer and settings: the prepare
+    commands then find a dataset they would continue)."""
+    import numpy as np
+
+    from launcher.config.schema import PrepareConfig
+    from launcher.data.prepare import run_prepare
     from tests.test_data_prepare import make_corpus, make_tokenizer
 
     root = tmp_path_factory.mktemp("user_files")
-    for name in ("web", "code"):
-        make_corpus(root / "raw" / name, per_file=3)
-    for command in (c for _, c, needs in doc_commands() if not needs):
+    for command in (c for _, c, needs in doc_commands() if "gpu" not in needs):
         for name in re.findall(r"/models/([A-Za-z0-9._-]+)", command):
             if not (root / "models" / name).exists():
                 make_tokenizer(root / "models" / name)
-    (root / "data").mkdir()
+    for name in ("web", "code", "math", "web_val", "code_val"):
+        make_corpus(root / "raw" / name, per_file=300)  # > trainer.seq_len=8192 tokens per source
+        source = f"{root}/raw/web/*.jsonl.zst" if name == "web" else str(root / "raw" / name)
+        run_prepare(PrepareConfig(input=source, output=str(root / "data" / name),
+                                  tokenizer=str(root / "models" / "Llama-3.1-8B"), workers=1), progress=False)
+    (root / "data" / "tokens").mkdir()
+    np.arange(100_000, dtype=np.uint16).tofile(root / "data" / "tokens" / "shard_0.bin")
     return root
 
 
@@ -121,9 +133,11 @@ def test_a_doc_command_runs_as_written_or_says_what_it_needs(doc, command, needs
     from launcher.config.overrides import override_problems
 
     overrides = words[1:]
-    if needs:
+    if "gpu" in needs:  # a model (and weights) no CPU machine holds: its keys and options exist
         assert not override_problems(overrides), f"{doc}: `{command}`: {override_problems(overrides)}"
         return
+    if "slurm" in needs:  # every check but the submission itself
+        overrides.append("cluster.dry_run=true")
     # As on a machine without SLURM: a command that would submit must say `# needs: slurm`.
     monkeypatch.setenv("PATH", str(Path(words[0]).parent if "/" in words[0] else REPO / ".venv" / "bin"))
     monkeypatch.chdir(tmp_path)
