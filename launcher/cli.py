@@ -241,6 +241,7 @@ def _choose_run(spec: JobConfig, run_dir: Path) -> JobConfig:
     """action=run with checkpoints: name the run, put its checkpoints in the run's stable folder,
     say on the console whether it resumes (and why not), and record its identity there."""
     # lazy: the launch side only when a job starts; action=plan skips it
+    from launcher.checkpoint.folder import checkpoint_dir_holder
     from launcher.checkpoint.run_folder import choose_run, write_identity
 
     hydra_cfg = HydraConfig.get()
@@ -251,10 +252,13 @@ def _choose_run(spec: JobConfig, run_dir: Path) -> JobConfig:
     base = hydra_cfg.runtime.choices.get("recipe") or spec.model.name
     choice = choose_run(spec, run_dir, base, given, swept)
     (log.warning if choice.warn else log.info)("%s", choice.message)
-    if not spec.cluster.dry_run:  # a dry run submits nothing: nothing trains into the folder yet
+    root = Path(choice.spec.checkpoint.dir)
+    # A dry run submits nothing; a folder another job holds is refused by the executor next, and
+    # that job's record stays: only a command that will train here writes it.
+    if not spec.cluster.dry_run and checkpoint_dir_holder(root) is None:
         from launcher.launch.local import resume_command  # lazy: the launch side, as below
 
-        write_identity(Path(choice.spec.checkpoint.dir), choice, resume_command())
+        write_identity(root, choice, resume_command())
     return choice.spec
 
 

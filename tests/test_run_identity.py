@@ -131,3 +131,11 @@ def test_hydra_run_dir_and_checkpoint_dir_keep_their_folders(spec, tmp_path):
     assert given.spec.checkpoint.dir == str((tmp_path / "run" / "checkpoints").resolve())
     explicit = _with(spec, checkpoint__dir=str(tmp_path / "ck"))
     assert choose_run(explicit, tmp_path / "run", "debug", False).spec.checkpoint.dir == str(tmp_path / "ck")
+
+
+def test_the_resume_command_is_the_same_command_less_checkpoint_resume():
+    """A stopped run prints this: checkpoint.resume=none again would start over (and an older PATH go back)."""
+    from launcher.launch.local import resume_command
+
+    assert resume_command(["+recipe=debug", "trainer.steps=300"]) == "train +recipe=debug trainer.steps=300"
+    assert resume_command(["+recipe=debug", "checkpoint.resume=none", "optim.lr=1e-3"]) == "train +recipe=debug optim.lr=1e-3"
