@@ -432,7 +432,8 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         stop.uninstall()
         metrics.close()
     if result.stopped_early:
-        log.info("stopped at step %d (%s); resume with the same run dir", result.last_step, result.stop_reason)
+        log.info("stopped at step %d (%s); the same command resumes from %s", result.last_step, result.stop_reason,
+                 checkpoints.root)
     else:
         log.info("finished %d steps", result.last_step)
     if folder_lock is not None:
