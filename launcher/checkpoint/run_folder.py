@@ -22,7 +22,7 @@ import datetime
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from launcher.checkpoint.folder import MANIFEST, step_of
 from launcher.config.run_identity import derive_run_name, identity_differences, identity_hash, identity_of
@@ -92,10 +92,6 @@ def previous_run(runs_root: Path, base: str, name: str) -> Optional[Tuple[Path, 
     return root, record
 
 
-def _resume_line(name: str, root: Path, step: int) -> str:
-    return f"run {name}: resuming from its newest checkpoint, step {step}, in {root}"
-
-
 def choose_run(spec: JobConfig, run_dir: Path, base: str, run_dir_given: bool,
                swept: Optional[Mapping[str, str]] = None, runs_root: Path = RUNS_ROOT) -> RunChoice:
     """Fill in run.name and the checkpoint folder (absolute) and say whether this run resumes.
@@ -124,7 +120,7 @@ def choose_run(spec: JobConfig, run_dir: Path, base: str, run_dir_given: bool,
     elif resume != "auto":
         message = f"run {name}: resuming from checkpoint.resume={resume}; saving into {root}"
     elif step is not None:
-        message = _resume_line(name, root, step)
+        message = f"run {name}: resuming from its newest checkpoint, step {step}, in {root}"
         before = read_identity(root)
         changed = identity_differences(before["identity"], identity) if before else []
         if changed:  # only an explicit run.name / folder can hold another identity (a derived name is its hash)
