@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Tuple
+from typing import TYPE_CHECKING, Dict, List, Tuple
 
 import hydra
 from hydra import initialize_config_dir
@@ -23,6 +23,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
@@ -97,6 +98,7 @@ def _precheck(argv: List[str]) -> None:
     _fail_if_problems(override_problems(overrides))  # a typo shared by every job: said once
     try:
         points = sweep_points(overrides)
+        _SWEPT_KEYS[:] = swept_keys(overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         _fail_config([composition_problem(err)])
         return
@@ -159,6 +161,20 @@ def sweep_points(overrides: List[str]) -> List[Tuple[str, List[str]]]:
         label = " ".join(text for text, swept in combo if swept) or "no swept keys"
         points.append((label, [text for text, _ in combo]))
     return points
+
+
+# The keys the `-m` command sweeps, found by the pre-check before Hydra's main runs the jobs: a job's
+# run name counts its swept values, so no two jobs of a sweep share a checkpoint folder.
+_SWEPT_KEYS: List[str] = []
+
+
+def swept_keys(overrides: List[str]) -> List[str]:
+    """The keys a `-m` command sweeps (`optim.lr=1e-4,3e-4` -> optim.lr), without +/~."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        parsed = parser.parse_overrides(overrides)
+    return [o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()]
 
 
 def _resolve_local_device(spec: JobConfig) -> JobConfig:
@@ -226,12 +242,39 @@ def _check_before_launch(spec: JobConfig, plan) -> None:
         _fail_config(err.problems)
 
 
+def _choose_run(spec: JobConfig, run_dir: Path) -> JobConfig:
+    """action=run with checkpoints: name the run, put its checkpoints in the run's stable folder,
+    say on the console whether it resumes (and why not), and record its identity there."""
+    # lazy: the launch side only when a job starts; action=plan skips it
+    from launcher.checkpoint.folder import checkpoint_dir_holder
+    from launcher.checkpoint.run_folder import choose_run, write_identity
+
+    hydra_cfg = HydraConfig.get()
+    given = any(o.split("=", 1)[0].lstrip("+~") in ("hydra.run.dir", "hydra.sweep.dir") for o in hydra_cfg.overrides.hydra)
+    swept: Dict[str, str] = {}
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        swept = {k: v for k, _, v in (o.lstrip("+~").partition("=") for o in hydra_cfg.overrides.task) if k in _SWEPT_KEYS}
+    base = hydra_cfg.runtime.choices.get("recipe") or spec.model.name
+    choice = choose_run(spec, run_dir, base, given, swept)
+    (log.warning if choice.warn else log.info)("%s", choice.message)
+    root = Path(choice.spec.checkpoint.dir)
+    # A dry run submits nothing; a folder another job holds is refused by the executor next, and
+    # that job's record stays: only a command that will train here writes it.
+    if not spec.cluster.dry_run and checkpoint_dir_holder(root) is None:
+        from launcher.launch.local import resume_command  # lazy: the launch side, as below
+
+        write_identity(root, choice, resume_command())
+    return choice.spec
+
+
 def _run(spec: JobConfig, run_dir: Path) -> int:
     spec = _resolve_local_device(spec)
     plan = build_plan(spec, _resolved(spec))
     _check_before_launch(spec, plan)
     for warning in plan.warnings:
         log.warning("%s", warning)
+    if spec.action == "run" and spec.checkpoint.enabled:
+        spec = _choose_run(spec, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_spec(spec, run_dir)
     plan.save(run_dir)

@@ -43,13 +43,13 @@ def test_config_yaml_round_trips_shell_variables(tmp_path):
         setup=list(SHELL_VALUES),
         env={f"V{i}": v for i, v in enumerate(SHELL_VALUES)},
     )
-    spec = dataclasses.replace(spec, run_name="${oc.env:HOME}")
+    spec = dataclasses.replace(spec, run=dataclasses.replace(spec.run, name="${oc.env:HOME}"))
     save_spec(spec, tmp_path)
     assert load_spec(tmp_path) == spec
     # Any OmegaConf reader (not only load_spec) sees the same text, nothing resolved.
     raw = OmegaConf.load(tmp_path / RESOLVED_CONFIG)
     assert list(raw.cluster.setup) == SHELL_VALUES
-    assert raw.run_name == "${oc.env:HOME}"
+    assert raw.run.name == "${oc.env:HOME}"
 
 
 RECIPE_WITH_SHELL_TEXT = r"""

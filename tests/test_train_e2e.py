@@ -189,32 +189,76 @@ def test_a_failing_rank_stops_all_ranks(run_dir):
     assert "training failed" in proc.stdout.read()
 
 
-def test_ctrl_c_checkpoints_and_stops_and_the_printed_command_resumes_exactly(reference_run, run_dir):
+def _start_here(args, cwd: Path) -> subprocess.Popen:
+    """`train ARGS` as a user types it, in `cwd`: no hydra.run.dir, so a timestamped run dir."""
+    return subprocess.Popen([TRAIN, *args], cwd=cwd, env=train_env(cwd), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _run_here(args, cwd: Path) -> str:
+    proc = subprocess.run([TRAIN, *args], cwd=cwd, env=train_env(cwd), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def _run_dirs(cwd: Path) -> list:
+    return sorted(p for p in (cwd / "outputs").glob("20*/*") if p.is_dir())
+
+
+def test_ctrl_c_checkpoints_and_stops_and_the_same_command_resumes_exactly(reference_run, tmp_path):
     """Ctrl-C is a graceful stop: every rank finishes its step and saves, `train` exits 0 with one
     line saying so and the command that resumes, and no traceback reaches the console (torchrun
-    gets no signal: train asks the ranks through control/stop, on any torch). The printed command
-    resumes at the stop's checkpoint and reproduces the uninterrupted losses."""
-    run_dir.mkdir(parents=True)
-    proc = _start(BASE, run_dir)
-    _wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").is_dir() and 5 in losses_by_step(run_dir), 240, proc)
+    gets no signal: train asks the ranks through control/stop, on any torch). That command is the
+    one typed (no run dir: the checkpoints are in the run's folder, outputs/runs/<run.name>); run
+    again, it resumes at the stop's checkpoint, says so, and reproduces the uninterrupted losses.
+    Then: a changed optim.lr is another run and the console names the key; checkpoint.resume=none
+    starts over and moves the old checkpoints aside into abandoned_<time>/."""
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _start_here(BASE, work)
+
+    def first_dir():
+        return next(iter(_run_dirs(work)), None)
+
+    _wait_for(lambda: any((work / "outputs" / "runs").glob("debug-*/checkpoints/step_00000004")) and first_dir()
+              and (first_dir() / "metrics.jsonl").is_file() and 5 in losses_by_step(first_dir()), 240, proc)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground process group
     code = proc.wait(timeout=120)
     out = proc.stdout.read()
     assert code == 0, out[-4000:]
     assert "Traceback" not in out and "SignalException" not in out, out[-4000:]
     assert "SIGINT: the ranks finish their step, save a checkpoint and stop (Ctrl-C again stops at once)" in out
-    assert _no_ranks_left(run_dir)
-    stopped = json.loads((run_dir / "control" / "stopped").read_text())
+    first = first_dir()
+    assert _no_ranks_left(first)
+    (root,) = [p.resolve() for p in (work / "outputs" / "runs").glob("debug-*/checkpoints")]
+    name = root.parent.name
+    stopped = json.loads((first / "control" / "stopped").read_text())
     assert stopped["reason"].startswith("SIGINT to train") and 5 <= stopped["step"] < 12, stopped
-    assert verify_checkpoint(run_dir / "checkpoints" / f"step_{stopped['step']:08d}") is None
+    stop_checkpoint = root / f"step_{stopped['step']:08d}"
+    assert verify_checkpoint(stop_checkpoint) is None
     resume = next(line for line in out.splitlines() if "resume with: " in line).split("resume with: ", 1)[1]
     argv = shlex.split(resume)
-    assert argv[0] == "train" and argv[-1] == f"hydra.run.dir={run_dir.resolve()}" and argv[1:-1] == BASE
+    assert argv == ["train", *BASE]  # the same command
 
-    run_train(argv[1:-1], run_dir, check=True)  # run_train adds the same hydra.run.dir
-    stop_checkpoint = run_dir / "checkpoints" / f"step_{stopped['step']:08d}"
-    assert f"resumed from {stop_checkpoint}" in (run_dir / "logs" / "rank_0.log").read_text()
-    assert losses_by_step(run_dir) == losses_by_step(reference_run)
+    out = _run_here(argv[1:], work)
+    assert f"run {name}: resuming from its newest checkpoint, step {stopped['step']}, in {root}" in out
+    second = _run_dirs(work)[-1]
+    assert second != first
+    assert f"resumed from {stop_checkpoint}" in (second / "logs" / "rank_0.log").read_text()
+    assert [r["step"] for r in read_metrics(second)] == list(range(stopped["step"] + 1, 13))
+    assert {**losses_by_step(first), **losses_by_step(second)} == losses_by_step(reference_run)
+
+    # What is trained differs: another run, and why (a dry SLURM submit: the same host-side choice,
+    # and the job's config.yaml names the new run's folder, where its ranks, requeues and restarts look).
+    out = _run_here([*BASE, "optim.lr=1e-3", "cluster=slurm", "cluster.dry_run=true"], work)
+    assert f"what is trained differs from run {name}" in out and "optim.lr: 0.003 -> 0.001" in out, out[-3000:]
+    config = (_run_dirs(work)[-1] / "config.yaml").read_text()
+    assert f"dir: {root.parent.parent}/debug-" in config and f"dir: {root}\n" not in config
+
+    out = _run_here([*BASE, "trainer.steps=1", "checkpoint.resume=none"], work)
+    assert f"run {name}: checkpoint.resume=none: starting at step 0 in {root}" in out
+    (abandoned,) = root.glob("abandoned_*")
+    assert (abandoned / "step_00000012").is_dir() and sorted(p.name for p in root.glob("step_*")) == ["step_00000001"]
 
 
 def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(run_dir):

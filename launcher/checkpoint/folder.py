@@ -290,7 +290,7 @@ def _in_use_message(root: Path, holder: Dict[str, Any]) -> str:
         f"checkpoint.dir: the checkpoint folder {root} is in use by another job ({describe_holder(holder)}; "
         f"lock file {root / LOCK_FILE}). Two jobs saving into one folder would prune each other's "
         f"checkpoints. Fix: wait for that job to end or stop it, or give this run its own "
-        f"checkpoint.dir (or run directory)."
+        f"run.name (or checkpoint.dir)."
     )
 
 
@@ -341,7 +341,8 @@ def checkpoint_dir_holder(root: Path) -> Optional[str]:
 
 
 def checkpoint_root(checkpoint_dir: str, run_dir: Path) -> Path:
-    """The checkpoint folder of a run: checkpoint.dir, or <run dir>/checkpoints."""
+    """The checkpoint folder of a run: checkpoint.dir, or <run dir>/checkpoints. `train` fills in
+    checkpoint.dir for action=run (launcher/checkpoint/run_folder.py); '' remains for export."""
     return Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints"
 
 

@@ -531,6 +531,14 @@ class PrepareConfig:
 
 
 @dataclass
+class RunConfig:
+    # The run's identity: its checkpoints live in outputs/runs/<name>/checkpoints, so rerunning a
+    # command finds them. "" = derived on the host from the recipe (else model.name) and a hash of
+    # what is trained (launcher/config/run_identity.py says which keys count).
+    name: str = ""
+
+
+@dataclass
 class JobConfig:
     """The whole job, as composed by Hydra from conf/train.yaml."""
 
@@ -553,7 +561,7 @@ class JobConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    run_name: str = ""
+    run: RunConfig = field(default_factory=RunConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     rehearse: RehearseConfig = field(default_factory=RehearseConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from launcher.config.executors import EXECUTOR_NAMES, cluster_key_problems
 from launcher.config.errors import ConfigError
+from launcher.config.run_identity import run_name_problems
 from launcher.config.schema import ADAMW_IMPLEMENTATIONS, JobConfig, ModelConfig
 from launcher.hf.format import folder_problems
 from launcher.models.family import family_problems
@@ -468,6 +469,7 @@ def _check_run_inputs(spec: JobConfig, problems: List[str]) -> None:
     """action=run: the files the ranks will open exist, and the tokenizer fits the model."""
     if spec.action != "run":
         return
+    problems.extend(run_name_problems(spec.run.name))
     d = spec.data
     if d.source in ("tokens", "text") and d.path and not os.path.exists(d.path):
         problems.append(f"data.path={d.path} does not exist. Fix: point data.path at your {d.source} data.")
@@ -479,12 +481,14 @@ def _check_run_inputs(spec: JobConfig, problems: List[str]) -> None:
             f"checkpoint.resume={resume} is not a folder. Fix: checkpoint.resume=auto (the newest checkpoint in "
             f"the run's checkpoint folder), checkpoint.resume=none, or the path of an existing step_* folder."
         )
-    # '' is <run dir>/checkpoints, inside the folder `train` itself creates. Checked from this
+    # '' is outputs/runs/<run.name>/checkpoints (or <run dir>/checkpoints with hydra.run.dir given),
+    # beside the folders `train` itself creates. Checked from this
     # machine: on a cluster, the path must also be writable on the compute nodes (a shared mount).
     # checkpoint.local_dir is checked from this machine too; on a cluster it is each node's own disk.
     folders = (
         ("checkpoint.dir", spec.checkpoint.dir,
-         "a folder you can write on a file system every node mounts, or checkpoint.dir='' for <run dir>/checkpoints."),
+         "a folder you can write on a file system every node mounts, or checkpoint.dir='' for the run's own "
+         "folder (outputs/runs/<run.name>/checkpoints)."),
         ("checkpoint.local_dir", spec.checkpoint.local_dir,
          "a folder every node can create and write on its own disk (e.g. /tmp/ckpt or an NVMe mount), "
          "or checkpoint.local_dir='' for no node-local tier."),

@@ -324,12 +324,14 @@ def stop_outcome(run_dir: Path, code: int) -> int:
     if code != 0:
         log.info("torchrun exited with %d after the ranks had stopped cleanly", code)
     log.warning("the ranks checkpointed and stopped at step %s (%s); resume with: %s",
-                stopped.get("step"), stopped.get("reason"), resume_command(run_dir))
+                stopped.get("step"), stopped.get("reason"), resume_command())
     return 0
 
 
-def resume_command(run_dir: Path, argv: Optional[List[str]] = None) -> str:
-    """The command that resumes this run: this `train` command with the run dir made explicit
-    (a new command would otherwise get a new timestamped run dir)."""
-    args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("hydra.run.dir=")]
-    return " ".join(shlex.quote(a) for a in ["train", *args, f"hydra.run.dir={Path(run_dir).resolve()}"])
+def resume_command(argv: Optional[List[str]] = None) -> str:
+    """The command that resumes this run: this `train` command as it was typed, less any
+    checkpoint.resume= (none would start over again, an older PATH go back to it; the default auto
+    resumes). The run's checkpoints are in a folder named after the run, not after the time of
+    the command (launcher/checkpoint/run_folder.py), so the same command finds them."""
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.lstrip("+~").startswith("checkpoint.resume=")]
+    return " ".join(shlex.quote(a) for a in ["train", *args])

@@ -31,7 +31,7 @@ def prepare_sbatch_options(spec: JobConfig, run_dir: Path, cwd: Path) -> List[Di
     c = spec.cluster
     logs = escape_sbatch_pattern(str(run_dir / "logs"))
     opts: List[tuple] = [
-        ("job-name", sanitize_job_name(c.job_name or spec.run_name or "prepare", "prepare")),
+        ("job-name", sanitize_job_name(c.job_name or spec.run.name or "prepare", "prepare")),
         ("nodes", 1),
         ("ntasks", 1),
     ]

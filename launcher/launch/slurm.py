@@ -141,7 +141,7 @@ def _uses_gpus(spec: JobConfig) -> bool:
 def sbatch_options(spec: JobConfig, paths: SlurmPaths, cwd: Path) -> List[Dict[str, Optional[str]]]:
     """The #SBATCH options as (name, value) pairs; value None is a bare flag."""
     c = spec.cluster
-    name = sanitize_job_name(c.job_name or spec.run_name or f"train-{spec.model.name}")
+    name = sanitize_job_name(c.job_name or spec.run.name or f"train-{spec.model.name}")
     opts: List[tuple] = [
         ("job-name", name),
         # The spares (cluster.spare_nodes) are allocated with the job; each srun step uses c.nodes.

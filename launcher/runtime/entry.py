@@ -320,9 +320,9 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     restarts = job_facts().in_job_restarts
     local_tier = build_local_tier(spec, plan, rank, run_dir)
     tier, from_replica = "shared", []
-    # After an in-job restart the newest checkpoint is this run's own progress: resume=none or an
-    # older PATH would throw it away (and set newer checkpoints aside) on every restart.
-    resume = "auto" if restarts else spec.checkpoint.resume
+    # After an in-job restart or a requeue (SLURM_RESTART_COUNT) the newest checkpoint is this run's
+    # own progress: resume=none or an older PATH would throw it away (and set it aside) every time.
+    resume = "auto" if restarts or job_facts().restart_count else spec.checkpoint.resume
     if resume != "none":
         path = checkpoints.select_resume(resume)
         restored = None
@@ -432,7 +432,8 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         stop.uninstall()
         metrics.close()
     if result.stopped_early:
-        log.info("stopped at step %d (%s); resume with the same run dir", result.last_step, result.stop_reason)
+        log.info("stopped at step %d (%s); the same command resumes from %s", result.last_step, result.stop_reason,
+                 checkpoints.root)
     else:
         log.info("finished %d steps", result.last_step)
     if folder_lock is not None:
