@@ -247,7 +247,7 @@ def _choose_run(spec: JobConfig, run_dir: Path) -> JobConfig:
     say on the console whether it resumes (and why not), and record its identity there."""
     # lazy: the launch side only when a job starts; action=plan skips it
     from launcher.checkpoint.folder import checkpoint_dir_holder
-    from launcher.checkpoint.run_folder import choose_run, write_identity
+    from launcher.checkpoint.run_folder import choose_run, write_identity  # lazy: as above
 
     hydra_cfg = HydraConfig.get()
     given = any(o.split("=", 1)[0].lstrip("+~") in ("hydra.run.dir", "hydra.sweep.dir") for o in hydra_cfg.overrides.hydra)

@@ -56,9 +56,10 @@ def test_a_mistyped_group_option_lists_the_options_closest_first(run_dir):
 
 
 def test_every_mistake_of_a_command_is_reported_at_once(run_dir):
-    problems = _refusal(["+recipe=debug", "trainer.setps=10", "optim.lrr=0.1", "precision=bf61", "modle=debug"],
-                        run_dir)
-    assert len(problems) == 4, problems
+    problems = _refusal(["+recipe=debug", "trainer.setps=10", "optim.lrr=0.1", "precision=bf61", "modle=debug",
+                         "run_name=mine"], run_dir)
+    assert len(problems) == 5, problems
+    assert "run_name was renamed run.name. Fix: run.name=mine." in problems, problems  # a key an older release had
     for fix in ("Fix: trainer.steps=10.", "Fix: optim.lr=0.1.", "Fix: precision=bf16.", "Fix: model=debug."):
         assert any(p.endswith(fix) for p in problems), (fix, problems)
 

@@ -29,14 +29,22 @@ def _or_list(names: List[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
+# Keys a release renamed: old dotted name -> new one, so old configs get the exact fix.
+RENAMED_KEYS = {"run_name": "run.name"}
+
+
 def unknown_key_problem(dotted: str, known: Iterable[str], value: Optional[str] = None, where: str = "") -> str:
     """The problem line for `dotted` (a.b.c), a key its group does not have; `known` are the
     group's keys. With the value typed on the command line, the Fix is the corrected override;
     `where` names the file that sets the key (empty: the command line or unknown)."""
+    source = f" (set in {where})" if where else ""
+    if dotted in RENAMED_KEYS:
+        new_name = RENAMED_KEYS[dotted]
+        fix = f"{new_name}={value}" if value is not None else f"rename it to {new_name}"
+        return f"{dotted}{source} was renamed {new_name}. Fix: {fix}."
     group, _, name = dotted.rpartition(".")
     owner = group or "the job"
     prefix = f"{group}." if group else ""
-    source = f" (set in {where})" if where else ""
     near = [prefix + k for k in closest(name, known)]
     if near:
         fix = f"{near[0]}={value}" if value is not None else f"rename it to {near[0]}"
