@@ -399,6 +399,17 @@ def test_fp8_block_release_loads_dequantized_and_exports_fp8_block(hf_models, wh
     # An fp32 export of the FP8 source carries no quantization_config (transformers would misread it).
     export_hf([model], None, tmp_path / "fp32", cfg, "fp32")
     assert "quantization_config" not in json.loads((tmp_path / "fp32" / "config.json").read_text())
+    if which == "deepseek_v3_fp8":  # the before-launch check: FP8 weights without their scales or block size
+        from safetensors.torch import save_file
+
+        broken = _copy(folder, tmp_path / "broken")
+        del source["model.layers.0.mlp.down_proj.weight_scale_inv"]
+        source["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
+        save_file(source, str(broken / "model.safetensors"), metadata={"format": "pt"})
+        (problem,) = [p for p in folder_problems(cfg, str(broken)) if "without their block scales" in p]
+        assert "model.layers.0.mlp.down_proj.weight" in problem and "Fix:" in problem
+        (problem,) = [p for p in folder_problems(cfg, str(broken)) if "wrong shape" in p]
+        assert "o_proj.weight_scale_inv (1, 1) (expected (2, 1)" in problem
 
 
 def test_fp8_box_reads_only_its_scale_blocks_and_bf16_scales(tmp_path):
