@@ -72,7 +72,8 @@ def timed_read(reader, names: list, box_of, dequantize: bool) -> tuple:
         box = box_of(shape)
         value = reader.read(name, box) if dequantize else reader._slice(name, box)
         local = torch.empty(value.shape, dtype=torch.bfloat16)
-        local.copy_(value.to(torch.float32) if not dequantize else value)  # as load_hf_weights' copy_
+        # Both paths go through float32 into the bf16 parameter (load_hf_weights' copy_ of the reader's value).
+        local.copy_(value if dequantize else value.to(torch.float32))
         nbytes += value.numel()
     return time.perf_counter() - start, nbytes
 
