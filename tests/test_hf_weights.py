@@ -102,6 +102,9 @@ def hf_models(tmp_path_factory):
     _randomize_norms(DeepseekV3ForCausalLM(config)).save_pretrained(root / "deepseek_v3_fp8_source")
     for name, ue8m0 in (("deepseek_v3_fp8", False), ("deepseek_v3_fp8_ue8m0", True)):
         out[name], out[name + "_ref"] = _fp8_release(root / "deepseek_v3_fp8_source", root / name, ue8m0)
+    # Qwen3 as its -FP8 releases: head_dim 48, so query head 2 (rows 96-144) straddles two 128-row blocks.
+    Qwen3ForCausalLM(Qwen3Config(**dict(qwen, head_dim=48), tie_word_embeddings=False)).save_pretrained(root / "qwen3_48")
+    out["qwen3_fp8"], out["qwen3_fp8_ref"] = _fp8_release(root / "qwen3_48", root / "qwen3_fp8", False)
     return out
 
 
@@ -410,6 +413,23 @@ def test_fp8_block_release_loads_dequantized_and_exports_fp8_block(hf_models, wh
         assert "model.layers.0.mlp.down_proj.weight" in problem and "Fix:" in problem
         (problem,) = [p for p in folder_problems(cfg, str(broken)) if "wrong shape" in p]
         assert "o_proj.weight_scale_inv (1, 1) (expected (2, 1)" in problem
+
+
+def test_fp8_qwen3_release_loads_through_the_rope_permutation(hf_models):
+    """Qwen3's -FP8 layout (q/k rows in HF's half-rotation order, a query head across two row
+    blocks): q/k are dequantized in HF's row order, then permuted to ours; logits equal
+    transformers' on the dequantized weights."""
+    from launcher.hf.weights import load_hf_weights
+    from launcher.models import build_model
+
+    folder = hf_models["qwen3_fp8"]
+    cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
+    assert folder_problems(cfg, str(folder)) == []
+    model = build_model(cfg)
+    load_hf_weights([model], str(folder), cfg)
+    toks = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(toks) - _hf_logits(hf_models["qwen3_fp8_ref"], toks)).abs().max() <= 1e-5
 
 
 def test_fp8_box_reads_only_its_scale_blocks_and_bf16_scales(tmp_path):
