@@ -3,7 +3,8 @@
 Usage: python -m torch.distributed.run --standalone --nproc_per_node=N tests/hf_harness.py JOBS.json OUT.json
 
 Each job: {"name", "folder" (a save_pretrained folder), "mesh" {dp_shard, tp, pp, ep}, "train_steps",
-"export_dtype", "export_dir"}. Per job the engine is built from the resolver's Layout with
+"export_dtype", "export_dir", optional "reference" (the folder transformers loads instead, e.g. the
+dequantized weights of an FP8 folder)}. Per job the engine is built from the resolver's Layout with
 model.init_from=folder; rank 0 records the largest |our logits - transformers' logits| right after
 loading, and (train_steps > 0) after training: the same difference against the model transformers
 loads from our checkpoint.export=hf folder. Every job also exports, so the test can compare the
@@ -89,6 +90,7 @@ def run_job(job: dict) -> dict:
     from tests.layout_for import job_spec
 
     folder = job["folder"]
+    reference = job.get("reference", folder)
     cfg = ModelConfig(name="hf", init_from=folder, **hf_model_fields(read_hf_config(folder)))
     mesh = {"dp_shard": 1, "tp": 1, "pp": 1, "ep": 1} | job["mesh"]
     dotted = {f"parallel.{k}": v for k, v in mesh.items()}
@@ -107,7 +109,7 @@ def run_job(job: dict) -> dict:
             ours = engine.model_parts[0](toks)  # ZeRO-3 gathers each block's parameters in forward
         result = {"built": engine.built()}
         if dist.get_rank() == 0:
-            result["load_max_diff"] = float((ours - hf_logits(folder, toks)).abs().max())
+            result["load_max_diff"] = float((ours - hf_logits(reference, toks)).abs().max())
         return result
     engine = NativeEngine(cfg, OptimConfig(lr=1e-2, warmup_steps=0), layout, torch.device("cpu"), options)
     result = {"built": engine.built()}
@@ -120,7 +122,7 @@ def run_job(job: dict) -> dict:
     result["model_elements"] = sum(v.numel() for v in _source_tensors(folder).values())
     ours = our_logits(engine, toks)
     if dist.get_rank() == 0:
-        result["load_max_diff"] = float((ours - hf_logits(folder, toks)).abs().max())
+        result["load_max_diff"] = float((ours - hf_logits(reference, toks)).abs().max())
     if steps:
         dp_rank = engine.world["dp_shard"].get_local_rank()
         dp = engine.world["dp_shard"].size()
@@ -130,7 +132,7 @@ def run_job(job: dict) -> dict:
     engine.export(Path(job["export_dir"]), "hf")
     if steps and dist.get_rank() == 0:
         result["export_max_diff"] = float((ours - hf_logits(str(Path(job["export_dir"]) / "hf"), toks)).abs().max())
-        result["weights_moved"] = float((ours - hf_logits(folder, toks)).abs().max())
+        result["weights_moved"] = float((ours - hf_logits(reference, toks)).abs().max())
     return result
 
 

@@ -94,7 +94,57 @@ def hf_models(tmp_path_factory):
     for name, q_rank in (("deepseek_v3", 16), ("deepseek_v3_q0", None)):
         config = DeepseekV3Config(**DEEPSEEK_V3, q_lora_rank=q_rank)
         _randomize_norms(DeepseekV3ForCausalLM(config)).save_pretrained(out.setdefault(name, root / name))
+    # DeepSeek-V3 as released in FP8: dims above 128 and projections that are not multiples of it
+    # (hidden 200, q_lora 136, kv_a 138 x 200, experts 136 x 200), quantized by this test in
+    # 128 x 128 blocks: amax / 448 with float32 scales, and power-of-two scales stored as e8m0
+    # (ue8m0). Each beside the float32 folder of its dequantized weights (transformers' reference).
+    config = DeepseekV3Config(**DEEPSEEK_V3_FP8)
+    _randomize_norms(DeepseekV3ForCausalLM(config)).save_pretrained(root / "deepseek_v3_fp8_source")
+    for name, ue8m0 in (("deepseek_v3_fp8", False), ("deepseek_v3_fp8_ue8m0", True)):
+        out[name], out[name + "_ref"] = _fp8_release(root / "deepseek_v3_fp8_source", root / name, ue8m0)
+    # Qwen3 as its -FP8 releases: head_dim 48, so query head 2 (rows 96-144) straddles two 128-row blocks.
+    Qwen3ForCausalLM(Qwen3Config(**dict(qwen, head_dim=48), tie_word_embeddings=False)).save_pretrained(root / "qwen3_48")
+    out["qwen3_fp8"], out["qwen3_fp8_ref"] = _fp8_release(root / "qwen3_48", root / "qwen3_fp8", False)
     return out
+
+
+def _fp8_blocks(w: torch.Tensor, ue8m0: bool):
+    """(e4m3 weight, scale_inv, dequantized float32) of a 2-D weight in 128 x 128 blocks, edge blocks
+    partial: scale = amax / 448 per block (rounded up to a power of two for ue8m0)."""
+    n, k = w.shape
+    nb0, nb1 = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = torch.zeros(nb0 * FP8_BLOCK, nb1 * FP8_BLOCK)
+    padded[:n, :k] = w.float()
+    amax = padded.view(nb0, FP8_BLOCK, nb1, FP8_BLOCK).abs().amax(dim=(1, 3))
+    scale = amax / 448.0
+    if ue8m0:
+        scale = 2.0 ** torch.ceil(torch.log2(scale))
+    full_scale = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
+    q = (w.float() / full_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale.to(torch.float8_e8m0fnu if ue8m0 else torch.float32), q.float() * full_scale
+
+
+def _fp8_release(src: Path, dst: Path, ue8m0: bool):
+    """Quantize `src` (a save_pretrained folder) as DeepSeek-V3 is released: every 2-D weight of the
+    blocks but the router. Returns (the FP8 folder, the folder of its dequantized weights)."""
+    from safetensors.torch import save_file
+
+    ref_dir = dst.with_name(dst.name + "_ref")
+    quantized, ref = {}, {}
+    for name, t in _hf_tensors(src).items():
+        if t.dim() == 2 and name.startswith("model.layers.") and not name.endswith("mlp.gate.weight"):
+            q, scale, value = _fp8_blocks(t, ue8m0)
+            quantized[name], quantized[name + "_scale_inv"], ref[name] = q, scale, value
+        else:
+            quantized[name] = ref[name] = t
+    config = json.loads((src / "config.json").read_text())
+    for folder, tensors, extra in ((dst, quantized, {"quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            **({"scale_fmt": "ue8m0"} if ue8m0 else {})}}), (ref_dir, ref, {})):
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps({**config, **extra}))
+    return dst, ref_dir
 
 
 DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
@@ -104,6 +154,11 @@ DEEPSEEK_V3 = dict(TINY, num_hidden_layers=3, num_key_value_heads=4, moe_interme
                    kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rms_norm_eps=1e-6,
                    rope_parameters=DEEPSEEK_V3_YARN, tie_word_embeddings=False, routed_scaling_factor=2.5,
                    initializer_range=0.1)  # weights large enough that RoPE and routing move the logits
+DEEPSEEK_V3_FP8 = dict(DEEPSEEK_V3, num_hidden_layers=2, hidden_size=200, intermediate_size=264, num_attention_heads=2,
+                       num_key_value_heads=2, q_lora_rank=136, kv_lora_rank=130, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                       v_head_dim=16, moe_intermediate_size=136, n_routed_experts=4, n_group=2, topk_group=1,
+                       initializer_range=0.05)
+FP8_BLOCK = 128
 
 
 def _randomize_norms(model):
@@ -295,6 +350,107 @@ def test_deepseek_v3_bf16_export_is_transformers_own_bf16_save(hf_models, tmp_pa
     assert _hf_tensors(tmp_path / "ours")["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
 
 
+# ----------------------------------------------------------------------------- FP8 block-quantized folders
+
+
+def _dequantized(tensors: dict, name: str) -> torch.Tensor:
+    """The float32 value of weight `name` of an FP8 folder's tensors (the test's own arithmetic)."""
+    w, scale = tensors[name], tensors[name + "_scale_inv"].float()
+    full = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:w.shape[0], :w.shape[1]]
+    return w.float() * full
+
+
+@pytest.mark.parametrize("which", ["deepseek_v3_fp8", "deepseek_v3_fp8_ue8m0"])
+def test_fp8_block_release_loads_dequantized_and_exports_fp8_block(hf_models, which, tmp_path, caplog):
+    """A DeepSeek-V3 folder as released in FP8 (128 x 128 e4m3 blocks, partial edge blocks, float32
+    or e8m0 scales): our logits equal transformers' on the dequantized weights (fp32, 1e-5), the
+    scales are not reported as skipped tensors, and checkpoint.export_dtype=fp8_block writes the
+    same layout back: the same tensors quantized, whose dequantized values equal the source's."""
+    from dataclasses import replace
+
+    from launcher.hf.format import fp8_export_plan
+    from launcher.hf.weights import export_hf, load_hf_weights
+    from launcher.models import build_model
+
+    folder = hf_models[which]
+    cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
+    assert folder_problems(cfg, str(folder)) == []
+    model = build_model(cfg)
+    with caplog.at_level("INFO", logger="launcher.hf.weights"):
+        load_hf_weights([model], str(folder), cfg)
+    assert "_scale_inv" not in caplog.text and "skipping" not in caplog.text
+    toks = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(toks) - _hf_logits(hf_models[which + "_ref"], toks)).abs().max() <= 1e-5
+    export_hf([model], None, tmp_path / "hf", cfg, "fp8_block")
+    source, exported = _hf_tensors(folder), _hf_tensors(tmp_path / "hf")
+    assert sorted(exported) == sorted(source)
+    scaled = [n[:-len("_scale_inv")] for n in source if n.endswith("_scale_inv")]
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in scaled and "lm_head.weight" not in scaled
+    for name in scaled:
+        assert exported[name].dtype == torch.float8_e4m3fn and exported[name + "_scale_inv"].dtype == torch.float32
+        # Exact: amax / 448 of a dequantized block gives back its scale (to the float32 ulp that the
+        # block's own e4m3 rounding absorbs); power-of-two scales divide exactly.
+        assert torch.equal(_dequantized(exported, name), _dequantized(source, name)), name
+    assert exported["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # the router is not quantized
+    assert exported["model.embed_tokens.weight"].dtype == torch.bfloat16
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["quantization_config"] == read_hf_config(folder)["quantization_config"] | {"activation_scheme": "dynamic"}
+    # A from-scratch model quantizes what DeepSeek released quantized: every block linear but the router.
+    quant, names = fp8_export_plan(replace(cfg, init_from=""))
+    assert sorted(names) == sorted(scaled) and quant.block == (128, 128) and quant.scale_fmt == ""
+    # An fp32 export of the FP8 source carries no quantization_config (transformers would misread it).
+    export_hf([model], None, tmp_path / "fp32", cfg, "fp32")
+    assert "quantization_config" not in json.loads((tmp_path / "fp32" / "config.json").read_text())
+    if which == "deepseek_v3_fp8":  # the before-launch check: FP8 weights without their scales or block size
+        from safetensors.torch import save_file
+
+        broken = _copy(folder, tmp_path / "broken")
+        del source["model.layers.0.mlp.down_proj.weight_scale_inv"]
+        source["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
+        save_file(source, str(broken / "model.safetensors"), metadata={"format": "pt"})
+        (problem,) = [p for p in folder_problems(cfg, str(broken)) if "without their block scales" in p]
+        assert "model.layers.0.mlp.down_proj.weight" in problem and "Fix:" in problem
+        (problem,) = [p for p in folder_problems(cfg, str(broken)) if "wrong shape" in p]
+        assert "o_proj.weight_scale_inv (1, 1) (expected (2, 1)" in problem
+
+
+def test_fp8_qwen3_release_loads_through_the_rope_permutation(hf_models):
+    """Qwen3's -FP8 layout (q/k rows in HF's half-rotation order, a query head across two row
+    blocks): q/k are dequantized in HF's row order, then permuted to ours; logits equal
+    transformers' on the dequantized weights."""
+    from launcher.hf.weights import load_hf_weights
+    from launcher.models import build_model
+
+    folder = hf_models["qwen3_fp8"]
+    cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
+    assert folder_problems(cfg, str(folder)) == []
+    model = build_model(cfg)
+    load_hf_weights([model], str(folder), cfg)
+    toks = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(toks) - _hf_logits(hf_models["qwen3_fp8_ref"], toks)).abs().max() <= 1e-5
+
+
+def test_fp8_box_reads_only_its_scale_blocks_and_bf16_scales(tmp_path):
+    """A shard's box that cuts 128-blocks (rows 100-290, columns 5-257 of a 300 x 260 weight) is
+    dequantized from the 3 x 3 scale blocks that cover it and nothing more; bf16 scales read too."""
+    from safetensors.torch import save_file
+
+    from launcher.hf.weights import HfReader
+
+    w = torch.randn(300, 260, generator=torch.Generator().manual_seed(0))
+    q, scale, _ = _fp8_blocks(w, ue8m0=False)
+    scale = scale.to(torch.bfloat16)
+    save_file({"w": q, "w_scale_inv": scale}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
+    reader = HfReader(str(tmp_path))
+    box = reader.read("w", [(100, 290), (5, 257)])
+    assert torch.equal(box, _dequantized({"w": q, "w_scale_inv": scale}, "w")[100:290, 5:257])
+    assert reader.elements_read == 190 * 252 + 3 * 3
+
+
 # ----------------------------------------------------------------------------- bad folders
 
 
@@ -311,12 +467,16 @@ def test_bad_folders_exit_2_before_launch(hf_models, tmp_path):
     truncated = _copy(hf_models["mixtral"], tmp_path / "truncated")
     f = truncated / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
+    gptq = _copy(hf_models["mixtral"], tmp_path / "gptq")  # another quant_method: named, with its fix
+    config = json.loads((gptq / "config.json").read_text())
+    (gptq / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
     run_dir = tmp_path / "run"
-    proc = run_train(["-m", "model=hf", f"model.init_from={missing},{truncated}", "cluster.gpus_per_node=1"], run_dir)
+    proc = run_train(["-m", "model=hf", f"model.init_from={missing},{truncated},{gptq}", "cluster.gpus_per_node=1"], run_dir)
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = proc.stderr
     assert f"shard {shards[1].name}" in err and "is missing" in err, err
     assert "model.safetensors is truncated" in err, err
+    assert "quant_method='gptq'" in err and "Fix: dequantize the checkpoint" in err, err
     assert "Traceback" not in err
     proc = run_train(["model=debug", f"model.init_from={hf_models['llama']}"], run_dir)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -442,16 +602,25 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
 @pytest.mark.multiprocess
 def test_four_rank_layouts_load_train_and_export(hf_models, tmp_path):
     """The MoE families with TP and EP together (tp=2 x dp_shard=2, ep=2: experts over the dp_shard
-    ranks, each TP pair holding the same experts) and DeepSeek-V3 with PP and EP (pp=2 x dp_shard=2,
-    ep=2): logits equal transformers' after loading, then 2 training steps and an fp32
+    ranks, each TP pair holding the same experts; DeepSeek-V3 also from its FP8 form) and DeepSeek-V3
+    with PP and EP (pp=2 x dp_shard=2, ep=2): logits equal transformers' after loading (the FP8 form's:
+    transformers' on its dequantized weights), then (the unquantized sources) 2 training steps and an fp32
     checkpoint.export=hf that transformers loads to our final-step logits."""
     jobs = [
         {"name": "tp2_ep2_qwen3_moe", "folder": str(hf_models["qwen3_moe"]), "mesh": {"tp": 2, "dp_shard": 2, "ep": 2}},
         {"name": "tp2_ep2_deepseek_v3", "folder": str(hf_models["deepseek_v3"]), "mesh": {"tp": 2, "dp_shard": 2, "ep": 2}},
         {"name": "pp2_ep2_deepseek_v3", "folder": str(hf_models["deepseek_v3"]), "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}},
+        # DeepSeek-V3 released in FP8 (e8m0 scales): TP shards cut the 128-blocks (q_b_proj's 48 rows,
+        # the dense ffn's 264 in halves of 132), EP splits the experts; compared with transformers on
+        # the dequantized weights.
+        # Loading is what this case checks (training after the load is the other cases' path): no steps.
+        {"name": "tp2_ep2_deepseek_v3_fp8", "folder": str(hf_models["deepseek_v3_fp8_ue8m0"]),
+         "reference": str(hf_models["deepseek_v3_fp8_ue8m0_ref"]), "mesh": {"tp": 2, "dp_shard": 2, "ep": 2},
+         "train_steps": 0},
     ]
     for job in jobs:
-        job.update(train_steps=2, export_dtype="fp32")
+        job.setdefault("train_steps", 2)
+        job["export_dtype"] = "fp32"
     out = _run_harness(jobs, tmp_path, ranks=4)
     for job in jobs:
         r = out[job["name"]]
@@ -462,8 +631,9 @@ def test_four_rank_layouts_load_train_and_export(hf_models, tmp_path):
         # Each rank fetched its slices only: TP or PP halves the dense weights and EP the experts
         # (replicated norms, routers and, under TP, MLA's down-projections on top): under half the model.
         assert all(0 < n < 0.5 * r["model_elements"] for n in r["elements_read"]), (job["name"], r)
-        assert r["weights_moved"] > 1e-3, (job["name"], r)  # training changed the model: the export check means something
-        assert r["export_max_diff"] <= 1e-5, (job["name"], r)
+        if job["train_steps"]:
+            assert r["weights_moved"] > 1e-3, (job["name"], r)  # training changed the model: the export check means something
+            assert r["export_max_diff"] <= 1e-5, (job["name"], r)
     # The same model and batches in two layouts train alike (PP's hand-off and TP's reductions agree).
     tp, pp = out["tp2_ep2_deepseek_v3"]["losses"], out["pp2_ep2_deepseek_v3"]["losses"]
     assert len(tp) == 2 and max(abs(a - b) for a, b in zip(tp, pp)) <= 1e-5, (tp, pp)
@@ -545,7 +715,7 @@ def test_action_export_needs_a_checkpoint_and_a_format(tmp_path):
     assert any(p.startswith("action=export writes checkpoint.export but checkpoint.export=none") for p in problems)
     assert any("not a checkpoint folder" in p and "Fix: checkpoint.resume=" in p for p in problems)
     assert not validate(compose_spec(["+recipe=debug", "action=export", "checkpoint.export=hf",
-                                      f"checkpoint.resume={tmp_path}"]))
+                                      "checkpoint.export_dtype=fp8_block", f"checkpoint.resume={tmp_path}"]))
 
 
 def test_action_export_ignores_the_training_only_settings(tmp_path):

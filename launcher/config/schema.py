@@ -201,7 +201,8 @@ class CheckpointConfig:
     local_dir: str = ""
     local_interval: int = 10  # steps between node-local saves (checkpoint.interval stays the shared one's)
     export: str = "none"  # none | fp32 | safetensors | hf: consolidated export at the end
-    # dtype of the checkpoint.export=hf weights (bf16 | fp16 | fp32); applies to the export only.
+    # dtype of the checkpoint.export=hf weights (bf16 | fp16 | fp32 | fp8_block: 128x128-block e4m3
+    # linears + float32 scales, the rest bf16, as DeepSeek-V3 is released); applies to the export only.
     export_dtype: str = "bf16"
     # checkpoint.async: training blocks only while a save is staged into host memory; DCP writes
     # it in the background and it is renamed into place when every rank's write is done (native

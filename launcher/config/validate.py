@@ -20,7 +20,7 @@ from launcher.config.executors import EXECUTOR_NAMES, cluster_key_problems
 from launcher.config.errors import ConfigError
 from launcher.config.run_identity import run_name_problems
 from launcher.config.schema import ADAMW_IMPLEMENTATIONS, JobConfig, ModelConfig
-from launcher.hf.format import folder_problems
+from launcher.hf.format import DTYPES as EXPORT_DTYPES, folder_problems
 from launcher.models.family import family_problems
 from launcher.models.shape import head_dim_of, moe_layer_ids
 from launcher.config.writable import folder_problem
@@ -47,7 +47,7 @@ CHOICES = {
     "cluster.rdzv_host_from": ("hostname", "nodeaddr"),
     "backend.default": ("auto", "native", "deepspeed"),
     "checkpoint.export": ("none", "fp32", "safetensors", "hf"),
-    "checkpoint.export_dtype": ("bf16", "fp16", "fp32"),
+    "checkpoint.export_dtype": tuple(EXPORT_DTYPES),  # bf16 | fp16 | fp32 | fp8_block
     "plan.format": ("text", "json"),
     "plan.objective": PLAN_OBJECTIVES,
     # Names logging.Logger.setLevel accepts (it is case-sensitive).

@@ -146,7 +146,7 @@ class EngineOptions:
     seed: int = 1234
     compile: bool = False
     work_dir: Optional[Path] = None  # where the DeepSpeed engine writes its JSON (the run dir)
-    export_dtype: str = "bf16"  # checkpoint.export=hf weights: bf16 | fp16 | fp32
+    export_dtype: str = "bf16"  # checkpoint.export=hf weights: bf16 | fp16 | fp32 | fp8_block
     export_tokenizer_files: Tuple[Path, ...] = ()  # copied into an hf export
     # Mixture sources in the run (len(data.mix); 0: unknown or no mix). Sizes the per-source loss
     # sums so they ride on the step's loss all-reduce; when 0 and Microbatch.sources is set, one

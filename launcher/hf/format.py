@@ -14,6 +14,11 @@ config.json's `model_type` (reading) or model.family (writing):
   written to both. Other rope types are refused by name unless a family implements them;
 - dtypes: loading takes each tensor's dtype from its file; an export writes both `dtype`
   (transformers 5) and `torch_dtype` (4.x);
+- FP8 block quantization (DeepSeek-V3/V3.1's and Qwen3's `-FP8` releases): config.json's
+  `quantization_config` (`quant_method: fp8`, `fmt: e4m3`, `weight_block_size`, optional
+  `scale_fmt: ue8m0`) read into a BlockQuant; every other quant_method is refused by name. Each
+  quantized weight W (N, K) has `W_scale_inv` (ceil(N/B0), ceil(K/B1)) beside it; the value is
+  W[i, j] * W_scale_inv[i // B0, j // B1] (launcher/hf/fp8_blocks.py does the arithmetic);
 - the folder checks (files, safetensors headers, shapes). model=hf's filling of model.* is the
   config's (launcher/config/hf_model.py), which reads config.json through this module.
 """
@@ -23,8 +28,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from launcher.models.hf_common import TensorMap, rope_scaling_summary  # TensorMap: launcher/hf/weights.py reads it here
 from launcher.models.family import DEFAULT_FAMILY, family_for_hf_type, family_of, get_family, hf_model_types
@@ -49,8 +55,91 @@ _SHAPE_DEFAULTS = {"q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0, "
 # Filled by model=hf but not compared: a shorter model.max_seq_len only sizes the RoPE table.
 FILL_ONLY_KEYS = ("max_seq_len",)
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+# checkpoint.export_dtype -> the dtype of the exported tensors (config.json's `dtype`). fp8_block:
+# bf16, except the block-quantized linears (e4m3 + float32 scales; export_quantized_names).
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_block": "bfloat16"}
+FP8_BLOCK = "fp8_block"
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}
+
+# FP8 block quantization, as DeepSeek-V3 released it (and Qwen3's -FP8 releases copy it).
+SCALE_SUFFIX = "_scale_inv"
+FP8_BLOCK_SIZE = (128, 128)  # what an fp8_block export writes
+FP8_MAX = 448.0  # largest float8_e4m3fn: a block's amax maps to it
+_E4M3_SAFETENSORS = "F8_E4M3"
+_SCALE_FMTS = ("", "ue8m0")  # "" (absent): any float scale; ue8m0: powers of two
+
+
+@dataclass(frozen=True)
+class BlockQuant:
+    """A folder's (or an export's) FP8 block quantization: `block` rows x columns share one scale;
+    scale_fmt "ue8m0" means every scale is a power of two (DeepSeek-V3.1), "" any positive float."""
+
+    block: Tuple[int, int] = FP8_BLOCK_SIZE
+    scale_fmt: str = ""
+
+    def config(self) -> Dict[str, Any]:
+        """config.json's `quantization_config` for this quantization (DeepSeek-V3's keys)."""
+        out: Dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                               "weight_block_size": list(self.block)}
+        if self.scale_fmt:
+            out["scale_fmt"] = self.scale_fmt
+        return out
+
+
+def scale_name(name: str) -> str:
+    """The scale tensor beside quantized weight `name` (`...weight` -> `...weight_scale_inv`)."""
+    return name + SCALE_SUFFIX
+
+
+def block_quant_of(hf: Dict[str, Any]) -> Optional[BlockQuant]:
+    """The FP8 block quantization config.json declares (None: not quantized). ValueError naming
+    what this launcher cannot dequantize (another quant_method, fmt, block or scale format)."""
+    q = hf.get("quantization_config")
+    if not q:
+        return None
+    if not isinstance(q, dict):
+        raise ValueError(f"quantization_config={q!r} is not a mapping")
+    method = str(q.get("quant_method", "")).lower()
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method={q.get('quant_method')!r} (only FP8 block "
+                         f"quantization, quant_method 'fp8', is dequantized on load)")
+    if str(q.get("fmt", "e4m3")).lower() != "e4m3":
+        raise ValueError(f"quantization_config.fmt={q.get('fmt')!r} (only e4m3 FP8 weights are read)")
+    block = q.get("weight_block_size")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size={block!r} (FP8 block quantization needs "
+                         f"[rows, columns], e.g. [128, 128]; per-tensor FP8 is not read)")
+    scale_fmt = str(q.get("scale_fmt") or "")
+    if scale_fmt not in _SCALE_FMTS:
+        raise ValueError(f"quantization_config.scale_fmt={scale_fmt!r} (read: absent or 'ue8m0')")
+    return BlockQuant((int(block[0]), int(block[1])), scale_fmt)
+
+
+def quantization_problems(folder: str, hf: Dict[str, Any]) -> List[str]:
+    """A model.init_from folder whose quantization_config we cannot dequantize: one problem, with
+    the fix (dequantize it with the tool that quantized it)."""
+    try:
+        block_quant_of(hf)
+    except ValueError as err:
+        return [f"model.init_from={folder}: config.json has {err}. Fix: dequantize the checkpoint with the tool "
+                f"that quantized it (e.g. its library's dequantize/save to bf16) and point model.init_from at "
+                f"that folder, or use the unquantized release."]
+    return []
+
+
+def scale_grid(shape: Tuple[int, ...], block: Tuple[int, int]) -> Tuple[int, int]:
+    """The scale tensor's shape for a (N, K) weight: ceil(N / B0), ceil(K / B1) (edge blocks partial)."""
+    return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+
+
+def default_quantized(m: TensorMap) -> bool:
+    """Which of our tensors an fp8_block export quantizes when the source had none quantized
+    (a from-scratch model): every 2-D weight of the decoder blocks except the router, DeepSeek-V3's
+    release convention (embeddings, norms, lm_head, router and its bias stay unquantized)."""
+    if not m.ours.startswith("layers.") or m.ours.endswith("router.weight") or m.keep_fp32:
+        return False
+    return len(m.shape) == (3 if m.kind == "experts" else 2)
 
 
 def _same(key: str, a: Any, b: Any) -> bool:
@@ -117,6 +206,27 @@ def hf_shapes(m: TensorMap) -> List[Tuple[str, Tuple[int, ...]]]:
     return [(m.hf_names[0], m.shape)]
 
 
+def fp8_export_plan(model) -> Tuple[BlockQuant, List[str]]:
+    """What an fp8_block export of `model` (a ModelConfig) quantizes, and how: the HF tensors its
+    model.init_from folder had quantized, with that folder's block size and scale format; for a
+    model without an FP8 source (from scratch, or a bf16 folder) DeepSeek-V3's convention
+    (default_quantized) in 128 x 128 blocks. Reads config.json and the safetensors headers only."""
+    maps = tensor_maps(model)
+    folder = getattr(model, "init_from", "") or ""
+    quant, files = None, {}
+    if folder and (Path(folder) / CONFIG_FILE).is_file():
+        try:
+            quant = block_quant_of(read_hf_config(folder))
+            files = weight_files(folder) if quant is not None else {}
+        except (FileNotFoundError, ValueError):
+            quant = None  # the source moved or changed since training: the convention decides
+    if quant is not None:
+        names = [n for m in maps for n in m.hf_names if scale_name(n) in files]
+        if names:
+            return quant, names
+    return BlockQuant(), [n for m in maps if default_quantized(m) for n in m.hf_names]
+
+
 # ----------------------------------------------------------------------------- folder checks
 
 
@@ -167,6 +277,7 @@ def folder_problems(model, folder: str, check_shapes: bool = True) -> List[str]:
         return [f"{key}={folder}: {err}. {fix_folder}"]
     problems = [f"{key}={folder}: config.json has {what}, which this launcher does not implement. "
                 f"Fix: use a checkpoint of a supported family ({', '.join(hf_model_types())}) without it." for what in unsupported_features(hf)]
+    problems += quantization_problems(folder, hf)
     if problems:
         return problems
     if check_shapes:
@@ -205,19 +316,36 @@ def folder_problems(model, folder: str, check_shapes: bool = True) -> List[str]:
             problems.append(f"{key}={folder}: {err}. Fix: copy {fname} again (complete).")
     if problems:
         return problems
-    missing, wrong = [], []
+    quant = block_quant_of(hf)
+    missing, wrong, unscaled = [], [], []
+
+    def entry_of(name: str):
+        fname = files.get(name)
+        return headers.get(fname, {}).get(name) if fname else None
+
     for m in tensor_maps(model):
         for name, shape in hf_shapes(m):
-            fname = files.get(name)
-            entry = headers.get(fname, {}).get(name) if fname else None
+            entry = entry_of(name)
             if entry is None:
                 missing.append(name)
             elif tuple(entry["shape"]) != tuple(shape):
                 wrong.append(f"{name} {tuple(entry['shape'])} (expected {tuple(shape)})")
+            elif entry["dtype"] == _E4M3_SAFETENSORS or scale_name(name) in files:
+                # An FP8 weight is only meaningful with its block scales (and a block size to apply them).
+                scale = entry_of(scale_name(name))
+                if quant is None or scale is None or len(shape) != 2:
+                    unscaled.append(name)
+                elif tuple(scale["shape"]) != scale_grid(tuple(shape), quant.block):
+                    wrong.append(f"{scale_name(name)} {tuple(scale['shape'])} (expected "
+                                 f"{scale_grid(tuple(shape), quant.block)} for {list(quant.block)} blocks)")
     if missing:
         problems.append(f"{key}={folder}: {len(missing)} tensor(s) missing, e.g. {', '.join(missing[:3])}. "
                         f"Fix: a complete {hf.get('model_type')} checkpoint whose config.json matches its weights.")
     if wrong:
         problems.append(f"{key}={folder}: {len(wrong)} tensor(s) with the wrong shape, e.g. {', '.join(wrong[:3])}. "
                         f"Fix: a checkpoint whose config.json matches its weights.")
+    if unscaled:
+        problems.append(f"{key}={folder}: {len(unscaled)} FP8 weight(s) without their block scales or a "
+                        f"quantization_config with weight_block_size, e.g. {', '.join(unscaled[:3])}. Fix: a complete "
+                        f"FP8 release (each quantized WEIGHT with WEIGHT{SCALE_SUFFIX}, config.json's quantization_config).")
     return problems

@@ -3,11 +3,14 @@
 - ``load_hf_weights(parts, folder, cfg)``: each rank reads, with safetensors' lazy slicing,
   only the box of each tensor its local shard holds (DTensor local shape + global offset, the
   same boxes torch.distributed.checkpoint reads), transformed to our layout on the fly. Host
-  memory per rank is bounded by its shard plus, for q/k, at most one head either side.
+  memory per rank is bounded by its shard plus, for q/k, at most one head either side. FP8
+  block-quantized weights (config.json's quantization_config) are dequantized box by box on the
+  way: the rank reads only the scale blocks that cover its box (launcher/hf/fp8_blocks.py).
 - ``export_hf(parts, world, out_dir, cfg, dtype)``: streams one parameter at a time: the
   stage that owns it gathers the full tensor, global rank 0 writes it straight into its
   safetensors shard (header written first, from the shapes the config determines), so no
-  rank ever holds more than one full parameter.
+  rank ever holds more than one full parameter. dtype fp8_block writes the chosen linears as
+  block-quantized e4m3 + float32 `*_scale_inv` (format.fp8_export_plan) and the rest in bf16.
 
 Names, shapes and which transform applies: launcher/hf/format.py (the one mapping).
 """
@@ -19,15 +22,17 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from launcher.hf.format import (CONFIG_FILE, DTYPES, INDEX_FILE, TOKENIZER_FILES,
-                                       TensorMap, hf_config_for, tensor_maps, weight_files)
+from launcher.hf.fp8_blocks import dequantize, quantize
+from launcher.hf.format import (CONFIG_FILE, DTYPES, FP8_BLOCK, INDEX_FILE, TOKENIZER_FILES,
+                                BlockQuant, TensorMap, block_quant_of, fp8_export_plan, hf_config_for,
+                                read_hf_config, scale_grid, scale_name, tensor_maps, weight_files)
 from launcher.models.family import FAMILY_PACKAGES
 from launcher.models.init import canonical_name, local_box
 from launcher.hf.tensor_stream import SafetensorsStreamWriter, TensorGather
@@ -78,6 +83,11 @@ class HfReader:
         except (FileNotFoundError, ValueError) as err:  # changed since the pre-launch check
             raise ValueError(f"model.init_from={folder}: {err}. Fix: copy the checkpoint folder again "
                              f"(complete).") from err
+        try:
+            self.quant = block_quant_of(read_hf_config(folder))
+        except (FileNotFoundError, ValueError) as err:  # checked before launch; changed since
+            raise ValueError(f"model.init_from={folder}: {err}. Fix: a folder whose config.json is complete and "
+                             f"unquantized or FP8 block-quantized.") from err
         self._handles: Dict[str, object] = {}
         self.elements_read = 0  # what this rank fetched from disk (its shards, q/k rounded to whole heads)
 
@@ -95,11 +105,30 @@ class HfReader:
         return self._handles[fname]
 
     def read(self, name: str, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
-        """hf tensor `name`[box] (box: (start, stop) per dim)."""
-        sl = self._handle(name).get_slice(name)
-        out = sl[tuple(slice(a, b) for a, b in box)]
+        """hf tensor `name`[box] (box: (start, stop) per dim); an FP8 block-quantized weight
+        comes back dequantized (float32)."""
+        if self.quant is not None and scale_name(name) in self.files:
+            return self._read_dequantized(name, box)
+        out = self._slice(name, box)
+        if out.dtype == torch.float8_e4m3fn:  # never cast FP8 bytes without their scales
+            raise ValueError(f"{self.folder}: {name} is float8_e4m3fn but the folder has no {scale_name(name)} "
+                             f"or config.json no FP8 quantization_config. Fix: a complete FP8 release.")
+        return out
+
+    def _slice(self, name: str, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        out = self._handle(name).get_slice(name)[tuple(slice(a, b) for a, b in box)]
         self.elements_read += out.numel()
         return out
+
+    def _read_dequantized(self, name: str, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        """weight[box] * its block scales, reading only the scale blocks the box touches."""
+        (r0, r1), (c0, c1) = box
+        b0, b1 = self.quant.block
+        if r1 <= r0 or c1 <= c0:
+            return torch.empty((max(r1 - r0, 0), max(c1 - c0, 0)))
+        weight = self._slice(name, box)
+        scales = self._slice(scale_name(name), [(r0 // b0, (r1 - 1) // b0 + 1), (c0 // b1, (c1 - 1) // b1 + 1)])
+        return dequantize(weight, scales, (r0 % b0, c0 % b1), (b0, b1))
 
     def read_ours(self, m: TensorMap, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
         """Our parameter m restricted to `box` (our coordinates), from the HF files."""
@@ -159,8 +188,10 @@ def _mapped_tensors(part: nn.Module, maps) -> List[Tuple[str, torch.Tensor]]:
 
 def _log_unmapped(files: Dict[str, str], maps, folder: str) -> None:
     """One log line for the folder's tensors no parameter reads (e.g. DeepSeek-V3's
-    multi-token-prediction block, model.layers.61.*, which we do not build)."""
+    multi-token-prediction block, model.layers.61.*, which we do not build). The block scales of
+    the weights we read are read with them, not skipped."""
     known = {n for m in maps for n in m.hf_names}
+    known |= {scale_name(n) for n in known}
     extra = sorted(n for n in files if n not in known)
     if extra:
         layers = sorted({".".join(n.split(".")[:3]) for n in extra if n.startswith("model.layers.")})
@@ -171,22 +202,38 @@ def _log_unmapped(files: Dict[str, str], maps, folder: str) -> None:
 # ----------------------------------------------------------------------------- export
 
 
-def _shard_plan(maps: List[TensorMap], itemsize: int) -> List[List[str]]:
+def _shard_plan(entries: List[Tuple[str, Tuple[int, ...], torch.dtype]]) -> List[List[str]]:
     """HF names per output file (in order), at most MAX_SHARD_BYTES each; from the config alone,
     so every rank knows the file names before any tensor is written."""
     files: List[List[str]] = [[]]
     size = 0
-    for m in maps:
-        for name in m.hf_names:
-            n = 4 if m.keep_fp32 else itemsize
-            for s in (m.shape[1:] if m.kind == "experts" else m.shape):
-                n *= s
-            if files[-1] and size + n > MAX_SHARD_BYTES:
-                files.append([])
-                size = 0
-            files[-1].append(name)
-            size += n
+    for name, shape, dtype in entries:
+        n = _nbytes(shape, dtype)
+        if files[-1] and size + n > MAX_SHARD_BYTES:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += n
     return files
+
+
+def _export_entries(maps: List[TensorMap], dtype: torch.dtype, quantized: Dict[str, Tuple[int, int]]):
+    """(HF name, shape, dtype) of every tensor an export writes, in file order: keep_fp32 tensors
+    in float32, the `quantized` weights in e4m3 followed by their float32 block scales."""
+    out = []
+    for m in maps:
+        shape = tuple(m.shape[1:] if m.kind == "experts" else m.shape)
+        for name in m.hf_names:
+            if name in quantized:
+                out.append((name, shape, torch.float8_e4m3fn))
+                out.append((scale_name(name), scale_grid(shape, quantized[name]), torch.float32))
+            else:
+                out.append((name, shape, torch.float32 if m.keep_fp32 else dtype))
+    return out
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return _numel(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def _owner_stages(parts: Sequence[nn.Module], world, mapped=frozenset()) -> Dict[str, int]:
@@ -203,17 +250,22 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
     tokenizer files) from this rank's parts; collective over all ranks, global rank 0 writes."""
     dtype = getattr(torch, DTYPES[dtype_name])
     maps = tensor_maps(model_cfg)
+    quant: Optional[BlockQuant] = None
+    quantized: Dict[str, Tuple[int, int]] = {}
+    if dtype_name == FP8_BLOCK:
+        quant, names = fp8_export_plan(model_cfg)
+        quantized = {n: quant.block for n in names}
     mapped = {m.ours for m in maps}
     owners = _owner_stages(parts, world, mapped)
     params = {canonical_name(n): p for part in parts for n, p in _mapped_tensors(part, mapped)}
     gather = TensorGather(world)
     rank = gather.rank
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    plan = _shard_plan(maps, itemsize)
+    entries = _export_entries(maps, dtype, quantized)
+    plan = _shard_plan(entries)
     n_files = len(plan)
     file_of = {name: k for k, names in enumerate(plan) for name in names}
-    shapes = {n: (m.shape[1:] if m.kind == "experts" else m.shape) for m in maps for n in m.hf_names}
-    fp32 = {n: torch.float32 for m in maps if m.keep_fp32 for n in m.hf_names}
+    shapes = {n: shape for n, shape, _ in entries}
+    dtypes = {n: dt for n, _, dt in entries}
     writers: Dict[int, SafetensorsStreamWriter] = {}
     final_dir = Path(out_dir)
     # Written aside and renamed when complete: a crash never leaves a half export named export/hf.
@@ -234,32 +286,40 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
         if rank != 0:
             continue
         for name, t in to_hf_tensors(m, full):
-            k = file_of[name]
-            if k not in writers:
-                writers[k] = SafetensorsStreamWriter(out_dir / fname(k), plan[k], shapes, dtype, fp32)
-            writers[k].write(name, t.to(fp32.get(name, dtype)))
-            if writers[k].next == len(plan[k]):
-                writers[k].close()
+            if name in quantized:
+                q, scale = quantize(t, quant.block, power_of_two=quant.scale_fmt == "ue8m0")
+                out = [(name, q), (scale_name(name), scale)]
+            else:
+                out = [(name, t.to(dtypes[name]))]
+            for hf_name, value in out:
+                k = file_of[hf_name]
+                if k not in writers:
+                    writers[k] = SafetensorsStreamWriter(out_dir / fname(k), plan[k], shapes, dtype, dtypes)
+                writers[k].write(hf_name, value)
+                if writers[k].next == len(plan[k]):
+                    writers[k].close()
         del full
     if rank == 0:
-        index = {"metadata": {"total_size": sum((4 if n in fp32 else itemsize) * _numel(s) for n, s in shapes.items())},
+        index = {"metadata": {"total_size": sum(_nbytes(shapes[n], dtypes[n]) for n in shapes)},
                  "weight_map": {n: fname(file_of[n]) for n in sorted(file_of)}}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        (out_dir / CONFIG_FILE).write_text(json.dumps(_export_config(model_cfg, DTYPES[dtype_name]), indent=2))
+        (out_dir / CONFIG_FILE).write_text(json.dumps(_export_config(model_cfg, DTYPES[dtype_name], quant), indent=2))
         for f in tokenizer_files:
             shutil.copy2(f, out_dir / Path(f).name)
         if final_dir.exists():
             shutil.rmtree(final_dir)
         os.replace(out_dir, final_dir)
-        log.info("exported %d tensors in %d safetensors file(s) (%s) to %s", len(file_of), n_files,
-                 dtype_name, final_dir)
+        log.info("exported %d tensors in %d safetensors file(s) (%s%s) to %s", len(file_of), n_files, dtype_name,
+                 f": {len(quantized)} weights in {quant.block[0]}x{quant.block[1]} e4m3 blocks" if quant else "",
+                 final_dir)
     if dist.is_initialized():
         dist.barrier()
 
 
-def _export_config(model_cfg, dtype: str) -> dict:
+def _export_config(model_cfg, dtype: str, quant: Optional[BlockQuant] = None) -> dict:
     """config.json of the export: ours, on top of model.init_from's (which keeps the keys we do not
-    manage, such as bos/eos token ids, for generation)."""
+    manage, such as bos/eos token ids, for generation); `quantization_config` only when the export
+    is block-quantized (an FP8 source's must not describe a bf16 or fp32 export)."""
     base: dict = {}
     src = Path(model_cfg.init_from) / CONFIG_FILE if getattr(model_cfg, "init_from", "") else None
     if src is not None and src.is_file():
@@ -267,7 +327,11 @@ def _export_config(model_cfg, dtype: str) -> dict:
             base = json.loads(src.read_text())
         except ValueError:
             base = {}
-    return {**base, **hf_config_for(model_cfg, dtype)}
+    base.pop("quantization_config", None)
+    out = {**base, **hf_config_for(model_cfg, dtype)}
+    if quant is not None:
+        out["quantization_config"] = quant.config()
+    return out
 
 
 def _numel(shape) -> int:
