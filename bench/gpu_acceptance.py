@@ -90,9 +90,10 @@ class Acceptance:
             return None, "cpu"
         import torch
 
+        from launcher.gpus import hardware_for_gpu
+
         name = torch.cuda.get_device_name()
-        known = {"H200": "h200", "H100": "h100_sxm", "A100": "a100_80gb", "B200": "b200"}
-        return next((hw for key, hw in known.items() if key in name), None), name
+        return hardware_for_gpu(name), name
 
     def base_args(self) -> List[str]:
         """What every run shares: no W&B, no progress bar, one log line per step."""

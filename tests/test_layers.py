@@ -47,6 +47,7 @@ FLOOR = {
     "models": 0,
     "job_env": 0,
     "paths": 0,
+    "gpus": 0,  # the local GPUs, torch-free: visible count, hardware entry by name
     "compat": 0,  # every torch capability newer than the floor: imports nothing of the launcher
 }
 
