@@ -14,7 +14,15 @@ interpreter would. rehearsal.json:
     {"world_size": N, "ranks": [{"rank", "coords", "params_numel",
        "memory": {"params", "grads", "optimizer", "activations", "peak"},
        "predicted": {...the plan's numbers for that rank..., "relative_error": {...}},
-       "error": null | {"type", "message", "module", "function", "fix"}}], "ok": bool}
+       "error": null | {"type", "message", "module", "function", "fix"},
+       "real": {...}   # rehearse.tensors=real only: timings and peaks beside the plan's
+     }], "ok": bool, "real": {"device", "gpu", "hardware", "gpu_is_hardware", "label"}}
+
+With `rehearse.tensors=real` (launcher/rehearse/real.py) the ranks run one at a time with real
+tensors on `rehearse.device`, after the checks of launcher/rehearse/local_device.py (exit 2
+before anything is built), and the rehearsal also writes rehearsal_summary.json: the figures of
+a run's run_summary.json (tokens/s per GPU on the compute basis, peak memory) that
+bench/planner_accuracy.py --fit reads like a run's.
 """
 
 from __future__ import annotations
@@ -32,16 +40,22 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 from launcher.config.validate import rehearse_ranks_value
+from launcher.gpus import hardware_for_gpu
 from launcher.plan.estimate.memory import GiB
 from launcher.plan.degrees import MESH_DIM_NAMES
 from launcher.plan.estimate.params import model_shape
 from launcher.plan.present.plan import Plan
+from launcher.observe.run_summary import figure
 from launcher.rehearse.files import SHARED_STEPS_DIR
-from launcher.rehearse.ranks import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors
+from launcher.rehearse.local_device import local_device, local_device_problems
+from launcher.rehearse.ranks import (predicted_for_rank, predicted_peaks_for_rank, predicted_time_for_rank,
+                                     rank_problems, rehearsal_ranks, relative_errors)
 
 log = logging.getLogger(__name__)
 
 REHEARSAL_FILENAME = "rehearsal.json"
+# rehearse.tensors=real: run_summary.json's figures for the rehearsed ranks (bench/planner_accuracy.py --fit)
+REHEARSAL_SUMMARY_FILENAME = "rehearsal_summary.json"
 RANK_TIMEOUT_S = 900  # one rank's build and fake step; a llama405b pipeline rank takes about a minute
 
 RANK_MODULE = "launcher.rehearse.rank"
@@ -50,8 +64,9 @@ RANK_MODULE = "launcher.rehearse.rank"
 def _rank_env() -> Dict[str, str]:
     """What the rank processes' environment adds to this process's."""
     env = {"PYTHONUNBUFFERED": "1"}
-    for key, value in (("OMP_NUM_THREADS", "1"),  # fake tensors compute nothing; no thread pools
-                       ("DS_ACCELERATOR", "cpu")):
+    # One thread: fake tensors compute nothing; real ones on a CPU check the code path (a GPU's
+    # kernels use no CPU thread pool), and a busy CPU's spinning thread pools slow it 20-fold.
+    for key, value in (("OMP_NUM_THREADS", "1"), ("DS_ACCELERATOR", "cpu")):
         env[key] = os.environ.get(key, value)
     return env
 
@@ -135,7 +150,7 @@ def run_ranks(run_dir: Path, ranks: List[int], workers: int, activations: bool,
               order: Optional[List[int]] = None) -> List[Dict[str, Any]]:
     """Rehearse `ranks` (started in `order`, default theirs), at most `workers` processes at a time;
     one report per rank, in the order of `ranks`. Fake steps measured by an earlier rehearsal in
-    this run dir are dropped first."""
+    this run dir are dropped first. Fake or real tensors: the run dir's config says (rehearse.tensors)."""
     shutil.rmtree(Path(run_dir) / SHARED_STEPS_DIR, ignore_errors=True)
     ctx = _rank_context()
     try:
@@ -184,8 +199,16 @@ def rehearse(spec: JobConfig, plan: Plan, run_dir: Path) -> Dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     ranks = rehearsal_ranks(lay, choice)
+    real = spec.rehearse.tensors == "real"
+    device: Dict[str, Any] = {}
+    if real:  # before anything is built: the device exists, is the plan's GPU, and each rank fits it
+        device = local_device(spec.rehearse.device)
+        problems = local_device_problems(spec, plan, ranks, device)
+        if problems:
+            raise ConfigError(problems)
     t0 = time.monotonic()
-    reports = run_ranks(Path(run_dir), ranks, spec.rehearse.workers, spec.rehearse.activations,
+    # Real tensors: one rank at a time (each needs the device's memory, and timings must not share it).
+    reports = run_ranks(Path(run_dir), ranks, 1 if real else spec.rehearse.workers, spec.rehearse.activations,
                         order=launch_order(ranks, lay.mesh.coordinates))
     shape = model_shape(spec.model)
     rows = []
@@ -195,23 +218,101 @@ def rehearse(spec: JobConfig, plan: Plan, run_dir: Path) -> Dict[str, Any]:
         memory = rep.get("memory")
         if memory:
             predicted["relative_error"] = relative_errors(memory, predicted)
-        rows.append({
+        row = {
             "rank": rank,
             "coords": {k: lay.mesh.coordinates(rank)[k] for k in MESH_DIM_NAMES},
             "params_numel": rep.get("params_numel"),
             "memory": memory,
             "predicted": predicted,
             "error": rep.get("error"),
-        })
+        }
+        if rep.get("real"):
+            row["real"] = real_row(rep["real"], predicted_time_for_rank(shape, lay, spec.hardware, rank),
+                                   predicted_peaks_for_rank(lay, plan.memory, rank))
+        rows.append(row)
         for note in rep.get("notes", []):
             log.debug("rank %d: %s", rank, note)
     result = {"world_size": lay.mesh.world_size, "ranks": rows, "ok": all(r["error"] is None for r in rows)}
-    path = Path(run_dir) / REHEARSAL_FILENAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    if real:
+        result["real"] = real_label(spec.rehearse.device, device.get("gpu") or "cpu", spec.hardware.name)
+        _write_json(Path(run_dir) / REHEARSAL_SUMMARY_FILENAME, real_summary(result, plan, spec.hardware.name))
+    _write_json(Path(run_dir) / REHEARSAL_FILENAME, result)
     log.debug("rehearsed %d rank(s) of %d in %.1f s", len(rows), lay.mesh.world_size, time.monotonic() - t0)
     return result
+
+
+def _write_json(path: Path, content: Dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(content, indent=1))
+    tmp.replace(path)
+
+
+def _ratio(measured: Optional[float], planned: Optional[float]) -> Optional[float]:
+    return None if measured is None or not planned else measured / planned
+
+
+def real_row(real: Dict[str, Any], planned_time: Dict[str, float], planned_peaks: Dict[str, int]) -> Dict[str, Any]:
+    """A rank's `real` entry: what it measured (launcher/rehearse/real.py) with the plan's compute
+    time and peaks for that rank beside it, and measured/planned ratios."""
+    time_s = real["time_s"]
+    return {
+        **{k: v for k, v in real.items() if k != "environment"},
+        "planned": {"microbatch_s": planned_time["microbatch_s"], "compute_s": planned_time["compute_s"],
+                    "optimizer_s": planned_time["optimizer_s"], "peak_allocated": planned_peaks["allocated"],
+                    "peak_reserved": planned_peaks["reserved"], "total": planned_peaks["total"]},
+        "ratio": {"compute": _ratio(real["compute_s"], planned_time["compute_s"]),
+                  "optimizer": _ratio(time_s.get("optimizer"), planned_time["optimizer_s"]),
+                  "peak_allocated": _ratio(real["peak_allocated"], planned_peaks["allocated"]),
+                  "peak_reserved": _ratio(real["peak_reserved"], planned_peaks["reserved"])},
+        "environment": real.get("environment"),
+    }
+
+
+def real_label(device: str, gpu: str, hardware: str) -> Dict[str, Any]:
+    """What the real-tensor figures ran on: the GPU's name and whether it is the plan's `hardware`
+    (rehearse.allow_other_gpu=true lets another one run: its figures say so)."""
+    matches = device == "cuda" and hardware_for_gpu(gpu) == hardware
+    label = (f"measured on {gpu}" + ("" if matches else f", not the plan's hardware={hardware}")
+             if device == "cuda" else f"measured on this CPU, not the plan's hardware={hardware}")
+    return {"device": device, "gpu": gpu, "hardware": hardware, "gpu_is_hardware": matches, "label": label}
+
+
+def real_summary(result: Dict[str, Any], plan: Plan, hardware: str) -> Dict[str, Any]:
+    """rehearsal_summary.json: run_summary.json's figures (launcher/observe/run_score.py) for a
+    real-tensor rehearsal, so bench/planner_accuracy.py --fit reads it like a run's. Tokens/s per
+    GPU is on the compute basis (`basis`: the fake process group sends nothing, so no
+    communication and no bubble): the step's tokens per GPU over the slowest rehearsed rank's
+    compute and optimizer time, against the plan's compute and optimizer time. Peak memory: the
+    largest max_memory_reserved (GPU only, as a run's), against the plan's total."""
+    rows = [r for r in result["ranks"] if r.get("real")]
+    tokens_per_gpu = plan.time["tokens_per_step"] / plan.layout.mesh.world_size
+    measured_s = max((r["real"]["compute_s"] + r["real"]["time_s"].get("optimizer", 0.0) for r in rows), default=None)
+    planned_s = plan.time["compute_s"] + plan.time["optimizer_s"]
+    reserved = [r["real"]["peak_reserved"] for r in rows if r["real"]["peak_reserved"] is not None]
+    label = result["real"]
+    memory = figure(max(reserved) if reserved else None, plan.memory.get("total"), plan.memory.get("total_range"))
+    if reserved:
+        memory["by_rank"] = {str(r["rank"]): r["real"]["peak_reserved"] for r in rows}
+    return {
+        "figures": {
+            "tokens_per_s_per_gpu": figure(tokens_per_gpu / measured_s if measured_s else None,
+                                           tokens_per_gpu / planned_s if planned_s else None, None),
+            "mfu": figure(None, None, None),
+            "peak_memory_bytes": memory,
+        },
+        "source": "rehearsal",
+        "basis": "compute",
+        "device": label["device"],
+        "hardware": hardware,
+        "gpu": label["gpu"],
+        "gpu_is_hardware": label["gpu_is_hardware"],
+        "world_size": plan.layout.mesh.world_size,
+        "ranks": [r["rank"] for r in rows],
+        "note": (f"real-tensor rehearsal ({label['label']}) on a fake process group: tokens/s per GPU from "
+                 f"compute + optimizer time only (no communication, no bubble), against the plan's "
+                 f"compute_s + optimizer_s; peak memory is torch.cuda.max_memory_reserved (GPU only)"),
+        "environment": rows[0]["real"].get("environment") if rows else None,
+    }
 
 
 def rehearsal_problems(result: Dict[str, Any], layout) -> List[str]:
@@ -280,5 +381,43 @@ def render_rehearsal(result: Dict[str, Any]) -> str:
         m, p = row["memory"], row["predicted"]
         cells = [f"{_size(m[k])}/{_size(p.get(k))}" for k in ("params", "grads", "optimizer", "activations", "peak")]
         lines.append(f"{row['rank']:>6} {coords:<26} {row['params_numel']:>14,} " + " ".join(f"{x:>17}" for x in cells))
+    if result.get("real"):
+        lines.extend(render_real(result))
     lines.append("ok" if result["ok"] else "FAILED: see the problems below")
     return "\n".join(lines)
+
+
+def _secs(v: Optional[float]) -> str:
+    return "-" if v is None else (f"{v * 1e3:.1f}ms" if v < 1 else f"{v:.2f}s")
+
+
+def _ratio_cell(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def render_real(result: Dict[str, Any]) -> List[str]:
+    """The real-tensor table: per rank, the timed parts (means per step of the micro-batches run),
+    compute for the layout's micro-batches vs the plan's, optimizer, and the peaks vs the plan's."""
+    label = result["real"]
+    head = (f"{'rank':>6} {'mb run/layout':>13} {'forward':>9} {'backward':>9} {'compute meas/plan':>21} {'x':>5} "
+            f"{'optimizer meas/plan':>21} {'peak alloc meas/plan':>21} {'peak resv meas/plan':>21}")
+    lines = ["", f"real tensors ({label['label']}; rehearsal_summary.json for bench/planner_accuracy.py --fit):",
+             head, "-" * len(head)]
+    for row in result["ranks"]:
+        real = row.get("real")
+        if not real:
+            continue
+        t, plan = real["time_s"], real["planned"]
+        fwd = _secs(t.get("forward")) if "forward" in t else "fwd+bwd"
+        bwd = _secs(t.get("backward")) if "backward" in t else _secs(t.get("forward_backward"))
+        lines.append(
+            f"{row['rank']:>6} {str(real['microbatches_run']) + '/' + str(real['layout_microbatches']):>13} {fwd:>9} "
+            f"{bwd:>9} {_secs(real['compute_s']) + '/' + _secs(plan['compute_s']):>21} "
+            f"{_ratio_cell(real['ratio']['compute']):>5} "
+            f"{_secs(t.get('optimizer')) + '/' + _secs(plan['optimizer_s']):>21} "
+            f"{_size(real['peak_allocated']) + '/' + _size(plan['peak_allocated']):>21} "
+            f"{_size(real['peak_reserved']) + '/' + _size(plan['peak_reserved']):>21}")
+    first = next((r["real"] for r in result["ranks"] if r.get("real")), None)
+    if first:
+        lines.append(f"memory: {first['memory_source']}")
+    return lines

@@ -25,6 +25,7 @@ from launcher.gpus import hardware_for_gpu, visible_gpu_count
 from launcher.config.schema import JobConfig
 from launcher.plan.estimate.memory import GiB
 from launcher.plan.present.plan import Plan
+from launcher.rehearse.ranks import predicted_peaks_for_rank
 
 # Run in a subprocess: the first visible GPU's name and memory (the rank processes use cuda:0).
 _GPU_PROBE = (
@@ -76,14 +77,10 @@ def local_device(device: str) -> Dict[str, Any]:
 
 
 def rank_need_bytes(plan: Plan, rank: int, device: str) -> int:
-    """The plan's memory for `rank` (its pipeline rank's total): the CUDA reserve included on a
+    """The plan's memory for `rank` (its pipeline rank's peak): the CUDA reserve included on a
     GPU, left out on the CPU (no CUDA context there)."""
-    pp_rank = plan.layout.mesh.coordinates(rank)["pp"]
-    row = next((r for r in plan.memory.get("per_pp_rank", []) if r.get("pp_rank") == pp_rank), {})
-    total = int(row.get("total", plan.memory.get("total", 0)))
-    if device == "cuda":
-        return total
-    return max(0, total - int(plan.memory.get("detail", {}).get("reserved", 0)))
+    peaks = predicted_peaks_for_rank(plan.layout, plan.memory, rank)
+    return peaks["total"] if device == "cuda" else peaks["reserved"]
 
 
 def local_device_problems(spec: JobConfig, plan: Plan, ranks: Sequence[int], device: Dict[str, Any]) -> List[str]:
@@ -100,6 +97,10 @@ def local_device_problems(spec: JobConfig, plan: Plan, ranks: Sequence[int], dev
                 f"({device['error']}). Fix: check the CUDA build of torch and the driver (`python -c \"import torch; "
                 f"print(torch.cuda.is_available())\"`), or rehearse.device=cpu."]
     problems: List[str] = []
+    if plan.layout.owners.sharding_backend == "deepspeed":
+        problems.append("rehearse.tensors=real: DeepSpeed layouts have no real-tensor rehearsal (DeepSpeed's forward "
+                        "does not run on a fake process group). Fix: rehearse.tensors=fake (DeepSpeed's partitions), "
+                        "or backend.sharding=native.")
     name = device.get("gpu") or "cpu"
     if r.device == "cuda" and not r.allow_other_gpu:
         entry = hardware_for_gpu(name)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from launcher.engines import build_engine
+from launcher.observe.run_score import environment
 from launcher.observe.state_bytes import StateBytesProbe
 from launcher.rehearse.step import build_rank_step, track_rank_step
 
@@ -125,7 +126,7 @@ def rehearse_real_rank(model_cfg, optim_cfg, layout, options, rank: int, *, devi
         notes.append(f"peak allocated and reserved include {tracked['unrun_microbatch_bytes']} bytes of receive "
                      f"buffers of the micro-batches not run")
     time_s = {k: v / timed_steps for k, v in timer.seconds.items()}
-    layout_micro = engine.pp_microbatches if step.schedule is not None else layout.batch.microbatches
+    layout_micro = layout.batch.microbatches  # the pipeline's micro-batches too (Layout.pp_microbatches)
     per_micro = (time_s.get("forward", 0.0) + time_s.get("backward", 0.0) + time_s.get("forward_backward", 0.0)) \
         / step.microbatches
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -149,5 +150,6 @@ def rehearse_real_rank(model_cfg, optim_cfg, layout, options, rank: int, *, devi
             "peak_allocated": peak_allocated,
             "peak_reserved": peak_reserved,
             "memory_source": MEMORY_SOURCE[dev.type],
+            "environment": environment(),
         },
     }
