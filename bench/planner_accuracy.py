@@ -178,7 +178,7 @@ def check(rows: Sequence[Row]) -> List[str]:
 def _summary_file(run_dir: Path) -> Optional[Path]:
     """A run's run_summary.json, else a real-tensor rehearsal's rehearsal_summary.json (same figures)."""
     from launcher.observe.run_summary import RUN_SUMMARY_FILE
-    from launcher.rehearse.driver import REHEARSAL_SUMMARY_FILENAME
+    from launcher.rehearse.real_report import REHEARSAL_SUMMARY_FILENAME
 
     return next((Path(run_dir) / name for name in (RUN_SUMMARY_FILE, REHEARSAL_SUMMARY_FILENAME)
                  if (Path(run_dir) / name).is_file()), None)

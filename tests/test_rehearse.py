@@ -269,7 +269,8 @@ def test_real_tensor_rehearsal_holds_the_fake_rehearsals_bytes_and_times_each_pa
     CPU, and the report says so); rehearsal_summary.json is read by bench/planner_accuracy.py
     like a run's run_summary.json, on the compute basis."""
     from launcher.plan.estimate.params import model_shape
-    from launcher.rehearse.driver import REHEARSAL_SUMMARY_FILENAME, render_rehearsal
+    from launcher.rehearse.driver import render_rehearsal
+    from launcher.rehearse.real_report import REHEARSAL_SUMMARY_FILENAME
     from launcher.rehearse.ranks import predicted_time_for_rank
 
     base = ["+recipe=debug", "action=rehearse", "rehearse.ranks=[1]"]

@@ -24,6 +24,9 @@ the fake group and report DeepSpeed's own partition sizes (no fake step).
 Without activations (or where no fake step can run) the optimizer is stepped once on
 zero gradients of the parameters' shapes, which creates its states.
 
+With `rehearse.tensors=real` in the run dir's config, main runs the rank with real tensors on
+`rehearse.device` instead (launcher/rehearse/real.py); the step both run is launcher/rehearse/step.py.
+
 Any exception becomes the rank's ``error`` (type, message, the launcher module that raised,
 a Fix); the process exits 0 when it wrote its report, so only a crash is a crash.
 """
