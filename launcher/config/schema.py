@@ -503,7 +503,8 @@ class RehearseConfig:
 
     ranks: Any = "auto"  # auto (one per distinct shard shape) | all | a list of global ranks
     workers: int = 2  # rehearsal subprocesses at a time (one per rank, each its own process)
-    # A tracked fake-tensor training step per distinct rank for the activation peak (false: states only).
+    # A tracked fake-tensor training step per distinct rank for the activation peak (false: states only;
+    # with tensors=real: no MemTracker step, the timings and the GPU's peaks are still measured).
     activations: bool = True
     # Where the ranks' tensors live: cpu | cuda (the local GPU; needs tensors=real).
     device: str = "cpu"

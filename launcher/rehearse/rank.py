@@ -394,7 +394,8 @@ def _rank_from_run_dir(run_dir: Path, rank: int, activations: bool) -> Dict[str,
         from launcher.rehearse.real import rehearse_real_rank
 
         return rehearse_real_rank(spec.model, spec.optim, plan.layout, options, rank, device=spec.rehearse.device,
-                                  warmup_steps=spec.rehearse.warmup_steps, timed_steps=spec.rehearse.timed_steps)
+                                  warmup_steps=spec.rehearse.warmup_steps, timed_steps=spec.rehearse.timed_steps,
+                                  track=activations)
     return rehearse_rank(spec.model, spec.optim, plan.layout, options, rank,
                          activations=activations, shared_steps=run_dir / SHARED_STEPS_DIR)
 

@@ -79,14 +79,17 @@ def _join_fake_group(rank: int, world: int, device: torch.device) -> None:
 
 
 def rehearse_real_rank(model_cfg, optim_cfg, layout, options, rank: int, *, device: str = "cpu",
-                       warmup_steps: int = 1, timed_steps: int = 3, microbatches: int = 2) -> Dict[str, Any]:
+                       warmup_steps: int = 1, timed_steps: int = 3, microbatches: int = 2,
+                       track: bool = True) -> Dict[str, Any]:
     """Build rank `rank`'s engine with real tensors on `device` against a fake process group of
     layout.mesh.world_size ranks, run its step (warm-up, timed, one tracked) and return the
     rehearsal's rank report ({rank, coords, params_numel, memory, error: None, notes}) with
     `real`: {device, gpu, microbatches_run, layout_microbatches, warmup_steps, timed_steps,
     time_s: {forward, backward | forward_backward, optimizer} (means per step of the micro-batches
     run), compute_s (forward + backward scaled to the layout's micro-batches), peak_allocated,
-    peak_reserved (None off CUDA), memory_source}. Initialises torch.distributed: one call per process."""
+    peak_reserved (None off CUDA), memory_source}. track=False (rehearse.activations=false) skips the
+    MemTracker step: activations and peak are then None (and on a CPU peak_allocated too).
+    Initialises torch.distributed: one call per process."""
     if layout.owners.sharding_backend == "deepspeed":
         raise ValueError("DeepSpeed layouts have no real-tensor rehearsal (DeepSpeed's forward does not run on a "
                          "fake process group). Fix: rehearse.tensors=fake, or backend.sharding=native")
@@ -115,7 +118,9 @@ def rehearse_real_rank(model_cfg, optim_cfg, layout, options, rank: int, *, devi
         peak_allocated = int(torch.cuda.max_memory_allocated(dev))
         peak_reserved = int(torch.cuda.max_memory_reserved(dev))
     held = probe.result()
-    tracked = track_rank_step(engine, layout, step)
+    tracked: Dict[str, Optional[int]] = {"activations": None, "peak": None, "unrun_microbatch_bytes": 0}
+    if track:
+        tracked.update(track_rank_step(engine, layout, step))
     if peak_allocated is None:
         peak_allocated = tracked["peak"]
     elif tracked["unrun_microbatch_bytes"]:
@@ -125,6 +130,9 @@ def rehearse_real_rank(model_cfg, optim_cfg, layout, options, rank: int, *, devi
         peak_reserved += tracked["unrun_microbatch_bytes"]
         notes.append(f"peak allocated and reserved include {tracked['unrun_microbatch_bytes']} bytes of receive "
                      f"buffers of the micro-batches not run")
+    elif step.schedule is not None and step.microbatches < layout.batch.microbatches:
+        notes.append(f"peak allocated and reserved are those of {step.microbatches} of the "
+                     f"{layout.batch.microbatches} micro-batches (no tracked step to count the others' buffers)")
     time_s = {k: v / timed_steps for k, v in timer.seconds.items()}
     layout_micro = layout.batch.microbatches  # the pipeline's micro-batches too (Layout.pp_microbatches)
     per_micro = (time_s.get("forward", 0.0) + time_s.get("backward", 0.0) + time_s.get("forward_backward", 0.0)) \
