@@ -21,8 +21,8 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from launcher.gpus import hardware_for_gpu, visible_gpu_count
 from launcher.config.schema import JobConfig
+from launcher.gpus import hardware_for_gpu, visible_gpu_count
 from launcher.plan.estimate.memory import GiB
 from launcher.plan.present.plan import Plan
 from launcher.rehearse.ranks import predicted_peaks_for_rank
@@ -37,11 +37,11 @@ _GPU_PROBE = (
 PROBE_TIMEOUT_S = 120
 
 
-def _probe_gpu(python: str = "") -> Dict[str, Any]:
-    """{count, name, memory_bytes} of the first GPU the given interpreter's torch sees, or
-    {"error": why} when the probe fails."""
+def _probe_gpu() -> Dict[str, Any]:
+    """{count, name, memory_bytes} of the first GPU this interpreter's torch sees (the rank
+    processes are forked from a server of this interpreter), or {"error": why} when the probe fails."""
     try:
-        proc = subprocess.run([python or sys.executable, "-c", _GPU_PROBE], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-c", _GPU_PROBE], capture_output=True, text=True,
                               timeout=PROBE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as err:
         return {"error": f"{type(err).__name__}: {err}"}
