@@ -93,8 +93,8 @@ def rehearse_real_rank(model_cfg, optim_cfg, layout, options, rank: int, *, devi
     if layout.owners.sharding_backend == "deepspeed":
         raise ValueError("DeepSpeed layouts have no real-tensor rehearsal (DeepSpeed's forward does not run on a "
                          "fake process group). Fix: rehearse.tensors=fake, or backend.sharding=native")
-    dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0) \
-        if device == "cuda" else torch.device("cpu")
+    # The first visible GPU (CUDA_VISIBLE_DEVICES picks it): the one launcher/rehearse/local_device.py checked.
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     _join_fake_group(rank, layout.mesh.world_size, dev)
     engine = build_engine(model_cfg, optim_cfg, layout, dev, options)
     probe = StateBytesProbe(engine.optimizers)
