@@ -247,7 +247,7 @@ def balance_moe_routing(parts) -> str:
             n += 1
     if not n:
         return ""
-    return (f"MoE: the fake step routes balanced ({n} MoE layers; tokens*top_k/n_experts per expert, the "
+    return (f"MoE: the rehearsal's step routes balanced ({n} MoE layers; tokens*top_k/n_experts per expert, the "
             f"plan's assumption); a real run's skewed routing moves expert-parallel activations")
 
 
@@ -261,19 +261,19 @@ class RankStep:
     schedule: Any = None
 
 
-def build_rank_step(engine, layout, model_cfg, notes: List[str], fake_microbatches: int,
+def build_rank_step(engine, layout, model_cfg, notes: List[str], max_microbatches: int,
                     reduce_pipeline: bool, phase=no_phase) -> RankStep:
     """The rank's training step, set up as the rehearsal runs it (fake or real tensors): MoE
-    routing balanced, at most `fake_microbatches` micro-batches without a pipeline, a pipeline's
+    routing balanced, at most `max_microbatches` micro-batches without a pipeline, a pipeline's
     smallest equivalent count with its stages set up as the schedule's first step would.
     `phase(name)` wraps the step's parts (launcher/rehearse/real.py times them)."""
 
     note = balance_moe_routing(engine.model_parts)
     if note:
         notes.append(note)
-    n_micro = max(1, min(layout.batch.microbatches, fake_microbatches))
+    n_micro = max(1, min(layout.batch.microbatches, max_microbatches))
     if n_micro < layout.batch.microbatches and layout.mesh.pp == 1:
-        notes.append(f"fake steps run {n_micro} of the {layout.batch.microbatches} micro-batches per step "
+        notes.append(f"the rehearsal's steps run {n_micro} of the {layout.batch.microbatches} micro-batches per step "
                      f"(the peak is reached by the second: gradients exist from then on)")
     if layout.mesh.pp == 1:
         return RankStep(step_runner(engine, layout, model_cfg.vocab_size, n_micro, phase), n_micro)
