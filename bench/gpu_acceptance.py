@@ -21,7 +21,8 @@ Rows:
      loss equals transformers' loss on the same batch
   f  DeepSpeed ZeRO-1/2/3 and ZeRO-3 with CPU optimizer offload: losses vs the native engine
   g  activation checkpointing none / selective / full: peak memory ordered, each vs the plan
-  h  the real-tensor rehearsal of one rank of llama70b and deepseek_v3 (not built yet: reported)
+  h  the real-tensor rehearsal (rehearse.device=cuda rehearse.tensors=real) of rank 0 of llama70b and
+     of deepseek_v3 at their full world sizes: forward, backward, optimizer time and peak memory vs the plan
   i  the harness checks (formerly gpu_checks.sh): gpu_throughput.py on llama_1b, 8 Llama-3-8B layers
      and one Mixtral layer, gpu_moe.py at 8K and 32K tokens, rehearse_gpu.py; JSON in OUTDIR/harness/
 """
@@ -48,7 +49,7 @@ ROW_ORDER = "abcdefghi"
 # Rough wall seconds a row needs on an H100/H200 (compile included) and on the 2-core CPU: a row
 # is started only if this much of the budget is left.
 ROW_SECONDS = {"a": (300, 40), "b": (90, 0), "c": (80, 60), "d": (150, 0), "e": (60, 0), "f": (240, 0),
-               "g": (120, 0), "h": (0, 0), "i": (300, 0)}
+               "g": (120, 0), "h": (240, 0), "i": (300, 0)}
 CUDA_ONLY = set("bdefghi")  # rows whose point is a CUDA path; on CPU other tests cover their logic
 
 
@@ -90,9 +91,10 @@ class Acceptance:
             return None, "cpu"
         import torch
 
+        from launcher.gpus import hardware_for_gpu
+
         name = torch.cuda.get_device_name()
-        known = {"H200": "h200", "H100": "h100_sxm", "A100": "a100_80gb", "B200": "b200"}
-        return next((hw for key, hw in known.items() if key in name), None), name
+        return hardware_for_gpu(name), name
 
     def base_args(self) -> List[str]:
         """What every run shares: no W&B, no progress bar, one log line per step."""
@@ -104,14 +106,16 @@ class Acceptance:
             args.append(f"hardware={self.hardware}")
         return args
 
-    def command(self, run_dir: Path, args: List[str]) -> List[str]:
-        """The `train` command line of one run (python -m launcher: no console script needed)."""
-        return [sys.executable, "-m", "launcher", *self.base_args(), *args, f"hydra.run.dir={run_dir}"]
+    def command(self, run_dir: Path, args: List[str], base: Optional[List[str]] = None) -> List[str]:
+        """The `train` command line of one run (python -m launcher: no console script needed);
+        `base` replaces base_args() (a recipe at its own world size keeps its cluster.*)."""
+        return [sys.executable, "-m", "launcher", *(self.base_args() if base is None else base), *args,
+                f"hydra.run.dir={run_dir}"]
 
     def train(self, name: str, args: List[str], timeout_s: Optional[float] = None, env: Optional[dict] = None,
-              check: bool = True) -> "Run":
+              check: bool = True, base: Optional[List[str]] = None) -> "Run":
         run_dir = self.runs / name
-        cmd = self.command(run_dir, args)
+        cmd = self.command(run_dir, args, base)
         log = self.out / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         timeout = max(10.0, min(timeout_s or 1e9, self.left_s() + 60))
@@ -278,8 +282,35 @@ class Acceptance:
             row.check(code == 0, f"{name}: exit {code} (output in harness/{name}.md)")
 
     def row_h(self, row: Row) -> None:
-        row.ok = None
-        row.notes.append("not built yet: rehearse.device=cuda rehearse.tensors=real (issue 38 item 3)")
+        """Rank 0 of two full-size recipes at their own world sizes (llama70b: 64 GPUs, TP 8 x FSDP 8;
+        deepseek_v3: 2,048 GPUs, PP 16 x EP 64), built with real CUDA tensors on the fake process
+        group: each part timed and the peaks measured, beside the plan for this GPU."""
+        plan_for = [f"hardware={self.hardware}"] if self.hardware else ["rehearse.allow_other_gpu=true"]
+        for recipe in ("llama70b", "deepseek_v3"):
+            if self.left_s() < 60:
+                row.notes.append(f"{recipe}: not run (budget)")
+                continue
+            run = self.train(f"h_{recipe}", [f"+recipe={recipe}", "action=rehearse", "rehearse.device=cuda",
+                                             "rehearse.tensors=real", "rehearse.ranks=[0]", "rehearse.timed_steps=2",
+                                             *plan_for], base=["logging.wandb.mode=disabled"], check=False)
+            result = _json(run.dir / "rehearsal.json") or {}
+            rank = (result.get("ranks") or [{}])[0]
+            real = rank.get("real")
+            if not row.check(run.code == 0 and bool(result.get("ok")) and bool(real),
+                             f"{recipe} rank 0: exit {run.code}, rehearsal ok={result.get('ok')} (log {run.log})"):
+                continue
+            times = real["time_s"]
+            row.check(bool(times) and all(v > 0 for v in times.values()),
+                      f"{recipe} rank 0 ({real['microbatches_run']} of {real['layout_microbatches']} micro-batches): "
+                      + ", ".join(f"{k} {v:.3f} s" for k, v in times.items())
+                      + f"; compute {real['compute_s']:.2f} s vs plan {real['planned']['compute_s']:.2f} s")
+            row.check(0 < real["peak_allocated"] <= real["peak_reserved"],
+                      f"{recipe} rank 0: peak allocated {real['peak_allocated'] / 2**30:.1f} GiB vs plan "
+                      f"{real['planned']['peak_allocated'] / 2**30:.1f}, reserved {real['peak_reserved'] / 2**30:.1f} "
+                      f"GiB vs plan {real['planned']['peak_reserved'] / 2**30:.1f}")
+            row.figures[recipe] = {"label": result["real"]["label"], "time_s": times, "compute_s": real["compute_s"],
+                                   "planned": real["planned"], "ratio": real["ratio"],
+                                   "peak_allocated": real["peak_allocated"], "peak_reserved": real["peak_reserved"]}
 
     # -- driver --------------------------------------------------------------------------
     def _start(self, run_dir: Path, args: List[str], env: Optional[dict] = None) -> subprocess.Popen:

@@ -45,8 +45,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Which conf/hardware entry describes a GPU, by a fragment of torch.cuda.get_device_name().
-GPU_HARDWARE = (("H200", "h200"), ("H100", "h100_sxm"), ("B200", "b200"), ("A100", "a100_80gb"))
 
 
 @dataclass(frozen=True)
@@ -167,13 +165,15 @@ def hardware_name(requested: str, device: str) -> str:
     if device == "cuda":
         import torch
 
+        from launcher.gpus import hardware_for_gpu
+
         gpu = torch.cuda.get_device_name()
-        for fragment, name in GPU_HARDWARE:
-            if fragment in gpu and (REPO / "conf" / "hardware" / f"{name}.yaml").exists():
-                if "PCIe" in gpu:
-                    print(f"warning: {gpu} is a PCIe card; conf/hardware/{name}.yaml may describe the SXM "
-                          "part (higher peak). Pass --hardware to choose.", file=sys.stderr)
-                return name
+        name = hardware_for_gpu(gpu)
+        if name and (REPO / "conf" / "hardware" / f"{name}.yaml").exists():
+            if "PCIe" in gpu:
+                print(f"warning: {gpu} is a PCIe card; conf/hardware/{name}.yaml may describe the SXM "
+                      "part (higher peak). Pass --hardware to choose.", file=sys.stderr)
+            return name
         print(f"warning: no conf/hardware entry matches GPU '{gpu}'; using h100_sxm peaks. "
               "Fix: add conf/hardware/<gpu>.yaml and pass --hardware <gpu>.", file=sys.stderr)
     return "h100_sxm"

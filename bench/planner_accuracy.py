@@ -8,6 +8,11 @@
     .venv/bin/python bench/planner_accuracy.py --fit --runs RUN_DIR... [--fit-out conf/hardware/mine.yaml]
         # hardware.achievable_fraction fitted to your runs: the override line (and a hardware yaml)
 
+A RUN_DIR is a finished run's directory (run_summary.json) or a real-tensor rehearsal's
+(`action=rehearse rehearse.device=cuda rehearse.tensors=real`: rehearsal_summary.json, the same
+figures with tokens/s on the compute basis, held against the plan's compute + optimizer time,
+metric tps_per_gpu_compute; a rehearsal on a GPU other than its `hardware` is left out of --fit).
+
 Reads bench/reference/published.csv (published measurements) and measured.csv (our own GPU
 records, docs/benchmarks.md): one row per measurement (source, table,
 model, hardware, the `train` overrides that express its layout, metric, value, note) and
@@ -41,8 +46,10 @@ MEASURED = REPO / "bench" / "reference" / "measured.csv"
 REFERENCE_FILES = (PUBLISHED, MEASURED)
 # metric -> the plan figure its band widens. memory_gib: the caching allocator's max reserved (what
 # torchtitan reports); allocated_gib: torch.cuda.max_memory_allocated (our own GPU records).
-FIGURE = {"tps_per_gpu": "time", "memory_gib": "memory", "allocated_gib": "memory"}
-TOLERANCE = {"tps_per_gpu": 0.20, "memory_gib": 0.10, "allocated_gib": 0.10}
+# tps_per_gpu_compute: a real-tensor rehearsal's tokens/s from compute + optimizer time only (its
+# fake process group sends nothing), against the plan's compute_s + optimizer_s.
+FIGURE = {"tps_per_gpu": "time", "tps_per_gpu_compute": "time", "memory_gib": "memory", "allocated_gib": "memory"}
+TOLERANCE = {"tps_per_gpu": 0.20, "tps_per_gpu_compute": 0.20, "memory_gib": 0.10, "allocated_gib": 0.10}
 # Mixture-of-experts rows are held to +-30 % on tokens/s (issue 29): routing, grouped GEMMs and the
 # all-to-all add terms dense layouts do not have.
 KIND_TOLERANCE = {"moe": {"tps_per_gpu": 0.30}}
@@ -112,11 +119,14 @@ def predicted_value(plan, metric: str) -> float:
 
     if metric == "tps_per_gpu":
         return plan.time["tokens_per_s_per_gpu"]
+    if metric == "tps_per_gpu_compute":  # the same tokens over the step's compute and optimizer time only
+        t = plan.time
+        return t["tokens_per_s_per_gpu"] * t["step_s"] / (t["compute_s"] + t["optimizer_s"])
     if metric in ("memory_gib", "allocated_gib"):
         detail = plan.memory["detail"]
         unseen = detail["reserved"] + (detail["allocator_fragmentation"] if metric == "allocated_gib" else 0)
         return (plan.memory["total"] - unseen) / GiB
-    raise ValueError(f"unknown metric {metric!r} (tps_per_gpu | memory_gib | allocated_gib)")
+    raise ValueError(f"unknown metric {metric!r} (tps_per_gpu | tps_per_gpu_compute | memory_gib | allocated_gib)")
 
 
 def predict(rows: Sequence[Row]) -> None:
@@ -165,18 +175,34 @@ def check(rows: Sequence[Row]) -> List[str]:
     return out + ordering_problems(rows)
 
 
+def _summary_file(run_dir: Path) -> Optional[Path]:
+    """A run's run_summary.json, else a real-tensor rehearsal's rehearsal_summary.json (same figures)."""
+    from launcher.observe.run_summary import RUN_SUMMARY_FILE
+    from launcher.rehearse.real_report import REHEARSAL_SUMMARY_FILENAME
+
+    return next((Path(run_dir) / name for name in (RUN_SUMMARY_FILE, REHEARSAL_SUMMARY_FILENAME)
+                 if (Path(run_dir) / name).is_file()), None)
+
+
+def tokens_metric(summary: Dict) -> str:
+    """The metric a summary's tokens/s per GPU is compared on: a run's whole step, or a real-tensor
+    rehearsal's compute (basis "compute")."""
+    return "tps_per_gpu_compute" if summary.get("basis") == "compute" else "tps_per_gpu"
+
+
 def _runs(run_dirs: Sequence[Path]):
-    """(run_dir, run_summary.json content, the run's resolved config) per run directory."""
+    """(run_dir, summary content, the run's resolved config) per run or real-tensor rehearsal directory."""
     import json
 
     from launcher.config.loader import load_spec
 
-    missing = [str(d) for d in run_dirs if not (Path(d) / "run_summary.json").is_file()]
+    missing = [str(d) for d in run_dirs if _summary_file(d) is None]
     if missing:  # a run that failed or is still running writes none
-        print(f"no run_summary.json in {', '.join(missing)} (a finished run writes it). "
-              f"Fix: pass the run directories of finished runs to --runs.", file=sys.stderr)
+        print(f"no run_summary.json or rehearsal_summary.json in {', '.join(missing)} (a finished run, or a "
+              f"rehearsal with rehearse.tensors=real, writes it). Fix: pass the run directories of finished runs "
+              f"or real-tensor rehearsals to --runs.", file=sys.stderr)
         raise SystemExit(2)
-    return [(Path(d), json.loads((Path(d) / "run_summary.json").read_text()), load_spec(Path(d))) for d in run_dirs]
+    return [(Path(d), json.loads(_summary_file(d).read_text()), load_spec(Path(d))) for d in run_dirs]
 
 
 def rows_from_runs(run_dirs: Sequence[Path]) -> List[Row]:
@@ -196,7 +222,8 @@ def rows_from_runs(run_dirs: Sequence[Path]) -> List[Row]:
                     overrides=(), note=Path(run_dir).name, status=status, kind=plan.time["band"]["kind"])
         tokens = figures["tokens_per_s_per_gpu"]["measured"]
         if tokens:
-            rows.append(Row(metric="tps_per_gpu", value=tokens, predicted=predicted_value(plan, "tps_per_gpu"), **base))
+            metric = tokens_metric(summary)
+            rows.append(Row(metric=metric, value=tokens, predicted=predicted_value(plan, metric), **base))
         peak = figures["peak_memory_bytes"]["measured"]
         if peak:  # the allocator's share, as the published rows report it
             rows.append(Row(metric="memory_gib", value=peak / GiB, predicted=predicted_value(plan, "memory_gib"),
@@ -244,16 +271,17 @@ def fit_hardware(run_dirs: Sequence[Path]) -> List[Fit]:
     from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import resolve
 
-    groups: Dict[str, List[Tuple[object, object, float]]] = {}
+    groups: Dict[str, List[Tuple[object, object, float, str]]] = {}
     for _, summary, spec in _runs(run_dirs):
         measured = summary["figures"]["tokens_per_s_per_gpu"]["measured"]
-        if measured and summary.get("device") == "cuda":
-            groups.setdefault(spec.hardware.name, []).append((spec, resolve(spec), measured))
+        # A real-tensor rehearsal on another GPU (rehearse.allow_other_gpu=true) says nothing of this preset.
+        if measured and summary.get("device") == "cuda" and summary.get("gpu_is_hardware", True):
+            groups.setdefault(spec.hardware.name, []).append((spec, resolve(spec), measured, tokens_metric(summary)))
     fits = []
     for hardware, runs in groups.items():
         def median_ratio(value: float) -> float:
-            return statistics.median(predicted_value(build_plan(_with_factor(spec, value), layout), "tps_per_gpu") / m
-                                     for spec, layout, m in runs)
+            return statistics.median(predicted_value(build_plan(_with_factor(spec, value), layout), metric) / m
+                                     for spec, layout, m, metric in runs)
 
         before = getattr(runs[0][0].hardware, FIT_KEY)
         lo, hi = FIT_BOUNDS
@@ -354,7 +382,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--bands", action="store_true", help="print the error bands these rows give (launcher/plan/estimate/bands.py)")
     ap.add_argument("--csv", type=Path, nargs="+", default=list(REFERENCE_FILES))
     ap.add_argument("--runs", type=Path, nargs="+", default=[],
-                    help="run directories with run_summary.json: add their measurements (your cluster's bands)")
+                    help="run directories with run_summary.json (or a real-tensor rehearsal's rehearsal_summary.json): "
+                         "add their measurements (your cluster's bands)")
     ap.add_argument("--metric", choices=sorted(TOLERANCE), help="only the rows of this metric")
     ap.add_argument("--fit", action="store_true",
                     help=f"fit hardware.{FIT_KEY} to the --runs (median predicted/measured tokens/s = 1)")
@@ -384,12 +413,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _fit_main(args) -> int:
     if not args.runs or not args.fit:
-        print("--fit needs --runs RUN_DIR... (runs with run_summary.json, on GPUs); --fit-out needs --fit",
+        print("--fit needs --runs RUN_DIR... (runs with run_summary.json or real-tensor rehearsals with "
+              "rehearsal_summary.json, on GPUs); --fit-out needs --fit",
               file=sys.stderr)
         return 2
     fits = fit_hardware(args.runs)
     if not fits:
-        print("no run with a measured tokens/s on a GPU (run_summary.json, device cuda): nothing to fit", file=sys.stderr)
+        print("no run (run_summary.json) or real-tensor rehearsal on its own `hardware` GPU (rehearsal_summary.json) "
+              "with a measured tokens/s on a GPU (device cuda): nothing to fit", file=sys.stderr)
         return 2
     for f in fits:
         print(f"{f.hardware}: {f.runs} run(s), hardware.{FIT_KEY} {f.before:g} -> {f.value:.{FIT_DIGITS}f}, median "

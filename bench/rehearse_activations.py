@@ -57,7 +57,8 @@ def measure_multi(mode: str, name: str, rank: int = -1) -> dict:
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
     from launcher.observe.memtrack import track_step_memory
-    from launcher.rehearse.rank import _fake_pipeline_step_runner, _fake_step_runner, rehearse_rank
+    from launcher.rehearse.rank import rehearse_rank
+    from launcher.rehearse.step import pipeline_step_runner, step_runner
 
     mcfg, lay = _layout("none", "bf16", 2, MULTI[name])
     opts, optim = EngineOptions(total_steps=10, seed=7), OptimConfig(lr=3e-3, warmup_steps=1)
@@ -68,13 +69,13 @@ def measure_multi(mode: str, name: str, rank: int = -1) -> dict:
     eng = NativeEngine(mcfg, optim, lay, torch.device("cpu"), opts)
     if lay.mesh.pp > 1:  # the rehearsal's pipeline step (static stage shapes), a real warm-up step first
         from launcher.parallel.pp import schedule_stages
-        from launcher.rehearse.rank import register_recv_buffers
+        from launcher.rehearse.step import register_recv_buffers
 
         # The receive buffers counted from the step's start, as the rehearsal counts them.
-        m = track_step_memory(eng.model_parts, eng.optimizers, _fake_pipeline_step_runner(eng, lay, mcfg.vocab_size),
+        m = track_step_memory(eng.model_parts, eng.optimizers, pipeline_step_runner(eng, lay, mcfg.vocab_size),
                               on_enter=register_recv_buffers(schedule_stages(eng.pp_schedule)))
     else:
-        m = track_step_memory(eng.model_parts, eng.optimizers, _fake_step_runner(eng, lay, mcfg.vocab_size, 2))
+        m = track_step_memory(eng.model_parts, eng.optimizers, step_runner(eng, lay, mcfg.vocab_size, 2))
     out = [None, None]
     dist.all_gather_object(out, {"activations": m["activations"], "peak": m["total"]})
     dist.barrier()
@@ -90,7 +91,8 @@ def measure(mode: str, ac: str, precision: str) -> dict:
     from launcher.engines.native import NativeEngine
     from launcher.plan.decide.resolve import resolve
     from launcher.observe.memtrack import track_step_memory
-    from launcher.rehearse.rank import _fake_step_runner, rehearse_rank
+    from launcher.rehearse.rank import rehearse_rank
+    from launcher.rehearse.step import step_runner
     from tests.layout_for import job_spec
     from tests.parallel_harness.run_layouts import model_config
 
@@ -102,7 +104,7 @@ def measure(mode: str, ac: str, precision: str) -> dict:
     if mode == "fake":
         return rehearse_rank(mcfg, optim, lay, opts, 0, activations=True)["memory"]
     eng = NativeEngine(mcfg, optim, lay, torch.device("cpu"), opts)
-    m = track_step_memory(eng.model_parts, eng.optimizers, _fake_step_runner(eng, lay, mcfg.vocab_size, 2))
+    m = track_step_memory(eng.model_parts, eng.optimizers, step_runner(eng, lay, mcfg.vocab_size, 2))
     return {"activations": m["activations"], "peak": m["total"]}
 
 

@@ -8,13 +8,14 @@ activation peak is that of our CPU kernels for the real shapes. This benchmark p
 how that relates to a GPU. For each row (one rank, bf16 autocast over fp32 master weights,
 AdamW, two micro-batches per step):
 
-    real   NativeEngine on the GPU; one untracked step, then one step tracked by
-           launcher.observe.memtrack.track_step_memory (MemTracker categories), which also
-           reads torch.cuda.max_memory_allocated over that step
+    real   launcher.rehearse.real.rehearse_real_rank: what `action=rehearse rehearse.device=cuda
+           rehearse.tensors=real` runs for the rank (real tensors on the GPU, a fake process group
+           of one rank): one warm-up step, one timed step (torch.cuda.max_memory_allocated over
+           it), then one step tracked by MemTracker (categories)
     fake   launcher.rehearse.rank.rehearse_rank: what `action=rehearse` reports for the rank
     plan   launcher.plan.present.plan.build_plan: the planner's per-category prediction
 
-The step function is the rehearsal's own (`_fake_step_runner`) in both, so the only
+The step is the rehearsal's own (launcher/rehearse/step.py) in both, so the only
 difference is the device's kernels and allocator. Each measurement runs in a fresh process.
 Prints a markdown table (bytes in MiB, errors relative to the GPU's MemTracker figure).
 """
@@ -88,25 +89,14 @@ def measure(mode: str, row: str, device: str) -> Dict[str, int]:
         got = rehearse_rank(spec.model, optim, layout, opts, 0, activations=True,
                             fake_microbatches=MICROBATCHES)["memory"]
         return {k: int(got[k]) for k in ("params", "grads", "optimizer", "activations", "peak")}
-    import torch.distributed as dist
+    from launcher.rehearse.real import rehearse_real_rank
 
-    from launcher.engines.native import NativeEngine
-    from launcher.observe.memtrack import track_step_memory
-    from launcher.rehearse.rank import _fake_step_runner
-
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(0)
     torch.manual_seed(0)
-    engine = NativeEngine(spec.model, optim, layout, dev, opts)
-    m = track_step_memory(engine.model_parts, engine.optimizers,
-                          _fake_step_runner(engine, layout, spec.model.vocab_size, MICROBATCHES))
-    out = {k: int(m[k]) for k in ("params", "grads", "optimizer", "activations")}
-    out["peak"] = int(m["total"])
-    if "cuda_max_allocated" in m:
-        out["cuda_max_allocated"] = int(m["cuda_max_allocated"])
-    dist.destroy_process_group()
+    got = rehearse_real_rank(spec.model, optim, layout, opts, 0, device=device, warmup_steps=1, timed_steps=1,
+                             microbatches=MICROBATCHES)
+    out = {k: int(got["memory"][k]) for k in ("params", "grads", "optimizer", "activations", "peak")}
+    if device == "cuda":
+        out["cuda_max_allocated"] = int(got["real"]["peak_allocated"])
     return out
 
 

@@ -37,6 +37,7 @@ from launcher.config.schema import JobConfig
 from launcher.config.slurm_keys import sbatch_problems
 from launcher.config.store import register_configs
 from launcher.config.validate import validate as validate_config
+from launcher.gpus import visible_gpu_count
 from launcher.paths import config_dir
 from launcher.plan.present.plan import build_plan
 from launcher.plan.present.report import render_plan, render_search
@@ -182,9 +183,6 @@ def _resolve_local_device(spec: JobConfig) -> JobConfig:
     `trainer.device=cuda` without enough visible GPUs before any rank starts."""
     if spec.cluster.name != "local" or spec.trainer.device == "cpu":
         return spec
-    # lazy: the launch side (launch/, jinja2, data.prepare: ~0.1 s) only when a job starts; action=plan skips it
-    from launcher.launch.local import visible_gpu_count
-
     gpus = visible_gpu_count()
     if spec.trainer.device == "cuda":
         if gpus < spec.cluster.gpus_per_node:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.launch.local import visible_gpu_count
+from launcher.gpus import visible_gpu_count
 from tests.conftest import read_metrics, train_env
 
 # Records, when `train` exits, whether the host process imported torch or DeepSpeed.

@@ -2,7 +2,7 @@
 
 Floors, top to bottom (docs/parallelism.md, "Layers"): cli -> launch -> runtime, rehearse ->
 checkpoint, resilience -> observe -> engines -> parallel -> plan, data -> config -> hf ->
-models, paths, job_env. A module may import from its own floor or below, never above; and no
+models, paths, job_env, gpus. A module may import from its own floor or below, never above; and no
 two modules, nor two packages (the rooms of launcher/, the subpackages of a room), import each
 other, directly or round a longer loop. An AST walk of every module in launcher/, imports inside
 functions included.
@@ -47,6 +47,7 @@ FLOOR = {
     "models": 0,
     "job_env": 0,
     "paths": 0,
+    "gpus": 0,  # the local GPUs, torch-free: visible count, hardware entry by name
     "compat": 0,  # every torch capability newer than the floor: imports nothing of the launcher
 }
 

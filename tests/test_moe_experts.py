@@ -259,7 +259,8 @@ from launcher.engines.base import EngineOptions
 from launcher.engines.native import NativeEngine
 from launcher.plan.decide.resolve import resolve
 from launcher.observe.memtrack import track_step_memory
-from launcher.rehearse.rank import _fake_step_runner, rehearse_rank
+from launcher.rehearse.rank import rehearse_rank
+from launcher.rehearse.step import step_runner
 from tests.layout_for import job_spec
 from tests.parallel_harness.run_layouts import model_config
 
@@ -268,7 +269,7 @@ lay = resolve(job_spec(mcfg, 1, **{"trainer.seq_len": 64, "trainer.micro_batch_s
                                    "trainer.global_batch_size": 4}))
 opts, optim = EngineOptions(total_steps=10, seed=7), OptimConfig(lr=3e-3, warmup_steps=1)
 eng = NativeEngine(mcfg, optim, lay, torch.device("cpu"), opts)
-real = track_step_memory(eng.model_parts, eng.optimizers, _fake_step_runner(eng, lay, mcfg.vocab_size, 2))
+real = track_step_memory(eng.model_parts, eng.optimizers, step_runner(eng, lay, mcfg.vocab_size, 2))
 routed = [m.routing for p in eng.model_parts for m in p.modules() if hasattr(m, "routing")]
 del eng
 fake = rehearse_rank(mcfg, optim, lay, opts, 0, activations=True)

@@ -446,3 +446,45 @@ def test_fit_makes_the_median_ratio_one_when_measured_is_a_multiple(fit_runs):
 def test_fit_refuses_without_gpu_runs(capsys):
     assert planner_accuracy.main(["--fit"]) == 2
     assert "--runs" in capsys.readouterr().err
+
+
+def test_fit_takes_real_tensor_rehearsals_like_runs_on_the_compute_basis(tmp_path, capsys):
+    """Run directories as a real-tensor rehearsal on the plan's GPU leaves them (config.yaml +
+    rehearsal_summary.json, tokens/s per GPU from compute + optimizer time, measured here at
+    hardware.achievable_fraction=FIT_TRUTH): --fit reads them like runs and recovers the factor,
+    held against the plan's compute + optimizer time; one from another GPU
+    (rehearse.allow_other_gpu=true) is left out."""
+    import json
+
+    from launcher.config.loader import save_spec
+    from launcher.observe.run_summary import figure
+    from launcher.plan.present.plan import build_plan
+    from launcher.rehearse.real_report import REHEARSAL_SUMMARY_FILENAME
+
+    def compute_basis(plan):
+        t = plan.time
+        return t["tokens_per_step"] / plan.world_size / (t["compute_s"] + t["optimizer_s"])
+
+    dirs = []
+    for i, (model, overrides) in enumerate(FIT_RUNS[:1] * 2):
+        spec = compose_spec([f"model={model}", "hardware=h100_sxm", "precision=bf16", *overrides])
+        truth = dataclasses.replace(spec, hardware=dataclasses.replace(spec.hardware, achievable_fraction=FIT_TRUTH))
+        measured = compute_basis(build_plan(truth))
+        on_hardware = i == 0  # the second: another GPU's figures, 10x faster, which must not move the fit
+        run = tmp_path / f"rehearsal{i}"
+        run.mkdir()
+        save_spec(spec, run)
+        (run / REHEARSAL_SUMMARY_FILENAME).write_text(json.dumps({
+            "figures": {"tokens_per_s_per_gpu": figure(measured * (1 if on_hardware else 10),
+                                                       compute_basis(build_plan(spec)), None),
+                        "mfu": figure(None, None, None), "peak_memory_bytes": figure(None, None, None)},
+            "source": "rehearsal", "basis": "compute", "device": "cuda", "hardware": spec.hardware.name,
+            "gpu_is_hardware": on_hardware, "world_size": spec.cluster.gpus_per_node}))
+        dirs.append(run)
+    assert planner_accuracy.main(["--fit", "--runs", *map(str, dirs)]) == 0
+    printed = capsys.readouterr().out
+    assert "h100_sxm: 1 run(s), hardware.achievable_fraction 0.55 -> " in printed, printed
+    override = next(line.strip() for line in printed.splitlines() if line.strip().startswith("hardware="))
+    assert float(override.split("hardware.achievable_fraction=")[1]) == pytest.approx(FIT_TRUTH, rel=0.01)
+    rows = planner_accuracy.rows_from_runs(dirs)
+    assert {r.metric for r in rows} == {"tps_per_gpu_compute"}

@@ -152,11 +152,22 @@ def test_bad_rehearse_settings_exit_2_with_a_fix(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, "-c", "from launcher.cli import main; main()", "+recipe=debug", "action=rehearse",
-         "rehearse.workers=0", "rehearse.ranks=foo", f"hydra.run.dir={tmp_path / 'run'}"],
+         "rehearse.workers=0", "rehearse.ranks=foo", "rehearse.device=cuda", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "rehearse.ranks='foo' must be auto, all or a list" in proc.stderr
     assert "rehearse.workers=0 must be at least 1" in proc.stderr and "Traceback" not in proc.stderr
+    assert "rehearse.device=cuda with rehearse.tensors=fake" in proc.stderr and "Fix: rehearse.tensors=real" in proc.stderr
+    # Real tensors on a GPU this machine does not show: refused before any rank is built.
+    no_gpu = dict(env, CUDA_VISIBLE_DEVICES="-1")
+    proc = subprocess.run(
+        [sys.executable, "-c", "from launcher.cli import main; main()", "+recipe=debug", "action=rehearse",
+         "rehearse.device=cuda", "rehearse.tensors=real", f"hydra.run.dir={tmp_path / 'run_cuda'}"],
+        cwd=tmp_path, env=no_gpu, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "rehearse.device=cuda: this machine has no visible GPU (CUDA_VISIBLE_DEVICES=-1)" in proc.stderr, proc.stderr
+    assert "Fix: " in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run_cuda" / "rehearsal").exists(), "a rank was built"
     proc = subprocess.run(
         [sys.executable, "-c", "from launcher.cli import main; main()", "+recipe=debug", "action=rehearse",
          "rehearse.ranks=[0,5]", f"hydra.run.dir={tmp_path / 'run2'}"],
@@ -284,3 +295,69 @@ def test_the_rehearsal_table_says_what_it_compares_and_names_each_gap_with_its_r
     close = {"world_size": 1, "ok": True, "ranks": [_rank_row(0, dict(states, activations=2 * gib, peak=19 * gib),
                                                               planned, 19 * gib)]}
     assert render_rehearsal(close).splitlines()[-1] == f"ok: every rank built, every figure within {GAP_THRESHOLD:.0%} of the plan's"
+
+
+def test_real_tensor_rehearsal_holds_the_fake_rehearsals_bytes_and_times_each_part(tmp_path):
+    """`action=rehearse rehearse.tensors=real` on the CPU (rank 1 of the debug model, FSDP2 over 2
+    fake ranks): the rank built with real tensors holds exactly the parameter, gradient and
+    optimizer bytes the fake rehearsal reports; forward, backward and optimizer are timed (> 0)
+    beside the plan's compute time for that rank; the peak is MemTracker's (no allocator on a
+    CPU, and the report says so); rehearsal_summary.json is read by bench/planner_accuracy.py
+    like a run's run_summary.json, on the compute basis."""
+    from launcher.plan.estimate.params import model_shape
+    from launcher.rehearse.driver import render_rehearsal
+    from launcher.rehearse.real_report import REHEARSAL_SUMMARY_FILENAME
+    from launcher.rehearse.ranks import predicted_time_for_rank
+
+    base = ["+recipe=debug", "action=rehearse", "rehearse.ranks=[1]"]
+    _, _, fake = _rehearse(base + ["rehearse.activations=false"], tmp_path / "fake")
+    spec, plan, real = _rehearse(base + ["rehearse.tensors=real", "rehearse.timed_steps=1"], tmp_path / "real")
+    assert fake["ok"] and real["ok"], (fake, real)
+    (f_row,), (r_row,) = fake["ranks"], real["ranks"]
+    held = lambda row: {k: row["memory"][k] for k in ("params", "grads", "optimizer")}  # noqa: E731
+    assert held(r_row) == held(f_row) and r_row["params_numel"] == f_row["params_numel"], (r_row, f_row)
+    measured = r_row["real"]
+    assert {"forward", "backward", "optimizer"} <= set(measured["time_s"]), measured["time_s"]
+    assert all(v > 0 for v in measured["time_s"].values()) and measured["compute_s"] > 0, measured
+    assert measured["microbatches_run"] == measured["layout_microbatches"] == plan.layout.batch.microbatches
+    planned = predicted_time_for_rank(model_shape(spec.model), plan.layout, spec.hardware, 1)
+    assert measured["planned"]["compute_s"] == planned["compute_s"] > 0
+    assert measured["ratio"]["compute"] == measured["compute_s"] / planned["compute_s"]
+    assert measured["peak_allocated"] == r_row["memory"]["peak"] > sum(held(r_row).values())
+    assert measured["peak_reserved"] is None and "MemTracker" in measured["memory_source"]
+    assert real["real"]["device"] == "cpu" and not real["real"]["gpu_is_hardware"]
+    table = render_rehearsal(real)
+    assert "real tensors (measured on this CPU, not the plan's hardware=h100_sxm" in table, table
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import planner_accuracy
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    summary = json.loads((tmp_path / "real" / REHEARSAL_SUMMARY_FILENAME).read_text())
+    assert summary["source"] == "rehearsal" and summary["basis"] == "compute" and summary["device"] == "cpu"
+    (row,) = [r for r in planner_accuracy.rows_from_runs([tmp_path / "real"]) if r.metric == "tps_per_gpu_compute"]
+    assert row.value == summary["figures"]["tokens_per_s_per_gpu"]["measured"] > 0
+    t = plan.time
+    assert row.predicted == pytest.approx(t["tokens_per_step"] / plan.world_size / (t["compute_s"] + t["optimizer_s"]))
+
+
+def test_real_tensor_rehearsal_refuses_another_gpu_and_a_rank_that_cannot_fit():
+    """The checks before anything is built, on what the local GPU probe answers: a GPU that is not
+    the plan's `hardware` (unless rehearse.allow_other_gpu=true), and a rank whose planned peak
+    exceeds the GPU's memory, each with the figures and a Fix."""
+    from launcher.plan.estimate.memory import GiB
+    from launcher.rehearse.local_device import local_device_problems, rank_need_bytes
+
+    spec = compose_spec(["+recipe=llama70b", "action=rehearse", "rehearse.tensors=real", "rehearse.device=cuda"])
+    plan = build_plan(spec)
+    a100 = {"device": "cuda", "gpu": "NVIDIA A100-SXM4-80GB", "memory_bytes": 80 * GiB, "visible": 1}
+    (other,) = local_device_problems(spec, plan, [0], a100)
+    assert "the local GPU is NVIDIA A100-SXM4-80GB (hardware=a100_80gb) but the plan is for hardware=h100_sxm" in other
+    assert "Fix: hardware=a100_80gb (plan for this GPU), or rehearse.allow_other_gpu=true" in other
+    allowed = dataclasses.replace(spec, rehearse=dataclasses.replace(spec.rehearse, allow_other_gpu=True))
+    assert local_device_problems(allowed, plan, [0], a100) == []
+    h100_small = {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3", "memory_bytes": 16 * GiB, "visible": 1}
+    (too_big,) = local_device_problems(spec, plan, [0], h100_small)
+    need = rank_need_bytes(plan, 0, "cuda")
+    assert need > 16 * GiB and f"rank 0 (pipeline rank 0) needs {need / GiB:.1f} GiB" in too_big, too_big
+    assert "the local GPU (NVIDIA H100 80GB HBM3) has 16.0 GiB. Fix: " in too_big

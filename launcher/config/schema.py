@@ -510,8 +510,19 @@ class RehearseConfig:
 
     ranks: Any = "auto"  # auto (one per distinct shard shape) | all | a list of global ranks
     workers: int = 2  # rehearsal subprocesses at a time (one per rank, each its own process)
-    # A tracked fake-tensor training step per distinct rank for the activation peak (false: states only).
+    # A tracked fake-tensor training step per distinct rank for the activation peak (false: states only;
+    # with tensors=real: no MemTracker step, the timings and the GPU's peaks are still measured).
     activations: bool = True
+    # Where the ranks' tensors live: cpu | cuda (the local GPU; needs tensors=real).
+    device: str = "cpu"
+    # fake: FakeTensors (shapes, no storage: any model size on a CPU) | real: real tensors on
+    # `device`, one rank at a time, with timed warm-up and measured steps (launcher/rehearse/real.py).
+    tensors: str = "fake"
+    # tensors=real on a GPU other than the plan's `hardware` entry: run anyway, figures labelled
+    # with the GPU they ran on (false: exit 2).
+    allow_other_gpu: bool = False
+    warmup_steps: int = 1  # tensors=real: untimed steps first (optimizer states, allocator, kernels' first call)
+    timed_steps: int = 3  # tensors=real: steps timed (their mean is reported)
 
 
 @dataclass

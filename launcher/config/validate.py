@@ -19,7 +19,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 from launcher.config.executors import EXECUTOR_NAMES, cluster_key_problems
 from launcher.config.errors import ConfigError
 from launcher.config.run_identity import run_name_problems
-from launcher.config.schema import ADAMW_IMPLEMENTATIONS, JobConfig, ModelConfig
+from launcher.config.schema import ADAMW_IMPLEMENTATIONS, JobConfig, ModelConfig, RehearseConfig
 from launcher.hf.format import DTYPES as EXPORT_DTYPES, folder_problems
 from launcher.models.family import family_problems
 from launcher.models.shape import head_dim_of, moe_layer_ids
@@ -439,6 +439,10 @@ def _check_hardware(spec: JobConfig, problems: List[str]) -> None:
         problems.append(f"hardware.reserved_gb={hw.reserved_gb} must be >= 0. Fix: e.g. hardware.reserved_gb=2.")
 
 
+REHEARSE_DEVICES = ("cpu", "cuda")
+REHEARSE_TENSORS = ("fake", "real")
+
+
 def rehearse_ranks_value(value: object) -> object:
     """rehearse.ranks normalised: "auto", "all", or a list of ints (None when it is neither)."""
     if isinstance(value, str) and value.strip().lower() in ("auto", "all"):
@@ -463,6 +467,21 @@ def _check_rehearse(spec: JobConfig, problems: List[str]) -> None:
     if r.workers < 1:
         problems.append(f"rehearse.workers={r.workers} must be at least 1 (rehearsal processes at a time). "
                         f"Fix: e.g. rehearse.workers=2.")
+    if r.device not in REHEARSE_DEVICES:
+        problems.append(f"rehearse.device={r.device!r} must be one of {', '.join(REHEARSE_DEVICES)}. "
+                        f"Fix: rehearse.device=cpu, or rehearse.device=cuda with rehearse.tensors=real.")
+    if r.tensors not in REHEARSE_TENSORS:
+        problems.append(f"rehearse.tensors={r.tensors!r} must be one of {', '.join(REHEARSE_TENSORS)}. "
+                        f"Fix: rehearse.tensors=fake (any size, on the CPU) or rehearse.tensors=real.")
+    elif r.device == "cuda" and r.tensors == "fake":
+        problems.append("rehearse.device=cuda with rehearse.tensors=fake: fake tensors hold no storage, so the GPU "
+                        "would measure nothing. Fix: rehearse.tensors=real (the rank's real step on the local GPU), "
+                        "or rehearse.device=cpu.")
+    for name in ("warmup_steps", "timed_steps"):
+        low = 1 if name == "timed_steps" else 0
+        if getattr(r, name) < low:
+            problems.append(f"rehearse.{name}={getattr(r, name)} must be at least {low}. Fix: e.g. "
+                            f"rehearse.{name}={getattr(RehearseConfig, name)}.")
 
 
 def _check_run_inputs(spec: JobConfig, problems: List[str]) -> None:

@@ -38,33 +38,6 @@ TORCHRUN_DEFAULT_SHUTDOWN_S = 30
 INTERRUPTED_EXIT_CODE = 130
 
 
-NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU while NVIDIA's driver is loaded
-DEV = Path("/dev")  # /dev/nvidia0, /dev/nvidia1, ...: what a container or VM without the /proc folder has
-
-
-def visible_gpu_count(gpus_dir: Path = NVIDIA_GPUS, dev_dir: Path = DEV) -> int:
-    """The NVIDIA GPUs the ranks would see, without importing torch (the host side stays light):
-    the driver's GPU folders (else its /dev/nvidiaN device files), narrowed by
-    CUDA_VISIBLE_DEVICES when it is set."""
-    try:
-        present = sum(1 for _ in Path(gpus_dir).iterdir())
-    except OSError:  # no /proc folder: count the device files
-        present = sum(1 for p in Path(dev_dir).glob("nvidia[0-9]*") if p.name[len("nvidia"):].isdigit())
-    if present == 0:
-        return 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return present
-    # CUDA stops at the first invalid entry ("-1" hides every GPU).
-    count = 0
-    for entry in visible.split(","):
-        entry = entry.strip()
-        if not entry or entry.startswith("-"):
-            break
-        count += 1
-    return min(count, present)
-
-
 def rank_environment(run_dir: Path, device: str, extra: Optional[Mapping[str, str]] = None) -> dict:
     """Environment for the ranks: caches and scratch folders inside the run dir where sensible.
 

@@ -33,17 +33,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-RUN_SUMMARY_FILE = "run_summary.json"
-
-
-def figure(measured: Optional[float], predicted: Optional[float], band: Optional[List[float]]) -> Dict[str, Any]:
-    """One scored figure: measured, predicted, measured/predicted and whether it fell in the band."""
-    if measured is None or not predicted:
-        return {"measured": measured, "predicted": predicted, "ratio": None, "in_band": None, "range": band}
-    in_band = None if not band else bool(band[0] <= measured <= band[1])
-    return {"measured": measured, "predicted": predicted, "ratio": measured / predicted, "in_band": in_band,
-            "range": band}
-
+from launcher.observe.run_summary import RUN_SUMMARY_FILE, figure
 
 NVIDIA_DRIVER_VERSION = Path("/proc/driver/nvidia/version")
 

@@ -14,7 +14,15 @@ interpreter would. rehearsal.json:
     {"world_size": N, "ranks": [{"rank", "coords", "params_numel",
        "memory": {"params", "grads", "optimizer", "activations", "peak"},
        "predicted": {...the plan's numbers for that rank..., "relative_error": {...}},
-       "error": null | {"type", "message", "module", "function", "fix"}}], "ok": bool}
+       "error": null | {"type", "message", "module", "function", "fix"},
+       "real": {...}   # rehearse.tensors=real only: timings and peaks beside the plan's
+     }], "ok": bool, "real": {"device", "gpu", "hardware", "gpu_is_hardware", "label"}}
+
+With `rehearse.tensors=real` (launcher/rehearse/real.py) the ranks run one at a time with real
+tensors on `rehearse.device`, after the checks of launcher/rehearse/local_device.py (exit 2
+before anything is built), and the rehearsal also writes rehearsal_summary.json: the figures of
+a run's run_summary.json (tokens/s per GPU on the compute basis, peak memory) that
+bench/planner_accuracy.py --fit reads like a run's.
 """
 
 from __future__ import annotations
@@ -38,7 +46,10 @@ from launcher.plan.degrees import MESH_DIM_NAMES
 from launcher.plan.estimate.params import model_shape
 from launcher.plan.present.plan import Plan
 from launcher.rehearse.files import SHARED_STEPS_DIR
-from launcher.rehearse.ranks import predicted_for_rank, rank_problems, rehearsal_ranks, relative_errors
+from launcher.rehearse.local_device import local_device, local_device_problems
+from launcher.rehearse.real_report import REHEARSAL_SUMMARY_FILENAME, real_label, real_row, real_summary
+from launcher.rehearse.ranks import (predicted_for_rank, predicted_peaks_for_rank, predicted_time_for_rank,
+                                     rank_problems, rehearsal_ranks, relative_errors)
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +62,9 @@ RANK_MODULE = "launcher.rehearse.rank"
 def _rank_env() -> Dict[str, str]:
     """What the rank processes' environment adds to this process's."""
     env = {"PYTHONUNBUFFERED": "1"}
-    for key, value in (("OMP_NUM_THREADS", "1"),  # fake tensors compute nothing; no thread pools
-                       ("DS_ACCELERATOR", "cpu")):
+    # One thread: fake tensors compute nothing; real ones on a CPU check the code path (a GPU's
+    # kernels use no CPU thread pool), and a busy CPU's spinning thread pools slow it 20-fold.
+    for key, value in (("OMP_NUM_THREADS", "1"), ("DS_ACCELERATOR", "cpu")):
         env[key] = os.environ.get(key, value)
     return env
 
@@ -136,7 +148,7 @@ def run_ranks(run_dir: Path, ranks: List[int], workers: int, activations: bool,
               order: Optional[List[int]] = None) -> List[Dict[str, Any]]:
     """Rehearse `ranks` (started in `order`, default theirs), at most `workers` processes at a time;
     one report per rank, in the order of `ranks`. Fake steps measured by an earlier rehearsal in
-    this run dir are dropped first."""
+    this run dir are dropped first. Fake or real tensors: the run dir's config says (rehearse.tensors)."""
     shutil.rmtree(Path(run_dir) / SHARED_STEPS_DIR, ignore_errors=True)
     ctx = _rank_context()
     try:
@@ -185,8 +197,16 @@ def rehearse(spec: JobConfig, plan: Plan, run_dir: Path) -> Dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     ranks = rehearsal_ranks(lay, choice)
+    real = spec.rehearse.tensors == "real"
+    device: Dict[str, Any] = {}
+    if real:  # before anything is built: the device exists, is the plan's GPU, and each rank fits it
+        device = local_device(spec.rehearse.device)
+        problems = local_device_problems(spec, plan, ranks, device)
+        if problems:
+            raise ConfigError(problems)
     t0 = time.monotonic()
-    reports = run_ranks(Path(run_dir), ranks, spec.rehearse.workers, spec.rehearse.activations,
+    # Real tensors: one rank at a time (each needs the device's memory, and timings must not share it).
+    reports = run_ranks(Path(run_dir), ranks, 1 if real else spec.rehearse.workers, spec.rehearse.activations,
                         order=launch_order(ranks, lay.mesh.coordinates))
     shape = model_shape(spec.model)
     rows = []
@@ -196,23 +216,33 @@ def rehearse(spec: JobConfig, plan: Plan, run_dir: Path) -> Dict[str, Any]:
         memory = rep.get("memory")
         if memory:
             predicted["relative_error"] = relative_errors(memory, predicted)
-        rows.append({
+        row = {
             "rank": rank,
             "coords": {k: lay.mesh.coordinates(rank)[k] for k in MESH_DIM_NAMES},
             "params_numel": rep.get("params_numel"),
             "memory": memory,
             "predicted": predicted,
             "error": rep.get("error"),
-        })
+        }
+        if rep.get("real"):
+            row["real"] = real_row(rep["real"], predicted_time_for_rank(shape, lay, spec.hardware, rank),
+                                   predicted_peaks_for_rank(lay, plan.memory, rank))
+        rows.append(row)
         for note in rep.get("notes", []):
             log.debug("rank %d: %s", rank, note)
     result = {"world_size": lay.mesh.world_size, "ranks": rows, "ok": all(r["error"] is None for r in rows)}
-    path = Path(run_dir) / REHEARSAL_FILENAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    if real:
+        result["real"] = real_label(spec.rehearse.device, device.get("gpu") or "cpu", spec.hardware.name)
+        _write_json(Path(run_dir) / REHEARSAL_SUMMARY_FILENAME, real_summary(result, plan, spec.hardware.name))
+    _write_json(Path(run_dir) / REHEARSAL_FILENAME, result)
     log.debug("rehearsed %d rank(s) of %d in %.1f s", len(rows), lay.mesh.world_size, time.monotonic() - t0)
     return result
+
+
+def _write_json(path: Path, content: Dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(content, indent=1))
+    tmp.replace(path)
 
 
 def rehearsal_problems(result: Dict[str, Any], layout) -> List[str]:
@@ -308,6 +338,8 @@ def render_rehearsal(result: Dict[str, Any]) -> str:
         ranks = ", ".join(str(r) for r, _ in where)
         spread = sorted({f"{g:+.0%}" for _, g in where})
         lines.append(f"gap over {GAP_THRESHOLD:.0%}: {cat} on rank(s) {ranks} ({' to '.join([spread[0], spread[-1]][:len(spread)])}): {reason}")
+    if result.get("real"):
+        lines.extend(render_real(result))
     if not result["ok"]:
         lines.append("FAILED: see the problems below")
     elif gaps:
@@ -315,3 +347,39 @@ def render_rehearsal(result: Dict[str, Any]) -> str:
     else:
         lines.append(f"ok: every rank built, every figure within {GAP_THRESHOLD:.0%} of the plan's")
     return "\n".join(lines)
+
+
+def _secs(v: Optional[float]) -> str:
+    return "-" if v is None else (f"{v * 1e3:.1f}ms" if v < 1 else f"{v:.2f}s")
+
+
+def _ratio_cell(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def render_real(result: Dict[str, Any]) -> List[str]:
+    """The real-tensor table: per rank, the timed parts (means per step of the micro-batches run),
+    compute for the layout's micro-batches vs the plan's, optimizer, and the peaks vs the plan's."""
+    label = result["real"]
+    head = (f"{'rank':>6} {'mb run/layout':>13} {'forward':>9} {'backward':>9} {'compute meas/plan':>21} {'x':>5} "
+            f"{'optimizer meas/plan':>21} {'peak alloc meas/plan':>21} {'peak resv meas/plan':>21}")
+    lines = ["", f"real tensors ({label['label']}; rehearsal_summary.json for bench/planner_accuracy.py --fit):",
+             head, "-" * len(head)]
+    for row in result["ranks"]:
+        real = row.get("real")
+        if not real:
+            continue
+        t, plan = real["time_s"], real["planned"]
+        fwd = _secs(t.get("forward")) if "forward" in t else "fwd+bwd"
+        bwd = _secs(t.get("backward")) if "backward" in t else _secs(t.get("forward_backward"))
+        lines.append(
+            f"{row['rank']:>6} {str(real['microbatches_run']) + '/' + str(real['layout_microbatches']):>13} {fwd:>9} "
+            f"{bwd:>9} {_secs(real['compute_s']) + '/' + _secs(plan['compute_s']):>21} "
+            f"{_ratio_cell(real['ratio']['compute']):>5} "
+            f"{_secs(t.get('optimizer')) + '/' + _secs(plan['optimizer_s']):>21} "
+            f"{_size(real['peak_allocated']) + '/' + _size(plan['peak_allocated']):>21} "
+            f"{_size(real['peak_reserved']) + '/' + _size(plan['peak_reserved']):>21}")
+    first = next((r["real"] for r in result["ranks"] if r.get("real")), None)
+    if first:
+        lines.append(f"memory: {first['memory_source']}")
+    return lines

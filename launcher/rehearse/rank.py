@@ -24,6 +24,9 @@ the fake group and report DeepSpeed's own partition sizes (no fake step).
 Without activations (or where no fake step can run) the optimizer is stepped once on
 zero gradients of the parameters' shapes, which creates its states.
 
+With `rehearse.tensors=real` in the run dir's config, main runs the rank with real tensors on
+`rehearse.device` instead (launcher/rehearse/real.py); the step both run is launcher/rehearse/step.py.
+
 Any exception becomes the rank's ``error`` (type, message, the launcher module that raised,
 a Fix); the process exits 0 when it wrote its report, so only a crash is a crash.
 """
@@ -39,29 +42,21 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import _MemRefType
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 from torch.distributed.tensor import DTensor, Replicate, zeros
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from launcher import compat
 from launcher.config.loader import load_spec
 from launcher.engines import build_engine
-from launcher.engines.base import token_loss_sum
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
-from launcher.models.moe import moe_layers_of
-from launcher.parallel.pp import pipeline_order, schedule_stages, schedule_with_microbatches
 from launcher.plan.present.plan import Plan
-from launcher.rehearse.fake_memory import fake_step_as_real
 from launcher.rehearse.files import SHARED_STEPS_DIR
-from launcher.rehearse.pp_states import smallest_equivalent_microbatches
+from launcher.rehearse.step import build_rank_step, track_rank_step
 from launcher.runtime.entry import engine_options
-from launcher.observe.memtrack import track_step_memory
 from launcher.observe.state_bytes import StateBytesProbe, torch_optimizers
 
 # The launcher module that refused a layout -> the keys that change what it builds.
@@ -104,192 +99,6 @@ def error_report(err: BaseException, tb: Optional[Any] = None) -> Dict[str, Any]
             "function": function, "fix": fix}
 
 
-def _fake_step_runner(engine, layout, vocab_size: int, microbatches: int):
-    """One training step of the native engine on fake token batches (no pipeline): the
-    engine's own autocast and loss-parallel contexts, its loss, then the optimizer step."""
-
-
-    shape = (layout.batch.micro_batch_size, layout.batch.seq_len)
-    model = engine.parts[0]
-    # The model's device: the CPU under the rehearsal's fake tensors, the GPU when a benchmark
-    # runs this same step for real (bench/rehearse_gpu.py).
-    device = next(model.parameters()).device
-    inputs = torch.randint(0, vocab_size, shape, device=device)
-    labels = torch.randint(0, vocab_size, shape, device=device)
-
-    def step():
-        for _ in range(microbatches):
-            with engine._loss_parallel():
-                with engine._autocast():
-                    logits = model(inputs)
-                loss = token_loss_sum(logits, labels) / float(layout.microbatch_tokens)
-                loss.backward()
-        for opt in engine.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def reduced_pipeline_schedule(engine, layout) -> Tuple[Any, int, str]:
-    """(schedule, micro-batches it runs, note) for the rehearsal's fake pipeline steps.
-
-    The peak of a pipeline rank is set by the states its schedule passes through (micro-batches
-    in flight per stage, pending weight gradients, outputs kept by the last stage); torch's
-    action lists give them without running anything (launcher/rehearse/pp_states.py). When a
-    smaller count visits exactly the same states on this rank, the same schedule class over the
-    same stages runs that many: same peak and categories, a fraction of the time (a fake step
-    costs per op). Otherwise the engine's schedule runs all of the layout's micro-batches."""
-
-
-    schedule = engine.pp_schedule
-    full = engine.pp_microbatches
-    if isinstance(schedule, PipelineScheduleMulti):
-        # The looped schedules keep every send's Work, which holds the sent tensor, until the
-        # step ends (launcher/rehearse/fake_memory.py makes the fake group's Works do the same):
-        # each micro-batch adds to the peak, so no smaller count is equivalent.
-        return schedule, full, (f"pipeline: fake steps run all {full} micro-batches ({layout.schedule} keeps "
-                                f"every micro-batch's sent tensors until the step ends)")
-    n_stages = layout.mesh.pp * layout.vpp
-    pp_rank = engine.world["pp"].get_local_rank()
-    local = [st.stage_index for st in schedule_stages(schedule)]
-
-    def order_for(n: int):
-        if n == full:
-            return pipeline_order(schedule)
-        try:
-            return pipeline_order(schedule_with_microbatches(schedule, layout, n))
-        except (ValueError, RuntimeError, AssertionError):  # a count this schedule refuses
-            return None
-
-    n = smallest_equivalent_microbatches(order_for, full, pp_rank, local, n_stages - 1)
-    if n == full:
-        return schedule, full, (f"pipeline: fake steps run all {full} micro-batches ({layout.schedule}: no "
-                                f"smaller count passes through the same memory states on this rank)")
-    why = ("the same micro-batches in flight per stage, pending gradients and kept outputs as "
-           f"{full} (launcher/rehearse/pp_states.py), so the same peak")
-    return (schedule_with_microbatches(schedule, layout, n), n,
-            f"pipeline: fake steps ran {n} of the {full} micro-batches per step ({layout.schedule}: {n} pass "
-            f"through {why})")
-
-
-def _recv_buffers(stages):
-    """(activation buffers, gradient buffers) the stages hold for every micro-batch: torch allocates
-    one receive buffer per micro-batch and stage input (and per output gradient) in the first step
-    and keeps them; a step reads them as its micro-batches arrive."""
-
-    def tensors(per_mb):
-        return [info.buffer for infos in per_mb.values() for info in infos
-                if isinstance(getattr(info, "buffer", None), torch.Tensor)]
-
-    return ([t for st in stages for t in tensors(st.args_recv_info)],
-            [t for st in stages for t in tensors(st.grad_recv_info)])
-
-
-def register_recv_buffers(stages):
-    """track_step_memory's on_enter: count every micro-batch's receive buffers from the start of the
-    tracked step, as the device holds them (MemTracker would otherwise count each only once a
-    micro-batch first reads it, so the figure at the peak would depend on how many had arrived).
-    Activation buffers count as activations and gradient buffers as temporaries ("other"), the
-    categories MemTracker gives them when they are first read."""
-
-    def register(tracker) -> None:
-        acts, grads = _recv_buffers(stages)
-        for t in acts:
-            tracker._update_and_maybe_create_winfos(t, _MemRefType.ACT)
-        for t in grads:
-            tracker._update_and_maybe_create_winfos(t, _MemRefType.TEMP)
-
-    return register
-
-
-def per_microbatch_bytes(engine, layout, stages, n_run: int) -> Dict[str, int]:
-    """Bytes a pipeline step holds per micro-batch for the whole step, by category: the receive
-    buffers (activations and gradients, registered from the step's start) and, on the first stage,
-    the micro-batch's slice of token ids (the schedule splits the batch when the step starts)."""
-    acts, grads = _recv_buffers(stages)
-    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    act = nbytes(acts) // n_run
-    if engine.has_first:
-        act += layout.microbatch_tokens * 8  # int64 token ids
-    return {"activations": act, "other": nbytes(grads) // n_run}
-
-
-def _fake_pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n_microbatches: int = 0):
-    """One training step of the engine's pipeline schedule on fake token batches: the rank's
-    real stage modules, schedule, micro-batch count, loss and optimizer (the shape vote set to
-    its static outcome: _vote_static_shapes)."""
-
-    schedule = schedule if schedule is not None else engine.pp_schedule
-    n_microbatches = n_microbatches or engine.pp_microbatches
-    _vote_static_shapes(schedule)
-    rows = layout.batch.micro_batch_size * n_microbatches
-    shape = (rows, layout.batch.seq_len)
-    inputs = torch.randint(0, vocab_size, shape)
-    labels = torch.randint(0, vocab_size, shape)
-
-    def step():
-        engine._token_norm = float(rows * layout.batch.seq_len)
-        kwargs = {"target": labels, "losses": []} if engine.has_last else {}
-        args = (inputs,) if engine.has_first else ()
-        with engine._loss_parallel(), engine._autocast():
-            schedule.step(*args, **kwargs)
-        for opt in engine.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def _vote_static_shapes(schedule) -> None:
-    """Replace the schedule's shape vote by its outcome on statically built stages.
-
-    The fake group delivers no values, so torch's warm-up vote (each stage tells the next one
-    whether its shapes are static; a received value decides) cannot run: the stages were built
-    with static shapes (launcher.parallel.pp.stage_io_meta), so each is set STATIC, as the vote
-    would decide in a real run. Checked, not assumed: a stage torch would infer dynamically is
-    refused. A torch without the vote (launcher/compat.py) needs nothing here: a stage given its
-    shapes never infers them."""
-    if not compat.has("pipeline_shape_vote"):
-        return
-    from torch.distributed.pipelining._utils import InferenceMode  # lazy: newer than the torch floor (absent in 2.11)
-
-    for st in schedule_stages(schedule):
-        if InferenceMode.needs_dynamic(st._user_meta, True):
-            raise RuntimeError(f"pipeline stage {st.stage_index} has no static input/output shapes; "
-                               f"its shape inference cannot run on a fake process group")
-
-    def vote(stages_, has_backward, p2p_done):
-        for st in stages_:
-            st._inference_mode = InferenceMode.STATIC
-
-    schedule._warmup_p2p = vote
-
-
-def set_up_pipeline_stages(engine, layout, schedule, n_microbatches: int) -> None:
-    """What a pipeline schedule's first step sets up and keeps, without running it: torch's stage
-    set-up (one receive buffer per micro-batch and stage input, one per output gradient; static
-    shapes, so nothing is sent or run). With the optimizer states from `_zero_grad_step`, the next
-    step is a steady-state step: the rehearsal tracks it instead of a second step after an untracked
-    one (llama405b rank 0: 77 s instead of 123 s, the same bytes). tests/test_parallel_layouts.py holds the
-    tracked step's activations and peak equal to those of a real rank after a real first step."""
-
-
-    _vote_static_shapes(schedule)  # the set-up runs the vote; on a fake group it must not send
-    rows = layout.batch.micro_batch_size * n_microbatches
-    tokens = torch.zeros((rows, layout.batch.seq_len), dtype=torch.long)
-    args_split, kwargs_split = schedule._split_inputs((tokens,) if engine.has_first else (), {})
-    # The first micro-batch's target, split along the rows as the schedule splits it.
-    target = tokens.tensor_split(n_microbatches)[0] if engine.has_last else None
-    for st in schedule_stages(schedule):
-        st.has_backward = schedule._has_backward
-    initialize = (schedule._initialize_stages if isinstance(schedule, PipelineScheduleMulti)
-                  else schedule._initialize_stage)
-    with_target = (target,) if compat.has("pipeline_init_with_target") else ()
-    with engine._loss_parallel(), engine._autocast():
-        initialize(args_split[0], kwargs_split[0], *with_target)
-
-
 def _zero_grad_step(engine) -> None:
     """Create the optimizer states without a forward: zero gradients of the parameters' shapes."""
 
@@ -325,24 +134,6 @@ def _replicated_zeros(p):
     """A zero DTensor of p's global shape, replicated where p is sharded on dim 0."""
     placements = [Replicate() if getattr(pl, "dim", None) == 0 else pl for pl in p.placements]
     return zeros(p.shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=placements)
-
-
-def balance_moe_routing(parts) -> str:
-    """Route every MoE layer of ``parts`` with balanced routing (launcher/models/moe.py
-    ``balanced_assignment``): fake tensors have no router values, so top-k cannot choose; the
-    balanced load (tokens*top_k/n_experts per expert, what the planner assumes) makes every
-    per-expert count, and so every dispatch split, known without values. Returns the note for
-    the report ("" without MoE layers)."""
-
-    n = 0
-    for part in parts:
-        for layer in moe_layers_of(part):
-            layer.routing = "balanced"
-            n += 1
-    if not n:
-        return ""
-    return (f"MoE: the fake step routes balanced ({n} MoE layers; tokens*top_k/n_experts per expert, the "
-            f"plan's assumption); a real run's skewed routing moves expert-parallel activations")
 
 
 def fake_step_skip_reason(layout, model_cfg) -> str:
@@ -516,50 +307,15 @@ def _measure_fake_step(engine, layout, model_cfg, notes: List[str], fake_microba
                        reduce_pipeline: bool) -> Dict[str, int]:
     """Run the rank's tracked fake training step; {activations, peak, other} in bytes. Creates the
     optimizer states first (zero-gradient step) and, for a pipeline, the stages' buffers."""
-
-    memory: Dict[str, int] = {}
-    note = balance_moe_routing(engine.model_parts)
-    if note:
-        notes.append(note)
-    n_micro = max(1, min(layout.batch.microbatches, fake_microbatches))
-    if n_micro < layout.batch.microbatches and layout.mesh.pp == 1:
-        notes.append(f"fake steps run {n_micro} of the {layout.batch.microbatches} micro-batches per step "
-                     f"(the peak is reached by the second: gradients exist from then on)")
-    if layout.mesh.pp > 1:
-        # The smallest micro-batch count that passes through the same memory states.
-        schedule, n_pipe, note = (reduced_pipeline_schedule(engine, layout) if reduce_pipeline
-                                  else (engine.pp_schedule, engine.pp_microbatches, ""))
-        if note:
-            notes.append(note)
-        step = _fake_pipeline_step_runner(engine, layout, model_cfg.vocab_size, schedule, n_pipe)
-        # A schedule's first step also sets up its stages' receive buffers: set up alone.
-        set_up_pipeline_stages(engine, layout, schedule, n_pipe)
-    else:
-        step = _fake_step_runner(engine, layout, model_cfg.vocab_size, n_micro)
+    step = build_rank_step(engine, layout, model_cfg, notes, fake_microbatches, reduce_pipeline)
     # No untracked first step: it would only create the optimizer states (AdamW makes them
-    # in its first step()) and the pipeline's buffers (above); zero gradients of the
+    # in its first step()) and the pipeline's buffers (build_rank_step); zero gradients of the
     # parameters' shapes create the states without a forward and backward, which halves
     # the fake step time. Same measured numbers as after a real first step
     # (bench/rehearse_activations.py, tests/test_parallel_layouts.py).
     _zero_grad_step(engine)
-    on_enter = None
-    if layout.mesh.pp > 1:
-
-        on_enter = register_recv_buffers(schedule_stages(schedule))
-    # Measure what a real step holds, not fake-mode artefacts (launcher/rehearse/fake_memory.py).
-    with fake_step_as_real():
-        measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=0,
-                                     on_enter=on_enter)
-    if layout.mesh.pp > 1 and n_pipe < engine.pp_microbatches:
-        # What the micro-batches not run would hold for the whole step (constant over it).
-        extra = per_microbatch_bytes(engine, layout, schedule_stages(schedule), n_pipe)
-        for cat, b in extra.items():
-            measured[cat] += (engine.pp_microbatches - n_pipe) * b
-            measured["total"] += (engine.pp_microbatches - n_pipe) * b
-    memory["activations"] = int(measured["activations"])
-    memory["peak"] = int(measured["total"])
-    memory["other"] = int(measured["other"])
-    return memory
+    tracked = track_rank_step(engine, layout, step)
+    return {k: tracked[k] for k in ("activations", "peak", "other")}
 
 
 def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activations: bool = True,
@@ -628,10 +384,19 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
 
 
 def _rank_from_run_dir(run_dir: Path, rank: int, activations: bool) -> Dict[str, Any]:
-
+    """The rank's report for the run dir's config.yaml and plan.json (`rehearse.tensors` picks
+    fake tensors here or real ones on `rehearse.device`: launcher/rehearse/real.py)."""
     spec = load_spec(run_dir)
     plan = Plan.load(run_dir)
-    return rehearse_rank(spec.model, spec.optim, plan.layout, engine_options(spec, run_dir), rank,
+    options = engine_options(spec, run_dir)
+    if spec.rehearse.tensors == "real":
+        # lazy: the real-tensor rank only when asked (it shares this module's step code)
+        from launcher.rehearse.real import rehearse_real_rank
+
+        return rehearse_real_rank(spec.model, spec.optim, plan.layout, options, rank, device=spec.rehearse.device,
+                                  warmup_steps=spec.rehearse.warmup_steps, timed_steps=spec.rehearse.timed_steps,
+                                  track=activations)
+    return rehearse_rank(spec.model, spec.optim, plan.layout, options, rank,
                          activations=activations, shared_steps=run_dir / SHARED_STEPS_DIR)
 
 

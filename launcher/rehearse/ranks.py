@@ -26,9 +26,10 @@ from typing import Any, Dict, List, Sequence, Union
 
 from launcher.observe.rehearsal_table import planned_figure
 from launcher.plan.layout import Layout
-from launcher.plan.estimate.memory import model_state_memory
+from launcher.plan.estimate.memory import ALLOCATOR_FRAGMENTATION, model_state_memory
 from launcher.plan.degrees import MESH_DIM_NAMES
 from launcher.plan.estimate.params import ModelShape, stage_params
+from launcher.plan.estimate.perf import microbatch_compute_s, optimizer_step_s
 
 STATE_CATEGORIES = ("params", "grads", "optimizer")
 
@@ -101,3 +102,28 @@ def relative_errors(measured: Dict[str, Any], predicted: Dict[str, Any]) -> Dict
         if got is not None and want:
             out[cat] = (got - want) / want
     return out
+
+
+def predicted_time_for_rank(shape: ModelShape, layout: Layout, hw: Any, rank: int) -> Dict[str, float]:
+    """The plan's compute model for one global rank (launcher/plan/estimate/perf.py, its pipeline
+    rank's stage): {microbatch_s (forward + backward of one micro-batch), compute_s (the layout's
+    micro-batches), optimizer_s} in seconds, what a real-tensor rehearsal measures for the rank
+    (no communication, no bubble: the fake process group returns at once)."""
+    pp_rank = layout.mesh.coordinates(rank)["pp"]
+    stage = stage_params(shape, layout.mesh.pp, layout.vpp, layout.schedule, layout.pp_layers)[pp_rank]
+    per_micro = microbatch_compute_s(shape, stage, layout, hw)
+    return {"microbatch_s": per_micro, "compute_s": per_micro * layout.batch.microbatches,
+            "optimizer_s": optimizer_step_s(stage, layout, hw)}
+
+
+def predicted_peaks_for_rank(layout: Layout, plan_memory: Dict[str, Any], rank: int) -> Dict[str, int]:
+    """The plan's peak for one global rank as a GPU's allocator reports it: `reserved` (what
+    torch.cuda.max_memory_reserved sees: the total without hardware.reserved_gb, the CUDA context
+    and NCCL buffers outside the allocator), `allocated` (max_memory_allocated: that without the
+    allocator's fragmentation too) and `total` (the plan's figure, what must fit the GPU)."""
+    pp_rank = layout.mesh.coordinates(rank)["pp"]
+    row = next((r for r in plan_memory.get("per_pp_rank", []) if r.get("pp_rank") == pp_rank), {})
+    total = int(row.get("total", plan_memory.get("total", 0)))
+    share = max(0, total - int(plan_memory.get("detail", {}).get("reserved", 0)))
+    # The plan's fragmentation is a fraction of the allocated bytes (launcher/plan/estimate/memory.py).
+    return {"total": total, "reserved": share, "allocated": int(share / (1 + ALLOCATOR_FRAGMENTATION))}

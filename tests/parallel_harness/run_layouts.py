@@ -177,20 +177,20 @@ def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
     rank: the same step function, micro-batch count and warm-up, on real tensors; {activations,
     peak} for tests/test_parallel_layouts.py::test_rehearsal_activation_peak_is_the_real_ones."""
     from launcher.observe.memtrack import track_step_memory
-    from launcher.rehearse.rank import _fake_pipeline_step_runner, _fake_step_runner
+    from launcher.rehearse.step import pipeline_step_runner, step_runner
 
     with torch.random.fork_rng():
         torch.manual_seed(0)  # the same token batch on every rank (the runners draw it)
         # A real rank runs a real first step untracked; the rehearsal only sets the stages up
         # (rehearse.set_up_pipeline_stages): the test holds the two equal.
         if layout.mesh.pp > 1:
-            step, warmup = _fake_pipeline_step_runner(engine, layout, vocab_size), 1
+            step, warmup = pipeline_step_runner(engine, layout, vocab_size), 1
         else:  # at most 2 micro-batches, as rehearse_rank; the optimizer states exist already
-            step, warmup = _fake_step_runner(engine, layout, vocab_size, max(1, min(layout.batch.microbatches, 2))), 0
+            step, warmup = step_runner(engine, layout, vocab_size, max(1, min(layout.batch.microbatches, 2))), 0
     on_enter = None
     if layout.mesh.pp > 1:  # the stages' receive buffers counted from the step's start, as rehearse_rank does
         from launcher.parallel.pp import schedule_stages
-        from launcher.rehearse.rank import register_recv_buffers
+        from launcher.rehearse.step import register_recv_buffers
 
         on_enter = register_recv_buffers(schedule_stages(engine.pp_schedule))
     measured = track_step_memory(engine.model_parts, engine.optimizers, step, warmup_steps=warmup,
