@@ -123,7 +123,7 @@ def time_prepare(raw: Path, tokenizer: str, out: Path, workers: int) -> dict:
     manifest = run_prepare(PrepareConfig(input=str(raw), output=str(out), tokenizer=tokenizer, workers=workers),
                            progress=False)
     dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    added = 1 + int(manifest["tokenizer"]["add_bos"])
+    added = len(manifest["tokenizer"]["start_ids"]) + len(manifest["tokenizer"]["end_ids"])
     return {"seconds": dt, "cpu_seconds": cpu, "tokens": manifest["tokens"] - added * manifest["documents"],
             "documents": manifest["documents"]}
 

@@ -217,7 +217,9 @@ def test_a_changed_input_or_tokenizer_is_refused_before_work(tmp_path, corpus):
     assert prepare_problems(c) == []
     other_tok = make_tokenizer(tmp_path / "tok2", add_bos=False)
     (problem,) = prepare_problems(PrepareConfig(input=c.input, output=c.output, tokenizer=str(other_tok)))
-    assert "another tokenizer" in problem and "Fix: choose a new prepare.output" in problem
+    # The same tokenizer.json without add_bos_token: documents would start differently.
+    assert "documents written as <s> + text + <|endoftext|>" in problem and "now give text + <|endoftext|>" in problem
+    assert "Fix: choose a new prepare.output" in problem
     (problem,) = prepare_problems(PrepareConfig(input=c.input, output=c.output, tokenizer=c.tokenizer, shard_tokens=7))
     assert "prepare.shard_tokens: 250000000 -> 7" in problem
     (raw / "a.jsonl").write_text(json.dumps({"text": "one, edited"}) + "\n")
@@ -256,10 +258,13 @@ def test_cli_bad_config_exits_2_with_one_fix_per_problem_and_no_torch(tmp_path):
 def test_cli_prepares_without_torch_and_a_bad_record_exits_2(tmp_path, corpus):
     root, tok, _ = corpus
     proc = _train(tmp_path, f"prepare.input={root / 'raw' / '*.jsonl*'}", f"prepare.output={tmp_path / 'out'}",
-                  f"prepare.tokenizer={tok / 'tokenizer.json'}", "prepare.workers=1")
+                  f"prepare.tokenizer={tok / 'tokenizer.json'}", "prepare.workers=1",
+                  "prepare.eos_token='<s>'")  # a special token, quoted as Hydra needs (docs/data.md)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TORCH_IMPORTED=False" in proc.stderr and f"data.path={tmp_path / 'out'}" in proc.stdout
-    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["documents"] == 900
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert manifest["documents"] == 900 and manifest["tokenizer"]["ends_with"] == ["<s>"]
+    assert "prepare: each document is <s> + text + <s>" in proc.stdout
 
     bad_corpus(tmp_path / "bad")
     proc = _train(tmp_path, f"prepare.input={tmp_path / 'bad'}", f"prepare.output={tmp_path / 'out_bad'}",
@@ -329,3 +334,110 @@ def test_a_vocabulary_over_65500_writes_int32_and_a_tokenizer_without_eos_is_ref
     problems = prepare_problems(PrepareConfig(input=str(tmp_path / "doc.txt"), output=str(tmp_path / "elsewhere"),
                                               tokenizer=str(tmp_path / "big.json")))
     assert len(problems) == 1 and "other files (notes.md)" in problems[0] and "Fix:" in problems[0]
+
+
+# The special tokens of each family's tokenizer.json and tokenizer_config.json, as released.
+LLAMA3 = {"specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"], "template": ["<|begin_of_text|>"],
+          "config": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+                     "eos_token": "<|end_of_text|>"}}
+# Qwen's tokenizer.json splits with this pattern before its byte-level step (transformers'
+# Qwen2Tokenizer builds the same, whatever the file says).
+QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN3 = {"specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "template": None, "split": QWEN_SPLIT,
+         "config": {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+                    "pad_token": "<|endoftext|>", "add_bos_token": False}}
+DS_BOS, DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+DEEPSEEK = {"specials": [DS_BOS, DS_EOS], "template": [DS_BOS],
+            "config": {"tokenizer_class": "LlamaTokenizerFast", "add_bos_token": True, "add_eos_token": False,
+                       "bos_token": {"__type": "AddedToken", "content": DS_BOS},
+                       "eos_token": {"__type": "AddedToken", "content": DS_EOS}}}
+
+
+def make_family_tokenizer(folder: Path, family: dict, template: object = "as released") -> Path:
+    """A tiny byte-level BPE with `family`'s special tokens, post-processor and config; `template`
+    replaces the post-processor's single-text template (None: a ByteLevel post-processor that adds none;
+    ["<s>", "$A", "</s>"]-style lists name the tokens around $A)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    template = family["template"] if template == "as released" else template
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if "split" in family:
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(family["split"]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([_text(i) for i in range(200)],
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=family["specials"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    steps = [processors.ByteLevel(trim_offsets=False)]
+    if template is not None:
+        single = " ".join(t if t == "$A" else f"{t}:0" for t in (template if "$A" in template else [*template, "$A"]))
+        specials = [(t, tok.token_to_id(t)) for t in dict.fromkeys(template) if t != "$A"]
+        steps.append(processors.TemplateProcessing(single=single, pair=f"{single} $B:1", special_tokens=specials))
+    tok.post_processor = processors.Sequence(steps)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(family["config"]))
+    return folder
+
+
+def prepared_documents(folder: Path) -> List[List[int]]:
+    docs = []
+    for prefix in dataset_prefixes(folder):
+        ds = IndexedDataset(prefix)
+        bounds = np.append(np.asarray(ds.sequence_pointers) // ds.dtype.itemsize, ds.n_tokens)
+        docs += [ds.tokens[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+    return docs
+
+
+def test_documents_are_encoded_as_transformers_encodes_them_then_eos(tmp_path, capsys):
+    """Llama 3 (BOS from the post-processor), Qwen3 (no BOS; an instruct config's EOS replaced by
+    prepare.eos_token), DeepSeek-V3 (add_bos_token and a post-processor that both add BOS: one BOS):
+    each document is transformers' tokenizer(text)["input_ids"] + EOS. Then the rules where
+    post-processor and config disagree: add_bos_token adds BOS the post-processor did not, and an
+    EOS the post-processor adds is not added twice."""
+    from transformers import AutoTokenizer
+
+    texts = [_text(i) for i in range(40)] + ["", "a text that ends in <|endoftext|>"]
+    (tmp_path / "raw.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cases = [  # name, family, post-processor template, prepare.eos_token, ids prepare adds around transformers'
+        ("llama3", LLAMA3, "as released", "", ([], ["<|end_of_text|>"])),
+        ("qwen3_instruct", QWEN3, "as released", "", ([], ["<|im_end|>"])),
+        ("qwen3_pretrain", QWEN3, "as released", "<|endoftext|>", ([], ["<|endoftext|>"])),
+        ("deepseek_v3", DEEPSEEK, "as released", "", ([], [DS_EOS])),
+        ("bos_by_config_only", DEEPSEEK, None, "", ([DS_BOS], [DS_EOS])),
+        ("eos_by_template", LLAMA3, ["<|begin_of_text|>", "$A", "<|end_of_text|>"], "", ([], [])),
+    ]
+    for name, family, template, eos_token, (before, after) in cases:
+        folder = make_family_tokenizer(tmp_path / f"tok_{name}", family, template)
+        hf = AutoTokenizer.from_pretrained(str(folder))
+        manifest = run_prepare(PrepareConfig(input=str(tmp_path / "raw.jsonl"), output=str(tmp_path / name),
+                                             tokenizer=str(folder), eos_token=eos_token, workers=1), progress=False)
+        ids = hf.convert_tokens_to_ids
+        expected = [ids(before) + hf(t)["input_ids"] + ids(after) for t in texts]
+        assert prepared_documents(tmp_path / name) == expected, name
+        first, last = expected[0], expected[0]
+        tok = manifest["tokenizer"]
+        n_start = len(tok["start_ids"])
+        assert tok["start_ids"] == first[:n_start] and tok["end_ids"] == last[len(last) - len(tok["end_ids"]):]
+        assert tok["starts_with"] == hf.convert_ids_to_tokens(tok["start_ids"]), name
+        assert tok["ends_with"] == hf.convert_ids_to_tokens(tok["end_ids"]), name
+        assert tok["ends_with"][-1] == (eos_token or _token_content(family["config"]["eos_token"])), name
+        layout = " + ".join([*tok["starts_with"], "text", *tok["ends_with"]])
+        assert f"prepare: each document is {layout}" in capsys.readouterr().out, name
+    assert layout == "<|begin_of_text|> + text + <|end_of_text|>"
+
+    # The same folder with another end-of-document token is another dataset: refused before work.
+    qwen = str(tmp_path / "tok_qwen3_instruct")
+    (problem,) = prepare_problems(PrepareConfig(input=str(tmp_path / "raw.jsonl"), output=str(tmp_path / "qwen3_instruct"),
+                                                tokenizer=qwen, eos_token="<|endoftext|>"))
+    assert "text + <|im_end|>" in problem and "now give text + <|endoftext|>" in problem and "Fix:" in problem
+    (problem,) = prepare_problems(PrepareConfig(input=str(tmp_path / "raw.jsonl"), output=str(tmp_path / "new"),
+                                                tokenizer=qwen, eos_token="</s>"))
+    assert "prepare.eos_token='</s>' is not a token" in problem and "<|im_end|>" in problem and "Fix:" in problem
+
+
+def _token_content(value: object) -> str:
+    return value["content"] if isinstance(value, dict) else value  # type: ignore[index]

@@ -277,6 +277,33 @@ def test_sequence_wise_balance_loss_by_hand():
     assert abs(float(moe.last_aux_loss) - want) < 1e-6
 
 
+def test_declared_fp32_buffers_survive_an_engine_casting_the_model_to_bf16():
+    """An engine that casts the whole module (DeepSpeed's bf16 mode: older releases call
+    module.bfloat16()) inside fp32_buffers_kept: the parameters are bf16, the buffers the model
+    declared float32 (RoPE table, every router's correction bias) keep dtype and values, so a 0.001
+    step still moves a bias of 0.5 (in bf16, 0.5 + 0.001 rounds back to 0.5)."""
+    from launcher.models.fp32_buffers import fp32_buffers, fp32_buffers_kept
+
+    model, cfg = _model()
+    declared = sorted(f"{type(m).__name__}.{n}" for m, n in fp32_buffers(model))
+    assert declared == ["DeepseekV3Transformer.rope"] + ["MoE.e_score_correction_bias"] * 2, declared
+    with torch.no_grad():
+        for m in model.moe_layers():
+            m.e_score_correction_bias.fill_(0.5)
+    rope = model.rope.clone()
+    with fp32_buffers_kept(model):
+        model.bfloat16()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rope.dtype == torch.float32 and torch.equal(model.rope, rope)
+    for m in model.moe_layers():
+        m.step_load = torch.arange(cfg.n_experts)  # experts 0-7 under the mean load, 8-15 over it
+    update_correction_bias([model], 0.001, cfg.n_layers, cfg.n_experts)
+    want = 0.5 + 0.001 * torch.sign(7.5 - torch.arange(cfg.n_experts, dtype=torch.float32))
+    for m in model.moe_layers():
+        assert m.e_score_correction_bias.dtype == torch.float32 and torch.equal(m.e_score_correction_bias, want)
+    assert torch.equal(torch.tensor(0.5, dtype=torch.bfloat16) + 0.001, torch.tensor(0.5, dtype=torch.bfloat16))
+
+
 # ----------------------------------------------------------------------------- tensor parallelism
 
 

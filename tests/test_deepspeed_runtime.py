@@ -1,8 +1,8 @@
 """Real 2-process DeepSpeed runs on CPU (torchrun, gloo) against a single-process torch reference.
 
 One torchrun runs every case in sequence (ZeRO 1/2/3, ZeRO-2 + CPU optimizer offload, the
-ZeRO-3 save -> resume, and the native FSDP2 engine on the same data), so start-up and the
-JIT-built ops are paid once. The JIT cache lives in <repo>/.cache/torch_extensions.
+ZeRO-3 save -> resume, the native FSDP2 engine on the same data, and DeepSeek-V3's router bias
+in bf16 on ZeRO-3 and on the native engine), so start-up and the JIT-built ops are paid once. The JIT cache lives in <repo>/.cache/torch_extensions.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _torchrun(work: Path, *args: str, timeout: int = 900) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("deepspeed")
-    return _torchrun(work, "--cases", ",".join(CASES), "--resume", "zero3", "--native")
+    return _torchrun(work, "--cases", ",".join(CASES), "--resume", "zero3", "--native", "--bias-bf16")
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +158,24 @@ def test_deepspeed_matches_native_engine(results):
 def test_save_resume_gives_identical_continuation(results):
     run = results["zero3"]
     assert run["resumed"] == run["steps"][SAVE_AT:], "resumed losses differ from the uninterrupted run"
+
+
+def test_router_bias_stays_fp32_under_deepspeed_bf16_and_moves_as_the_native_engines(results):
+    """DeepSeek-V3's aux-loss-free balancing in bf16 under ZeRO-3, whose zero.Init makes every float
+    tensor a constructor returns bf16 (the bias's zeros too, unless the model declares it float32):
+    the bias is float32 once the engine has wrapped the model and after every step, and after each of
+    the 3 steps it equals the native engine's bit for bit (in bf16 the first 0.01 step is 0.01000977,
+    and a 0.001 step vanishes once |bias| >= 0.5)."""
+    ds, native = results["bias_bf16_deepspeed"], results["bias_bf16_native"]
+    assert ds["layout"]["zero_stage"] == 3 and ds["backends"]["sharding"].startswith("DeepSpeed ZeRO-3")
+    assert len(ds["biases_built"]) == 1 and set(ds["biases_built"]) == set(native["biases_built"])  # block 1
+    for run in (ds, native):
+        assert {dtype for dtype, _ in run["biases_built"].values()} == {"torch.float32"}
+    assert len(ds["steps"]) == len(native["steps"]) == 3
+    for i, (got, want) in enumerate(zip(ds["steps"], native["steps"])):
+        assert {dtype for dtype, _ in got["biases"].values()} == {"torch.float32"}, f"step {i + 1}"
+        assert got["biases"] == want["biases"], f"step {i + 1}: DeepSpeed bias {got['biases']} vs native {want['biases']}"
+    assert all(v != 0 for _, values in ds["steps"][-1]["biases"].values() for v in values)  # it moved
 
 
 def test_generated_config_is_written_and_consistent(results):

@@ -534,6 +534,9 @@ class PrepareConfig:
     # A local tokenizer.json, or a Hugging Face folder with tokenizer.json (+ tokenizer_config.json
     # for eos_token / bos_token / add_bos_token); never downloaded.
     tokenizer: str = ""
+    # The token that ends every document ("": tokenizer_config.json's eos_token). An instruct
+    # tokenizer's config names its end-of-turn token (Qwen3's <|im_end|>); pretraining wants <|endoftext|>.
+    eos_token: str = ""
     text_key: str = "text"  # the JSON key / parquet column holding each document's text
     workers: int = 0  # tokenizer processes; 0 = every core this process may use
     # About this many tokens per shard (documents are never split, so a shard may run over by

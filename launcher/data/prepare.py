@@ -36,7 +36,8 @@ from launcher.config.loader import load_spec
 from launcher.config.schema import PrepareConfig
 from launcher.data.indexed import token_dtype_for_vocab, write_index
 from launcher.data.readers import JSON_LINE, TEXT_BYTES, SourceReader, file_format, input_files, parquet_schema_problem
-from launcher.data.tokenizer import TokenizerError, TokenizerInfo, load_tokenizer_info
+from launcher.data.tokenizer import (TokenizerError, TokenizerInfo, document_layout, load_tokenizer_info,
+                                      open_for_documents)
 
 MANIFEST = "manifest.json"
 FORMAT = "launcher-indexed"
@@ -114,7 +115,7 @@ def prepare_problems(cfg: PrepareConfig) -> List[str]:
             problems.append(f"... and {len(bad) - 5} more parquet files with the same kind of problem. Fix: as above.")
     tok: Optional[TokenizerInfo] = None
     try:
-        tok = load_tokenizer_info(cfg.tokenizer)
+        tok = load_tokenizer_info(cfg.tokenizer, cfg.eos_token)
     except TokenizerError as err:
         problems.append(str(err))
     if out is not None and out.is_dir() and files and tok is not None and not problems:
@@ -148,10 +149,19 @@ def resume_problems(out_dir: Path, sources: List[dict], tok: TokenizerInfo, sett
         return [f"prepare.output={out_dir}: {MANIFEST} is not a {FORMAT} v{VERSION} manifest. {fix}"]
     problems = []
     old_tok = manifest.get("tokenizer", {})
-    if old_tok.get("sha256") != tok.sha256 or old_tok.get("add_bos") != tok.add_bos or old_tok.get("eos_id") != tok.eos_id:
+    if old_tok.get("sha256") != tok.sha256:
         problems.append(f"prepare.output={out_dir} was prepared with another tokenizer ({old_tok.get('path')}, "
-                        f"sha256 {str(old_tok.get('sha256'))[:12]}..., add_bos {old_tok.get('add_bos')}) than "
-                        f"prepare.tokenizer ({tok.path}, sha256 {tok.sha256[:12]}..., add_bos {tok.add_bos}). {fix}")
+                        f"sha256 {str(old_tok.get('sha256'))[:12]}...) than prepare.tokenizer ({tok.path}, "
+                        f"sha256 {tok.sha256[:12]}...). {fix}")
+    else:
+        # A manifest written before start_ids/end_ids were recorded: BOS by add_bos_token, then EOS.
+        old_start = old_tok.get("start_ids", [old_tok.get("bos_id")] if old_tok.get("add_bos") else [])
+        old_end = old_tok.get("end_ids", [old_tok.get("eos_id")])
+        if list(old_start) != list(tok.start_ids) or list(old_end) != list(tok.end_ids):
+            was = document_layout(old_tok.get("starts_with", [str(i) for i in old_start]),
+                                  old_tok.get("ends_with", [str(i) for i in old_end]))
+            problems.append(f"prepare.output={out_dir} holds documents written as {was}; prepare.tokenizer and "
+                            f"prepare.eos_token now give {document_layout(tok.starts_with, tok.ends_with)}. {fix}")
     old_settings = dict(manifest.get("settings", {}))
     if not manifest.get("skipped"):
         # No record skipped yet: the shards so far are the same under fail and skip, so a run stopped
@@ -185,15 +195,17 @@ def resume_problems(out_dir: Path, sources: List[dict], tok: TokenizerInfo, sett
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_path: str, text_key: str, bos_id: Optional[int], eos_id: int, dtype: str) -> None:
-    """Load the tokenizer once per process. One thread per process: `workers` processes = `workers` cores."""
+def _init_worker(tokenizer_path: str, text_key: str, prepend: Tuple[int, ...], append: Tuple[int, ...],
+                 dtype: str) -> None:
+    """Load the tokenizer once per process. One thread per process: `workers` processes = `workers` cores.
+    `prepend`/`append`: the ids prepare adds around the post-processor's output (TokenizerInfo)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer  # lazy: tokenizers (a Rust extension) only when a tokenizer.json is read
 
-    tok = Tokenizer.from_file(tokenizer_path)
+    tok = open_for_documents(Tokenizer.from_file(tokenizer_path))
     # encode_batch_fast (tokenizers >= 0.21) skips the offsets prepare does not use; same ids.
     _WORKER.update(tok=tok, encode_batch=getattr(tok, "encode_batch_fast", tok.encode_batch), key=text_key,
-                   bos=bos_id, eos=eos_id, dtype=np.dtype(dtype))
+                   prepend=list(prepend), append=list(append), dtype=np.dtype(dtype))
 
 
 def _text_of(kind: int, payload: object, key: str) -> Tuple[Optional[str], str]:
@@ -226,7 +238,7 @@ def _encode_chunk(items: List[Tuple[int, object]]) -> Tuple[np.ndarray, np.ndarr
     """Tokenize one chunk: (token ids of its documents back to back, per record the document's
     length or -1 for a bad record, {record index in the chunk: why it is bad})."""
     w = _WORKER
-    key, bos, eos = w["key"], w["bos"], w["eos"]
+    key, prepend, append = w["key"], w["prepend"], w["append"]
     texts: List[str] = []
     slots: List[int] = []
     bad: Dict[int, str] = {}
@@ -238,26 +250,26 @@ def _encode_chunk(items: List[Tuple[int, object]]) -> Tuple[np.ndarray, np.ndarr
             texts.append(text)  # type: ignore[arg-type]
             slots.append(j)
     try:
-        encodings = w["encode_batch"](texts, add_special_tokens=False)
+        # The post-processor's special tokens, as transformers' tokenizer(text) adds them.
+        encodings = w["encode_batch"](texts, add_special_tokens=True)
     except Exception:  # a text the tokenizer refuses (a lone surrogate from a JSON escape): find it
         encodings = []
         kept = []
         for j, text in zip(slots, texts):
             try:
-                encodings.append(w["tok"].encode(text, add_special_tokens=False))
+                encodings.append(w["tok"].encode(text, add_special_tokens=True))
                 kept.append(j)
             except Exception as err:
                 bad[j] = f"text the tokenizer refuses ({str(err).strip()[:80]})"
         slots = kept
     lengths = np.full(len(items), -1, dtype=np.int64)
     flat: List[int] = []
-    extra = 1 if bos is None else 2
+    extra = len(prepend) + len(append)
     for j, enc in zip(slots, encodings):
         ids = enc.ids
-        if bos is not None:
-            flat.append(bos)
+        flat.extend(prepend)
         flat.extend(ids)
-        flat.append(eos)
+        flat.extend(append)
         lengths[j] = len(ids) + extra
     return np.array(flat, dtype=w["dtype"]), lengths, bad
 
@@ -520,7 +532,7 @@ def run_prepare(cfg: PrepareConfig, progress: Optional[bool] = None) -> dict:
     if problems:
         raise PrepareError(problems)
     files = input_files(cfg.input)
-    tok = load_tokenizer_info(cfg.tokenizer)
+    tok = load_tokenizer_info(cfg.tokenizer, cfg.eos_token)
     settings = settings_of(cfg)
     dtype = token_dtype_for_vocab(tok.vocab_size)
     out_dir = Path(cfg.output).expanduser()
@@ -550,7 +562,7 @@ def run_prepare(cfg: PrepareConfig, progress: Optional[bool] = None) -> dict:
     sizes = [s["size"] for s in stamps]
     bar = _Progress(sum(sizes), sum(sizes[: position[0]]), progress)
     skip = cfg.on_bad_record == "skip"
-    encoders = _Encoders(workers, (tok.path, cfg.text_key, tok.bos_id if tok.add_bos else None, tok.eos_id, dtype.name))
+    encoders = _Encoders(workers, (tok.path, cfg.text_key, tok.prepend_ids, tok.append_ids, dtype.name))
     writer: Optional[_ShardWriter] = None
     try:
         for chunk, (ids, lengths, bad) in encoders.map(_chunks(files, sizes, cfg.text_key, position)):
@@ -610,6 +622,9 @@ def _print_summary(manifest: dict, out_dir: Path, bar: _Progress) -> None:
     print(f"prepare: {out_dir}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens ({manifest['dtype']}) "
           f"in {len(manifest['shards'])} shard(s); {manifest['skipped']:,} bad records skipped; this run "
           f"{d:,.0f} docs/s, {t:,.0f} tokens/s", flush=True)
+    tok = manifest["tokenizer"]
+    print(f"prepare: each document is {document_layout(tok['starts_with'], tok['ends_with'])} "
+          f"(start ids {tok['start_ids']}, end ids {tok['end_ids']})", flush=True)
     for s in manifest["sources"]:
         if s["skipped"]:
             print(f"  skipped {s['skipped']:,} in {s['path']} (first: {s['first_skipped']})", flush=True)

@@ -50,6 +50,7 @@ from launcher.hf.export import write_state_dict, write_streamed
 from launcher.hf.format import tensor_maps
 from launcher.hf.weights import HfReader, load_hf_weights
 from launcher.models import build_model
+from launcher.models.fp32_buffers import fp32_buffers_kept, register_fp32_buffer
 from launcher.models.init import canonical_name, full_init_value
 from launcher.models.layers import model_rope_table
 from launcher.models.moe import latest_aux_loss, set_aux_loss_scale, update_correction_bias
@@ -263,17 +264,10 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
                         # Values drawn on the training device, as init_model_weights(buffer_device=device) does.
                         full = full_init_value(cname, tuple(param.shape), model_cfg, seed, device)
                     param.copy_(full.to(param.device, param.dtype))
+    # zero.Init made the tensors of the table's arithmetic in the training dtype: computed again in fp32.
     model.rope = model_rope_table(model_cfg, device=device)
     model.train()
     return model
-
-
-def restore_fp32_rope(module: nn.Module, model_cfg, device: torch.device) -> None:
-    """DeepSpeed's bf16 mode casts buffers too; the RoPE table stays fp32 (as on the native path)."""
-    table = model_rope_table(model_cfg, device=device)
-    for m in module.modules():
-        if "rope" in m._buffers:
-            m.rope = table.clone()
 
 
 def canonical_state_dict(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -301,7 +295,7 @@ class _BlockStage(nn.Module):
     def __init__(self, index: int, block: nn.Module, rope: torch.Tensor):
         super().__init__()
         self.layers = nn.ModuleDict({str(index): block})
-        self.register_buffer("rope", rope.clone(), persistent=False)
+        register_fp32_buffer(self, "rope", rope.clone(), persistent=False)
 
     def forward(self, h):
         (block,) = self.layers.values()
@@ -388,15 +382,15 @@ class DeepSpeedEngine:
 
         self.scheduler = build_scheduler(optimizer, optim_cfg, options.total_steps)
         pipeline_on_fake = self.pp > 1 and _in_fake_mode()
-        with fake_module_stays_put(module, device), \
+        # DeepSpeed's bf16/fp16 mode may cast buffers with the parameters: the ones the model declared
+        # float32 (RoPE tables, the router's correction bias) come back as they were.
+        with fake_module_stays_put(module, device), fp32_buffers_kept(module), \
                 (fake_pipeline_counts_readable() if pipeline_on_fake else contextlib.nullcontext()):
-            # Real tensors: neither has any effect.
+            # Real tensors: the first and last have no effect.
             self.engine, self.optimizer, _, _ = deepspeed.initialize(
                 model=module, optimizer=optimizer, lr_scheduler=self.scheduler, config=self.config,
                 dist_init_required=False,
             )
-        if self.config["bf16"]["enabled"]:
-            restore_fp32_rope(self.engine.module, model_cfg, device)
         self._token_norm = 1.0
         self._n_sources = 0  # per-source loss sums of the running step (0: no mixture sources)
         self._source_sums = None

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from launcher.models.fp32_buffers import register_fp32_buffer
 from launcher.models.grouped_mm import expert_swiglu
 from launcher.models.layers import FeedForward
 
@@ -138,7 +139,8 @@ class MoE(nn.Module):
         # to the weights), moved after each optimizer step by update_correction_bias. A persistent
         # buffer: checkpointed with the model, never seen by the optimizer.
         if correction_bias:
-            self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32))
+            # float32 under every engine: bf16 rounds a 1e-3 step away once |bias| >= 0.5.
+            register_fp32_buffer(self, "e_score_correction_bias", torch.zeros(n_experts))
         else:
             self.e_score_correction_bias = None
         # Assignments per expert since the last bias update (training forwards; [E] int64).

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from launcher.models.fp32_buffers import register_fp32_buffer
 from launcher.models.init import init_model_weights
 from launcher.models.layers import (Attention, FeedForward, RMSNorm, document_attention_mask, model_rope_table,
                                     rope_at_positions)
@@ -91,7 +92,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: recomputed by init_weights, never checkpointed. Context parallelism
         # shards this buffer along the sequence together with the tokens.
-        self.register_buffer("rope", model_rope_table(cfg), persistent=False)
+        register_fp32_buffer(self, "rope", model_rope_table(cfg), persistent=False)
         self.attention_kernel = "auto"  # how a document mask is applied (document_attention_mask)
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,

@@ -39,6 +39,27 @@ NATIVE_PIPELINE_MOE = ["model=debug_moe", "parallel.pp=2", "backend=native"]
 SAVE_AT = 2  # the resume case saves after this many steps
 
 
+def model_overrides(fields: Dict) -> List[str]:
+    """`model.<key>=<value>` overrides of a dict of model fields (a nested dict as Hydra's {k:v,...})."""
+    def value(v):
+        if isinstance(v, dict):
+            return "{" + ",".join(f"{k}:{value(x)}" for k, x in v.items()) + "}"
+        return str(v).lower() if isinstance(v, bool) else str(v)
+    return [f"model.{k}={value(v)}" for k, v in fields.items()]
+
+
+def dsv3_bf16(backend: str) -> List[str]:
+    """DeepSeek-V3's block on the debug sizes (the layout matrix's, its correction bias moved 0.01 per
+    step; two blocks: dense, then MoE) in bf16 under ZeRO-3 (zero.Init makes every float tensor a
+    constructor returns bf16, the bias's zeros included): the aux-loss-free balancing case, on
+    DeepSpeed or the native engine."""
+    from tests.parallel_harness.matrix import DEEPSEEK_V3
+
+    # 3 steps: the bias moves +-0.01 per step and here swings back and forth, so an odd count ends off zero.
+    return ["model=debug_moe", *model_overrides(DEEPSEEK_V3), "precision=bf16", "parallel.zero_stage=3",
+            "model.n_layers=2", "trainer.steps=3", f"backend={backend}"]
+
+
 def deepspeed_env(extra: Dict[str, str] = None) -> Dict[str, str]:
     """Environment for DeepSpeed on CPU with the JIT cache inside the repository (git-ignored)."""
     env = dict(os.environ)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import CASES, NATIVE_PIPELINE_MOE, SAVE_AT, SLOW_CASES, rank_microbatches, spec_for  # noqa: E402
+from common import CASES, NATIVE_PIPELINE_MOE, SAVE_AT, SLOW_CASES, dsv3_bf16, rank_microbatches, spec_for  # noqa: E402
 
 from launcher.runtime.dist import shutdown_distributed  # noqa: E402
 
@@ -41,6 +41,9 @@ def run_engine(engine, spec, plan, steps, start=0):
     for step in range(start, steps):
         stats = engine.train_step(rank_microbatches(step, spec, plan, dp_rank_of(plan, dist.get_rank())))
         out.append({"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, **stats.extra})
+        biases = router_biases(engine)
+        if biases:  # a DeepSeek-V3 router: where aux-loss-free balancing moved it this step
+            out[-1]["biases"] = biases
     return out
 
 
@@ -51,6 +54,14 @@ def moe_health_for(engine, spec):
     from launcher.observe.moe_health import MoEHealth
 
     return MoEHealth(engine.model_parts, spec.model.n_layers, spec.model.n_experts, dist.get_rank(), torch.device("cpu"))
+
+
+def router_biases(engine) -> dict:
+    """{model name: (dtype, values)} of every MoE router's e_score_correction_bias on this rank."""
+    from launcher.models.init import canonical_name
+
+    return {canonical_name(n): (str(b.dtype), b.tolist()) for part in engine.model_parts
+            for n, b in part.named_buffers() if n.endswith("e_score_correction_bias")}
 
 
 def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False):
@@ -69,7 +80,8 @@ def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False)
 
     t0 = time.time()
     engine = build()
-    result = {"build_s": time.time() - t0, "backends": {k: v.impl for k, v in plan.backends.items()},
+    result = {"build_s": time.time() - t0, "biases_built": router_biases(engine),
+              "backends": {k: v.impl for k, v in plan.backends.items()},
               "layout": plan.to_dict()["layout"], "built": engine.built(),
               "memory_parts": len(engine.model_parts), "memory_optimizers": len(engine.optimizers)}
     # Each rank's ZeRO partition bytes, for the rehearsal's comparison
@@ -147,8 +159,10 @@ def run_native(work: Path, overrides=("parallel.zero_stage=3", "backend=native")
     plan = build_plan(spec, check(spec))
     engine = NativeEngine(spec.model, spec.optim, plan.layout, torch.device("cpu"), engine_options(spec, work))
     health = moe_health_for(engine, spec)
+    biases_built = router_biases(engine)
     steps = run_engine(engine, spec, plan, spec.trainer.steps)
-    result = {"steps": steps, "moe_metrics": health.observe(spec.trainer.steps) if health is not None else None}
+    result = {"steps": steps, "moe_metrics": health.observe(spec.trainer.steps) if health is not None else None,
+              "biases_built": biases_built}
     del engine
     gc.collect()
     return result
@@ -164,6 +178,8 @@ def main() -> int:
     parser.add_argument("--load-from", type=Path)
     parser.add_argument("--load-cases", default="")
     parser.add_argument("--native-pipeline-moe", action="store_true", help="first, the native engine on debug_moe, pp=2")
+    parser.add_argument("--bias-bf16", action="store_true",
+                        help="last, DeepSeek-V3's router bias under bf16 ZeRO-3: DeepSpeed, then the native engine")
     args = parser.parse_args()
     from launcher.engines.deepspeed import init_deepspeed_distributed
 
@@ -181,6 +197,10 @@ def main() -> int:
         dist.barrier()
     if args.native:
         results["native_zero3"] = run_native(args.work)
+    if args.bias_bf16:
+        results["bias_bf16_deepspeed"] = run_case("bias_bf16_deepspeed", dsv3_bf16("deepspeed"), args.work,
+                                                  resume=False, save_only=True)
+        results["bias_bf16_native"] = run_native(args.work, dsv3_bf16("native"))
     if dist.get_rank() == 0:
         (args.work / "results.json").write_text(json.dumps(results, indent=1))
     shutdown_distributed()
