@@ -55,7 +55,7 @@ from launcher.engines import build_engine
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
 from launcher.plan.present.plan import Plan
 from launcher.rehearse.files import SHARED_STEPS_DIR
-from launcher.rehearse.step import build_rank_step, track_rank_step
+from launcher.rehearse.step import build_rank_step, rank_report, track_rank_step
 from launcher.runtime.entry import engine_options
 from launcher.observe.state_bytes import StateBytesProbe, torch_optimizers
 
@@ -372,15 +372,8 @@ def rehearse_rank(model_cfg, optim_cfg, layout, options, rank: int, *, activatio
         # Entered by the engine once the model was sharded (EngineOptions.fake_mode).
         if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is fake:
             fake.__exit__(None, None, None)
-    return {
-        "rank": rank,
-        "coords": layout.mesh.coordinates(rank),
-        "params_numel": held["params_numel"],
-        "memory": {"params": held["params"], "grads": held["grads"], "optimizer": held["optimizer"],
-                   "activations": memory["activations"], "peak": memory["peak"]},
-        "error": None,
-        "notes": notes,
-    }
+    return rank_report(rank, layout, held, memory, notes)
+
 
 
 def _rank_from_run_dir(run_dir: Path, rank: int, activations: bool) -> Dict[str, Any]:

@@ -34,7 +34,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from launcher.engines import build_engine
 from launcher.observe.run_score import environment
 from launcher.observe.state_bytes import StateBytesProbe
-from launcher.rehearse.step import build_rank_step, track_rank_step
+from launcher.rehearse.step import build_rank_step, rank_report, track_rank_step
 
 MEMORY_SOURCE = {
     "cuda": "torch.cuda.max_memory_allocated and max_memory_reserved over the timed steps",
@@ -139,13 +139,7 @@ def rehearse_real_rank(model_cfg, optim_cfg, layout, options, rank: int, *, devi
         / step.microbatches
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return {
-        "rank": rank,
-        "coords": layout.mesh.coordinates(rank),
-        "params_numel": held["params_numel"],
-        "memory": {"params": held["params"], "grads": held["grads"], "optimizer": held["optimizer"],
-                   "activations": tracked["activations"], "peak": tracked["peak"]},
-        "error": None,
-        "notes": notes,
+        **rank_report(rank, layout, held, tracked, notes),
         "real": {
             "device": dev.type,
             "gpu": gpu,

@@ -311,3 +311,18 @@ def track_rank_step(engine, layout, step: RankStep) -> Dict[str, int]:
     if "cuda_max_allocated" in measured:
         memory["cuda_max_allocated"] = int(measured["cuda_max_allocated"])
     return memory
+
+
+def rank_report(rank: int, layout, held: Dict[str, int], step_memory: Dict[str, Any],
+                notes: List[str]) -> Dict[str, Any]:
+    """One rank's row of the rehearsal: what it holds (`held`: StateBytesProbe's result) and its
+    step's activations and peak (`step_memory`), fake or real tensors alike."""
+    return {
+        "rank": rank,
+        "coords": layout.mesh.coordinates(rank),
+        "params_numel": held["params_numel"],
+        "memory": {"params": held["params"], "grads": held["grads"], "optimizer": held["optimizer"],
+                   "activations": step_memory["activations"], "peak": step_memory["peak"]},
+        "error": None,
+        "notes": notes,
+    }
