@@ -108,7 +108,8 @@ def test_lean_tracker_dispatch_records_what_torchs_memtracker_records(monkeypatc
     from launcher.parallel.ac import apply_activation_checkpointing
 
     assert memtrack._lean_memtracker_class().__torch_dispatch__ is not MemTracker.__torch_dispatch__
-    spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=1", "parallel.zero_stage=0"])
+    # Two blocks show every kind of op and module the debug model has; the cost is per op.
+    spec = compose_spec(["+recipe=debug", "cluster.gpus_per_node=1", "parallel.zero_stage=0", "model.n_layers=2"])
     with torch.device("meta"):
         model = build_model(spec.model)
     with FakeTensorMode(allow_non_fake_inputs=True) if tensors == "fake" else contextlib.nullcontext():
