@@ -541,7 +541,8 @@ def _run_harness(jobs: list, tmp_path: Path, ranks: int) -> dict:
 def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
     """tp=2 (sharded source, then 2 steps and an fp32 export that transformers loads), dp_shard=2
     (tied, bf16 on disk), pp=2, ep=2 (Mixtral, Qwen3-MoE) and tp=2 (Qwen3): logits equal transformers' after loading, and
-    the exports of the untrained models are byte-identical to their sources."""
+    the exports of the untrained models are byte-identical to their sources. DeepSpeed ZeRO-1 and ZeRO-3
+    (DeepSeek-V3 too: its router correction biases are buffers, which ZeRO-3's own loader must read)."""
     jobs = [
         {"name": "tp2_train", "folder": str(hf_models["llama"]), "mesh": {"tp": 2}, "train_steps": 2,
          "export_dtype": "fp32"},
@@ -569,16 +570,27 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         # DeepSpeed ZeRO-1 (whole model built on each rank, then handed to DeepSpeed); tied, bf16 on disk.
         {"name": "deepspeed_zero1_tied", "folder": str(hf_models["llama_tied_bf16"]), "mesh": {"dp_shard": 2},
          "backend": "deepspeed", "zero_stage": 1, "export_dtype": "fp32"},
+        # DeepSpeed ZeRO-3 with DeepSeek-V3: the router correction biases are buffers, not partitioned
+        # parameters, and routing depends on them; one step (moving them) and a safetensors export.
+        {"name": "deepspeed_zero3_deepseek_v3", "folder": str(hf_models["deepseek_v3"]), "mesh": {"dp_shard": 2},
+         "backend": "deepspeed", "zero_stage": 3, "export_dtype": "fp32", "train_steps": 1,
+         "model": {"bias_update_speed": 0.01}},
+        # ...and in bf16, where the biases must keep the folder's float32 values.
+        {"name": "deepspeed_zero3_deepseek_v3_bf16", "folder": str(hf_models["deepseek_v3"]), "mesh": {"dp_shard": 2},
+         "backend": "deepspeed", "zero_stage": 3, "export_dtype": "fp32", "precision": "bf16"},
     ]
     out = _run_harness(jobs, tmp_path, ranks=2)
     for job in jobs:
         r = out[job["name"]]
         assert "error" not in r, f"{job['name']}: {r.get('error')}"
-        assert r["load_max_diff"] <= 1e-5, (job["name"], r)
+        if job.get("precision", "fp32") == "fp32":
+            assert r["load_max_diff"] <= 1e-5, (job["name"], r)
         if job.get("backend") == "deepspeed":  # what DeepSpeed reports it built: ZeRO-3 over 2 ranks
             built = r["built"]
             assert built["backends"]["sharding"] == "deepspeed" and built["backends"]["zero_stage"] == job["zero_stage"], r
             assert built["mesh"]["dp"] == 2, r
+            # Every rank holds the folder's correction biases (DeepSeek-V3), float32, bit for bit.
+            assert r["bias_names_match"] and r["bias_exact_fp32"] and r["bias_loaded_on_every_rank"], (job["name"], r)
             continue
         mesh = r["built"]["mesh"]
         assert all(mesh[k] == v for k, v in job["mesh"].items()), (job["name"], mesh)
@@ -587,6 +599,11 @@ def test_two_rank_layouts_load_train_and_export(hf_models, tmp_path):
         # (MLA's replicated down-projections and, under TP, the replicated experts: a bit more.)
         share = 0.85 if job["name"] == "tp2_deepseek_v3" else 0.75
         assert all(0 < n < share * r["model_elements"] for n in r["elements_read"]), (job["name"], r)
+    r = out["deepspeed_zero3_deepseek_v3"]
+    assert abs(r["losses"][0] - r["first_loss_hf"]) <= 1e-5, r  # the first step trains transformers' model
+    # The step moved the biases; the export (the names the native engine's writes) holds the moved ones.
+    assert r["bias_moved"] > 1e-3 and r["export_has_biases"] and r["export_bias_max_diff"] == 0.0, r
+    assert r["export_names_are_the_state_dicts"], r
     r = out["tp2_train"]
     assert r["weights_moved"] > 1e-3  # training changed the model, so the export check below means something
     assert r["export_max_diff"] <= 1e-5

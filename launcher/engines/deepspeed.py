@@ -48,7 +48,7 @@ from launcher.engines.deepspeed_universal import (UNIVERSAL, convert_to_universa
                                                   resume_action, universal_dir, write_layout_record)
 from launcher.hf.export import write_state_dict, write_streamed
 from launcher.hf.format import tensor_maps
-from launcher.hf.weights import HfReader, load_hf_weights
+from launcher.hf.weights import HfReader, load_hf_buffers, load_hf_weights
 from launcher.models import build_model
 from launcher.models.fp32_buffers import fp32_buffers_kept, register_fp32_buffer
 from launcher.models.init import canonical_name, full_init_value
@@ -239,7 +239,8 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
                             pin_memory: bool) -> nn.Module:
     """ZeRO-3: parameters are partitioned as each module is constructed (deepspeed.zero.Init), so no
     rank ever holds the whole model; then each parameter gets the native path's layout-independent
-    initial value, one full parameter at a time (GatheredParameters, written by rank 0)."""
+    initial value, one full parameter at a time (GatheredParameters, written by rank 0). With
+    model.init_from, rank 0 reads each full parameter and every rank the mapped buffers."""
     import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
 
@@ -264,6 +265,10 @@ def build_partitioned_model(model_cfg, ds_config: Dict, device: torch.device, se
                         # Values drawn on the training device, as init_model_weights(buffer_device=device) does.
                         full = full_init_value(cname, tuple(param.shape), model_cfg, seed, device)
                     param.copy_(full.to(param.device, param.dtype))
+    if model_cfg.init_from:
+        # Buffers are not partitioned (each rank holds them whole): every rank reads the mapped
+        # ones itself. Without this DeepSeek-V3's router correction bias would stay at zero.
+        load_hf_buffers([model], model_cfg.init_from, model_cfg)
     # zero.Init made the tensors of the table's arithmetic in the training dtype: computed again in fp32.
     model.rope = model_rope_table(model_cfg, device=device)
     model.train()
@@ -670,8 +675,8 @@ class DeepSpeedEngine:
                 state["step"] = state["step"].clone()
 
     def export(self, path: Path, fmt: str) -> None:
-        """The consolidated fp32 model, written by rank 0 as torch.save's file (fp32) or safetensors
-        (collective).
+        """The consolidated fp32 model (parameters and persistent buffers, as the native export),
+        written by rank 0 as torch.save's file (fp32) or safetensors (collective).
 
         Without pipelining the file is streamed one full parameter at a time, so no rank holds
         more than the largest parameter: ZeRO 1-3 fetch the fp32 master weights
@@ -684,11 +689,20 @@ class DeepSpeedEngine:
             if full is not None:
                 write_state_dict(full, Path(path), fmt)
         else:
-            params = {name.replace(_WRAPPED, ""): p for name, p in self.engine.module.named_parameters(remove_duplicate=False)}
-            shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in params.items()}
-            write_streamed(Path(path), fmt, shapes, lambda name: self._full_parameter(params[name]),
+            # The names the native export writes (get_model_state_dict): every parameter and persistent
+            # buffer (DeepSeek-V3's router correction bias), in the module's order.
+            state = {name.replace(_WRAPPED, ""): t for name, t in self.engine.module.state_dict(keep_vars=True).items()}
+            shapes = {name: tuple(getattr(t, "ds_shape", t.shape)) for name, t in state.items()}
+            write_streamed(Path(path), fmt, shapes, lambda name: self._full_tensor(state[name]),
                            writes=dist.get_rank() == 0)
         phase_barrier()  # rank 0 finishes the file alone: not bounded by the collective timeout
+
+    def _full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """One state-dict entry's full value on every rank: a buffer is whole on each rank (ZeRO
+        partitions parameters only); a parameter is assembled (collective under ZeRO 1-3)."""
+        if not isinstance(tensor, nn.Parameter):
+            return tensor.detach()
+        return self._full_parameter(tensor)
 
     def _full_parameter(self, param: torch.Tensor) -> torch.Tensor:
         """One parameter's full value on every rank (collective under ZeRO 1-3)."""

@@ -6,6 +6,8 @@
   memory per rank is bounded by its shard plus, for q/k, at most one head either side. FP8
   block-quantized weights (config.json's quantization_config) are dequantized box by box on the
   way: the rank reads only the scale blocks that cover its box (launcher/hf/fp8_blocks.py).
+- ``load_hf_buffers(parts, folder, cfg)``: only the mapped buffers (DeepSeek-V3's router
+  correction bias), for DeepSpeed ZeRO-3, which loads its partitioned parameters itself.
 - ``export_hf(parts, world, out_dir, cfg, dtype)``: streams one parameter at a time: the
   stage that owns it gathers the full tensor, global rank 0 writes it straight into its
   safetensors shard (header written first, from the shapes the config determines), so no
@@ -156,34 +158,57 @@ def load_hf_weights(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
     reader = HfReader(folder)
     _log_unmapped(reader.files, maps.values(), folder)
     for part in parts:
-        for name, param in _mapped_tensors(part, maps):
-            cname = canonical_name(name)
-            m = maps.get(cname)
-            if m is None:
-                raise ValueError(f"parameter {cname} has no Hugging Face counterpart in model.family="
-                                 f"{model_cfg.family}'s tensor names (model {model_cfg.name}). Fix: model.init_from "
-                                 f"loads the {', '.join(FAMILY_PACKAGES)} families as their Hugging Face releases "
-                                 f"shape them: model=hf (every shape key from the folder's config.json), or that "
-                                 f"family's conf/model/*.yaml without extra shape options.")
-            local, box = local_box(param)
-            if local.numel() == 0:
-                continue
-            value = reader.read_ours(m, box)
-            if tuple(value.shape) != tuple(local.shape):
-                raise ValueError(f"{folder}: {m.hf_names[0]} gives {tuple(value.shape)} for {cname}'s "
-                                 f"shard {tuple(local.shape)}. Fix: a checkpoint whose config.json matches.")
-            local.copy_(value.to(local.device, local.dtype))
+        _load_tensors(reader, _mapped_tensors(part, maps), maps, model_cfg)
         if hasattr(part, "rope"):
             part.rope = model_rope_table(model_cfg, device=part.rope.device)
     return reader.elements_read
 
 
+@torch.no_grad()
+def load_hf_buffers(parts: Sequence[nn.Module], folder: str, model_cfg) -> int:
+    """Fill only the buffers of `parts` that the HF maps name (DeepSeek-V3's router correction
+    bias), whole, from HF folder `folder`: for an engine that loads the parameters its own way
+    (DeepSpeed ZeRO-3 gathers each partitioned parameter; buffers are whole on every rank, so
+    each rank reads them). Returns the elements read from disk."""
+    maps = {m.ours: m for m in tensor_maps(model_cfg)}
+    reader = HfReader(folder)
+    for part in parts:
+        _load_tensors(reader, mapped_buffers(part, maps), maps, model_cfg)
+    return reader.elements_read
+
+
+def _load_tensors(reader: HfReader, tensors: Sequence[Tuple[str, torch.Tensor]], maps: Dict[str, TensorMap],
+                  model_cfg) -> None:
+    """Copy into each (name, tensor) the box of its HF counterpart this rank holds."""
+    folder = reader.folder
+    for name, param in tensors:
+        cname = canonical_name(name)
+        m = maps.get(cname)
+        if m is None:
+            raise ValueError(f"parameter {cname} has no Hugging Face counterpart in model.family="
+                             f"{model_cfg.family}'s tensor names (model {model_cfg.name}). Fix: model.init_from "
+                             f"loads the {', '.join(FAMILY_PACKAGES)} families as their Hugging Face releases "
+                             f"shape them: model=hf (every shape key from the folder's config.json), or that "
+                             f"family's conf/model/*.yaml without extra shape options.")
+        local, box = local_box(param)
+        if local.numel() == 0:
+            continue
+        value = reader.read_ours(m, box)
+        if tuple(value.shape) != tuple(local.shape):
+            raise ValueError(f"{folder}: {m.hf_names[0]} gives {tuple(value.shape)} for {cname}'s "
+                             f"shard {tuple(local.shape)}. Fix: a checkpoint whose config.json matches.")
+        local.copy_(value.to(local.device, local.dtype))
+
+
+def mapped_buffers(part: nn.Module, maps) -> List[Tuple[str, torch.Tensor]]:
+    """(name, buffer) of every buffer of `part` that the HF maps (`maps`: our canonical names)
+    name: DeepSeek-V3's e_score_correction_bias (state, not a parameter); RoPE tables are not mapped."""
+    return [(n, b) for n, b in part.named_buffers() if canonical_name(n) in maps]
+
+
 def _mapped_tensors(part: nn.Module, maps) -> List[Tuple[str, torch.Tensor]]:
-    """(name, tensor) of every parameter of `part` and of its buffers that the HF maps name
-    (DeepSeek-V3's e_score_correction_bias: state, not a parameter; RoPE tables are not mapped)."""
-    out = list(part.named_parameters())
-    out += [(n, b) for n, b in part.named_buffers() if canonical_name(n) in maps]
-    return out
+    """(name, tensor) of every parameter of `part` and of its mapped buffers (mapped_buffers)."""
+    return list(part.named_parameters()) + mapped_buffers(part, maps)
 
 
 def _log_unmapped(files: Dict[str, str], maps, folder: str) -> None:
