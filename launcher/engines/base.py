@@ -49,8 +49,9 @@ class StepStats:
     until a value is read. The first read of `loss`, `grad_norm`, `extra` or `source_loss` copies
     all of them to the host in one transfer per device (`materialise`; on a GPU the host waits for
     the step there) and keeps the numbers; `materialised` tells whether that has happened. The
-    trainer reads them at log and validation steps only, so the other steps never stop the host
-    from queueing the next one. Python numbers are accepted too (what an engine already has on the
+    trainer reads them at log and validation steps only. (The native engine still reads one
+    boolean per step, whether the global gradient norm is finite, to skip a non-finite step:
+    launcher/runtime/numerics.py.) Python numbers are accepted too (what an engine already has on the
     host costs nothing to read).
     """
 
