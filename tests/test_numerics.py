@@ -14,7 +14,7 @@ import torch
 from launcher.engines.base import NonFiniteStep
 from launcher.resilience import debug_hooks
 from launcher.resilience.failure import FailureBundle, NonFiniteSteps, classify
-from launcher.runtime.numerics import NumericalHealth, blame
+from launcher.runtime.numerics import NumericalHealth, SpikeDetector, blame
 
 
 def _snapshot(engine):
@@ -85,3 +85,15 @@ def test_blame_names_every_rank_when_no_loss_was_nonfinite():
     views = [NonFiniteStep(True, None), NonFiniteStep(True, "b")]
     assert blame(views) == {"ranks": [0, 1], "first_nonfinite": "b"}
     assert NumericalHealth(0, 0).observe(1, NonFiniteStep(False, "x")) is None  # 0: never ends the run
+
+
+def test_a_loss_over_spike_zscore_deviations_above_the_window_is_a_spike(caplog):
+    spikes = SpikeDetector(zscore=4.0, window=5)
+    curve = [3.0, 2.9, 3.1, 3.0, 2.95]
+    assert [spikes.observe(s, x)["health/loss_spike"] for s, x in enumerate(curve, 1)] == [0] * 5  # history filling
+    assert spikes.observe(6, float("nan")) == {"health/loss_spike": 0}  # a skipped step: not in the window
+    assert spikes.observe(7, 2.8) == {"health/loss_spike": 0}  # lower is never a spike
+    assert spikes.observe(8, 6.0) == {"health/loss_spike": 1}
+    assert "loss spike at step 8" in caplog.text
+    # The spike joined the window: the spread is wide now, and a loss that stays up is not a spike again.
+    assert spikes.observe(9, 6.0) == {"health/loss_spike": 0}

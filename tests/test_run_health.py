@@ -101,7 +101,8 @@ def two_rank_run(tmp_path_factory) -> Path:
     proc = _start(["+recipe=debug", "model=debug_moe", "trainer.steps=8", "trainer.log_every=1", "checkpoint.interval=0",
                    "trainer.val_every=3", "profile.enabled=true", "profile.steps=[2,3]", "profile.ranks=[1]",
                    "+cluster.env.LAUNCHER_DEBUG_SLOW_COMPUTE=1:200",
-                   f"+cluster.env.LAUNCHER_DEBUG_NONFINITE=0:{NONFINITE_STEP}"], run_dir)
+                   f"+cluster.env.LAUNCHER_DEBUG_NONFINITE=0:{NONFINITE_STEP}",
+                   "trainer.spike_zscore=3", "trainer.spike_window=3"], run_dir)
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
     (run_dir / "train_output.txt").write_text(out)
@@ -123,6 +124,8 @@ def test_a_step_with_nonfinite_gradients_on_one_rank_is_skipped_on_every_rank(tw
                if s != NONFINITE_STEP)
     # The LR schedule did not advance on the skipped step: the step after it uses the same LR.
     assert records[NONFINITE_STEP + 1]["lr"] == bad["lr"]
+    # Loss spikes are looked for on every logged step (trainer.spike_zscore); this healthy curve has none.
+    assert all(r["health/loss_spike"] == 0 for r in records.values())
     logs = "".join(p.read_text() for p in sorted(two_rank_run.rglob("rank_*.log")))
     for rank in (0, 1):
         assert f"step {NONFINITE_STEP} skipped: the gradient norm is not finite (rank {rank}" in logs

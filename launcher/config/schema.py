@@ -316,6 +316,11 @@ class TrainerConfig:
     # router biases untouched, its data consumed) and counted as health/skipped_steps; this many
     # skips in a row end the run with a failure summary (kind "nonfinite"). 0: never end it.
     max_skipped_steps: int = 5
+    # Loss spikes (launcher/runtime/numerics.py): a logged loss over spike_zscore standard deviations
+    # above the mean of the previous spike_window logged losses is logged as health/loss_spike=1.
+    # 0: off. Detection only: nothing is rewound.
+    spike_zscore: float = 0.0
+    spike_window: int = 50
     # CUDA memory history for the first N steps of every run, dumped to failure/ on OOM (0: off).
     memory_snapshot_steps: int = 3
     # Rehearse (action=rehearse, the `rehearse` group's settings) before launching; abort when a

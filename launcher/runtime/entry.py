@@ -41,7 +41,7 @@ from launcher.observe.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.matmul_precision import apply_matmul_precision
 from launcher.runtime.metrics import MetricsLogger
-from launcher.runtime.numerics import NumericalHealth
+from launcher.runtime.numerics import NumericalHealth, SpikeDetector
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
 from launcher.runtime.heldout_loss import Validator
@@ -426,6 +426,8 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         restart_report=restart_report,
         local_tier=local_tier,
         numerics=NumericalHealth(spec.trainer.max_skipped_steps, rank.rank, gather=_gather_objects),
+        spikes=SpikeDetector(spec.trainer.spike_zscore, spec.trainer.spike_window) if spec.trainer.spike_zscore > 0
+        else None,
     )
     try:
         result = trainer.fit()

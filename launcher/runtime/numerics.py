@@ -12,6 +12,8 @@ whose gradient was not.
 from __future__ import annotations
 
 import logging
+import math
+from collections import deque
 from typing import Any, Callable, Dict, List, Optional
 
 from launcher.engines.base import NonFiniteStep
@@ -20,6 +22,8 @@ from launcher.resilience.failure import NonFiniteSteps
 log = logging.getLogger(__name__)
 
 SKIPPED_KEY = "health/skipped_steps"
+SPIKE_KEY = "health/loss_spike"
+SPIKE_MIN_HISTORY = 10  # logged losses needed before a z-score means anything
 
 
 def blame(views: List[NonFiniteStep]) -> Dict[str, Any]:
@@ -60,3 +64,30 @@ class NumericalHealth:
     def metrics(self) -> Dict[str, int]:
         """The log record's share: skipped steps since this process started."""
         return {SKIPPED_KEY: self.skipped}
+
+
+class SpikeDetector:
+    """Loss spikes (`trainer.spike_zscore` > 0): a logged loss more than `zscore` standard
+    deviations above the mean of the previous `window` logged finite losses is a spike, logged as
+    `health/loss_spike` = 1 (else 0) with a warning. It looks at the logged losses only, which the
+    trainer reads anyway (trainer.log_every=1 looks at every step): no extra device wait."""
+
+    def __init__(self, zscore: float, window: int):
+        self.zscore = zscore
+        self.history: deque = deque(maxlen=window)
+
+    def observe(self, step: int, loss: float) -> Dict[str, int]:
+        """`health/loss_spike` for this logged step; the loss then joins the window (a spike too:
+        a loss that stays up becomes the new level, not a spike at every later step)."""
+        spike = 0
+        if math.isfinite(loss):
+            if len(self.history) >= min(SPIKE_MIN_HISTORY, self.history.maxlen):
+                mean = sum(self.history) / len(self.history)
+                std = math.sqrt(sum((x - mean) ** 2 for x in self.history) / len(self.history))
+                if std > 0 and (loss - mean) / std > self.zscore:
+                    spike = 1
+                    log.warning("loss spike at step %d: %.4f is %.1f standard deviations over the mean %.4f of the "
+                                "last %d logged losses (trainer.spike_zscore=%g)", step, loss, (loss - mean) / std,
+                                mean, len(self.history), self.zscore)
+            self.history.append(loss)
+        return {SPIKE_KEY: spike}
