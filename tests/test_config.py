@@ -96,6 +96,10 @@ RULES = [
     (["trainer.straggler_action=kill"], ["trainer.straggler_action='kill'", "auto, warn or exclude"]),
     (["trainer.health_check=maybe"], ["trainer.health_check='maybe'", "auto (on for multi-node jobs), on or off"]),
     (["trainer.health_factor=1"], ["trainer.health_factor=1", "above 1"]),
+    # Numerical health (launcher/runtime/numerics.py).
+    (["trainer.max_skipped_steps=-1"], ["trainer.max_skipped_steps=-1", "trainer.max_skipped_steps=5"]),
+    (["trainer.spike_zscore=-1"], ["trainer.spike_zscore=-1", "0 (off)"]),
+    (["trainer.spike_zscore=6", "trainer.spike_window=1"], ["trainer.spike_window=1", "at least 2"]),
     (["profile.enabled=true", "profile.steps=[5,2]"], ["profile.steps=[5, 2]", "first <= last"]),
     (["profile.enabled=true", "profile.ranks=[7]"], ["profile.ranks has [7]", "0..1"]),
     # Budget keys (launcher/plan/estimate/budget.py).

@@ -100,11 +100,50 @@ def two_rank_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("health") / "run"
     proc = _start(["+recipe=debug", "model=debug_moe", "trainer.steps=8", "trainer.log_every=1", "checkpoint.interval=0",
                    "trainer.val_every=3", "profile.enabled=true", "profile.steps=[2,3]", "profile.ranks=[1]",
-                   "+cluster.env.LAUNCHER_DEBUG_SLOW_COMPUTE=1:200"], run_dir)
+                   "+cluster.env.LAUNCHER_DEBUG_SLOW_COMPUTE=1:200",
+                   f"+cluster.env.LAUNCHER_DEBUG_NONFINITE=0:{NONFINITE_STEP}",
+                   "trainer.spike_zscore=3", "trainer.spike_window=3"], run_dir)
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
     (run_dir / "train_output.txt").write_text(out)
     return run_dir
+
+
+NONFINITE_STEP = 5  # two_rank_run: rank 0's forward returns NaN at this step (LAUNCHER_DEBUG_NONFINITE)
+
+
+def test_a_step_with_nonfinite_gradients_on_one_rank_is_skipped_on_every_rank(two_rank_run):
+    """The bitwise check that a skip leaves weights, AdamW state and LR untouched is
+    tests/test_numerics.py's (one rank, in process); here: the decision is global and counted."""
+    records = {r["step"]: r for r in _metrics(two_rank_run)}
+    bad = records[NONFINITE_STEP]
+    assert math.isnan(bad["loss"]) and not math.isfinite(bad["grad_norm"]), bad
+    assert {s: r["health/skipped_steps"] for s, r in records.items()} == {
+        s: int(s >= NONFINITE_STEP) for s in records}
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for s, r in records.items()
+               if s != NONFINITE_STEP)
+    # The LR schedule did not advance on the skipped step: the step after it uses the same LR.
+    assert records[NONFINITE_STEP + 1]["lr"] == bad["lr"]
+    # Loss spikes are looked for on every logged step (trainer.spike_zscore); this healthy curve has none.
+    assert all(r["health/loss_spike"] == 0 for r in records.values())
+    logs = "".join(p.read_text() for p in sorted(two_rank_run.rglob("rank_*.log")))
+    for rank in (0, 1):
+        assert f"step {NONFINITE_STEP} skipped: the gradient norm is not finite (rank {rank}" in logs
+
+
+def test_max_skipped_steps_in_a_row_end_the_run_naming_step_rank_and_tensor(run_dir):
+    proc = _start(["+recipe=debug", "trainer.steps=6", "trainer.log_every=1", "checkpoint.interval=0",
+                   "trainer.max_skipped_steps=2", "+cluster.env.LAUNCHER_DEBUG_NONFINITE=1:3-4"], run_dir)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode != 0, out[-4000:]
+    summary = json.loads((run_dir / "failure" / "summary.json").read_text())
+    assert summary["what"] == "nonfinite" and summary["step"] == 4 and summary["skipped_in_a_row"] == 2, summary
+    assert summary["failed_ranks"] == [1] and summary["rank"] == 1, summary  # rank 1's own loss was NaN
+    assert summary["first_nonfinite"] and summary["first_nonfinite"].endswith("weight"), summary
+    assert "Fix:" in summary["error"]
+    # The step that ends the run is in the summary; metrics.jsonl ends at the one before, skipped too.
+    last = max(_metrics(run_dir), key=lambda r: r["step"])
+    assert last["step"] == 3 and last["health/skipped_steps"] == 1 and math.isnan(last["loss"]), last
 
 
 def test_validation_loss_is_logged_at_every_val_every_step(two_rank_run):

@@ -311,6 +311,16 @@ class TrainerConfig:
     # A rank whose probe matmul takes over this x the other ranks' median, or whose all-reduce
     # bandwidth is under their median / this, names its node (as does a wrong matmul result).
     health_factor: float = 3.0
+    # Numerical health (launcher/runtime/numerics.py): a step whose global gradient norm is NaN or
+    # inf (a NaN loss makes it so) is skipped on every rank (weights, optimizer, LR schedule and
+    # router biases untouched, its data consumed) and counted as health/skipped_steps; this many
+    # skips in a row end the run with a failure summary (kind "nonfinite"). 0: never end it.
+    max_skipped_steps: int = 5
+    # Loss spikes (launcher/runtime/numerics.py): a logged loss over spike_zscore standard deviations
+    # above the mean of the previous spike_window logged losses is logged as health/loss_spike=1.
+    # 0: off. Detection only: nothing is rewound.
+    spike_zscore: float = 0.0
+    spike_window: int = 50
     # CUDA memory history for the first N steps of every run, dumped to failure/ on OOM (0: off).
     memory_snapshot_steps: int = 3
     # Rehearse (action=rehearse, the `rehearse` group's settings) before launching; abort when a

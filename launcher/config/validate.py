@@ -592,6 +592,15 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
     if str(t.health_check) not in ("auto", "on", "off"):
         problems.append(f"trainer.health_check={t.health_check!r} must be auto (on for multi-node jobs), on or off. "
                         f"Fix: trainer.health_check=auto.")
+    if t.max_skipped_steps < 0:
+        problems.append(f"trainer.max_skipped_steps={t.max_skipped_steps} must be 0 (never end the run for skipped "
+                        f"steps) or more (that many non-finite steps in a row end it). Fix: e.g. trainer.max_skipped_steps=5.")
+    if t.spike_zscore < 0:
+        problems.append(f"trainer.spike_zscore={t.spike_zscore} must be 0 (off) or a positive number of standard "
+                        f"deviations. Fix: e.g. trainer.spike_zscore=6.")
+    if t.spike_zscore > 0 and t.spike_window < 2:
+        problems.append(f"trainer.spike_window={t.spike_window} must be at least 2 logged losses to measure a spread. "
+                        f"Fix: e.g. trainer.spike_window=50.")
     if t.health_factor <= 1:
         problems.append(f"trainer.health_factor={t.health_factor} must be above 1 (a multiple of the other ranks' "
                         f"median probe time). Fix: e.g. trainer.health_factor=3.")

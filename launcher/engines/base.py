@@ -49,14 +49,19 @@ class StepStats:
     until a value is read. The first read of `loss`, `grad_norm`, `extra` or `source_loss` copies
     all of them to the host in one transfer per device (`materialise`; on a GPU the host waits for
     the step there) and keeps the numbers; `materialised` tells whether that has happened. The
-    trainer reads them at log and validation steps only, so the other steps never stop the host
-    from queueing the next one. Python numbers are accepted too (what an engine already has on the
+    trainer reads them at log and validation steps only. (The native engine still reads one
+    boolean per step, whether the global gradient norm is finite, to skip a non-finite step:
+    launcher/runtime/numerics.py.) Python numbers are accepted too (what an engine already has on the
     host costs nothing to read).
     """
 
     def __init__(self, loss: Any, grad_norm: Any, lr: float, extra: Optional[Dict[str, Any]] = None,
-                 source_loss: Union[Dict[int, float], torch.Tensor, None] = None):
+                 source_loss: Union[Dict[int, float], torch.Tensor, None] = None,
+                 skipped: Optional[NonFiniteStep] = None):
         self.lr = float(lr)  # learning rate used for this step (the scheduler's, on the host)
+        # Set when the global gradient norm was not finite and the engine skipped the update (the
+        # same decision on every rank): this rank's diagnosis, read by launcher/runtime/numerics.py.
+        self.skipped = skipped
         # loss: mean LM loss over every token of the global batch; grad_norm: global L2 norm of the
         # gradients before clipping; extra: e.g. moe_aux_loss.
         self._pending: Dict[str, Any] = {"loss": loss, "grad_norm": grad_norm,
@@ -122,6 +127,15 @@ class StepStats:
     def source_loss(self) -> Dict[int, float]:
         self.materialise()
         return dict(self._source_loss)
+
+
+@dataclass
+class NonFiniteStep:
+    """A step skipped for a non-finite gradient norm, as one rank saw it: whether its own loss
+    (before the all-reduce) was finite, and the first parameter whose local gradient was not."""
+
+    local_loss_finite: bool
+    first_nonfinite: Optional[str]
 
 
 @dataclass

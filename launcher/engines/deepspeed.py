@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
-from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, StepStats, as_microbatches,
+from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, NonFiniteStep, StepStats, as_microbatches,
                                    aux_loss_scale, built_report, local_token_count, model_kwargs, source_means,
                                    source_sums, step_source_count, token_loss_sum, token_losses)
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, write_deepspeed_config
@@ -562,7 +562,15 @@ class DeepSpeedEngine:
                 self.engine.backward(loss * self.dp, scale_wrt_gas=False)
                 self.engine.step()
                 local_loss += loss.detach().to(torch.float64)
-        self._update_correction_bias()
+        # DeepSpeed's own overflow skip (ZeRO 1-3 and its bf16 optimizer, fp32 or bf16): a NaN or
+        # inf global gradient norm leaves weights, optimizer state and its LR scheduler untouched
+        # and clears the gradients, on every rank. A host flag: reading it waits for nothing.
+        skipped = None
+        if self.engine.was_step_applied():
+            self._update_correction_bias()
+        else:
+            # DeepSpeed has already cleared the gradients: no parameter can be named here.
+            skipped = NonFiniteStep(local_loss_finite=bool(torch.isfinite(local_loss)), first_nonfinite=None)
         # MoE aux loss for logging, as the native engine: last micro-batch, summed over the layers
         # of every pipeline stage, averaged over data-parallel replicas.
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -577,7 +585,7 @@ class DeepSpeedEngine:
             extra["moe_aux_loss"] = stats[1] / torch.full((), float(self.dp), dtype=torch.float64, device=self.device)
         # Device tensors: StepStats copies them to the host when the trainer reads them.
         return StepStats(loss=stats[0], grad_norm=norm if norm is not None else float("nan"),
-                         lr=lr, extra=extra, source_loss=source_loss)
+                         lr=lr, extra=extra, source_loss=source_loss, skipped=skipped)
 
     def eval_step(self, microbatches: List[Microbatch]) -> float:
         """Mean token loss over the global batch, forward only (collective); training state untouched."""

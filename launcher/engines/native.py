@@ -35,10 +35,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 
 from launcher import compat
-from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, StepStats, as_microbatches,
+from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, NonFiniteStep, StepStats, as_microbatches,
                                    aux_loss_scale, built_report, local_token_count, model_kwargs, source_means,
                                    source_sums, step_source_count, token_loss_sum, token_losses)
-from launcher.engines.optim import build_adamw, build_scheduler, clip_grad_norm
+from launcher.engines.optim import build_adamw, build_scheduler, clip_grad_norm, first_nonfinite_grad
 from launcher.hf.export import export_state
 from launcher.hf.weights import export_hf, load_hf_weights
 from launcher.models import build_model
@@ -335,20 +335,34 @@ class NativeEngine:
         pp_group = self.world["pp"].get_group() if self.mesh_plan.pp > 1 else None
         params = [p for part in self.parts for p in part.parameters()]
         grad_norm = clip_grad_norm(params, self.grad_clip, pp_group=pp_group)
+        # The one host read per step of numerical health: the norm is global (all-reduced over
+        # every shard and stage), so every rank takes the same decision without another collective.
+        skipped = None if bool(torch.isfinite(grad_norm)) else self._diagnose_nonfinite(local_loss)
+        if skipped is None:
+            for opt in self.optimizers:
+                opt.step()
+            if self._fp8_all_gather:
+                for part in self.parts:
+                    precompute_float8_scales(part)
+            for s in self.schedulers:
+                s.step()
+            self._update_correction_bias()
+        # A skipped step leaves weights, optimizer state, LR schedule and router biases as they were;
+        # its gradients are dropped and its data stays consumed.
         for opt in self.optimizers:
-            opt.step()
             opt.zero_grad(set_to_none=True)
-        if self._fp8_all_gather:
-            for part in self.parts:
-                precompute_float8_scales(part)
-        for s in self.schedulers:
-            s.step()
-        self._update_correction_bias()
         extra = {}
         if self.is_moe:
             ranks = submesh(self.world, "dp_cp").size() if self.world is not None else 1
             extra["moe_aux_loss"] = stats[1] / ranks
-        return StepStats(loss=stats[0], grad_norm=grad_norm, lr=lr, extra=extra, source_loss=source_loss)
+        return StepStats(loss=stats[0], grad_norm=grad_norm, lr=lr, extra=extra, source_loss=source_loss,
+                         skipped=skipped)
+
+    def _diagnose_nonfinite(self, local_loss: torch.Tensor) -> NonFiniteStep:
+        """This rank's view of a skipped step (host reads: only when a step is skipped)."""
+        named = ((name, p) for part in self.parts for name, p in part.named_parameters())
+        return NonFiniteStep(local_loss_finite=bool(torch.isfinite(local_loss)),
+                             first_nonfinite=first_nonfinite_grad(named))
 
     def _run_pipeline(self, method: str, microbatches: List[Microbatch]) -> Tuple[list, Any]:
         """One pass of the pipeline schedule (`method`: "step" trains, "eval" is forward only) over

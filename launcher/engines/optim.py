@@ -136,7 +136,9 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     count once; pipeline stages hold disjoint parameters, so their squared norms are summed
     over ``pp_group``. ``max_norm <= 0`` only measures. The gradients are always multiplied by
     min(1, max_norm / norm), computed on the device, as torch's own clip_grad_norm_ does: deciding
-    on the host whether to scale would wait for the device every step.
+    on the host whether to scale would wait for the device every step. A non-finite norm leaves
+    the gradients as they are (coefficient 1): the step is skipped (launcher/runtime/health.py)
+    and `first_nonfinite_grad` must still find the parameter that went wrong, not a NaN everywhere.
     """
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
@@ -146,6 +148,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     norm = sq.sqrt()
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
         dtensor_groups, plain = _same_kind_groups(grads)
         for group in [*dtensor_groups, plain]:
             if group:
@@ -153,3 +156,15 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
                 # replicates implicitly onto DTensors
                 torch._foreach_mul_(group, coef.to(group[0].device))
     return norm
+
+
+def first_nonfinite_grad(named_params: Iterable[Tuple[str, torch.Tensor]]) -> Optional[str]:
+    """The name of the first parameter (in module order) whose local gradient shard holds a NaN or
+    an inf, or None. One host read per parameter: called only once a step is skipped."""
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if grad.numel() and not bool(torch.isfinite(grad).all()):
+            return name
+    return None

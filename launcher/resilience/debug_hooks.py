@@ -6,6 +6,8 @@ They let the real multi-process tests produce the failures the health tools exis
 - LAUNCHER_DEBUG_HANG=R:S   rank R sleeps forever before step S (before the step's first collective);
 - LAUNCHER_DEBUG_RAISE=R:S  rank R raises RuntimeError before step S;
 - LAUNCHER_DEBUG_OOM=R:S    rank R raises torch.OutOfMemoryError before step S;
+- LAUNCHER_DEBUG_NONFINITE=R:S (or R:S-E)  rank R's training forward returns NaN at step S (steps S to E):
+  its loss and gradients are non-finite, so the global gradient norm is too (install_nonfinite);
 - LAUNCHER_DEBUG_SLOW_COMPUTE=R:N  rank R does N extra matmuls in every forward (install_slow_compute);
 - LAUNCHER_DEBUG_PROBE=R:fail      rank R's pre-flight health probe (launcher/resilience/preflight.py)
   gets a wrong matmul result; R:slow: its probe matmuls are repeated PROBE_SLOWDOWN times. R may
@@ -65,8 +67,13 @@ def probe_slowdown(rank: int) -> int:
     return PROBE_SLOWDOWN if _probe_hit(rank, "slow") else 1
 
 
+_current_step = 0  # the step the loop is in (before_step), for hooks that act inside the compute
+
+
 def before_step(rank: int, step: int) -> None:
     """Called by the loop before each step's compute."""
+    global _current_step
+    _current_step = step
     if _target("LAUNCHER_DEBUG_HANG") == (rank, step):
         log.warning("LAUNCHER_DEBUG_HANG: rank %d sleeps forever before step %d", rank, step)
         while True:
@@ -93,3 +100,31 @@ def install_slow_compute(modules, rank: int) -> None:
 
     for m in modules:
         m.register_forward_pre_hook(burn)
+
+
+def _nonfinite_target() -> Optional[Tuple[int, int, int]]:
+    """LAUNCHER_DEBUG_NONFINITE=R:S or R:S-E as (rank, first step, last step)."""
+    value = os.environ.get("LAUNCHER_DEBUG_NONFINITE", "")
+    if not value:
+        return None
+    rank, _, steps = value.partition(":")
+    first, _, last = steps.partition("-")
+    return int(rank), int(first), int(last or first)
+
+
+def install_nonfinite(modules, rank: int) -> list:
+    """LAUNCHER_DEBUG_NONFINITE=R:S[-E]: on rank R, every training forward of the model parts at
+    steps S to E multiplies its output by NaN (evaluation forwards are untouched). The loss and every
+    gradient of that rank become NaN, and so the global gradient norm of every rank."""
+    target = _nonfinite_target()
+    if target is None or target[0] != rank:
+        return
+    _, first, last = target
+    log.warning("LAUNCHER_DEBUG_NONFINITE: rank %d's forward returns NaN at steps %d to %d", rank, first, last)
+
+    def poison(module, args, output):
+        if module.training and first <= _current_step <= last and torch.is_tensor(output):
+            return output * float("nan")
+        return None
+
+    return [m.register_forward_hook(poison) for m in modules]

@@ -69,6 +69,23 @@ class NodeBlamed(RuntimeError):
         self.named = named
 
 
+class NonFiniteSteps(RuntimeError):
+    """trainer.max_skipped_steps steps in a row had a non-finite gradient norm
+    (launcher/runtime/numerics.py): every rank raises it at the same step; the summary (kind
+    "nonfinite") names the step, the ranks whose own loss was not finite (all ranks when none
+    was) and the first parameter whose gradient was not."""
+
+    def __init__(self, step: int, ranks: List[int], first_nonfinite: Optional[str], consecutive: int):
+        super().__init__(
+            f"{consecutive} steps in a row up to step {step} had a non-finite gradient norm and were skipped "
+            f"(rank(s) {ranks}, first non-finite gradient: {first_nonfinite}). Fix: look at the data of those steps "
+            f"and the learning rate; trainer.max_skipped_steps sets how many skips in a row end the run (0: never).")
+        self.step = step
+        self.ranks = ranks
+        self.first_nonfinite = first_nonfinite
+        self.consecutive = consecutive
+
+
 def _attempt() -> List[Any]:
     """Which run of the ranks this is: the scheduler's job id and requeue count, the in-job restart."""
     facts = job_facts()
@@ -77,11 +94,13 @@ def _attempt() -> List[Any]:
 
 def classify(err: BaseException) -> str:
     """The `what` of a summary for an exception: oom, signal (a stop that could not save), a
-    NodeBlamed's kind (health, straggler) or exception."""
+    NodeBlamed's kind (health, straggler), nonfinite (NonFiniteSteps) or exception."""
     import torch  # lazy: the host imports this module (launch/local.py reads the summary) and stays torch-free
 
     if isinstance(err, NodeBlamed):
         return err.kind
+    if isinstance(err, NonFiniteSteps):
+        return "nonfinite"
     if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
         return "oom"
     if isinstance(err, StopWithoutCheckpoint):
@@ -202,4 +221,8 @@ class FailureBundle:
             first = err.named[0]
             summary.update(rank=first["rank"], host=first["host"], failed_ranks=[n["rank"] for n in err.named],
                            blamed_hosts=sorted({n["host"] for n in err.named}), named=err.named)
+        if isinstance(err, NonFiniteSteps):
+            # Every rank raises the same verdict: the summary names the ranks the numbers point at.
+            summary.update(step=err.step, rank=err.ranks[0], failed_ranks=err.ranks,
+                           first_nonfinite=err.first_nonfinite, skipped_in_a_row=err.consecutive)
         return self.write_summary(summary)

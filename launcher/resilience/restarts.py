@@ -44,8 +44,9 @@ from launcher.resilience.node_exclusion import NODE_FAULT_KINDS, NodeOutcome, No
 log = logging.getLogger(__name__)
 
 RESILIENCE_FILE = "resilience.jsonl"
-# Failure kinds whose repetition at the same step proves a bug (a hang's or a lost rank's does not).
-DETERMINISTIC_KINDS = ("exception", "oom")
+# Failure kinds whose repetition at the same step proves a bug (a hang's or a lost rank's does not);
+# non-finite gradients again at the same step are the data's or the settings', not a flaky machine's.
+DETERMINISTIC_KINDS = ("exception", "oom", "nonfinite")
 
 RESTART, STOP_REPEATING, STOP_EXHAUSTED = "restart", "stop: repeating failure", "stop: max_restarts reached"
 STOP_NODE_LOST = "stop: node lost"

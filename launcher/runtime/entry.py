@@ -17,7 +17,7 @@ import socket
 import sys
 import traceback
 from dataclasses import asdict
-from typing import Optional
+from typing import Any, List, Optional
 from pathlib import Path
 
 import torch
@@ -35,12 +35,13 @@ from launcher.plan.present.plan import Plan
 from launcher.checkpoint.manager import CheckpointManager, lock_for_run, set_rng_state
 from launcher.checkpoint.folder import checkpoint_root, step_of
 from launcher.checkpoint.local_tier import LocalTier
-from launcher.resilience.failure import FAILURE_DIR, FailureBundle, NodeBlamed, host_name
+from launcher.resilience.failure import FAILURE_DIR, FailureBundle, NodeBlamed, NonFiniteSteps, host_name
 from launcher.resilience.health import RunHealth
 from launcher.observe.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.matmul_precision import apply_matmul_precision
 from launcher.runtime.metrics import MetricsLogger
+from launcher.runtime.numerics import NumericalHealth, SpikeDetector
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
 from launcher.runtime.heldout_loss import Validator
@@ -249,6 +250,15 @@ def config_for_logging(spec: JobConfig) -> dict:
     return config
 
 
+def _gather_objects(obj: Any) -> List[Any]:
+    """Every rank's `obj`, by rank (one all_gather_object over the world; [obj] on one process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def start_health(spec: JobConfig, plan: Plan, bundle: FailureBundle, device_type: str) -> RunHealth:
     """The failure bundle's progress tracking, plus the hang watchdog unless trainer.hang_timeout_s=0."""
     # The path only: failure/ is created when something is written there, so a run that ends well has none.
@@ -301,6 +311,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     engine = engine_for_rank(spec, plan, rank, run_dir)
     record_built(engine, plan, rank.rank, run_dir)
     debug_hooks.install_slow_compute(engine.model_parts, rank.rank)
+    debug_hooks.install_nonfinite(engine.model_parts, rank.rank)
     if spec.action == "export":
         export_checkpoint(spec, engine, rank.rank, rank.world_size)
         if folder_lock is not None:
@@ -414,6 +425,9 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
                        rank.rank),
         restart_report=restart_report,
         local_tier=local_tier,
+        numerics=NumericalHealth(spec.trainer.max_skipped_steps, rank.rank, gather=_gather_objects),
+        spikes=SpikeDetector(spec.trainer.spike_zscore, spec.trainer.spike_window) if spec.trainer.spike_zscore > 0
+        else None,
     )
     try:
         result = trainer.fit()
@@ -454,7 +468,7 @@ def main(argv=None) -> int:
         rank = os.environ.get("RANK", "?")
         text = traceback.format_exc()
         logging.getLogger("launcher").error("rank %s failed:\n%s", rank, text)
-        if isinstance(err, (ValueError, FileNotFoundError, NodeBlamed)) and "Fix:" in str(err):
+        if isinstance(err, (ValueError, FileNotFoundError, NodeBlamed, NonFiniteSteps)) and "Fix:" in str(err):
             sys.stderr.write(f"[rank{rank}] {err}\n")  # a user error: the message is the whole story
         else:
             sys.stderr.write(f"[rank{rank}] FAILED:\n{text}")

@@ -31,6 +31,7 @@ from launcher.runtime.signals import StopWatcher
 from launcher.resilience.failure import StopWithoutCheckpoint
 from launcher.runtime.stop_control import write_stopped
 from launcher.resilience.debug_hooks import before_step as debug_before_step
+from launcher.runtime.numerics import NumericalHealth, SpikeDetector
 from launcher.observe.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ class Trainer:
         score: Optional[RunScore] = None,
         restart_report: Optional[RestartReport] = None,
         local_tier: Optional[LocalTier] = None,
+        numerics: Optional[NumericalHealth] = None,
+        spikes: Optional[SpikeDetector] = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -107,6 +110,8 @@ class Trainer:
         self.restart_report = restart_report  # resilience/* metrics after an in-job restart
         self._reported_save = None  # the (step, path) last given to health.saved
         self.local_tier = local_tier  # checkpoint.local_dir: the node-local tier (None: off)
+        self.numerics = numerics  # skipped non-finite steps: health/skipped_steps, trainer.max_skipped_steps
+        self.spikes = spikes  # health/loss_spike (trainer.spike_zscore > 0)
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
         return {
@@ -230,6 +235,8 @@ class Trainer:
             else:
                 stats = self.engine.train_step(microbatches)
             window_steps += 1
+            if self.numerics is not None:  # raises after trainer.max_skipped_steps skips in a row
+                self.numerics.observe(step, getattr(stats, "skipped", None))
             if self.stragglers is not None:
                 self.stragglers.step_finished()
             if self.profiler is not None:
@@ -259,6 +266,10 @@ class Trainer:
                     if cfg.peak_tflops_per_gpu:
                         record["mfu"] = mfu(per_gpu, cfg.flops_per_token, cfg.peak_tflops_per_gpu)
                 record.update(stats.extra)
+                if self.numerics is not None:
+                    record.update(self.numerics.metrics())
+                if self.spikes is not None:
+                    record.update(self.spikes.observe(step, loss))
                 record.update(self._data_metrics(step, stats))
                 record.update(memory_row)
                 record.update(val_row)
