@@ -42,8 +42,11 @@ def test_debug_run_trains_and_writes_its_run_dir(reference_run):
         assert (reference_run / name).is_file(), name
     plan = json.loads((reference_run / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["mesh"]["dp_shard"] == 2
-    ckpts = sorted(p.name for p in (reference_run / "checkpoints").iterdir() if p.name != ".lock")
+    ckpts = sorted(p.name for p in (reference_run / "checkpoints").iterdir() if p.name not in (".lock", "identity.json"))
     assert ckpts == ["step_00000004", "step_00000008", "step_00000012"]
+    # What was trained, beside the checkpoints: a rerun compares its own identity with it.
+    identity = json.loads((reference_run / "checkpoints" / "identity.json").read_text())
+    assert identity["identity"]["model.name"] == "debug", identity
     # A run that ends well leaves no failure/ folder (its presence means something went wrong).
     assert not (reference_run / "failure").exists()
 
