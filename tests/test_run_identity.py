@@ -131,6 +131,10 @@ def test_hydra_run_dir_and_checkpoint_dir_keep_their_folders(spec, tmp_path):
     assert given.spec.checkpoint.dir == str((tmp_path / "run" / "checkpoints").resolve())
     explicit = _with(spec, checkpoint__dir=str(tmp_path / "ck"))
     assert choose_run(explicit, tmp_path / "run", "debug", False).spec.checkpoint.dir == str(tmp_path / "ck")
+    # Every other checkpoint setting survives, `async` too (an init=False field dataclasses.replace resets).
+    asynchronous = compose_spec([*BASE, "checkpoint.async=true", "checkpoint.interval=7"])
+    chosen = choose_run(asynchronous, tmp_path / "run", "debug", False, runs_root=tmp_path / "runs").spec.checkpoint
+    assert chosen.saves_async and chosen.interval == 7
 
 
 def test_the_resume_command_is_the_same_command_less_checkpoint_resume():

@@ -109,7 +109,7 @@ def choose_run(spec: JobConfig, run_dir: Path, base: str, run_dir_given: bool,
     else:
         root = Path(runs_root) / name / "checkpoints"
     root = root.resolve()
-    spec = replace(spec, run=replace(spec.run, name=name), checkpoint=replace(spec.checkpoint, dir=str(root)))
+    spec = replace(spec, run=replace(spec.run, name=name), checkpoint=spec.checkpoint.with_changes(dir=str(root)))
     step = newest_step(root)
     resume = spec.checkpoint.resume
     warn = False

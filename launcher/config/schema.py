@@ -216,6 +216,13 @@ class CheckpointConfig:
         """checkpoint.async in effect: checkpoints on and `async` set (the one place that reads the keyword)."""
         return self.enabled and bool(getattr(self, "async"))
 
+    def with_changes(self, **changes: Any) -> "CheckpointConfig":
+        """dataclasses.replace that keeps `async`: replace() rebuilds through __init__, which an
+        init=False field is not part of, so it would come back False. Use this, never replace()."""
+        new = dataclasses.replace(self, **changes)
+        setattr(new, "async", getattr(self, "async"))
+        return new
+
 
 # optim.implementation's values (launcher/engines/optim.py adamw_kernel_flags says what each does).
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
