@@ -137,7 +137,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     over ``pp_group``. ``max_norm <= 0`` only measures. The gradients are always multiplied by
     min(1, max_norm / norm), computed on the device, as torch's own clip_grad_norm_ does: deciding
     on the host whether to scale would wait for the device every step. A non-finite norm leaves
-    the gradients as they are (coefficient 1): the step is skipped (launcher/runtime/health.py)
+    the gradients as they are (coefficient 1): the step is skipped (launcher/engines/native.py; counted in launcher/runtime/numerics.py)
     and `first_nonfinite_grad` must still find the parameter that went wrong, not a NaN everywhere.
     """
     params = [p for p in params if p.grad is not None]

@@ -35,6 +35,11 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def tensor_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of `shape` and `dtype` as safetensors stores it (no padding)."""
+    return _numel(shape) * dtype.itemsize
+
+
 def _raw(t: torch.Tensor):
     """The bytes of `t` (CPU) as a buffer, without a copy when `t` is contiguous."""
     return t.contiguous().view(torch.uint8).numpy() if t.numel() else b""
@@ -113,7 +118,7 @@ class SafetensorsStreamWriter(_TensorFileWriter):
         super().__init__(path, names, shapes, dtype, dtypes)
         header, offset = {}, 0
         for n in names:
-            nbytes = _numel(shapes[n]) * torch.empty((), dtype=self.dtype_of(n)).element_size()
+            nbytes = tensor_nbytes(shapes[n], self.dtype_of(n))
             header[n] = {"dtype": SAFETENSORS_DTYPES[str(self.dtype_of(n)).replace("torch.", "")],
                          "shape": list(shapes[n]), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes

@@ -37,7 +37,7 @@ from launcher.hf.format import (CONFIG_FILE, DTYPES, FP8_BLOCK, INDEX_FILE, TOKE
                                 read_hf_config, scale_grid, scale_name, tensor_maps, weight_files)
 from launcher.models.family import FAMILY_PACKAGES
 from launcher.models.init import canonical_name, local_box
-from launcher.hf.tensor_stream import SafetensorsStreamWriter, TensorGather
+from launcher.hf.tensor_stream import SafetensorsStreamWriter, TensorGather, tensor_nbytes
 from launcher.models.layers import model_rope_table
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ def _shard_plan(entries: List[Tuple[str, Tuple[int, ...], torch.dtype]]) -> List
     files: List[List[str]] = [[]]
     size = 0
     for name, shape, dtype in entries:
-        n = _nbytes(shape, dtype)
+        n = tensor_nbytes(shape, dtype)
         if files[-1] and size + n > MAX_SHARD_BYTES:
             files.append([])
             size = 0
@@ -255,10 +255,6 @@ def _export_entries(maps: List[TensorMap], dtype: torch.dtype, quantized: Dict[s
             else:
                 out.append((name, shape, torch.float32 if m.keep_fp32 else dtype))
     return out
-
-
-def _nbytes(shape, dtype: torch.dtype) -> int:
-    return _numel(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def _owner_stages(parts: Sequence[nn.Module], world, mapped=frozenset()) -> Dict[str, int]:
@@ -325,7 +321,7 @@ def export_hf(parts: Sequence[nn.Module], world, out_dir: Path, model_cfg, dtype
                     writers[k].close()
         del full
     if rank == 0:
-        index = {"metadata": {"total_size": sum(_nbytes(shapes[n], dtypes[n]) for n in shapes)},
+        index = {"metadata": {"total_size": sum(tensor_nbytes(shapes[n], dtypes[n]) for n in shapes)},
                  "weight_map": {n: fname(file_of[n]) for n in sorted(file_of)}}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
         (out_dir / CONFIG_FILE).write_text(json.dumps(_export_config(model_cfg, DTYPES[dtype_name], quant), indent=2))
@@ -357,13 +353,6 @@ def _export_config(model_cfg, dtype: str, quant: Optional[BlockQuant] = None) ->
     if quant is not None:
         out["quantization_config"] = quant.config()
     return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def tokenizer_files_for(tokenizer: str, init_from: str) -> List[Path]:
