@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from launcher.resilience.node_exclusion import NodeSet, blamed_nodes
-from launcher.resilience.restarts import (EXCLUDE_DOWN, RESTART, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING, RestartReport, decide,
-                                         read_events)
+from launcher.resilience.restarts import (EXCLUDE_DOWN, RESTART, REWIND, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING,
+                                         STOP_REWINDS, RestartReport, decide, read_events)
 
 
 def _summary(run_dir: Path, what: str, error: str, last_step: int, rank: int = 1) -> Path:
@@ -194,3 +194,62 @@ def test_what_names_a_node_and_what_does_not(tmp_path):
     _summary(tmp_path, "exception", "RuntimeError: boom again", 9)
     decision = decide(tmp_path, 3, 3, 1, nodes=NodeSet(["n1", "n2"], needed=2, step=["n1", "n2"]), requeue=True)
     assert decision.action == STOP_EXHAUSTED and decision.nodes.exclude_on_requeue == ["n2"]
+
+
+def _spike(run_dir: Path, spike_step: int, max_rewinds: int) -> None:
+    _summary(run_dir, "spike", "LossSpike: loss spike at step ...", spike_step, rank=0)
+    path = run_dir / "failure" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary["rewind"] = {"spike_step": spike_step, "onset_step": spike_step, "skip_batches": None,
+                         "max_rewinds": max_rewinds}
+    path.write_text(json.dumps(summary))
+
+
+def test_a_loss_spike_rewinds_on_its_own_budget_not_max_restarts(tmp_path):
+    """trainer.on_spike=rewind: the decision rewinds with cluster.max_restarts=0, counts rewinds over
+    the whole run (trainer.max_rewinds), and a fault restart after a rewind still has max_restarts."""
+    _spike(tmp_path, 8, max_rewinds=2)
+    first = decide(tmp_path, 0, 0, 1)
+    assert first.action == REWIND and first.restart and first.event["rewind"] == 1, first.message
+    assert "rewind 1 of 2" in first.message and "before step 8" in first.message
+    _summary(tmp_path, "exception", "RuntimeError: boom", 9)
+    assert decide(tmp_path, 1, 1, 1).action == RESTART  # the rewind did not use max_restarts=1
+    _spike(tmp_path, 11, max_rewinds=2)
+    assert decide(tmp_path, 2, 1, 1).action == REWIND
+    _spike(tmp_path, 12, max_rewinds=2)
+    last = decide(tmp_path, 3, 1, 1)
+    assert last.action == STOP_REWINDS and not last.restart and "trainer.max_rewinds=2" in last.message
+    assert [e["action"] for e in read_events(tmp_path)] == [REWIND, RESTART, REWIND, STOP_REWINDS]
+
+
+def test_a_pending_rewind_starts_before_the_onset_once_and_moves_newer_checkpoints_aside(tmp_path):
+    from launcher.checkpoint.folder import step_dir_name
+    from launcher.runtime.rewind import apply_on_rank0, latest_rewind, rewind_start
+
+    root = tmp_path / "checkpoints"
+    for step in (3, 6, 9):
+        (root / step_dir_name(step)).mkdir(parents=True)
+        (root / step_dir_name(step) / "trainer.json").write_text(json.dumps({"step": step}))
+    assert latest_rewind(tmp_path) is None and rewind_start(root, None) is None
+    _spike(tmp_path, 10, max_rewinds=3)
+    summary = json.loads((tmp_path / "failure" / "summary.json").read_text())
+    summary["rewind"]["onset_step"] = 8  # log_every=2: the spike began after step 7, the last logged one
+    (tmp_path / "failure" / "summary.json").write_text(json.dumps(summary))
+    decide(tmp_path, 0, 0, 1)
+    rewind = latest_rewind(tmp_path)
+    assert (rewind.number, rewind.spike_step, rewind.onset_step, rewind.skip_batches) == (1, 10, 8, None)
+    start = rewind_start(root, rewind)
+    assert (start.step, start.skip, start.path) == (6, 4, str(root / step_dir_name(6)))  # batches 7-10
+    apply_on_rank0(tmp_path, root, start)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [step_dir_name(3), step_dir_name(6)]
+    aside = [p for p in root.iterdir() if p.name.startswith("abandoned_")]
+    assert len(aside) == 1 and (aside[0] / step_dir_name(9)).is_dir()
+    rewound = [e for e in read_events(tmp_path) if e["event"] == "rewound"]
+    assert rewound[0]["from_step"] == 6 and rewound[0]["skipped_batches"] == 4 and rewound[0]["rewind"] == 1
+    # A crash before the rewound timeline's first save: the same start again.
+    assert rewind_start(root, rewind) == start
+    # Once a checkpoint of the rewound timeline exists, resuming is ordinary.
+    (root / step_dir_name(8)).mkdir()
+    (root / step_dir_name(8) / "trainer.json").write_text(json.dumps({"step": 8, "rewinds_applied": 1,
+                                                                         "batches_skipped": 4}))
+    assert rewind_start(root, rewind) is None

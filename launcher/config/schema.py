@@ -325,9 +325,17 @@ class TrainerConfig:
     max_skipped_steps: int = 5
     # Loss spikes (launcher/runtime/numerics.py): a logged loss over spike_zscore standard deviations
     # above the mean of the previous spike_window logged losses is logged as health/loss_spike=1.
-    # 0: off. Detection only: nothing is rewound.
+    # 0: off.
     spike_zscore: float = 0.0
     spike_window: int = 50
+    # What a spike does: log (health/loss_spike only) | rewind (every rank ends the attempt, kind
+    # "spike"; the ranks start again from the newest checkpoint from before the spike's onset, newer
+    # ones moved aside to abandoned_<time>/, and skip spike_skip_batches global batches from there;
+    # null: the batches from that checkpoint through the spike). At most max_rewinds times per run,
+    # each recorded in resilience.jsonl; they do not use cluster.max_restarts.
+    on_spike: str = "log"
+    spike_skip_batches: Optional[int] = None
+    max_rewinds: int = 3
     # CUDA memory history for the first N steps of every run, dumped to failure/ on OOM (0: off).
     memory_snapshot_steps: int = 3
     # Rehearse (action=rehearse, the `rehearse` group's settings) before launching; abort when a

@@ -91,6 +91,7 @@ class Trainer:
         local_tier: Optional[LocalTier] = None,
         numerics: Optional[NumericalHealth] = None,
         spikes: Optional[SpikeDetector] = None,
+        rewinds_applied: int = 0,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -112,12 +113,17 @@ class Trainer:
         self.local_tier = local_tier  # checkpoint.local_dir: the node-local tier (None: off)
         self.numerics = numerics  # skipped non-finite steps: health/skipped_steps, trainer.max_skipped_steps
         self.spikes = spikes  # health/loss_spike (trainer.spike_zscore > 0)
+        self.rewinds_applied = rewinds_applied  # the run's rewinds this timeline includes (trainer.json)
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
+        skipped = getattr(self.batches, "skipped", 0)  # global batches skipped by rewinds (trainer.on_spike)
         return {
             "step": step,
-            "samples_consumed": step * self.cfg.samples_per_step,
+            # The data position: batches trained plus batches skipped.
+            "samples_consumed": (step + skipped) * self.cfg.samples_per_step,
             "tokens_seen": step * self.cfg.tokens_per_step,
+            "batches_skipped": skipped,
+            "rewinds_applied": self.rewinds_applied,
             "world_size": self.cfg.world_size,
             "mesh": self.cfg.mesh,
             **self._data_state(step),
@@ -225,7 +231,7 @@ class Trainer:
         for step in range(self.start_step + 1, cfg.steps + 1):
             microbatches, data_wait_ms = loader.get(step)
             memory_row: Dict[str, Any] = {}
-            debug_before_step(self.rank, step)
+            debug_before_step(self.rank, step, step + getattr(self.batches, "skipped", 0))
             if self.profiler is not None:
                 self.profiler.before_step(step)
             if self.stragglers is not None:
@@ -282,6 +288,8 @@ class Trainer:
                 if self.score is not None:
                     record.update(self.score.observe(record))
                 self.metrics.log(with_aux_loss_names(record))
+                if self.spikes is not None:  # trainer.on_spike=rewind: ends the attempt (kind "spike")
+                    self.spikes.rewind_if_spiked()
                 window_start, window_steps, set_apart = time.perf_counter(), 0, 0.0
             elif memory_row:
                 self.metrics.log(dict(memory_row, step=step), console=False)
