@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from launcher.resilience.node_exclusion import NodeSet, blamed_nodes
 from launcher.resilience.restarts import (EXCLUDE_DOWN, RESTART, REWIND, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING,
                                          STOP_REWINDS, RestartReport, decide, read_events)
@@ -253,3 +255,27 @@ def test_a_pending_rewind_starts_before_the_onset_once_and_moves_newer_checkpoin
     (root / step_dir_name(8) / "trainer.json").write_text(json.dumps({"step": 8, "rewinds_applied": 1,
                                                                          "batches_skipped": 4}))
     assert rewind_start(root, rewind) is None
+
+
+def test_goodput_accounts_restarts_recomputed_steps_and_requeues_and_adds_up():
+    """Three attempts: a launch, an in-job restart that resumed at the step-4 checkpoint (the
+    steps after it were trained twice), and a requeued job that started 100 s after the last record."""
+    from launcher.observe.goodput import BUCKETS, Attempt, account, summary_line
+
+    def attempt(start, end, launch, new, resumed, productive, saves):
+        buckets = {"productive": productive, "compile_warmup": 2.0, "checkpoint": 1.0, "data_wait": 0.5,
+                   "eval": 0.0, "startup": 3.0}
+        return Attempt(start, end, launch, new, resumed, resumed + 4, buckets, saves)
+
+    attempts = [attempt(1005.0, 1030.0, 1000.0, True, 0, 16.0, {4: 8.0}),
+                attempt(1040.0, 1060.0, 1000.0, False, 4, 12.0, {8: 12.0}),
+                attempt(1200.0, 1220.0, 1160.0, True, 8, 10.0, {})]
+    got = account(attempts, now=1225.0)
+    assert got["wall"] == 225.0  # from the first launch
+    assert got["recomputed"] == 8.0  # attempt 1's productive after its step-4 save
+    assert got["productive"] == 16.0 + 12.0 + 10.0 - 8.0
+    assert got["restart"] == 10.0  # 1030 -> 1040, inside the launch
+    assert got["between_jobs"] == 100.0  # 1060 -> the requeued job's launch at 1160
+    assert got["startup"] == 3 * 3.0 + 5.0 + 40.0  # the ranks' own, plus each launch until its ranks started
+    assert sum(got[b] for b in BUCKETS) == pytest.approx(got["wall"]) and got["other"] >= 0
+    assert summary_line(got).startswith("goodput: 13% productive (30.0 s of 225.0 s wall); between jobs 44%")

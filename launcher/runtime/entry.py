@@ -41,6 +41,8 @@ from launcher.observe.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.matmul_precision import apply_matmul_precision
 from launcher.runtime.metrics import MetricsLogger
+from launcher import PROCESS_STARTED
+from launcher.observe.goodput import GoodputClock, launch_time
 from launcher.runtime.numerics import NumericalHealth, SpikeDetector
 from launcher.runtime.rewind import apply_on_rank0, latest_rewind, rewind_start
 from launcher.runtime.signals import StopWatcher
@@ -449,6 +451,8 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
                              spec.trainer.spike_skip_batches, spec.trainer.max_rewinds)
         if spec.trainer.spike_zscore > 0 else None,
         rewinds_applied=rewinds_applied,
+        goodput=GoodputClock(run_dir, PROCESS_STARTED, start_step, 2 if spec.trainer.compile else 1,
+                             new_launch=restarts == 0, launch=launch_time()) if rank.rank == 0 else None,
     )
     try:
         result = trainer.fit()
