@@ -422,7 +422,7 @@ def test_fit_recovers_the_factor_the_runs_were_measured_at(fit_runs, tmp_path, c
     out = tmp_path / "mine.yaml"
     assert planner_accuracy.main(["--fit", "--runs", *map(str, dirs), "--fit-out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "hardware.achievable_fraction 0.55 -> " in printed
+    assert "hardware.achievable_fraction 0.75 -> " in printed
     override = next(line.strip() for line in printed.splitlines() if line.strip().startswith("hardware="))
     fitted = float(override.split("hardware.achievable_fraction=")[1])
     assert fitted == pytest.approx(FIT_TRUTH, rel=0.01)
@@ -483,7 +483,7 @@ def test_fit_takes_real_tensor_rehearsals_like_runs_on_the_compute_basis(tmp_pat
         dirs.append(run)
     assert planner_accuracy.main(["--fit", "--runs", *map(str, dirs)]) == 0
     printed = capsys.readouterr().out
-    assert "h100_sxm: 1 run(s), hardware.achievable_fraction 0.55 -> " in printed, printed
+    assert "h100_sxm: 1 run(s), hardware.achievable_fraction 0.75 -> " in printed, printed
     override = next(line.strip() for line in printed.splitlines() if line.strip().startswith("hardware="))
     assert float(override.split("hardware.achievable_fraction=")[1]) == pytest.approx(FIT_TRUTH, rel=0.01)
     rows = planner_accuracy.rows_from_runs(dirs)
