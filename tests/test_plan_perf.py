@@ -338,3 +338,49 @@ def test_tp_leaves_the_moe_whole_by_hand():
     # The token movement of the full sequence on each TP rank: 2a gather + 4a EP permutes + 3a
     # compiled combine per element of the top_k dim-wide rows (eager: 16 + 5a for the combine).
     assert moe_dispatch_bytes(DSV3, tp2) == moe_dispatch_bytes(DSV3, tp1) == (2 * 2 + 4 * 2 + 16 + 5 * 2) * 8 * 7168
+
+
+def test_terms_that_centre_the_plan_on_our_gpu_runs():
+    """Issue 38: what the one-GPU profiles showed the plan lacked, and the MoE block as the runtime
+    compiles it. (1) On a rank without FSDP2 autocast casts every matmul weight each way (12 B per
+    weight over HBM); FSDP2 gathers its units already in bf16: none. (2) Gradient clipping reads
+    and scales every local fp32 gradient (12 B) in the optimizer step. (3) An MoE block under
+    compile keeps its routing, token movement and routed SwiGLU eager and its norms unfused
+    (launcher/parallel/compile.py). (4) A pipeline's idle slot lasts a micro-batch with the EP
+    all-to-all exposed inside it."""
+    from launcher.plan.estimate import elementwise
+    from launcher.plan.estimate.memory import autocast_cast_elements
+    from launcher.plan.estimate.perf import GRAD_CLIP_BYTES, bubble_slots, optimizer_step_s, weight_cast_s
+
+    bw = HW.hbm_gbps * 1e9 * elementwise.HBM_EFFICIENCY
+    st = stage_params(SHAPE, 1)[0]
+    one = Layout(numerics=NumericsPlan(precision="bf16"))
+    assert weight_cast_s(SHAPE, st, one, HW) == pytest.approx(autocast_cast_elements(st, SHAPE, one) * 12 / bw)
+    assert weight_cast_s(SHAPE, st, Layout(mesh=MeshPlan(dp_shard=8), numerics=NumericsPlan(precision="bf16")),
+                         HW) == 0.0
+    adam_s = st.shared * 28.0 / (HW.hbm_gbps * 1e9 * 0.7)
+    assert optimizer_step_s(st, one, HW) == pytest.approx(adam_s + st.shared * GRAD_CLIP_BYTES / bw)
+
+    mixtral = model_shape(compose_spec(["model=mixtral_8x7b"]).model)  # every block MoE, no shared expert
+    a, h, f = 2, mixtral.dim, mixtral.moe_ffn_dim * mixtral.top_k
+    compiled = Layout(compile=True, numerics=NumericsPlan(precision="bf16"))
+    eager = dataclasses.replace(compiled, compile=False)
+    at = mixtral.attention_layout
+    attention_part = 2 * a * (at.n_heads + at.rope_k_heads) * at.rope_dim + 2 * a * at.n_heads * at.v_head_dim
+    assert elementwise.block_forward_bytes(mixtral, compiled) == pytest.approx(
+        2 * 2 * a * h + 6 * a * h  # two norms compiled alone, two eager residual adds
+        + attention_part + 5 * a * f  # RoPE and the SDPA copy compiled; the routed SwiGLU eager
+        + elementwise.moe_dispatch_bytes(mixtral, eager))
+    assert elementwise.block_forward_bytes(mixtral, compiled) < elementwise.block_forward_bytes(mixtral, eager)
+
+    spec = compose_spec(["model=deepseek_v3", "action=plan", "cluster.gpus_per_node=8", "cluster.nodes=64", "precision=bf16", "trainer.seq_len=4096", "trainer.compile=true",
+                         "activation_checkpointing=full", "parallel.pp=8", "parallel.pp_schedule=interleaved_1f1b",
+                         "parallel.pp_virtual_stages=2", "parallel.ep=32", "parallel.zero_stage=2",
+                         "trainer.micro_batch_size=1", "trainer.global_batch_size=1024"])
+    from launcher.plan.present.plan import build_plan
+
+    plan = build_plan(spec)
+    t, lay = plan.time, plan.layout
+    ep = sum(c["exposed_s"] for c in plan.comm["collectives"] if c["name"].startswith("EP"))
+    assert ep > 0 and t["bubble_s"] == pytest.approx(
+        (t["microbatch_s"] + ep / lay.batch.microbatches) * bubble_slots(lay))
