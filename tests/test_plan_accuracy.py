@@ -398,7 +398,7 @@ FIT_RUNS = (  # (model, overrides): single GPU, FSDP, FSDP x TP: runs of differe
 def fit_runs(tmp_path_factory):
     """Run directories as a finished run leaves them (resolved config + run_summary.json), measured
     at hardware.achievable_fraction=FIT_TRUTH (scale 1.0) or 1.1 x that (scale 1.1), while the runs'
-    config holds the preset's 0.55: {scale: ([run dir], [measured tokens/s per GPU])}."""
+    config holds the preset's 0.75: {scale: ([run dir], [measured tokens/s per GPU])}."""
     import json
 
     from launcher.config.loader import save_spec
