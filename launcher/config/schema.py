@@ -571,6 +571,28 @@ class PrepareConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream evaluation in the training loop with lm-eval's tasks (launcher/eval/, docs/evaluation.md).
+
+    Needs the optional extra `launcher[eval]` (lm-evaluation-harness) when `tasks` is set."""
+
+    # lm-eval task names (its registry, or the `task:` names of YAMLs under include_path); empty: off.
+    tasks: List[str] = field(default_factory=list)
+    every: int = 0  # evaluate every N training steps (0: off)
+    limit: int = 0  # documents per task (0: all of them)
+    # Folders of your own task YAMLs (`dataset_path: json` + local data_files run offline); with it,
+    # only those folders are indexed (lm-eval's built-in registry is not).
+    include_path: List[str] = field(default_factory=list)
+    num_fewshot: int = 0  # few-shot examples per document, drawn with a fixed seed (FEWSHOT_SEED)
+    # Tokens per forward call on each data-parallel rank (0: one training micro-batch per
+    # accumulation step, as the training step: micro_batch_size x seq_len x microbatches).
+    batch_tokens: int = 0
+    # A Hugging Face tokenizer folder ('' = the tokenizer recorded in data.path's manifest.json,
+    # else model.init_from's folder).
+    tokenizer: str = ""
+
+
+@dataclass
 class RunConfig:
     # The run's identity: its checkpoints live in outputs/runs/<name>/checkpoints, so rerunning a
     # command finds them. "" = derived on the host from the recipe (else model.name) and a hash of
@@ -605,6 +627,7 @@ class JobConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     rehearse: RehearseConfig = field(default_factory=RehearseConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def set_dotted(spec: "JobConfig", key: str, value: Any) -> None:

@@ -691,6 +691,23 @@ def _check_family(spec: JobConfig, problems: List[str]) -> None:
     problems.extend(family_problems(spec.model))  # the planner's formulas come from the family
 
 
+def _check_eval(spec: JobConfig, problems: List[str]) -> None:
+    """eval.* values (downstream evaluation; its files: launcher/data/eval_inputs.py)."""
+    e = spec.eval
+    for key in ("every", "limit", "num_fewshot", "batch_tokens"):
+        if getattr(e, key) < 0:
+            problems.append(f"eval.{key}={getattr(e, key)} must be >= 0. Fix: eval.{key}=0 or a positive value.")
+    if e.tasks and e.every == 0:
+        problems.append(f"eval.tasks={list(e.tasks)} with eval.every=0: nothing would evaluate them. "
+                        f"Fix: eval.every=N (steps), or eval.tasks=[].")
+    if e.every > 0 and not e.tasks:
+        problems.append(f"eval.every={e.every} without eval.tasks. Fix: eval.tasks=[task,...], or eval.every=0.")
+    if e.batch_tokens > 0 and e.batch_tokens < spec.trainer.seq_len:
+        problems.append(f"eval.batch_tokens={e.batch_tokens} is less than one row of trainer.seq_len="
+                        f"{spec.trainer.seq_len} tokens. Fix: eval.batch_tokens={spec.trainer.seq_len * spec.trainer.micro_batch_size} "
+                        f"or more, or 0 for the training step's shape.")
+
+
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_family,
     _check_choices,
@@ -712,6 +729,7 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_hf_io,
     _check_rope_scaling,
     _check_rehearse,
+    _check_eval,
 )
 
 
