@@ -36,7 +36,8 @@ def set_offline_env() -> None:
 def lm_eval_problem() -> Optional[str]:
     """None when lm-eval can be imported, else the problem line (with its Fix)."""
     try:
-        import lm_eval  # noqa: F401  (lazy: the optional extra)
+        # lazy: the optional extra, asked for only when eval.tasks is set
+        import lm_eval  # noqa: F401
     except ImportError as err:
         return f"eval.tasks needs lm-eval (lm-evaluation-harness), which is not installed ({err}). {INSTALL_FIX}"
     return None
@@ -47,7 +48,7 @@ def task_manager(include_path: Sequence[str]):
     from lm_eval.tasks import TaskManager  # lazy: the optional extra
 
     paths = [str(p) for p in include_path]
-    return TaskManager(include_path=paths or None, include_defaults=not paths, verbosity="ERROR")
+    return TaskManager(include_path=paths or None, include_defaults=not paths)
 
 
 def served_problems(name: str, task: Any) -> List[str]:

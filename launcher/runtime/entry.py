@@ -48,6 +48,7 @@ from launcher.runtime.rewind import apply_on_rank0, latest_rewind, rewind_start
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
 from launcher.runtime.heldout_loss import Validator
+from launcher.eval.build import build_downstream_eval
 from launcher.observe.profiler import StepProfiler, default_profile_ranks
 from launcher.resilience.stragglers import StragglerMonitor, gather_hosts
 from launcher.resilience.preflight import run_preflight
@@ -453,6 +454,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         rewinds_applied=rewinds_applied,
         goodput=GoodputClock(run_dir, PROCESS_STARTED, start_step, 2 if spec.trainer.compile else 1,
                              new_launch=restarts == 0, launch=launch_time()) if rank.rank == 0 else None,
+        downstream=build_downstream_eval(spec, plan.layout, data_parallel_rank(plan, rank.rank), engine),
     )
     try:
         result = trainer.fit()

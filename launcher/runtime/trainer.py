@@ -21,6 +21,7 @@ from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
 from launcher.resilience.health import RunHealth
 from launcher.runtime.heldout_loss import Validator
+from launcher.eval.loop import DownstreamEval
 from launcher.observe.profiler import StepProfiler
 from launcher.resilience.stragglers import StragglerMonitor
 from launcher.observe.moe_health import MoEHealth
@@ -94,6 +95,7 @@ class Trainer:
         spikes: Optional[SpikeDetector] = None,
         rewinds_applied: int = 0,
         goodput: Optional[GoodputClock] = None,
+        downstream: Optional[DownstreamEval] = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -117,6 +119,7 @@ class Trainer:
         self.spikes = spikes  # health/loss_spike (trainer.spike_zscore > 0)
         self.rewinds_applied = rewinds_applied  # the run's rewinds this timeline includes (trainer.json)
         self.goodput = goodput  # rank 0: where the wall time goes (goodput/* metrics)
+        self.downstream = downstream  # eval.tasks every eval.every steps: eval/<task>/<metric>
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
         skipped = getattr(self.batches, "skipped", 0)  # global batches skipped by rewinds (trainer.on_spike)
@@ -212,6 +215,15 @@ class Trainer:
         with self.health.phase("validation"):
             return self.validator.run()
 
+    def _evaluate(self, step: int) -> Dict[str, float]:
+        """eval/<task>/<metric> at every eval.every-th step (a long phase for the hang watchdog)."""
+        if self.downstream is None or not self.downstream.due(step):
+            return {}
+        if self.health is None:
+            return self.downstream.run()
+        with self.health.phase("downstream evaluation"):
+            return self.downstream.run()
+
     def fit(self) -> LoopResult:
         cfg = self.cfg
         if self.start_step >= cfg.steps:
@@ -258,6 +270,7 @@ class Trainer:
                 self.health.step_done(step)
             t_val = time.perf_counter()
             val_row = self._validate(step)
+            val_row.update(self._evaluate(step))
             if val_row:
                 eval_s = time.perf_counter() - t_val
                 set_apart += eval_s
