@@ -161,3 +161,25 @@ def test_eval_inputs_are_checked_before_launch(eval_inputs, tmp_path):
     with pytest.raises(ConfigError) as err:
         check_eval_tasks(compose_spec(base + ["eval.tasks=[tiny_mc,hellaswagg]", f"eval.include_path=[{tasks}]"]))
     assert "hellaswagg" in err.value.problems[0] and "Fix:" in err.value.problems[0]
+
+
+def test_rows_score_summed_log_likelihoods_and_leave_the_model_alone(debug_engine):
+    """RowScorer through the engine's eval path: each row's summed log p of its scored tokens equals
+    the model's own log-softmax; calls are filled to the same shape; weights and RNG untouched."""
+    from launcher.eval.rows import RowScorer, RowShape
+
+    engine, _, plan = debug_engine
+    vocab, seq = engine.model_cfg.vocab_size, 32
+    gen = torch.Generator().manual_seed(3)
+    rows = [(torch.randint(0, vocab, (n,), generator=gen).tolist(), k) for n, k in ((33, 5), (8, 1), (20, 19), (2, 1), (12, 3))]
+    before = {k: v.detach().clone() for k, v in engine.parts[0].state_dict().items()}
+    rng = torch.get_rng_state()
+    scorer = RowScorer(engine, RowShape(seq_len=seq, micro_batch_size=1, microbatches=2, dp_rank=0, dp_size=1), pad_id=0)
+    got = scorer.score(rows)  # 5 rows in calls of 2: the last call is filled with a no-token row
+    for (tokens, k), ll in zip(rows, got):
+        with torch.no_grad():
+            logp = torch.log_softmax(engine.parts[0](torch.tensor([tokens[:-1]])).float(), dim=-1)[0]
+        want = sum(float(logp[i, tokens[i + 1]]) for i in range(len(tokens) - 1 - k, len(tokens) - 1))
+        assert math.isclose(ll, want, rel_tol=1e-5, abs_tol=1e-5), (ll, want)
+    assert all(torch.equal(before[k], v) for k, v in engine.parts[0].state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
