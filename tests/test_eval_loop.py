@@ -183,3 +183,34 @@ def test_rows_score_summed_log_likelihoods_and_leave_the_model_alone(debug_engin
         assert math.isclose(ll, want, rel_tol=1e-5, abs_tol=1e-5), (ll, want)
     assert all(torch.equal(before[k], v) for k, v in engine.parts[0].state_dict().items())
     assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_an_evaluation_leaves_weights_modes_and_random_states_as_they_were(debug_engine, eval_inputs):
+    """DownstreamEval.run on the live engine: eval/<task>/<metric> names, and the model's weights,
+    train mode and Python/numpy/torch random states unchanged (lm-eval seeds generators itself)."""
+    import random
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from launcher.eval.lm import LiveModelLM
+    from launcher.eval.loop import DownstreamEval
+    from launcher.eval.rows import RowScorer, RowShape
+    from launcher.eval.tasks import load_tasks, set_offline_env
+
+    engine, _, _ = debug_engine
+    model, tasks = eval_inputs
+    set_offline_env()
+    scorer = RowScorer(engine, RowShape(seq_len=SEQ, micro_batch_size=1, microbatches=4, dp_rank=0, dp_size=1), pad_id=2)
+    lm = LiveModelLM(scorer, AutoTokenizer.from_pretrained(str(model)), max_length=SEQ)
+    evaluation = DownstreamEval(lm, load_tasks(["tiny_mc", "tiny_ppl"], [str(tasks)], 1), every=3, limit=2,
+                                model_parts=engine.parts)
+    assert [evaluation.due(s) for s in (1, 3, 6)] == [False, True, True]
+    before = {k: v.detach().clone() for k, v in engine.parts[0].state_dict().items()}
+    states = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    row = evaluation.run()
+    assert {"eval/tiny_mc/acc", "eval/tiny_mc/acc_norm", "eval/tiny_ppl/bits_per_byte", "eval/seconds"} <= set(row)
+    assert random.getstate() == states[0] and np.array_equal(np.random.get_state()[1], states[1])
+    assert torch.equal(torch.get_rng_state(), states[2])
+    assert all(torch.equal(before[k], v) for k, v in engine.parts[0].state_dict().items())
+    assert all(part.training for part in engine.parts)

@@ -10,6 +10,8 @@ neither).
 
 from __future__ import annotations
 
+import logging
+
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
@@ -63,7 +65,13 @@ def check_eval_tasks(spec: JobConfig) -> None:
     missing = lm_eval_problem()
     if missing:
         raise ConfigError([missing])
+    # lm-eval warns about every default it fills into a YAML: the ranks' logs keep those, the console not
+    lm_eval_log = logging.getLogger("lm_eval")
+    level = lm_eval_log.level
+    lm_eval_log.setLevel(logging.ERROR)
     try:
         load_tasks(spec.eval.tasks, spec.eval.include_path, spec.eval.num_fewshot)
     except TaskProblem as err:
         raise ConfigError([str(err)]) from None
+    finally:
+        lm_eval_log.setLevel(level)
