@@ -142,9 +142,10 @@ def test_in_loop_scores_equal_lm_evals_hf_backend(eval_inputs, tmp_path):
         assert math.isclose(ours[key], theirs[key], rel_tol=1e-4), (key, ours[key], theirs[key])
 
 
-def test_eval_inputs_are_checked_before_launch(eval_inputs, tmp_path):
+def test_eval_inputs_are_checked_before_launch(eval_inputs, tmp_path, monkeypatch):
     """action=plan reads the task YAMLs without lm-eval: missing local data names the task; the
-    launch pre-check builds the tasks offline and names an unknown one (exit-2 problems)."""
+    launch pre-check builds the tasks offline and names an unknown one, and without lm-eval
+    installed says how to install it (exit-2 problems)."""
     from launcher.config.errors import ConfigError
     from launcher.launch.preflight import check_eval_tasks
 
@@ -161,6 +162,10 @@ def test_eval_inputs_are_checked_before_launch(eval_inputs, tmp_path):
     with pytest.raises(ConfigError) as err:
         check_eval_tasks(compose_spec(base + ["eval.tasks=[tiny_mc,hellaswagg]", f"eval.include_path=[{tasks}]"]))
     assert "hellaswagg" in err.value.problems[0] and "Fix:" in err.value.problems[0]
+    monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # what `import lm_eval` meets when not installed
+    with pytest.raises(ConfigError) as err:
+        check_eval_tasks(compose_spec(base + ["eval.tasks=[tiny_mc]", f"eval.include_path=[{tasks}]"]))
+    assert "pip install 'launcher[eval]'" in err.value.problems[0], err.value.problems
 
 
 def test_rows_score_summed_log_likelihoods_and_leave_the_model_alone(debug_engine):
