@@ -219,3 +219,34 @@ def test_an_evaluation_leaves_weights_modes_and_random_states_as_they_were(debug
     assert torch.equal(torch.get_rng_state(), states[2])
     assert all(torch.equal(before[k], v) for k, v in engine.parts[0].state_dict().items())
     assert all(part.training for part in engine.parts)
+
+
+def test_the_plan_prices_evaluation_from_the_tasks_data_and_adds_it_to_the_budget(eval_inputs):
+    """action=plan reads each local task's documents (no lm-eval, no torch): requests per document
+    from doc_to_choice, tokens from the text at 4 characters per token; a task it cannot read
+    (a built-in one) gets the documented defaults; a call costs its tokens at a third of the
+    plan's compute time per training token, and the run's calls are in the budget's wall time."""
+    from launcher.plan.estimate.eval_time import CHARS_PER_TOKEN, DEFAULT_DOCS, DEFAULT_REQUESTS_PER_DOC
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.present.report import render_plan
+
+    model, tasks = eval_inputs
+    spec = compose_spec(["+recipe=debug", "trainer.steps=20", "eval.every=5", f"eval.tokenizer={model}",
+                         "eval.tasks=[tiny_mc,tiny_ppl,hellaswag]", f"eval.include_path=[{tasks}]"])
+    plan = build_plan(spec)
+    ev = {t["task"]: t for t in plan.eval["tasks"]}
+    chars = lambda d: sum(len(v) for v in d.values() if isinstance(v, str)) + sum(  # noqa: E731
+        len(x) for v in d.values() if isinstance(v, list) for x in v)
+    mc_requests = sum(len(d["choices"]) for d in MC_DOCS)
+    assert (ev["tiny_mc"]["docs"], ev["tiny_mc"]["requests"]) == (5, mc_requests)
+    assert ev["tiny_mc"]["tokens"] == int(mc_requests * sum(map(chars, MC_DOCS)) / len(MC_DOCS) / CHARS_PER_TOKEN)
+    assert (ev["tiny_ppl"]["docs"], ev["tiny_ppl"]["requests"]) == (3, 3)
+    assert ev["hellaswag"]["docs"] == DEFAULT_DOCS and ev["hellaswag"]["requests"] == DEFAULT_DOCS * DEFAULT_REQUESTS_PER_DOC
+    assert plan.eval["calls"] == 4
+    expected_call = plan.eval["tokens_per_call"] / plan.batch.tokens_per_step * plan.time["compute_s"] / 3
+    assert plan.eval["call_s"] == pytest.approx(expected_call)
+    assert plan.budget["wall_s"] == pytest.approx(20 * plan.time["step_s"] + 4 * expected_call)
+    text = render_plan(plan, spec)
+    assert "Evaluation (eval.every=5):" in text and "hellaswag 1,000 docs" in text and "(defaults)" in text
+    assert "h of training steps and evaluation" in text
+    assert build_plan(compose_spec(["+recipe=debug"])).eval == {}

@@ -20,6 +20,7 @@ from launcher.data.checks import repeat_warnings
 from launcher.plan.estimate import figures
 from launcher.plan.estimate.budget import budget
 from launcher.plan.estimate.checkpoint_time import checkpoint_estimate, lost_work_warnings
+from launcher.plan.estimate.eval_time import eval_estimate, eval_workload
 from launcher.plan.features import BackendChoice
 from launcher.plan.layout import Layout
 from launcher.plan.degrees import MeshPlan
@@ -27,8 +28,8 @@ from launcher.plan.decide.resolve import resolve
 
 PLAN_FILENAME = "plan.json"
 # The Plan's own sections besides the layout, in plan.json order.
-ESTIMATE_KEYS = ("params_total", "params_active", "memory", "comm", "pipeline", "time", "checkpoint", "budget",
-                 "warnings")
+ESTIMATE_KEYS = ("params_total", "params_active", "memory", "comm", "pipeline", "time", "checkpoint", "eval",
+                 "budget", "warnings")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class Plan:
     time: Dict[str, Any] = field(default_factory=dict)
     # Predicted checkpoint size, save and stop time (launcher/plan/estimate/checkpoint_time.py).
     checkpoint: Dict[str, Any] = field(default_factory=dict)
+    # In-loop evaluation's tokens and time per call (launcher/plan/estimate/eval_time.py; {} when off).
+    eval: Dict[str, Any] = field(default_factory=dict)
     # Steps, wall time, GPU-hours and cost of the run (launcher/plan/estimate/budget.py).
     budget: Dict[str, Any] = field(default_factory=dict)
     warnings: List[str] = field(default_factory=list)
@@ -138,8 +141,9 @@ def build_plan(spec: JobConfig, layout: Optional[Layout] = None) -> Plan:
     plan = Plan(layout=layout)
     figures.fill(plan, spec)
     fill_checkpoint_time(plan, spec)
+    plan.eval = eval_estimate(eval_workload(spec), plan.time["compute_s"], layout.tokens_per_step)
     plan.budget = budget(spec.trainer.steps, layout.tokens_per_step, plan.time["step_s"], plan.time["step_s_range"],
-                         layout.mesh.world_size, spec.hardware.usd_per_gpu_hour)
+                         layout.mesh.world_size, spec.hardware.usd_per_gpu_hour, plan.eval.get("total_s", 0.0))
     plan.warnings = (list(plan.warnings) + repeat_warnings(spec, spec.trainer.steps, layout.global_batch_size)
                      + rope_scaling_warnings(spec))
     return plan

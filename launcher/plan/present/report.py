@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Sequence
 from launcher.models.family import family_of
 from launcher.plan.estimate.bands import memory_at_risk
 from launcher.plan.estimate.memory import GiB, other_parts, own_maxima
+from launcher.plan.estimate.eval_time import eval_summary
 from launcher.plan.degrees import MESH_DIM_NAMES
 from launcher.plan.estimate.params import model_shape
 from launcher.plan.estimate.perf import correction_bias_bytes
@@ -98,6 +99,7 @@ def render_plan(plan, spec, fmt: str = "text") -> str:
         _comm_section(plan),
         _time_section(plan, spec),
         _checkpoint_section(plan),
+        eval_summary(getattr(plan, "eval", {})),
         _budget_section(plan, spec),
         assumptions(spec.model, spec.plan.moe_imbalance),
     ]
@@ -257,7 +259,8 @@ def _budget_section(plan, spec) -> str:
     hours = b["wall_s"] / 3600
     lo, hi = (s / 3600 for s in b["wall_s_range"])
     source = f"trainer.tokens={spec.trainer.tokens:,}" if spec.trainer.tokens else f"trainer.steps={b['steps']:,}"
-    text = (f"Budget ({source}): {b['steps']:,} steps, {b['tokens']:,} tokens; {hours:,.1f} h of training steps "
+    what = "training steps and evaluation" if b.get("eval_s") else "training steps"
+    text = (f"Budget ({source}): {b['steps']:,} steps, {b['tokens']:,} tokens; {hours:,.1f} h of {what} "
             f"({lo:,.1f}-{hi:,.1f}), {b['gpu_hours']:,.0f} GPU-hours ({_range(b['gpu_hours_range'], ',.0f')})")
     if b["usd"] is None:
         return text + "; set hardware.usd_per_gpu_hour for the cost"

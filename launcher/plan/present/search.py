@@ -37,6 +37,7 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import replaced_dotted
 from launcher.config.validate import (PLAN_OBJECTIVES, accumulate_unsharded_value, cp_pipeline_problems,
                                       tensor_parallel_problems, tied_pipeline_problems)
+from launcher.plan.estimate.eval_time import eval_estimate, eval_workload
 from launcher.plan.estimate.bands import layout_kind, memory_at_risk, memory_range, value_range
 from launcher.plan.estimate.budget import budget
 from launcher.plan.estimate.figures import capacity_bytes, reserved_bytes
@@ -304,6 +305,7 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
     if with_nodes:
         resets["cluster.nodes"] = spec.cluster.nodes
     steps, price = spec.trainer.steps, spec.hardware.usd_per_gpu_hour
+    evaluation = eval_workload(spec)  # the same tasks for every candidate; priced at each one's compute rate
     zeros = [spec.parallel.zero_stage] if spec.offload.optimizer != "none" or spec.offload.params != "none" else [0, 1, 2, 3]
     for tp, cp, pp, dp_rep, dp_shard, ep, sched, vpp in mesh_options(spec):
         stats["meshes"] += 1
@@ -355,8 +357,9 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
                         backends={k: c.backend for k, c in choices.items() if getattr(c, "impl", "") != "off"},
                         kind=layout_kind(lay, spec.model.n_experts), reserved=reserve, gpu_capacity=gpu,
                     )
+                    eval_s = eval_estimate(evaluation, t["compute_s"], tokens_per_step).get("total_s", 0.0)
                     cand.budget = budget(steps, tokens_per_step, cand.step_s, cand.step_s_range,
-                                         lay.mesh.world_size, price)
+                                         lay.mesh.world_size, price, eval_s)
                     out.append(cand)
                     break
     return out, stats
