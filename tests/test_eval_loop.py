@@ -239,7 +239,10 @@ def test_the_plan_prices_evaluation_from_the_tasks_data_and_adds_it_to_the_budge
         len(x) for v in d.values() if isinstance(v, list) for x in v)
     mc_requests = sum(len(d["choices"]) for d in MC_DOCS)
     assert (ev["tiny_mc"]["docs"], ev["tiny_mc"]["requests"]) == (5, mc_requests)
-    assert ev["tiny_mc"]["tokens"] == int(mc_requests * sum(map(chars, MC_DOCS)) / len(MC_DOCS) / CHARS_PER_TOKEN)
+    assert ev["tiny_mc"]["text_tokens"] == int(mc_requests * sum(map(chars, MC_DOCS)) / len(MC_DOCS) / CHARS_PER_TOKEN)
+    # What runs: every request is a row padded to trainer.seq_len.
+    seq = spec.trainer.seq_len
+    assert (ev["tiny_mc"]["rows"], ev["tiny_mc"]["tokens"]) == (mc_requests, mc_requests * seq)
     assert (ev["tiny_ppl"]["docs"], ev["tiny_ppl"]["requests"]) == (3, 3)
     assert ev["hellaswag"]["docs"] == DEFAULT_DOCS and ev["hellaswag"]["requests"] == DEFAULT_DOCS * DEFAULT_REQUESTS_PER_DOC
     assert plan.eval["calls"] == 4
@@ -248,5 +251,6 @@ def test_the_plan_prices_evaluation_from_the_tasks_data_and_adds_it_to_the_budge
     assert plan.budget["wall_s"] == pytest.approx(20 * plan.time["step_s"] + 4 * expected_call)
     text = render_plan(plan, spec)
     assert "Evaluation (eval.every=5):" in text and "hellaswag 1,000 docs" in text and "(defaults)" in text
+    assert f"tiny_mc 5 docs / {mc_requests} requests / {mc_requests} rows of {seq} tokens" in text
     assert "h of training steps and evaluation" in text
     assert build_plan(compose_spec(["+recipe=debug"])).eval == {}

@@ -5,12 +5,15 @@ with local JSON-lines data, the documents are read and measured (their text at C
 characters per token, the requests per document from `doc_to_choice`); any other task (a
 built-in one, whose data is in the Hugging Face cache) gets the documented defaults below. The
 time comes from the plan's own compute time per token: a forward is a third of a training step's
-forward and backward, so evaluating T tokens costs T / tokens_per_step x compute_s / 3.
+forward and backward, so evaluating T tokens costs T / tokens_per_step x compute_s / 3. T counts
+what runs: every request is a row padded to trainer.seq_len (launcher/eval/rows.py), and a request
+longer than that takes one row per seq_len tokens (lm-eval's rolling windows, HFLM's truncation).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -74,8 +77,9 @@ def _row_tokens(row: Dict[str, Any]) -> float:
 
 
 def task_tokens(name: str, found: Dict[str, Tuple[Path, Dict[str, Any]]], limit: int,
-                num_fewshot: int) -> Dict[str, Any]:
-    """One task's documents, requests and tokens per evaluation call, and where they came from."""
+                num_fewshot: int, seq_len: int) -> Dict[str, Any]:
+    """One task's documents, requests, text tokens and the tokens its padded rows run per
+    evaluation call, and where the figures came from."""
     rows = _local_rows(*found[name], limit) if name in found else None
     if rows:
         doc = found[name][1]
@@ -87,8 +91,10 @@ def task_tokens(name: str, found: Dict[str, Tuple[Path, Dict[str, Any]]], limit:
         requests = docs * DEFAULT_REQUESTS_PER_DOC
         per_request, source = float(DEFAULT_REQUEST_TOKENS), "defaults (the task's data is not read before launch)"
     # Each few-shot example repeats about one document's text in the context.
-    tokens = requests * per_request * (1 + num_fewshot)
-    return {"task": name, "docs": docs, "requests": requests, "tokens": int(tokens), "source": source}
+    per_request *= 1 + num_fewshot
+    rows = requests * max(1, math.ceil(per_request / max(1, seq_len)))
+    return {"task": name, "docs": docs, "requests": requests, "text_tokens": int(requests * per_request),
+            "rows": rows, "tokens": rows * seq_len, "source": source}
 
 
 def eval_workload(spec: JobConfig) -> Dict[str, Any]:
@@ -99,7 +105,7 @@ def eval_workload(spec: JobConfig) -> Dict[str, Any]:
         return {}
     folders = [f for f in e.include_path if os.path.isdir(f)]
     found = {doc["task"]: (path, doc) for path, doc in task_yamls(folders)}
-    tasks = [task_tokens(name, found, e.limit, e.num_fewshot) for name in e.tasks]
+    tasks = [task_tokens(name, found, e.limit, e.num_fewshot, spec.trainer.seq_len) for name in e.tasks]
     return {"every": e.every, "tasks": tasks, "tokens_per_call": sum(t["tokens"] for t in tasks),
             "calls": spec.trainer.steps // e.every}
 
@@ -118,7 +124,8 @@ def eval_summary(ev: Dict[str, Any]) -> str:
     """action=plan's evaluation line ('' when evaluation is off)."""
     if not ev:
         return ""
-    tasks = ", ".join(f"{t['task']} {t['docs']:,} docs / {t['requests']:,} requests / {t['tokens']:,} tokens"
+    tasks = ", ".join(f"{t['task']} {t['docs']:,} docs / {t['requests']:,} requests / {t['rows']:,} rows of "
+                      f"{t['tokens'] // max(1, t['rows']):,} tokens ({t['text_tokens']:,} of text)"
                       f"{'' if t['source'].startswith('measured') else ' (defaults)'}" for t in ev["tasks"])
     return (f"Evaluation (eval.every={ev['every']}): {ev['tokens_per_call']:,} tokens per call = {ev['call_s']:.1f} s "
             f"(forward at the plan's compute rate), {ev['calls']:,} calls = {ev['total_s'] / 3600:,.2f} h in the run, "
