@@ -38,7 +38,8 @@ from launcher import compat
 from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, NonFiniteStep, StepStats, as_microbatches,
                                    aux_loss_scale, built_report, local_token_count, model_kwargs, source_means,
                                    source_sums, step_source_count, token_loss_sum, token_losses)
-from launcher.engines.optim import build_adamw, build_scheduler, clip_grad_norm, first_nonfinite_grad
+from launcher.engines.optim import build_scheduler, clip_grad_norm, first_nonfinite_grad
+from launcher.engines.optimizers import build_optimizer
 from launcher.hf.export import export_state
 from launcher.hf.weights import export_hf, load_hf_weights
 from launcher.models import build_model
@@ -122,7 +123,7 @@ class NativeEngine:
         else:
             self.has_first = self.has_last = True
 
-        self.optimizers = [build_adamw(p, optim_cfg) for p in self.parts]
+        self.optimizers = [build_optimizer(p, optim_cfg) for p in self.parts]
         self.schedulers = [build_scheduler(o, optim_cfg, options.total_steps) for o in self.optimizers]
         self._token_norm = 1.0
         # Per-source loss sums of the running step (pipeline loss function), sized per step.
