@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP's dim 0; not a Shard
 from torch.optim._muon import EPS, _adjust_lr, _zeropower_via_newtonschulz  # torch >= 2.9: the reference maths
 
 from launcher.engines.optim import mesh_key
@@ -55,7 +56,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, groups: List[Dict], *, betas: Tuple[float, float], eps: float,
                  momentum: float, nesterov: bool, ns_steps: int, ns_coefficients: Sequence[float],
-                 adjust_lr: str, adamw_flags: Optional[Dict[str, bool]] = None):
+                 adjust_lr: str, adamw_flags: Optional[Dict[str, bool]] = None,
+                 names: Optional[Dict[torch.Tensor, str]] = None):
         muon = dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                     ns_coefficients=tuple(float(c) for c in ns_coefficients), adjust_lr=adjust_lr, ns_eps=EPS)
         # Muon's keys on Muon groups only: AdamW's own defaults (its eps) must reach its groups.
@@ -68,7 +70,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._bind_adamw()
         # Filled by step(): [sum of squared applied updates, element count] per optimizer kind.
         self.update_sq: Dict[str, torch.Tensor] = {}
-        self.ns_cost_by_owner: Dict[int, float] = {}  # this rank's and others' NS FLOPs, last step
+        # The matrices this rank orthogonalised in the last step: (parameter name, matrix index, NS FLOPs).
+        self.ns_work: List[Tuple[str, int, float]] = []
+        self._names = names or {}
 
     def _bind_adamw(self) -> None:
         if self._adamw is not None:
@@ -132,18 +136,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
         # total over the step is balanced (the same lists on every rank: the same answer).
         loads: Dict[int, List[float]] = {}
         owners: List[List[int]] = []
-        cost_by_owner: Dict[int, float] = {}
         for (g, p, _), plan in zip(work, plans):
-            rows, cols = plan.matrix_shape
-            costs = [ns_flops(rows, cols, g["ns_steps"])] * plan.n_local_matrices
-            own = assign_owners(costs, plan.n_owners, loads.setdefault(plan.n_owners, [0.0] * plan.n_owners))
-            owners.append(own)
-            for c, o in zip(costs, own):
-                cost_by_owner[o] = cost_by_owner.get(o, 0.0) + c
-        self.ns_cost_by_owner = cost_by_owner
+            costs = [ns_flops(*plan.matrix_shape, g["ns_steps"])] * plan.n_local_matrices
+            owners.append(assign_owners(costs, plan.n_owners,
+                                        loads.setdefault(plan.n_owners, [0.0] * plan.n_owners)))
         acc = None
+        self.ns_work = []
         for (g, p, update), plan, own in zip(work, plans, owners):
-            ortho = plan.orthogonalise(update, own, g)
+            ortho, done = plan.orthogonalise(update, own, g)
+            flops = ns_flops(*plan.matrix_shape, g["ns_steps"])
+            self.ns_work += [(self._names.get(p, ""), plan.first_matrix + i, flops) for i in done]
             lr = float(g["lr"])
             adjusted = _adjust_lr(lr, g["adjust_lr"], torch.Size(plan.matrix_shape))
             p.mul_(1 - lr * g["weight_decay"])
@@ -175,6 +177,10 @@ class _GatherPlan:
                 if isinstance(pl, Shard):  # the expert dimension stays split over EP
                     experts //= mesh.size(d)
         self.n_local_matrices = experts
+        # Global index of the first local matrix: an expert stack split over EP holds a block of experts.
+        self.first_matrix = 0
+        if gather is not None and self.is_stack and experts != shape[0]:
+            self.first_matrix = _expert_offset(p, gather)
 
     @classmethod
     def of(cls, p: torch.Tensor) -> "_GatherPlan":
@@ -185,7 +191,7 @@ class _GatherPlan:
             # A plain Shard(0) of an expert stack splits experts, not matrices: keep it.
             if p.ndim == 3 and type(pl) is Shard and pl.dim == 0:
                 gather.append(pl)
-            elif isinstance(pl, (Shard, Partial)):
+            elif pl.is_shard() or isinstance(pl, _StridedShard) or pl.is_partial():
                 gather.append(Replicate())
                 owner_dims.append(d)
             else:
@@ -202,30 +208,39 @@ class _GatherPlan:
             index = index * mesh.size(d) + coord[d]
         return index
 
-    def orthogonalise(self, update: torch.Tensor, owners: List[int], group: Dict) -> torch.Tensor:
-        """The orthogonalised update, placed like the parameter."""
+    def orthogonalise(self, update: torch.Tensor, owners: List[int], group: Dict) -> Tuple[torch.Tensor, List[int]]:
+        """(The orthogonalised update placed like the parameter, the local matrices this rank
+        orthogonalised)."""
         coeffs, steps, eps = group["ns_coefficients"], group["ns_steps"], group["ns_eps"]
         if self.gather is None:  # a plain tensor holds its whole matrices (one rank, or replicated)
-            return _ns(update, coeffs, steps, eps, self.is_stack).to(update.dtype)
+            return _ns(update, coeffs, steps, eps, self.is_stack).to(update.dtype), list(range(self.n_local_matrices))
         mesh = self.p.device_mesh
         whole = update.redistribute(mesh, self.gather).to_local()
         mine = self._my_owner_index()
         out = torch.zeros_like(whole)
         mats = whole if self.is_stack else whole.unsqueeze(0)
         outs = out if self.is_stack else out.unsqueeze(0)
-        for i in range(mats.shape[0]):
-            if owners[i] == mine:
-                outs[i] = _zeropower_via_newtonschulz(mats[i], coeffs, steps, eps).to(out.dtype)
+        done = [i for i in range(mats.shape[0]) if owners[i] == mine]
+        for i in done:
+            outs[i] = _zeropower_via_newtonschulz(mats[i], coeffs, steps, eps).to(out.dtype)
         # Non-owners hold zeros: the sum over the owner dims is the owner's result, exactly.
         contrib = [Partial() if d in self.owner_dims else pl for d, pl in enumerate(self.gather)]
         dt = DTensor.from_local(out, mesh, contrib, run_check=False, shape=update.shape, stride=update.stride())
-        return dt.redistribute(mesh, self.p.placements)
+        return dt.redistribute(mesh, self.p.placements), done
 
 
 def _ns(update: torch.Tensor, coeffs, steps: int, eps: float, stack: bool) -> torch.Tensor:
     if not stack:
         return _zeropower_via_newtonschulz(update, coeffs, steps, eps)
     return torch.stack([_zeropower_via_newtonschulz(m, coeffs, steps, eps) for m in update.unbind(0)])
+
+
+def _expert_offset(p: DTensor, placements: list) -> int:
+    """Index of this rank's first expert in an expert stack split on dim 0 (DTensor's own offsets)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+    return int(offset[0])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -248,6 +263,7 @@ def build_muon_with_adamw(module: nn.Module, cfg, adamw_flags: Dict[str, bool]) 
             groups.append({"params": members, "optimizer": choice.optimizer, "lr": choice.lr,
                            "weight_decay": choice.weight_decay, "label": choice.label})
     m = cfg.muon
+    names = {p: n for n, _, p in named_full_shapes(module)}
     return MuonWithAdamW(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=m.momentum,
                          nesterov=m.nesterov, ns_steps=m.ns_steps, ns_coefficients=m.ns_coefficients,
-                         adjust_lr=m.adjust_lr, adamw_flags=adamw_flags)
+                         adjust_lr=m.adjust_lr, adamw_flags=adamw_flags, names=names)
