@@ -8,17 +8,13 @@ from torch import nn
 
 from launcher.engines.muon import build_muon_with_adamw
 from launcher.engines.optim import adamw_kernel_flags, build_adamw
-
-
-def uses_muon_with_adamw(cfg) -> bool:
-    """Whether `cfg` needs MuonWithAdamW (Muon, or parameter groups by name)."""
-    return cfg.name == "muon" or bool(getattr(cfg, "groups", None))
+from launcher.plan.decide.optim_groups import uses_groups
 
 
 def build_optimizer(module: nn.Module, cfg) -> torch.optim.Optimizer:
     """AdamW over `param_groups` (unchanged since before Muon, so its checkpoints load as they
     did), else `MuonWithAdamW` over the groups of launcher/plan/decide/optim_groups.py."""
-    if not uses_muon_with_adamw(cfg):
+    if not uses_groups(cfg):
         return build_adamw(module, cfg)
     device_type = next((p.device.type for p in module.parameters()), "cpu")
     return build_muon_with_adamw(module, cfg, adamw_kernel_flags(getattr(cfg, "implementation", "auto"), device_type))

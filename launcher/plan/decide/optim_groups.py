@@ -44,6 +44,17 @@ class Assignment:
         return out
 
 
+def uses_groups(optim) -> bool:
+    """Whether `optim` needs the grouped optimizer (Muon with AdamW): optim=muon or any optim.groups.
+    Otherwise the engines build plain AdamW, as before Muon."""
+    return optim.name == "muon" or bool(getattr(optim, "groups", None))
+
+
+def has_muon(optim) -> bool:
+    """Whether some parameter may get Muon: optim=muon, or a group with optimizer muon."""
+    return optim.name == "muon" or any(g.optimizer == "muon" for g in getattr(optim, "groups", ()) or ())
+
+
 def is_muon_matrix(shape: Sequence[int]) -> bool:
     """A 2-D matrix, or a 3-D stack of expert matrices (E separate (out, in) matrices)."""
     return len(shape) in (2, 3)
@@ -66,6 +77,7 @@ def assign_groups(params: Sequence[Tuple[str, Sequence[int]]], optim) -> Assignm
     index: Dict[GroupChoice, int] = {}
     problems: List[str] = []
     hits = [0] * len(optim.groups)
+    non_matrix: Dict[int, List[Tuple[str, Tuple[int, ...]]]] = {}
 
     def pick(choice: GroupChoice) -> int:
         if choice not in index:
@@ -89,11 +101,7 @@ def assign_groups(params: Sequence[Tuple[str, Sequence[int]]], optim) -> Assignm
                 lr = lr if g.lr is None else float(g.lr)
                 wd = wd if g.weight_decay is None else float(g.weight_decay)
                 if g.optimizer == "muon" and not is_muon_matrix(shape):
-                    problems.append(
-                        f"optim.groups[{i}] (match {g.match!r}, optimizer muon) catches {name} of shape "
-                        f"{list(shape)}: Muon orthogonalises matrices only (2-D, or 3-D expert stacks). "
-                        f"Fix: narrow the pattern (e.g. end it with '\\.weight$' and exclude norms), or put an "
-                        f"adamw group for it first.")
+                    non_matrix.setdefault(i, []).append((name, shape))
                 chosen = pick(GroupChoice(f"optim.groups[{i}] {g.match!r}", g.optimizer, lr, wd))
                 break
         if chosen is None:
@@ -103,16 +111,20 @@ def assign_groups(params: Sequence[Tuple[str, Sequence[int]]], optim) -> Assignm
             label = f"default {kind}" + (", no decay" if kind == "adamw" and wd == 0.0 and len(shape) < 2 else "")
             chosen = pick(GroupChoice(label, kind, lr, wd))
         members.append((name, shape, chosen))
+    for i, caught in non_matrix.items():
+        g = optim.groups[i]
+        name, shape = caught[0]
+        problems.append(
+            f"optim.groups[{i}] (match {g.match!r}, optimizer muon) catches {len(caught)} parameter(s) that are not "
+            f"matrices, e.g. {name} of shape {list(shape)}: Muon orthogonalises 2-D matrices (or 3-D expert stacks) "
+            f"only. Fix: narrow the pattern (e.g. end it with '\\.weight$' and leave out norms), or put an adamw "
+            f"group for them first.")
     for i, (g, n) in enumerate(zip(optim.groups, hits)):
         if n == 0:
-            problems.append(f"optim.groups[{i}] (match {g.match!r}) matches no parameter of model {optim_model_hint(params)}. "
+            problems.append(f"optim.groups[{i}] (match {g.match!r}) matches none of the model's {len(params)} parameters. "
                             f"Fix: match canonical names such as {', '.join(_examples(params))} "
                             f"(`train ... optim=muon action=plan` lists the groups), or remove the entry.")
     return Assignment(tuple(groups), tuple(members), tuple(problems))
-
-
-def optim_model_hint(params: Sequence[Tuple[str, Sequence[int]]]) -> str:
-    return f"({len(params)} parameters)"
 
 
 def _examples(params: Sequence[Tuple[str, Sequence[int]]]) -> List[str]:
