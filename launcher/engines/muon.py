@@ -277,3 +277,48 @@ def build_muon_with_adamw(module: nn.Module, cfg, adamw_flags: Dict[str, bool]) 
     return MuonWithAdamW(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=m.momentum,
                          nesterov=m.nesterov, ns_steps=m.ns_steps, ns_coefficients=m.ns_coefficients,
                          adjust_lr=m.adjust_lr, adamw_flags=adamw_flags, names=names)
+
+
+# optim/<kind>/update_rms, in this order in the [sum of squares, count] pairs of `update_square_sums`.
+UPDATE_KINDS = ("muon", "adamw")
+
+
+def update_square_sums(optimizers: Sequence[torch.optim.Optimizer], device: torch.device) -> Optional[torch.Tensor]:
+    """[sum of squares, count] per kind of UPDATE_KINDS over this rank's optimizers' last step, as
+    one tensor to all-reduce (None when no optimizer is a MuonWithAdamW: plain AdamW reports none)."""
+    grouped = [o for o in optimizers if isinstance(o, MuonWithAdamW)]
+    if not grouped:
+        return None
+    out = torch.zeros(2 * len(UPDATE_KINDS), dtype=torch.float32, device=device)
+    for o in grouped:
+        for k, kind in enumerate(UPDATE_KINDS):
+            if kind in o.update_sq:
+                out[2 * k:2 * k + 2] += o.update_sq[kind].to(device)
+    return out
+
+
+def update_rms_metrics(sums: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """optim/muon/update_rms and optim/adamw/update_rms from the all-reduced `update_square_sums`:
+    the RMS of the step each optimizer applied (learning rate included, weight decay not), over
+    every element of every rank's shards. Kept on the device: StepStats reads them at log steps."""
+    out = {}
+    for k, kind in enumerate(UPDATE_KINDS):
+        sq, n = sums[2 * k], sums[2 * k + 1]
+        out[f"optim/{kind}/update_rms"] = torch.sqrt(sq / torch.clamp(n, min=1.0))
+    return out
+
+
+def optimizer_group_lrs(optimizers: Sequence[torch.optim.Optimizer]) -> Dict[str, float]:
+    """The learning rate of each named group this step (MuonWithAdamW only): optim/muon/lr and
+    optim/adamw/lr for the defaults, optim/groups.<i>/lr for the i-th optim.groups entry."""
+    out: Dict[str, float] = {}
+    for o in optimizers:
+        if not isinstance(o, MuonWithAdamW):
+            continue
+        for g in o.param_groups:
+            label = g.get("label", "")
+            key = (f"optim/groups.{label.split('[', 1)[1].split(']', 1)[0]}/lr" if label.startswith("optim.groups[")
+                   else f"optim/{g['optimizer']}/lr")
+            # AdamW's no-decay group shares optim/adamw/lr: the decayed group's rate is the same
+            out.setdefault(key, float(g["lr"]))
+    return out
