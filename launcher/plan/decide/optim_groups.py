@@ -102,7 +102,7 @@ def assign_groups(params: Sequence[Tuple[str, Sequence[int]]], optim) -> Assignm
                 wd = wd if g.weight_decay is None else float(g.weight_decay)
                 if g.optimizer == "muon" and not is_muon_matrix(shape):
                     non_matrix.setdefault(i, []).append((name, shape))
-                chosen = pick(GroupChoice(f"optim.groups[{i}] {g.match!r}", g.optimizer, lr, wd))
+                chosen = pick(GroupChoice(f"optim.groups[{i}] '{g.match}'", g.optimizer, lr, wd))
                 break
         if chosen is None:
             kind = ("muon" if optim.name == "muon" and is_muon_matrix(shape) and not ADAMW_BY_DEFAULT.search(name)
