@@ -224,3 +224,36 @@ def test_muon_values_checked_before_launch():
     for key in ("optim.muon.momentum=1.5", "optim.muon.adjust_lr='rms'", "optim.muon.ns_coefficients",
                 "optim.groups[0].match", "optim.groups[0].optimizer='sgd'"):
         assert key in problems, f"{key} not reported:\n{problems}"
+
+
+def test_plan_counts_one_momentum_buffer_per_muon_matrix():
+    """optim=muon: the plan's optimizer bytes drop by 4 B per Muon parameter (one momentum buffer
+    instead of AdamW's two moments); the embedding and the head keep AdamW's 8 B."""
+    from launcher.config.loader import compose_spec
+    from launcher.plan.decide.resolve import resolve
+    from launcher.plan.estimate.memory import model_state_memory
+    from launcher.plan.estimate.params import model_shape, stage_params
+
+    mem = {}
+    for name in ("adamw", "muon"):
+        spec = compose_spec(["+recipe=debug", f"optim={name}", "backend=native"])
+        lay = resolve(spec)
+        assert lay.numerics.optimizer == name
+        shape = model_shape(spec.model)
+        stage = stage_params(shape, 1)[0]
+        mem[name] = model_state_memory(stage, lay, shape)["optimizer"]
+    muon_params = _numel_by_kind("debug")["muon"]
+    assert mem["adamw"] - mem["muon"] == pytest.approx(4 * muon_params / resolve(spec).fsdp_degree, rel=1e-6)
+
+
+def _numel_by_kind(name: str):
+    """{optimizer: parameters} of the model's default optim=muon groups."""
+    a = assign_groups(_shapes(name), MUON)
+    out = {}
+    for _, shape, g in a.members:
+        kind = a.groups[g].optimizer
+        n = 1
+        for d in shape:
+            n *= d
+        out[kind] = out.get(kind, 0) + n
+    return out
