@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP's dim 0; not a Shard
@@ -248,7 +249,8 @@ def _ns(update: torch.Tensor, coeffs, steps: int, eps: float, stack: bool) -> to
 
 def _expert_offset(p: DTensor, placements: list) -> int:
     """Index of this rank's first expert in an expert stack split on dim 0 (DTensor's own offsets)."""
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+    with unset_fake_temporarily():  # the mesh's rank ids are real even when the rehearsal fakes tensors
+        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
     return int(offset[0])
 
 
