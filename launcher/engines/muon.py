@@ -80,8 +80,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._adamw = (torch.optim.AdamW(adamw_groups, betas=betas, eps=eps, **(adamw_flags or {}))
                        if adamw_groups else None)
         self._bind_adamw()
-        # Filled by step(): [sum of squared applied updates, element count] per optimizer kind.
-        self.update_sq: Dict[str, torch.Tensor] = {}
+        # Filled by step(): (sum of squared applied updates on the device, element count) per optimizer kind.
+        self.update_sq: Dict[str, Tuple[torch.Tensor, float]] = {}
+        self._adamw_steps: Optional[int] = None  # AdamW's step count, read from its state once (one host sync)
         # The matrices this rank orthogonalised in the last step: (parameter name, matrix index, NS FLOPs).
         self.ns_work: List[Tuple[str, int, float]] = []
         self._names = names or {}
@@ -95,6 +96,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """torch's load builds new group dicts and a new state: share them with AdamW again."""
         super().load_state_dict(state_dict)
         self._bind_adamw()
+        self._adamw_steps = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -111,23 +113,24 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return None
 
     # ------------------------------------------------------------------ AdamW's update size
-    def _adamw_update_sq(self) -> torch.Tensor:
-        """[sum of squares, count] of AdamW's last applied update without decay, lr m^ / (sqrt(v^) + eps),
-        recomputed from its moments (no copy of the parameters)."""
-        acc = None
-        for g in self._adamw.param_groups:
+    def _adamw_update_sq(self) -> Tuple[torch.Tensor, float]:
+        """(sum of squares, count) of AdamW's last applied update without decay, lr m^ / (sqrt(v^) + eps),
+        recomputed from its moments (no copy of the parameters; one elementwise pass over them)."""
+        stepped = [(g, p) for g in self._adamw.param_groups for p in g["params"] if "exp_avg" in self.state.get(p, {})]
+        if not stepped:
+            return torch.zeros(()), 0.0
+        # Every AdamW parameter steps together: one count for all (read once, then counted here).
+        t = self._adamw_steps = (int(float(self.state[stepped[0][1]]["step"])) if self._adamw_steps is None
+                                 else self._adamw_steps + 1)
+        sq, n = None, 0.0
+        for g, p in stepped:
             b1, b2 = g["betas"]
-            for p in g["params"]:
-                st = self.state.get(p)
-                if not st or "exp_avg" not in st:
-                    continue
-                t = float(st["step"])
-                m, v = _local(st["exp_avg"]), _local(st["exp_avg_sq"])
-                u = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt_() + g["eps"])
-                part = torch.stack([u.float().square().sum() * float(g["lr"]) ** 2,
-                                    torch.tensor(float(u.numel()), device=u.device)])
-                acc = part if acc is None else acc + part.to(acc.device)
-        return acc if acc is not None else torch.zeros(2)
+            st = self.state[p]
+            m, v = _local(st["exp_avg"]), _local(st["exp_avg_sq"])
+            u = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt_() + g["eps"])
+            part = u.float().square().sum() * float(g["lr"]) ** 2
+            sq, n = (part if sq is None else sq + part.to(sq.device)), n + u.numel()
+        return sq, n
 
     # ------------------------------------------------------------------ Muon
     def _muon_step(self, groups: List[Dict]) -> torch.Tensor:
@@ -152,7 +155,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             costs = [ns_flops(*plan.matrix_shape, g["ns_steps"])] * plan.n_local_matrices
             owners.append(assign_owners(costs, plan.n_owners,
                                         loads.setdefault(plan.n_owners, [0.0] * plan.n_owners)))
-        acc = None
+        sq, n = torch.zeros(()), 0.0
         self.ns_work = []
         for (g, p, update), plan, own in zip(work, plans, owners):
             ortho, done = plan.orthogonalise(update, own, g)
@@ -163,10 +166,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
             p.mul_(1 - lr * g["weight_decay"])
             p.add_(ortho, alpha=-adjusted)
             local = _local(ortho)
-            part = torch.stack([local.float().square().sum() * adjusted ** 2,
-                                torch.tensor(float(local.numel()), device=local.device)])
-            acc = part if acc is None else acc + part.to(acc.device)
-        return acc if acc is not None else torch.zeros(2)
+            part = local.float().square().sum() * adjusted ** 2
+            sq, n = (part if n == 0 else sq + part.to(sq.device)), n + local.numel()
+        return sq, n
 
 
 class _GatherPlan:
@@ -294,7 +296,9 @@ def update_square_sums(optimizers: Sequence[torch.optim.Optimizer], device: torc
     for o in grouped:
         for k, kind in enumerate(UPDATE_KINDS):
             if kind in o.update_sq:
-                out[2 * k:2 * k + 2] += o.update_sq[kind].to(device)
+                sq, n = o.update_sq[kind]
+                out[2 * k] += sq.to(device)
+                out[2 * k + 1] += n
     return out
 
 
