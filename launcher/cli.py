@@ -40,6 +40,7 @@ from launcher.config.validate import validate as validate_config
 from launcher.gpus import visible_gpu_count
 from launcher.paths import config_dir
 from launcher.plan.present.plan import build_plan
+from launcher.plan.decide.optim_groups import render_groups, uses_groups
 from launcher.plan.present.report import render_plan, render_search
 from launcher.plan.decide.resolve import check, resolve_all
 
@@ -231,10 +232,11 @@ def _resolved(spec: JobConfig) -> "Layout":
 def _check_before_launch(spec: JobConfig, plan) -> None:
     """Checks that need the run-time libraries (DeepSpeed's own config classes); exit 2 on failure."""
     # lazy: action=run only (preflight + deepspeed_config: ~7 ms); action=plan skips it
-    from launcher.launch.preflight import check_deepspeed_config, check_eval_tasks, check_hf_support
+    from launcher.launch.preflight import check_deepspeed_config, check_eval_tasks, check_hf_support, check_optimizer
 
     try:
         check_hf_support(spec, plan)
+        check_optimizer(spec, plan)
         check_deepspeed_config(spec, plan)
         check_eval_tasks(spec)
     except ConfigError as err:
@@ -285,9 +287,23 @@ def _run(spec: JobConfig, run_dir: Path) -> int:
     return executor_for(spec.cluster.name).launch(spec, plan, run_dir)
 
 
+def _print_optimizer_groups(spec: JobConfig) -> None:
+    """optim=muon / optim.groups: which parameters each group got (counts and bytes); exit 2 on a
+    group that matches nothing or puts a non-matrix under Muon."""
+    # lazy: torch (the model on the meta device, ~2 s); only a plan with groups pays it
+    from launcher.engines.muon import model_group_assignment
+
+    assignment = model_group_assignment(spec.model, spec.optim)
+    if assignment.problems:
+        _fail_config(list(assignment.problems))
+    print(render_groups(assignment), flush=True)
+
+
 def _plan(spec: JobConfig, run_dir: Path) -> int:
     plan = build_plan(spec, _resolved(spec))
     print(render_plan(plan, spec, spec.plan.format), flush=True)
+    if uses_groups(spec.optim) and spec.plan.format != "json":
+        _print_optimizer_groups(spec)
     # JSON is for tools: keep it instant (matplotlib alone costs about a second).
     if spec.plan.plots and spec.plan.format != "json":
         from launcher.plan.present.plots import save_plan_plots  # lazy: only when plots are drawn (~6 ms)

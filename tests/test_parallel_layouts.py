@@ -299,3 +299,26 @@ def test_rehearsal_activation_peak_is_the_real_ones(results, rehearsed, name):
             f"{name} rank {rank}: rehearsal peak {peak} vs real run {tracked['peak']}: the real run is "
             f"{extra} B higher, allowed 0..{allowed} (gloo's reduce-scatter copy "
             f"{tracked['gloo_reduce_scatter_copy']} + loss-parallel buffer {tracked['gloo_loss_parallel_buffer']})")
+
+
+MUON_4 = [s["name"] for s in layouts("x", DEVICE)[4] if s.get("optim") == "muon"]
+
+
+@pytest.mark.parametrize("name", MUON_4)
+def test_muon_orthogonalises_each_matrix_once_balanced(results, name):
+    """optim=muon on 4 ranks: every matrix (each routed expert's its own) is orthogonalised by
+    exactly one rank of each data-parallel replica, and no rank's Newton-Schulz FLOPs exceed 1.5x
+    the mean (owners chosen by cost, launcher/plan/estimate/muon.py)."""
+    from collections import Counter
+
+    got = results[name]
+    assert "error" not in got, got.get("traceback")
+    per_rank = got["ns_work_per_rank"]
+    ref = results[reference_of(name)]["ns_work_per_rank"][0]
+    replicas = SPECS[name]["mesh"].get("dp_replicate", 1)
+    done = Counter((w[0], w[1]) for rank in per_rank for w in rank)
+    assert set(done) == {(w[0], w[1]) for w in ref}, f"{name}: other matrices than the 1-rank run's"
+    assert set(done.values()) == {replicas}, f"{name}: matrices orthogonalised {sorted(set(done.values()))} times"
+    loads = [sum(w[2] for w in rank) for rank in per_rank]
+    mean = sum(loads) / len(loads)
+    assert max(loads) <= 1.5 * mean, f"{name}: Newton-Schulz FLOPs per rank {loads} (max > 1.5x mean)"

@@ -228,9 +228,41 @@ class CheckpointConfig:
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 
 
+# optim.muon.adjust_lr's values: torch.optim.Muon's adjust_lr_fn (docs/optimizers.md says which to pick).
+MUON_ADJUST_LR = ("original", "match_rms_adamw")
+# optim.groups[].optimizer's values.
+OPTIMIZER_KINDS = ("adamw", "muon")
+
+
+@dataclass
+class MuonConfig:
+    """Muon's own keys (optim=muon): the hidden matrices' optimizer. Defaults are torch.optim.Muon's
+    except lr (docs/optimizers.md, "Defaults"): 0.02, Keller Jordan's for the "original" scaling."""
+
+    lr: float = 0.02
+    weight_decay: float = 0.1
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_coefficients: List[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    adjust_lr: str = "original"  # original (sqrt(max(1, rows/cols))) | match_rms_adamw (0.2 sqrt(max(rows, cols)))
+
+
+@dataclass
+class OptimGroupConfig:
+    """One entry of optim.groups: the parameters whose canonical name (the checkpoint's and the HF
+    maps' name, without wrapper components) matches `match` (a regex, re.search) take `optimizer`
+    with these lr / weight_decay (None: that optimizer's own, optim.lr or optim.muon.lr)."""
+
+    match: str = MISSING
+    optimizer: str = "adamw"  # adamw | muon
+    lr: Optional[float] = None
+    weight_decay: Optional[float] = None
+
+
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest: docs/optimizers.md)
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -242,6 +274,10 @@ class OptimConfig:
     # AdamW's kernels: auto (fused on CUDA, as torchtitan; torch's default foreach/per-tensor
     # elsewhere) | fused | foreach | for_loop. Same update; fused reads each state once.
     implementation: str = "auto"
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    # Parameter groups by canonical name, first match wins; a parameter no entry matches gets the
+    # default of optim.name (launcher/plan/decide/optim_groups.py).
+    groups: List[OptimGroupConfig] = field(default_factory=list)
 
 
 @dataclass

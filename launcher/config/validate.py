@@ -13,13 +13,15 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from launcher.config.executors import EXECUTOR_NAMES, cluster_key_problems
 from launcher.config.errors import ConfigError
 from launcher.config.run_identity import run_name_problems
-from launcher.config.schema import ADAMW_IMPLEMENTATIONS, JobConfig, ModelConfig, RehearseConfig
+from launcher.config.schema import (ADAMW_IMPLEMENTATIONS, MUON_ADJUST_LR, OPTIMIZER_KINDS, JobConfig, ModelConfig,
+                                    RehearseConfig)
 from launcher.hf.format import DTYPES as EXPORT_DTYPES, folder_problems
 from launcher.models.family import family_problems
 from launcher.models.shape import head_dim_of, moe_layer_ids
@@ -37,7 +39,8 @@ CHOICES = {
     "offload.optimizer": ("none", "cpu", "nvme"),
     "offload.params": ("none", "cpu", "nvme"),
     "activation_checkpointing.mode": ("none", "selective", "full"),
-    "optim.name": ("adamw",),
+    "optim.name": ("adamw", "muon"),
+    "optim.muon.adjust_lr": MUON_ADJUST_LR,
     "optim.schedule": ("cosine", "linear", "constant"),
     "data.source": ("embedded", "tokens", "text", "indexed"),
     "data.dtype": ("uint16", "uint32"),
@@ -356,6 +359,41 @@ def _check_optimizer_values(spec: JobConfig, problems: List[str]) -> None:
     if o.implementation not in ADAMW_IMPLEMENTATIONS:
         problems.append(f"optim.implementation={o.implementation!r} is not one of {', '.join(ADAMW_IMPLEMENTATIONS)}. "
                         f"Fix: optim.implementation=auto (fused on CUDA).")
+    _check_muon_values(o.muon, problems)
+    _check_optim_groups(o.groups, problems)
+
+
+def _check_muon_values(m, problems: List[str]) -> None:
+    """optim.muon.*'s ranges (torch.optim.Muon would raise them inside every rank)."""
+    if not m.lr > 0:
+        problems.append(f"optim.muon.lr={m.lr} must be positive. Fix: e.g. optim.muon.lr=0.02.")
+    if m.weight_decay < 0:
+        problems.append(f"optim.muon.weight_decay={m.weight_decay} must be >= 0. Fix: e.g. optim.muon.weight_decay=0.1.")
+    if not 0 <= m.momentum < 1:
+        problems.append(f"optim.muon.momentum={m.momentum} must be within [0, 1). Fix: e.g. optim.muon.momentum=0.95.")
+    if not 1 <= m.ns_steps < 100:
+        problems.append(f"optim.muon.ns_steps={m.ns_steps} must be within [1, 100). Fix: e.g. optim.muon.ns_steps=5.")
+    if len(m.ns_coefficients) != 3:
+        problems.append(f"optim.muon.ns_coefficients={list(m.ns_coefficients)} must be three numbers (a, b, c). "
+                        f"Fix: optim.muon.ns_coefficients=[3.4445,-4.775,2.0315].")
+
+
+def _check_optim_groups(groups, problems: List[str]) -> None:
+    """optim.groups entries that are wrong whatever the model is (the model's names are checked
+    before launch: launcher/launch/preflight.py)."""
+    for i, g in enumerate(groups):
+        try:
+            re.compile(g.match)
+        except re.error as err:
+            problems.append(f"optim.groups[{i}].match={g.match!r} is not a regular expression ({err}). "
+                            f"Fix: e.g. match: '\\.attention\\.w[qkvo]\\.weight$'.")
+        if g.optimizer not in OPTIMIZER_KINDS:
+            problems.append(f"optim.groups[{i}].optimizer={g.optimizer!r} is not one of {', '.join(OPTIMIZER_KINDS)}. "
+                            f"Fix: optimizer: adamw (or muon for matrices).")
+        if g.lr is not None and not g.lr > 0:
+            problems.append(f"optim.groups[{i}].lr={g.lr} must be positive. Fix: e.g. lr: 3e-4, or leave it out.")
+        if g.weight_decay is not None and g.weight_decay < 0:
+            problems.append(f"optim.groups[{i}].weight_decay={g.weight_decay} must be >= 0. Fix: e.g. weight_decay: 0.")
 
 
 def _check_misc_values(spec: JobConfig, problems: List[str]) -> None:

@@ -38,7 +38,9 @@ from launcher import compat
 from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, NonFiniteStep, StepStats, as_microbatches,
                                    aux_loss_scale, built_report, local_token_count, model_kwargs, source_means,
                                    source_sums, step_source_count, token_loss_sum, token_losses)
-from launcher.engines.optim import build_adamw, build_scheduler, clip_grad_norm, first_nonfinite_grad
+from launcher.engines.optim import build_scheduler, clip_grad_norm, first_nonfinite_grad
+from launcher.engines.muon import optimizer_group_lrs, update_rms_metrics, update_square_sums
+from launcher.engines.optimizers import build_optimizer
 from launcher.hf.export import export_state
 from launcher.hf.weights import export_hf, load_hf_weights
 from launcher.models import build_model
@@ -122,7 +124,7 @@ class NativeEngine:
         else:
             self.has_first = self.has_last = True
 
-        self.optimizers = [build_adamw(p, optim_cfg) for p in self.parts]
+        self.optimizers = [build_optimizer(p, optim_cfg) for p in self.parts]
         self.schedulers = [build_scheduler(o, optim_cfg, options.total_steps) for o in self.optimizers]
         self._token_norm = 1.0
         # Per-source loss sums of the running step (pipeline loss function), sized per step.
@@ -340,9 +342,12 @@ class NativeEngine:
         # The one host read per step of numerical health: the norm is global (all-reduced over
         # every shard and stage), so every rank takes the same decision without another collective.
         skipped = None if bool(torch.isfinite(grad_norm)) else self._diagnose_nonfinite(local_loss)
+        group_lrs = optimizer_group_lrs(self.optimizers)  # the rates this step uses (before the schedule moves)
+        update_sq = None
         if skipped is None:
             for opt in self.optimizers:
                 opt.step()
+            update_sq = update_square_sums(self.optimizers, dev)
             if self._fp8_all_gather:
                 for part in self.parts:
                     precompute_float8_scales(part)
@@ -353,7 +358,11 @@ class NativeEngine:
         # its gradients are dropped and its data stays consumed.
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        extra = {}
+        extra = dict(group_lrs)
+        if update_sq is not None:
+            if self.world is not None:
+                dist.all_reduce(update_sq)  # every rank's shards (each pipeline stage its own)
+            extra.update(update_rms_metrics(update_sq))
         if self.is_moe:
             ranks = submesh(self.world, "dp_cp").size() if self.world is not None else 1
             extra["moe_aux_loss"] = stats[1] / ranks

@@ -15,7 +15,9 @@ from torch.distributed.tensor import DTensor
 from launcher.config.schema import ADAMW_IMPLEMENTATIONS
 
 
-def _mesh_key(p: torch.Tensor):
+def mesh_key(p: torch.Tensor):
+    """The identity of a DTensor parameter's device mesh (None for a plain tensor): one optimizer group
+    per mesh, since foreach kernels cannot batch DTensors of different meshes."""
     mesh = getattr(p, "device_mesh", None)  # DTensor parameters carry their mesh
     if mesh is None:
         return None
@@ -36,7 +38,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> List[Dict]:
         if not p.requires_grad:
             continue
         decay = len(getattr(p, "ds_shape", p.shape)) >= 2
-        key = (_mesh_key(p), decay)
+        key = (mesh_key(p), decay)
         group = groups.setdefault(key, {"params": [], "weight_decay": weight_decay if decay else 0.0})
         group["params"].append(p)
     return list(groups.values())

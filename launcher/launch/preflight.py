@@ -15,6 +15,7 @@ import logging
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
+from launcher.plan.decide.optim_groups import has_muon, uses_groups
 from launcher.plan.present.plan import Plan
 
 
@@ -37,6 +38,26 @@ def check_deepspeed_config(spec: JobConfig, plan: Plan) -> None:
             f"{layout.memory.offload_optimizer}, params={layout.memory.offload_params}): {type(err).__name__}: {reason}. "
             f"Fix: change the keys it names, or backend=native where the native path serves this layout."
         ]) from err
+
+
+def check_optimizer(spec: JobConfig, plan: Plan) -> None:
+    """optim=muon / optim.groups before launch: refused when DeepSpeed owns the model states
+    (DeepSpeed 0.19.8's Muon iterates on the Gram matrix by default, has no match_rms_adamw and no
+    coefficients to set: it cannot equal torch.optim.Muon), and every group checked against the
+    model's canonical parameter names (a pattern that matches nothing, Muon on a non-matrix)."""
+    if not uses_groups(spec.optim):
+        return
+    if has_muon(spec.optim) and plan.layout.owners.sharding_backend == "deepspeed":
+        raise ConfigError([
+            "optim=muon (or a Muon group in optim.groups) is served by the native engine only; this layout's "
+            "model states are owned by DeepSpeed, whose Muon (runtime/zero/muon) does not compute torch.optim.Muon's "
+            "update. Fix: backend=native with parallel.zero_stage=2 or 3, or optim=adamw."])
+    # lazy: torch, to build the model on the meta device; only a run with groups reaches here
+    from launcher.engines.muon import model_group_assignment
+
+    problems = model_group_assignment(spec.model, spec.optim).problems
+    if problems:
+        raise ConfigError(list(problems))
 
 
 def check_hf_support(spec: JobConfig, plan: Plan) -> None:

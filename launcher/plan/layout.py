@@ -124,6 +124,9 @@ class NumericsPlan:
     fp8_emulate: bool = False
     fp8_min_features: int = 16
     fp8_exclude: Tuple[str, ...] = ("output", "router")
+    # optim.name: adamw | muon (Muon keeps one fp32 momentum buffer per matrix instead of AdamW's two
+    # moments: launcher/plan/estimate/memory.py model_state_memory).
+    optimizer: str = "adamw"
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ PLAN_KEY_ORDER: Tuple[str, ...] = (
     "zeropp_quantized_weights", "zeropp_quantized_gradients", "zeropp_hierarchical_partition",
     "hpz_partition_size", "accumulate_unsharded", "choices", "compile", "fp8_recipe", "document_mask", "tf32",
     "fp8_emulate", "fp8_min_features", "fp8_exclude", "offload_nvme_path", "offload_pin_memory",
-    "health_check", "exclude_stragglers",
+    "health_check", "exclude_stragglers", "optimizer",
 )
 
 

@@ -69,7 +69,7 @@ def predicted_for_rank(shape: ModelShape, layout: Layout, plan_memory: Dict[str,
     stage = stage_params(shape, layout.mesh.pp, layout.vpp, layout.schedule, layout.pp_layers)[pp_rank]
     # Held states: the same formula with one micro-batch (no accumulation transient).
     one_micro = dataclasses.replace(layout.batch, microbatches=1)
-    held = model_state_memory(stage, dataclasses.replace(layout, batch=one_micro))
+    held = model_state_memory(stage, dataclasses.replace(layout, batch=one_micro), shape)
     out: Dict[str, Any] = {c: int(held[c]) for c in STATE_CATEGORIES}
     row = row or {}
     # The CUDA context / NCCL reserve is no tensor: the rehearsal (on CPU) cannot see it.

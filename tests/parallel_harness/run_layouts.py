@@ -9,7 +9,7 @@ A layout that raises is recorded as {"error": "..."} and the next one still runs
 
 Layout keys: name, model (debug | debug_moe), mesh {pp, dp_replicate, dp_shard, cp, tp, ep},
 sp, pp_schedule, pp_virtual_stages, pp_layers, micro_batch_size, ac, ac_selective, compile,
-zero_stage, precision, offload (offload.optimizer), accumulate_unsharded, backend_sharding, steps, save_dir +
+zero_stage, precision, offload (offload.optimizer), optim (muon), accumulate_unsharded, backend_sharding, steps, save_dir +
 save_after (save after that many steps), load_dir + start_step (resume, then run steps
 start_step..steps-1).
 
@@ -125,6 +125,8 @@ def run_layout(spec: dict) -> dict:
     steps = spec.get("steps", 3)
     t_build = time.time()
     optim = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1)
+    if spec.get("optim") == "muon":  # Muon's own lr (optim.muon.lr) stays its default
+        optim = replace(optim, name="muon")
     options = EngineOptions(total_steps=10, grad_clip=1.0, seed=7, compile=spec.get("compile", False))
     device = torch.device("cuda", torch.cuda.current_device()) if DEVICE.type == "cuda" else DEVICE
     engine = NativeEngine(mcfg, optim, layout, device, options)
@@ -158,6 +160,12 @@ def run_layout(spec: dict) -> dict:
     out["seconds"] = time.time() - t0
     if spec.get("eval_rows"):  # downstream evaluation's scoring on this layout's trained model
         out["eval_rows"] = eval_row_scores(engine, layout, dp_rank, mcfg.vocab_size)
+    if spec.get("optim") == "muon":  # who orthogonalised what, the last step (work-balance test)
+        costs = [w for o in engine.optimizers for w in getattr(o, "ns_work", [])]
+        per_rank = [None] * dist.get_world_size() if dist.is_initialized() else [costs]
+        if dist.is_initialized():
+            dist.all_gather_object(per_rank, costs)
+        out["ns_work_per_rank"] = per_rank
     held = probe.result()
     if dist.is_initialized():
         per_rank = [None] * dist.get_world_size()

@@ -231,6 +231,7 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
             fp8_emulate=bool(pr.fp8.emulate),
             fp8_min_features=int(pr.fp8.min_features),
             fp8_exclude=tuple(str(x) for x in pr.fp8.exclude),
+            optimizer=str(spec.optim.name),
         ),
         memory=MemoryPlan(
             ac_selective=str(spec.activation_checkpointing.selective),

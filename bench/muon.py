@@ -1,0 +1,144 @@
+"""Optimizer step time of Muon vs AdamW on the same layout, measured and predicted.
+
+    .venv/bin/python bench/muon.py [--ranks 4] [--model debug_moe] [--rounds 5] [--steps 5]
+
+Starts itself under torchrun (gloo on CPU; FSDP2 over `--ranks` ranks, EP 2 for a MoE model), and
+on every rank builds the native engine twice from the same Layout: optim=adamw and optim=muon.
+After one real training step (the states exist), both optimizers step the same random gradients in
+alternating rounds, so that machine load hits both alike; a side's time is the median over rounds
+of the round's wall time / its steps (rank 0's clock; the steps are collective).
+
+The prediction uses the formulas the engine uses (`launcher/plan/estimate/muon.py`: Newton-Schulz
+FLOPs per matrix, owners balanced over the ranks) with this CPU's rates measured here: a bf16
+matmul's FLOP/s and an fp32 elementwise pass's bytes/s. AdamW's step reads and writes about 4
+fp32 tensors per parameter (p, g, m, v); Muon's elementwise part 3 (p, g, buf) plus the busiest
+rank's Newton-Schulz and the all-gather + reduce-scatter of its matrices' shards (at the measured
+elementwise rate: gloo on one machine copies memory). The planner proper does not price Muon yet
+(docs/optimizers.md, "Not built yet"), and these terms leave out per-tensor dispatch and
+collective latency, which dominate on the debug models (measured on 2 loaded cores, debug_moe,
+4 ranks: ratio 8.0, predicted 44: the prediction is not yet useful at this size).
+The last line is `muon/adamw step time ratio R (predicted P)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _measure_rates(torch) -> tuple:
+    """(bf16 matmul FLOP/s, fp32 elementwise bytes/s) of this rank's CPU thread."""
+    a = torch.randn(128, 384).bfloat16()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        (a @ a.T) @ a
+    flops = 20 * (2 * 128 * 128 * 384 * 2) / (time.perf_counter() - t0)
+    x, y = torch.randn(1 << 20), torch.randn(1 << 20)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        x.lerp_(y, 0.1)
+    bw = 20 * 3 * 4 * (1 << 20) / (time.perf_counter() - t0)
+    return flops, bw
+
+
+def rank_main(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO))
+    from launcher.config.loader import compose_spec
+    from launcher.engines.base import EngineOptions
+    from launcher.engines.native import NativeEngine
+    from launcher.plan.decide.optim_groups import assign_groups, matrices
+    from launcher.plan.decide.resolve import resolve
+    from launcher.plan.estimate.muon import assign_owners, ns_flops, owner_loads
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    moe = args.model != "debug"
+    over = ["+recipe=debug", f"model={args.model}", f"cluster.gpus_per_node={world}", "trainer.device=cpu",
+            "precision=fp32", f"parallel.dp_shard={world}", "trainer.global_batch_size=8", "trainer.micro_batch_size=1",
+            "trainer.seq_len=16", "parallel.ep=2" if moe else "parallel.ep=1"]
+    engines, layout = {}, None
+    for name in ("adamw", "muon"):
+        spec = compose_spec(over + [f"optim={name}"])
+        layout = resolve(spec)
+        engines[name] = NativeEngine(spec.model, spec.optim, layout, torch.device("cpu"),
+                                     EngineOptions(total_steps=100, grad_clip=1.0, seed=0))
+    vocab = spec.model.vocab_size
+    g = torch.Generator().manual_seed(rank)
+    per = 8 // world
+    mbs = [(torch.randint(0, vocab, (1, 16), generator=g), torch.randint(0, vocab, (1, 16), generator=g))
+           for _ in range(per)]
+    for e in engines.values():
+        e.train_step(mbs)  # creates the optimizer states
+        for part in e.parts:
+            for p in part.parameters():
+                p.grad = torch.randn_like(p) * 1e-3
+    times = {k: [] for k in engines}
+    for _ in range(args.rounds):
+        for name, e in engines.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                for opt in e.optimizers:
+                    opt.step()
+            dist.barrier()
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    # The prediction, from the same formulas and the measured rates.
+    flops_rate, bw = _measure_rates(torch)
+    params = [(n, tuple(p.shape)) for n, p in engines["adamw"].parts[0].named_parameters()]
+    a = assign_groups(params, spec.optim)
+    numel = {"muon": 0, "adamw": 0}
+    costs = []
+    for name, shape, gi in a.members:
+        kind = a.groups[gi].optimizer
+        n = 1
+        for d in shape:
+            n *= d
+        numel[kind] += n
+        if kind == "muon":
+            costs += [ns_flops(r, c, spec.optim.muon.ns_steps) for r, c in matrices(shape)]
+    top, _ = owner_loads(costs, assign_owners(costs, world), world)
+    total = numel["muon"] + numel["adamw"]
+    adamw_s = 4 * 2 * 4 * total / world / bw  # p, g, m, v read and p, m, v written: ~8 passes of 4 B
+    muon_s = (4 * 2 * 4 * numel["adamw"] / world + 3 * 2 * 4 * numel["muon"] / world) / bw \
+        + top / flops_rate + 2 * 4 * numel["muon"] * (world - 1) / world / bw
+    if rank == 0:
+        m, w = statistics.median(times["muon"]), statistics.median(times["adamw"])
+        print(f"model {args.model}, {world} ranks (FSDP2{' x EP 2' if moe else ''}), {len(costs)} Muon matrices, "
+              f"{numel['muon']:,} Muon / {numel['adamw']:,} AdamW parameters")
+        print(f"adamw step {w * 1e3:.1f} ms, muon step {m * 1e3:.1f} ms (medians of {args.rounds} rounds x {args.steps} steps)")
+        print(f"rates: bf16 matmul {flops_rate / 1e9:.1f} GFLOP/s, elementwise {bw / 1e9:.1f} GB/s per rank")
+        print(f"formulas' bandwidth + FLOP terms: adamw {adamw_s * 1e3:.2f} ms, muon {muon_s * 1e3:.2f} ms (at these sizes "
+              f"per-tensor dispatch and collective latency, which they leave out, dominate both steps)")
+        print(f"muon/adamw step time ratio {m / w:.2f} (predicted {muon_s / adamw_s:.2f})")
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--model", default="debug_moe")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        rank_main(args)
+        return 0
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
+           __file__, "--ranks", str(args.ranks), "--model", args.model, "--rounds", str(args.rounds),
+           "--steps", str(args.steps)]
+    return subprocess.call(cmd, env=env, cwd=REPO)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
