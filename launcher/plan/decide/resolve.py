@@ -34,6 +34,7 @@ from launcher.plan.estimate.memory import estimate_memory, most_loaded
 from launcher.plan.degrees import MeshPlan
 from launcher.plan.estimate.params import model_shape
 from launcher.plan.decide.rules import backend_conflicts, hpz_partition_size
+from launcher.plan.decide.support import Switches
 
 
 def derive_mesh(parallel: ParallelConfig, cluster: ClusterConfig) -> Tuple[Optional[MeshPlan], List[str]]:
@@ -213,6 +214,11 @@ def backend_fields(choices: Dict[str, BackendChoice], offload_optimizer: str, pp
     }
 
 
+def cp_impl_of(spec: JobConfig, mesh: MeshPlan) -> str:
+    """The BackendPlan's cp_impl: off, allgather or ring (launcher/plan/decide/cp_choice.py)."""
+    return Switches.read(spec, mesh).cp_choice()[0]
+
+
 def spec_fields(spec: JobConfig) -> Dict[str, Any]:
     """The Layout fields read straight from the spec, the same for every layout of it
     (precision, offload, DeepSpeed buckets and ZeRO++ keys, cluster size, seq_len); shared with the search."""
@@ -289,6 +295,7 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers),
         owners=BackendPlan(choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
+                           cp_impl=cp_impl_of(spec, mesh),
                            **backend_fields(choices, spec.offload.optimizer, mesh.pp)),
     )
 
