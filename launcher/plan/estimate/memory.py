@@ -35,6 +35,7 @@ from functools import lru_cache
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from launcher.plan.layout import Layout, MemoryPlan
+from launcher.plan.estimate.cp_allgather import is_allgather
 from launcher.plan.estimate.params import ModelShape, StageParams, stage_params
 
 GiB = 1024**3
@@ -243,7 +244,12 @@ def _attention_widths(shape: ModelShape, lay: Layout) -> Dict[str, int]:
     q = at.n_heads * at.qk_head_dim
     k = at.n_kv_heads * at.qk_head_dim
     v = at.linear(at.v_source).out_features  # v is a view of that matmul's output: all of it is kept
-    if at.n_kv_heads != at.n_heads and lay.mesh.cp > 1:
+    if is_allgather(lay):
+        # All-gather CP: the whole sequence's K/V (MLA: also its latent and RoPE key) are saved on
+        # every rank, cp times a local token's (launcher/plan/estimate/cp_allgather.py).
+        latent = at.linear(at.v_source).in_features + at.rope_dim if at.assembled_qk else 0
+        k, v = k * lay.mesh.cp, (v + latent) * lay.mesh.cp
+    elif at.n_kv_heads != at.n_heads and lay.mesh.cp > 1:
         # Ring attention (context parallelism) has no enable_gqa: K/V are repeated to every head.
         k, v = q, at.n_heads * at.v_head_dim
     return {"q": q, "k": k, "v": v, "o": at.n_heads * at.v_head_dim}
