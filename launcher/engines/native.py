@@ -188,6 +188,15 @@ class NativeEngine:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
+    def context_parallel_slice(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict[str, Any]):
+        """(inputs, labels, model kwargs) of this rank under all-gather context parallelism: its
+        head-tail slice with positions, document ids and the keys' index (launcher/parallel/cp.py);
+        unchanged otherwise (ring attention shards inside its region)."""
+        if self.mesh_plan.cp > 1 and self.cp_impl == "allgather":
+            cp = self.world["cp"]
+            return shard_for_allgather(inputs, labels, kwargs, cp.size(), cp.get_local_rank())
+        return inputs, labels, kwargs
+
     def _context_parallel(self, model, inputs, labels):
         if self.mesh_plan.cp > 1 and self.cp_impl == "ring":
             return context_parallel_region(model, self.world["cp"], inputs, labels)
@@ -236,10 +245,7 @@ class NativeEngine:
         """One micro-batch's forward and loss, and its backward when training."""
         self._check_masking_supported(mb)
         inputs, labels = mb.inputs.to(self.device), mb.labels.to(self.device)
-        kwargs = model_kwargs(mb, self.device)
-        if self.mesh_plan.cp > 1 and self.cp_impl == "allgather":
-            cp = self.world["cp"]
-            inputs, labels, kwargs = shard_for_allgather(inputs, labels, kwargs, cp.size(), cp.get_local_rank())
+        inputs, labels, kwargs = self.context_parallel_slice(inputs, labels, model_kwargs(mb, self.device))
         with self._context_parallel(model, inputs, labels), self._loss_parallel():
             with self._autocast():
                 logits = model(inputs, **kwargs)

@@ -269,11 +269,12 @@ def resilience_plan(spec: JobConfig) -> ResiliencePlan:
     return ResiliencePlan(health_check=health, exclude_stragglers=exclude)
 
 
-def document_mask_kernel(spec: JobConfig) -> str:
-    """The Layout's document_mask: "none" without data.document_masking, else the kernel the model
-    picks (launcher/models/layers.py): SDPA with a boolean mask on CPU (FlexAttention has no CPU
+def document_mask_kernel(spec: JobConfig, cp_impl: str = "off") -> str:
+    """The Layout's document_mask: "none" without data.document_masking (nor all-gather context
+    parallelism, whose attention always takes a mask), else the kernel the model picks
+    (launcher/models/layers.py): SDPA with a boolean mask on CPU (FlexAttention has no CPU
     backward), FlexAttention on GPUs (trainer.device cuda or auto: plans target GPUs)."""
-    if not bool(getattr(spec.data, "document_masking", False)):
+    if not bool(getattr(spec.data, "document_masking", False)) and cp_impl != "allgather":
         return "none"
     return "sdpa" if spec.trainer.device == "cpu" else "flex"
 
@@ -282,6 +283,8 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
     """The Layout of a spec whose mesh, accumulation and backend choices are resolved."""
     p = spec.parallel
     fixed = spec_fields(spec)
+    cp_impl = cp_impl_of(spec, mesh)
+    fixed["document_mask"] = document_mask_kernel(spec, cp_impl)
     # hpZ groups follow the mesh (HSDP maps to groups of dp_shard), so they are set here, not in spec_fields.
     fixed["deepspeed"] = replace(fixed["deepspeed"], hpz_partition_size=hpz_partition_size(
         int(spec.backend.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard))
@@ -295,7 +298,7 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers),
         owners=BackendPlan(choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
-                           cp_impl=cp_impl_of(spec, mesh),
+                           cp_impl=cp_impl,
                            **backend_fields(choices, spec.offload.optimizer, mesh.pp)),
     )
 

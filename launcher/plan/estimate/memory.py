@@ -398,13 +398,14 @@ def document_mask_bytes(lay: Layout) -> float:
     forward and shared by every layer (SDPA saves it for backward; its flash kernel keeps no s x s
     scores). "flex" (CUDA): the BlockMask's int32 tables, [micro_batch, 1, s/128] block counts and
     [micro_batch, 1, s/128, s/128] indices, for the partial and full blocks, forward and backward
-    (4 of each). Context parallelism with masking is refused, so the sequence is whole."""
-    b, s = lay.batch.micro_batch_size, lay.batch.seq_len
+    (4 of each). Under all-gather context parallelism (which builds the mask with or without
+    documents: the resolver sets document_mask) the rank's s/cp queries over the s gathered keys."""
+    b, s, cp = lay.batch.micro_batch_size, lay.batch.seq_len, lay.mesh.cp
     if lay.document_mask == "sdpa":
-        return float(b * s * s * lay.act_bytes)
+        return float(b * (s / cp) * s * lay.act_bytes)
     if lay.document_mask == "flex":
-        n = -(-s // FLEX_BLOCK)
-        return float(4 * 4 * b * (n + n * n))
+        nq, n = -(-s // (cp * FLEX_BLOCK)), -(-s // FLEX_BLOCK)
+        return float(4 * 4 * b * (nq + nq * n))
     return 0.0
 
 

@@ -285,7 +285,8 @@ def document_mask_s(st: StageParams, lay: Layout, hw: Any) -> float:
     not modelled."""
     if lay.document_mask != "sdpa":
         return 0.0
-    mask = lay.microbatch_tokens * lay.batch.seq_len
+    # All-gather CP: each rank's queries (1/cp of them) over the whole sequence's keys.
+    mask = lay.microbatch_tokens * lay.batch.seq_len / lay.mesh.cp
     built = mask * (2 + lay.act_bytes)
     reads = mask * lay.act_bytes * st.n_layers * (2 + recompute_fraction(lay))
     return (built + reads) / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)

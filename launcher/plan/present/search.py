@@ -46,7 +46,8 @@ from launcher.plan.degrees import MeshPlan
 from launcher.plan.estimate.memory import estimate_memory, model_state_memory, most_loaded
 from launcher.plan.estimate.params import ModelShape, model_shape, stage_params
 from launcher.plan.estimate.perf import estimate_time
-from launcher.plan.decide.resolve import backend_fields, cp_impl_of, expert_parallel_problems, spec_fields, validate, world_size
+from launcher.plan.decide.resolve import (backend_fields, cp_impl_of, document_mask_kernel, expert_parallel_problems,
+                                          spec_fields, validate, world_size)
 from launcher.plan.decide.rules import backend_conflicts
 
 AC_MODES = ("none", "selective", "full")
@@ -256,9 +257,9 @@ def _accumulation_held(spec, shape: ModelShape, lay: Layout, reserve: int):
 
 
 def _with_backends(lay: Layout, choices: Dict[str, Any], spec) -> Layout:
-    owners = dataclasses.replace(lay.owners, cp_impl=cp_impl_of(spec, lay.mesh),
-                                 **backend_fields(choices, spec.offload.optimizer, lay.mesh.pp))
-    return dataclasses.replace(lay, owners=owners)
+    cp_impl = cp_impl_of(spec, lay.mesh)
+    owners = dataclasses.replace(lay.owners, cp_impl=cp_impl, **backend_fields(choices, spec.offload.optimizer, lay.mesh.pp))
+    return dataclasses.replace(lay, owners=owners, document_mask=document_mask_kernel(spec, cp_impl))
 
 
 def node_counts(spec) -> List[int]:
