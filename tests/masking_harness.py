@@ -3,7 +3,8 @@
 Usage (2 ranks, gloo; every layout in the file uses 2 ranks):
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/masking_harness.py LAYOUTS.json OUT.json
 
-Per layout (keys: name, model, mesh {parallel.* degrees}, sp, pp_schedule) the native engine is built from the
+Per layout (keys: name, model, overrides {model.* keys}, mesh {parallel.* degrees}, sp, pp_schedule, dotted
+{other config keys}) the native engine is built from the
 real resolver's Layout and given the same packed batch as the 1-rank reference in the test:
 - `logits_max_diff`: the engine's logits of the packed rows (document masking, positions reset at
   each document) vs each document run alone through a plain 1-rank model with the same weights;

@@ -218,6 +218,8 @@ LAYOUTS = [
     {"name": "cp2_qk_norm", "model": "debug", "mesh": {"cp": 2},
      "overrides": {"family": "qwen3", "qk_norm": True, "head_dim": 24}},
     {"name": "cp2_mla", "model": "deepseek_v3_tiny", "mesh": {"cp": 2}},
+    # Full activation checkpointing recomputes each block's forward, its K/V all-gather included.
+    {"name": "cp2_ac_dense", "model": "debug", "mesh": {"cp": 2}, "dotted": {"activation_checkpointing.mode": "full"}},
 ]
 
 

@@ -33,8 +33,6 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from launcher.models.layers import Attention, KeyIndex
 
-CP_IMPLS = ("allgather", "ring")
-
 log = logging.getLogger(__name__)
 
 
