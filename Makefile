@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:
 #   make demo   create .venv, install, train the debug recipe (2 local ranks on CPU)
-#   make test   install test needs (incl. a local SLURM cluster) and run the whole suite
+#   make test   install test needs (lm-eval, a local SLURM cluster) and run the whole suite
 #
 # CPU machines install torch==2.13.0 from requirements-cpu.txt. On a GPU machine keep your
 # CUDA torch:  make demo TORCH_REQUIREMENTS=
@@ -9,6 +9,7 @@ PYTHON ?= python3
 TORCH_REQUIREMENTS ?= requirements-cpu.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-eval
 
 # DeepSpeed JIT-compiled ops and torch.compile caches stay inside the work tree.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
@@ -28,7 +29,12 @@ $(STAMP): pyproject.toml $(TORCH_REQUIREMENTS) | system-deps
 demo: $(STAMP)
 	$(VENV)/bin/train +recipe=debug
 
-test: $(STAMP)
+# The suite also needs the optional extra launcher[eval] (lm-eval, ~2-3 minutes to install once).
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,eval]' $(if $(TORCH_REQUIREMENTS),-c $(TORCH_REQUIREMENTS))
+	touch $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q -ra --durations=20
 
 # Debian packages: venv support, a C++ compiler and Python headers (DeepSpeed's JIT-built ops,

@@ -231,11 +231,12 @@ def _resolved(spec: JobConfig) -> "Layout":
 def _check_before_launch(spec: JobConfig, plan) -> None:
     """Checks that need the run-time libraries (DeepSpeed's own config classes); exit 2 on failure."""
     # lazy: action=run only (preflight + deepspeed_config: ~7 ms); action=plan skips it
-    from launcher.launch.preflight import check_deepspeed_config, check_hf_support
+    from launcher.launch.preflight import check_deepspeed_config, check_eval_tasks, check_hf_support
 
     try:
         check_hf_support(spec, plan)
         check_deepspeed_config(spec, plan)
+        check_eval_tasks(spec)
     except ConfigError as err:
         _fail_config(err.problems)
 

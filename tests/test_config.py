@@ -100,6 +100,11 @@ RULES = [
     (["trainer.max_skipped_steps=-1"], ["trainer.max_skipped_steps=-1", "trainer.max_skipped_steps=5"]),
     (["trainer.spike_zscore=-1"], ["trainer.spike_zscore=-1", "0 (off)"]),
     (["trainer.spike_zscore=6", "trainer.spike_window=1"], ["trainer.spike_window=1", "at least 2"]),
+    (["trainer.on_spike=retry"], ["trainer.on_spike='retry'", "log", "rewind"]),
+    (["trainer.on_spike=rewind"], ["trainer.on_spike=rewind", "trainer.spike_zscore=0", "Fix: e.g. trainer.spike_zscore=6"]),
+    (["trainer.on_spike=rewind", "trainer.spike_zscore=6", "checkpoint.interval=0"],
+     ["trainer.on_spike=rewind", "saves none", "checkpoint.interval=100"]),
+    (["trainer.spike_skip_batches=-2"], ["trainer.spike_skip_batches=-2", "trainer.spike_skip_batches=200"]),
     (["profile.enabled=true", "profile.steps=[5,2]"], ["profile.steps=[5, 2]", "first <= last"]),
     (["profile.enabled=true", "profile.ranks=[7]"], ["profile.ranks has [7]", "0..1"]),
     # Budget keys (launcher/plan/estimate/budget.py).

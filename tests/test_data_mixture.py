@@ -187,3 +187,26 @@ def test_train_on_a_mix_then_resume_on_one_rank_with_new_weights(tmp_path):
     for r in later.values():
         counts = [r["data/web/tokens"] // 128, r["data/code/tokens"] // 128]
         assert _within_one_sample(counts, [0.5, 0.5], since=stored["mixture"]["counts"])
+
+
+def test_skipping_batches_after_a_resume_reads_the_stream_further_on(corpora):
+    """trainer.on_spike=rewind: resumed at step 6 with 2 batches skipped, step 7 reads what step 9
+    of the uninterrupted stream read; the checkpoint of a later step resumes the same stream."""
+    reference = _batches(corpora, BatchSlice(0, 1, 8, 1))
+    expected = {s: _rows(reference.for_step(s)) for s in range(1, 15)}
+    first = _batches(corpora, BatchSlice(0, 1, 8, 1))
+    for s in range(1, 7):
+        first.for_step(s)
+    stored = json.loads(json.dumps(first.checkpoint_state(6)))
+    rewound = _batches(corpora, BatchSlice(0, 1, 8, 1))
+    rewound.resume(6, stored)
+    rewound.skip(2)
+    for s in range(7, 10):
+        assert _equal(_rows(rewound.for_step(s)), expected[s + 2])
+    # Its step-9 checkpoint holds the position of data step 11: a resume with batches_skipped=2
+    # continues where it left off.
+    later = json.loads(json.dumps(rewound.checkpoint_state(9)))
+    assert later == reference.checkpoint_state(11)
+    again = _batches(corpora, BatchSlice(0, 1, 8, 1))
+    again.resume(9, later, skipped=2)
+    assert _equal(_rows(again.for_step(10)), expected[12])

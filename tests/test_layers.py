@@ -38,6 +38,7 @@ FLOOR = {
     "checkpoint": 7,
     "resilience": 7,
     "observe": 6,
+    "eval": 6,  # downstream evaluation: scores through the engines' eval path; the rank loop calls it
     "engines": 5,
     "parallel": 4,
     "plan": 3,

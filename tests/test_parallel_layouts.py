@@ -67,6 +67,8 @@ def results(tmp_path_factory) -> dict:
     for spec in (s for specs in matrix.values() for s in specs):
         if spec["name"] in ACTIVATIONS_COMPARED:  # also track the rehearsal's step on the real ranks
             spec["track_rehearsal_step"] = True
+        if spec["name"] in EVAL_ROWS_COMPARED + ("ref_dense", "ref_moe"):  # downstream evaluation's rows too
+            spec["eval_rows"] = True
     merged = {}
     for world in (4, 2, 1):  # bigger worlds first: they save checkpoints smaller ones resume
         merged.update(_launch(world, matrix[world], work))
@@ -115,6 +117,19 @@ def test_reference_loss_falls(results):
 @pytest.mark.parametrize("name", COMPARED)
 def test_layout_matches_single_rank(results, name):
     _check(results, name, reference_of(name))
+
+
+# Layouts whose trained model also scores downstream evaluation's rows (eval.tasks, launcher/eval/rows.py).
+EVAL_ROWS_COMPARED = ("fsdp2_dense", "tp2_sp_dense", "pp2_1f1b_dense", "fsdp2_tp2_dense", "ep2_moe", "pp2_ep2_moe")
+
+
+@pytest.mark.parametrize("name", EVAL_ROWS_COMPARED)
+def test_downstream_eval_rows_match_single_rank(results, name):
+    """eval.tasks scores through the engine's eval path: each row's summed log-likelihood on the
+    layout's trained model equals the 1-rank reference's (FSDP, TP+SP loss parallel, PP, EP)."""
+    got, ref = results[name], results[reference_of(name)]
+    assert "error" not in got, f"{name} failed:\n{got.get('traceback', got.get('error'))}"
+    assert got["eval_rows"] == pytest.approx(ref["eval_rows"], rel=SPECS[name].get("rtol", RTOL)), (got["eval_rows"], ref["eval_rows"])
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the refusal is CPU-only")

@@ -12,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from launcher.resilience.node_exclusion import NodeSet, blamed_nodes
-from launcher.resilience.restarts import (EXCLUDE_DOWN, RESTART, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING, RestartReport, decide,
-                                         read_events)
+from launcher.resilience.restarts import (EXCLUDE_DOWN, RESTART, REWIND, STOP_EXHAUSTED, STOP_NODE_LOST, STOP_REPEATING,
+                                         STOP_REWINDS, RestartReport, decide, read_events)
 
 
 def _summary(run_dir: Path, what: str, error: str, last_step: int, rank: int = 1) -> Path:
@@ -194,3 +196,86 @@ def test_what_names_a_node_and_what_does_not(tmp_path):
     _summary(tmp_path, "exception", "RuntimeError: boom again", 9)
     decision = decide(tmp_path, 3, 3, 1, nodes=NodeSet(["n1", "n2"], needed=2, step=["n1", "n2"]), requeue=True)
     assert decision.action == STOP_EXHAUSTED and decision.nodes.exclude_on_requeue == ["n2"]
+
+
+def _spike(run_dir: Path, spike_step: int, max_rewinds: int) -> None:
+    _summary(run_dir, "spike", "LossSpike: loss spike at step ...", spike_step, rank=0)
+    path = run_dir / "failure" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary["rewind"] = {"spike_step": spike_step, "onset_step": spike_step, "skip_batches": None,
+                         "max_rewinds": max_rewinds}
+    path.write_text(json.dumps(summary))
+
+
+def test_a_loss_spike_rewinds_on_its_own_budget_not_max_restarts(tmp_path):
+    """trainer.on_spike=rewind: the decision rewinds with cluster.max_restarts=0, counts rewinds over
+    the whole run (trainer.max_rewinds), and a fault restart after a rewind still has max_restarts."""
+    _spike(tmp_path, 8, max_rewinds=2)
+    first = decide(tmp_path, 0, 0, 1)
+    assert first.action == REWIND and first.restart and first.event["rewind"] == 1, first.message
+    assert "rewind 1 of 2" in first.message and "before step 8" in first.message
+    _summary(tmp_path, "exception", "RuntimeError: boom", 9)
+    assert decide(tmp_path, 1, 1, 1).action == RESTART  # the rewind did not use max_restarts=1
+    _spike(tmp_path, 11, max_rewinds=2)
+    assert decide(tmp_path, 2, 1, 1).action == REWIND
+    _spike(tmp_path, 12, max_rewinds=2)
+    last = decide(tmp_path, 3, 1, 1)
+    assert last.action == STOP_REWINDS and not last.restart and "trainer.max_rewinds=2" in last.message
+    assert [e["action"] for e in read_events(tmp_path)] == [REWIND, RESTART, REWIND, STOP_REWINDS]
+
+
+def test_a_pending_rewind_starts_before_the_onset_once_and_moves_newer_checkpoints_aside(tmp_path):
+    from launcher.checkpoint.folder import step_dir_name
+    from launcher.runtime.rewind import apply_on_rank0, latest_rewind, rewind_start
+
+    root = tmp_path / "checkpoints"
+    for step in (3, 6, 9):
+        (root / step_dir_name(step)).mkdir(parents=True)
+        (root / step_dir_name(step) / "trainer.json").write_text(json.dumps({"step": step}))
+    assert latest_rewind(tmp_path) is None and rewind_start(root, None) is None
+    _spike(tmp_path, 10, max_rewinds=3)
+    summary = json.loads((tmp_path / "failure" / "summary.json").read_text())
+    summary["rewind"]["onset_step"] = 8  # log_every=2: the spike began after step 7, the last logged one
+    (tmp_path / "failure" / "summary.json").write_text(json.dumps(summary))
+    decide(tmp_path, 0, 0, 1)
+    rewind = latest_rewind(tmp_path)
+    assert (rewind.number, rewind.spike_step, rewind.onset_step, rewind.skip_batches) == (1, 10, 8, None)
+    start = rewind_start(root, rewind)
+    assert (start.step, start.skip, start.path) == (6, 4, str(root / step_dir_name(6)))  # batches 7-10
+    apply_on_rank0(tmp_path, root, start)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [step_dir_name(3), step_dir_name(6)]
+    aside = [p for p in root.iterdir() if p.name.startswith("abandoned_")]
+    assert len(aside) == 1 and (aside[0] / step_dir_name(9)).is_dir()
+    rewound = [e for e in read_events(tmp_path) if e["event"] == "rewound"]
+    assert rewound[0]["from_step"] == 6 and rewound[0]["skipped_batches"] == 4 and rewound[0]["rewind"] == 1
+    # A crash before the rewound timeline's first save: the same start again.
+    assert rewind_start(root, rewind) == start
+    # Once a checkpoint of the rewound timeline exists, resuming is ordinary.
+    (root / step_dir_name(8)).mkdir()
+    (root / step_dir_name(8) / "trainer.json").write_text(json.dumps({"step": 8, "rewinds_applied": 1,
+                                                                         "batches_skipped": 4}))
+    assert rewind_start(root, rewind) is None
+
+
+def test_goodput_accounts_restarts_recomputed_steps_and_requeues_and_adds_up():
+    """Three attempts: a launch, an in-job restart that resumed at the step-4 checkpoint (the
+    steps after it were trained twice), and a requeued job that started 100 s after the last record."""
+    from launcher.observe.goodput import BUCKETS, Attempt, account, summary_line
+
+    def attempt(start, end, launch, new, resumed, productive, saves):
+        buckets = {"productive": productive, "compile_warmup": 2.0, "checkpoint": 1.0, "data_wait": 0.5,
+                   "eval": 0.0, "startup": 3.0}
+        return Attempt(start, end, launch, new, resumed, resumed + 4, buckets, saves)
+
+    attempts = [attempt(1005.0, 1030.0, 1000.0, True, 0, 16.0, {4: 8.0}),
+                attempt(1040.0, 1060.0, 1000.0, False, 4, 12.0, {8: 12.0}),
+                attempt(1200.0, 1220.0, 1160.0, True, 8, 10.0, {})]
+    got = account(attempts, now=1225.0)
+    assert got["wall"] == 225.0  # from the first launch
+    assert got["recomputed"] == 8.0  # attempt 1's productive after its step-4 save
+    assert got["productive"] == 16.0 + 12.0 + 10.0 - 8.0
+    assert got["restart"] == 10.0  # 1030 -> 1040, inside the launch
+    assert got["between_jobs"] == 100.0  # 1060 -> the requeued job's launch at 1160
+    assert got["startup"] == 3 * 3.0 + 5.0 + 40.0  # the ranks' own, plus each launch until its ranks started
+    assert sum(got[b] for b in BUCKETS) == pytest.approx(got["wall"]) and got["other"] >= 0
+    assert summary_line(got).startswith("goodput: 13% productive (30.0 s of 225.0 s wall); between jobs 44%")

@@ -375,3 +375,39 @@ def test_a_straggler_with_straggler_action_exclude_ends_a_local_run_naming_its_n
     assert failure[0]["action"] == "stop: unfit node" and failure[0]["cause"]["blamed_hosts"] == [host], events
     # A local run has no other node to move to: nothing is excluded, the run just stops.
     assert not [e for e in events if e["event"] == "exclude"], events
+
+
+SPIKE_BATCH = 8  # test_a_loss_spike_rewinds: the data's global batch whose forward is made to spike
+
+
+def test_a_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_its_batches(run_dir):
+    """trainer.on_spike=rewind on 2 ranks: the data's batch 8 makes the loss spike at step 8; the
+    ranks start again from step 6's checkpoint and skip batches 7-8, so steps 7-10 train batches
+    9-12 and the spike does not come back; trainer.json's data position proves the skip."""
+    proc = _start(["+recipe=debug", "trainer.steps=10", "trainer.log_every=1", "checkpoint.interval=3",
+                   "trainer.spike_zscore=50", "trainer.spike_window=6", "trainer.on_spike=rewind",
+                   f"+cluster.env.LAUNCHER_DEBUG_SPIKE={SPIKE_BATCH}"], run_dir)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-4000:]
+    events = read_events(run_dir)
+    failure = next(e for e in events if e["event"] == "failure")
+    assert failure["action"] == "rewind" and failure["cause"]["what"] == "spike", failure
+    assert failure["cause"]["rewind"]["spike_step"] == SPIKE_BATCH
+    rewound = next(e for e in events if e["event"] == "rewound")
+    assert (rewound["from_step"], rewound["skipped_batches"], rewound["rewind"]) == (6, 2, 1), rewound
+    assert next(e for e in events if e["event"] == "resumed")["step"] == 6
+    assert "loss spike at step 8: rewinding (rewind 1 of 3)" in out
+    # metrics.jsonl keeps the rewound timeline (the records after step 6 were replaced): no spike.
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert all(r["health/loss_spike"] == 0 for r in records), records
+    assert max(r["loss"] for r in records if r["step"] > 6) < 2 * records[0]["loss"]
+    rank0 = (run_dir / "logs" / "rank_0.log").read_text()
+    detected = [line for line in rank0.splitlines() if "of the last" in line and "logged losses" in line]
+    assert len(detected) == 1 and f"loss spike at step {SPIKE_BATCH}:" in detected[0], detected
+    assert f"rewind 1 resumes from {run_dir / 'checkpoints' / 'step_00000006'} and skips 2" in rank0
+    checkpoints = run_dir / "checkpoints"
+    state, final = (json.loads((checkpoints / f"step_{s:08d}" / "trainer.json").read_text()) for s in (9, 10))
+    per_step = final["samples_consumed"] - state["samples_consumed"]  # the global batch
+    assert state["batches_skipped"] == 2 and state["rewinds_applied"] == 1, state
+    assert state["samples_consumed"] == (9 + 2) * per_step, state

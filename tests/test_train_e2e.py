@@ -407,8 +407,11 @@ def _events(run_dir: Path) -> list:
 
 def test_a_killed_rank_is_restarted_in_the_run_and_resumes_exactly(reference_run, run_dir):
     """SIGKILL one rank mid-run with cluster.max_restarts=1: `train` starts the ranks again, they
-    resume from the newest checkpoint and finish; the losses are the uninterrupted run's."""
+    resume from the newest checkpoint and finish; the losses are the uninterrupted run's. The
+    goodput accounting names the restart's time and the recomputed steps, and its wall time is
+    the one measured here."""
     run_dir.mkdir(parents=True)
+    started = time.monotonic()
     proc = _start([*BASE, "cluster.max_restarts=1"], run_dir)
     _wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").is_dir() and 5 in losses_by_step(run_dir), 240, proc)
     pids = _rank_pids(run_dir)
@@ -416,6 +419,7 @@ def test_a_killed_rank_is_restarted_in_the_run_and_resumes_exactly(reference_run
     os.kill(pids[1], signal.SIGKILL)  # one rank dies: no summary of its own, no clean-up
     killed_after = max(losses_by_step(run_dir))
     code = proc.wait(timeout=400)
+    measured_wall = time.monotonic() - started
     out = proc.stdout.read()
     assert code == 0, out[-4000:]
     assert killed_after < 12, "the run ended before the kill: nothing was restarted"
@@ -438,6 +442,19 @@ def test_a_killed_rank_is_restarted_in_the_run_and_resumes_exactly(reference_run
     newest = run_dir / "checkpoints" / "step_{:08d}".format(resumed["step"])
     assert f"resumed from {newest}" in rank0
     assert (run_dir / "failure" / "before_restart_1").is_dir()  # the first attempt's evidence, kept aside
+
+    goodput = json.loads((run_dir / "run_summary.json").read_text())["goodput"]["seconds"]
+    assert abs(goodput["wall"] - measured_wall) <= 0.02 * measured_wall, (goodput, measured_wall)
+    assert goodput["other"] >= 0, goodput  # the parts never count a second twice
+    assert sum(v for k, v in goodput.items() if k != "wall") == pytest.approx(goodput["wall"], abs=0.01)
+    assert goodput["restart"] > 0 and goodput["startup"] > 0 and goodput["productive"] > 0, goodput
+    assert goodput["compile_warmup"] > 0 and goodput["checkpoint"] > 0, goodput
+    assert (goodput["recomputed"] > 0) == (resumed["lost_steps"] > 0), (goodput, resumed)
+    assert goodput["between_jobs"] == 0, goodput  # one launch
+    assert "goodput: " in out and "% productive" in out, out[-2000:]
+    # Every logged step carries the accounting so far; after the restart it includes the restart.
+    assert all(r["goodput/wall_s"] > 0 for r in records)
+    assert after[0]["goodput/restart_s"] > 0 and records[0]["goodput/restart_s"] == 0
 
 
 def test_an_exception_repeating_at_the_same_step_after_a_restart_stops_restarting(run_dir):

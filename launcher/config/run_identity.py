@@ -53,6 +53,7 @@ IDENTITY_RULES: Tuple[Tuple[str, bool, str], ...] = (
     ("profile", False, "profiling"),
     ("rehearse", False, "the rehearsal"),
     ("prepare", False, "action=prepare"),
+    ("eval", False, "downstream evaluation"),
     ("action", False, "what the command does"),
     ("run", False, "the name itself"),
 )

@@ -325,9 +325,17 @@ class TrainerConfig:
     max_skipped_steps: int = 5
     # Loss spikes (launcher/runtime/numerics.py): a logged loss over spike_zscore standard deviations
     # above the mean of the previous spike_window logged losses is logged as health/loss_spike=1.
-    # 0: off. Detection only: nothing is rewound.
+    # 0: off.
     spike_zscore: float = 0.0
     spike_window: int = 50
+    # What a spike does: log (health/loss_spike only) | rewind (every rank ends the attempt, kind
+    # "spike"; the ranks start again from the newest checkpoint from before the spike's onset, newer
+    # ones moved aside to abandoned_<time>/, and skip spike_skip_batches global batches from there;
+    # null: the batches from that checkpoint through the spike). At most max_rewinds times per run,
+    # each recorded in resilience.jsonl; they do not use cluster.max_restarts.
+    on_spike: str = "log"
+    spike_skip_batches: Optional[int] = None
+    max_rewinds: int = 3
     # CUDA memory history for the first N steps of every run, dumped to failure/ on OOM (0: off).
     memory_snapshot_steps: int = 3
     # Rehearse (action=rehearse, the `rehearse` group's settings) before launching; abort when a
@@ -567,6 +575,28 @@ class PrepareConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream evaluation in the training loop with lm-eval's tasks (launcher/eval/, docs/evaluation.md).
+
+    Needs the optional extra `launcher[eval]` (lm-evaluation-harness) when `tasks` is set."""
+
+    # lm-eval task names (its registry, or the `task:` names of YAMLs under include_path); empty: off.
+    tasks: List[str] = field(default_factory=list)
+    every: int = 0  # evaluate every N training steps (0: off)
+    limit: int = 0  # documents per task (0: all of them)
+    # Folders of your own task YAMLs (`dataset_path: json` + local data_files run offline); with it,
+    # only those folders are indexed (lm-eval's built-in registry is not).
+    include_path: List[str] = field(default_factory=list)
+    num_fewshot: int = 0  # few-shot examples per document, drawn with a fixed seed (FEWSHOT_SEED)
+    # Tokens per forward call on each data-parallel rank (0: one training micro-batch per
+    # accumulation step, as the training step: micro_batch_size x seq_len x microbatches).
+    batch_tokens: int = 0
+    # A Hugging Face tokenizer folder ('' = the tokenizer recorded in data.path's manifest.json,
+    # else model.init_from's folder).
+    tokenizer: str = ""
+
+
+@dataclass
 class RunConfig:
     # The run's identity: its checkpoints live in outputs/runs/<name>/checkpoints, so rerunning a
     # command finds them. "" = derived on the host from the recipe (else model.name) and a hash of
@@ -601,6 +631,7 @@ class JobConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     rehearse: RehearseConfig = field(default_factory=RehearseConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def set_dotted(spec: "JobConfig", key: str, value: Any) -> None:

@@ -596,6 +596,7 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
     if t.spike_zscore > 0 and t.spike_window < 2:
         problems.append(f"trainer.spike_window={t.spike_window} must be at least 2 logged losses to measure a spread. "
                         f"Fix: e.g. trainer.spike_window=50.")
+    problems.extend(_spike_rewind_problems(spec))
     if t.health_factor <= 1:
         problems.append(f"trainer.health_factor={t.health_factor} must be above 1 (a multiple of the other ranks' "
                         f"median probe time). Fix: e.g. trainer.health_factor=3.")
@@ -607,6 +608,30 @@ def _check_observability(spec: JobConfig, problems: List[str]) -> None:
     # data.source=indexed takes PREFIXes too: launcher/data/checks.py checks those paths.
     if spec.action == "run" and d.val_path and d.source != "indexed" and not os.path.exists(d.val_path):
         problems.append(f"data.val_path={d.val_path} does not exist. Fix: point data.val_path at held-out {d.source} data.")
+
+
+def _spike_rewind_problems(spec: JobConfig) -> List[str]:
+    """trainer.on_spike and its budget: a rewind needs spikes detected and checkpoints to go back to."""
+    t, problems = spec.trainer, []
+    if t.on_spike not in ("log", "rewind"):
+        problems.append(f"trainer.on_spike={t.on_spike!r} must be log (health/loss_spike only) or rewind (resume "
+                        f"from before the spike and skip its batches). Fix: trainer.on_spike=log.")
+        return problems
+    if t.spike_skip_batches is not None and t.spike_skip_batches < 0:
+        problems.append(f"trainer.spike_skip_batches={t.spike_skip_batches} must be null (the batches from the "
+                        f"checkpoint through the spike) or a number of global batches >= 0. Fix: e.g. "
+                        f"trainer.spike_skip_batches=200.")
+    if t.max_rewinds < 0:
+        problems.append(f"trainer.max_rewinds={t.max_rewinds} must be 0 or more. Fix: e.g. trainer.max_rewinds=3.")
+    if t.on_spike != "rewind":
+        return problems
+    if t.spike_zscore <= 0:
+        problems.append("trainer.on_spike=rewind needs spikes detected, but trainer.spike_zscore=0 (off). "
+                        "Fix: e.g. trainer.spike_zscore=6.")
+    if not spec.checkpoint.enabled or spec.checkpoint.interval <= 0:
+        problems.append("trainer.on_spike=rewind resumes from a checkpoint from before the spike, but this run saves "
+                        "none (checkpoint.enabled=false or checkpoint.interval=0). Fix: e.g. checkpoint.interval=100.")
+    return problems
 
 
 def _check_hf_io(spec: JobConfig, problems: List[str]) -> None:
@@ -661,6 +686,23 @@ def _check_family(spec: JobConfig, problems: List[str]) -> None:
     problems.extend(family_problems(spec.model))  # the planner's formulas come from the family
 
 
+def _check_eval(spec: JobConfig, problems: List[str]) -> None:
+    """eval.* values (downstream evaluation; its files: launcher/data/eval_inputs.py)."""
+    e = spec.eval
+    for key in ("every", "limit", "num_fewshot", "batch_tokens"):
+        if getattr(e, key) < 0:
+            problems.append(f"eval.{key}={getattr(e, key)} must be >= 0. Fix: eval.{key}=0 or a positive value.")
+    if e.tasks and e.every == 0:
+        problems.append(f"eval.tasks={list(e.tasks)} with eval.every=0: nothing would evaluate them. "
+                        f"Fix: eval.every=N (steps), or eval.tasks=[].")
+    if e.every > 0 and not e.tasks:
+        problems.append(f"eval.every={e.every} without eval.tasks. Fix: eval.tasks=[task,...], or eval.every=0.")
+    if e.batch_tokens > 0 and e.batch_tokens < spec.trainer.seq_len:
+        problems.append(f"eval.batch_tokens={e.batch_tokens} is less than one row of trainer.seq_len="
+                        f"{spec.trainer.seq_len} tokens. Fix: eval.batch_tokens={spec.trainer.seq_len * spec.trainer.micro_batch_size} "
+                        f"or more, or 0 for the training step's shape.")
+
+
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_family,
     _check_choices,
@@ -682,6 +724,7 @@ RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (
     _check_hf_io,
     _check_rope_scaling,
     _check_rehearse,
+    _check_eval,
 )
 
 

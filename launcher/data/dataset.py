@@ -180,11 +180,24 @@ class StepBatches:
         self._state = self._start.copy() if mixture else None
         self._state_step = 0
         self._history: "OrderedDict[int, Tuple[List[int], List[int], List[int]]]" = OrderedDict()
+        # Global batches skipped so far (trainer.on_spike=rewind): training step N reads the data
+        # of batch N + skipped. Every method below takes training steps.
+        self.skipped = 0
+
+    def skip(self, batches: int) -> None:
+        """Skip the next `batches` global batches (before the first step after a resume): their
+        samples count as consumed, and every later step reads `batches` further on."""
+        with self._lock:
+            self.skipped += batches
+            self._history.clear()
 
     # ------------------------------------------------------------------ mixture bookkeeping
-    def resume(self, step: int, stored: Optional[dict]) -> List[str]:
-        """Continue after `step` from a checkpoint's data state (trainer.json "data"); returns what
-        differs from the checkpoint (changed weights, new or dropped sources) for a warning."""
+    def resume(self, step: int, stored: Optional[dict], skipped: int = 0) -> List[str]:
+        """Continue after `step` from a checkpoint's data state (trainer.json "data"; `skipped`:
+        its "batches_skipped"); returns what differs from the checkpoint (changed weights, new or
+        dropped sources) for a warning."""
+        self.skipped = skipped
+        step += skipped
         if not self.mixture:
             return []
         notes: List[str] = []
@@ -223,6 +236,7 @@ class StepBatches:
         """What the checkpoint of `step` stores about the data (None without a mixture)."""
         if not self.mixture:
             return None
+        step += self.skipped
         if step == self._start_step:
             return {"mixture": self._start.to_dict()}
         _, _, counts = self._assignment(step)
@@ -234,13 +248,14 @@ class StepBatches:
         """data/<name>/tokens: each source's consumed tokens after `step` (the whole run, every rank)."""
         if not self.mixture:
             return {}
-        _, _, counts = self._assignment(step)
+        _, _, counts = self._assignment(step + self.skipped)
         return {f"data/{n}/tokens": c * self.seq_len for n, c in zip(self.names, counts)}
 
     # ------------------------------------------------------------------ batches
     def _rank_draws(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
         """(source, draw) of each sample this rank loads at `step`."""
         p = self.part
+        step += self.skipped
         per_rank = self.global_batch_size // p.dp_size
         first = p.dp_rank * per_rank
         count = p.grad_accum_steps * p.micro_batch_size

@@ -184,9 +184,10 @@ class Engine(Protocol):
     def eval_step(self, microbatches: List[Microbatch]) -> float:
         """Mean token loss over the global batch, forward only; no state changes (collective)."""
 
-    def eval_stats(self, microbatches: List[Microbatch]) -> EvalStats:
+    def eval_stats(self, microbatches: List[Microbatch], n_sources: int = 0) -> EvalStats:
         """eval_step's loss plus token counts and, with Microbatch.sources, the per-source losses
-        (collective)."""
+        (collective). n_sources: how many source indices the micro-batches number (0: the run's
+        mix size, EngineOptions.n_sources); downstream evaluation numbers its rows as sources."""
 
     def save(self, directory: Path) -> None:
         """Write model, optimizer and LR-schedule state into `directory` (collective)."""

@@ -449,10 +449,11 @@ class DeepSpeedEngine:
         self._source_sums += source_sums(per.detach(), labels, sources, self._n_sources)
         return self._per_token(per.sum())
 
-    def _start_sources(self, microbatches: List[Microbatch]) -> None:
+    def _start_sources(self, microbatches: List[Microbatch], n_sources: int = 0) -> None:
         """Size this step's per-source sums (see NativeEngine._start_sources)."""
-        n = step_source_count(microbatches, self.options.n_sources)
-        if n and not self.options.n_sources:
+        count = n_sources or self.options.n_sources
+        n = step_source_count(microbatches, count)
+        if n and not count:
             t = torch.tensor([n], dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             n = int(t)
@@ -591,12 +592,13 @@ class DeepSpeedEngine:
         """Mean token loss over the global batch, forward only (collective); training state untouched."""
         return self.eval_stats(microbatches).loss
 
-    def eval_stats(self, microbatches: List[Microbatch]) -> EvalStats:
-        """eval_step's loss with the global token count and, with sources, per-source losses and counts."""
+    def eval_stats(self, microbatches: List[Microbatch], n_sources: int = 0) -> EvalStats:
+        """eval_step's loss with the global token count and, with sources, per-source losses and
+        counts (n_sources: see NativeEngine.eval_stats)."""
         microbatches = as_microbatches(microbatches)
         # Evaluation reads its loss on the host anyway: the count is a float here.
         self._token_norm = float(self._count_tokens(microbatches))
-        self._start_sources(microbatches)
+        self._start_sources(microbatches, n_sources)
         local_loss = 0.0
         contributes = True
         with torch.no_grad():

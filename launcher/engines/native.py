@@ -224,10 +224,12 @@ class NativeEngine:
         self._source_sums += source_sums(_plain(per.detach()), labels, sources, self._n_sources)
         return per.sum() / self._token_norm
 
-    def _start_sources(self, microbatches: List[Microbatch]) -> None:
-        """Size this step's per-source sums (0: no mixture sources in these micro-batches)."""
-        n = step_source_count(microbatches, self.options.n_sources)
-        if n and not self.options.n_sources and self.world is not None:
+    def _start_sources(self, microbatches: List[Microbatch], n_sources: int = 0) -> None:
+        """Size this step's per-source sums (0: no mixture sources in these micro-batches).
+        n_sources: how many source indices these micro-batches number (0: the run's mix size)."""
+        count = n_sources or self.options.n_sources
+        n = step_source_count(microbatches, count)
+        if n and not count and self.world is not None:
             t = torch.tensor([n], dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # ranks agree on the count (n_sources unknown)
             n = int(t)
@@ -419,12 +421,13 @@ class NativeEngine:
         """
         return self.eval_stats(microbatches).loss
 
-    def eval_stats(self, microbatches: List[Microbatch]) -> EvalStats:
+    def eval_stats(self, microbatches: List[Microbatch], n_sources: int = 0) -> EvalStats:
         """eval_step's loss with the global token count and, with Microbatch.sources, the loss and
-        token count per mixture source (one all-reduce, as eval_step)."""
+        token count per mixture source (one all-reduce, as eval_step). n_sources: how many source
+        indices the micro-batches number (0: the run's mix; downstream evaluation numbers rows)."""
         microbatches = as_microbatches(microbatches)
         self._token_norm = self._count_tokens(microbatches)
-        self._start_sources(microbatches)
+        self._start_sources(microbatches, n_sources)
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         with torch.no_grad():
             if self.pp_schedule is None:

@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from launcher import PROCESS_STARTED
 from launcher.compat import TorchCapabilities, ranks_capabilities
 from launcher.config.schema import JobConfig
 from launcher.job_env import IN_JOB_RESTARTS_ENV
 from launcher.launch.torchrun import SHUTDOWN_TIMEOUT, shutdown_timeout_of, torchrun_argv
 from launcher.plan.present.plan import Plan
 from launcher.checkpoint.folder import CheckpointDirInUse, checkpoint_dir_holder, checkpoint_root
+from launcher.observe.goodput import LAUNCH_TIME_ENV, finish_run
 from launcher.resilience.restarts import decide
 from launcher.resilience.failure import FAILURE_DIR, SUMMARY_FILE
 from launcher.resilience.watchdog import HANG_EXIT_CODE, REPORT_GRACE_S, flight_recorder_env
@@ -200,6 +202,21 @@ def launch_local(spec: JobConfig, plan: Plan, run_dir: Path) -> int:
     shutdown_s = shutdown_timeout_of(plan)
     argv = local_torchrun_argv(spec, plan, run_dir, caps)
     env = rank_environment(run_dir, spec.trainer.device, spec.cluster.env)
+    env[LAUNCH_TIME_ENV] = repr(PROCESS_STARTED)  # goodput: this launch began when `train` started
+    try:
+        return _launch_attempts(spec, argv, env, run_dir, shutdown_s, caps)
+    finally:
+        try:
+            line = finish_run(run_dir)
+        except OSError as err:  # an accounting that cannot be written must not change the exit
+            line = f"goodput: not written ({err})"
+        if line:
+            log.info("%s", line)
+
+
+def _launch_attempts(spec: JobConfig, argv: List[str], env: Dict[str, str], run_dir: Path, shutdown_s: int,
+                     caps: TorchCapabilities) -> int:
+    """Start the ranks, and again after each failure the restart decision restarts; the exit code."""
     restarts = 0
     while True:
         env[IN_JOB_RESTARTS_ENV] = str(restarts)

@@ -10,6 +10,8 @@ neither).
 
 from __future__ import annotations
 
+import logging
+
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
@@ -49,3 +51,27 @@ def check_hf_support(spec: JobConfig, plan: Plan) -> None:
                         "Fix: backend=native, or checkpoint.export=safetensors.")
     if problems:
         raise ConfigError(problems)
+
+
+def check_eval_tasks(spec: JobConfig) -> None:
+    """eval.tasks: lm-eval is installed and every task builds offline and is served by the live
+    model (generation and is_greedy metrics are not), checked here before any rank starts."""
+    if not spec.eval.tasks:
+        return
+    # lazy: launcher.eval imports lm-eval (the optional extra) and torch; action=run with eval.tasks only
+    from launcher.eval.tasks import TaskProblem, lm_eval_problem, load_tasks, set_offline_env
+
+    set_offline_env()  # before `datasets` is imported: no download, here as in the ranks
+    missing = lm_eval_problem()
+    if missing:
+        raise ConfigError([missing])
+    # lm-eval warns about every default it fills into a YAML: the ranks' logs keep those, the console not
+    lm_eval_log = logging.getLogger("lm_eval")
+    level = lm_eval_log.level
+    lm_eval_log.setLevel(logging.ERROR)
+    try:
+        load_tasks(spec.eval.tasks, spec.eval.include_path, spec.eval.num_fewshot)
+    except TaskProblem as err:
+        raise ConfigError([str(err)]) from None
+    finally:
+        lm_eval_log.setLevel(level)

@@ -272,6 +272,8 @@ def template_context(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[P
         "torchrun_env": torchrun_env(shutdown_timeout_of(plan), caps),
         "resilience_argv": resilience_argv(spec, cwd, paths.run_dir),
         "max_restarts": int(c.max_restarts),
+        # trainer.on_spike=rewind restarts the step too, on a budget of its own (the loop's bound).
+        "max_rewinds": int(spec.trainer.max_rewinds) if spec.trainer.on_spike == "rewind" else 0,
         "nodes": int(c.nodes),
         "spare_nodes": int(c.spare_nodes),
         "nproc_per_node": plan.gpus_per_node,

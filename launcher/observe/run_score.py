@@ -77,6 +77,7 @@ class RunScore:
         self.tokens_per_s: List[float] = []
         self.mfu: List[float] = []
         self._first_step: Optional[int] = None
+        self.extra: Dict[str, Any] = {}  # more sections for run_summary.json (the trainer's "goodput")
 
     def _predicted_tokens_per_gpu(self) -> Optional[float]:
         return self.time.get("tokens_per_s_per_gpu")
@@ -133,6 +134,7 @@ class RunScore:
             "log_steps": len(self.tokens_per_s),
             "note": note,
             "environment": environment(),
+            **self.extra,
         }
 
     def finish(self) -> Optional[Path]:

@@ -8,6 +8,9 @@ They let the real multi-process tests produce the failures the health tools exis
 - LAUNCHER_DEBUG_OOM=R:S    rank R raises torch.OutOfMemoryError before step S;
 - LAUNCHER_DEBUG_NONFINITE=R:S (or R:S-E)  rank R's training forward returns NaN at step S (steps S to E):
   its loss and gradients are non-finite, so the global gradient norm is too (install_nonfinite);
+- LAUNCHER_DEBUG_SPIKE=B          every rank's training forward output is multiplied by SPIKE_FACTOR
+  while it trains global batch B of the data (1-based; a rewind that skips B never sees it): a
+  loss spike tied to the data, as real ones are (install_spike);
 - LAUNCHER_DEBUG_SLOW_COMPUTE=R:N  rank R does N extra matmuls in every forward (install_slow_compute);
 - LAUNCHER_DEBUG_PROBE=R:fail      rank R's pre-flight health probe (launcher/resilience/preflight.py)
   gets a wrong matmul result; R:slow: its probe matmuls are repeated PROBE_SLOWDOWN times. R may
@@ -68,12 +71,14 @@ def probe_slowdown(rank: int) -> int:
 
 
 _current_step = 0  # the step the loop is in (before_step), for hooks that act inside the compute
+_current_batch = 0  # the global batch of the data that step trains (step + batches skipped by rewinds)
 
 
-def before_step(rank: int, step: int) -> None:
-    """Called by the loop before each step's compute."""
-    global _current_step
+def before_step(rank: int, step: int, data_batch: Optional[int] = None) -> None:
+    """Called by the loop before each step's compute (`data_batch`: the data's global batch it trains)."""
+    global _current_step, _current_batch
     _current_step = step
+    _current_batch = step if data_batch is None else data_batch
     if _target("LAUNCHER_DEBUG_HANG") == (rank, step):
         log.warning("LAUNCHER_DEBUG_HANG: rank %d sleeps forever before step %d", rank, step)
         while True:
@@ -128,3 +133,25 @@ def install_nonfinite(modules, rank: int) -> list:
         return None
 
     return [m.register_forward_hook(poison) for m in modules]
+
+
+SPIKE_FACTOR = 50.0  # the logits of a 1/vocab-uniform start times this: a loss far above any window's spread
+
+
+def install_spike(modules) -> list:
+    """LAUNCHER_DEBUG_SPIKE=B: while any rank trains the data's global batch B, every training
+    forward of the model parts multiplies its output by SPIKE_FACTOR (a real, large loss and
+    gradient: grad clipping keeps the step finite)."""
+    value = os.environ.get("LAUNCHER_DEBUG_SPIKE", "")
+    if not value:
+        return []
+    batch = int(value)
+    log.warning("LAUNCHER_DEBUG_SPIKE: the forward output is multiplied by %g while the data's batch %d trains",
+                SPIKE_FACTOR, batch)
+
+    def spike(module, args, output):
+        if module.training and _current_batch == batch and torch.is_tensor(output):
+            return output * SPIKE_FACTOR
+        return None
+
+    return [m.register_forward_hook(spike) for m in modules]

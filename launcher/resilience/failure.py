@@ -86,6 +86,25 @@ class NonFiniteSteps(RuntimeError):
         self.consecutive = consecutive
 
 
+class LossSpike(RuntimeError):
+    """trainer.on_spike=rewind: a logged loss was a spike (launcher/runtime/numerics.py). Every
+    rank raises it at the same step (the logged loss is the global batch's); the summary (kind
+    "spike") carries what the restart decision (launcher/resilience/restarts.py) needs to rewind:
+    the first step of the logging window that spiked (`onset_step`), how many global batches to
+    skip (None: those from the checkpoint through the spike) and the run's rewind budget."""
+
+    def __init__(self, step: int, onset_step: int, loss: float, zscore: float, skip_batches: Optional[int],
+                 max_rewinds: int):
+        super().__init__(
+            f"loss spike at step {step}: {loss:.4f} is {zscore:.1f} standard deviations over the window's mean; "
+            f"trainer.on_spike=rewind: resuming from the newest checkpoint before step {onset_step} and skipping "
+            f"the batches up to the spike.")
+        self.step = step
+        self.onset_step = onset_step
+        self.skip_batches = skip_batches
+        self.max_rewinds = max_rewinds
+
+
 def _attempt() -> List[Any]:
     """Which run of the ranks this is: the scheduler's job id and requeue count, the in-job restart."""
     facts = job_facts()
@@ -94,13 +113,15 @@ def _attempt() -> List[Any]:
 
 def classify(err: BaseException) -> str:
     """The `what` of a summary for an exception: oom, signal (a stop that could not save), a
-    NodeBlamed's kind (health, straggler), nonfinite (NonFiniteSteps) or exception."""
+    NodeBlamed's kind (health, straggler), nonfinite (NonFiniteSteps), spike (LossSpike) or exception."""
     import torch  # lazy: the host imports this module (launch/local.py reads the summary) and stays torch-free
 
     if isinstance(err, NodeBlamed):
         return err.kind
     if isinstance(err, NonFiniteSteps):
         return "nonfinite"
+    if isinstance(err, LossSpike):
+        return "spike"
     if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
         return "oom"
     if isinstance(err, StopWithoutCheckpoint):
@@ -225,4 +246,7 @@ class FailureBundle:
             # Every rank raises the same verdict: the summary names the ranks the numbers point at.
             summary.update(step=err.step, rank=err.ranks[0], failed_ranks=err.ranks,
                            first_nonfinite=err.first_nonfinite, skipped_in_a_row=err.consecutive)
+        if isinstance(err, LossSpike):  # every rank sees the same global loss: no rank to blame
+            summary.update(step=err.step, rewind={"spike_step": err.step, "onset_step": err.onset_step,
+                                                  "skip_batches": err.skip_batches, "max_rewinds": err.max_rewinds})
         return self.write_summary(summary)

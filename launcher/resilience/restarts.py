@@ -49,6 +49,9 @@ RESILIENCE_FILE = "resilience.jsonl"
 DETERMINISTIC_KINDS = ("exception", "oom", "nonfinite")
 
 RESTART, STOP_REPEATING, STOP_EXHAUSTED = "restart", "stop: repeating failure", "stop: max_restarts reached"
+# trainer.on_spike=rewind (kind "spike"): start the ranks again from before the spike; a budget of
+# its own (trainer.max_rewinds over the whole run), not cluster.max_restarts'.
+REWIND, STOP_REWINDS = "rewind", "stop: max_rewinds reached"
 STOP_NODE_LOST = "stop: node lost"
 STOP_NODE_UNFIT = "stop: unfit node"
 # What an "exclude" event did with the node.
@@ -126,7 +129,8 @@ def failure_cause(run_dir: Path, exit_code: int, attempt_started: Optional[float
             "node": summary.get("host"), "last_step": summary.get("last_step"),
             "failure_unix_time": summary.get("unix_time"), "exit_code": exit_code,
             "hosts_not_arrived": summary.get("hosts_not_arrived"), "ranks_not_arrived": summary.get("ranks_not_arrived"),
-            "blamed_hosts": summary.get("blamed_hosts"), "named": summary.get("named")}
+            "blamed_hosts": summary.get("blamed_hosts"), "named": summary.get("named"),
+            **({"rewind": summary["rewind"]} if summary.get("rewind") else {})}
 
 
 def signature(cause: Dict[str, Any]) -> Optional[tuple]:
@@ -143,14 +147,14 @@ def signature(cause: Dict[str, Any]) -> Optional[tuple]:
 
 @dataclass
 class Decision:
-    action: str  # RESTART, STOP_REPEATING, STOP_EXHAUSTED, STOP_NODE_LOST or STOP_NODE_UNFIT
+    action: str  # RESTART, REWIND, STOP_REPEATING, STOP_EXHAUSTED, STOP_REWINDS, STOP_NODE_LOST or STOP_NODE_UNFIT
     message: str
     event: Dict[str, Any]
     nodes: Optional[NodeOutcome] = None  # with a NodeSet: the next step's nodes and the exclusions
 
     @property
     def restart(self) -> bool:
-        return self.action == RESTART
+        return self.action in (RESTART, REWIND)
 
 
 def _set_failure_aside(run_dir: Path, restart: int) -> None:
@@ -184,6 +188,13 @@ def decide(run_dir: Path, restarts_done: int, max_restarts: int, exit_code: int,
     if lost_nodes:
         cause["lost_nodes"] = list(lost_nodes)
     previous = [e for e in read_events(run_dir) if e.get("event") == "failure"]
+    rewinds_before = sum(1 for e in previous if e.get("action") == REWIND)
+    # This job's earlier restarts are the last `restarts_done` decisions that restarted; its
+    # rewinds among them do not count against cluster.max_restarts.
+    restarted = [e for e in previous if e.get("action") in (RESTART, REWIND)]
+    faults_done = restarts_done - sum(1 for e in restarted[max(0, len(restarted) - restarts_done):] if e.get("action") == REWIND) \
+        if restarts_done else 0
+    rewind = cause.get("rewind") if cause.get("what") == "spike" and not lost_nodes else None
     # A lost node explains the failure whatever the survivors' errors say.
     same = (not lost_nodes and signature(cause) is not None and previous
             and signature(previous[-1].get("cause", {})) == signature(cause))
@@ -194,7 +205,21 @@ def decide(run_dir: Path, restarts_done: int, max_restarts: int, exit_code: int,
         blamed = {n: why for n, why in blamed_nodes(cause, nodes.step, lost_nodes).items()
                   if n in nodes.allocation and n not in nodes.excluded}
     on_spare = nodes.next_step(list(blamed)) if nodes is not None and blamed else []
-    if lost_nodes and not on_spare:
+    if rewind is not None:
+        budget = int(rewind.get("max_rewinds") or 0)
+        if rewinds_before >= budget:
+            action = STOP_REWINDS
+            message = (f"the ranks stopped for a loss spike: {what}; not rewinding: trainer.max_rewinds={budget} "
+                       f"reached ({rewinds_before} rewind(s) in this run). Fix: look at the data and the learning "
+                       f"rate around step {rewind.get('spike_step')}, then run again to resume from the newest "
+                       f"checkpoint (or raise trainer.max_rewinds).")
+        else:
+            action = REWIND
+            skip = rewind.get("skip_batches")
+            message = (f"loss spike at step {rewind.get('spike_step')}: rewinding (rewind {rewinds_before + 1} of "
+                       f"{budget}): the ranks resume from the newest checkpoint before step {rewind.get('onset_step')} "
+                       f"and skip {'the batches from it through the spike' if skip is None else f'{skip} global batches'}.")
+    elif lost_nodes and not on_spare:
         action = STOP_NODE_LOST
         spare = ("no spare node left (cluster.spare_nodes: allocate more to continue in the job)" if nodes is not None
                  else "a new step would include it")
@@ -213,7 +238,7 @@ def decide(run_dir: Path, restarts_done: int, max_restarts: int, exit_code: int,
                  else "a local run has no other node")
         message = (f"the ranks failed: {what}; not restarting in place: the same node would fail the same check "
                    f"({spare}). cluster.requeue_on_failure=true requeues the job without that node.")
-    elif restarts_done >= max_restarts:
+    elif faults_done >= max_restarts:
         action = STOP_EXHAUSTED
         message = (f"the ranks failed: {what}; not restarting: cluster.max_restarts={max_restarts} "
                    f"{'reached' if max_restarts else '(in-job restarts off)'}.")
@@ -231,10 +256,11 @@ def decide(run_dir: Path, restarts_done: int, max_restarts: int, exit_code: int,
                    f"{max_restarts}), they resume from the newest checkpoint.")
     event = append_event(run_dir, {
         "event": "failure", "node": cause.get("node"), "rank": cause.get("rank"), "cause": cause,
-        "action": action, "restart": restarts_done + 1 if action == RESTART else restarts_done,
+        "action": action, "restart": restarts_done + 1 if action in (RESTART, REWIND) else restarts_done,
+        **({"rewind": rewinds_before + 1} if action == REWIND else {}),
     })
     outcome = _node_outcome(run_dir, nodes, blamed, action, on_spare, requeue, lost_nodes)
-    if action == RESTART:
+    if action in (RESTART, REWIND):
         _set_failure_aside(run_dir, restarts_done + 1)
     return Decision(action, message, event, outcome)
 
@@ -246,12 +272,12 @@ def _node_outcome(run_dir: Path, nodes: Optional[NodeSet], blamed: Dict[str, str
     `lost_nodes`: those not responding (DOWN: a requeue leaves them out of its ExcNodeList)."""
     if nodes is None:
         return None
-    if action == RESTART and on_spare:
+    if action in (RESTART, REWIND) and on_spare:
         excluded = [*nodes.excluded, *blamed]
         for node, why in blamed.items():
             append_event(run_dir, {"event": "exclude", "node": node, "cause": why, "action": EXCLUDE_RESTART})
         return NodeOutcome(on_spare, excluded)
-    if action == RESTART:  # no node excluded now; the suspects stay in the step
+    if action in (RESTART, REWIND):  # no node excluded now; the suspects stay in the step
         return NodeOutcome(nodes.next_step() or list(nodes.step), list(nodes.excluded))
     # Stopping: every bad node of this job run goes to the requeued job's ExcNodeList.
     bad = [*nodes.excluded, *blamed]

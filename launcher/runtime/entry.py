@@ -41,10 +41,14 @@ from launcher.observe.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.matmul_precision import apply_matmul_precision
 from launcher.runtime.metrics import MetricsLogger
+from launcher import PROCESS_STARTED
+from launcher.observe.goodput import GoodputClock, launch_time
 from launcher.runtime.numerics import NumericalHealth, SpikeDetector
+from launcher.runtime.rewind import apply_on_rank0, latest_rewind, rewind_start
 from launcher.runtime.signals import StopWatcher
 from launcher.runtime.trainer import LoopConfig, Trainer
 from launcher.runtime.heldout_loss import Validator
+from launcher.eval.build import build_downstream_eval
 from launcher.observe.profiler import StepProfiler, default_profile_ranks
 from launcher.resilience.stragglers import StragglerMonitor, gather_hosts
 from launcher.resilience.preflight import run_preflight
@@ -173,7 +177,7 @@ def build_validator(spec: JobConfig, plan: Plan, rank: int, run_dir: Path, engin
 def resume_data(batches: StepBatches, state: dict, rank: int) -> None:
     """Continue each mixture source from its checkpointed read position; warn (rank 0) when the
     mix differs from the checkpoint's (other weights: a new stage of the run, allowed)."""
-    notes = batches.resume(int(state["step"]), state.get("data"))
+    notes = batches.resume(int(state["step"]), state.get("data"), int(state.get("batches_skipped", 0)))
     if notes and rank == 0:
         log.warning("the data mix differs from the checkpoint's: %s. The new weights hold from step %d on "
                     "(each source continues from its stored read position).", "; ".join(notes), int(state["step"]) + 1)
@@ -229,9 +233,10 @@ def log_rehearsal(run_dir: Path, metrics: MetricsLogger) -> None:
 
 
 def check_same_data_position(state: dict, plan: Plan) -> None:
-    """The data position is step x global batch: a changed global batch would repeat or skip data."""
+    """The data position is (step + batches skipped by rewinds) x global batch: a changed global
+    batch would repeat or skip data."""
     consumed = state.get("samples_consumed")
-    expected = state["step"] * plan.batch.global_batch_size
+    expected = (state["step"] + int(state.get("batches_skipped", 0))) * plan.batch.global_batch_size
     if consumed is not None and consumed != expected:
         raise ValueError(
             f"the checkpoint at step {state['step']} consumed {consumed} samples "
@@ -312,6 +317,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     record_built(engine, plan, rank.rank, run_dir)
     debug_hooks.install_slow_compute(engine.model_parts, rank.rank)
     debug_hooks.install_nonfinite(engine.model_parts, rank.rank)
+    debug_hooks.install_spike(engine.model_parts)
     if spec.action == "export":
         export_checkpoint(spec, engine, rank.rank, rank.world_size)
         if folder_lock is not None:
@@ -334,6 +340,18 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     # After an in-job restart or a requeue (SLURM_RESTART_COUNT) the newest checkpoint is this run's
     # own progress: resume=none or an older PATH would throw it away (and set it aside) every time.
     resume = "auto" if restarts or job_facts().restart_count else spec.checkpoint.resume
+    # trainer.on_spike=rewind: a rewind the newest checkpoint does not include yet starts from an
+    # older checkpoint (rank 0 decides; launcher/runtime/rewind.py).
+    rewound = None
+    rewind = latest_rewind(run_dir) if resume == "auto" and spec.checkpoint.enabled else None
+    if rewind is not None:  # the same on every rank: the decision was written before the ranks started
+        root = checkpoint_root(spec.checkpoint.dir, run_dir)
+        rewound = _gather_objects(rewind_start(root, rewind) if rank.rank == 0 else None)[0]
+        if rewound is not None:
+            if rank.rank == 0:
+                apply_on_rank0(run_dir, root, rewound)
+            resume = rewound.path or "none"
+    loaded: dict = {}
     if resume != "none":
         path = checkpoints.select_resume(resume)
         restored = None
@@ -341,7 +359,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
             with health.phase("resume"):
                 restored = local_tier.restore(step_of(path) if path is not None else -1, engine)
         if restored is not None:
-            state = restored["trainer"]
+            state = loaded = restored["trainer"]
             set_rng_state(restored["rng"])
             checkpoints.start_step = start_step = int(state["step"])
             agreement = restored["agreement"]
@@ -359,7 +377,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
                      path or "none", from_replica or "none")
         elif path is not None:
             with health.phase("resume"):
-                state = checkpoints.load(path, engine, spec.trainer.seed)
+                state = loaded = checkpoints.load(path, engine, spec.trainer.seed)
             health.saved(state["step"], path)
             start_step = state["step"]
             # The failure bundle's "last step" counts from here: a failure before the first step
@@ -373,6 +391,10 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
             log.info("no checkpoint to resume from in %s: starting at step 0", checkpoints.root)
     if local_tier is not None:
         local_tier.forget_newer(start_step)
+    rewinds_applied = int(loaded.get("rewinds_applied", 0))
+    if rewound is not None:
+        batches.skip(rewound.skip)
+        rewinds_applied = rewound.rewind.number
     restart_report = RestartReport(run_dir, restarts, rank.rank, host_name())
     restart_report.resumed_at(start_step, tier, from_replica)
     if restarts and rank.rank == 0:
@@ -426,8 +448,13 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         restart_report=restart_report,
         local_tier=local_tier,
         numerics=NumericalHealth(spec.trainer.max_skipped_steps, rank.rank, gather=_gather_objects),
-        spikes=SpikeDetector(spec.trainer.spike_zscore, spec.trainer.spike_window) if spec.trainer.spike_zscore > 0
-        else None,
+        spikes=SpikeDetector(spec.trainer.spike_zscore, spec.trainer.spike_window, spec.trainer.on_spike,
+                             spec.trainer.spike_skip_batches, spec.trainer.max_rewinds)
+        if spec.trainer.spike_zscore > 0 else None,
+        rewinds_applied=rewinds_applied,
+        goodput=GoodputClock(run_dir, PROCESS_STARTED, start_step, 2 if spec.trainer.compile else 1,
+                             new_launch=restarts == 0, launch=launch_time()) if rank.rank == 0 else None,
+        downstream=build_downstream_eval(spec, plan.layout, data_parallel_rank(plan, rank.rank), engine),
     )
     try:
         result = trainer.fit()

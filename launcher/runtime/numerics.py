@@ -17,7 +17,7 @@ from collections import deque
 from typing import Any, Callable, Dict, List, Optional
 
 from launcher.engines.base import NonFiniteStep
-from launcher.resilience.failure import NonFiniteSteps
+from launcher.resilience.failure import LossSpike, NonFiniteSteps
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,26 @@ class SpikeDetector:
     """Loss spikes (`trainer.spike_zscore` > 0): a logged loss more than `zscore` standard
     deviations above the mean of the previous `window` logged finite losses is a spike, logged as
     `health/loss_spike` = 1 (else 0) with a warning. It looks at the logged losses only, which the
-    trainer reads anyway (trainer.log_every=1 looks at every step): no extra device wait."""
+    trainer reads anyway (trainer.log_every=1 looks at every step): no extra device wait.
 
-    def __init__(self, zscore: float, window: int):
+    `on_spike="rewind"`: after the spike's record is logged, `rewind_if_spiked` raises LossSpike
+    (every rank at the same step: the logged loss is the global batch's), and the restart decision
+    rewinds the run (launcher/resilience/restarts.py, launcher/runtime/rewind.py)."""
+
+    def __init__(self, zscore: float, window: int, on_spike: str = "log", skip_batches: Optional[int] = None,
+                 max_rewinds: int = 0):
         self.zscore = zscore
         self.history: deque = deque(maxlen=window)
+        self.on_spike = on_spike
+        self.skip_batches = skip_batches
+        self.max_rewinds = max_rewinds
+        self.last_logged_step: Optional[int] = None
+        self.spiked: Optional[LossSpike] = None
+
+    def rewind_if_spiked(self) -> None:
+        """trainer.on_spike=rewind: end the attempt for the rewind once the spike's step is logged."""
+        if self.spiked is not None and self.on_spike == "rewind":
+            raise self.spiked
 
     def observe(self, step: int, loss: float) -> Dict[str, int]:
         """`health/loss_spike` for this logged step; the loss then joins the window (a spike too:
@@ -86,8 +101,13 @@ class SpikeDetector:
                 std = math.sqrt(sum((x - mean) ** 2 for x in self.history) / len(self.history))
                 if std > 0 and (loss - mean) / std > self.zscore:
                     spike = 1
+                    # The spike began after the previous logged step (log_every > 1: somewhere in the window).
+                    onset = step if self.last_logged_step is None else self.last_logged_step + 1
+                    self.spiked = LossSpike(step, onset, loss, (loss - mean) / std, self.skip_batches,
+                                            self.max_rewinds)
                     log.warning("loss spike at step %d: %.4f is %.1f standard deviations over the mean %.4f of the "
                                 "last %d logged losses (trainer.spike_zscore=%g)", step, loss, (loss - mean) / std,
                                 mean, len(self.history), self.zscore)
             self.history.append(loss)
+        self.last_logged_step = step
         return {SPIKE_KEY: spike}

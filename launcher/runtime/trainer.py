@@ -21,10 +21,12 @@ from launcher.engines.base import Engine
 from launcher.runtime.metrics import MetricsLogger
 from launcher.resilience.health import RunHealth
 from launcher.runtime.heldout_loss import Validator
+from launcher.eval.loop import DownstreamEval
 from launcher.observe.profiler import StepProfiler
 from launcher.resilience.stragglers import StragglerMonitor
 from launcher.observe.moe_health import MoEHealth
 from launcher.observe.moe_load import with_aux_loss_names
+from launcher.observe.goodput import GoodputClock, as_summary, metrics as goodput_metrics, summary_line
 from launcher.observe.run_score import RunScore
 from launcher.resilience.restarts import RestartReport
 from launcher.runtime.signals import StopWatcher
@@ -91,6 +93,9 @@ class Trainer:
         local_tier: Optional[LocalTier] = None,
         numerics: Optional[NumericalHealth] = None,
         spikes: Optional[SpikeDetector] = None,
+        rewinds_applied: int = 0,
+        goodput: Optional[GoodputClock] = None,
+        downstream: Optional[DownstreamEval] = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -112,12 +117,19 @@ class Trainer:
         self.local_tier = local_tier  # checkpoint.local_dir: the node-local tier (None: off)
         self.numerics = numerics  # skipped non-finite steps: health/skipped_steps, trainer.max_skipped_steps
         self.spikes = spikes  # health/loss_spike (trainer.spike_zscore > 0)
+        self.rewinds_applied = rewinds_applied  # the run's rewinds this timeline includes (trainer.json)
+        self.goodput = goodput  # rank 0: where the wall time goes (goodput/* metrics)
+        self.downstream = downstream  # eval.tasks every eval.every steps: eval/<task>/<metric>
 
     def _trainer_state(self, step: int) -> Dict[str, Any]:
+        skipped = getattr(self.batches, "skipped", 0)  # global batches skipped by rewinds (trainer.on_spike)
         return {
             "step": step,
-            "samples_consumed": step * self.cfg.samples_per_step,
+            # The data position: batches trained plus batches skipped.
+            "samples_consumed": (step + skipped) * self.cfg.samples_per_step,
             "tokens_seen": step * self.cfg.tokens_per_step,
+            "batches_skipped": skipped,
+            "rewinds_applied": self.rewinds_applied,
             "world_size": self.cfg.world_size,
             "mesh": self.cfg.mesh,
             **self._data_state(step),
@@ -203,12 +215,23 @@ class Trainer:
         with self.health.phase("validation"):
             return self.validator.run()
 
+    def _evaluate(self, step: int) -> Dict[str, float]:
+        """eval/<task>/<metric> at every eval.every-th step (a long phase for the hang watchdog)."""
+        if self.downstream is None or not self.downstream.due(step):
+            return {}
+        if self.health is None:
+            return self.downstream.run()
+        with self.health.phase("downstream evaluation"):
+            return self.downstream.run()
+
     def fit(self) -> LoopResult:
         cfg = self.cfg
         if self.start_step >= cfg.steps:
             log.info("nothing to do: resumed at step %d of %d", self.start_step, cfg.steps)
             return LoopResult(last_step=self.start_step, stopped_early=False)
         loader = Prefetcher(self.batches, self.start_step + 1, cfg.steps, pin=should_pin(cfg.device_type))
+        if self.goodput is not None:
+            self.goodput.loop_started()
         try:
             return self._loop(loader)
         finally:
@@ -223,9 +246,11 @@ class Trainer:
         # checkpoint saves inside the window are timed apart and left out.
         window_start, window_steps, set_apart = time.perf_counter(), 0, 0.0
         for step in range(self.start_step + 1, cfg.steps + 1):
+            t_step = time.perf_counter()
+            eval_s = save_s = 0.0  # this iteration's validation and checkpoint time (goodput)
             microbatches, data_wait_ms = loader.get(step)
             memory_row: Dict[str, Any] = {}
-            debug_before_step(self.rank, step)
+            debug_before_step(self.rank, step, step + getattr(self.batches, "skipped", 0))
             if self.profiler is not None:
                 self.profiler.before_step(step)
             if self.stragglers is not None:
@@ -245,10 +270,15 @@ class Trainer:
                 self.health.step_done(step)
             t_val = time.perf_counter()
             val_row = self._validate(step)
+            val_row.update(self._evaluate(step))
             if val_row:
-                set_apart += time.perf_counter() - t_val
-            if step % cfg.log_every == 0 or step == cfg.steps or step == 1 or val_row:
+                eval_s = time.perf_counter() - t_val
+                set_apart += eval_s
+            logged = step % cfg.log_every == 0 or step == cfg.steps or step == 1 or bool(val_row)
+            if logged:
                 loss = stats.loss  # waits for the device: every step of the window is done
+                if self.goodput is not None:  # the step's compute ends with that wait
+                    self.goodput.step_done(time.perf_counter() - t_step, data_wait_ms / 1000.0, eval_s)
                 elapsed = max(time.perf_counter() - window_start - set_apart, 1e-9) / window_steps
                 record = {
                     "step": step,
@@ -281,7 +311,11 @@ class Trainer:
                     record.update(self.moe_health.observe(step))
                 if self.score is not None:
                     record.update(self.score.observe(record))
+                if self.goodput is not None:
+                    record.update(goodput_metrics(self.goodput.record(step)))
                 self.metrics.log(with_aux_loss_names(record))
+                if self.spikes is not None:  # trainer.on_spike=rewind: ends the attempt (kind "spike")
+                    self.spikes.rewind_if_spiked()
                 window_start, window_steps, set_apart = time.perf_counter(), 0, 0.0
             elif memory_row:
                 self.metrics.log(dict(memory_row, step=step), console=False)
@@ -289,7 +323,7 @@ class Trainer:
             if saved_shared:
                 t_save = time.perf_counter()
                 self._save(step)
-                set_apart += time.perf_counter() - t_save
+                save_s += time.perf_counter() - t_save
                 last_saved = step
             elif self.checkpoints.async_save:
                 self._note_saved()
@@ -298,7 +332,14 @@ class Trainer:
                     and step < cfg.steps and not (saved_shared and not self.checkpoints.async_save)):
                 t_save = time.perf_counter()
                 self._save_local(step)
-                set_apart += time.perf_counter() - t_save
+                save_s += time.perf_counter() - t_save
+            set_apart += save_s
+            if self.goodput is not None:
+                if not logged:
+                    self.goodput.step_done(time.perf_counter() - t_step - save_s, data_wait_ms / 1000.0, eval_s)
+                self.goodput.add("checkpoint", save_s)
+                if saved_shared:
+                    self.goodput.saved(step)
             if step < cfg.steps and self.stop.should_stop():
                 reason = self.stop.local_request() or "stop requested on another rank"
                 if not cfg.checkpoint_enabled:
@@ -308,20 +349,37 @@ class Trainer:
                         f"cannot be saved. Fix: enable checkpoints to survive preemption."
                     )
                 log.warning("stopping at step %d (%s): saving a checkpoint", step, reason)
+                t_save = time.perf_counter()
                 if last_saved != step:
                     self._save(step)
                 self._note_saved(wait=True)
+                self._goodput_final_save(step, time.perf_counter() - t_save)
                 if self.rank == 0:
                     write_stopped(self.run_dir, step, reason)
                 self._score()
                 return LoopResult(last_step=step, stopped_early=True, stop_reason=reason)
         if self.stragglers is not None and self.rank == 0:
             self.metrics.summary(self.stragglers.summary())
+        t_save = time.perf_counter()
         if cfg.save_final and last_saved != step:
             self._save(step)
         self._note_saved(wait=True)
+        self._goodput_final_save(step, time.perf_counter() - t_save)
         self._score()
         return LoopResult(last_step=step, stopped_early=False)
+
+    def _goodput_final_save(self, step: int, seconds: float) -> None:
+        """The last save (and the wait for an async one) is checkpoint time; the attempt's file
+        gets its final record (the executor completes the accounting after the ranks exit)."""
+        if self.goodput is None:
+            return
+        self.goodput.add("checkpoint", seconds)
+        if self.cfg.checkpoint_enabled:
+            self.goodput.saved(step)
+        accounting = self.goodput.record(step)
+        log.info("%s", summary_line(accounting))
+        if self.score is not None:  # run_summary.json (`train` completes it after the ranks exit)
+            self.score.extra["goodput"] = as_summary(accounting)
 
     def _score(self) -> None:
         """run_summary.json (a collective: every rank gives its peak memory)."""

@@ -185,6 +185,8 @@ def run_layout(spec: dict) -> dict:
         if spec.get("export") and step + 1 == steps:
             engine.export(Path(spec["export"]), "fp32")
     out["seconds"] = time.time() - t0
+    if spec.get("eval_rows"):  # downstream evaluation's scoring on this layout's trained model
+        out["eval_rows"] = eval_row_scores(engine, layout, dp_rank, mcfg.vocab_size)
     held = probe.result()
     if dist.is_initialized():
         per_rank = [None] * dist.get_world_size()
@@ -199,6 +201,18 @@ def run_layout(spec: dict) -> dict:
             dist.all_gather_object(per_rank, tracked)
         out["tracked_per_rank"] = per_rank
     return out
+
+
+def eval_row_scores(engine, layout, dp_rank: int, vocab: int) -> list:
+    """Summed log-likelihoods of fixed rows (launcher/eval/rows.py, what eval.tasks scores with),
+    the same rows on every rank and layout: longest (seq_len + 1 tokens) to shortest."""
+    from launcher.eval.rows import RowScorer, RowShape
+
+    g = torch.Generator().manual_seed(99)
+    rows = [(torch.randint(0, vocab, (n,), generator=g).tolist(), k) for n, k in ((SEQ + 1, 4), (6, 1), (12, 11), (3, 2), (9, 5))]
+    shape = RowShape(seq_len=SEQ, micro_batch_size=layout.batch.micro_batch_size, microbatches=layout.batch.microbatches,
+                     dp_rank=dp_rank, dp_size=layout.mesh.dp)
+    return RowScorer(engine, shape, pad_id=0).score(rows)
 
 
 def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:

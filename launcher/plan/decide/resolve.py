@@ -27,6 +27,7 @@ from launcher.config.schema import ClusterConfig, JobConfig, ParallelConfig, Pro
 from launcher.config.validate import _divisors, _fmt_choices, accumulate_unsharded_value, basic_problems
 from launcher.config.validate import validate as validate_config
 from launcher.data.checks import data_problems
+from launcher.data.eval_inputs import eval_input_problems
 from launcher.plan.features import FEATURES, BackendChoice
 from launcher.plan.layout import (BackendPlan, DeepSpeedPlan, Layout, MemoryPlan, NumericsPlan, RankBatchPlan,
                                    ResiliencePlan, accumulate_unsharded_blocker)
@@ -325,9 +326,39 @@ def resolve_all(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
     if basic_problems(spec):
         return None, problems  # the derivation needs valid choices and positive degrees
     problems += data_problems(spec)
+    problems += eval_input_problems(spec)
     layout, derived = _layout_problems(spec)
     problems += derived
+    if layout is not None:
+        problems += eval_batch_problems(spec, layout)
     return (None if problems else layout), problems
+
+
+def eval_rows_per_rank(trainer: TrainerConfig, batch_tokens: int, layout: Layout) -> int:
+    """Rows (one scored sequence each, trainer.seq_len long) per forward call of downstream
+    evaluation on each data-parallel rank: eval.batch_tokens // seq_len, or (0) the training step's."""
+    if batch_tokens:
+        return batch_tokens // trainer.seq_len
+    return layout.batch.micro_batch_size * layout.batch.microbatches
+
+
+def eval_batch_problems(spec: JobConfig, layout: Layout) -> List[str]:
+    """eval.batch_tokens against the layout: whole micro-batches, and the step's shape under a pipeline."""
+    e, t = spec.eval, spec.trainer
+    if not e.tasks or e.batch_tokens < t.seq_len:  # 0: the step's shape; below one row: validate.py says so
+        return []
+    mbs = layout.batch.micro_batch_size
+    train_rows = mbs * layout.batch.microbatches
+    unit = t.seq_len * mbs
+    if layout.mesh.pp > 1 and e.batch_tokens != train_rows * t.seq_len:
+        return [f"eval.batch_tokens={e.batch_tokens}: under parallel.pp={layout.mesh.pp} evaluation runs the "
+                f"pipeline's training shape, {train_rows} rows of {t.seq_len} tokens per data-parallel rank. "
+                f"Fix: eval.batch_tokens=0 (or {train_rows * t.seq_len})."]
+    if e.batch_tokens % unit:
+        return [f"eval.batch_tokens={e.batch_tokens} is not a whole number of micro-batches (micro_batch_size "
+                f"{mbs} x seq_len {t.seq_len} = {unit} tokens). Fix: eval.batch_tokens="
+                f"{max(1, e.batch_tokens // unit) * unit}, or 0 for the training step's shape."]
+    return []
 
 
 def validate(spec: JobConfig) -> List[str]:

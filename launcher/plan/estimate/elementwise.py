@@ -10,7 +10,9 @@ runtime runs (launcher/models/layers.py, launcher/engines/base.py, launcher/para
   six kernels (cast, pow, mean, multiply, weight multiply, cast back), RoPE upcasts q and k to
   fp32 and rotates them in several kernels, SwiGLU is silu then a multiply;
 - compiled (trainer.compile=true, per block) fuses each norm with its residual add, RoPE with
-  its casts and silu with the multiply: one read of the inputs, one write of the outputs;
+  its casts and silu with the multiply: one read of the inputs, one write of the outputs; an MoE
+  block is compiled in parts (launcher/parallel/compile.py), so its residual adds, routing, token
+  movement and routed experts' SwiGLU stay eager and its norms are fused with nothing;
 - backward reads the saved inputs and the incoming gradient and writes the gradient:
   BACKWARD_BYTES_FACTOR x the forward bytes;
 - recomputation (selective op-level or full AC) runs the forward elementwise ops again;
@@ -56,9 +58,8 @@ def router_bytes(shape: ModelShape, lay: Layout) -> float:
     eager: fp32 cast of the logits (a + 4) E, sigmoid 8E, + correction bias 8E, with n_group > 1
     the per-group top-2 read 4E, the group mask expanded to [T, E] and negated (4 + 1 + 2) E,
     masked_fill 9E, then the top-k read 4E, and the sequence-wise balance loss (one-hot [T, E]
-    written, scores normalised and averaged: 16E): (a + 60) E with groups;
-    compiled: the chain fused, the logits read once and the scores written once plus the top-k
-    reads: (a + 12) E.
+    written, scores normalised and averaged: 16E): (a + 60) E with groups. Eager under
+    trainer.compile too: launcher/parallel/compile.py leaves an MoE block's routing uncompiled.
 
     The softmax router of Mixtral and Qwen3-MoE is not costed (as before the family-aware formulas:
     Llama and Mixtral plans stay as they were): a few hundred bytes per token at 8 experts, under
@@ -66,8 +67,6 @@ def router_bytes(shape: ModelShape, lay: Layout) -> float:
     if shape.score_func != "sigmoid":
         return 0.0
     a, e = lay.act_bytes, shape.n_experts
-    if lay.compile:
-        return (a + 12.0) * e
     per_e = a + 4 + 8 + (8 if shape.correction_bias else 0) + 4 + 16
     if shape.n_group > 1:
         per_e += 4 + 7 + 9
@@ -81,24 +80,35 @@ def moe_dispatch_bytes(shape: ModelShape, lay: Layout) -> float:
     - the rows gathered into expert order (x[token_idx]): read and write, 2a per element;
     - under expert parallelism, the received rows permuted to local-expert order (rows[perm]) and
       back (index_copy) before the combine's all-to-all: 2a each;
-    - the combine: eager, y.float() (a + 4), times the routing weight (8), cast back (4 + a) and
-      index_add_ into the output (3a: read the rows, read and write the sums) = 16 + 5a; compiled,
-      the cast-multiply-cast chain fuses into the index_add: 3a.
+    - the combine: y.float() (a + 4), times the routing weight (8), cast back (4 + a) and
+      index_add_ into the output (3a: read the rows, read and write the sums) = 16 + 5a.
+    All eager, under trainer.compile too (launcher/parallel/compile.py compiles neither the routing
+    nor the routed experts).
     Every TP rank moves all the tokens: launcher/parallel/tp.py runs the whole MoE on the full
     sequence on each (all-gathered under sequence parallelism)."""
     if not shape.n_moe_layers:
         return 0.0
     a, k, h = lay.act_bytes, max(1, shape.top_k), shape.dim
-    per_elem = 2 * a + (4 * a if lay.mesh.ep > 1 else 0) + (3 * a if lay.compile else 16 + 5 * a)
+    per_elem = 2 * a + (4 * a if lay.mesh.ep > 1 else 0) + (16 + 5 * a)
     return per_elem * k * h
 
 
 def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
     """Bytes the elementwise ops of one block's forward move per token on one GPU (the attention's
-    sizes from the family's layout, launcher/models/<family>/params.py attention_layout)."""
+    sizes from the family's layout, launcher/models/<family>/params.py attention_layout).
+
+    Under trainer.compile an MoE block is compiled in parts (launcher/parallel/compile.py: the
+    routed part's data-dependent shapes would break the graph): its norms, attention and shared
+    experts are compiled one by one, so each norm is fused with nothing and the residual adds run
+    eager; the router, the token movement and the routed experts' SwiGLU run eager. Averaged over
+    the blocks, like the FFN width: only MoE blocks route."""
     a, h, f, t = lay.act_bytes, shape.dim, shape.ffn_dim, lay.mesh.tp
+    moe_share = shape.n_moe_layers / shape.n_layers if shape.n_moe_layers else 0.0
+    routed_f = shared_f = 0.0
     if shape.n_moe_layers:
-        f = shape.moe_ffn_dim * max(1, shape.top_k) + shape.n_shared_experts * shape.moe_ffn_dim
+        routed_f = shape.moe_ffn_dim * max(1, shape.top_k)
+        shared_f = shape.n_shared_experts * shape.moe_ffn_dim
+        f = routed_f + shared_f
     at = shape.attention_layout
     hq = at.n_heads * at.v_head_dim  # the SDPA output (n_heads x v head)
     rope_elems = (at.n_heads + at.rope_k_heads) * at.rope_dim
@@ -112,16 +122,18 @@ def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
         # expanded to every head): one read and one write of each.
         extra += 2 * a * 2 * at.n_heads * at.qk_head_dim / t
     if shape.n_moe_layers:
-        # Averaged over the blocks, like f above: only MoE blocks route.
-        extra += (router_bytes(shape, lay) + moe_dispatch_bytes(shape, lay)) * shape.n_moe_layers / shape.n_layers
-    if lay.compile:
-        norms = 2 * 4 * a * h / sp  # fused residual add + norm: read x and residual, write sum and output
-        rope = 2 * a * rope_elems / t
-        attn_copy = 2 * a * hq / t
-        swiglu = 3 * a * f / ft
-        return norms + rope + attn_copy + swiglu + extra
+        # Eager under compile too (docstring).
+        extra += (router_bytes(shape, lay) + moe_dispatch_bytes(shape, lay)) * moe_share
     norm = (2 * a + 36) * h  # fp32 RMSNorm as six kernels (module docstring)
     residual = 2 * 3 * a * h
+    if lay.compile:
+        fused_norms = 2 * 4 * a * h  # fused residual add + norm: read x and residual, write sum and output
+        # An MoE block: each norm compiled alone (read, write), the residual adds eager.
+        norms = (fused_norms * (1 - moe_share) + (2 * 2 * a * h + residual) * moe_share) / sp
+        rope = 2 * a * rope_elems / t
+        attn_copy = 2 * a * hq / t
+        swiglu = 3 * a * (f - routed_f * moe_share) / ft + 5 * a * routed_f * moe_share
+        return norms + rope + attn_copy + swiglu + extra
     rope = (2 * a + 48) * rope_elems  # fp32 upcast, 4 multiplies, 2 adds, stack, cast back
     attn_copy = 2 * a * hq  # the SDPA output made contiguous for wo
     swiglu = 5 * a * f  # silu: read + write; multiply: 2 reads + write

@@ -9,7 +9,9 @@ Assumptions (printed by `action=plan`, documented in docs/planner.md):
 - Compute runs at `achievable_fraction` of the dense peak (FP8 peak x FP8_GEMM_EFFICIENCY for
   the block matmuls under precision=fp8; attention and the output layer stay BF16; TF32 peak under
   precision=fp32), plus the memory-bound work of launcher/plan/estimate/elementwise.py (norms, RoPE,
-  SwiGLU, residual adds, the loss, float8 casts) at HBM bandwidth.
+  SwiGLU, residual adds, the loss, float8 casts) at HBM bandwidth, and, on a rank without FSDP2,
+  autocast's weight casts (weight_cast_s); the optimizer step adds gradient clipping (grad_clip_s).
+  `achievable_fraction` is then the matmuls' own share of the peak (docs/planner.md, constants).
 - Overlap: FSDP/ZeRO all-gathers and reduce-scatters overlap the compute of other units
   (only the part longer than the compute, plus the first gather and last reduce of a
   micro-batch, is exposed); DDP's all-reduce overlaps the last backward; context-parallel
@@ -17,12 +19,13 @@ Assumptions (printed by `action=plan`, documented in docs/planner.md):
   the last hop of each layer (launcher/plan/estimate/ring.py); TP and EP collectives are exposed (the runtime has
   no TP comm overlap and no async TP; the EP all-to-all's same-node and other-node parts run at once,
   the slower one exposed), and so is DeepSeek-V3's once-per-step router-bias all-reduce;
-  pipeline sends are exposed during warm-up and cool-down only.
+  pipeline sends are exposed during warm-up and cool-down only; an idle pipeline slot lasts a
+  micro-batch with the collectives exposed inside its layers (TP, CP, EP).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -30,7 +33,7 @@ from launcher.plan.estimate.cp_allgather import gathered_bytes_per_token, is_all
 from launcher.plan.estimate.elementwise import HBM_EFFICIENCY, elementwise_s
 from launcher.plan.estimate.flops import attention_flops_per_token, peak_tflops
 from launcher.plan.layout import Layout
-from launcher.plan.estimate.memory import routed_load_factor
+from launcher.plan.estimate.memory import autocast_cast_elements, routed_load_factor
 from launcher.plan.estimate.params import ModelShape, StageParams, attention_width, stage_params
 from launcher.plan.estimate.ring import hop_time_factor, kv_bytes_per_token, ring_bookkeeping_s
 
@@ -259,7 +262,41 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     ring_s = 0.0 if is_allgather(lay) else ring_bookkeeping_s(shape, lay, hw, st.n_layers, rf, tokens / lay.mesh.cp)
     # All-gather CP under MLA: every rank up-projects the whole sequence's latent (cp_allgather.py).
     up_s = repeated_up_projection_flops(shape, lay, st.n_layers, rf) / block_peak
-    return matmul_s + memory_bound_s + ring_s + up_s + document_mask_s(st, lay, hw)
+    return (matmul_s + memory_bound_s + ring_s + up_s + document_mask_s(st, lay, hw)
+            + weight_cast_s(shape, st, lay, hw))
+
+
+# Bytes per weight element of the casts an autocast step makes (weight_cast_s): forward, read the
+# fp32 weight and write its bf16 copy; backward, read the bf16 weight gradient and write it in fp32.
+CAST_FORWARD_BYTES = 4 + 2
+CAST_BACKWARD_BYTES = 2 + 4
+# torchao's Float8Linear (dynamic tensorwise scaling) reads its fp32 weight twice (amax, then the
+# cast) and writes the fp8 weight and its transposed copy for the input-gradient GEMM.
+FP8_CAST_FORWARD_BYTES = 4 + 4 + 1 + 1
+
+
+def weight_cast_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> float:
+    """Memory-bound seconds per micro-batch of casting the matmul weights, on a rank whose native
+    engine computes under autocast (no FSDP2: one sharding rank, launcher/engines/native.py
+    _autocast). Autocast casts every fp32 matmul weight to bf16 in each forward (its cache lasts one
+    forward) and the cast's backward writes the fp32 weight gradient: a pass over every weight each
+    way. Under fp8 the converted Linears cast their fp32 weights to fp8 themselves
+    (FP8_CAST_FORWARD_BYTES) and autocast casts only the output layer. The weights are the memory
+    model's autocast copies (memory.autocast_cast_elements). FSDP2 gathers its units already in
+    the compute dtype, so its cast is of the 1/N shard: not costed.
+
+    Measured (bench/results/2026-11-23-h100/profile_8b_4layers_launcher_bf16_compile.txt, a 4-layer
+    Llama-3-8B on one H100, 1.40 B matmul weights): aten::copy_ 8.4 ms per step, where these 12 B
+    per weight (16.8 GB) take 6.3 ms at HBM_EFFICIENCY."""
+    if lay.owners.sharding_backend != "native" or lay.fsdp_wraps or lay.numerics.precision not in ("bf16", "fp8"):
+        return 0.0
+    cast = autocast_cast_elements(st, shape, lay)
+    nbytes = cast * (CAST_FORWARD_BYTES + CAST_BACKWARD_BYTES)
+    if lay.numerics.precision == "fp8":
+        as_bf16 = replace(lay, numerics=replace(lay.numerics, precision="bf16"))
+        converted = autocast_cast_elements(st, shape, as_bf16) - cast
+        nbytes += converted * (FP8_CAST_FORWARD_BYTES + CAST_BACKWARD_BYTES)
+    return nbytes / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
 
 
 def attention_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> float:
@@ -461,9 +498,12 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
     m = lay.batch.microbatches
     slots = bubble_slots(lay)
     compute_s = t_mb[slowest_i] * m
-    bubble_s = t_mb[slowest_i] * slots
     comm = estimate_comm(shape, lay, hw, st)
     _apply_overlap(comm, lay, compute_s, st, attention_s(shape, st, lay, hw) * m)
+    # An idle slot of the pipeline lasts one micro-batch of a stage as it runs: its compute and the
+    # collectives it waits for inside its layers (TP, CP, EP), exposed on its critical path.
+    in_microbatch = sum(c.exposed_s for c in comm if c.name.startswith(IN_MICROBATCH_COMM)) / m
+    bubble_s = (t_mb[slowest_i] + in_microbatch) * slots
     optimizer_s = optimizer_step_s(st, lay, hw)
     exposed = sum(c.exposed_s for c in comm)
     step_s = compute_s + bubble_s + exposed + optimizer_s
@@ -488,6 +528,12 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
         "peak_tflops": peak / 1e12,
         "comm": comm,
     }
+
+
+# Collectives inside a micro-batch's layers (the compute stream waits for them): a pipeline's idle
+# slots last as long as they do. FSDP's gathers and reductions, the optimizer's and the pipeline's
+# own sends are per step or between micro-batches.
+IN_MICROBATCH_COMM = ("TP", "CP", "EP")
 
 
 def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: StageParams,
@@ -541,4 +587,18 @@ def optimizer_step_s(st: StageParams, lay: Layout, hw: Any) -> float:
         pcie = hw.pcie_gbps * 1e9
         return local / HOST_ADAM_PARAMS_PER_S + local * (4 + 2) / pcie  # grads down, params up
     # Read p, g, m, v (16 B) and write p, m, v (12 B) in fp32.
-    return local * 28.0 / (hw.hbm_gbps * 1e9 * 0.7)
+    return local * 28.0 / (hw.hbm_gbps * 1e9 * 0.7) + grad_clip_s(local, hw)
+
+
+# Gradient clipping (launcher/engines/optim.py clip_grad_norm) per fp32 gradient element: the norm
+# reads it (4 B), the scaling by min(1, max_norm / norm) reads and writes it (8 B). The scaling runs
+# on the device whenever trainer.grad_clip > 0 (the default, 1.0, which the plan assumes), without a
+# host check, so it is a full pass even when nothing is clipped.
+GRAD_CLIP_BYTES = 4 + 8
+
+
+def grad_clip_s(local_params: float, hw: Any) -> float:
+    """Memory-bound seconds of clipping `local_params` gradients on the GPU. Measured (the profile
+    of weight_cast_s, 1.92 B gradients on one H100): vector_norm 2.7 ms and _foreach_mul_ 5.7 ms
+    per step, 12 B per gradient at 2.7-2.9 TB/s."""
+    return local_params * GRAD_CLIP_BYTES / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
