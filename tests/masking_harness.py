@@ -3,7 +3,8 @@
 Usage (2 ranks, gloo; every layout in the file uses 2 ranks):
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/masking_harness.py LAYOUTS.json OUT.json
 
-Per layout (keys: name, model, mesh {parallel.* degrees}, sp, pp_schedule) the native engine is built from the
+Per layout (keys: name, model, overrides {model.* keys}, mesh {parallel.* degrees}, sp, pp_schedule, dotted
+{other config keys}) the native engine is built from the
 real resolver's Layout and given the same packed batch as the 1-rank reference in the test:
 - `logits_max_diff`: the engine's logits of the packed rows (document masking, positions reset at
   each document) vs each document run alone through a plain 1-rank model with the same weights;
@@ -91,9 +92,48 @@ def engine_logits(engine, mbs) -> Tuple[bool, torch.Tensor]:
             return engine.has_last, out
         outs = []
         for mb in mbs:
+            if engine.mesh_plan.cp > 1:
+                outs.append(_context_parallel_logits(engine, mb))
+                continue
             y = engine.parts[0](mb.inputs, positions=mb.positions, document_ids=mb.document_ids)
             outs.append(y.full_tensor() if hasattr(y, "full_tensor") else y)
         return True, torch.cat(outs)
+
+
+def _context_parallel_logits(engine, mb) -> torch.Tensor:
+    """The whole row's logits under all-gather context parallelism: each cp rank computes its
+    head-tail slice (as the engine's forward does), the slices are gathered and put back in
+    sequence order."""
+    from launcher.engines.base import model_kwargs
+    from launcher.parallel.cp import key_order, shard_for_allgather
+
+    cp = engine.world["cp"]
+    inputs, _, kwargs = shard_for_allgather(mb.inputs, mb.labels, model_kwargs(mb, torch.device("cpu")),
+                                            cp.size(), cp.get_local_rank())
+    y = engine.parts[0](inputs, **kwargs)
+    y = (y.full_tensor() if hasattr(y, "full_tensor") else y).contiguous()
+    parts = [torch.empty_like(y) for _ in range(cp.size())]
+    dist.all_gather(parts, y, group=cp.get_group())
+    out = torch.empty(y.shape[0], mb.inputs.shape[1], y.shape[2], dtype=y.dtype)
+    out[:, key_order(mb.inputs.shape[1], cp.size())] = torch.cat(parts, dim=1)
+    return out
+
+
+def layout_model_cfg(spec: dict):
+    """The model of a layout entry: conf/model/<model>.yaml (or "deepseek_v3_tiny", the DeepSeek-V3
+    test model with one dense and one MoE block) with the entry's "overrides"."""
+    from dataclasses import replace
+
+    from launcher.config.schema import ModelConfig
+    from tests.test_models import model_cfg
+
+    if spec["model"] == "deepseek_v3_tiny":
+        from tests.test_deepseek_v3 import TINY
+
+        cfg = ModelConfig(**{**TINY, "n_layers": 2})
+    else:
+        cfg = model_cfg(spec["model"])
+    return replace(cfg, **spec.get("overrides", {}))
 
 
 def rank_rows(layout, items: list) -> list:
@@ -132,13 +172,12 @@ def run_deepspeed(spec: dict, cfg) -> dict:
 
 
 def run_layout(spec: dict) -> dict:
-    from tests.test_models import model_cfg
-
-    cfg = model_cfg(spec["model"])
+    cfg = layout_model_cfg(spec)
     if spec.get("kind") == "deepspeed":
         return run_deepspeed(spec, cfg)
     dotted = {f"parallel.{k}": v for k, v in spec["mesh"].items()}
     dotted.update({"parallel.sp": spec.get("sp", False), "parallel.pp_schedule": spec.get("pp_schedule", "1f1b")})
+    dotted.update(spec.get("dotted", {}))
     engine = native_engine(cfg, dist.get_world_size(), **dotted)
     docs, mbs = packed_rows(cfg.vocab_size)
     docs, mbs = rank_rows(engine.layout, docs), rank_rows(engine.layout, mbs)

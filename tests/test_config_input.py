@@ -186,16 +186,15 @@ def test_bad_value_is_one_problem_line_with_a_fix(overrides, fragments):
 
 @pytest.mark.parametrize("model", ["deepseek_v3_small", "qwen3_30b_a3b"])
 def test_context_parallel_with_mla_or_qk_norm_is_refused_on_cpu_and_planned_on_gpus(model):
-    """parallel.cp=2 with DeepSeek-V3's MLA or Qwen3's QK-norm: on CPU one problem line with the
-    fix (torch's ring attention has no CPU kernel, whatever the attention), before launch; on
-    GPUs the same job validates and resolves to cp=2. MLA and QK-norm reach ring attention as
-    any attention does: SDPA on the sequence shard, RoPE (MLA's decoupled key included) from
-    the model's table, which context parallelism shards so each row keeps its global position
-    (launcher/parallel/cp.py; tests/test_parallel_layouts.py runs cp=2 per family on GPUs)."""
+    """parallel.cp=2 with DeepSeek-V3's MLA or Qwen3's QK-norm: on CPU it validates (backend.cp_impl=auto
+    is the all-gather implementation there, tests/test_parallel_layouts.py runs it per family), and
+    ring attention (no CPU kernel, whatever the attention) is one problem line with the fix before
+    launch; on GPUs the same job validates and resolves to cp=2."""
     args = [f"model={model}", "parallel.cp=2", "cluster.gpus_per_node=2"]
-    problems = _problems(*args)
+    assert _problems(*args) == []
+    problems = _problems(*args, "backend.cp_impl=ring")
     assert len(problems) == 1 and all(f in problems[0] for f in ("parallel.cp=2", "trainer.device=cpu",
-                                                                  "Fix: parallel.cp=1")), problems
+                                                                  "Fix: backend.cp_impl=allgather")), problems
     spec = compose_spec(["+recipe=debug", *args, "trainer.device=cuda"])
     assert validate(spec) == []
     assert resolve(spec).mesh.cp == 2
@@ -279,7 +278,7 @@ CLI_CASES = [
     ["-m", "model.n_heads=4,0"],
     ["-m", "cluster=slurm", "cluster.dry_run=true", "parallel.tp=1,3,2"],
     ["checkpoint.dir=/proc/nope"],
-    ["model=deepseek_v3_small", "parallel.cp=2", "cluster.gpus_per_node=2"],  # CP with MLA on CPU
+    ["model=deepseek_v3_small", "parallel.cp=2", "backend.cp_impl=ring", "cluster.gpus_per_node=2"],  # ring CP with MLA on CPU
     ["cluster=slurm", "cluster.dry_run=true", "checkpoint.dir=/proc/nope", "cluster.max_restarts=-1"],
     ["cluster=slurm", "cluster.dry_run=true", "cluster.nodes=2", "cluster.spare_nodes=2"],
     ["backend=deepspeed", "checkpoint.local_dir=/proc/nope"],  # both refusals of the node-local tier
@@ -324,7 +323,7 @@ def test_tokenizer_vocab_check_runs_without_torch(tmp_path):
 
 NON_FINITE_AND_CONFLICTING = [
     "data=indexed", "data.mix=[{path:/nonexistent/web,weight:inf,name:web},{path:/nonexistent/code,weight:nan,name:code}]",
-    "data.reset_positions=true", "parallel.cp=2", "plan.moe_imbalance=inf", "trainer.tokens=100000", "trainer.steps=7",
+    "data.reset_positions=true", "parallel.cp=2", "backend.cp_impl=ring", "plan.moe_imbalance=inf", "trainer.tokens=100000", "trainer.steps=7",
 ]
 
 
@@ -342,7 +341,7 @@ def _train_refuses(tmp_path, *overrides):
 
 def test_non_finite_values_and_conflicting_inputs_are_all_refused_at_once(tmp_path):
     """An inf/nan data.mix weight (every rank failed on Fraction('inf')), an inf plan.moe_imbalance,
-    data.reset_positions with context parallelism (every rank raised in the engine) and a command-line
+    data.reset_positions with ring context parallelism (every rank raised in the engine) and a command-line
     trainer.steps that the token budget would silently override: one exit 2, every line with a Fix."""
     problems = _train_refuses(tmp_path, *NON_FINITE_AND_CONFLICTING)
 
@@ -351,7 +350,8 @@ def test_non_finite_values_and_conflicting_inputs_are_all_refused_at_once(tmp_pa
         assert len(hits) == 1 and "Fix:" in hits[0], (fragments, problems)
 
     line("data.mix: weights must be > 0 and finite", "web=inf", "code=nan")
-    line("data.reset_positions=true with parallel.cp=2", "Fix: parallel.cp=1")
+    line("backend.cp_impl=ring with parallel.cp=2 and data.document_masking / data.reset_positions",
+         "Fix: backend.cp_impl=allgather")
     line("plan.moe_imbalance=inf must be at least 1 and finite")
     line("trainer.steps=7 and trainer.tokens=100000 disagree", "gives 98 steps", "Fix: drop trainer.steps")
 

@@ -121,11 +121,12 @@ def test_bad_indexed_data_exits_2_before_launch_with_every_problem(tmp_path):
 
 def test_paths_without_data_and_document_options_without_boundaries_exit_2(tmp_path):
     code, out = _plan(tmp_path, "data=tokens", "data.path=/etc", "data.document_masking=true",
-                      "data.reset_positions=true", "parallel.cp=2", "trainer.device=cuda", "trainer.global_batch_size=4")
+                      "data.reset_positions=true", "parallel.cp=2", "backend.cp_impl=ring", "trainer.device=cuda",
+                      "trainer.global_batch_size=4")
     assert code == 2, out
     for fragment in ("data.path=/etc: no token shards found", "data.document_masking=true needs document boundaries",
                      "data.reset_positions=true needs document boundaries",
-                     "context parallelism does not take a document mask"):
+                     "ring attention takes no document mask"):
         assert fragment in out, (fragment, out[-4000:])
     assert "Traceback" not in out
 

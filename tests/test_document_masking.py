@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from launcher.data.batch import Microbatch
 from launcher.models.layers import document_attention_mask, grouped_attention
-from tests.masking_harness import SOURCES, native_engine, packed_rows, plain_model, reference_logits
+from tests.masking_harness import SOURCES, layout_model_cfg, native_engine, packed_rows, plain_model, reference_logits
 from tests.test_models import model_cfg
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,6 +212,14 @@ LAYOUTS = [
     {"name": "pp2_moe", "model": "debug_moe", "mesh": {"pp": 2}, "pp_schedule": "gpipe"},
     # FSDP2 over 2 data-parallel ranks, experts split over ep=2 (each rank its own rows).
     {"name": "fsdp2_ep2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "ep": 2}},
+    # All-gather context parallelism (cp=2, head-tail slices of each packed row): GQA Llama,
+    # Qwen3's QK-norm with a wide head_dim, DeepSeek-V3's MLA (gathered latent + RoPE key) and MoE.
+    {"name": "cp2_dense", "model": "debug", "mesh": {"cp": 2}},
+    {"name": "cp2_qk_norm", "model": "debug", "mesh": {"cp": 2},
+     "overrides": {"family": "qwen3", "qk_norm": True, "head_dim": 24}},
+    {"name": "cp2_mla", "model": "deepseek_v3_tiny", "mesh": {"cp": 2}},
+    # Full activation checkpointing recomputes each block's forward, its K/V all-gather included.
+    {"name": "cp2_ac_dense", "model": "debug", "mesh": {"cp": 2}, "dotted": {"activation_checkpointing.mode": "full"}},
 ]
 
 
@@ -258,7 +266,7 @@ def test_parallel_layouts_mask_like_one_rank(two_ranks, spec):
     got = two_ranks[spec["name"]]
     assert "error" not in got, got.get("traceback", got.get("error"))
     assert got["logits_max_diff"] and max(got["logits_max_diff"]) < 1e-5, got["logits_max_diff"]
-    cfg = model_cfg(spec["model"])
+    cfg = layout_model_cfg(spec)
     loss, by_source = _reference_losses(cfg)
     assert got["eval"]["loss"] == pytest.approx(loss, rel=1e-5)
     assert {int(s): v for s, v in got["eval"]["source_loss"].items()} == pytest.approx(by_source, rel=1e-5)

@@ -133,10 +133,16 @@ def test_downstream_eval_rows_match_single_rank(results, name):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the refusal is CPU-only")
-def test_context_parallel_refused_on_cpu(results):
+def test_ring_context_parallel_refused_on_cpu(results):
     got = results["cp2_refused_on_cpu"]
-    assert "needs a GPU" in got.get("error", ""), f"cp=2 on CPU was not refused clearly: {got}"
-    assert "parallel.cp=1" in got["error"], "the refusal must name the fix"
+    assert "no CPU kernel" in got.get("error", ""), f"cp_impl=ring on CPU was not refused clearly: {got}"
+    assert "backend.cp_impl=allgather" in got["error"], "the refusal must name the fix"
+
+
+def test_allgather_context_parallel_is_what_auto_picks_on_cpu(results):
+    """The all-gather CP layouts ran as the Layout's owners say (auto resolved to allgather)."""
+    for name in ("cp2_ag_docs", "cp2_tp2_sp_docs", "cp2_fsdp2_docs", "cp2_ag_dsv3_noaux"):
+        assert results[name]["layout"]["cp_impl"] == "allgather", (name, results[name].get("error"))
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="checked on CPU; GPUs run cp=2 end to end")

@@ -58,8 +58,9 @@ def test_zero_stage_below_two_points_to_deepspeed():
 
 
 def test_context_parallel_cpu_reason_and_sharding():
-    assert "GPU" in context_parallel_unsupported_reason("cpu")
-    assert context_parallel_unsupported_reason("cuda") is None
+    assert "GPU" in context_parallel_unsupported_reason("cpu", "ring")
+    assert context_parallel_unsupported_reason("cuda", "ring") is None
+    assert context_parallel_unsupported_reason("cpu", "allgather") is None
     assert shard_positions(8, 2, 0) == [0, 1, 6, 7]
     assert shard_positions(8, 2, 1) == [2, 3, 4, 5]
     with pytest.raises(ValueError, match="divisible by 2\\*parallel.cp=4"):

@@ -36,6 +36,7 @@ IDENTITY_RULES: Tuple[Tuple[str, bool, str], ...] = (
     ("backend.reduce_bucket_size", False, "a communication tuning knob"),
     ("backend.allgather_bucket_size", False, "a communication tuning knob"),
     ("backend.zeropp_hierarchical_partition", False, "a communication tuning knob"),
+    ("backend.cp_impl", False, "how context parallelism computes the same attention (same checkpoint)"),
     ("trainer", False, "how long (steps, tokens), logging, evaluation, health checks, device, speed"),
     ("trainer.global_batch_size", True, "the batch"),
     ("trainer.micro_batch_size", True, "the layout (gradient accumulation)"),

@@ -528,6 +528,10 @@ class BackendConfig:
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000
     fp8_impl: str = "auto"  # auto | torchao | transformer_engine
+    # Context parallelism (parallel.cp > 1): allgather (K/V gathered per layer; every device,
+    # document masks) | ring (torch ring attention; CUDA, causal only) | auto (ring where it can
+    # run, else allgather: launcher/plan/decide/cp_choice.py).
+    cp_impl: str = "auto"
 
 
 @dataclass

@@ -315,11 +315,6 @@ def _check_zero_and_offload(spec: JobConfig, problems: List[str]) -> None:
 def _check_device(spec: JobConfig, problems: List[str]) -> None:
     t, p = spec.trainer, spec.parallel
     on_cpu = t.device == "cpu"
-    if on_cpu and p.cp > 1:
-        problems.append(
-            f"parallel.cp={p.cp} with trainer.device=cpu: context parallelism needs GPU attention kernels "
-            f"(no CPU kernel has a sharding rule). Fix: parallel.cp=1 on CPU, or run on GPUs."
-        )
     if spec.precision.name == "fp8" and not spec.precision.fp8.emulate:
         if on_cpu:
             problems.append(

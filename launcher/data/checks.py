@@ -171,12 +171,6 @@ def data_problems(spec: JobConfig) -> List[str]:
             _indexed_problems(spec, sources, key, problems)
         if validating and not d.val_mix and not d.val_path:
             pass  # launcher.config.validate names the missing data.val_path
-    if d.reset_positions and spec.parallel.cp > 1:
-        problems.append(f"data.reset_positions=true with parallel.cp={spec.parallel.cp}: context parallelism does not "
-                        f"take per-document positions yet. Fix: parallel.cp=1 (use tp/dp), or data.reset_positions=false.")
-    if d.document_masking and spec.parallel.cp > 1:
-        problems.append(f"data.document_masking=true with parallel.cp={spec.parallel.cp}: context parallelism does not "
-                        f"take a document mask yet. Fix: parallel.cp=1 (use tp/dp), or data.document_masking=false.")
     return problems
 
 

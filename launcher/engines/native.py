@@ -47,7 +47,8 @@ from launcher.models import build_model
 from launcher.models.moe import update_correction_bias
 from launcher.parallel.ac import apply_activation_checkpointing
 from launcher.parallel.compile import apply_compile
-from launcher.parallel.cp import context_parallel_region, context_parallel_unsupported_reason, use_expanded_kv
+from launcher.parallel.cp import (context_parallel_region, context_parallel_unsupported_reason, shard_for_allgather,
+                                  use_expanded_kv, use_gathered_kv)
 from launcher.parallel.ep import apply_expert_parallel
 from launcher.parallel.fp8 import convert_to_float8, float8_scale_precompute_needed, precompute_float8_scales
 from launcher.parallel.fsdp import UnshardedAccumulation, apply_fsdp, mixed_precision_policy
@@ -85,8 +86,9 @@ class NativeEngine:
             self.world = build_device_mesh(m, self.device.type)
         self.tp_rank = self.world["tp"].get_local_rank() if self.world is not None else 0
 
+        self.cp_impl = lay.owners.cp_impl
         if m.cp > 1:
-            reason = context_parallel_unsupported_reason(self.device.type)
+            reason = context_parallel_unsupported_reason(self.device.type, self.cp_impl)
             if reason:
                 raise RuntimeError(reason)
         with torch.device("meta"):
@@ -151,7 +153,9 @@ class NativeEngine:
         if m.ep > 1:
             ep_mesh, expert_dp_mesh = expert_meshes(w, m.ep)
             apply_expert_parallel(part, ep_mesh)
-        if m.cp > 1:
+        if m.cp > 1 and self.cp_impl == "allgather":
+            use_gathered_kv(part, w["cp"].get_group())
+        elif m.cp > 1:
             use_expanded_kv(part)
         if lay.memory.ac_mode != "none":
             apply_activation_checkpointing(part, lay.memory.ac_mode, lay.memory.ac_selective)
@@ -186,8 +190,17 @@ class NativeEngine:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
+    def context_parallel_slice(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict[str, Any]):
+        """(inputs, labels, model kwargs) of this rank under all-gather context parallelism: its
+        head-tail slice with positions, document ids and the keys' index (launcher/parallel/cp.py);
+        unchanged otherwise (ring attention shards inside its region)."""
+        if self.mesh_plan.cp > 1 and self.cp_impl == "allgather":
+            cp = self.world["cp"]
+            return shard_for_allgather(inputs, labels, kwargs, cp.size(), cp.get_local_rank())
+        return inputs, labels, kwargs
+
     def _context_parallel(self, model, inputs, labels):
-        if self.mesh_plan.cp > 1:
+        if self.mesh_plan.cp > 1 and self.cp_impl == "ring":
             return context_parallel_region(model, self.world["cp"], inputs, labels)
         return nullcontext()
 
@@ -226,17 +239,17 @@ class NativeEngine:
         self._source_sums = torch.zeros(2 * n, dtype=torch.float64, device=self.device) if n else None
 
     def _check_masking_supported(self, mb: Microbatch) -> None:
-        if self.mesh_plan.cp > 1 and (mb.positions is not None or mb.document_ids is not None):
+        if self.mesh_plan.cp > 1 and self.cp_impl == "ring" and (mb.positions is not None or mb.document_ids is not None):
             raise RuntimeError(
                 "document masking / position reset (Microbatch.document_ids, positions) is not supported "
-                "with context parallelism (parallel.cp > 1): ring attention takes no document mask. "
-                "Fix: set parallel.cp=1, or data.document_masking=false and data.reset_positions=false")
+                "with backend.cp_impl=ring: ring attention takes no document mask. "
+                "Fix: backend.cp_impl=allgather, or data.document_masking=false and data.reset_positions=false")
 
     def _forward_loss(self, model: nn.Module, mb: Microbatch, backward: bool) -> torch.Tensor:
         """One micro-batch's forward and loss, and its backward when training."""
         self._check_masking_supported(mb)
         inputs, labels = mb.inputs.to(self.device), mb.labels.to(self.device)
-        kwargs = model_kwargs(mb, self.device)
+        inputs, labels, kwargs = self.context_parallel_slice(inputs, labels, model_kwargs(mb, self.device))
         with self._context_parallel(model, inputs, labels), self._loss_parallel():
             with self._autocast():
                 logits = model(inputs, **kwargs)

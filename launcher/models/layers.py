@@ -16,6 +16,7 @@ exactly the plain causal one (``is_causal=True``, the shared [s, d/2, 2] table).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -176,36 +177,72 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 ATTENTION_KERNELS = ("auto", "sdpa", "flex")
 
 
+@dataclass(frozen=True)
+class KeyIndex:
+    """Where the keys of attention lie when they are not the forward's own tokens: the sequence
+    positions of the local queries (int [s_q]) and of the keys (int [s_k], in the order the keys
+    arrive), and the keys' document ids ([b, s_k], or None without document masking)."""
+
+    query_index: torch.Tensor
+    key_index: torch.Tensor
+    key_document_ids: Optional[torch.Tensor] = None
+
+
 def document_attention_mask(document_ids: torch.Tensor, kernel: str = "auto", dtype: Optional[torch.dtype] = None):
     """The block-causal mask of packed rows, built once per forward and shared by every layer:
     query i may attend to key j when j <= i and both lie in the same document
-    (document_ids int [b, s]).
+    (document_ids int [b, s]); attention_mask with the queries' and keys' positions 0..s-1."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device)
+    return attention_mask(index, index, document_ids, document_ids, kernel, dtype)
+
+
+def attention_mask(query_index: torch.Tensor, key_index: torch.Tensor, query_docs: Optional[torch.Tensor] = None,
+                   key_docs: Optional[torch.Tensor] = None, kernel: str = "auto",
+                   dtype: Optional[torch.dtype] = None):
+    """The causal (block-causal with document ids) mask of queries at sequence positions
+    `query_index` (int [s_q]) over keys at `key_index` (int [s_k]), built once per forward and
+    shared by every layer: query i may attend to key j when key_index[j] <= query_index[i] and,
+    with `query_docs` [b, s_q] / `key_docs` [b, s_k], both lie in the same document. The keys
+    need not be in sequence order (context parallelism's gathered K/V are in rank order).
 
     kernel "flex" (what "auto" picks on CUDA): a FlexAttention BlockMask, whose blocks that
-    cross documents are skipped entirely; "sdpa" (what "auto" picks elsewhere: FlexAttention has
-    no CPU backward in torch 2.13): a tensor [b, 1, s, s] for SDPA's attn_mask, boolean (True =
-    attend) or, with `dtype` (the attention's dtype), additive (0 / -inf). SDPA turns a boolean
-    mask into an additive one in every call and saves that copy for backward (s x s per layer);
-    an additive mask in the query's dtype is used as it is, so all layers save the same tensor.
-    All give the same attention, to rounding."""
+    cross documents or lie above the diagonal are skipped entirely; "sdpa" (what "auto" picks
+    elsewhere: FlexAttention has no CPU backward in torch 2.13): a tensor [b or 1, 1, s_q, s_k]
+    for SDPA's attn_mask, boolean (True = attend) or, with `dtype` (the attention's dtype),
+    additive (0 / -inf). SDPA turns a boolean mask into an additive one in every call and saves
+    that copy for backward (s x s per layer); an additive mask in the query's dtype is used as
+    it is, so all layers save the same tensor. All give the same attention, to rounding."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention kernel {kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+    device = query_index.device
     if kernel == "auto":
-        kernel = "flex" if document_ids.device.type == "cuda" else "sdpa"
-    docs = document_ids
-    b, s = docs.shape
+        kernel = "flex" if device.type == "cuda" else "sdpa"
     if kernel == "sdpa":
-        causal = torch.ones(s, s, dtype=torch.bool, device=docs.device).tril()
-        allowed = ((docs.unsqueeze(2) == docs.unsqueeze(1)) & causal).unsqueeze(1)
+        allowed = (key_index.unsqueeze(0) <= query_index.unsqueeze(1)).unsqueeze(0)  # [1, s_q, s_k]
+        if query_docs is not None:
+            allowed = allowed & (query_docs.unsqueeze(2) == key_docs.unsqueeze(1))
+        allowed = allowed.unsqueeze(1)
         if dtype is None:
             return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=docs.device).masked_fill_(~allowed, float("-inf"))
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    b = query_docs.shape[0] if query_docs is not None else 1
+    # H=None: one mask broadcast over the heads, so it serves any number of local heads (TP).
+    return _flex_functions()[1](flex_mask_mod(query_index, key_index, query_docs, key_docs), b, None,
+                                query_index.shape[0], key_index.shape[0], device=device)
+
+
+def flex_mask_mod(query_index: torch.Tensor, key_index: torch.Tensor, query_docs: Optional[torch.Tensor] = None,
+                  key_docs: Optional[torch.Tensor] = None):
+    """attention_mask's rule as a FlexAttention mask_mod (bi, hi, qi, ki) -> bool, with qi/ki
+    indices into the local queries and the (possibly gathered, rank-ordered) keys."""
+    if query_docs is None:
+        def causal(bi, hi, qi, ki):
+            return key_index[ki] <= query_index[qi]
+        return causal
 
     def same_document_causal(bi, hi, qi, ki):
-        return (docs[bi, qi] == docs[bi, ki]) & (ki <= qi)
-
-    # H=None: one mask broadcast over the heads, so it serves any number of local heads (TP).
-    return _flex_functions()[1](same_document_causal, b, None, s, s, device=docs.device)
+        return (query_docs[bi, qi] == key_docs[bi, ki]) & (key_index[ki] <= query_index[qi])
+    return same_document_causal
 
 
 _FLEX = None
@@ -283,9 +320,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
-        # True only under context parallelism (launcher.parallel.cp.use_expanded_kv): torch's
+        # True only under ring context parallelism (launcher.parallel.cp.use_expanded_kv): torch's
         # ring attention has no enable_gqa support, so K/V are copied to every query head there.
         self.expand_kv = False
+        # Set only under all-gather context parallelism (launcher.parallel.cp.use_gathered_kv): a
+        # function [b, s_local, ...] -> [b, s_whole, ...] returning every rank's keys and values;
+        # the mask then says which of them each local query sees.
+        self.kv_gather = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
         """x [b, s, dim]; rope: [s, d/2, 2] or per-row [b, s, d/2, 2]; mask: None (causal) or
@@ -301,6 +342,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.kv_gather is not None:  # one collective for K and V, with kv heads only (GQA)
+            k, v = self.kv_gather(torch.cat([k, v], dim=-1)).split([k.shape[-1], v.shape[-1]], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
         o = grouped_attention(q, k, v, expand_kv=self.expand_kv, mask=mask)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))

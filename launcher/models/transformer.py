@@ -28,8 +28,8 @@ from torch import nn
 
 from launcher.models.fp32_buffers import register_fp32_buffer
 from launcher.models.init import init_model_weights
-from launcher.models.layers import (Attention, FeedForward, RMSNorm, document_attention_mask, model_rope_table,
-                                    rope_at_positions)
+from launcher.models.layers import (Attention, FeedForward, KeyIndex, RMSNorm, attention_mask,
+                                    document_attention_mask, model_rope_table, rope_at_positions)
 from launcher.models.moe import MoE, latest_aux_loss, set_aux_loss_scale
 from launcher.models.shape import head_dim_of, moe_layer_ids
 
@@ -96,10 +96,17 @@ class Transformer(nn.Module):
         self.attention_kernel = "auto"  # how a document mask is applied (document_attention_mask)
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None, keys: Optional["KeyIndex"] = None) -> torch.Tensor:
+        """``keys``: where the attention's keys lie when they are not these tokens (context
+        parallelism's gathered K/V); the mask is then built from it."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if positions is None else rope_at_positions(self.rope, positions)
-        if document_ids is None:
+        if keys is not None:
+            mask = attention_mask(keys.query_index, keys.key_index, document_ids, keys.key_document_ids,
+                                  self.attention_kernel, dtype=_attention_dtype(h))
+            for block in self.layers.values():
+                h = block(h, rope, mask=mask)
+        elif document_ids is None:
             for block in self.layers.values():
                 h = block(h, rope)
         else:

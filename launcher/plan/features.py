@@ -157,7 +157,9 @@ FEATURES: Tuple[Feature, ...] = (
     ),
     Feature(
         "cp", "Context parallel", "parallel.cp > 1", "cp",
-        {NATIVE: "`torch.distributed.tensor.experimental.context_parallel` (ring attention; GPU only)"},
+        {NATIVE: "`backend.cp_impl`: allgather (K/V all-gathered per layer, gradients reduce-scattered; every "
+                 "device, document masks) or ring (`torch.distributed.tensor.experimental.context_parallel`; "
+                 "GPU, causal only)"},
         "DeepSpeed-Ulysses needs its own attention wrapper, not wired here",
     ),
     Feature(

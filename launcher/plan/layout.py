@@ -139,6 +139,9 @@ class BackendPlan:
     pp_backend: BackendName = "native"
     ac_backend: BackendName = "native"  # torch checkpoint | deepspeed.checkpointing
     fp8_impl: Fp8Impl = "off"
+    # Context parallelism's implementation (backend.cp_impl resolved: off | allgather | ring;
+    # launcher/plan/decide/cp_choice.py says why).
+    cp_impl: str = "off"
     # The per-feature record (feature, choice) in launcher.plan.features.FEATURES order.
     choices: Tuple[Tuple[str, BackendChoice], ...] = ()
 
@@ -166,7 +169,7 @@ PLAN_KEY_ORDER: Tuple[str, ...] = (
     "zeropp_quantized_weights", "zeropp_quantized_gradients", "zeropp_hierarchical_partition",
     "hpz_partition_size", "accumulate_unsharded", "choices", "compile", "fp8_recipe", "document_mask", "tf32",
     "fp8_emulate", "fp8_min_features", "fp8_exclude", "offload_nvme_path", "offload_pin_memory",
-    "health_check", "exclude_stragglers", "optimizer",
+    "health_check", "exclude_stragglers", "optimizer", "cp_impl",
 )
 
 

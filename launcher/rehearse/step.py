@@ -52,13 +52,15 @@ def step_runner(engine, layout, vocab_size: int, microbatches: int, phase=no_pha
     device = rank_device(engine)
     inputs = torch.randint(0, vocab_size, shape, device=device)
     labels = torch.randint(0, vocab_size, shape, device=device)
+    # All-gather context parallelism: the rank's slice, as the engine's forward takes it.
+    inputs, labels, kwargs = engine.context_parallel_slice(inputs, labels, {})
 
     def step():
         for _ in range(microbatches):
             with engine._loss_parallel():
                 with phase("forward"):
                     with engine._autocast():
-                        logits = model(inputs)
+                        logits = model(inputs, **kwargs)
                     loss = token_loss_sum(logits, labels) / float(layout.microbatch_tokens)
                 with phase("backward"):
                     loss.backward()

@@ -33,6 +33,9 @@ DEEPSEEK_V3 = {"family": "deepseek_v3", "n_kv_heads": 4, "q_lora_rank": 16, "kv_
                "score_func": "sigmoid", "routed_scaling_factor": 2.5, "n_group": 2, "topk_group": 1,
                "norm_topk_prob": True, "bias_update_speed": 0.01, "aux_loss_alpha": 0.01, "aux_loss_coef": 0.0}
 
+QWEN3_MOE_NOAUX = {**QWEN3_MOE, "aux_loss_coef": 0.0}
+DEEPSEEK_V3_NOAUX = {**DEEPSEEK_V3, "aux_loss_alpha": 0.0}
+
 
 def _short(model: str) -> str:
     return "moe" if model == "debug_moe" else "dense"
@@ -151,12 +154,41 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
         {"name": "offload_cpu_fsdp2_dense", "model": "debug", "mesh": {"dp_shard": 2}, "offload": "cpu"},
     ]
     if device == "cpu":
-        # Context parallelism: CPU runs are refused; torch's sequence sharding is checked.
+        # Ring context parallelism: refused on CPU; torch's sequence sharding is checked.
         two += [
             {"name": "cp_shard_check", "kind": "cp_shard", "seq": 16},
-            {"name": "cp2_refused_on_cpu", "model": "debug", "mesh": {"cp": 2},
-             "expect_error": "needs a GPU"},
+            {"name": "cp2_refused_on_cpu", "model": "debug", "mesh": {"cp": 2}, "cp_impl": "ring",
+             "expect_error": "no CPU kernel"},
         ]
+    # All-gather context parallelism (backend.cp_impl=auto picks it on CPU and for packed
+    # documents): Llama with document masking and reset positions (its own reference), alone, with
+    # TP+SP and with FSDP; Qwen3-MoE (QK-norm, wide head_dim) and DeepSeek-V3 (MLA's gathered
+    # latent, MoE with EP over dp_shard*cp). A cp=2 checkpoint resumes on 1 rank.
+    # The MoE layouts turn the balance losses off (and have their own references): each CP rank
+    # holds half of every sequence, and the Switch-style and sequence-wise balance losses are
+    # still computed per rank (reducing their statistics over the CP ranks is issue 42's MoE part).
+    one += [{"name": "ref_docs", "model": "debug", "documents": True},
+            {"name": "ref_qwen3moe_noaux", "model": "debug_moe", "model_overrides": QWEN3_MOE_NOAUX},
+            {"name": "ref_dsv3_noaux", "model": "debug_moe", "model_overrides": DEEPSEEK_V3_NOAUX}]
+    two += [
+        {"name": "cp2_ag_docs", "model": "debug", "mesh": {"cp": 2}, "documents": True,
+         "save_dir": f"{ckpt_dir}/cp2_docs", "save_after": 2},
+        {"name": "cp2_ag_qwen3moe_noaux", "model": "debug_moe", "model_overrides": QWEN3_MOE_NOAUX, "mesh": {"cp": 2},
+         "cp_impl": "allgather"},
+        {"name": "cp2_ag_dsv3_noaux", "model": "debug_moe", "model_overrides": DEEPSEEK_V3_NOAUX, "mesh": {"cp": 2},
+         "cp_impl": "allgather"},
+    ]
+    four += [
+        {"name": "cp2_tp2_sp_docs", "model": "debug", "mesh": {"cp": 2, "tp": 2}, "sp": True, "documents": True},
+        {"name": "cp2_fsdp2_docs", "model": "debug", "mesh": {"cp": 2, "dp_shard": 2}, "documents": True},
+        {"name": "cp2_tp2_qwen3moe_noaux", "model": "debug_moe", "model_overrides": QWEN3_MOE_NOAUX,
+         "mesh": {"cp": 2, "tp": 2},
+         "cp_impl": "allgather"},
+        {"name": "cp2_ep2_fsdp2_dsv3_noaux", "model": "debug_moe", "model_overrides": DEEPSEEK_V3_NOAUX,
+         "mesh": {"cp": 2, "dp_shard": 2, "ep": 2}, "cp_impl": "allgather"},
+    ]
+    one.append({"name": "resume_cp2_as_1rank_docs", "model": "debug", "documents": True,
+                "load_dir": f"{ckpt_dir}/cp2_docs", "start_step": 2})
     # Checkpoints across layouts: save after step 2 of 3, resume step 3 elsewhere.
     four.append({"name": "save_fsdp2_tp2_dense", "model": "debug", "mesh": {"dp_shard": 2, "tp": 2},
                  "save_dir": f"{ckpt_dir}/w4_dense", "save_after": 2})
@@ -213,7 +245,7 @@ def muon_layouts(ckpt_dir: str):
 def reference_of(name: str) -> str:
     if name.endswith("_muon"):  # optim=muon layouts compare with the 1-rank Muon run
         return reference_of(name[:-len("_muon")]) + "_muon"
-    for suffix in ("_tied", "_odd", "_2experts", "_qwen3moe", "_dsv3"):
+    for suffix in ("_tied", "_odd", "_2experts", "_qwen3moe", "_dsv3", "_docs", "_qwen3moe_noaux", "_dsv3_noaux"):
         if name.endswith(suffix):
             return "ref" + suffix
     return "ref_moe" if name.endswith("_moe") else "ref_dense"

@@ -9,7 +9,8 @@ A layout that raises is recorded as {"error": "..."} and the next one still runs
 
 Layout keys: name, model (debug | debug_moe), mesh {pp, dp_replicate, dp_shard, cp, tp, ep},
 sp, pp_schedule, pp_virtual_stages, pp_layers, micro_batch_size, ac, ac_selective, compile,
-zero_stage, precision, offload (offload.optimizer), optim (muon), accumulate_unsharded, backend_sharding, steps, save_dir +
+zero_stage, precision, offload (offload.optimizer), optim (muon), accumulate_unsharded, backend_sharding, cp_impl,
+documents (packed documents: data.document_masking and data.reset_positions), steps, save_dir +
 save_after (save after that many steps), load_dir + start_step (resume, then run steps
 start_step..steps-1).
 
@@ -68,6 +69,29 @@ def rank_microbatches(step: int, vocab: int, dp_rank: int, dp: int, micro: int =
     return [(x[i:i + micro], y[i:i + micro]) for i in range(0, per, micro)]
 
 
+# Packed documents per row (each sums to SEQ) for layouts with "documents": boundaries that fall
+# inside and across the 2*cp head-tail chunks of context parallelism.
+DOC_LENGTHS = ([5, 7, 4], [16], [3, 9, 4], [8, 8])
+
+
+def with_documents(microbatches, dp_rank: int, dp: int):
+    """The micro-batches as Microbatches with document ids and positions restarting at each
+    document (the rows' order is step_batch's, so every layout packs the same documents)."""
+    from launcher.data.batch import Microbatch
+
+    rows = GLOBAL_BATCH // dp
+    out, row = [], dp_rank * rows
+    for x, y in microbatches:
+        ids, pos = [], []
+        for r in range(row, row + x.shape[0]):
+            lengths = DOC_LENGTHS[r % len(DOC_LENGTHS)]
+            ids.append(torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)]))
+            pos.append(torch.cat([torch.arange(n) for n in lengths]))
+        row += x.shape[0]
+        out.append(Microbatch(inputs=x, labels=y, positions=torch.stack(pos), document_ids=torch.stack(ids)))
+    return out
+
+
 def check_cp_sharding(spec: dict) -> dict:
     """Shard position buffers with torch's context_parallel on this world (works on CPU: the
     sharding itself needs no attention kernel) and return what this rank kept."""
@@ -120,6 +144,10 @@ def run_layout(spec: dict) -> dict:
         dotted["parallel.accumulate_unsharded"] = spec["accumulate_unsharded"]
     if spec.get("backend_sharding"):
         dotted["backend.sharding"] = spec["backend_sharding"]
+    if spec.get("cp_impl"):
+        dotted["backend.cp_impl"] = spec["cp_impl"]
+    if spec.get("documents"):
+        dotted.update({"data.document_masking": True, "data.reset_positions": True})
     job = job_spec(mcfg, world, **dotted)
     layout = resolve(job)  # what `train` would write into plan.json's "layout"
     steps = spec.get("steps", 3)
@@ -148,7 +176,8 @@ def run_layout(spec: dict) -> dict:
         engine.load(Path(spec["load_dir"]))
     t0 = time.time()
     for step in range(start, steps):
-        stats = engine.train_step(rank_microbatches(step, mcfg.vocab_size, dp_rank, dp, layout.batch.micro_batch_size))
+        mbs = rank_microbatches(step, mcfg.vocab_size, dp_rank, dp, layout.batch.micro_batch_size)
+        stats = engine.train_step(with_documents(mbs, dp_rank, dp) if spec.get("documents") else mbs)
         out["losses"].append(stats.loss)
         out["grad_norms"].append(stats.grad_norm)
         out["lr"].append(stats.lr)

@@ -57,6 +57,10 @@ class MLAttention(nn.Module):
         self.rope_key = nn.Identity()
         self.softmax_scale = self.qk_head ** -0.5 * softmax_scale_factor(getattr(cfg, "rope_scaling", None))
         self.expand_kv = False  # set by context parallelism; MLA has as many K/V heads as queries
+        # Set by all-gather context parallelism (launcher.parallel.cp.use_gathered_kv): gathers the
+        # normed latent and the rotated shared RoPE key (kv_lora_rank + qk_rope channels per token,
+        # not the heads' K/V); every rank then up-projects the whole sequence through wkv_b.
+        self.kv_gather = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
         b = x.shape[0]
@@ -64,12 +68,19 @@ class MLAttention(nn.Module):
         s = q.shape[1]
         q = q.view(b, s, -1, self.qk_head)
         q_nope, q_rope = q.split([self.qk_nope, self.qk_rope], dim=-1)
-        kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope], dim=-1)
-        kv = self.wkv_b(self.kv_norm(kv)).view(b, s, -1, self.qk_nope + self.v_head)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope], dim=-1)
+        latent = self.kv_norm(latent)
+        k_rope = apply_rope(self.rope_key(k_rope).view(b, s, 1, self.qk_rope), rope)
+        if self.kv_gather is not None:
+            both = self.kv_gather(torch.cat([latent, k_rope.view(b, s, self.qk_rope).type_as(latent)], dim=-1))
+            latent, k_rope = both.split([self.kv_lora_rank, self.qk_rope], dim=-1)
+            k_rope = k_rope.unsqueeze(2)
+        sk = latent.shape[1]  # the keys' length: s, or the whole sequence under context parallelism
+        kv = self.wkv_b(latent).view(b, sk, -1, self.qk_nope + self.v_head)
         k_nope, v = kv.split([self.qk_nope, self.v_head], dim=-1)
         heads = q.shape[2]
         q_rope = apply_rope(q_rope, rope)
-        k_rope = apply_rope(self.rope_key(k_rope).view(b, s, 1, self.qk_rope), rope).expand(b, s, heads, self.qk_rope)
+        k_rope = k_rope.expand(b, sk, heads, self.qk_rope)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)  # [b, h, s, qk_head]
         k = torch.cat([k_nope, k_rope], dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)

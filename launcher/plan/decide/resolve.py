@@ -35,6 +35,7 @@ from launcher.plan.estimate.memory import estimate_memory, most_loaded
 from launcher.plan.degrees import MeshPlan
 from launcher.plan.estimate.params import model_shape
 from launcher.plan.decide.rules import backend_conflicts, hpz_partition_size
+from launcher.plan.decide.support import Switches
 
 
 def derive_mesh(parallel: ParallelConfig, cluster: ClusterConfig) -> Tuple[Optional[MeshPlan], List[str]]:
@@ -214,6 +215,11 @@ def backend_fields(choices: Dict[str, BackendChoice], offload_optimizer: str, pp
     }
 
 
+def cp_impl_of(spec: JobConfig, mesh: MeshPlan) -> str:
+    """The BackendPlan's cp_impl: off, allgather or ring (launcher/plan/decide/cp_choice.py)."""
+    return Switches.read(spec, mesh).cp_choice()[0]
+
+
 def spec_fields(spec: JobConfig) -> Dict[str, Any]:
     """The Layout fields read straight from the spec, the same for every layout of it
     (precision, offload, DeepSpeed buckets and ZeRO++ keys, cluster size, seq_len); shared with the search."""
@@ -265,11 +271,12 @@ def resilience_plan(spec: JobConfig) -> ResiliencePlan:
     return ResiliencePlan(health_check=health, exclude_stragglers=exclude)
 
 
-def document_mask_kernel(spec: JobConfig) -> str:
-    """The Layout's document_mask: "none" without data.document_masking, else the kernel the model
-    picks (launcher/models/layers.py): SDPA with a boolean mask on CPU (FlexAttention has no CPU
+def document_mask_kernel(spec: JobConfig, cp_impl: str = "off") -> str:
+    """The Layout's document_mask: "none" without data.document_masking (nor all-gather context
+    parallelism, whose attention always takes a mask), else the kernel the model picks
+    (launcher/models/layers.py): SDPA with a boolean mask on CPU (FlexAttention has no CPU
     backward), FlexAttention on GPUs (trainer.device cuda or auto: plans target GPUs)."""
-    if not bool(getattr(spec.data, "document_masking", False)):
+    if not bool(getattr(spec.data, "document_masking", False)) and cp_impl != "allgather":
         return "none"
     return "sdpa" if spec.trainer.device == "cpu" else "flex"
 
@@ -278,6 +285,8 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
     """The Layout of a spec whose mesh, accumulation and backend choices are resolved."""
     p = spec.parallel
     fixed = spec_fields(spec)
+    cp_impl = cp_impl_of(spec, mesh)
+    fixed["document_mask"] = document_mask_kernel(spec, cp_impl)
     # hpZ groups follow the mesh (HSDP maps to groups of dp_shard), so they are set here, not in spec_fields.
     fixed["deepspeed"] = replace(fixed["deepspeed"], hpz_partition_size=hpz_partition_size(
         int(spec.backend.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard))
@@ -291,6 +300,7 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers),
         owners=BackendPlan(choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
+                           cp_impl=cp_impl,
                            **backend_fields(choices, spec.offload.optimizer, mesh.pp)),
     )
 

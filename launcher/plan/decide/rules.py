@@ -29,6 +29,7 @@ from launcher.config.errors import ConfigError
 from launcher.plan.features import (DEEPSPEED, FEATURE_BY_NAME, FEATURES, FP8_IMPLS, NATIVE, REGISTRY,
                                     BackendChoice, BackendEntry)
 from launcher.plan.degrees import MeshPlan
+from launcher.plan.decide.cp_choice import cp_impl_problems
 from launcher.plan.decide.support import SUPPORT, Need, Row, Switches, needs
 
 
@@ -319,6 +320,8 @@ def _detail_conflicts(s: Switches, problems: List[Conflict]) -> None:
             "fp8", "backend.fp8_impl",
             "backend.fp8_impl=transformer_engine is not wired into this launcher's runtime (FP8 runs on "
             "torchao float8 only)", ("backend.fp8_impl=torchao", "backend.fp8_impl=auto")))
+    for reason, fixes in cp_impl_problems(s.cp_impl, s.mesh.cp, s.device, s.document_masking):
+        problems.append(Conflict("cp", "backend.cp_impl", reason, fixes))
     if s.hpz > 0 and s.mesh.dp % s.hpz:
         problems.append(Conflict(
             "zeropp", "sharding",
@@ -364,7 +367,7 @@ def _native_impls(s: Switches, rides: str) -> Dict[str, Tuple[str, Optional[str]
                                      "native torch checkpointing runs inside the {owner} engine"),
         "tp": (f"DTensor tensor parallel (tp={s.mesh.tp}{', sequence parallel' if s.sp else ''})", "exists only natively"),
         "ep": (f"native expert parallel (ep={s.mesh.ep})", "exists only natively"),
-        "cp": (f"native context parallel (cp={s.mesh.cp})", "exists only natively"),
+        "cp": (f"native context parallel (cp={s.mesh.cp}, {s.cp_choice()[0]}: {s.cp_choice()[1]})", "exists only natively"),
         "pp": (f"torch.distributed.pipelining ({s.mesh.pp} stages, {s.pp_schedule})", None),
         "checkpoint": ("torch.distributed.checkpoint (DCP)", None),
     }

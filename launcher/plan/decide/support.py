@@ -17,11 +17,17 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from launcher.plan.features import DEEPSPEED, NATIVE
 from launcher.plan.degrees import MeshPlan
+from launcher.plan.decide.cp_choice import choose_cp_impl
 
 
 @dataclass(frozen=True)
 class Switches:
     """The config values the rules read, with the mesh degrees the resolver derived."""
+
+    def cp_choice(self) -> Tuple[str, str]:
+        """(implementation, why) of context parallelism (launcher/plan/decide/cp_choice.py)."""
+        return choose_cp_impl(self.cp_impl, self.mesh.cp, self.device, self.document_masking)
+
 
     zero: int
     mesh: MeshPlan  # the degrees (mesh.dp: the data-parallel size)
@@ -39,6 +45,8 @@ class Switches:
     hpz: int
     fp8_impl: str
     document_masking: bool  # data.document_masking or data.reset_positions (ids/positions per token)
+    cp_impl: str = "auto"  # backend.cp_impl as typed (cp_choice.choose_cp_impl resolves it)
+    device: str = "auto"  # trainer.device
 
     @classmethod
     def read(cls, spec, mesh: MeshPlan) -> "Switches":
@@ -62,6 +70,8 @@ class Switches:
             fp8_impl=str(b.fp8_impl),
             document_masking=bool(getattr(spec.data, "document_masking", False)
                                   or getattr(spec.data, "reset_positions", False)),
+            cp_impl=str(getattr(b, "cp_impl", "auto")),
+            device=str(spec.trainer.device),
         )
 
 

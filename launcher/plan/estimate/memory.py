@@ -35,6 +35,7 @@ from functools import lru_cache
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from launcher.plan.layout import Layout, MemoryPlan
+from launcher.plan.estimate.cp_allgather import is_allgather
 from launcher.plan.estimate.params import ModelShape, StageParams, stage_params
 
 GiB = 1024**3
@@ -262,7 +263,12 @@ def _attention_widths(shape: ModelShape, lay: Layout) -> Dict[str, int]:
     q = at.n_heads * at.qk_head_dim
     k = at.n_kv_heads * at.qk_head_dim
     v = at.linear(at.v_source).out_features  # v is a view of that matmul's output: all of it is kept
-    if at.n_kv_heads != at.n_heads and lay.mesh.cp > 1:
+    if is_allgather(lay):
+        # All-gather CP: the whole sequence's K/V (MLA: also its latent and RoPE key) are saved on
+        # every rank, cp times a local token's (launcher/plan/estimate/cp_allgather.py).
+        latent = at.linear(at.v_source).in_features + at.rope_dim if at.assembled_qk else 0
+        k, v = k * lay.mesh.cp, (v + latent) * lay.mesh.cp
+    elif at.n_kv_heads != at.n_heads and lay.mesh.cp > 1:
         # Ring attention (context parallelism) has no enable_gqa: K/V are repeated to every head.
         k, v = q, at.n_heads * at.v_head_dim
     return {"q": q, "k": k, "v": v, "o": at.n_heads * at.v_head_dim}
@@ -411,13 +417,14 @@ def document_mask_bytes(lay: Layout) -> float:
     forward and shared by every layer (SDPA saves it for backward; its flash kernel keeps no s x s
     scores). "flex" (CUDA): the BlockMask's int32 tables, [micro_batch, 1, s/128] block counts and
     [micro_batch, 1, s/128, s/128] indices, for the partial and full blocks, forward and backward
-    (4 of each). Context parallelism with masking is refused, so the sequence is whole."""
-    b, s = lay.batch.micro_batch_size, lay.batch.seq_len
+    (4 of each). Under all-gather context parallelism (which builds the mask with or without
+    documents: the resolver sets document_mask) the rank's s/cp queries over the s gathered keys."""
+    b, s, cp = lay.batch.micro_batch_size, lay.batch.seq_len, lay.mesh.cp
     if lay.document_mask == "sdpa":
-        return float(b * s * s * lay.act_bytes)
+        return float(b * (s / cp) * s * lay.act_bytes)
     if lay.document_mask == "flex":
-        n = -(-s // FLEX_BLOCK)
-        return float(4 * 4 * b * (n + n * n))
+        nq, n = -(-s // (cp * FLEX_BLOCK)), -(-s // FLEX_BLOCK)
+        return float(4 * 4 * b * (nq + nq * n))
     return 0.0
 
 

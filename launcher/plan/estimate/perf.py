@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from launcher.plan.estimate.cp_allgather import gathered_bytes_per_token, is_allgather, repeated_up_projection_flops
 from launcher.plan.estimate.elementwise import HBM_EFFICIENCY, elementwise_s
 from launcher.plan.estimate.flops import attention_flops_per_token, peak_tflops
 from launcher.plan.layout import Layout
@@ -258,8 +259,11 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
                 + attention_s(shape, st, lay, hw))
     memory_bound_s = elementwise_s(shape, lay, hw, st.n_layers, elementwise_recompute_fraction(lay),
                                    st.has_output, tokens / lay.mesh.cp)
-    ring_s = ring_bookkeeping_s(shape, lay, hw, st.n_layers, rf, tokens / lay.mesh.cp)
-    return matmul_s + memory_bound_s + ring_s + document_mask_s(st, lay, hw) + weight_cast_s(shape, st, lay, hw)
+    ring_s = 0.0 if is_allgather(lay) else ring_bookkeeping_s(shape, lay, hw, st.n_layers, rf, tokens / lay.mesh.cp)
+    # All-gather CP under MLA: every rank up-projects the whole sequence's latent (cp_allgather.py).
+    up_s = repeated_up_projection_flops(shape, lay, st.n_layers, rf) / block_peak
+    return (matmul_s + memory_bound_s + ring_s + up_s + document_mask_s(st, lay, hw)
+            + weight_cast_s(shape, st, lay, hw))
 
 
 # Bytes per weight element of the casts an autocast step makes (weight_cast_s): forward, read the
@@ -303,7 +307,8 @@ def attention_s(shape: ModelShape, st: StageParams, lay: Layout, hw: Any) -> flo
     rf = recompute_fraction(lay)
     attn_flops = attention_flops_per_token(st.n_layers, attention_width(shape), lay.batch.seq_len) * (1 + rf / 3) * tokens
     peak = matmul_peak(hw, "fp32" if lay.numerics.precision == "fp32" else "bf16") * hw.achievable_fraction
-    return attn_flops / (peak * gemm_efficiency(shape, lay)) / (lay.mesh.tp * lay.mesh.cp) * hop_time_factor(lay)
+    hops = 1.0 if is_allgather(lay) else hop_time_factor(lay)  # all-gather: one kernel per layer
+    return attn_flops / (peak * gemm_efficiency(shape, lay)) / (lay.mesh.tp * lay.mesh.cp) * hops
 
 
 def document_mask_s(st: StageParams, lay: Layout, hw: Any) -> float:
@@ -317,7 +322,8 @@ def document_mask_s(st: StageParams, lay: Layout, hw: Any) -> float:
     not modelled."""
     if lay.document_mask != "sdpa":
         return 0.0
-    mask = lay.microbatch_tokens * lay.batch.seq_len
+    # All-gather CP: each rank's queries (1/cp of them) over the whole sequence's keys.
+    mask = lay.microbatch_tokens * lay.batch.seq_len / lay.mesh.cp
     built = mask * (2 + lay.act_bytes)
     reads = mask * lay.act_bytes * st.n_layers * (2 + recompute_fraction(lay))
     return (built + reads) / (hw.hbm_gbps * 1e9 * HBM_EFFICIENCY)
@@ -407,7 +413,13 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
             out.append(_coll("TP reduce-scatter (SP)", "reduce_scatter", ("tp",), lay.mesh.tp, lay, hw, x, count))
         else:
             out.append(_coll("TP all-reduce", "all_reduce", ("tp",), lay.mesh.tp, lay, hw, x, count))
-    if lay.mesh.cp > 1:
+    if is_allgather(lay):
+        # All-gather CP (cp_allgather.py): the whole sequence's K/V (MLA: latent + RoPE key) gathered
+        # per layer in forward and again when recomputed; their gradients reduce-scattered in backward.
+        kv = lay.microbatch_tokens * gathered_bytes_per_token(shape, lay)
+        out.append(_coll("CP K/V all-gather", "all_gather", ("cp",), lay.mesh.cp, lay, hw, kv, n_layers * m * (1 + rf)))
+        out.append(_coll("CP dK/dV reduce-scatter", "reduce_scatter", ("cp",), lay.mesh.cp, lay, hw, kv, n_layers * m))
+    elif lay.mesh.cp > 1:
         # Ring attention (launcher/plan/estimate/ring.py): K/V, repeated to every query head, all-gathered in
         # forward, again when recomputed, and in backward; the fp32 dK/dV cross cp links per backward.
         kv = lay.microbatch_tokens * kv_bytes_per_token(shape, lay)
@@ -544,6 +556,8 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
             c.exposed_s = max(0.0, c.time_s - compute_s / max(1, lay.batch.microbatches) * 2 / 3) + c.time_s / units
         elif c.name.startswith(("TP", "router bias")):
             c.exposed_s = c.time_s
+        elif c.name.startswith(("CP K/V all-gather", "CP dK/dV reduce-scatter")):
+            c.exposed_s = c.time_s  # on the compute stream, between the projections and the attention
         elif c.name.startswith("CP K/V"):
             # The gather runs behind the hops' attention kernels; what exceeds them is exposed.
             c.exposed_s = max(0.0, c.time_s - attn_s)

@@ -1,7 +1,7 @@
 """`action=search`: enumerate parallel layouts, keep the valid ones that fit, rank by plan.objective.
 
 Enumerated per cluster and model: tp (divides the heads, KV heads and FFN widths, at most
-one node), cp (sequence divisible by 2*cp; GPU only), pp (divides what is left, at most
+one node), cp (sequence divisible by 2*cp; not on CPU with backend.cp_impl=ring), pp (divides what is left, at most
 one block per stage) with its schedule and virtual stages, dp_replicate x dp_shard (HSDP)
 for the rest, ep (MoE: divides the experts and dp_shard*cp), zero_stage, activation
 checkpointing, micro-batch size (the global batch stays fixed); with plan.search_nodes, the
@@ -47,7 +47,8 @@ from launcher.plan.degrees import MeshPlan
 from launcher.plan.estimate.memory import estimate_memory, model_state_memory, most_loaded
 from launcher.plan.estimate.params import ModelShape, model_shape, stage_params
 from launcher.plan.estimate.perf import estimate_time
-from launcher.plan.decide.resolve import backend_fields, expert_parallel_problems, spec_fields, validate, world_size
+from launcher.plan.decide.resolve import (backend_fields, cp_impl_of, document_mask_kernel, expert_parallel_problems,
+                                          spec_fields, validate, world_size)
 from launcher.plan.decide.rules import backend_conflicts
 
 AC_MODES = ("none", "selective", "full")
@@ -152,8 +153,8 @@ def tp_options(spec) -> List[int]:
 
 
 def cp_options(spec) -> List[int]:
-    if spec.trainer.device == "cpu":
-        return [1]  # no CPU attention kernel has a context-parallel sharding rule
+    if spec.trainer.device == "cpu" and spec.backend.cp_impl == "ring":
+        return [1]  # ring attention has no CPU kernel (all-gather CP runs everywhere)
     s = spec.trainer.seq_len
     return [c for c in (1, 2, 4, 8, 16) if s % (2 * c) == 0 or c == 1]
 
@@ -257,8 +258,9 @@ def _accumulation_held(spec, shape: ModelShape, lay: Layout, reserve: int):
 
 
 def _with_backends(lay: Layout, choices: Dict[str, Any], spec) -> Layout:
-    owners = dataclasses.replace(lay.owners, **backend_fields(choices, spec.offload.optimizer, lay.mesh.pp))
-    return dataclasses.replace(lay, owners=owners)
+    cp_impl = cp_impl_of(spec, lay.mesh)
+    owners = dataclasses.replace(lay.owners, cp_impl=cp_impl, **backend_fields(choices, spec.offload.optimizer, lay.mesh.pp))
+    return dataclasses.replace(lay, owners=owners, document_mask=document_mask_kernel(spec, cp_impl))
 
 
 def node_counts(spec) -> List[int]:
