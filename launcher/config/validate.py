@@ -224,6 +224,34 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
     if outside:
         problems.append(f"model.mlp_only_layers has layer ids {outside} outside 0..{m.n_layers - 1}. Fix: list layer ids of this model.")
     problems.extend(mla_and_routing_problems(m))
+    problems.extend(mtp_problems(m, p, spec.backend))
+
+
+def mtp_problems(m: ModelConfig, p, backend) -> List[str]:
+    """Multi-token prediction (model.mtp_layers): DeepSeek-V3's, on the native path without
+    pipelining, context or tensor parallelism (what launcher/models/mtp.py and the native engine
+    serve today)."""
+    if m.mtp_layers < 0:
+        return [f"model.mtp_layers={m.mtp_layers} must be >= 0. Fix: model.mtp_layers=0 (none) or 1 (DeepSeek-V3)."]
+    problems = []
+    for step in m.mtp_loss_weights:
+        if len(step) != 2 or not all(math.isfinite(float(v)) and float(v) >= 0 for v in step):
+            problems.append(f"model.mtp_loss_weights has the step {list(step)}: each step is [from_tokens, weight], "
+                            f"two finite numbers >= 0. Fix: e.g. model.mtp_loss_weights=[[0,0.3],[1e13,0.1]].")
+    if not m.mtp_layers:
+        return problems
+    if m.family != "deepseek_v3":
+        problems.append(f"model.mtp_layers={m.mtp_layers} with model.family={m.family}: multi-token prediction is "
+                        f"DeepSeek-V3's (its blocks and HF names). Fix: model.mtp_layers=0, or a deepseek_v3 model.")
+    for degree, name in ((p.pp, "pp"), (p.cp, "cp"), (p.tp, "tp")):
+        if degree > 1:
+            problems.append(f"model.mtp_layers={m.mtp_layers} with parallel.{name}={degree}: the multi-token-prediction "
+                            f"module is not yet placed across {name} ranks. Fix: parallel.{name}=1 (use dp/ep), "
+                            f"or model.mtp_layers=0.")
+    if "deepspeed" in (backend.default, backend.sharding):
+        problems.append(f"model.mtp_layers={m.mtp_layers} with the DeepSpeed backend: its loss is wired in the native "
+                        f"engine only. Fix: backend=native (or auto), or model.mtp_layers=0.")
+    return problems
 
 
 def mla_and_routing_problems(m: ModelConfig) -> List[str]:

@@ -43,6 +43,7 @@ from launcher.hf.export import export_state
 from launcher.hf.weights import export_hf, load_hf_weights
 from launcher.models import build_model
 from launcher.models.moe import update_correction_bias
+from launcher.models.shape import mtp_layers_of, mtp_loss_weight
 from launcher.parallel.ac import apply_activation_checkpointing
 from launcher.parallel.compile import apply_compile
 from launcher.parallel.cp import context_parallel_region, context_parallel_unsupported_reason, use_expanded_kv
@@ -90,6 +91,10 @@ class NativeEngine:
         with torch.device("meta"):
             whole = build_model(model_cfg)
         self.is_moe = model_cfg.n_experts > 0
+        # Multi-token prediction (launcher/models/mtp.py): its loss rides on the logits' backward; the
+        # resolver refused it with pipelining and context parallelism (validate.mtp_problems).
+        self.mtp_layers = mtp_layers_of(model_cfg)
+        self._mtp_sum = None  # this step's sum over micro-batches of the MTP loss / token count
 
         # Pipeline split first: every later technique is applied per stage module.
         self.pp_schedule = None
@@ -235,9 +240,13 @@ class NativeEngine:
         self._check_masking_supported(mb)
         inputs, labels = mb.inputs.to(self.device), mb.labels.to(self.device)
         kwargs = model_kwargs(mb, self.device)
+        if self.mtp_layers and backward:
+            kwargs["mtp_labels"] = labels
         with self._context_parallel(model, inputs, labels), self._loss_parallel():
             with self._autocast():
                 logits = model(inputs, **kwargs)
+            if self.mtp_layers and backward and model.last_mtp_loss is not None:
+                self._mtp_sum += model.last_mtp_loss.to(torch.float64) / self._token_norm
             if self._n_sources:
                 loss = self._loss_with_sources(logits, labels, mb.sources)
             else:
@@ -262,6 +271,17 @@ class NativeEngine:
         for part in self.parts:
             part.set_aux_loss_scale(aux_loss_scale(n_micro, ranks))
 
+    def _set_mtp_scale(self) -> None:
+        """This step's weight of the MTP loss sums: lambda (model.mtp_loss_weights at the tokens
+        trained before this step) / depths / the step's token count, as the main loss divides."""
+        self._mtp_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        if not self.mtp_layers:
+            return
+        tokens_seen = self.schedulers[0].last_epoch * self.layout.tokens_per_step
+        scale = mtp_loss_weight(self.model_cfg, tokens_seen) / self.mtp_layers / self._token_norm
+        for part in self.parts:
+            part.mtp_loss_scale = scale
+
     def _update_correction_bias(self) -> None:
         """Aux-loss-free balancing (model.bias_update_speed > 0, DeepSeek-V3's sigmoid routers):
         every router's correction bias moves against its expert's load error over this step's
@@ -273,8 +293,9 @@ class NativeEngine:
         # Summed in place over every rank (dist.all_reduce's default op); None on one rank.
         reduce = dist.all_reduce if self.world is not None and dist.is_initialized() and dist.get_world_size() > 1 \
             else None
-        update_correction_bias(self.parts, speed, int(self.model_cfg.n_layers), int(self.model_cfg.n_experts), reduce,
-                               device=self.device)
+        # Rows for the main blocks, then the multi-token-prediction blocks (numbered after them).
+        update_correction_bias(self.parts, speed, int(self.model_cfg.n_layers) + self.mtp_layers,
+                               int(self.model_cfg.n_experts), reduce, device=self.device)
 
     def _unsharded_accumulation(self):
         """The per-micro-batch FSDP2 sync switches when the Layout holds the step unsharded."""
@@ -289,6 +310,7 @@ class NativeEngine:
         microbatches = as_microbatches(microbatches)
         self._token_norm = self._count_tokens(microbatches)
         self._start_sources(microbatches)
+        self._set_mtp_scale()
         lr = self.schedulers[0].get_last_lr()[0]
         # Accumulated on the device: no host sync per micro-batch.
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -324,7 +346,8 @@ class NativeEngine:
         # Kept on the device and reduced there: StepStats reads them when the trainer logs.
         aux = sum((p.latest_aux_loss().to(dev) for p in self.parts), zero) if (self.is_moe and counted) else zero
         contrib = local_loss if (counted and self.has_last) else zero
-        pieces = [contrib.reshape(1), aux.reshape(1)]
+        mtp = self._mtp_sum if (counted and self.has_last) else zero
+        pieces = [contrib.reshape(1), aux.reshape(1), mtp.reshape(1)]
         n_sources = self._n_sources
         if n_sources:  # per-source sums ride on the same all-reduce (counted ranks only)
             pieces.append(self._source_sums if (counted and self.has_last)
@@ -332,7 +355,7 @@ class NativeEngine:
         stats = torch.cat(pieces)
         if self.world is not None:
             dist.all_reduce(stats)
-        source_loss = stats[2:] if n_sources else {}  # means taken when StepStats is read
+        source_loss = stats[3:] if n_sources else {}  # means taken when StepStats is read
         self._n_sources, self._source_sums = 0, None
         pp_group = self.world["pp"].get_group() if self.mesh_plan.pp > 1 else None
         params = [p for part in self.parts for p in part.parameters()]
@@ -357,6 +380,8 @@ class NativeEngine:
         if self.is_moe:
             ranks = submesh(self.world, "dp_cp").size() if self.world is not None else 1
             extra["moe_aux_loss"] = stats[1] / ranks
+        if self.mtp_layers:  # the mean over depths of their token losses (not under loss/: per source)
+            extra["mtp/loss"] = stats[2]
         return StepStats(loss=stats[0], grad_norm=grad_norm, lr=lr, extra=extra, source_loss=source_loss,
                          skipped=skipped)
 
