@@ -27,7 +27,7 @@ depths / D for logging (`mtp/loss`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -88,3 +88,10 @@ def mtp_loss_sum(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor, l
         total = total + F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                                         ignore_index=IGNORE_INDEX, reduction="sum")
     return total
+
+
+def mtp_blocks(model: nn.Module) -> List[nn.Module]:
+    """The decoder blocks of the model's multi-token-prediction depths (empty without any): the
+    parallelisms that treat each block (expert parallelism, FSDP units) apply to these as well."""
+    mtp = getattr(model, "mtp", None)
+    return [depth.block for depth in mtp.values()] if mtp is not None else []
