@@ -145,3 +145,28 @@ def test_mtp_gradient_rides_on_the_logits_with_the_engines_scale():
         model(toks, mtp_labels=torch.roll(toks, -1, 1)).sum().backward()
         grads.append(model.mtp["0"].eh_proj.weight.grad)
     assert grads[0].abs().max() == 0 and grads[1].abs().max() > 0
+
+
+def test_planner_counts_the_mtp_depths():
+    """The planner's parameter count equals the built model's with model.mtp_layers=1, and the
+    DeepSeek-V3 shape with its one MTP module is the release's 685B (its README's count, with the
+    module's copies of the embedding and head).
+    The FLOPs per token grow by the depth's active parameters and one more use of the output head."""
+    from launcher.config.loader import compose_spec
+    from launcher.plan.estimate.flops import training_flops_per_token
+    from launcher.plan.estimate.params import model_shape, stage_params
+
+    cfg = compose_spec(["model=deepseek_v3_small", "model.mtp_layers=1"]).model
+    with torch.device("meta"):
+        model = build_model(cfg)
+    assert model_shape(cfg).total == sum(p.numel() for p in model.parameters())
+    v3 = compose_spec(["model=deepseek_v3", "model.mtp_layers=1"]).model
+    shape, plain = model_shape(v3), model_shape(compose_spec(["model=deepseek_v3"]).model)
+    # DeepSeek-V3's README: 685B = 671B main + 14B MTP, the MTP module "11.5B unique parameters"
+    # besides its copies of the 0.9B embedding and 0.9B head (which we hold once).
+    assert round(plain.total / 1e9) == 671 and abs(shape.mtp_total / 1e9 - 11.5) < 0.15
+    assert abs((shape.total + shape.embedding + shape.output) / 1e9 - 685) < 1
+    assert training_flops_per_token(v3, 4096) > training_flops_per_token(compose_spec(["model=deepseek_v3"]).model, 4096)
+    stages = stage_params(shape, 2)
+    assert stages[-1].shared + stages[-1].routed - (stage_params(plain, 2)[-1].shared + stage_params(plain, 2)[-1].routed) \
+        == shape.mtp_total  # on the last stage, with the head it reuses
