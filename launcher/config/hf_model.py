@@ -15,7 +15,7 @@ from omegaconf import OmegaConf, open_dict
 
 from launcher.config.errors import ConfigError
 from launcher.config.schema import RopeScalingConfig
-from launcher.hf.format import FILL_ONLY_KEYS, SHAPE_KEYS, hf_model_values, read_hf_config
+from launcher.hf.format import FILL_ONLY_KEYS, FROM_FOLDER_WHEN_NEGATIVE, SHAPE_KEYS, hf_model_values, read_hf_config
 
 
 def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
@@ -47,6 +47,7 @@ def fill_from_hf(cfg) -> None:
         missing = list(SHAPE_KEYS) + [k for k in FILL_ONLY_KEYS if not model.get(k)]
     else:
         missing = [k for k in SHAPE_KEYS + FILL_ONLY_KEYS if OmegaConf.is_missing(model, k)]
+    missing += [k for k in FROM_FOLDER_WHEN_NEGATIVE if int(model.get(k, 0) or 0) < 0]
     if not missing:
         return
     try:

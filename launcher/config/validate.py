@@ -232,7 +232,8 @@ def mtp_problems(m: ModelConfig, p, backend) -> List[str]:
     pipelining, context or tensor parallelism (what launcher/models/mtp.py and the native engine
     serve today)."""
     if m.mtp_layers < 0:
-        return [f"model.mtp_layers={m.mtp_layers} must be >= 0. Fix: model.mtp_layers=0 (none) or 1 (DeepSeek-V3)."]
+        return [f"model.mtp_layers={m.mtp_layers} must be >= 0 (-1, model=hf's default, takes config.json's "
+                f"num_nextn_predict_layers from model.init_from). Fix: model.mtp_layers=0 (none) or 1 (DeepSeek-V3)."]
     problems = []
     for step in m.mtp_loss_weights:
         if len(step) != 2 or not all(math.isfinite(float(v)) and float(v) >= 0 for v in step):

@@ -53,10 +53,12 @@ SHAPE_KEYS = ("family", "n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", 
 _SHAPE_DEFAULTS = {"q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0,
                    "score_func": "softmax", "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
                    "mtp_layers": 0}
-# Filled by model=hf (where left 0) but not compared: a shorter model.max_seq_len only sizes the RoPE
-# table; model.mtp_layers (num_nextn_predict_layers) may build fewer multi-token-prediction depths
-# than the folder holds (the rest are skipped), and a missing depth's tensors are a folder problem.
-FILL_ONLY_KEYS = ("max_seq_len", "mtp_layers")
+# Filled by model=hf but not compared: a shorter model.max_seq_len only sizes the RoPE table.
+FILL_ONLY_KEYS = ("max_seq_len",)
+# Filled from config.json where negative (conf/model/hf.yaml: -1), else the config's value wins:
+# model.mtp_layers (num_nextn_predict_layers) may build fewer multi-token-prediction depths than the
+# folder holds (0: none; the rest are skipped on load); a missing depth's tensors are a folder problem.
+FROM_FOLDER_WHEN_NEGATIVE = ("mtp_layers",)
 
 # checkpoint.export_dtype -> the dtype of the exported tensors (config.json's `dtype`). fp8_block:
 # bf16, except the block-quantized linears (e4m3 + float32 scales; export_quantized_names).
