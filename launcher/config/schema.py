@@ -126,7 +126,7 @@ class ModelConfig:
     # The MTP loss weight lambda by training tokens: [[from_tokens, weight], ...], the weight of
     # the last step whose from_tokens <= the tokens already trained; the loss added is
     # lambda / mtp_layers * sum over depths (DeepSeek-V3: 0.3 for the first 10T tokens, 0.1 after).
-    mtp_loss_weights: List[List[float]] = field(default_factory=lambda: [[0.0, 0.3]])
+    mtp_loss_weights: List[Any] = field(default_factory=lambda: [[0.0, 0.3]])  # checked by validate.mtp_problems
 
 
 @dataclass

@@ -227,6 +227,15 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
     problems.extend(mtp_problems(m, p, spec.backend))
 
 
+def _weight_step_ok(step: object) -> bool:
+    """Whether `step` is one [from_tokens, weight] pair of finite numbers >= 0."""
+    try:
+        values = [float(v) for v in step]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        return False
+    return len(values) == 2 and all(math.isfinite(v) and v >= 0 for v in values)
+
+
 def mtp_problems(m: ModelConfig, p, backend) -> List[str]:
     """Multi-token prediction (model.mtp_layers): DeepSeek-V3's, on the native path without
     pipelining, context or tensor parallelism (what launcher/models/mtp.py and the native engine
@@ -236,8 +245,8 @@ def mtp_problems(m: ModelConfig, p, backend) -> List[str]:
                 f"num_nextn_predict_layers from model.init_from). Fix: model.mtp_layers=0 (none) or 1 (DeepSeek-V3)."]
     problems = []
     for step in m.mtp_loss_weights:
-        if len(step) != 2 or not all(math.isfinite(float(v)) and float(v) >= 0 for v in step):
-            problems.append(f"model.mtp_loss_weights has the step {list(step)}: each step is [from_tokens, weight], "
+        if not _weight_step_ok(step):
+            problems.append(f"model.mtp_loss_weights has the step {step}: each step is [from_tokens, weight], "
                             f"two finite numbers >= 0. Fix: e.g. model.mtp_loss_weights=[[0,0.3],[1e13,0.1]].")
     if not m.mtp_layers:
         return problems
