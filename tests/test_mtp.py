@@ -169,18 +169,18 @@ def test_planner_counts_the_mtp_depths():
     assert training_flops_per_token(v3, 4096) > training_flops_per_token(compose_spec(["model=deepseek_v3"]).model, 4096)
     stages = stage_params(shape, 2)
     assert stages[-1].shared + stages[-1].routed - (stage_params(plain, 2)[-1].shared + stage_params(plain, 2)[-1].routed) \
-        == shape.mtp_total  # on the last stage, with the head it reuses
+        == shape.mtp_total + shape.embedding  # on the last stage, with the head it reuses and its embedding copy
 
 
 def test_bad_mtp_settings_are_problems_with_a_fix():
-    """Before launch: a malformed weight schedule, another family, and the parallelisms the MTP
-    module is not placed across yet, each named with its Fix."""
+    """Before launch: a malformed weight schedule, another family, the parallelisms the MTP module
+    is not placed across yet and zbv's V (first and last stage on one rank), each named with its Fix."""
     from launcher.config.loader import compose_spec
     from launcher.config.validate import validate
 
     spec = compose_spec(["model=debug", "model.mtp_layers=1", "model.mtp_loss_weights=[[0,0.3],[5,inf],3]",
-                         "parallel.tp=2"])
+                         "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"])
     problems = [p for p in validate(spec) if "mtp" in p]
-    assert len(problems) == 4 and all("Fix:" in p for p in problems), problems
+    assert len(problems) == 5 and all("Fix:" in p for p in problems), problems
     assert any("[5, inf]" in p for p in problems) and any("family=llama" in p for p in problems)
-    assert any("parallel.tp=2" in p for p in problems)
+    assert any("parallel.tp=2" in p for p in problems) and any("pp_schedule=zbv" in p for p in problems)

@@ -238,8 +238,7 @@ def _weight_step_ok(step: object) -> bool:
 
 def mtp_problems(m: ModelConfig, p, backend) -> List[str]:
     """Multi-token prediction (model.mtp_layers): DeepSeek-V3's, on the native path without
-    pipelining, context or tensor parallelism (what launcher/models/mtp.py and the native engine
-    serve today)."""
+    context or tensor parallelism (what launcher/models/mtp.py and the native engine serve today)."""
     if m.mtp_layers < 0:
         return [f"model.mtp_layers={m.mtp_layers} must be >= 0 (-1, model=hf's default, takes config.json's "
                 f"num_nextn_predict_layers from model.init_from). Fix: model.mtp_layers=0 (none) or 1 (DeepSeek-V3)."]
@@ -253,7 +252,11 @@ def mtp_problems(m: ModelConfig, p, backend) -> List[str]:
     if m.family != "deepseek_v3":
         problems.append(f"model.mtp_layers={m.mtp_layers} with model.family={m.family}: multi-token prediction is "
                         f"DeepSeek-V3's (its blocks and HF names). Fix: model.mtp_layers=0, or a deepseek_v3 model.")
-    for degree, name in ((p.pp, "pp"), (p.cp, "cp"), (p.tp, "tp")):
+    if p.pp > 1 and p.pp_schedule == "zbv":
+        problems.append(f"model.mtp_layers={m.mtp_layers} with parallel.pp_schedule=zbv: its V puts the first and "
+                        f"the last stage on one rank, where the MTP module's copy of the embedding is not kept. "
+                        f"Fix: parallel.pp_schedule=1f1b or interleaved_1f1b, or model.mtp_layers=0.")
+    for degree, name in ((p.cp, "cp"), (p.tp, "tp")):
         if degree > 1:
             problems.append(f"model.mtp_layers={m.mtp_layers} with parallel.{name}={degree}: the multi-token-prediction "
                             f"module is not yet placed across {name} ranks. Fix: parallel.{name}=1 (use dp/ep), "

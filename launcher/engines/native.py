@@ -92,9 +92,8 @@ class NativeEngine:
             whole = build_model(model_cfg)
         self.is_moe = model_cfg.n_experts > 0
         # Multi-token prediction (launcher/models/mtp.py): its loss rides on the logits' backward; the
-        # resolver refused it with pipelining and context parallelism (validate.mtp_problems).
+        # validator refused it with context and tensor parallelism (validate.mtp_problems).
         self.mtp_layers = mtp_layers_of(model_cfg)
-        self._mtp_sum = None  # this step's sum over micro-batches of the MTP loss / token count
 
         # Pipeline split first: every later technique is applied per stage module.
         self.pp_schedule = None
@@ -245,8 +244,6 @@ class NativeEngine:
         with self._context_parallel(model, inputs, labels), self._loss_parallel():
             with self._autocast():
                 logits = model(inputs, **kwargs)
-            if self.mtp_layers and backward and model.last_mtp_loss is not None:
-                self._mtp_sum += model.last_mtp_loss.to(torch.float64) / self._token_norm
             if self._n_sources:
                 loss = self._loss_with_sources(logits, labels, mb.sources)
             else:
@@ -273,14 +270,52 @@ class NativeEngine:
 
     def _set_mtp_scale(self) -> None:
         """This step's weight of the MTP loss sums: lambda (model.mtp_loss_weights at the tokens
-        trained before this step) / depths / the step's token count, as the main loss divides."""
-        self._mtp_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        trained before this step) / depths / the step's token count, as the main loss divides; and
+        a fresh per-step sum of the logged loss in every part."""
         if not self.mtp_layers:
             return
         tokens_seen = self.schedulers[0].last_epoch * self.layout.tokens_per_step
         scale = mtp_loss_weight(self.model_cfg, tokens_seen) / self.mtp_layers / self._token_norm
         for part in self.parts:
             part.mtp_loss_scale = scale
+            part.mtp_loss_acc = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def _mtp_step_loss(self) -> torch.Tensor:
+        """This rank's sum over the step's micro-batches of the MTP loss (mean over depths) / token count."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for part in self.parts:
+            if part.mtp_loss_acc is not None:
+                total = total + part.mtp_loss_acc
+                part.mtp_loss_acc = None
+        return total / self._token_norm
+
+    def _mtp_embedding_copies(self) -> List[nn.Parameter]:
+        """This rank's last-stage copies of the embedding (pipelining with multi-token prediction)."""
+        return [p.mtp_embeddings.weight for p in self.parts if getattr(p, "mtp_embeddings", None) is not None]
+
+    def _sum_mtp_embedding_grads(self) -> None:
+        """Pipelining with multi-token prediction: stage 0's embedding and the last stage's copy
+        exchange their gradients and both add the other's (a + b and b + a are the same float), so
+        their optimizer steps, and the tables, stay equal, as Megatron's embedding group does. The
+        first and the last pipeline rank of each group trade one tensor (the local FSDP shards:
+        both tables are sharded alike)."""
+        if not self.mtp_layers or self.mesh_plan.pp == 1:
+            return
+        tables = [p.tok_embeddings.weight for p in self.parts if p.tok_embeddings is not None]
+        tables += self._mtp_embedding_copies()
+        if not tables:
+            return  # a middle stage
+        pp = self.world["pp"]
+        ranks = [int(r) for r in pp.mesh.flatten().tolist()]
+        me = pp.get_local_rank()
+        peer = ranks[-1] if me == 0 else ranks[0]
+        grad = tables[0].grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # a view: added to in place
+        received = torch.empty_like(local)
+        ops = [dist.P2POp(dist.isend, local, peer), dist.P2POp(dist.irecv, received, peer)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        local.add_(received)
 
     def _update_correction_bias(self) -> None:
         """Aux-loss-free balancing (model.bias_update_speed > 0, DeepSeek-V3's sigmoid routers):
@@ -325,6 +360,7 @@ class NativeEngine:
                 local_loss += _plain(loss.detach())
             if accumulation is not None:
                 accumulation.after()
+            mtp_loss = self._mtp_step_loss() if self.mtp_layers else None
         else:
             n_micro = self.pp_microbatches
             rows = sum(mb.inputs.shape[0] for mb in microbatches)
@@ -336,6 +372,8 @@ class NativeEngine:
             self._set_aux_scale(n_micro)
             for mb_loss in self._run_pipeline("step", microbatches)[0]:
                 local_loss += _plain(mb_loss.detach())
+            mtp_loss = self._mtp_step_loss() if self.mtp_layers else None
+            self._sum_mtp_embedding_grads()
 
         # Global loss: each data-parallel sample counted once (tp rank 0, last pp stage).
         # MoE aux loss for logging: last micro-batch, summed over layers (and stages),
@@ -346,7 +384,7 @@ class NativeEngine:
         # Kept on the device and reduced there: StepStats reads them when the trainer logs.
         aux = sum((p.latest_aux_loss().to(dev) for p in self.parts), zero) if (self.is_moe and counted) else zero
         contrib = local_loss if (counted and self.has_last) else zero
-        mtp = self._mtp_sum if (counted and self.has_last) else zero
+        mtp = mtp_loss if (mtp_loss is not None and counted and self.has_last) else zero
         pieces = [contrib.reshape(1), aux.reshape(1), mtp.reshape(1)]
         n_sources = self._n_sources
         if n_sources:  # per-source sums ride on the same all-reduce (counted ranks only)
@@ -359,7 +397,7 @@ class NativeEngine:
         self._n_sources, self._source_sums = 0, None
         pp_group = self.world["pp"].get_group() if self.mesh_plan.pp > 1 else None
         params = [p for part in self.parts for p in part.parameters()]
-        grad_norm = clip_grad_norm(params, self.grad_clip, pp_group=pp_group)
+        grad_norm = clip_grad_norm(params, self.grad_clip, pp_group=pp_group, uncounted=self._mtp_embedding_copies())
         # The one host read per step of numerical health: the norm is global (all-reduced over
         # every shard and stage), so every rank takes the same decision without another collective.
         skipped = None if bool(torch.isfinite(grad_norm)) else self._diagnose_nonfinite(local_loss)
@@ -414,6 +452,8 @@ class NativeEngine:
         if first.document_ids is not None:
             kwargs["document_ids"] = torch.cat([mb.document_ids for mb in microbatches]).to(dev)
         losses: list = []
+        if self.mtp_layers and method == "step":  # every stage gets them; the last one's MTP reads them
+            kwargs.update(mtp_tokens=inputs, mtp_labels=torch.cat([mb.labels for mb in microbatches]).to(dev))
         if self.has_last:
             labels = torch.cat([mb.labels for mb in microbatches]).to(dev)
             if self._n_sources:

@@ -76,13 +76,14 @@ def shifted_tokens(tokens: torch.Tensor, depth: int) -> torch.Tensor:
     return torch.roll(tokens, shifts=-depth, dims=1)
 
 
-def mtp_loss_sum(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor,
-                 rope: torch.Tensor, mask=None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def mtp_loss_sum(model: nn.Module, embed: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor,
+                 labels: torch.Tensor, rope: torch.Tensor, mask=None,
+                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sum over the depths of `model.mtp` of their token cross-entropies (fp32): `hidden` is h^0,
-    `model.tok_embeddings` and `model.output` are the shared embedding and head."""
+    `embed` the shared embedding (a pipeline's last stage: its copy) and `model.output` the head."""
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for k, depth in enumerate(model.mtp.values(), start=1):
-        hidden = depth(hidden, model.tok_embeddings(shifted_tokens(tokens, k)), rope, mask)
+        hidden = depth(hidden, embed(shifted_tokens(tokens, k)), rope, mask)
         logits = model.output(hidden)
         targets = shifted_labels(labels, k, document_ids)
         total = total + F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),

@@ -99,16 +99,23 @@ class Transformer(nn.Module):
         # lambda / D / the step's token count, set by the engine each step (a float or a 0-dim tensor).
         self.mtp_loss_scale = 1.0
         self.last_mtp_loss: Optional[torch.Tensor] = None  # the last forward's sum over depths / D
+        # The engine's per-step sum of last_mtp_loss over this module's forwards (None: not kept).
+        self.mtp_loss_acc: Optional[torch.Tensor] = None
+        # A pipeline's last stage holds the MTP without the embedding: its copy of stage 0's table,
+        # kept equal by summing their gradients (launcher/parallel/pp.py, launcher/engines/native.py).
+        self.mtp_embeddings: Optional[nn.Embedding] = None
         # Non-persistent: recomputed by init_weights, never checkpointed. Context parallelism
         # shards this buffer along the sequence together with the tokens.
         register_fp32_buffer(self, "rope", model_rope_table(cfg), persistent=False)
         self.attention_kernel = "auto"  # how a document mask is applied (document_attention_mask)
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None, mtp_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None, mtp_labels: Optional[torch.Tensor] = None,
+                mtp_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits; with `mtp_labels` (the main labels, training) and model.mtp_layers > 0 the
         multi-token-prediction loss is computed too and its gradient rides on the logits'
-        (launcher/models/mtp.py)."""
+        (launcher/models/mtp.py). `mtp_tokens`: the token ids, for a pipeline stage whose input is
+        a hidden state."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if positions is None else rope_at_positions(self.rope, positions)
         mask = None
@@ -124,8 +131,12 @@ class Transformer(nn.Module):
             return h
         logits = self.output(h)
         if mtp_labels is not None and self.mtp is not None:
-            total = mtp_loss_sum(self, tokens, h, mtp_labels, rope, mask, document_ids)
+            embed = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings
+            ids = mtp_tokens if mtp_tokens is not None else tokens
+            total = mtp_loss_sum(self, embed, ids, h, mtp_labels, rope, mask, document_ids)
             self.last_mtp_loss = total.detach() / len(self.mtp)
+            if self.mtp_loss_acc is not None:
+                self.mtp_loss_acc += self.last_mtp_loss
             if total.requires_grad:
                 logits = AddAuxLossGrad.apply(logits, total * self.mtp_loss_scale, 1.0)
         return logits

@@ -34,6 +34,10 @@ DEEPSEEK_V3 = {"family": "deepseek_v3", "n_kv_heads": 4, "q_lora_rank": 16, "kv_
                "norm_topk_prob": True, "bias_update_speed": 0.01, "aux_loss_alpha": 0.01, "aux_loss_coef": 0.0}
 
 
+# The same with DeepSeek-V3's one multi-token-prediction depth (model.mtp_layers, launcher/models/mtp.py).
+DSV3_MTP = {**DEEPSEEK_V3, "mtp_layers": 1}
+
+
 def _short(model: str) -> str:
     return "moe" if model == "debug_moe" else "dense"
 
@@ -112,6 +116,13 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
     # 4-rank launch, 0.3 s for ref_dsv3, about 6 s for both in the rehearsal fixture.
     one.append({"name": "ref_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3})
     four += _family_moe_layouts("dsv3", DEEPSEEK_V3)
+    # DeepSeek-V3 with its multi-token-prediction depth: under PP x EP x FSDP it lives on the last
+    # stage with a copy of stage 0's embedding, their gradients summed; losses, grad norms and
+    # mtp/loss equal the 1-rank run's (tests/test_parallel_layouts.py). Measured (2 cores, loaded):
+    # about 0.5 s for ref_dsv3mtp, 3 s in the 4-rank launch.
+    one.append({"name": "ref_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP})
+    four.append({"name": "pp2_ep2_fsdp2_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
+                 "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b"})
     two += [
         {"name": "ep2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "ep": 2}},
         # bf16 mixed precision: compared with the fp32 reference at a bf16 tolerance (bf16 keeps
@@ -182,7 +193,7 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
 
 
 def reference_of(name: str) -> str:
-    for suffix in ("_tied", "_odd", "_2experts", "_qwen3moe", "_dsv3"):
+    for suffix in ("_tied", "_odd", "_2experts", "_qwen3moe", "_dsv3", "_dsv3mtp"):
         if name.endswith(suffix):
             return "ref" + suffix
     return "ref_moe" if name.endswith("_moe") else "ref_dense"

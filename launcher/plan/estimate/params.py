@@ -261,9 +261,12 @@ def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b
             shared += extra + shape.final_norm
             replicated += shape.final_norm
             largest = max(largest, extra + shape.final_norm)
-            # Multi-token prediction lives with the output head (it reuses it).
+            # Multi-token prediction lives with the output head (it reuses it), and away from the
+            # first stage with its own copy of the embedding (launcher/parallel/pp.py).
             shared += shape.mtp_total - shape.mtp_routed
             routed += shape.mtp_routed
+            if shape.mtp_depths and not has_emb:
+                shared += shape.embedding
         n_moe = sum(1 for i in layers if shape.is_moe_layer(i))
         tensors = [shape.largest_attention_tensor] if layers else [0]
         if n_moe < len(layers):
