@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from launcher.config.hf_model import hf_model_fields
 from launcher.config.schema import ModelConfig
-from launcher.hf.format import folder_problems, read_hf_config
+from launcher.hf.format import folder_mtp_layers, folder_problems, read_hf_config
 from launcher.hf.weights import export_hf, load_hf_weights
 from launcher.models import build_model
 from launcher.models.mtp import IGNORE_INDEX, shifted_labels
@@ -53,14 +53,16 @@ def mtp_folder(folder, seed: int = 0):
 
 
 def _loaded(folder):
-    cfg = ModelConfig(name="hf", init_from=str(folder), **hf_model_fields(read_hf_config(folder)))
+    fields = dict(hf_model_fields(read_hf_config(folder)), mtp_layers=folder_mtp_layers(str(folder)))
+    cfg = ModelConfig(name="hf", init_from=str(folder), **fields)
     model = build_model(cfg)
     load_hf_weights([model], str(folder), cfg)
     return model, cfg
 
 
 def test_layer_n_mtp_tensors_load_and_export_exactly(tmp_path):
-    """model=hf reads model.mtp_layers=1 from num_nextn_predict_layers; the folder passes the check;
+    """model=hf reads model.mtp_layers=1 from num_nextn_predict_layers (transformers' own save of the
+    same config, which keeps the key but writes no MTP layer, gives 0); the folder passes the check;
     an fp32 export has every source tensor (the layer-3 copies of embed_tokens and shared_head.head
     included) byte for byte, and says num_nextn_predict_layers: 1."""
     from tests.test_hf_weights import _assert_byte_identical
@@ -68,6 +70,12 @@ def test_layer_n_mtp_tensors_load_and_export_exactly(tmp_path):
     src = mtp_folder(tmp_path / "src")
     model, cfg = _loaded(src)
     assert cfg.mtp_layers == 1 and folder_problems(cfg, str(src)) == []
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from tests.test_hf_weights import DEEPSEEK_V3
+    DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_V3, num_nextn_predict_layers=1)).save_pretrained(tmp_path / "plain")
+    assert read_hf_config(tmp_path / "plain")["num_nextn_predict_layers"] == 1
+    assert folder_mtp_layers(str(tmp_path / "plain")) == 0
     assert torch.equal(model.mtp["0"].eh_proj.weight, _raw(src)["model.layers.3.eh_proj.weight"])
     export_hf([model], None, tmp_path / "out", cfg, "fp32")
     _assert_byte_identical(src, tmp_path / "out")
@@ -160,13 +168,14 @@ def test_planner_counts_the_mtp_depths():
     with torch.device("meta"):
         model = build_model(cfg)
     assert model_shape(cfg).total == sum(p.numel() for p in model.parameters())
-    v3 = compose_spec(["model=deepseek_v3", "model.mtp_layers=1"]).model
-    shape, plain = model_shape(v3), model_shape(compose_spec(["model=deepseek_v3"]).model)
+    v3 = compose_spec(["model=deepseek_v3"]).model  # mtp_layers: 1, as released
+    no_mtp = compose_spec(["model=deepseek_v3", "model.mtp_layers=0"]).model
+    shape, plain = model_shape(v3), model_shape(no_mtp)
     # DeepSeek-V3's README: 685B = 671B main + 14B MTP, the MTP module "11.5B unique parameters"
     # besides its copies of the 0.9B embedding and 0.9B head (which we hold once).
     assert round(plain.total / 1e9) == 671 and abs(shape.mtp_total / 1e9 - 11.5) < 0.15
     assert abs((shape.total + shape.embedding + shape.output) / 1e9 - 685) < 1
-    assert training_flops_per_token(v3, 4096) > training_flops_per_token(compose_spec(["model=deepseek_v3"]).model, 4096)
+    assert v3.mtp_layers == 1 and training_flops_per_token(v3, 4096) > training_flops_per_token(no_mtp, 4096)
     stages = stage_params(shape, 2)
     assert stages[-1].shared + stages[-1].routed - (stage_params(plain, 2)[-1].shared + stage_params(plain, 2)[-1].routed) \
         == shape.mtp_total + shape.embedding  # on the last stage, with the head it reuses and its embedding copy

@@ -51,8 +51,7 @@ SHAPE_KEYS = ("family", "n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", 
 # What a family's map leaves out is at ModelConfig's default (the MLA and DeepSeek router keys for
 # Llama-like families).
 _SHAPE_DEFAULTS = {"q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0,
-                   "score_func": "softmax", "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
-                   "mtp_layers": 0}
+                   "score_func": "softmax", "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1}
 # Filled by model=hf but not compared: a shorter model.max_seq_len only sizes the RoPE table.
 FILL_ONLY_KEYS = ("max_seq_len",)
 # Filled from config.json where negative (conf/model/hf.yaml: -1), else the config's value wins:
@@ -237,6 +236,14 @@ def fp8_export_plan(model) -> Tuple[BlockQuant, List[str]]:
 
 
 # ----------------------------------------------------------------------------- folder checks
+
+
+def folder_mtp_layers(folder: str) -> int:
+    """The multi-token-prediction depths of HF folder `folder` (its family's hf_mtp_layers over
+    config.json and the weight files' tensor names; 0 for a family without any)."""
+    hf = read_hf_config(folder)
+    count = getattr(_family_for_config(hf).hf_module(), "hf_mtp_layers", None)
+    return int(count(hf, weight_files(folder))) if count is not None else 0
 
 
 def weight_files(folder: str) -> Dict[str, str]:

@@ -10,7 +10,8 @@ tensor names and shapes. Pure Python.
   moe.e_score_correction_bias, a buffer), per-expert `mlp.experts.{e}.gate_proj/up_proj/down_proj`
   stacked into [E, ...], `mlp.shared_experts.*` (one SwiGLU of n_shared_experts x
   moe_intermediate_size); the first first_k_dense_replace blocks are dense `mlp.*`.
-- Multi-token prediction (launcher/models/mtp.py): num_nextn_predict_layers <-> model.mtp_layers;
+- Multi-token prediction (launcher/models/mtp.py): num_nextn_predict_layers <-> model.mtp_layers
+  (model=hf: the depths whose tensors the folder holds, hf_mtp_layers);
   depth k is `model.layers.{num_hidden_layers + k}`: `enorm`, `hnorm`, `eh_proj`, a full decoder
   block under the usual names, `shared_head.norm` (our mtp.{k}.enorm, hnorm, eh_proj, block.*,
   head_norm), and `embed_tokens` / `shared_head.head`, copies of the main model's embedding and
@@ -54,9 +55,20 @@ def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "n_group": int(hf.get("n_group") or 1),
         "topk_group": int(hf.get("topk_group") or 1),
-        "mtp_layers": int(hf.get("num_nextn_predict_layers") or 0),
     })
     return fields
+
+
+def hf_mtp_layers(hf: Dict[str, Any], tensor_names) -> int:
+    """The multi-token-prediction depths a folder holds: num_nextn_predict_layers, counting only
+    the depths whose eh_proj is among `tensor_names` (transformers' save_pretrained keeps the key, 1
+    by default, but builds and writes no MTP layer)."""
+    declared, n = int(hf.get("num_nextn_predict_layers") or 0), int(hf["num_hidden_layers"])
+    names = set(tensor_names)
+    depths = 0
+    while depths < declared and f"model.layers.{n + depths}.eh_proj.weight" in names:
+        depths += 1
+    return depths
 
 
 def unsupported_features(hf: Dict[str, Any]) -> List[str]:
