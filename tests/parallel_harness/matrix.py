@@ -118,8 +118,8 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
     four += _family_moe_layouts("dsv3", DEEPSEEK_V3)
     # DeepSeek-V3 with its multi-token-prediction depth: under PP x EP x FSDP it lives on the last
     # stage with a copy of stage 0's embedding, their gradients summed; losses, grad norms and
-    # mtp/loss equal the 1-rank run's (tests/test_parallel_layouts.py). Measured (2 cores, loaded):
-    # about 0.5 s for ref_dsv3mtp, 3 s in the 4-rank launch.
+    # mtp/loss equal the 1-rank run's (tests/test_parallel_layouts.py). Measured (2 cores, load ~30):
+    # ref_dsv3mtp 6 s (1.1 s of it building), pp2_ep2_fsdp2_dsv3mtp 5 s (2.2 s) inside their launches.
     one.append({"name": "ref_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP})
     four.append({"name": "pp2_ep2_fsdp2_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
                  "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b"})
