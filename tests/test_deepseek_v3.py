@@ -367,15 +367,20 @@ def test_mla_under_tensor_parallelism_equals_one_rank(sequence_parallel):
 # ----------------------------------------------------------------------------- the `train` command
 
 
-def _tiny_deepseek_v3_folder_and_corpus(tmp_path):
-    """A tiny DeepSeek-V3 saved by transformers (random norms and correction biases) and a text corpus."""
+def _tiny_deepseek_v3_folder_and_corpus(tmp_path, mtp: bool = False):
+    """A tiny DeepSeek-V3 saved by transformers (random norms and correction biases) and a text corpus;
+    `mtp`: with the released multi-token-prediction layer (tests/test_mtp.py mtp_folder)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from tests.test_hf_weights import DEEPSEEK_V3, WORDS, _randomize_norms, _save_tokenizer
+    from tests.test_mtp import mtp_folder
 
     torch.manual_seed(0)
     src = tmp_path / "src"
-    _randomize_norms(DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_V3, q_lora_rank=16))).save_pretrained(src)
+    if mtp:
+        mtp_folder(src)
+    else:
+        _randomize_norms(DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_V3, q_lora_rank=16))).save_pretrained(src)
     _save_tokenizer(src)
     text = tmp_path / "corpus.txt"
     text.write_text(" ".join(WORDS[i % len(WORDS)] for i in range(3000)))
@@ -395,20 +400,23 @@ def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path
     """`train model=hf model.init_from=<tiny DeepSeek-V3> model.bias_update_speed=0.01`, 3 steps, fp32
     export: every correction bias moved by whole steps of 0.01 (at most 3), and transformers reads the
     export as our model does (logits within 1e-5). metrics.jsonl has each MoE layer's load and bias
-    spread (launcher/observe/moe_load.py) on every log step."""
+    spread (launcher/observe/moe_load.py) on every log step. The folder carries DeepSeek-V3's
+    multi-token-prediction layer (num_nextn_predict_layers 1): it trains (`mtp/loss` on every log
+    step, not under loss/), its router's bias moves too, and the export has it."""
     from launcher.config.hf_model import hf_model_fields
     from launcher.hf.format import read_hf_config
     from launcher.hf.weights import load_hf_weights
     from tests.conftest import run_train
     from tests.test_hf_weights import _hf_logits, _hf_tensors
 
-    src, text = _tiny_deepseek_v3_folder_and_corpus(tmp_path)
+    src, text = _tiny_deepseek_v3_folder_and_corpus(tmp_path, mtp=True)
     run = tmp_path / "run"
     run_train([*_train_args(src, text), "trainer.steps=3"], run, check=True, timeout=600)
     # Per-layer metrics: MoE layers 1 and 2 (first_k_dense_replace=1); 8 experts, top-2.
     from tests.conftest import read_metrics
     rows = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(0 < r["mtp/loss"] < 20 and not any(k.startswith("loss/") for k in r) for r in rows), rows
     for r in rows:
         ratios = [r[f"moe/layer{i}/tokens_per_expert_max_over_mean"] for i in (1, 2)]
         assert all(1.0 <= x <= 8 / 2 for x in ratios), r
@@ -417,7 +425,8 @@ def test_train_moves_the_bias_each_step_and_exports_it_for_transformers(tmp_path
     export = run / "export" / "hf"
     before, after = _hf_tensors(src), _hf_tensors(export)
     keys = [k for k in before if k.endswith("e_score_correction_bias")]
-    assert len(keys) == 2
+    assert len(keys) == 3  # layers 1, 2 and the MTP layer 3
+    assert sorted(after) == sorted(before)
     # The biases start random (_randomize_norms): the logged spread (max - min) is the exported
     # bias's after the last step, and n updates of +-0.01 change it by at most 2 * 0.01 * n.
     layer_of = {i: next(k for k in keys if f"layers.{i}." in k) for i in (1, 2)}

@@ -132,6 +132,15 @@ def test_downstream_eval_rows_match_single_rank(results, name):
     assert got["eval_rows"] == pytest.approx(ref["eval_rows"], rel=SPECS[name].get("rtol", RTOL)), (got["eval_rows"], ref["eval_rows"])
 
 
+def test_mtp_loss_equal_across_layouts(results):
+    """DeepSeek-V3's multi-token-prediction loss (`mtp/loss`) of the pipelined layout (the module on
+    the last stage with its embedding copy) equals the 1-rank run's at every step."""
+    ref, got = results["ref_dsv3mtp"], results["pp2_ep2_fsdp2_dsv3mtp"]
+    assert "error" not in got, got.get("traceback")
+    assert len(ref["mtp"]) == len(got["mtp"]) == len(ref["losses"]) and all(x > 0 for x in ref["mtp"])
+    assert got["mtp"] == pytest.approx(ref["mtp"], rel=1e-5), (got["mtp"], ref["mtp"])
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the refusal is CPU-only")
 def test_ring_context_parallel_refused_on_cpu(results):
     got = results["cp2_refused_on_cpu"]

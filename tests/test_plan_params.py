@@ -51,7 +51,7 @@ def test_published_sizes():
     assert (round(qwen["qwen3_235b_a22b"].total / 1e9), round(qwen["qwen3_235b_a22b"].active / 1e9)) == (235, 22)
     # DeepSeek-V3: 671B total, 37B active (the paper's counts, without the multi-token-prediction
     # block); DeepSeek-V2-Lite's shape: 15.7B total.
-    ds = model_shape(compose_spec(["model=deepseek_v3"]).model)
+    ds = model_shape(compose_spec(["model=deepseek_v3", "model.mtp_layers=0"]).model)
     assert (round(ds.total / 1e9), int(ds.active / 1e9)) == (671, 37)
     assert round(model_shape(compose_spec(["model=deepseek_v3_small"]).model).total / 1e9, 1) == 15.7
     # Mixtral 8x22B: 141B total, 39B active (Mistral AI's announcement).
@@ -116,7 +116,10 @@ def _module_flops_per_token(model, seq_len: int) -> float:
         matmul += experts * moe.top_k // moe.n_experts
     norms = sum(m.weight.numel() for m in model.modules() if isinstance(m, RMSNorm))
     widths = 0
-    for block in model.layers.values():
+    # Multi-token prediction (model.mtp_layers): its blocks, and the output head used once more per depth.
+    mtp = list(model.mtp.values()) if model.mtp is not None else []
+    matmul += len(mtp) * model.output.weight.numel()
+    for block in [*model.layers.values(), *(d.block for d in mtp)]:
         attn = block.attention
         q = attn.wq_b if hasattr(attn, "wq_b") else attn.wq
         widths += q.out_features + attn.wo.in_features
@@ -150,7 +153,7 @@ def test_deepseek_v3_flops_per_token_against_the_published_count():
     from launcher.plan.estimate.flops import attention_flops_per_token, training_flops_per_token
     from launcher.plan.estimate.params import attention_width
 
-    cfg = compose_spec(["model=deepseek_v3"]).model
+    cfg = compose_spec(["model=deepseek_v3", "model.mtp_layers=0"]).model  # the report counts the main model
     seq = 4096
     published_attention = 6 * 61 * 128 * (128 + 64 + 128) * seq
     assert attention_flops_per_token(61, attention_width(model_shape(cfg)), seq) == pytest.approx(published_attention)

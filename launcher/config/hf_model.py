@@ -15,7 +15,8 @@ from omegaconf import OmegaConf, open_dict
 
 from launcher.config.errors import ConfigError
 from launcher.config.schema import RopeScalingConfig
-from launcher.hf.format import FILL_ONLY_KEYS, SHAPE_KEYS, hf_model_values, read_hf_config
+from launcher.hf.format import (FILL_ONLY_KEYS, FROM_FOLDER_WHEN_NEGATIVE, SHAPE_KEYS, folder_mtp_layers,
+                                hf_model_values, read_hf_config)
 
 
 def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
@@ -47,6 +48,14 @@ def fill_from_hf(cfg) -> None:
         missing = list(SHAPE_KEYS) + [k for k in FILL_ONLY_KEYS if not model.get(k)]
     else:
         missing = [k for k in SHAPE_KEYS + FILL_ONLY_KEYS if OmegaConf.is_missing(model, k)]
+    from_folder = [k for k in FROM_FOLDER_WHEN_NEGATIVE if int(model.get(k, 0) or 0) < 0]
+    if from_folder:  # only mtp_layers: the depths the folder holds (transformers' saves hold none)
+        try:
+            model.mtp_layers = folder_mtp_layers(folder)
+        except (FileNotFoundError, ValueError, KeyError) as err:
+            raise ConfigError([f"model.init_from={folder}: cannot take model.mtp_layers from it ({err}). "
+                               f"Fix: point model.init_from at a local Hugging Face folder, or set "
+                               f"model.mtp_layers=0."]) from err
     if not missing:
         return
     try:

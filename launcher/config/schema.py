@@ -119,6 +119,14 @@ class ModelConfig:
     # Weight of DeepSeek-V3's sequence-wise balance loss (sigmoid routers; replaces the Switch loss
     # of aux_loss_coef there).
     aux_loss_alpha: float = 0.0
+    # DeepSeek-V3's multi-token prediction (launcher/models/mtp.py): mtp_layers sequential depths,
+    # depth k predicting token i+k+1 from eh_proj([enorm(Emb(t_{i+k})); hnorm(h_i^{k-1})]), one
+    # decoder block and the shared head (its own norm, then the main model's output layer). 0: none. The HF import reads it from num_nextn_predict_layers (1 in DeepSeek-V3's release).
+    mtp_layers: int = 0
+    # The MTP loss weight lambda by training tokens: [[from_tokens, weight], ...], the weight of
+    # the last step whose from_tokens <= the tokens already trained; the loss added is
+    # lambda / mtp_layers * sum over depths (DeepSeek-V3: 0.3 for the first 10T tokens, 0.1 after).
+    mtp_loss_weights: List[Any] = field(default_factory=lambda: [[0.0, 0.3]])  # checked by validate.mtp_problems
 
 
 @dataclass

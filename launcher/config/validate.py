@@ -227,6 +227,47 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
     if outside:
         problems.append(f"model.mlp_only_layers has layer ids {outside} outside 0..{m.n_layers - 1}. Fix: list layer ids of this model.")
     problems.extend(mla_and_routing_problems(m))
+    problems.extend(mtp_problems(m, p, spec.backend))
+
+
+def _weight_step_ok(step: object) -> bool:
+    """Whether `step` is one [from_tokens, weight] pair of finite numbers >= 0."""
+    try:
+        values = [float(v) for v in step]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        return False
+    return len(values) == 2 and all(math.isfinite(v) and v >= 0 for v in values)
+
+
+def mtp_problems(m: ModelConfig, p, backend) -> List[str]:
+    """Multi-token prediction (model.mtp_layers): DeepSeek-V3's, on the native path without
+    context or tensor parallelism (what launcher/models/mtp.py and the native engine serve today)."""
+    if m.mtp_layers < 0:
+        return [f"model.mtp_layers={m.mtp_layers} must be >= 0 (-1, model=hf's default, takes config.json's "
+                f"num_nextn_predict_layers from model.init_from). Fix: model.mtp_layers=0 (none) or 1 (DeepSeek-V3)."]
+    problems = []
+    for step in m.mtp_loss_weights:
+        if not _weight_step_ok(step):
+            problems.append(f"model.mtp_loss_weights has the step {step}: each step is [from_tokens, weight], "
+                            f"two finite numbers >= 0. Fix: e.g. model.mtp_loss_weights=[[0,0.3],[1e13,0.1]].")
+    if not m.mtp_layers:
+        return problems
+    if m.family != "deepseek_v3":
+        problems.append(f"model.mtp_layers={m.mtp_layers} with model.family={m.family}: multi-token prediction is "
+                        f"DeepSeek-V3's (its blocks and HF names). Fix: model.mtp_layers=0, or a deepseek_v3 model.")
+    if p.pp > 1 and p.pp_schedule == "zbv":
+        problems.append(f"model.mtp_layers={m.mtp_layers} with parallel.pp_schedule=zbv: its V puts the first and "
+                        f"the last stage on one rank, where the MTP module's copy of the embedding is not kept. "
+                        f"Fix: parallel.pp_schedule=1f1b or interleaved_1f1b, or model.mtp_layers=0.")
+    for degree, name in ((p.cp, "cp"), (p.tp, "tp")):
+        if degree > 1:
+            problems.append(f"model.mtp_layers={m.mtp_layers} with parallel.{name}={degree}: the multi-token-prediction "
+                            f"module is not yet placed across {name} ranks. Fix: parallel.{name}=1 (use dp/ep), "
+                            f"or model.mtp_layers=0.")
+    if "deepspeed" in (backend.default, backend.sharding):
+        problems.append(f"model.mtp_layers={m.mtp_layers} with the DeepSpeed backend: its loss is wired in the native "
+                        f"engine only. Fix: backend=native (or auto), or model.mtp_layers=0.")
+    return problems
 
 
 def mla_and_routing_problems(m: ModelConfig) -> List[str]:

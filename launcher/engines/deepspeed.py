@@ -347,6 +347,10 @@ class DeepSpeedEngine:
         import deepspeed  # lazy: deepspeed is slow to import (DeepSpeed backend only)
 
         self.model_cfg, self.layout, self.options, self.device = model_cfg, layout, options, device
+        if int(getattr(model_cfg, "mtp_layers", 0) or 0):
+            # The validator refuses backend=deepspeed with it; this catches a resolver that chose DeepSpeed.
+            raise ValueError(f"model.mtp_layers={model_cfg.mtp_layers}: the multi-token-prediction loss is wired "
+                             f"in the native engine only. Fix: backend=native, or model.mtp_layers=0.")
         lay = layout
         self.dp = data_parallel_size(lay)
         self.pp = lay.mesh.pp

@@ -45,6 +45,7 @@ from launcher.hf.export import export_state
 from launcher.hf.weights import export_hf, load_hf_weights
 from launcher.models import build_model
 from launcher.models.moe import update_correction_bias
+from launcher.models.shape import mtp_layers_of, mtp_loss_weight
 from launcher.parallel.ac import apply_activation_checkpointing
 from launcher.parallel.compile import apply_compile
 from launcher.parallel.cp import (context_parallel_region, context_parallel_unsupported_reason, shard_for_allgather,
@@ -94,6 +95,9 @@ class NativeEngine:
         with torch.device("meta"):
             whole = build_model(model_cfg)
         self.is_moe = model_cfg.n_experts > 0
+        # Multi-token prediction (launcher/models/mtp.py): its loss rides on the logits' backward; the
+        # validator refused it with context and tensor parallelism (validate.mtp_problems).
+        self.mtp_layers = mtp_layers_of(model_cfg)
 
         # Pipeline split first: every later technique is applied per stage module.
         self.pp_schedule = None
@@ -250,6 +254,8 @@ class NativeEngine:
         self._check_masking_supported(mb)
         inputs, labels = mb.inputs.to(self.device), mb.labels.to(self.device)
         inputs, labels, kwargs = self.context_parallel_slice(inputs, labels, model_kwargs(mb, self.device))
+        if self.mtp_layers and backward:
+            kwargs["mtp_labels"] = labels
         with self._context_parallel(model, inputs, labels), self._loss_parallel():
             with self._autocast():
                 logits = model(inputs, **kwargs)
@@ -277,6 +283,55 @@ class NativeEngine:
         for part in self.parts:
             part.set_aux_loss_scale(aux_loss_scale(n_micro, ranks))
 
+    def _set_mtp_scale(self) -> None:
+        """This step's weight of the MTP loss sums: lambda (model.mtp_loss_weights at the tokens
+        trained before this step) / depths / the step's token count, as the main loss divides; and
+        a fresh per-step sum of the logged loss in every part."""
+        if not self.mtp_layers:
+            return
+        tokens_seen = self.schedulers[0].last_epoch * self.layout.tokens_per_step
+        scale = mtp_loss_weight(self.model_cfg, tokens_seen) / self.mtp_layers / self._token_norm
+        for part in self.parts:
+            part.mtp_loss_scale = scale
+            part.mtp_loss_acc = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def _mtp_step_loss(self) -> torch.Tensor:
+        """This rank's sum over the step's micro-batches of the MTP loss (mean over depths) / token count."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for part in self.parts:
+            if part.mtp_loss_acc is not None:
+                total = total + part.mtp_loss_acc
+                part.mtp_loss_acc = None
+        return total / self._token_norm
+
+    def _mtp_embedding_copies(self) -> List[nn.Parameter]:
+        """This rank's last-stage copies of the embedding (pipelining with multi-token prediction)."""
+        return [p.mtp_embeddings.weight for p in self.parts if getattr(p, "mtp_embeddings", None) is not None]
+
+    def _sum_mtp_embedding_grads(self) -> None:
+        """Pipelining with multi-token prediction: stage 0's embedding and the last stage's copy
+        exchange their gradients and both add the other's (a + b and b + a are the same float), so
+        their optimizer steps, and the tables, stay equal, as Megatron's embedding group does. The
+        first and the last pipeline rank of each group trade one tensor (the local FSDP shards:
+        both tables are sharded alike)."""
+        if not self.mtp_layers or self.mesh_plan.pp == 1:
+            return
+        tables = [p.tok_embeddings.weight for p in self.parts if p.tok_embeddings is not None]
+        tables += self._mtp_embedding_copies()
+        if not tables:
+            return  # a middle stage
+        pp = self.world["pp"]
+        ranks = [int(r) for r in pp.mesh.flatten().tolist()]
+        me = pp.get_local_rank()
+        peer = ranks[-1] if me == 0 else ranks[0]
+        grad = tables[0].grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # a view: added to in place
+        received = torch.empty_like(local)
+        ops = [dist.P2POp(dist.isend, local, peer), dist.P2POp(dist.irecv, received, peer)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        local.add_(received)
+
     def _update_correction_bias(self) -> None:
         """Aux-loss-free balancing (model.bias_update_speed > 0, DeepSeek-V3's sigmoid routers):
         every router's correction bias moves against its expert's load error over this step's
@@ -288,8 +343,9 @@ class NativeEngine:
         # Summed in place over every rank (dist.all_reduce's default op); None on one rank.
         reduce = dist.all_reduce if self.world is not None and dist.is_initialized() and dist.get_world_size() > 1 \
             else None
-        update_correction_bias(self.parts, speed, int(self.model_cfg.n_layers), int(self.model_cfg.n_experts), reduce,
-                               device=self.device)
+        # Rows for the main blocks, then the multi-token-prediction blocks (numbered after them).
+        update_correction_bias(self.parts, speed, int(self.model_cfg.n_layers) + self.mtp_layers,
+                               int(self.model_cfg.n_experts), reduce, device=self.device)
 
     def _unsharded_accumulation(self):
         """The per-micro-batch FSDP2 sync switches when the Layout holds the step unsharded."""
@@ -304,6 +360,7 @@ class NativeEngine:
         microbatches = as_microbatches(microbatches)
         self._token_norm = self._count_tokens(microbatches)
         self._start_sources(microbatches)
+        self._set_mtp_scale()
         lr = self.schedulers[0].get_last_lr()[0]
         # Accumulated on the device: no host sync per micro-batch.
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -318,6 +375,7 @@ class NativeEngine:
                 local_loss += _plain(loss.detach())
             if accumulation is not None:
                 accumulation.after()
+            mtp_loss = self._mtp_step_loss() if self.mtp_layers else None
         else:
             n_micro = self.pp_microbatches
             rows = sum(mb.inputs.shape[0] for mb in microbatches)
@@ -329,6 +387,8 @@ class NativeEngine:
             self._set_aux_scale(n_micro)
             for mb_loss in self._run_pipeline("step", microbatches)[0]:
                 local_loss += _plain(mb_loss.detach())
+            mtp_loss = self._mtp_step_loss() if self.mtp_layers else None
+            self._sum_mtp_embedding_grads()
 
         # Global loss: each data-parallel sample counted once (tp rank 0, last pp stage).
         # MoE aux loss for logging: last micro-batch, summed over layers (and stages),
@@ -339,7 +399,8 @@ class NativeEngine:
         # Kept on the device and reduced there: StepStats reads them when the trainer logs.
         aux = sum((p.latest_aux_loss().to(dev) for p in self.parts), zero) if (self.is_moe and counted) else zero
         contrib = local_loss if (counted and self.has_last) else zero
-        pieces = [contrib.reshape(1), aux.reshape(1)]
+        mtp = mtp_loss if (mtp_loss is not None and counted and self.has_last) else zero
+        pieces = [contrib.reshape(1), aux.reshape(1), mtp.reshape(1)]
         n_sources = self._n_sources
         if n_sources:  # per-source sums ride on the same all-reduce (counted ranks only)
             pieces.append(self._source_sums if (counted and self.has_last)
@@ -347,11 +408,11 @@ class NativeEngine:
         stats = torch.cat(pieces)
         if self.world is not None:
             dist.all_reduce(stats)
-        source_loss = stats[2:] if n_sources else {}  # means taken when StepStats is read
+        source_loss = stats[3:] if n_sources else {}  # means taken when StepStats is read
         self._n_sources, self._source_sums = 0, None
         pp_group = self.world["pp"].get_group() if self.mesh_plan.pp > 1 else None
         params = [p for part in self.parts for p in part.parameters()]
-        grad_norm = clip_grad_norm(params, self.grad_clip, pp_group=pp_group)
+        grad_norm = clip_grad_norm(params, self.grad_clip, pp_group=pp_group, uncounted=self._mtp_embedding_copies())
         # The one host read per step of numerical health: the norm is global (all-reduced over
         # every shard and stage), so every rank takes the same decision without another collective.
         skipped = None if bool(torch.isfinite(grad_norm)) else self._diagnose_nonfinite(local_loss)
@@ -379,6 +440,8 @@ class NativeEngine:
         if self.is_moe:
             ranks = submesh(self.world, "dp_cp").size() if self.world is not None else 1
             extra["moe_aux_loss"] = stats[1] / ranks
+        if self.mtp_layers:  # the mean over depths of their token losses (not under loss/: per source)
+            extra["mtp/loss"] = stats[2]
         return StepStats(loss=stats[0], grad_norm=grad_norm, lr=lr, extra=extra, source_loss=source_loss,
                          skipped=skipped)
 
@@ -411,6 +474,8 @@ class NativeEngine:
         if first.document_ids is not None:
             kwargs["document_ids"] = torch.cat([mb.document_ids for mb in microbatches]).to(dev)
         losses: list = []
+        if self.mtp_layers and method == "step":  # every stage gets them; the last one's MTP reads them
+            kwargs.update(mtp_tokens=inputs, mtp_labels=torch.cat([mb.labels for mb in microbatches]).to(dev))
         if self.has_last:
             labels = torch.cat([mb.labels for mb in microbatches]).to(dev)
             if self._n_sources:

@@ -130,7 +130,7 @@ def _sq_norm_local_view(grads: List[torch.Tensor]) -> torch.Tensor:
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
-                   pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                   pp_group: Optional[dist.ProcessGroup] = None, uncounted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Clip to a global L2 norm over all shards and pipeline stages; return the norm before, as a
     0-dim tensor on the gradients' device (reading it is the caller's host sync, at log steps).
 
@@ -141,10 +141,13 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     on the host whether to scale would wait for the device every step. A non-finite norm leaves
     the gradients as they are (coefficient 1): the step is skipped (launcher/engines/native.py; counted in launcher/runtime/numerics.py)
     and `first_nonfinite_grad` must still find the parameter that went wrong, not a NaN everywhere.
+    `uncounted`: parameters of `params` that another stage holds too (a pipeline's last-stage copy of
+    the embedding, whose gradient equals stage 0's): scaled, not counted twice.
     """
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
-    sq = _sq_norm_local_view(grads)
+    skip = {id(p) for p in uncounted}
+    sq = _sq_norm_local_view([p.grad for p in params if id(p) not in skip])
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt()

@@ -54,6 +54,10 @@ _SHAPE_DEFAULTS = {"q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0, "
                    "score_func": "softmax", "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1}
 # Filled by model=hf but not compared: a shorter model.max_seq_len only sizes the RoPE table.
 FILL_ONLY_KEYS = ("max_seq_len",)
+# Filled from config.json where negative (conf/model/hf.yaml: -1), else the config's value wins:
+# model.mtp_layers (num_nextn_predict_layers) may build fewer multi-token-prediction depths than the
+# folder holds (0: none; the rest are skipped on load); a missing depth's tensors are a folder problem.
+FROM_FOLDER_WHEN_NEGATIVE = ("mtp_layers",)
 
 # checkpoint.export_dtype -> the dtype of the exported tensors (config.json's `dtype`). fp8_block:
 # bf16, except the block-quantized linears (e4m3 + float32 scales; export_quantized_names).
@@ -136,8 +140,10 @@ def scale_grid(shape: Tuple[int, ...], block: Tuple[int, int]) -> Tuple[int, int
 def default_quantized(m: TensorMap) -> bool:
     """Which of our tensors an fp8_block export quantizes when the source had none quantized
     (a from-scratch model): every 2-D weight of the decoder blocks except the router, DeepSeek-V3's
-    release convention (embeddings, norms, lm_head, router and its bias stay unquantized)."""
-    if not m.ours.startswith("layers.") or m.ours.endswith("router.weight") or m.keep_fp32:
+    release convention (embeddings, norms, lm_head, router and its bias stay unquantized; in a
+    multi-token-prediction depth its decoder block, not eh_proj)."""
+    in_block = m.ours.startswith("layers.") or (m.ours.startswith("mtp.") and ".block." in m.ours)
+    if not in_block or m.ours.endswith("router.weight") or m.keep_fp32:
         return False
     return len(m.shape) == (3 if m.kind == "experts" else 2)
 
@@ -203,6 +209,8 @@ def hf_shapes(m: TensorMap) -> List[Tuple[str, Tuple[int, ...]]]:
     """(HF name, HF shape) of each on-disk tensor behind `m`."""
     if m.kind == "experts":
         return [(n, m.shape[1:]) for n in m.hf_names]
+    if m.kind == "copies":
+        return [(n, m.shape) for n in m.hf_names]
     return [(m.hf_names[0], m.shape)]
 
 
@@ -228,6 +236,14 @@ def fp8_export_plan(model) -> Tuple[BlockQuant, List[str]]:
 
 
 # ----------------------------------------------------------------------------- folder checks
+
+
+def folder_mtp_layers(folder: str) -> int:
+    """The multi-token-prediction depths of HF folder `folder` (its family's hf_mtp_layers over
+    config.json and the weight files' tensor names; 0 for a family without any)."""
+    hf = read_hf_config(folder)
+    count = getattr(_family_for_config(hf).hf_module(), "hf_mtp_layers", None)
+    return int(count(hf, weight_files(folder))) if count is not None else 0
 
 
 def weight_files(folder: str) -> Dict[str, str]:

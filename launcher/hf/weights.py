@@ -69,6 +69,8 @@ def to_hf_tensors(m: TensorMap, full: torch.Tensor) -> List[Tuple[str, torch.Ten
         return [(m.hf_names[0], rope_ours_to_hf(full, m.heads))]
     if m.kind == "experts":
         return [(name, full[e]) for e, name in enumerate(m.hf_names)]
+    if m.kind == "copies":
+        return [(name, full) for name in m.hf_names]
     return [(m.hf_names[0], full)]
 
 
@@ -213,7 +215,7 @@ def _mapped_tensors(part: nn.Module, maps) -> List[Tuple[str, torch.Tensor]]:
 
 def _log_unmapped(files: Dict[str, str], maps, folder: str) -> None:
     """One log line for the folder's tensors no parameter reads (e.g. DeepSeek-V3's
-    multi-token-prediction block, model.layers.61.*, which we do not build). The block scales of
+    multi-token-prediction block, model.layers.61.*, with model.mtp_layers=0). The block scales of
     the weights we read are read with them, not skipped."""
     known = {n for m in maps for n in m.hf_names}
     known |= {scale_name(n) for n in known}

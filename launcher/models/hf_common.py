@@ -24,7 +24,9 @@ class TensorMap:
     """One of our parameters and the on-disk HF tensor(s) it comes from.
 
     kind: "plain" (same layout), "rope" (q/k: per-head row permutation, `heads` heads),
-    "experts" (ours [E, a, b] stacks hf_names[e], each [a, b]).
+    "experts" (ours [E, a, b] stacks hf_names[e], each [a, b]), "copies" (read from hf_names[0],
+    written under every name: DeepSeek-V3's multi-token-prediction layer holds copies of the
+    embedding and the output head).
     keep_fp32: written in float32 whatever the export dtype (transformers'
     _keep_in_fp32_modules_strict: DeepSeek-V3's router weight and correction bias)."""
 

@@ -35,9 +35,13 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 
 
 def canonical_name(name: str) -> str:
-    """Parameter name with wrapper components removed ("layers.0._orig_mod.x" -> "layers.0.x")."""
+    """Parameter name with wrapper components removed ("layers.0._orig_mod.x" -> "layers.0.x"); a
+    pipeline's last-stage copy of the embedding (mtp_embeddings) is the embedding's: the same
+    initial values, Hugging Face tensor and export."""
     for p in _WRAPPER_PREFIXES:
         name = name.replace(p, "")
+    if name.startswith("mtp_embeddings."):
+        name = "tok_embeddings." + name[len("mtp_embeddings."):]
     return name
 
 

@@ -93,10 +93,31 @@ def moe_layer_ids(model: Any) -> FrozenSet[int]:
 
     Block i is MoE when n_experts > 0, i >= n_dense_layers (DeepSeek's first_k_dense_replace),
     i is not in mlp_only_layers and (i + 1) % moe_layer_step == 0 (Qwen3-MoE's decoder_sparse_step)."""
+    return frozenset(i for i in range(int(model.n_layers)) if block_is_moe(model, i))
+
+
+def block_is_moe(model: Any, index: int) -> bool:
+    """Whether block `index` is MoE by moe_layer_ids' rule; also asked for the multi-token-prediction
+    blocks, which HF numbers after the main ones (DeepSeek-V3's layer 61 is MoE)."""
     if int(getattr(model, "n_experts", 0) or 0) <= 0:
-        return frozenset()
+        return False
     first = int(getattr(model, "n_dense_layers", 0) or 0)
     step = max(1, int(getattr(model, "moe_layer_step", 1) or 1))
     dense = {int(i) for i in (getattr(model, "mlp_only_layers", None) or ())}
-    return frozenset(i for i in range(int(model.n_layers))
-                     if i >= first and i not in dense and (i + 1) % step == 0)
+    return index >= first and index not in dense and (index + 1) % step == 0
+
+
+def mtp_layers_of(model: Any) -> int:
+    """The model's multi-token-prediction depths (model.mtp_layers; 0 when absent)."""
+    return int(getattr(model, "mtp_layers", 0) or 0)
+
+
+def mtp_loss_weight(model: Any, tokens_seen: float) -> float:
+    """lambda of the multi-token-prediction loss after `tokens_seen` training tokens: the weight of
+    the last [from_tokens, weight] step of model.mtp_loss_weights with from_tokens <= tokens_seen
+    (0 before the first step)."""
+    weight = 0.0
+    for start, value in sorted((float(a), float(b)) for a, b in (getattr(model, "mtp_loss_weights", None) or ())):
+        if start <= tokens_seen:
+            weight = value
+    return weight

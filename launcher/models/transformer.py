@@ -30,8 +30,9 @@ from launcher.models.fp32_buffers import register_fp32_buffer
 from launcher.models.init import init_model_weights
 from launcher.models.layers import (Attention, FeedForward, KeyIndex, RMSNorm, attention_mask,
                                     document_attention_mask, model_rope_table, rope_at_positions)
-from launcher.models.moe import MoE, latest_aux_loss, set_aux_loss_scale
-from launcher.models.shape import head_dim_of, moe_layer_ids
+from launcher.models.moe import AddAuxLossGrad, MoE, latest_aux_loss, set_aux_loss_scale
+from launcher.models.mtp import MTPDepth, mtp_loss_sum
+from launcher.models.shape import block_is_moe, head_dim_of, mtp_layers_of
 
 
 class TransformerBlock(nn.Module):
@@ -42,7 +43,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, head_dim_of(cfg),
                                    bool(getattr(cfg, "qk_norm", False)), cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.is_moe = layer_id in moe_layer_ids(cfg)
+        self.is_moe = block_is_moe(cfg, layer_id)
         if self.is_moe:
             self.moe = MoE(cfg.dim, cfg.moe_ffn_dim or cfg.ffn_dim, cfg.n_experts, cfg.top_k,
                            cfg.n_shared_experts, cfg.capacity_factor, cfg.aux_loss_coef,
@@ -90,17 +91,35 @@ class Transformer(nn.Module):
         self.output: Optional[nn.Linear] = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Multi-token prediction (launcher/models/mtp.py): its blocks are numbered after the main ones,
+        # as HF names them (DeepSeek-V3's model.layers.61).
+        depths = mtp_layers_of(cfg)
+        self.mtp: Optional[nn.ModuleDict] = nn.ModuleDict(
+            {str(k): MTPDepth(cfg, self.block_class(cfg, cfg.n_layers + k)) for k in range(depths)}) if depths else None
+        # lambda / D / the step's token count, set by the engine each step (a float or a 0-dim tensor).
+        self.mtp_loss_scale = 1.0
+        self.last_mtp_loss: Optional[torch.Tensor] = None  # the last forward's sum over depths / D
+        # The engine's per-step sum of last_mtp_loss over this module's forwards (None: not kept).
+        self.mtp_loss_acc: Optional[torch.Tensor] = None
+        # A pipeline's last stage holds the MTP without the embedding: its copy of stage 0's table,
+        # kept equal by summing their gradients (launcher/parallel/pp.py, launcher/engines/native.py).
+        self.mtp_embeddings: Optional[nn.Embedding] = None
         # Non-persistent: recomputed by init_weights, never checkpointed. Context parallelism
         # shards this buffer along the sequence together with the tokens.
         register_fp32_buffer(self, "rope", model_rope_table(cfg), persistent=False)
         self.attention_kernel = "auto"  # how a document mask is applied (document_attention_mask)
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None, keys: Optional["KeyIndex"] = None) -> torch.Tensor:
-        """``keys``: where the attention's keys lie when they are not these tokens (context
-        parallelism's gathered K/V); the mask is then built from it."""
+                document_ids: Optional[torch.Tensor] = None, keys: Optional["KeyIndex"] = None,
+                mtp_labels: Optional[torch.Tensor] = None, mtp_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits. ``keys``: where the attention's keys lie when they are not these tokens (context
+        parallelism's gathered K/V); the mask is then built from it. With `mtp_labels` (the main
+        labels, training) and model.mtp_layers > 0 the multi-token-prediction loss is computed too
+        and its gradient rides on the logits' (launcher/models/mtp.py). `mtp_tokens`: the token
+        ids, for a pipeline stage whose input is a hidden state."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if positions is None else rope_at_positions(self.rope, positions)
+        mask = None
         if keys is not None:
             mask = attention_mask(keys.query_index, keys.key_index, document_ids, keys.key_document_ids,
                                   self.attention_kernel, dtype=_attention_dtype(h))
@@ -114,7 +133,19 @@ class Transformer(nn.Module):
             for block in self.layers.values():
                 h = block(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        if mtp_labels is not None and self.mtp is not None:
+            embed = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings
+            ids = mtp_tokens if mtp_tokens is not None else tokens
+            total = mtp_loss_sum(self, embed, ids, h, mtp_labels, rope, mask, document_ids)
+            self.last_mtp_loss = total.detach() / len(self.mtp)
+            if self.mtp_loss_acc is not None:
+                self.mtp_loss_acc += self.last_mtp_loss
+            if total.requires_grad:
+                logits = AddAuxLossGrad.apply(logits, total * self.mtp_loss_scale, 1.0)
+        return logits
 
     def to_empty(self, *, device, recurse: bool = True):
         """Materialise (see nn.Module.to_empty), keeping tied embeddings tied."""
@@ -129,7 +160,8 @@ class Transformer(nn.Module):
         init_model_weights(self, seed, buffer_device)
 
     def moe_layers(self):
-        return [b.moe for b in self.layers.values() if getattr(b, "is_moe", False)]
+        blocks = list(self.layers.values()) + ([d.block for d in self.mtp.values()] if self.mtp is not None else [])
+        return [b.moe for b in blocks if getattr(b, "is_moe", False)]
 
     def latest_aux_loss(self) -> torch.Tensor:
         """Sum over this module's MoE layers of the last forward's load-balancing loss."""

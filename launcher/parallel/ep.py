@@ -35,6 +35,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
+from launcher.models.mtp import mtp_blocks
+
 log = logging.getLogger(__name__)
 
 
@@ -106,7 +108,7 @@ class _Dispatch:
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     """Shard the routed experts of every MoE block over ``ep_mesh`` and install the dispatch."""
     n = 0
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *mtp_blocks(model)]:
         moe = getattr(block, "moe", None)
         if moe is None:
             continue

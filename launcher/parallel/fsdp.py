@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from launcher.models.mtp import mtp_blocks
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -67,7 +69,7 @@ def apply_fsdp(
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
     n_blocks = 0
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *mtp_blocks(model)]:
         moe = getattr(block, "moe", None)
         if expert_dp_mesh is not None and moe is not None:
             fully_shard(moe.experts, mesh=expert_dp_mesh, shard_placement_fn=expert_shard_placement(expert_dp_mesh),

@@ -90,6 +90,13 @@ def build_stage_module(whole: nn.Module, stage: int, counts: Sequence[int]) -> n
     for name in list(part.layers.keys()):
         if name not in keep:
             del part.layers[name]
+    if last and part.mtp is not None and not first:
+        # Multi-token prediction lives with the head and embeds tokens too: a copy of stage 0's table
+        # (same initial values and checkpoint-independent name, launcher.models.init.canonical_name);
+        # the engine sums the two tables' gradients so they stay equal (as Megatron does).
+        part.mtp_embeddings = part.tok_embeddings
+    if not last:
+        part.mtp = None
     if not first:
         part.tok_embeddings = None
     if not last:

@@ -55,12 +55,15 @@ def step_runner(engine, layout, vocab_size: int, microbatches: int, phase=no_pha
     # All-gather context parallelism: the rank's slice, as the engine's forward takes it.
     inputs, labels, kwargs = engine.context_parallel_slice(inputs, labels, {})
 
+    # Multi-token prediction runs in training steps (model.mtp_layers): its block, head and loss too.
+    mtp = {"mtp_labels": labels} if getattr(engine, "mtp_layers", 0) else {}
+
     def step():
         for _ in range(microbatches):
             with engine._loss_parallel():
                 with phase("forward"):
                     with engine._autocast():
-                        logits = model(inputs, **kwargs)
+                        logits = model(inputs, **kwargs, **mtp)
                     loss = token_loss_sum(logits, labels) / float(layout.microbatch_tokens)
                 with phase("backward"):
                     loss.backward()
@@ -175,6 +178,9 @@ def pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n_micro
     def step():
         engine._token_norm = float(rows * layout.batch.seq_len)
         kwargs = {"target": labels, "losses": []} if engine.has_last else {}
+        if getattr(engine, "mtp_layers", 0):  # as the engine's step: every stage gets them, the last reads them
+            engine._set_mtp_scale()
+            kwargs.update(mtp_tokens=inputs, mtp_labels=labels)
         args = (inputs,) if engine.has_first else ()
         with phase("forward_backward"), engine._loss_parallel(), engine._autocast():
             schedule.step(*args, **kwargs)

@@ -37,6 +37,10 @@ QWEN3_MOE_NOAUX = {**QWEN3_MOE, "aux_loss_coef": 0.0}
 DEEPSEEK_V3_NOAUX = {**DEEPSEEK_V3, "aux_loss_alpha": 0.0}
 
 
+# The same with DeepSeek-V3's one multi-token-prediction depth (model.mtp_layers, launcher/models/mtp.py).
+DSV3_MTP = {**DEEPSEEK_V3, "mtp_layers": 1}
+
+
 def _short(model: str) -> str:
     return "moe" if model == "debug_moe" else "dense"
 
@@ -115,6 +119,13 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
     # 4-rank launch, 0.3 s for ref_dsv3, about 6 s for both in the rehearsal fixture.
     one.append({"name": "ref_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3})
     four += _family_moe_layouts("dsv3", DEEPSEEK_V3)
+    # DeepSeek-V3 with its multi-token-prediction depth: under PP x EP x FSDP it lives on the last
+    # stage with a copy of stage 0's embedding, their gradients summed; losses, grad norms and
+    # mtp/loss equal the 1-rank run's (tests/test_parallel_layouts.py). Measured (2 cores, load ~30):
+    # ref_dsv3mtp 6 s (1.1 s of it building), pp2_ep2_fsdp2_dsv3mtp 5 s (2.2 s) inside their launches.
+    one.append({"name": "ref_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP})
+    four.append({"name": "pp2_ep2_fsdp2_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
+                 "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b"})
     two += [
         {"name": "ep2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "ep": 2}},
         # bf16 mixed precision: compared with the fp32 reference at a bf16 tolerance (bf16 keeps
@@ -245,7 +256,8 @@ def muon_layouts(ckpt_dir: str):
 def reference_of(name: str) -> str:
     if name.endswith("_muon"):  # optim=muon layouts compare with the 1-rank Muon run
         return reference_of(name[:-len("_muon")]) + "_muon"
-    for suffix in ("_tied", "_odd", "_2experts", "_qwen3moe", "_dsv3", "_docs", "_qwen3moe_noaux", "_dsv3_noaux"):
+    for suffix in ("_tied", "_odd", "_2experts", "_qwen3moe", "_dsv3", "_dsv3mtp", "_docs", "_qwen3moe_noaux",
+                   "_dsv3_noaux"):
         if name.endswith(suffix):
             return "ref" + suffix
     return "ref_moe" if name.endswith("_moe") else "ref_dense"

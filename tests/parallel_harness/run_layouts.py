@@ -182,6 +182,8 @@ def run_layout(spec: dict) -> dict:
         out["grad_norms"].append(stats.grad_norm)
         out["lr"].append(stats.lr)
         out["aux"].append(stats.extra.get("moe_aux_loss", 0.0))
+        if "mtp/loss" in stats.extra:  # model.mtp_layers > 0: the multi-token-prediction loss
+            out.setdefault("mtp", []).append(stats.extra["mtp/loss"])
         if spec.get("save_dir") and step + 1 == spec.get("save_after"):
             engine.save(Path(spec["save_dir"]))
         if spec.get("export") and step + 1 == steps:

@@ -10,9 +10,13 @@ tensor names and shapes. Pure Python.
   moe.e_score_correction_bias, a buffer), per-expert `mlp.experts.{e}.gate_proj/up_proj/down_proj`
   stacked into [E, ...], `mlp.shared_experts.*` (one SwiGLU of n_shared_experts x
   moe_intermediate_size); the first first_k_dense_replace blocks are dense `mlp.*`.
-- Multi-token prediction: the released folder holds num_nextn_predict_layers extra blocks at
-  `model.layers.{num_hidden_layers}...`; we build none (no model.mtp_layers), so model.init_from
-  skips them (launcher/hf/weights.py logs one line) and an export has none (and says 0).
+- Multi-token prediction (launcher/models/mtp.py): num_nextn_predict_layers <-> model.mtp_layers
+  (model=hf: the depths whose tensors the folder holds, hf_mtp_layers);
+  depth k is `model.layers.{num_hidden_layers + k}`: `enorm`, `hnorm`, `eh_proj`, a full decoder
+  block under the usual names, `shared_head.norm` (our mtp.{k}.enorm, hnorm, eh_proj, block.*,
+  head_norm), and `embed_tokens` / `shared_head.head`, copies of the main model's embedding and
+  output head (read from the main names, written under both). Depths the folder has beyond
+  model.mtp_layers are skipped on load (one log line).
 - q_lora_rank null <-> model.q_lora_rank 0; YaRN rope scaling <-> model.rope_scaling type yarn.
 """
 
@@ -21,8 +25,8 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from launcher.models.hf_common import TensorMap, common_unsupported, hf_rope_entries
-from launcher.models.llama.hf import decoder_fields, decoder_tensor_maps, stacked_expert_maps
-from launcher.models.shape import mla_qk_head_dim
+from launcher.models.llama.hf import decoder_fields, decoder_tensor_maps, dense_ffn_maps, stacked_expert_maps
+from launcher.models.shape import block_is_moe, mla_qk_head_dim, mtp_layers_of
 
 _EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
@@ -53,6 +57,18 @@ def hf_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
         "topk_group": int(hf.get("topk_group") or 1),
     })
     return fields
+
+
+def hf_mtp_layers(hf: Dict[str, Any], tensor_names) -> int:
+    """The multi-token-prediction depths a folder holds: num_nextn_predict_layers, counting only
+    the depths whose eh_proj is among `tensor_names` (transformers' save_pretrained keeps the key, 1
+    by default, but builds and writes no MTP layer)."""
+    declared, n = int(hf.get("num_nextn_predict_layers") or 0), int(hf["num_hidden_layers"])
+    names = set(tensor_names)
+    depths = 0
+    while depths < declared and f"model.layers.{n + depths}.eh_proj.weight" in names:
+        depths += 1
+    return depths
 
 
 def unsupported_features(hf: Dict[str, Any]) -> List[str]:
@@ -113,7 +129,7 @@ def hf_config_for(model, dtype: str) -> Dict[str, Any]:
         "topk_group": model.topk_group,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
-        "num_nextn_predict_layers": 0,  # no multi-token-prediction weights are written
+        "num_nextn_predict_layers": mtp_layers_of(model),
         "output_router_logits": False,
         "dtype": dtype,
         "torch_dtype": dtype,
@@ -157,7 +173,42 @@ def deepseek_moe_maps(model, p: str, h: str) -> List[TensorMap]:
     return out
 
 
+def mtp_maps(model, k: int) -> List[TensorMap]:
+    """Multi-token-prediction depth k's own tensors (ours mtp.{k}., HF model.layers.{n_layers + k}.)."""
+    i = int(model.n_layers) + k
+    p, h = f"mtp.{k}.", f"model.layers.{i}."
+    b = p + "block."
+    dim = model.dim
+    out = [TensorMap(p + "enorm.weight", (h + "enorm.weight",), (dim,)),
+           TensorMap(p + "hnorm.weight", (h + "hnorm.weight",), (dim,)),
+           TensorMap(p + "eh_proj.weight", (h + "eh_proj.weight",), (dim, 2 * dim))]
+    out += mla_maps(model, b, h)
+    out.append(TensorMap(b + "ffn_norm.weight", (h + "post_attention_layernorm.weight",), (dim,)))
+    out += deepseek_moe_maps(model, b, h) if block_is_moe(model, i) else dense_ffn_maps(model, b, h)
+    out.append(TensorMap(p + "head_norm.weight", (h + "shared_head.norm.weight",), (dim,)))
+    return out
+
+
+def _with_mtp_copies(m: TensorMap, names: List[str]) -> TensorMap:
+    return TensorMap(m.ours, (*m.hf_names, *names), m.shape, kind="copies") if names else m
+
+
 def tensor_maps(model) -> List[TensorMap]:
     """Every parameter (and the correction-bias buffers) of a deepseek_v3 ModelConfig with its HF
-    source, in HF file order: Llama's decoder layout with MLA and DeepSeek's MoE blocks."""
-    return decoder_tensor_maps(model, deepseek_moe_maps, mla_maps)
+    source, in HF file order: Llama's decoder layout with MLA and DeepSeek's MoE blocks, then the
+    multi-token-prediction depths (before the final norm and head); the embedding and the head are
+    also written as each depth's embed_tokens and shared_head.head."""
+    out = decoder_tensor_maps(model, deepseek_moe_maps, mla_maps)
+    depths = mtp_layers_of(model)
+    if not depths:
+        return out
+    layers = [f"model.layers.{int(model.n_layers) + k}." for k in range(depths)]
+    embed_copies = [h + "embed_tokens.weight" for h in layers]
+    head_copies = [h + "shared_head.head.weight" for h in layers]
+    if model.tie_embeddings:  # no lm_head: the embedding is the head too
+        embed_copies += head_copies
+    out[0] = _with_mtp_copies(out[0], embed_copies)
+    if not model.tie_embeddings:
+        out[-1] = _with_mtp_copies(out[-1], head_copies)
+    at = next(i for i, m in enumerate(out) if m.ours == "norm.weight")
+    return out[:at] + [m for k in range(depths) for m in mtp_maps(model, k)] + out[at:]

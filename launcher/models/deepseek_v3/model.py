@@ -26,7 +26,7 @@ from torch import nn
 
 from launcher.models.layers import FeedForward, RMSNorm, _grouped_sdpa, _masked_attention, apply_rope, softmax_scale_factor
 from launcher.models.moe import MoE
-from launcher.models.shape import mla_qk_head_dim, moe_layer_ids
+from launcher.models.shape import block_is_moe, mla_qk_head_dim
 from launcher.models.transformer import Transformer, TransformerBlock
 
 # transformers' DeepseekV3RMSNorm(q_lora_rank) and (kv_lora_rank) keep their default eps.
@@ -101,7 +101,7 @@ class DeepseekV3Block(TransformerBlock):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = MLAttention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.is_moe = layer_id in moe_layer_ids(cfg)
+        self.is_moe = block_is_moe(cfg, layer_id)
         if self.is_moe:
             sigmoid = cfg.score_func == "sigmoid"
             self.moe = MoE(cfg.dim, cfg.moe_ffn_dim or cfg.ffn_dim, cfg.n_experts, cfg.top_k,

@@ -63,7 +63,9 @@ def attention_flops_per_token(n_layers: int, width: float, seq_len: int) -> floa
 def training_flops_per_token(model: Any, seq_len: int) -> float:
     """Model FLOPs to train on one token (forward + backward), see the module docstring."""
     n = param_counts(model).matmul_active
-    return 6.0 * n + attention_flops_per_token(int(model.n_layers), attention_width(model_shape(model)), seq_len)
+    shape = model_shape(model)
+    # Each multi-token-prediction depth runs one more block's attention (its matmuls are in `n`).
+    return 6.0 * n + attention_flops_per_token(int(model.n_layers) + shape.mtp_depths, attention_width(shape), seq_len)
 
 
 def achieved_tflops(tokens_per_s: float, flops_per_token: float) -> float:

@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import Any, FrozenSet, List, Tuple
 
 from launcher.models.family import family_of
-from launcher.models.shape import AttentionLayout, Linear, moe_layer_ids
+from launcher.models.shape import AttentionLayout, Linear, block_is_moe, moe_layer_ids, mtp_layers_of
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,28 @@ class ModelShape:
     score_func: str
     correction_bias: bool
     n_group: int
+    # Multi-token prediction (model.mtp_layers, launcher/models/mtp.py): depths, and how many of
+    # their blocks are MoE. Each depth holds enorm, hnorm, head_norm, eh_proj (2 dim x dim) and one
+    # block; it shares the embedding and the output head. On the last pipeline stage.
+    mtp_depths: int = 0
+    mtp_moe_depths: int = 0
+
+    @property
+    def mtp_total(self) -> int:
+        """Parameters of the multi-token-prediction depths (shared tables not counted again)."""
+        own = self.mtp_depths * (3 * self.dim + 2 * self.dim * self.dim)
+        return (own + (self.mtp_depths - self.mtp_moe_depths) * self.dense_block
+                + self.mtp_moe_depths * (self.moe_block_shared + self.moe_block_routed))
+
+    @property
+    def mtp_routed(self) -> int:
+        return self.mtp_moe_depths * self.moe_block_routed
+
+    @property
+    def mtp_active(self) -> int:
+        """mtp_total with top-k routed experts, plus each depth's use of the output head."""
+        routed_unused = self.mtp_moe_depths * (self.n_experts - self.top_k) * self.expert
+        return self.mtp_total - routed_unused + self.mtp_depths * self.vocab_size * self.dim
 
     @property
     def dense_block(self) -> int:
@@ -90,6 +112,7 @@ class ModelShape:
             + self.embedding
             + self.output
             + self.final_norm
+            + self.mtp_total
         )
 
     @property
@@ -101,6 +124,7 @@ class ModelShape:
             + self.embedding
             + self.output
             + self.final_norm
+            + self.mtp_active
         )
 
     @property
@@ -149,6 +173,8 @@ def model_shape(model: Any) -> ModelShape:
         score_func=str(getattr(model, "score_func", "softmax") or "softmax"),
         correction_bias=bool(n_experts) and bool(getattr(family, "ROUTER_CORRECTION_BIAS", False)),
         n_group=int(getattr(model, "n_group", 1) or 1),
+        mtp_depths=mtp_layers_of(model),
+        mtp_moe_depths=sum(1 for k in range(mtp_layers_of(model)) if block_is_moe(model, layers + k)),
     )
 
 
@@ -235,6 +261,12 @@ def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b
             shared += extra + shape.final_norm
             replicated += shape.final_norm
             largest = max(largest, extra + shape.final_norm)
+            # Multi-token prediction lives with the output head (it reuses it), and away from the
+            # first stage with its own copy of the embedding (launcher/parallel/pp.py).
+            shared += shape.mtp_total - shape.mtp_routed
+            routed += shape.mtp_routed
+            if shape.mtp_depths and not has_emb:
+                shared += shape.embedding
         n_moe = sum(1 for i in layers if shape.is_moe_layer(i))
         tensors = [shape.largest_attention_tensor] if layers else [0]
         if n_moe < len(layers):
