@@ -72,7 +72,7 @@ RULES = [
     (["offload.optimizer=disk"], ["offload.optimizer='disk'", "none, cpu, nvme"]),
     (["offload.optimizer=nvme"], ["nvme_path"]),
     (["offload.params=cpu", "parallel.zero_stage=2"], ["offload.params=cpu", "zero_stage=3"]),
-    (["parallel.cp=2", "trainer.global_batch_size=4"], ["parallel.cp=2", "trainer.device=cpu"]),
+    (["parallel.cp=2", "trainer.global_batch_size=4", "backend.cp_impl=ring"], ["backend.cp_impl=ring", "trainer.device=cpu", "backend.cp_impl=allgather"]),
     (["precision=fp8"], ["precision=fp8", "emulate"]),
     (["parallel.sp=true"], ["parallel.sp=true", "tp > 1"]),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.dp_shard=1", "trainer.global_batch_size=4"], ["pp_virtual_stages=1", "interleaved_1f1b"]),
