@@ -46,10 +46,10 @@ from launcher.models.moe import update_correction_bias
 from launcher.parallel.ac import apply_activation_checkpointing
 from launcher.parallel.compile import apply_compile
 from launcher.parallel.cp import context_parallel_region, context_parallel_unsupported_reason, use_expanded_kv
-from launcher.parallel.ep import apply_expert_parallel
+from launcher.parallel.ep import apply_expert_parallel, set_token_group
 from launcher.parallel.fp8 import convert_to_float8, float8_scale_precompute_needed, precompute_float8_scales
 from launcher.parallel.fsdp import UnshardedAccumulation, apply_fsdp, mixed_precision_policy
-from launcher.parallel.device_mesh import build_device_mesh, expert_meshes, submesh
+from launcher.parallel.device_mesh import build_device_mesh, expert_grid, expert_meshes, submesh, token_group
 from launcher.parallel.phase import phase_barrier
 from launcher.parallel.pp import build_schedule, split_into_stages
 from launcher.parallel.tp import apply_tensor_parallel
@@ -143,12 +143,18 @@ class NativeEngine:
         if lay.owners.fp8_impl == "torchao":
             convert_to_float8(part, lay.fp8_config(), device_type=self.device.type,
                               fsdp_enabled=m.dp * m.cp > 1)
+        folded = lay.experts_folded
         if m.tp > 1:
-            apply_tensor_parallel(part, w["tp"], sequence_parallel=lay.sp, loss_parallel=True)
+            apply_tensor_parallel(part, w["tp"], sequence_parallel=lay.sp, loss_parallel=True, fold_experts=folded)
         expert_dp_mesh = None
-        if m.ep > 1:
-            ep_mesh, expert_dp_mesh = expert_meshes(w, m.ep)
-            apply_expert_parallel(part, ep_mesh)
+        if m.ep > 1 or folded:
+            ep_mesh, expert_dp_mesh = expert_meshes(w, m.ep, folded)
+            # Without FSDP nothing sums the gradients of an expert shard's replicas (folded: TP
+            # ranks that computed other tokens): place them replicated, gradients Partial.
+            grid = expert_grid(w, m.ep, folded) if not self.fsdp and expert_dp_mesh.size() > 1 else None
+            apply_expert_parallel(part, ep_mesh, replica_mesh=grid)
+        if self.is_moe and m.cp * m.tp > 1:
+            set_token_group(part, token_group(w).get_group())
         if m.cp > 1:
             use_expanded_kv(part)
         if lay.memory.ac_mode != "none":
@@ -170,7 +176,8 @@ class NativeEngine:
         if self.world is not None:
             mesh = {name: self.world[name].size() for name in mesh}
 
-        mesh["ep"] = expert_meshes(self.world, self.mesh_plan.ep)[0].size() if self.mesh_plan.ep > 1 else 1
+        mesh["ep"] = expert_meshes(self.world, self.mesh_plan.ep, self.layout.experts_folded)[0].size() \
+            if self.mesh_plan.ep > 1 else 1
         n_micro = self.pp_schedule._n_microbatches if self.pp_schedule is not None else None
         fsdp = _is_fsdp(self.parts[0])
         backends = {"sharding": "native", "pp": "native" if self.pp_schedule is not None else "off",
@@ -256,7 +263,10 @@ class NativeEngine:
     def _set_aux_scale(self, n_micro: int) -> None:
         if not self.is_moe:
             return
-        ranks = submesh(self.world, "dp_cp").size() if self.world is not None else 1
+        # The router's gradients are summed over dp_cp (FSDP) and tp (folded experts); the cp and tp
+        # ranks of one data-parallel rank compute one aux loss over their sequences' slices
+        # (MoE.token_group), each injecting its slice's share: average over the data-parallel ranks.
+        ranks = self.mesh_plan.dp if self.world is not None else 1
         for part in self.parts:
             part.set_aux_loss_scale(aux_loss_scale(n_micro, ranks))
 
