@@ -11,7 +11,8 @@ Layout keys: name, model (debug | debug_moe), mesh {pp, dp_replicate, dp_shard, 
 sp, pp_schedule, pp_virtual_stages, pp_layers, micro_batch_size, ac, ac_selective, compile,
 zero_stage, precision, offload (offload.optimizer), accumulate_unsharded, backend_sharding, steps, save_dir +
 save_after (save after that many steps), load_dir + start_step (resume, then run steps
-start_step..steps-1).
+start_step..steps-1), count_expert_rows (record per rank the rows routed to and computed by each
+MoE expert: expert_rows_per_rank).
 
 Each layout is resolved by the real resolver (`launcher.plan.decide.resolve.resolve`, what `train`
 writes into plan.json) and the engine is built from that Layout; the result records both the
@@ -141,6 +142,7 @@ def run_layout(spec: dict) -> dict:
     from launcher.observe.state_bytes import StateBytesProbe
 
     probe = StateBytesProbe(engine.optimizers)
+    rows = expert_row_counters(engine.model_parts) if spec.get("count_expert_rows") else None
     start = spec.get("start_step", 0)
     if spec.get("load_dir"):
         engine.load(Path(spec["load_dir"]))
@@ -163,6 +165,12 @@ def run_layout(spec: dict) -> dict:
     else:
         per_rank = [held]
     out["held_per_rank"] = per_rank
+    if rows is not None:
+        counted = {k: [int(v) for v in t.tolist()] for k, t in rows.items()}
+        per_rank = [None] * dist.get_world_size() if dist.is_initialized() else [counted]
+        if dist.is_initialized():
+            dist.all_gather_object(per_rank, counted)
+        out["expert_rows_per_rank"] = per_rank
     if spec.get("track_rehearsal_step"):
         tracked = rehearsal_step_memory(engine, layout, mcfg.vocab_size)
         per_rank = [None] * dist.get_world_size() if dist.is_initialized() else [tracked]
@@ -170,6 +178,28 @@ def run_layout(spec: dict) -> dict:
             dist.all_gather_object(per_rank, tracked)
         out["tracked_per_rank"] = per_rank
     return out
+
+
+def expert_row_counters(model_parts) -> dict:
+    """{"routed": [n_experts], "computed": [local experts]}, filled during training: the
+    assignments this rank's router sent to each expert, and the rows its own experts computed,
+    summed over every MoE layer. Read with forward pre-hooks on the experts module, one before
+    the expert-parallel dispatch (prepend: the rank's routing) and one after it (what reaches the
+    local experts)."""
+    totals = {}
+
+    def counter(key):
+        def hook(module, args):
+            counts = args[1].detach().to("cpu", torch.int64)
+            totals[key] = counts if key not in totals else totals[key] + counts
+        return hook
+
+    for part in model_parts:
+        for m in part.modules():
+            if hasattr(m, "router") and hasattr(m, "experts"):
+                m.experts.register_forward_pre_hook(counter("routed"), prepend=True)
+                m.experts.register_forward_pre_hook(counter("computed"))
+    return totals
 
 
 def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
