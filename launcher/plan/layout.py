@@ -283,10 +283,15 @@ class Layout:
         return self.mesh.dp_shard * self.mesh.cp * (self.mesh.tp if self.experts_folded else 1)
 
     @property
-    def moe_tokens_per_rank(self) -> float:
-        """Tokens one rank routes per micro-batch: its CP slice, and 1/tp of it with folded experts
+    def moe_token_split(self) -> int:
+        """Ranks over which one micro-batch's MoE tokens are divided: cp, times tp with folded experts
         (each TP rank routes its own slice; replicated, every TP rank routes them all)."""
-        return self.rank_microbatch_tokens / (self.mesh.tp if self.experts_folded else 1)
+        return self.mesh.cp * (self.mesh.tp if self.experts_folded else 1)
+
+    @property
+    def moe_tokens_per_rank(self) -> float:
+        """Tokens one rank routes (and runs the router and shared experts on) per micro-batch."""
+        return self.microbatch_tokens / self.moe_token_split
 
     @property
     def expert_fsdp_degree(self) -> int:
