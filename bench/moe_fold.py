@@ -46,8 +46,7 @@ def _model(tp_world, folded: bool, tp: int):
 
     from launcher.config.schema import ModelConfig
     from launcher.models import build_model
-    from launcher.parallel.device_mesh import expert_meshes, token_group
-    from launcher.parallel.ep import apply_expert_parallel, set_token_group
+    from launcher.parallel.ep import apply_moe_parallel
     from launcher.parallel.tp import apply_tensor_parallel
 
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
@@ -56,10 +55,8 @@ def _model(tp_world, folded: bool, tp: int):
     with torch.device("meta"):
         model = build_model(cfg)
     apply_tensor_parallel(model, tp_world["tp"], sequence_parallel=False, loss_parallel=True, fold_experts=folded)
-    if folded:  # as launcher/engines/native.py does for Layout.experts_folded (ep = tp: no replica to sum)
-        ep_mesh, _ = expert_meshes(tp_world, tp, folded=True)
-        apply_expert_parallel(model, ep_mesh)
-        set_token_group(model, token_group(tp_world).get_group())
+    if folded:  # as launcher/engines/native.py does for Layout.experts_folded, ep = tp
+        apply_moe_parallel(model, tp_world, ep=tp, folded=True, fsdp=False)
     model.to_empty(device="cpu")
     model.init_weights(0, buffer_device=torch.device("cpu"))
     model.train()

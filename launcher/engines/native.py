@@ -46,10 +46,10 @@ from launcher.models.moe import update_correction_bias
 from launcher.parallel.ac import apply_activation_checkpointing
 from launcher.parallel.compile import apply_compile
 from launcher.parallel.cp import context_parallel_region, context_parallel_unsupported_reason, use_expanded_kv
-from launcher.parallel.ep import apply_expert_parallel, set_token_group
+from launcher.parallel.ep import apply_moe_parallel
 from launcher.parallel.fp8 import convert_to_float8, float8_scale_precompute_needed, precompute_float8_scales
 from launcher.parallel.fsdp import UnshardedAccumulation, apply_fsdp, mixed_precision_policy
-from launcher.parallel.device_mesh import build_device_mesh, expert_grid, expert_meshes, submesh, token_group
+from launcher.parallel.device_mesh import build_device_mesh, expert_meshes, submesh
 from launcher.parallel.phase import phase_barrier
 from launcher.parallel.pp import build_schedule, split_into_stages
 from launcher.parallel.tp import apply_tensor_parallel
@@ -147,14 +147,8 @@ class NativeEngine:
         if m.tp > 1:
             apply_tensor_parallel(part, w["tp"], sequence_parallel=lay.sp, loss_parallel=True, fold_experts=folded)
         expert_dp_mesh = None
-        if m.ep > 1 or folded:
-            ep_mesh, expert_dp_mesh = expert_meshes(w, m.ep, folded)
-            # Without FSDP nothing sums the gradients of an expert shard's replicas (folded: TP
-            # ranks that computed other tokens): place them replicated, gradients Partial.
-            grid = expert_grid(w, m.ep, folded) if not self.fsdp and expert_dp_mesh.size() > 1 else None
-            apply_expert_parallel(part, ep_mesh, replica_mesh=grid)
-        if self.is_moe and m.cp * m.tp > 1:
-            set_token_group(part, token_group(w).get_group())
+        if self.is_moe and w is not None:
+            expert_dp_mesh = apply_moe_parallel(part, w, ep=m.ep, folded=folded, fsdp=self.fsdp)
         if m.cp > 1:
             use_expanded_kv(part)
         if lay.memory.ac_mode != "none":

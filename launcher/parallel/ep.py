@@ -144,6 +144,26 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, replica_mesh: O
     return model
 
 
+def apply_moe_parallel(model: nn.Module, world: DeviceMesh, *, ep: int, folded: bool, fsdp: bool) -> Optional[DeviceMesh]:
+    """The MoE side of the Layout on ``world`` (launcher.parallel.device_mesh.build_device_mesh),
+    after TP: expert parallelism over ``ep`` ranks, the experts folded over TP (``folded``:
+    Layout.experts_folded) and the load-balancing token group. Returns the expert data-parallel
+    mesh FSDP shards the routed experts over (``fsdp``: whether FSDP wraps the model), or None
+    when the experts are neither sharded nor folded."""
+    from launcher.parallel.device_mesh import expert_grid, expert_meshes, token_group
+
+    expert_dp = None
+    if ep > 1 or folded:
+        ep_mesh, expert_dp = expert_meshes(world, ep, folded)
+        # Without FSDP nothing sums the gradients of an expert shard's replicas (folded: TP ranks
+        # that computed other tokens): place them replicated, gradients Partial.
+        grid = expert_grid(world, ep, folded) if not fsdp and expert_dp.size() > 1 else None
+        apply_expert_parallel(model, ep_mesh, replica_mesh=grid)
+    if world["cp"].size() * world["tp"].size() > 1:
+        set_token_group(model, token_group(world).get_group())
+    return expert_dp
+
+
 def set_token_group(model: nn.Module, group) -> None:
     """Give every MoE layer of ``model`` the process group of the ranks holding the other slices of
     its sequences (launcher.parallel.device_mesh.token_group: cp x tp), over which its load-balancing
