@@ -163,7 +163,7 @@ PLAN_KEY_ORDER: Tuple[str, ...] = (
     "zeropp_quantized_weights", "zeropp_quantized_gradients", "zeropp_hierarchical_partition",
     "hpz_partition_size", "accumulate_unsharded", "choices", "compile", "fp8_recipe", "document_mask", "tf32",
     "fp8_emulate", "fp8_min_features", "fp8_exclude", "offload_nvme_path", "offload_pin_memory",
-    "health_check", "exclude_stragglers",
+    "health_check", "exclude_stragglers", "experts_folded",
 )
 
 
