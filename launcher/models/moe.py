@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Partial
 
 from launcher.models.fp32_buffers import register_fp32_buffer
 from launcher.models.grouped_mm import expert_swiglu
@@ -58,8 +59,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     if not hasattr(t, "to_local"):
         return t
     if any(p.is_replicate() for p in t.placements):
-        from torch.distributed.tensor import Partial
-
         return t.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in t.placements])
     return t.to_local()
 

@@ -44,6 +44,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 
+from launcher.parallel.device_mesh import expert_grid, expert_meshes, token_group
+
 log = logging.getLogger(__name__)
 
 
@@ -150,8 +152,6 @@ def apply_moe_parallel(model: nn.Module, world: DeviceMesh, *, ep: int, folded: 
     Layout.experts_folded) and the load-balancing token group. Returns the expert data-parallel
     mesh FSDP shards the routed experts over (``fsdp``: whether FSDP wraps the model), or None
     when the experts are neither sharded nor folded."""
-    from launcher.parallel.device_mesh import expert_grid, expert_meshes, token_group
-
     expert_dp = None
     if ep > 1 or folded:
         ep_mesh, expert_dp = expert_meshes(world, ep, folded)
