@@ -67,6 +67,12 @@ RULES = [
     (["trainer.global_batch_size=7"], ["global_batch_size=7", "micro_batch_size*dp", "2*2 = 4"]),
     (["parallel.microbatches=3"], ["parallel.microbatches=3", "= 2 micro-batches"]),
     (["parallel.tp=2", "parallel.sp=true", "trainer.seq_len=127", "trainer.global_batch_size=4"], ["seq_len=127", "parallel.tp=2"]),
+    # Experts folded over TP: each TP rank routes 1/tp of the sequence.
+    (["model=debug_moe", "parallel.tp=2", "trainer.seq_len=127", "trainer.global_batch_size=4"],
+     ["seq_len=127", "parallel.cp*tp = 2", "folds its experts"]),
+    # ep may take the TP ranks (dp_shard*cp*tp = 2), not more.
+    (["model=debug_moe", "parallel.tp=2", "parallel.ep=4", "trainer.global_batch_size=4"],
+     ["parallel.ep=4 must divide dp_shard*cp*tp", "= 2"]),
     (["parallel.cp=2", "trainer.seq_len=126", "trainer.device=cuda", "trainer.global_batch_size=4"], ["seq_len=126", "2*parallel.cp = 4"]),
     (["parallel.zero_stage=5"], ["zero_stage=5", "0, 1, 2 or 3"]),
     (["offload.optimizer=disk"], ["offload.optimizer='disk'", "none, cpu, nvme"]),

@@ -317,9 +317,10 @@ def _tp_worker(rank: int, port: int, sequence_parallel: bool, out: dict) -> None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-
+        from launcher.parallel.device_mesh import build_device_mesh
+        from launcher.parallel.ep import apply_moe_parallel
         from launcher.parallel.tp import apply_tensor_parallel
+        from launcher.plan.degrees import MeshPlan
 
         torch.manual_seed(0)
         model, cfg = _model()
@@ -329,8 +330,10 @@ def _tp_worker(rank: int, port: int, sequence_parallel: bool, out: dict) -> None
         ref = _model()[0]
         ref.load_state_dict(model.state_dict())
         tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel, loss_parallel=False)
+        world = build_device_mesh(MeshPlan(tp=2), "cpu")
+        apply_tensor_parallel(model, world["tp"], sequence_parallel=sequence_parallel, loss_parallel=False)
+        # The experts folded over TP as the engine folds them (each rank routes half the tokens).
+        apply_moe_parallel(model, world, ep=1, folded=True, fsdp=False)
         logits = model(tokens)
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
         logits.float().pow(2).mean().backward()
@@ -353,8 +356,9 @@ def _tp_worker(rank: int, port: int, sequence_parallel: bool, out: dict) -> None
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_mla_under_tensor_parallelism_equals_one_rank(sequence_parallel):
     """Heads sharded over 2 ranks (wq_b, wkv_b column-wise, wo row-wise; the down-projections, their
-    norms and the shared RoPE key replicated, its gradient summed): logits and every gradient
-    equal one rank's."""
+    norms and the shared RoPE key replicated, its gradient summed), the MoE's experts folded over
+    TP (each rank routing half the tokens, the sequence-wise balance loss summed over both): logits
+    and every gradient equal one rank's."""
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_tp_worker, args=(_free_port(), sequence_parallel, out), nprocs=2, join=True)

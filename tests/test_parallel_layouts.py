@@ -199,6 +199,32 @@ def test_pipeline_warns_when_microbatches_below_stages(results):
     assert not any("bubble" in w for w in results["pp2_1f1b_dense"].get("warnings", []))
 
 
+def test_folded_experts_compute_each_token_once(results):
+    """Experts folded over TP (tp=2, ep=4 over dp_shard=2 x tp=2): each TP rank routes only its own
+    half of the tokens, and each rank's expert computes exactly the rows every rank routed to it:
+    no expert computes a token twice (replicated over TP, each rank would route its whole sequence)."""
+    from tests.parallel_harness.run_layouts import GLOBAL_BATCH, SEQ, model_config
+
+    got = results["ep4_tp2_fsdp2_moe"]
+    assert "error" not in got, got.get("traceback")
+    cfg = model_config("debug_moe")
+    n_moe = cfg.n_layers - cfg.n_dense_layers
+    per_rank = got["expert_rows_per_rank"]
+    world, ep = len(per_rank), SPECS["ep4_tp2_fsdp2_moe"]["mesh"]["ep"]
+    steps = len(got["losses"])
+    assignments = GLOBAL_BATCH * SEQ * cfg.top_k * n_moe * steps
+    routed = [sum(r["routed"]) for r in per_rank]
+    assert routed == [assignments // world] * world, (
+        f"each of the {world} ranks should route 1/{world} of the {assignments} assignments (its FSDP rank's "
+        f"sequences, its TP half of them): {routed}")
+    local = cfg.n_experts // ep
+    for rank, counts in enumerate(per_rank):  # the ep group is the whole world: ep rank = rank
+        mine = range(rank * local, (rank + 1) * local)
+        want = [sum(r["routed"][e] for r in per_rank) for e in mine]
+        assert counts["computed"] == want, f"rank {rank}: its experts computed {counts['computed']} rows, routed {want}"
+    assert sum(sum(r["computed"]) for r in per_rank) == assignments
+
+
 BUILT = [n for n, s in SPECS.items() if "kind" not in s and "expect_error" not in s]
 
 

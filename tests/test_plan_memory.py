@@ -83,6 +83,10 @@ def test_tp_and_ep_divide_before_zero():
     # shared: /tp /16 ranks; routed experts: TP leaves them whole (launcher/parallel/tp.py), /ep,
     # then sharded over the 16/8 = 2 remaining ranks (what action=rehearse measured for Mixtral).
     assert s["params"] == pytest.approx(4 * (8e6 / 2 / 16 + 64e6 / 8 / 2))
+    # Folded over TP (an MoE under tp > 1, as resolve decides): the TP ranks join the experts'
+    # sharding ranks, 16 x 2 / 8 = 4 (the layout matrix's rehearsal vs real run holds it exact).
+    folded = Layout(mesh=MeshPlan(tp=2, ep=8, dp_shard=16), memory=MemoryPlan(zero_stage=3), experts_folded=True)
+    assert model_state_memory(st, folded)["params"] == pytest.approx(4 * (8e6 / 2 / 16 + 64e6 / 8 / 4))
 
 
 def test_offload_moves_states_to_the_host():

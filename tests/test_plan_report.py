@@ -93,15 +93,35 @@ def test_verdict_says_at_risk_when_the_memory_band_reaches_past_the_gpu(planned)
     assert "AT RISK" not in render_plan(fitting_plan, fitting_spec, "text")
 
 
-def test_moe_under_tp_warns_that_experts_are_replicated_with_the_numbers_and_a_fix():
-    """The runtime has no expert-TP: under tp>1 every TP rank holds all routed experts of its ep
-    shard. The plan says so with the per-GPU expert parameters (mixtral8x7b, ep=8: one 176M-parameter
-    expert in each of 32 layers = 5.64B) and a fix; without tp, or for a dense model, no warning."""
-    tp2 = build_plan(compose_spec(["+recipe=mixtral8x7b", "parallel.tp=2"]))
-    note = [w for w in tp2.warnings if "replicated on every TP rank" in w]
-    assert len(note) == 1 and "5.64B" in note[0] and "2.82B" in note[0] and "Fix:" in note[0] and "parallel.ep" in note[0]
-    for overrides in (["+recipe=mixtral8x7b", "parallel.tp=1", "parallel.dp_shard=-1"], ["+recipe=llama70b"]):
-        assert not any("replicated on every TP rank" in w for w in build_plan(compose_spec(overrides)).warnings)
+def test_moe_under_tp_folds_experts_and_the_plan_costs_each_token_once():
+    """Experts folded over TP (each TP rank routes its own 1/tp of the tokens): against the same
+    layout replicated over TP, the plan gives each rank half the routed rows per expert, half the
+    EP all-to-all bytes (spread over the ranks of dp_shard*cp*tp) and half the MoE activations, and
+    no longer warns that the experts are computed on every TP rank."""
+    import dataclasses
+
+    from launcher.plan.estimate.memory import layer_activation_bytes
+    from launcher.plan.estimate.params import model_shape, stage_params
+    from launcher.plan.estimate.perf import estimate_comm, expert_rows
+
+    spec = compose_spec(["+recipe=mixtral8x7b", "parallel.tp=2", "parallel.dp_shard=-1", "parallel.ep=8"])
+    plan = build_plan(spec)
+    folded = plan.layout
+    assert folded.experts_folded and folded.mesh.tp == 2
+    assert not any("replicated on every TP rank" in w for w in plan.warnings)
+    replicated = dataclasses.replace(folded, experts_folded=False)
+    shape = model_shape(spec.model)
+    st = stage_params(shape, folded.mesh.pp)[0]
+    hw = spec.hardware
+    assert expert_rows(shape, folded) == expert_rows(shape, replicated) / 2
+    assert layer_activation_bytes(shape, folded, True, "none") < layer_activation_bytes(shape, replicated, True, "none")
+
+    def a2a(lay):
+        cs = [c for c in estimate_comm(shape, lay, hw, st) if c.collective == "all_to_all"]
+        return sum(c.bytes_per_step for c in cs), {c.group for c in cs}
+
+    (fb, fg), (rb, rg) = a2a(folded), a2a(replicated)
+    assert fb == pytest.approx(rb / 2) and fg == {"dp_shard*cp*tp"} and rg == {"dp_shard*cp"}
 
 
 def test_does_not_fit_is_reported_with_fixes():

@@ -324,6 +324,12 @@ def _check_batch_and_sequence(spec: JobConfig, problems: List[str]) -> None:
             f"trainer.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (sequence parallel splits the "
             f"sequence over TP ranks). Fix: seq_len a multiple of {p.tp}."
         )
+    if p.tp > 1 and spec.model.n_experts and t.seq_len % (p.cp * p.tp) and not (p.sp and t.seq_len % p.tp):
+        problems.append(
+            f"trainer.seq_len={t.seq_len} is not divisible by parallel.cp*tp = {p.cp * p.tp}: an MoE model under tensor "
+            f"parallelism folds its experts, each TP rank routing 1/tp of its context-parallel slice of the sequence "
+            f"(docs/parallelism.md, \"Expert folding\"). Fix: seq_len a multiple of {p.cp * p.tp}."
+        )
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         problems.append(
             f"trainer.seq_len={t.seq_len} is not divisible by 2*parallel.cp = {2 * p.cp} (load-balanced context "

@@ -50,7 +50,7 @@ from launcher.parallel.ac import apply_activation_checkpointing
 from launcher.parallel.compile import apply_compile
 from launcher.parallel.cp import (context_parallel_region, context_parallel_unsupported_reason, shard_for_allgather,
                                   use_expanded_kv, use_gathered_kv)
-from launcher.parallel.ep import apply_expert_parallel
+from launcher.parallel.ep import apply_moe_parallel
 from launcher.parallel.fp8 import convert_to_float8, float8_scale_precompute_needed, precompute_float8_scales
 from launcher.parallel.fsdp import UnshardedAccumulation, apply_fsdp, mixed_precision_policy
 from launcher.parallel.device_mesh import build_device_mesh, expert_meshes, submesh
@@ -151,12 +151,12 @@ class NativeEngine:
         if lay.owners.fp8_impl == "torchao":
             convert_to_float8(part, lay.fp8_config(), device_type=self.device.type,
                               fsdp_enabled=m.dp * m.cp > 1)
+        folded = lay.experts_folded
         if m.tp > 1:
-            apply_tensor_parallel(part, w["tp"], sequence_parallel=lay.sp, loss_parallel=True)
+            apply_tensor_parallel(part, w["tp"], sequence_parallel=lay.sp, loss_parallel=True, fold_experts=folded)
         expert_dp_mesh = None
-        if m.ep > 1:
-            ep_mesh, expert_dp_mesh = expert_meshes(w, m.ep)
-            apply_expert_parallel(part, ep_mesh)
+        if self.is_moe and w is not None:
+            expert_dp_mesh = apply_moe_parallel(part, w, ep=m.ep, folded=folded, fsdp=self.fsdp)
         if m.cp > 1 and self.cp_impl == "allgather":
             use_gathered_kv(part, w["cp"].get_group())
         elif m.cp > 1:
@@ -180,7 +180,8 @@ class NativeEngine:
         if self.world is not None:
             mesh = {name: self.world[name].size() for name in mesh}
 
-        mesh["ep"] = expert_meshes(self.world, self.mesh_plan.ep)[0].size() if self.mesh_plan.ep > 1 else 1
+        mesh["ep"] = expert_meshes(self.world, self.mesh_plan.ep, self.layout.experts_folded)[0].size() \
+            if self.mesh_plan.ep > 1 else 1
         n_micro = self.pp_schedule._n_microbatches if self.pp_schedule is not None else None
         fsdp = _is_fsdp(self.parts[0])
         backends = {"sharding": "native", "pp": "native" if self.pp_schedule is not None else "off",
@@ -279,7 +280,10 @@ class NativeEngine:
     def _set_aux_scale(self, n_micro: int) -> None:
         if not self.is_moe:
             return
-        ranks = submesh(self.world, "dp_cp").size() if self.world is not None else 1
+        # The router's gradients are summed over dp_cp (FSDP) and tp (folded experts); the cp and tp
+        # ranks of one data-parallel rank compute one aux loss over their sequences' slices
+        # (MoE.token_group), each injecting its slice's share: average over the data-parallel ranks.
+        ranks = self.mesh_plan.dp if self.world is not None else 1
         for part in self.parts:
             part.set_aux_loss_scale(aux_loss_scale(n_micro, ranks))
 

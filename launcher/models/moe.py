@@ -42,8 +42,10 @@ import math
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Partial
 
 from launcher.models.fp32_buffers import register_fp32_buffer
 from launcher.models.grouped_mm import expert_swiglu
@@ -51,8 +53,32 @@ from launcher.models.layers import FeedForward
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    # Sharded weights arrive as DTensors; the math runs on this rank's experts only.
-    return t.to_local() if hasattr(t, "to_local") else t
+    # Sharded weights arrive as DTensors; the math runs on this rank's experts only. Where a weight
+    # is replicated over ranks that compute different tokens (experts folded over TP without FSDP:
+    # launcher/parallel/ep.py), its local gradient is that rank's part: Partial, summed over them.
+    if not hasattr(t, "to_local"):
+        return t
+    if any(p.is_replicate() for p in t.placements):
+        return t.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in t.placements])
+    return t.to_local()
+
+
+class _SumOverTokenGroup(torch.autograd.Function):
+    """Sum a statistic over the ranks holding slices of the same sequences (``MoE.token_group``).
+
+    Backward is the identity: every rank computes the same loss from the summed statistic and
+    injects its gradient into its own slice only, so each slice's gradient is counted once (an
+    all-reduce in backward would count it once per rank)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group):
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 class AddAuxLossGrad(torch.autograd.Function):
@@ -160,6 +186,10 @@ class MoE(nn.Module):
         self.dropped_tokens: "torch.Tensor | None" = None
         self.aux_loss_sum: "torch.Tensor | None" = None
         self.aux_loss_calls = 0
+        # The process group of the ranks that hold other slices of this call's sequences (experts
+        # folded over TP, context parallelism: launcher/parallel/ep.py sets it), or None. The
+        # load-balancing losses sum their statistics over it, so they are those of whole sequences.
+        self.token_group = None
 
     @property
     def last_dropped_fraction(self) -> float:
@@ -235,9 +265,7 @@ class MoE(nn.Module):
         if self.aux_loss_kind == "sequence":
             aux = self._sequence_aux_loss(scores, experts, shape)
         else:
-            # Switch load-balancing loss over this call's tokens (assignments before any drop).
-            frac = routed.float() / n_assign
-            aux = self.aux_loss_coef * self.n_experts * (frac * scores.mean(0)).sum()
+            aux = self._switch_aux_loss(scores, routed)
         self.last_aux_loss = aux.detach()
         if recording:
             self.aux_loss_sum = aux.detach() if self.aux_loss_sum is None else self.aux_loss_sum + aux.detach()
@@ -266,17 +294,40 @@ class MoE(nn.Module):
             choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
         return torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
 
+    def _group_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over ``token_group`` (unchanged without one): see _SumOverTokenGroup."""
+        if self.token_group is None:
+            return t
+        return _SumOverTokenGroup.apply(t, self.token_group)
+
+    def _switch_aux_loss(self, scores: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """Switch load-balancing loss over this call's tokens (assignments before any drop), those of
+        the whole sequences where ``token_group`` holds their other slices: one all-reduce of
+        [routed counts, score sums, tokens]."""
+        n_tok = scores.new_full((1,), scores.shape[0])
+        stats = self._group_sum(torch.cat([routed.float(), scores.sum(0), n_tok]))
+        tokens = stats[-1]
+        frac = stats[:self.n_experts] / (tokens * self.top_k)
+        mean_p = stats[self.n_experts:2 * self.n_experts] / tokens
+        return self.aux_loss_coef * self.n_experts * (frac * mean_p).sum()
+
     def _sequence_aux_loss(self, scores: torch.Tensor, experts: torch.Tensor, shape) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss, alpha * mean over sequences of sum_e f_e P_e:
         f_e = E / (top_k * T) * (tokens of the sequence choosing e), P_e = mean over its tokens of the
-        scores normalised over all experts. A flat input counts as one sequence."""
+        scores normalised over all experts. A flat input counts as one sequence. Where
+        ``token_group`` holds the sequences' other slices, the per-sequence sums are summed over it
+        (one all-reduce of [sequences, 2E + 1]) so T, f and P are the whole sequence's."""
         seqs = shape[0] if len(shape) == 3 else 1
         s = scores.view(seqs, -1, self.n_experts)
         tokens = s.shape[1]
         chosen = torch.zeros(seqs * tokens, self.n_experts, device=scores.device, dtype=scores.dtype)
         chosen.scatter_(1, experts, 1.0)
-        f = chosen.view(seqs, tokens, self.n_experts).sum(1) * (self.n_experts / (self.top_k * tokens))
-        p = (s / (s.sum(-1, keepdim=True) + 1e-20)).mean(1)
+        count = chosen.view(seqs, tokens, self.n_experts).sum(1)
+        p_sum = (s / (s.sum(-1, keepdim=True) + 1e-20)).sum(1)
+        stats = self._group_sum(torch.cat([count, p_sum, s.new_full((seqs, 1), tokens)], dim=-1))
+        total = stats[:, -1:]
+        f = stats[:, :self.n_experts] * (self.n_experts / self.top_k) / total
+        p = stats[:, self.n_experts:2 * self.n_experts] / total
         return self.aux_loss_coef * (f.detach() * p).sum(-1).mean()
 
 
@@ -292,7 +343,8 @@ def update_correction_bias(parts, speed: float, n_layers: int, n_experts: int, r
     zero for blocks elsewhere), so every rank passes the same shape to `reduce`: None, or a
     function summing it in place over all ranks (every pipeline stage, data-, context- and
     expert-parallel rank), after which every replica of a router moves its bias alike. Tensor-
-    parallel ranks see the same tokens: summing them scales a row uniformly, which sign() ignores."""
+    parallel ranks route their own slices of the tokens (experts folded over TP), so the sum is the
+    global load."""
     parts = parts if isinstance(parts, (list, tuple)) else [parts]
     layers = {}
     for part in parts:

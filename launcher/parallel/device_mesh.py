@@ -18,7 +18,12 @@ flattened views the techniques need are registered on the same root mesh:
 
 Expert parallelism adds no dimension: ``expert_meshes`` splits dp_shard_cp into
 (dp_shard_mod_ep, ep) with ep innermost, so the experts of one MoE layer are spread over
-ep nearby ranks and each expert shard is FSDP-sharded over the remaining ranks.
+ep nearby ranks and each expert shard is FSDP-sharded over the remaining ranks. With experts
+folded over TP (``Layout.experts_folded``: an MoE model with tp > 1, where each TP rank routes
+its own tokens) the split is of dp_shard x cp x tp instead: the ep group may take the TP ranks,
+and an expert shard's data-parallel ranks (its gradients summed over them) include them too.
+``token_group`` is the (cp, tp) group of ranks holding slices of the same sequences, over
+which the MoE's load-balancing statistics are summed.
 """
 
 from __future__ import annotations
@@ -85,26 +90,48 @@ def submesh(world: DeviceMesh, name: str) -> DeviceMesh:
     raise KeyError(f"unknown mesh view {name!r}; expected one of {MESH_DIM_NAMES + tuple(views)}")
 
 
-def expert_meshes(world: DeviceMesh, ep: int) -> Tuple[DeviceMesh, DeviceMesh]:
+def expert_meshes(world: DeviceMesh, ep: int, folded: bool = False) -> Tuple[DeviceMesh, DeviceMesh]:
     """(ep mesh, expert data-parallel mesh) for expert parallelism.
 
-    The dp_cp ranks are viewed as (dp_replicate, dp_shard_mod_ep, ep), ep innermost: the
-    routed experts are sharded over ``ep`` and FSDP-sharded over dp_shard_mod_ep (HSDP with
-    dp_replicate when that is > 1, in which case the second mesh is 2-D).
+    The dp_cp ranks (``folded``: dp_cp x tp, the experts folded over TP) are viewed as
+    (dp_replicate, dp_shard_mod_ep, ep), ep innermost: the routed experts are sharded over
+    ``ep`` and FSDP-sharded over dp_shard_mod_ep (HSDP with dp_replicate when that is > 1, in
+    which case the second mesh is 2-D).
     """
     views = world._launcher_views  # type: ignore[attr-defined]
-    key = f"ep{ep}"
+    key = f"ep{ep}" + ("_folded" if folded else "")
     if key not in views:
-        fsdp = views["dp_shard_cp"].size()
+        tp = world["tp"].size() if folded else 1
+        fsdp = views["dp_shard_cp"].size() * tp
         if fsdp % ep:
+            what = "dp_shard*cp*tp" if folded else "dp_shard*cp"
             raise ValueError(
-                f"parallel.ep={ep} must divide dp_shard*cp={fsdp}: expert-parallel ranks are "
-                f"taken from the FSDP ranks; choose ep among the divisors of {fsdp}"
+                f"parallel.ep={ep} must divide {what}={fsdp}: expert-parallel ranks are "
+                f"taken from those ranks; choose ep among the divisors of {fsdp}"
             )
         rep = world["dp_replicate"].size()
         with _real_tensors():
-            split = views["dp_cp"]._unflatten(
-                0, (rep, fsdp // ep, ep), ("dp_replicate", "dp_shard_mod_ep", "ep"))
+            ranks = world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp") if folded else views["dp_cp"]
+            split = ranks._unflatten(0, (rep, fsdp // ep, ep), ("dp_replicate", "dp_shard_mod_ep", "ep"))
         dp = split["dp_replicate", "dp_shard_mod_ep"] if rep > 1 else split["dp_shard_mod_ep"]
         views[key] = (split["ep"], dp)
+        views[key + "_grid"] = split["dp_shard_mod_ep", "ep"]
     return views[key]
+
+
+def expert_grid(world: DeviceMesh, ep: int, folded: bool = False) -> DeviceMesh:
+    """The 2-D (dp_shard_mod_ep, ep) mesh of ``expert_meshes`` (no dp_replicate: only used where no
+    FSDP wraps the model, i.e. a single data-parallel rank)."""
+    key = f"ep{ep}" + ("_folded" if folded else "")
+    expert_meshes(world, ep, folded)
+    return world._launcher_views[key + "_grid"]  # type: ignore[attr-defined]
+
+
+def token_group(world: DeviceMesh) -> DeviceMesh:
+    """The (cp, tp) ranks, flattened: with experts folded over TP (and under CP) they hold slices
+    of the same sequences, so the MoE's load-balancing losses sum their statistics over it."""
+    views = world._launcher_views  # type: ignore[attr-defined]
+    if "cp_tp" not in views:
+        with _real_tensors():
+            views["cp_tp"] = world["cp", "tp"]._flatten("cp_tp")
+    return views["cp_tp"]

@@ -19,6 +19,15 @@ The ep ranks are carved out of dp_shard*cp (``launcher.parallel.device_mesh.expe
 experts are FSDP-sharded over the remaining dp_shard*cp/ep ranks. Expert gradients collect
 every ep rank's tokens through step 2's backward, which is why data-parallel gradients are
 summed (not averaged) in launcher/parallel/fsdp.py.
+
+Experts folded over TP (an MoE model with tp > 1, ``Layout.experts_folded``): each TP rank
+routes only its own tokens (launcher/models/llama/tp.py folded_moe_plan), so the ep ranks are
+carved out of dp_shard*cp*tp and may include the TP ranks: every expert has one owner in its ep
+group, whose tokens it computes once. The ranks holding the same expert shard (the expert
+data-parallel mesh) include TP ranks too, and see different tokens: FSDP sums their gradients,
+and without FSDP (no data-parallel rank) the experts are replicated DTensors over that mesh
+whose gradients arrive Partial (launcher/models/moe.py ``_local``) and are summed. With ep=1 the
+experts are only placed on those meshes: there is nothing to dispatch.
 Capacity dropping happens before dispatch, on each rank's own tokens: the dropped rows sit
 after the kept ones and stay on their rank (zero output).
 """
@@ -33,7 +42,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+
+from launcher.parallel.device_mesh import expert_grid, expert_meshes, token_group
 
 from launcher.models.mtp import mtp_blocks
 
@@ -55,8 +66,10 @@ class _Dispatch:
         self.state = None
 
     def partition(self, name, module, mesh):
+        # A 2-D mesh is (expert data-parallel ranks, ep): replicated over the first (see the module doc).
+        placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
         for pname, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])))
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, placements)))
 
     def _splits(self, counts: torch.Tensor, sizes: Optional[List[int]]):
         """(send_splits, recv_matrix [source rank][local expert]) as host ints.
@@ -105,9 +118,14 @@ class _Dispatch:
         return back
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
-    """Shard the routed experts of every MoE block over ``ep_mesh`` and install the dispatch."""
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, replica_mesh: Optional[DeviceMesh] = None) -> nn.Module:
+    """Shard the routed experts of every MoE block over ``ep_mesh`` and install the dispatch.
+
+    ``replica_mesh``: the 2-D (expert data-parallel, ep) mesh when the experts are folded over TP
+    and no FSDP sums their gradients: they are placed replicated over its first dimension. With
+    ep=1 (folded experts only) nothing is dispatched."""
     n = 0
+    place_mesh = replica_mesh if replica_mesh is not None else ep_mesh
     for block in [*model.layers.values(), *mtp_blocks(model)]:
         moe = getattr(block, "moe", None)
         if moe is None:
@@ -118,9 +136,40 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
                 f"choose ep among the divisors of {moe.n_experts}"
             )
         d = _Dispatch(ep_mesh, moe.n_experts)
-        distribute_module(moe.experts, ep_mesh, partition_fn=d.partition,
-                          input_fn=d.dispatch, output_fn=d.combine)
+        if ep_mesh.size() > 1:
+            distribute_module(moe.experts, place_mesh, partition_fn=d.partition,
+                              input_fn=d.dispatch, output_fn=d.combine)
+        else:
+            distribute_module(moe.experts, place_mesh, partition_fn=d.partition)
         n += 1
-    log.info("applied expert parallelism (ep=%d) to %d MoE blocks: experts sharded on dim 0, "
-             "all-to-all token dispatch", ep_mesh.size(), n)
+    log.info("applied expert parallelism (ep=%d) to %d MoE blocks: experts sharded on dim 0%s%s", ep_mesh.size(), n,
+             ", all-to-all token dispatch" if ep_mesh.size() > 1 else "",
+             f", replicated over {replica_mesh.shape[0]} ranks (gradients summed)" if replica_mesh is not None else "")
     return model
+
+
+def apply_moe_parallel(model: nn.Module, world: DeviceMesh, *, ep: int, folded: bool, fsdp: bool) -> Optional[DeviceMesh]:
+    """The MoE side of the Layout on ``world`` (launcher.parallel.device_mesh.build_device_mesh),
+    after TP: expert parallelism over ``ep`` ranks, the experts folded over TP (``folded``:
+    Layout.experts_folded) and the load-balancing token group. Returns the expert data-parallel
+    mesh FSDP shards the routed experts over (``fsdp``: whether FSDP wraps the model), or None
+    when the experts are neither sharded nor folded."""
+    expert_dp = None
+    if ep > 1 or folded:
+        ep_mesh, expert_dp = expert_meshes(world, ep, folded)
+        # Without FSDP nothing sums the gradients of an expert shard's replicas (folded: TP ranks
+        # that computed other tokens): place them replicated, gradients Partial.
+        grid = expert_grid(world, ep, folded) if not fsdp and expert_dp.size() > 1 else None
+        apply_expert_parallel(model, ep_mesh, replica_mesh=grid)
+    if world["cp"].size() * world["tp"].size() > 1:
+        set_token_group(model, token_group(world).get_group())
+    return expert_dp
+
+
+def set_token_group(model: nn.Module, group) -> None:
+    """Give every MoE layer of ``model`` the process group of the ranks holding the other slices of
+    its sequences (launcher.parallel.device_mesh.token_group: cp x tp), over which its load-balancing
+    losses sum their statistics (launcher/models/moe.py)."""
+    for m in model.modules():
+        if hasattr(m, "token_group") and hasattr(m, "router"):
+            m.token_group = group

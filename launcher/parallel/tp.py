@@ -10,9 +10,13 @@ the full [tokens, vocab] logits are never gathered.
 Sequence parallelism (``parallel.sp``): norms and residuals hold a 1/tp slice of the
 sequence; the inputs of attention and MLP are all-gathered, their outputs reduce-scattered.
 
-MoE blocks: router and experts are replicated over the TP ranks (each rank computes the
-whole MoE on the full sequence; shard experts with ``parallel.ep`` instead). Under SP the
-MoE input is all-gathered and its output sliced back to the local sequence shard.
+MoE blocks: experts folded over TP (``fold_experts``, the Layout's ``experts_folded``): each
+TP rank routes only its own 1/tp of the sequence (its SP slice, or without SP a slice cut from
+its replicated input, the outputs all-gathered back); the router and shared experts are
+replicated over TP with gradients summed over TP, and the routed experts are spread over the
+expert-parallel ranks, which may include the TP ranks (launcher/parallel/ep.py). With
+``fold_experts=False`` (the replicated MoE, kept for bench/moe_fold.py) each rank computes the
+whole MoE on the full sequence; under SP its input is all-gathered and the output sliced back.
 
 GQA: every TP rank needs whole kv heads, so n_kv_heads must be a multiple of tp; a smaller
 n_kv_heads is refused (replicating kv heads would change the checkpoint layout).
@@ -83,9 +87,11 @@ class BlockStyles:
     needs nothing from this package.
     """
 
-    def __init__(self, block: nn.Module, float8_comms: bool):
+    def __init__(self, block: nn.Module, float8_comms: bool, fold_experts: bool = True):
         self.block = block
         self.float8_comms = float8_comms
+        # MoE blocks: each TP rank routes its own tokens (launcher/models/llama/tp.py folded_moe_plan).
+        self.fold_experts = fold_experts
 
     def colwise(self, path: str, **kw):
         """ColwiseParallel (or torchao's float8 one) for the linear at `path`."""
@@ -110,14 +116,16 @@ class BlockStyles:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
-                          loss_parallel: bool = True, float8_comms: Optional[bool] = None) -> nn.Module:
+                          loss_parallel: bool = True, float8_comms: Optional[bool] = None,
+                          fold_experts: bool = True) -> nn.Module:
     """Shard ``model`` (a whole model or one pipeline stage) over ``tp_mesh`` in place.
 
     Linears already converted to float8 (launcher.parallel.fp8, applied before TP) get
     torchao's float8 column/row-wise styles; the embedding and output layer stay high
     precision. float8_comms (default: off on CPU, where gloo has no float8 collectives) picks the
     float8 styles (the family's block_plan); a test on a fake process group sets it on CPU.
-    Each decoder block gets its family's plan (launcher/models/<family>/tp.py).
+    Each decoder block gets its family's plan (launcher/models/<family>/tp.py); fold_experts:
+    MoE blocks route each TP rank's own tokens (else every rank runs the whole MoE).
     """
     check_tensor_parallel(model.cfg, tp_mesh.size())
     fp8 = tp_mesh.device_type != "cpu" if float8_comms is None else float8_comms
@@ -138,7 +146,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
 
     block_plan = family_of(model.cfg).tp_block_plan()
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(block, BlockStyles(block, fp8), sequence_parallel=sequence_parallel))
-    log.info("applied tensor parallelism (tp=%d) to %d blocks, sequence_parallel=%s, loss_parallel=%s",
-             tp_mesh.size(), len(model.layers), sequence_parallel, loss_parallel)
+        parallelize_module(block, tp_mesh, block_plan(block, BlockStyles(block, fp8, fold_experts),
+                                                         sequence_parallel=sequence_parallel))
+    log.info("applied tensor parallelism (tp=%d) to %d blocks, sequence_parallel=%s, loss_parallel=%s, "
+             "experts %s", tp_mesh.size(), len(model.layers), sequence_parallel, loss_parallel,
+             "folded (each TP rank routes its own tokens)" if fold_experts else "replicated")
     return model

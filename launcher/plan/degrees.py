@@ -3,9 +3,9 @@
 Rank order, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp. TP is the
 fastest-varying dimension so a TP group is a set of consecutive ranks, i.e. inside one
 node on NVLink; PP is outermost so its point-to-point traffic is what crosses nodes.
-Expert parallelism does not add a dimension: the ep ranks are taken from dp_shard * cp
-(the experts of one MoE layer are spread over ep ranks, and each expert is sharded by
-FSDP over the remaining dp_shard * cp / ep ranks).
+Expert parallelism does not add a dimension: the ep ranks are taken from dp_shard * cp, times
+tp when an MoE model's experts are folded over TP (Layout.experts_folded), the experts of one
+MoE layer spread over ep ranks and each expert sharded by FSDP over the remaining ranks.
 """
 
 from __future__ import annotations

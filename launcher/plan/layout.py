@@ -169,7 +169,7 @@ PLAN_KEY_ORDER: Tuple[str, ...] = (
     "zeropp_quantized_weights", "zeropp_quantized_gradients", "zeropp_hierarchical_partition",
     "hpz_partition_size", "accumulate_unsharded", "choices", "compile", "fp8_recipe", "document_mask", "tf32",
     "fp8_emulate", "fp8_min_features", "fp8_exclude", "offload_nvme_path", "offload_pin_memory",
-    "health_check", "exclude_stragglers", "optimizer", "cp_impl",
+    "health_check", "exclude_stragglers", "optimizer", "cp_impl", "experts_folded",
 )
 
 
@@ -207,6 +207,10 @@ class Layout:
     # plan.moe_imbalance: the busiest expert-parallel rank's routed assignments over the mean (1 =
     # balanced), which scales that rank's expert GEMMs and all-to-all (launcher/plan/estimate/perf.py).
     moe_imbalance: float = 1.0
+    # MoE under tensor parallelism: each TP rank routes only its own 1/tp of the tokens and the routed
+    # experts are spread over ep ranks taken from dp_shard * cp * tp (docs/parallelism.md, "Expert
+    # folding"); False: no MoE block meets TP. Decided by resolve.build_layout.
+    experts_folded: bool = False
 
     # ------------------------------------------------------------------ derived, one formula each
     @property
@@ -279,9 +283,30 @@ class Layout:
         return n
 
     @property
+    def expert_ranks(self) -> int:
+        """Ranks the expert-parallel groups are carved from: dp_shard * cp, times tp when the experts
+        are folded over TP (launcher/parallel/device_mesh.py expert_meshes)."""
+        return self.mesh.dp_shard * self.mesh.cp * (self.mesh.tp if self.experts_folded else 1)
+
+    @property
+    def moe_token_split(self) -> int:
+        """Ranks over which one micro-batch's MoE tokens are divided: cp, times tp with folded experts
+        (each TP rank routes its own slice; replicated, every TP rank routes them all)."""
+        return self.mesh.cp * (self.mesh.tp if self.experts_folded else 1)
+
+    @property
+    def moe_tokens_per_rank(self) -> float:
+        """Tokens one rank routes (and runs the router and shared experts on) per micro-batch."""
+        return self.microbatch_tokens / self.moe_token_split
+
+    @property
     def expert_fsdp_degree(self) -> int:
-        """Expert weights are split over ep first; the remaining sharding ranks shard each expert."""
-        return max(1, self.fsdp_degree // self.mesh.ep) if self.memory.zero_stage else 1
+        """Expert weights are split over ep first; the remaining sharding ranks shard each expert
+        (with folded experts the TP ranks are among them)."""
+        if not self.memory.zero_stage:
+            return 1
+        n = self.fsdp_degree * (self.mesh.tp if self.experts_folded else 1)
+        return max(1, n // self.mesh.ep)
 
     def fp8_config(self) -> Fp8Config:
         """The torchao conversion options (launcher/parallel/fp8.py) this layout resolved."""

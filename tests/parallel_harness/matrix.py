@@ -110,11 +110,21 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
         {"name": "pp2_ep2_moe", "model": "debug_moe", "mesh": {"pp": 2, "dp_shard": 2, "ep": 2},
          "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "ac": "full"},
     ]
+    # Experts folded over TP (issue 42): ep=4 spans both TP ranks of both FSDP ranks, each TP rank
+    # routing its own half of the sequence; the ranks record the rows their expert computed
+    # (count_expert_rows), and the checkpoint it saves resumes under another folding (ep=2 over
+    # the TP pair, no FSDP) and on 1 rank.
+    four.append({"name": "ep4_tp2_fsdp2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "tp": 2, "ep": 4},
+                 "count_expert_rows": True, "save_dir": f"{ckpt_dir}/ep4_tp2_moe", "save_after": 2})
+    two.append({"name": "resume_ep4tp2_as_tp2_ep2_moe", "model": "debug_moe", "mesh": {"tp": 2, "ep": 2},
+                "load_dir": f"{ckpt_dir}/ep4_tp2_moe", "start_step": 2})
+    one.append({"name": "resume_ep4tp2_as_1rank_moe", "model": "debug_moe",
+                "load_dir": f"{ckpt_dir}/ep4_tp2_moe", "start_step": 2})
     one.append({"name": "ref_qwen3moe", "model": "debug_moe", "model_overrides": QWEN3_MOE})
     four += _family_moe_layouts("qwen3moe", QWEN3_MOE)
-    # The same two 4-rank layouts as Qwen3-MoE (4 ranks cannot hold pp, tp and ep together: ep
-    # is taken from dp_shard): EP x TP(+SP) x FSDP shards MLA's heads under TP next to sharded
-    # experts; PP x EP x FSDP puts the dense block and the MoE blocks on different stages, each
+    # The same two 4-rank layouts as Qwen3-MoE: EP x TP(+SP) x FSDP shards MLA's heads under TP next
+    # to experts folded over TP (ep=2 is the TP pair: each TP rank routes its own half of the
+    # sequence, the sequence-wise balance loss summed over the pair); PP x EP x FSDP puts the dense block and the MoE blocks on different stages, each
     # stage moving its own blocks' bias. Measured (2 cores, load 8-14): about 1.5 s and 3.5 s in the
     # 4-rank launch, 0.3 s for ref_dsv3, about 6 s for both in the rehearsal fixture.
     one.append({"name": "ref_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3})

@@ -12,7 +12,8 @@ sp, pp_schedule, pp_virtual_stages, pp_layers, micro_batch_size, ac, ac_selectiv
 zero_stage, precision, offload (offload.optimizer), optim (muon), accumulate_unsharded, backend_sharding, cp_impl,
 documents (packed documents: data.document_masking and data.reset_positions), steps, save_dir +
 save_after (save after that many steps), load_dir + start_step (resume, then run steps
-start_step..steps-1).
+start_step..steps-1), count_expert_rows (record per rank the rows routed to and computed by each
+MoE expert: expert_rows_per_rank).
 
 Each layout is resolved by the real resolver (`launcher.plan.decide.resolve.resolve`, what `train`
 writes into plan.json) and the engine is built from that Layout; the result records both the
@@ -171,6 +172,7 @@ def run_layout(spec: dict) -> dict:
     from launcher.observe.state_bytes import StateBytesProbe
 
     probe = StateBytesProbe(engine.optimizers)
+    rows = expert_row_counters(engine.model_parts) if spec.get("count_expert_rows") else None
     start = spec.get("start_step", 0)
     if spec.get("load_dir"):
         engine.load(Path(spec["load_dir"]))
@@ -204,6 +206,12 @@ def run_layout(spec: dict) -> dict:
     else:
         per_rank = [held]
     out["held_per_rank"] = per_rank
+    if rows is not None:
+        counted = {k: [int(v) for v in t.tolist()] for k, t in rows.items()}
+        per_rank = [None] * dist.get_world_size() if dist.is_initialized() else [counted]
+        if dist.is_initialized():
+            dist.all_gather_object(per_rank, counted)
+        out["expert_rows_per_rank"] = per_rank
     if spec.get("track_rehearsal_step"):
         tracked = rehearsal_step_memory(engine, layout, mcfg.vocab_size)
         per_rank = [None] * dist.get_world_size() if dist.is_initialized() else [tracked]
@@ -223,6 +231,28 @@ def eval_row_scores(engine, layout, dp_rank: int, vocab: int) -> list:
     shape = RowShape(seq_len=SEQ, micro_batch_size=layout.batch.micro_batch_size, microbatches=layout.batch.microbatches,
                      dp_rank=dp_rank, dp_size=layout.mesh.dp)
     return RowScorer(engine, shape, pad_id=0).score(rows)
+
+
+def expert_row_counters(model_parts) -> dict:
+    """{"routed": [n_experts], "computed": [local experts]}, filled during training: the
+    assignments this rank's router sent to each expert, and the rows its own experts computed,
+    summed over every MoE layer. Read with forward pre-hooks on the experts module, one before
+    the expert-parallel dispatch (prepend: the rank's routing) and one after it (what reaches the
+    local experts)."""
+    totals = {}
+
+    def counter(key):
+        def hook(module, args):
+            counts = args[1].detach().to("cpu", torch.int64)
+            totals[key] = counts if key not in totals else totals[key] + counts
+        return hook
+
+    for part in model_parts:
+        for m in part.modules():
+            if hasattr(m, "router") and hasattr(m, "experts"):
+                m.experts.register_forward_pre_hook(counter("routed"), prepend=True)
+                m.experts.register_forward_pre_hook(counter("computed"))
+    return totals
 
 
 def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:

@@ -107,12 +107,15 @@ def derive_accumulation(trainer: TrainerConfig, parallel: ParallelConfig, mesh: 
 
 
 def expert_parallel_problems(ep: int, mesh: MeshPlan) -> List[str]:
-    """Expert-parallel ranks are taken from the sharded data-parallel ranks (dp_shard * cp)."""
-    shard_ranks = mesh.dp_shard * mesh.cp
+    """Expert-parallel ranks are taken from dp_shard * cp * tp: the sharded data-parallel ranks and,
+    the experts being folded over TP (each TP rank routes its own tokens), the TP ranks. ep > 1 is
+    only valid for an MoE model (launcher/config/validate.py), whose experts fold whenever tp > 1."""
+    shard_ranks = mesh.dp_shard * mesh.cp * mesh.tp
     if ep > 1 and shard_ranks % ep:
         return [
-            f"parallel.ep={ep} must divide dp_shard*cp = {shard_ranks} (expert-parallel ranks are taken from "
-            f"the sharded data-parallel ranks). Fix: choose parallel.ep in {_fmt_choices(_divisors(shard_ranks))}."
+            f"parallel.ep={ep} must divide dp_shard*cp*tp = {mesh.dp_shard}*{mesh.cp}*{mesh.tp} = {shard_ranks} "
+            f"(expert-parallel ranks are taken from the sharded data-parallel and the tensor-parallel ranks). "
+            f"Fix: choose parallel.ep in {_fmt_choices(_divisors(shard_ranks))}."
         ]
     return []
 
@@ -260,6 +263,14 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
     )
 
 
+def experts_folded(n_experts: int, tp: int) -> bool:
+    """MoE under tensor parallelism folds its experts over TP: each TP rank routes only its own
+    tokens and the expert-parallel groups may take the TP ranks (Megatron's MoE parallel folding),
+    so no expert is computed twice. Replicating the MoE over TP (every rank computing all of it)
+    is never cheaper: it repeats the expert FLOPs and all-to-all tp times for no saving."""
+    return n_experts > 0 and tp > 1
+
+
 def resilience_plan(spec: JobConfig) -> ResiliencePlan:
     """The node checks, their `auto` decided here once. trainer.health_check=auto is on for multi-node
     jobs (one node has no other node to compare with); trainer.straggler_action=auto excludes a
@@ -296,6 +307,7 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         **fixed,
         mesh=mesh,
         sp=bool(p.sp) and mesh.tp > 1,
+        experts_folded=experts_folded(spec.model.n_experts, mesh.tp),
         vpp=max(1, int(p.pp_virtual_stages)) if mesh.pp > 1 else 1,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers),

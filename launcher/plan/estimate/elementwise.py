@@ -84,8 +84,8 @@ def moe_dispatch_bytes(shape: ModelShape, lay: Layout) -> float:
       index_add_ into the output (3a: read the rows, read and write the sums) = 16 + 5a.
     All eager, under trainer.compile too (launcher/parallel/compile.py compiles neither the routing
     nor the routed experts).
-    Every TP rank moves all the tokens: launcher/parallel/tp.py runs the whole MoE on the full
-    sequence on each (all-gathered under sequence parallelism)."""
+    Per token routed: with the experts folded over TP each TP rank moves its own 1/tp of the tokens
+    (block_forward_bytes divides by tp); replicated, every TP rank moved them all."""
     if not shape.n_moe_layers:
         return 0.0
     a, k, h = lay.act_bytes, max(1, shape.top_k), shape.dim
@@ -113,7 +113,10 @@ def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
     hq = at.n_heads * at.v_head_dim  # the SDPA output (n_heads x v head)
     rope_elems = (at.n_heads + at.rope_k_heads) * at.rope_dim
     sp = t if lay.sp else 1  # norms and residual adds: sequence-sharded only under SP
-    ft = 1 if shape.n_moe_layers else t  # TP splits a dense FFN's columns; it leaves the MoE whole
+    # TP splits a dense FFN's columns; an MoE's tokens when its experts are folded over TP (each TP
+    # rank routes 1/tp of them), else every TP rank runs the whole MoE.
+    ft = (t if lay.experts_folded else 1) if shape.n_moe_layers else t
+    mt = t if lay.experts_folded else 1  # an MoE block's tokens per TP rank: 1/tp when folded
     extra = 0.0
     if at.norms:
         extra += _inner_norm_bytes(shape, lay)
@@ -122,8 +125,8 @@ def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
         # expanded to every head): one read and one write of each.
         extra += 2 * a * 2 * at.n_heads * at.qk_head_dim / t
     if shape.n_moe_layers:
-        # Eager under compile too (docstring).
-        extra += (router_bytes(shape, lay) + moe_dispatch_bytes(shape, lay)) * moe_share
+        # Eager under compile too (docstring); folded over TP, each TP rank routes 1/tp of the tokens.
+        extra += (router_bytes(shape, lay) + moe_dispatch_bytes(shape, lay)) * moe_share / mt
     norm = (2 * a + 36) * h  # fp32 RMSNorm as six kernels (module docstring)
     residual = 2 * 3 * a * h
     if lay.compile:
@@ -132,7 +135,7 @@ def block_forward_bytes(shape: ModelShape, lay: Layout) -> float:
         norms = (fused_norms * (1 - moe_share) + (2 * 2 * a * h + residual) * moe_share) / sp
         rope = 2 * a * rope_elems / t
         attn_copy = 2 * a * hq / t
-        swiglu = 3 * a * (f - routed_f * moe_share) / ft + 5 * a * routed_f * moe_share
+        swiglu = 3 * a * (f - routed_f * moe_share) / ft + 5 * a * routed_f * moe_share / mt
         return norms + rope + attn_copy + swiglu + extra
     rope = (2 * a + 48) * rope_elems  # fp32 upcast, 4 multiplies, 2 adds, stack, cast back
     attn_copy = 2 * a * hq  # the SDPA output made contiguous for wo

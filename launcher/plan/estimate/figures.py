@@ -90,7 +90,7 @@ def fill_from_layout(plan, spec, shape: ModelShape, lay: Layout) -> None:
     t["band"] = band_summary(kind)
     plan.time = t
     plan.memory["total_range"] = list(memory_range(plan.memory["total"], plan.memory["detail"].get("reserved", 0), kind))
-    plan.warnings = list(plan.warnings) + warnings_for(plan, spec, lay) + replicated_experts_note(shape, lay)
+    plan.warnings = list(plan.warnings) + warnings_for(plan, spec, lay)
 
 
 def warnings_for(plan, spec, lay: Layout) -> List[str]:
@@ -136,19 +136,6 @@ def warnings_for(plan, spec, lay: Layout) -> List[str]:
             f"TP collectives cross the network. Fix: parallel.tp <= {lay.gpus_per_node} and use pp or dp_shard instead."
         )
     return out
-
-
-def replicated_experts_note(shape: ModelShape, lay: Layout) -> List[str]:
-    """MoE under tensor parallelism: the routed experts are replicated over the tp ranks (the
-    runtime has no expert-TP); say what that costs and how to shard them instead."""
-    if lay.mesh.tp <= 1 or shape.n_moe_layers == 0:
-        return []
-    per_gpu = shape.n_moe_layers * shape.moe_block_routed / (lay.mesh.ep * lay.mesh.pp)
-    return [f"parallel.tp={lay.mesh.tp} with MoE: the routed experts are replicated on every TP rank (no expert-TP), "
-            f"each TP rank computes with about {per_gpu / 1e9:.2f}B unsharded expert parameters where expert-TP would use "
-            f"{per_gpu / lay.mesh.tp / 1e9:.2f}B, and runs the whole MoE on the full sequence (its FLOPs, all-to-all "
-            f"and activations are not divided by tp); the planner counts them in full. Fix: shard the experts with a larger "
-            f"parallel.ep (experts / ep per rank) or use a lower parallel.tp."]
 
 
 def accumulate_unsharded_note(spec, lay: Layout) -> List[str]:

@@ -336,7 +336,8 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
         # Under EP the expert tensors hold the rows this rank received: plan.moe_imbalance times the
         # mean on the busiest rank; what comes back to a token's own rank (the combine) is its own.
         load = routed_load_factor(lay)
-        # TP leaves the MoE whole: every TP rank runs it on the full sequence (launcher/parallel/tp.py).
+        # Replicated over TP, every TP rank runs the MoE on the full sequence; folded, on its 1/tp
+        # (launcher/parallel/tp.py): the per-token bytes below are spread over tp ranks.
         if mode == "op":  # dispatched input + w1/w3 outputs + expert output
             routed = cap * k * ((a * h + 2 * a * fe) * load + a * h)
             shared_e = shape.n_shared_experts * 2 * a * fe
@@ -344,7 +345,7 @@ def layer_activation_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str)
             # dispatched input, SwiGLU tensors, fp32 expert output kept for the gate weighting
             routed = cap * k * ((a * h + 4 * a * fe) * load + 4 * h)
             shared_e = shape.n_shared_experts * 4 * a * fe
-        ffn = router + routed + shared_e
+        ffn = (router + routed + shared_e) / (t if lay.experts_folded else 1)
     else:
         ffn = (2 if mode == "op" else 4) * a * shape.ffn_dim / t
     # Matmul outputs before wo (the last attention matmul, whose output is counted with the

@@ -173,7 +173,7 @@ def moe_block_gemm_knee(shape: ModelShape, rows: float, tp: int) -> float:
 def expert_rows(shape: ModelShape, lay: Layout) -> float:
     """Rows one routed expert's GEMM gets per micro-batch on a rank, balanced routing: the rank's
     tokens x top_k copies spread over n_experts, gathered from the ep ranks that route to it."""
-    tokens = lay.rank_microbatch_tokens
+    tokens = lay.moe_tokens_per_rank
     return tokens * max(1, shape.top_k) * lay.mesh.ep / max(1, shape.n_experts)
 
 
@@ -253,8 +253,9 @@ def microbatch_compute_s(shape: ModelShape, st: StageParams, lay: Layout, hw: An
     # (bench/gpu_moe.py, docs/benchmarks.md: 0.95x at 8,192 tokens, 1.10x at 32,768).
     expert_peak = (matmul_peak(hw, "bf16" if lay.numerics.precision == "fp8" else lay.numerics.precision)
                    * hw.achievable_fraction * expert_gemm_efficiency(shape, lay))
-    # The MoE (router, shared and routed experts) is whole on every TP rank: split by cp only.
-    moe_s = (whole_flops / block_peak + (routed_flops / expert_peak if routed else 0.0)) / lay.mesh.cp
+    # The MoE (router, shared and routed experts) runs on the rank's MoE tokens: split by cp, and by tp
+    # when the experts are folded over TP (replicated, every TP rank runs the whole MoE).
+    moe_s = (whole_flops / block_peak + (routed_flops / expert_peak if routed else 0.0)) / lay.moe_token_split
     matmul_s = ((block_flops / block_peak + head_flops / other_peak) / split + moe_s
                 + attention_s(shape, st, lay, hw))
     memory_bound_s = elementwise_s(shape, lay, hw, st.n_layers, elementwise_recompute_fraction(lay),
@@ -358,7 +359,7 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     m, a = lay.batch.microbatches, lay.act_bytes
     tokens = lay.rank_microbatch_tokens
     shared = st.shared / lay.mesh.tp
-    routed = st.routed / (lay.mesh.tp * lay.mesh.ep)
+    routed = st.routed / lay.mesh.ep  # TP leaves the routed experts whole (folded or replicated)
     wb = 4.0 if lay.numerics.precision == "fp32" else (1.0 if lay.numerics.precision == "fp8" and lay.numerics.fp8_all_gather else 2.0)
     rb = 4.0 if (lay.numerics.reduce_dtype == "fp32" or lay.numerics.precision == "fp32") else 2.0
     ds = lay.owners.sharding_backend == "deepspeed"
@@ -368,17 +369,21 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
         wb = 4.0 if lay.numerics.precision == "fp32" else 2.0
     shard_dims: Tuple[str, ...] = ("dp_replicate", "dp_shard", "cp") if ds else ("dp_shard", "cp")
     n_shard = lay.fsdp_degree
-    # Expert parameters shard over the ranks left after ep (innermost part of dp_shard*cp).
-    families = [("", shared, n_shard)]
+    # Expert parameters shard over the ranks left after ep (innermost part of dp_shard*cp, *tp when
+    # folded: the TP ranks then hold replicas of an expert shard that saw different tokens).
+    families = [("", shared, n_shard, shard_dims)]
     if routed:
-        families.append((" experts", routed, lay.expert_fsdp_degree))
+        families.append((" experts", routed, lay.expert_fsdp_degree,
+                         shard_dims + (("tp",) if lay.experts_folded else ())))
     z = lay.memory.zero_stage
     dp_all = lay.mesh.dp * lay.mesh.cp
-    for tag, psize, n in families:
+    for tag, psize, n, fam_dims in families:
         if z == 0 or n == 1:
-            if dp_all > 1:
-                dims = ("dp_replicate", "dp_shard", "cp")
-                out.append(_coll(f"grad all-reduce{tag}", "all_reduce", dims, dp_all, lay, hw, psize * rb, 1))
+            # Folded experts replicated over TP ranks that computed other tokens: summed over them too.
+            over_tp = lay.mesh.tp // lay.mesh.ep if tag and lay.experts_folded and lay.mesh.tp > lay.mesh.ep else 1
+            if dp_all * over_tp > 1:
+                dims = ("dp_replicate", "dp_shard", "cp") + (("tp",) if over_tp > 1 else ())
+                out.append(_coll(f"grad all-reduce{tag}", "all_reduce", dims, dp_all * over_tp, lay, hw, psize * rb, 1))
             continue
         # How often the sharded states are gathered/reduced per step. FSDP2 under torch's pipeline
         # schedules, or with accumulate_unsharded, skips the reduce and the reshard on all but the
@@ -390,15 +395,15 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
         ag_w = 0.5 if (ds and lay.deepspeed.zeropp_quantized_weights) else 1.0
         rs_w = 0.25 if (ds and lay.deepspeed.zeropp_quantized_gradients) else 1.0
         if z == 3 and not lay.fsdp_holds_unsharded:
-            out.append(_coll(f"param all-gather fwd{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb * ag_w, per_mb))
+            out.append(_coll(f"param all-gather fwd{tag}", "all_gather", fam_dims, n, lay, hw, psize * wb * ag_w, per_mb))
             # hpZ gathers the backward copy from its secondary partition inside the node.
             hpz = ds and lay.deepspeed.zeropp_hierarchical_partition > 1
-            out.append(_coll(f"param all-gather bwd{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb * ag_w, per_mb,
+            out.append(_coll(f"param all-gather bwd{tag}", "all_gather", fam_dims, n, lay, hw, psize * wb * ag_w, per_mb,
                              span=lay.gpus_per_node if hpz else 0))
         else:
             # ZeRO-1/2: parameters are gathered once (DeepSpeed: after the step) or per micro-batch (FSDP2).
-            out.append(_coll(f"param all-gather{tag}", "all_gather", shard_dims, n, lay, hw, psize * wb, 1 if ds else per_mb))
-        out.append(_coll(f"grad reduce-scatter{tag}", "reduce_scatter", shard_dims, n, lay, hw, psize * rb * rs_w, per_mb))
+            out.append(_coll(f"param all-gather{tag}", "all_gather", fam_dims, n, lay, hw, psize * wb, 1 if ds else per_mb))
+        out.append(_coll(f"grad reduce-scatter{tag}", "reduce_scatter", fam_dims, n, lay, hw, psize * rb * rs_w, per_mb))
         if not ds and lay.mesh.dp_replicate > 1:
             out.append(_coll(f"HSDP grad all-reduce{tag}", "all_reduce", ("dp_replicate",), lay.mesh.dp_replicate,
                              lay, hw, psize / n * rb, per_mb))
@@ -407,12 +412,19 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
     if lay.mesh.tp > 1:
         x = tokens * shape.dim * a
         # 2 collectives per block forward (attention, FFN) and 2 backward; recompute repeats the forward ones.
-        count = n_layers * m * (4 + 2 * rf)
+        # A folded MoE (launcher/models/llama/tp.py folded_moe_plan) has none of its own under SP (it
+        # takes and returns the rank's slice) and, without SP, one all-gather of its output forward
+        # and one of its input's gradient backward (+ the recomputed forward's).
+        folded_moe = st.n_moe_layers if lay.experts_folded else 0
+        count = (n_layers - folded_moe) * m * (4 + 2 * rf) + folded_moe * m * (2 + rf)
         if lay.sp:
             out.append(_coll("TP all-gather (SP)", "all_gather", ("tp",), lay.mesh.tp, lay, hw, x, count))
             out.append(_coll("TP reduce-scatter (SP)", "reduce_scatter", ("tp",), lay.mesh.tp, lay, hw, x, count))
         else:
             out.append(_coll("TP all-reduce", "all_reduce", ("tp",), lay.mesh.tp, lay, hw, x, count))
+            if folded_moe:
+                out.append(_coll("TP all-gather (folded MoE)", "all_gather", ("tp",), lay.mesh.tp, lay, hw, x,
+                                 folded_moe * m * (2 + rf)))
     if is_allgather(lay):
         # All-gather CP (cp_allgather.py): the whole sequence's K/V (MLA: latent + RoPE key) gathered
         # per layer in forward and again when recomputed; their gradients reduce-scattered in backward.
@@ -431,13 +443,15 @@ def estimate_comm(shape: ModelShape, lay: Layout, hw: Any, st: StageParams) -> L
         # One dim-wide row per routed copy (launcher/parallel/ep.py: top_k copies per token, however
         # many land on one rank or node), the busiest rank's share; dispatch + combine, forward,
         # backward and any recomputed forward. Each part runs on its own link (EP_PARTS).
-        # Every TP rank dispatches the full sequence (SP all-gathers the MoE input first).
-        x = tokens * shape.top_k * shape.dim * a * routed_load_factor(lay)
+        # A rank dispatches the tokens it routes: its 1/tp slice with folded experts (replicated, every
+        # TP rank dispatches the full sequence).
+        x = lay.moe_tokens_per_rank * shape.top_k * shape.dim * a * routed_load_factor(lay)
         count = n_moe * m * (4 + 2 * rf)
+        group = "dp_shard*cp*tp" if lay.experts_folded else "dp_shard*cp"
         for (name, where), share in zip(EP_PARTS, ep_peer_shares(lay)):
             if share > 0:
                 nbytes = x * share * count
-                out.append(Collective(name, "all_to_all", "dp_shard*cp", lay.mesh.ep, where, nbytes,
+                out.append(Collective(name, "all_to_all", group, lay.mesh.ep, where, nbytes,
                                       nbytes / link_bandwidth(hw, where)))
     if lay.mesh.pp > 1:
         x = tokens * shape.dim * a / (lay.mesh.tp if lay.sp else 1)
@@ -460,7 +474,8 @@ def ep_peer_shares(lay: Layout) -> Tuple[float, float]:
     """(share of a rank's EP all-to-all rows bound for peers in its own node, share bound for other
     nodes), balanced routing: the experts are spread evenly over the ep ranks, so each peer gets
     1/ep of the rows and the rank keeps its own 1/ep. The ep ranks are the innermost ep of
-    dp_shard*cp, strided by tp: a node holds gpus_per_node / tp of them.
+    dp_shard*cp, strided by tp: a node holds gpus_per_node / tp of them; folded over TP, the
+    innermost ep of dp_shard*cp*tp, consecutive ranks: a node holds gpus_per_node of them.
 
     DeepSeek-V3's group-limited routing (model.n_group / topk_group, launcher/models/moe.py) bounds
     the nodes one token reaches, but not these shares: the runtime sends one row per routed expert,
@@ -470,7 +485,7 @@ def ep_peer_shares(lay: Layout) -> Tuple[float, float]:
     ep = lay.mesh.ep
     if ep <= 1:
         return 0.0, 0.0
-    per_node = max(1, min(ep, lay.gpus_per_node // lay.mesh.tp))
+    per_node = max(1, min(ep, lay.gpus_per_node // (1 if lay.experts_folded else lay.mesh.tp)))
     return (per_node - 1) / ep, (ep - per_node) / ep
 
 
@@ -580,7 +595,7 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
 def optimizer_step_s(st: StageParams, lay: Layout, hw: Any) -> float:
     """AdamW over the local shard: memory-bound on the GPU, or on the host when offloaded."""
     shared = st.shared / lay.mesh.tp
-    routed = st.routed / (lay.mesh.tp * lay.mesh.ep)
+    routed = st.routed / lay.mesh.ep  # TP leaves the routed experts whole
     n = lay.fsdp_degree if lay.memory.zero_stage >= 1 else 1
     local = shared / n + routed / (lay.expert_fsdp_degree if lay.memory.zero_stage >= 1 else 1)
     if lay.memory.offload_optimizer != "none" or lay.memory.offload_params != "none":

@@ -136,7 +136,10 @@ def _mesh_section(plan) -> str:
         first = [strides[name] * i for i in range(min(size, 4))]
         example = ", ".join(map(str, first)) + (", ..." if size > 4 else "")
         rows.append((name, size, strides[name], where, f"[{example}]"))
-    rows.append(("ep", mesh.ep, strides["cp"], "taken from dp_shard*cp", ""))
+    if plan.layout.experts_folded:  # folded over TP: the innermost ep ranks of dp_shard*cp*tp
+        rows.append(("ep", mesh.ep, strides["tp"], "taken from dp_shard*cp*tp (experts folded over TP)", ""))
+    else:
+        rows.append(("ep", mesh.ep, strides["cp"], "taken from dp_shard*cp", ""))
     return "Mesh (outermost to innermost; tp consecutive so it stays inside a node)\n" + _table(
         ("dim", "size", "rank stride", "links", "group of rank 0"), rows, "lrrll"
     )

@@ -3,7 +3,7 @@
 Enumerated per cluster and model: tp (divides the heads, KV heads and FFN widths, at most
 one node), cp (sequence divisible by 2*cp; not on CPU with backend.cp_impl=ring), pp (divides what is left, at most
 one block per stage) with its schedule and virtual stages, dp_replicate x dp_shard (HSDP)
-for the rest, ep (MoE: divides the experts and dp_shard*cp), zero_stage, activation
+for the rest, ep (MoE: divides the experts and dp_shard*cp*tp), zero_stage, activation
 checkpointing, micro-batch size (the global batch stays fixed); with plan.search_nodes, the
 node count too.
 
@@ -48,7 +48,7 @@ from launcher.plan.estimate.memory import estimate_memory, model_state_memory, m
 from launcher.plan.estimate.params import ModelShape, model_shape, stage_params
 from launcher.plan.estimate.perf import estimate_time
 from launcher.plan.decide.resolve import (backend_fields, cp_impl_of, document_mask_kernel, expert_parallel_problems,
-                                          spec_fields, validate, world_size)
+                                          experts_folded, spec_fields, validate, world_size)
 from launcher.plan.decide.rules import backend_conflicts
 
 AC_MODES = ("none", "selective", "full")
@@ -189,7 +189,7 @@ def mesh_options(spec) -> Iterator[Tuple[int, int, int, int, int, int, str, int]
                         dp_shard = dp // dp_rep
                         eps = [1]
                         if m.n_experts:
-                            shard = MeshPlan(dp_shard=dp_shard, cp=cp)
+                            shard = MeshPlan(dp_shard=dp_shard, cp=cp, tp=tp)
                             eps = [e for e in _divisors(m.n_experts) if not expert_parallel_problems(e, shard)]
                         for ep in eps:
                             yield tp, cp, pp, dp_rep, dp_shard, ep, sched, vpp
@@ -320,7 +320,8 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
             if zero < 2 and dp_rep > 1:
                 continue  # replicate groups only matter when states are sharded (HSDP)
             memory = dataclasses.replace(base.memory, zero_stage=zero)
-            lay0 = dataclasses.replace(base, mesh=mesh, sp=tp > 1, vpp=vpp, schedule=sched, memory=memory)
+            lay0 = dataclasses.replace(base, mesh=mesh, sp=tp > 1, vpp=vpp, schedule=sched, memory=memory,
+                                       experts_folded=experts_folded(spec.model.n_experts, tp))
             choices = backends.get(dataclasses.replace(lay0, memory=dataclasses.replace(lay0.memory, ac_mode="none")))
             if choices is None:
                 stats["no_backend"] += 1
