@@ -228,13 +228,15 @@ def finish_run(run_dir: Path, now: Optional[float] = None) -> Optional[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """`python -m launcher.observe.goodput RUN_DIR` (the SLURM batch script, at its end): the run's
-    goodput into run_summary.json, and its line printed."""
+    """`python -m launcher.observe.goodput RUN_DIR`: the run's accounting up to its last record
+    (a finished run's wall does not grow while nothing runs) into run_summary.json, and its line
+    printed."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m launcher.observe.goodput RUN_DIR", file=sys.stderr)
         return 2
-    line = finish_run(Path(args[0]))
+    attempts = read_attempts(Path(args[0]))
+    line = finish_run(Path(args[0]), attempts[-1].time) if attempts else None
     print(f"launcher: {line}" if line else "launcher: goodput: no attempt recorded its time")
     return 0
 
