@@ -43,6 +43,14 @@ def step_of(folder: Path) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def step_folders(root: Path) -> List[Path]:
+    """The finished step_NNNNNNNN folders under `root`, newest first ([] when root is absent)."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
+                  key=lambda p: p.name, reverse=True)
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 

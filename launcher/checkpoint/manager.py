@@ -43,9 +43,9 @@ import torch
 from launcher.engines.base import Engine
 from launcher.checkpoint.async_save import CheckpointGroup, storage_writer
 from launcher.checkpoint.folder import (
-    STEP_DIR, TRAINER_STATE, CheckpointDirInUse, FolderLock, _fsync_dir, checksum_files, list_files,
+    TRAINER_STATE, CheckpointDirInUse, FolderLock, _fsync_dir, checksum_files, list_files,
     lock_checkpoint_dir, publish, read_manifest, recover_replaced, set_aside_newer, share_of, step_dir_name,
-    verify_checkpoint, verify_files, write_manifest,
+    step_folders, verify_checkpoint, verify_files, write_manifest,
 )
 from launcher.parallel.phase import phase_all_gather, phase_barrier, phase_broadcast
 
@@ -151,10 +151,7 @@ class CheckpointManager:
 
     def checkpoints(self) -> List[Path]:
         """Finished checkpoint folders, newest first (not yet verified)."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-        return sorted(found, key=lambda p: p.name, reverse=True)
+        return step_folders(self.root)
 
     def _candidates(self, resume: str) -> Tuple[List[str], Optional[str]]:
         """Rank 0: folders to try in order, or a problem with checkpoint.resume=PATH."""

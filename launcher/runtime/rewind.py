@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from launcher.checkpoint.folder import STEP_DIR, TRAINER_STATE, set_aside_newer, step_of
+from launcher.checkpoint.folder import TRAINER_STATE, set_aside_newer, step_folders, step_of
 from launcher.resilience.restarts import REWIND, append_event, read_events
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,7 @@ def rewind_start(checkpoint_root: Path, rewind: Optional[Rewind]) -> Optional[Re
     if rewind is None:
         return None
     root = Path(checkpoint_root)
-    folders = sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
-                     key=lambda p: p.name, reverse=True) if root.is_dir() else []
+    folders = step_folders(root)
     if folders and _rewinds_applied(folders[0]) >= rewind.number:
         return None  # the newest checkpoint already continues the rewound timeline
     before = [p for p in folders if (step_of(p) or 0) < rewind.onset_step]
