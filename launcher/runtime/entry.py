@@ -255,6 +255,12 @@ def config_for_logging(spec: JobConfig) -> dict:
     return config
 
 
+def warmup_steps(compile_model: bool) -> int:
+    """The first steps of a start that compile kernels and warm caches (the hang watchdog's long
+    phase, goodput's compile_warmup): one, two with trainer.compile."""
+    return 2 if compile_model else 1
+
+
 def _gather_objects(obj: Any) -> List[Any]:
     """Every rank's `obj`, by rank (one all_gather_object over the world; [obj] on one process)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -273,7 +279,7 @@ def start_health(spec: JobConfig, plan: Plan, bundle: FailureBundle, device_type
     if timeout is None:
         return RunHealth(bundle, memory=memory)
     # Compiled steps recompile on the second step too: both count as start-up.
-    watchdog = HangWatchdog(bundle, timeout, warmup_steps=2 if spec.trainer.compile else 1)
+    watchdog = HangWatchdog(bundle, timeout, warmup_steps=warmup_steps(spec.trainer.compile))
     return RunHealth(bundle, watchdog.start(), memory=memory)
 
 
@@ -452,7 +458,7 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
                              spec.trainer.spike_skip_batches, spec.trainer.max_rewinds)
         if spec.trainer.spike_zscore > 0 else None,
         rewinds_applied=rewinds_applied,
-        goodput=GoodputClock(run_dir, PROCESS_STARTED, start_step, 2 if spec.trainer.compile else 1,
+        goodput=GoodputClock(run_dir, PROCESS_STARTED, start_step, warmup_steps(spec.trainer.compile),
                              new_launch=restarts == 0, launch=launch_time()) if rank.rank == 0 else None,
         downstream=build_downstream_eval(spec, plan.layout, data_parallel_rank(plan, rank.rank), engine),
     )
