@@ -98,16 +98,34 @@ def _is_deepspeed_test(item) -> bool:
     return Path(str(item.fspath)).name.startswith("test_deepspeed")
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """Run the DeepSpeed modules last, each module's tests kept together and in order.
+def _module_order(item) -> int:
+    """Where an item's module runs: SLURM first, the layout matrix next, DeepSpeed last."""
+    if item.get_closest_marker("slurm"):
+        return 0
+    if Path(str(item.fspath)).name == "test_parallel_layouts.py":
+        return 1
+    return 3 if _is_deepspeed_test(item) else 2
 
-    Their JIT ops build in the background at the lowest priority (pytest_collection_finish): the
-    build only gets the CPU the running tests leave idle, and the SLURM and restart tests leave a
-    lot idle while they wait on timeouts. In file order the DeepSpeed modules come early: in the
-    2026-11-26 CI runs the build finished 285 s into the suite (async I/O alone 136 s) and the set-up
-    of the fixture that needs async I/O took 93-102 s. Last, they find every op built.
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+def pytest_collection_modifyitems(session, config, items):
+    """Order the modules for two pytest workers (`make test` runs `-n 2 --dist loadgroup`), each
+    module's tests kept together and in order.
+
+    - The SLURM modules first, as one group on one worker: they share the one dev cluster (two
+      of them at once would queue for its nodes), and they mostly wait on jobs, so the other
+      worker trains beside them. The layout matrix, the longest module that trains, starts at the
+      same time on the other worker.
+    - The DeepSpeed modules last. Their JIT ops build in the background at the lowest priority
+      (pytest_collection_finish): the build only gets the CPU the running tests leave idle. In
+      file order the DeepSpeed modules come early: in the 2026-11-26 CI runs the build finished
+      285 s into the suite (async I/O alone 136 s) and the set-up of the fixture that needs async
+      I/O took 93-102 s. Last, they find every op built.
     """
-    items[:] = [i for i in items if not _is_deepspeed_test(i)] + [i for i in items if _is_deepspeed_test(i)]
+    items[:] = sorted(items, key=_module_order)  # stable: file order within each class
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def pytest_collection_finish(session):
@@ -115,6 +133,8 @@ def pytest_collection_finish(session):
     (tests/deepspeed_harness/prebuild_ops.py says why)."""
     if not any(_is_deepspeed_test(item) for item in session.items):
         return
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return  # one build for the session: the first pytest worker starts it
     from tests.deepspeed_harness.common import deepspeed_env
 
     log_dir = REPO / ".cache"
