@@ -281,7 +281,7 @@ REHEARSED_WITH_STEPS = ("tp2_sp_dense", "fsdp2_tp2_dense", "pp2_interleaved_1f1b
                         "pp2_zero_bubble_dense", "pp2_zbv_dense")
 # Of those, the real ranks also track the rehearsal's step (same step function, micro-batches
 # and warm-up, real tensors) and the rehearsal's activation peak and total peak must equal
-# theirs: docs/planner.md ("Rehearsal") documents a tolerance of 0 for TP/SP and pipeline
+# theirs: docs/rehearsal.md documents a tolerance of 0 for TP/SP and pipeline
 # layouts, and for FSDP2 a real CPU peak higher by at most gloo's copy of one reduce-scatter
 # input (NCCL makes none). Before launcher/rehearse/fake_memory.py the rehearsal counted DTensor's
 # global-shape propagation (TP/SP: +8.8 % activations) and missed the tensors real P2P Works

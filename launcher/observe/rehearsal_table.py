@@ -28,7 +28,7 @@ COLUMN_MEANINGS = (
 )
 
 # Why a category's rehearsed figure can differ from the plan's, as far as we know it
-# (docs/planner.md, "Rehearsal": "Which answer is trusted").
+# (docs/rehearsal.md: "Which answer is trusted").
 GAP_REASONS = {
     "params": "the built rank holds other state bytes than the plan's formula: trust the rehearsal, and fix the plan",
     "grads": "the built rank holds other state bytes than the plan's formula: trust the rehearsal, and fix the plan",

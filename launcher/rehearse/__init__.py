@@ -17,5 +17,5 @@ tensors on a CPU, or real ones on the local GPU).
 - files.py: where a rehearsal keeps its files under the run dir (driver and ranks both read it).
 
 The bytes are measured by the same code a real run uses (launcher/observe/state_bytes.py and
-launcher/observe/memtrack.py). docs/planner.md, "Rehearsal", is the user guide.
+launcher/observe/memtrack.py). docs/rehearsal.md, is the user guide.
 """
