@@ -40,7 +40,7 @@ from launcher.resilience.health import RunHealth
 from launcher.observe.memory_snapshot import MemorySnapshot
 from launcher.runtime.dist import RankInfo, init_distributed, resolve_device_type, shutdown_distributed
 from launcher.runtime.matmul_precision import apply_matmul_precision
-from launcher.runtime.metrics import MetricsLogger
+from launcher.runtime.metrics import MetricsLogger, WandbStart
 from launcher import PROCESS_STARTED
 from launcher.observe.goodput import GoodputClock, launch_time
 from launcher.runtime.numerics import NumericalHealth, SpikeDetector
@@ -319,6 +319,9 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     # One job per checkpoint folder, checked before anything is built or written (rank 0 holds it).
     folder_lock = lock_for_run(checkpoint_root(spec.checkpoint.dir, run_dir), run_dir, rank.rank) if spec.checkpoint.enabled else None
 
+    wandb_config = {**config_for_logging(spec), "environment": environment()}
+    # Rank 0's W&B run starts now, beside the model build and the checkpoint load (WandbStart).
+    wandb_start = WandbStart(spec.logging.wandb, run_dir, wandb_config) if rank.rank == 0 and spec.action != "export" else None
     engine = engine_for_rank(spec, plan, rank, run_dir)
     record_built(engine, plan, rank.rank, run_dir)
     debug_hooks.install_slow_compute(engine.model_parts, rank.rank)
@@ -410,10 +413,11 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
         run_dir,
         enabled=rank.rank == 0,
         wandb_cfg=spec.logging.wandb,
-        config={**config_for_logging(spec), "environment": environment()},
+        config=wandb_config,
         total_steps=spec.trainer.steps,
         progress=spec.logging.progress,
         resume_step=start_step,
+        wandb_start=wandb_start,
     )
     if rank.rank == 0:
         bundle.publishers.append(lambda summary: metrics.summary({"failure": summary}))

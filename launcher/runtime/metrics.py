@@ -8,6 +8,7 @@ import netrc
 import os
 import shlex
 import sys
+import threading
 import uuid
 from pathlib import Path
 from types import ModuleType
@@ -116,6 +117,62 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     tmp.replace(path)
 
 
+def open_wandb_run(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any]):
+    """The W&B run of this run dir (its id kept in run_dir/wandb_id, so a requeued or resumed job
+    continues the same run), or None when W&B is disabled or cannot start."""
+    mode = wandb_mode(cfg)
+    if mode == "disabled":
+        return None
+    wandb = import_wandb(mode)
+    if wandb is None:
+        return None
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    id_file = run_dir / "wandb_id"
+    if not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:16])
+    os.environ.setdefault("WANDB_DIR", str(run_dir))
+    init_args = dict(
+        project=cfg.project,
+        entity=cfg.entity or None,
+        name=cfg.name or run_dir.name,
+        group=cfg.group or None,
+        tags=list(cfg.tags) or None,
+        dir=str(run_dir),
+        config=config,
+        id=id_file.read_text().strip(),
+        resume="allow",
+    )
+    return start_wandb_run(wandb, init_args, mode, init_timeout_s(cfg), run_dir, quiet=cfg.quiet)
+
+
+class WandbStart:
+    """`open_wandb_run` on a background thread, started by rank 0 before the model is built.
+
+    Starting W&B costs seconds (importing wandb, starting its service process) and, online, a
+    server round trip that `logging.wandb.init_timeout_s` bounds at 30 s by default. Building the
+    model and loading a checkpoint take that long or longer, and neither needs W&B, so the two
+    overlap: the MetricsLogger takes the run from here when training is about to start.
+    """
+
+    def __init__(self, cfg: WandbConfig, run_dir: Path, config: Dict[str, Any]):
+        self._run = None
+        self._thread = threading.Thread(target=self._open, args=(cfg, run_dir, config), name="wandb-start",
+                                        daemon=True)
+        self._thread.start()
+
+    def _open(self, cfg: WandbConfig, run_dir: Path, config: Dict[str, Any]) -> None:
+        try:
+            self._run = open_wandb_run(cfg, run_dir, config)
+        except Exception as e:  # noqa: BLE001 - W&B never stops training
+            log.warning("W&B could not start (%s: %s): training continues without W&B", type(e).__name__, e)
+
+    def result(self):
+        """The started W&B run (or None), once its start has finished."""
+        self._thread.join()
+        return self._run
+
+
 class MetricsLogger:
     """Writes metrics on rank 0 only; other ranks get a no-op logger."""
 
@@ -129,6 +186,7 @@ class MetricsLogger:
         total_steps: int,
         progress: bool,
         resume_step: int = 0,
+        wandb_start: Optional[WandbStart] = None,
     ):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
@@ -142,7 +200,7 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         truncate_metrics(self.path, resume_step)
         self._file = open(self.path, "a", buffering=1)
-        self._init_wandb(wandb_cfg, config)
+        self._init_wandb(wandb_cfg, config, wandb_start)
         if progress and sys.stdout.isatty():
             # lazy: rich.progress (~30 ms) only when stdout is a terminal (not under SLURM or a pipe)
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -154,30 +212,8 @@ class MetricsLogger:
             self._progress.start()
             self._task = self._progress.add_task("train", total=total_steps, completed=resume_step, info="")
 
-    def _init_wandb(self, cfg: WandbConfig, config: Dict[str, Any]) -> None:
-        mode = wandb_mode(cfg)
-        if mode == "disabled":
-            return
-        wandb = import_wandb(mode)
-        if wandb is None:
-            return
-        # A stable id per run dir, so a requeued or resumed job continues the same W&B run.
-        id_file = self.run_dir / "wandb_id"
-        if not id_file.exists():
-            id_file.write_text(uuid.uuid4().hex[:16])
-        os.environ.setdefault("WANDB_DIR", str(self.run_dir))
-        init_args = dict(
-            project=cfg.project,
-            entity=cfg.entity or None,
-            name=cfg.name or self.run_dir.name,
-            group=cfg.group or None,
-            tags=list(cfg.tags) or None,
-            dir=str(self.run_dir),
-            config=config,
-            id=id_file.read_text().strip(),
-            resume="allow",
-        )
-        self._wandb = start_wandb_run(wandb, init_args, mode, init_timeout_s(cfg), self.run_dir, quiet=cfg.quiet)
+    def _init_wandb(self, cfg: WandbConfig, config: Dict[str, Any], started: Optional["WandbStart"]) -> None:
+        self._wandb = started.result() if started is not None else open_wandb_run(cfg, self.run_dir, config)
         if self._wandb is None:
             return
         self._wandb_call("define_metric", lambda run: run.define_metric("trainer/step"))
