@@ -595,21 +595,33 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
 
 
 def optimizer_step_s(st: StageParams, lay: Layout, hw: Any) -> float:
-    """AdamW over the local shard: memory-bound on the GPU, or on the host when offloaded; with
-    Muon (optim=muon or a Muon group), its parameters' elementwise step instead, plus Newton-Schulz
-    and its gathers (`muon_step_s`)."""
+    """The optimizer's update (`optimizer_update_s`) plus gradient clipping on the GPU (none when
+    the optimizer is offloaded: the host path prices it all)."""
+    if lay.memory.offload_optimizer != "none" or lay.memory.offload_params != "none":
+        return optimizer_update_s(st, lay, hw)
+    return optimizer_update_s(st, lay, hw) + grad_clip_s(_local_params(st, lay), hw)
+
+
+def _local_params(st: StageParams, lay: Layout) -> float:
+    """Parameters of this rank's shard (after TP, EP and ZeRO's division)."""
     shared = st.shared / lay.mesh.tp
     routed = st.routed / lay.mesh.ep  # TP leaves the routed experts whole
     n = lay.fsdp_degree if lay.memory.zero_stage >= 1 else 1
-    local = shared / n + routed / (lay.expert_fsdp_degree if lay.memory.zero_stage >= 1 else 1)
+    return shared / n + routed / (lay.expert_fsdp_degree if lay.memory.zero_stage >= 1 else 1)
+
+
+def optimizer_update_s(st: StageParams, lay: Layout, hw: Any) -> float:
+    """AdamW over the local shard: memory-bound on the GPU, or on the host when offloaded; with
+    Muon (optim=muon or a Muon group), its parameters' elementwise step instead, plus Newton-Schulz
+    and its gathers (`muon_step_s`). bench/muon.py compares this with optimizer.step()."""
+    local = _local_params(st, lay)
     if lay.memory.offload_optimizer != "none" or lay.memory.offload_params != "none":
         pcie = hw.pcie_gbps * 1e9
         return local / HOST_ADAM_PARAMS_PER_S + local * (4 + 2) / pcie  # grads down, params up
     muon = muon_step_s(st, lay, hw)
     adamw = max(0.0, local - (muon["elements"] if muon else 0.0))
     # Read p, g, m, v (16 B) and write p, m, v (12 B) in fp32.
-    return (adamw * 28.0 / (hw.hbm_gbps * 1e9 * 0.7) + grad_clip_s(local, hw)
-            + (muon["total_s"] if muon else 0.0))
+    return adamw * 28.0 / (hw.hbm_gbps * 1e9 * 0.7) + (muon["total_s"] if muon else 0.0)
 
 
 def muon_step_s(st: StageParams, lay: Layout, hw: Any) -> Optional[Dict[str, Any]]:
