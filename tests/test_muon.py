@@ -226,6 +226,14 @@ def test_muon_values_checked_before_launch():
     for key in ("optim.muon.momentum=1.5", "optim.muon.adjust_lr='rms'", "optim.muon.ns_coefficients",
                 "optim.groups[0].match", "optim.groups[0].optimizer='sgd'"):
         assert key in problems, f"{key} not reported:\n{problems}"
+    # The resolver (every action: plan, search, a launch) reports a group that matches nothing, and
+    # a pattern that is no regular expression stays validate's problem (no traceback).
+    from launcher.plan.decide.resolve import resolve_all
+
+    for match, want in (("^nothing$", "matches none"), ("(", "is not a regular expression")):
+        spec = compose_spec(["+recipe=debug", "optim=muon", f"optim.groups=[{{match: '{match}', optimizer: muon}}]"])
+        layout, found = resolve_all(spec)
+        assert layout is None and any(want in p and "Fix:" in p for p in found), found
 
 
 def test_plan_counts_one_momentum_buffer_per_muon_matrix():

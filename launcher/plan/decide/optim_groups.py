@@ -196,9 +196,29 @@ def model_group_assignment(model, optim) -> Assignment:
     return assign_groups(trainable_parameters(model), optim)
 
 
+def _patterns_compile(optim) -> bool:
+    """Whether every optim.groups pattern is a regular expression (launcher/config/validate.py
+    reports the others, exit 2, before anything runs)."""
+    try:
+        for g in optim.groups:
+            re.compile(g.match)
+    except re.error:
+        return False
+    return True
+
+
+def model_group_problems(model, optim) -> List[str]:
+    """optim.groups' problems over the parameters of ModelConfig `model` (a pattern that matches
+    nothing, Muon on a non-matrix), found before any rank starts, for every action; [] without
+    groups or while a pattern does not compile."""
+    if not uses_groups(optim) or not _patterns_compile(optim):
+        return []
+    return list(model_group_assignment(model, optim).problems)
+
+
 def model_muon_matrices(model, optim) -> Tuple[Tuple[int, int, str, int, int, int], ...]:
     """`muon_matrices` of ModelConfig `model` (its parameters listed without torch:
     launcher/models/param_list.py); () at once when `optim` puts nothing under Muon."""
-    if not has_muon(optim):
+    if not has_muon(optim) or not _patterns_compile(optim):
         return ()
     return muon_matrices(trainable_parameters(model), optim)

@@ -34,7 +34,7 @@ from launcher.plan.layout import (BackendPlan, DeepSpeedPlan, Layout, MemoryPlan
 from launcher.plan.estimate.memory import estimate_memory, most_loaded
 from launcher.plan.degrees import MeshPlan
 from launcher.plan.estimate.params import model_shape
-from launcher.plan.decide.optim_groups import model_muon_matrices
+from launcher.plan.decide.optim_groups import model_group_problems, model_muon_matrices
 from launcher.plan.decide.rules import backend_conflicts, hpz_partition_size
 from launcher.plan.decide.support import Switches
 
@@ -343,6 +343,7 @@ def resolve_all(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
         return None, problems  # the derivation needs valid choices and positive degrees
     problems += data_problems(spec)
     problems += eval_input_problems(spec)
+    problems += model_group_problems(spec.model, spec.optim)
     layout, derived = _layout_problems(spec)
     problems += derived
     if layout is not None:
