@@ -23,6 +23,8 @@ The last line is `muon/adamw step time ratio R (predicted P)`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import statistics
 import subprocess
@@ -56,9 +58,11 @@ def rank_main(args) -> None:
     from launcher.config.loader import compose_spec
     from launcher.engines.base import EngineOptions
     from launcher.engines.native import NativeEngine
-    from launcher.plan.decide.optim_groups import assign_groups, matrices
+    from launcher.models.param_list import trainable_parameters
+    from launcher.plan.decide.optim_groups import assign_groups
     from launcher.plan.decide.resolve import resolve
-    from launcher.plan.estimate.muon import assign_owners, ns_flops, owner_loads
+    from launcher.plan.estimate.params import model_shape, stage_params
+    from launcher.plan.estimate.perf import knee, muon_step_s, optimizer_update_s
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -66,11 +70,11 @@ def rank_main(args) -> None:
     over = ["+recipe=debug", f"model={args.model}", f"cluster.gpus_per_node={world}", "trainer.device=cpu",
             "precision=fp32", f"parallel.dp_shard={world}", "trainer.global_batch_size=8", "trainer.micro_batch_size=1",
             "trainer.seq_len=16", "parallel.ep=2" if moe else "parallel.ep=1"]
-    engines, layout = {}, None
+    engines, layouts = {}, {}
     for name in ("adamw", "muon"):
         spec = compose_spec(over + [f"optim={name}"])
-        layout = resolve(spec)
-        engines[name] = NativeEngine(spec.model, spec.optim, layout, torch.device("cpu"),
+        layouts[name] = resolve(spec)
+        engines[name] = NativeEngine(spec.model, spec.optim, layouts[name], torch.device("cpu"),
                                      EngineOptions(total_steps=100, grad_clip=1.0, seed=0))
     vocab = spec.model.vocab_size
     g = torch.Generator().manual_seed(rank)
@@ -92,34 +96,29 @@ def rank_main(args) -> None:
                     opt.step()
             dist.barrier()
             times[name].append((time.perf_counter() - t0) / args.steps)
-    # The prediction, from the same formulas and the measured rates.
+    # The prediction: the planner's optimizer update time (launcher/plan/estimate/perf.py
+    # optimizer_update_s: AdamW's and Muon's elementwise bytes, Newton-Schulz on the busiest owner,
+    # the gathers to the owners) on this CPU as the planner's hardware, from the rates measured here.
     flops_rate, bw = _measure_rates(torch)
-    params = [(n, tuple(p.shape)) for n, p in engines["adamw"].parts[0].named_parameters()]
-    a = assign_groups(params, spec.optim)
+    hw = dataclasses.replace(spec.hardware, bf16_tflops=flops_rate / knee(128, 384) / 1e12, achievable_fraction=1.0,
+                             hbm_gbps=bw / 0.7 / 1e9, nvlink_gbps=bw / 1e9, network_gbps=bw / 1e9, comm_efficiency=1.0)
+    stage = stage_params(model_shape(spec.model), 1)[0]
+    predicted = {name: optimizer_update_s(stage, lay, hw) for name, lay in layouts.items()}
+    muon_parts = muon_step_s(stage, layouts["muon"], hw)
+    a = assign_groups(trainable_parameters(spec.model), spec.optim)
     numel = {"muon": 0, "adamw": 0}
-    costs = []
-    for name, shape, gi in a.members:
-        kind = a.groups[gi].optimizer
-        n = 1
-        for d in shape:
-            n *= d
-        numel[kind] += n
-        if kind == "muon":
-            costs += [ns_flops(r, c, spec.optim.muon.ns_steps) for r, c in matrices(shape)]
-    top, _ = owner_loads(costs, assign_owners(costs, world), world)
-    total = numel["muon"] + numel["adamw"]
-    adamw_s = 4 * 2 * 4 * total / world / bw  # p, g, m, v read and p, m, v written: ~8 passes of 4 B
-    muon_s = (4 * 2 * 4 * numel["adamw"] / world + 3 * 2 * 4 * numel["muon"] / world) / bw \
-        + top / flops_rate + 2 * 4 * numel["muon"] * (world - 1) / world / bw
+    for _, shape, gi in a.members:
+        numel[a.groups[gi].optimizer] += math.prod(shape)
     if rank == 0:
         m, w = statistics.median(times["muon"]), statistics.median(times["adamw"])
-        print(f"model {args.model}, {world} ranks (FSDP2{' x EP 2' if moe else ''}), {len(costs)} Muon matrices, "
-              f"{numel['muon']:,} Muon / {numel['adamw']:,} AdamW parameters")
+        print(f"model {args.model}, {world} ranks (FSDP2{' x EP 2' if moe else ''}), {muon_parts['matrices']} Muon "
+              f"matrices, {numel['muon']:,} Muon / {numel['adamw']:,} AdamW parameters")
         print(f"adamw step {w * 1e3:.1f} ms, muon step {m * 1e3:.1f} ms (medians of {args.rounds} rounds x {args.steps} steps)")
         print(f"rates: bf16 matmul {flops_rate / 1e9:.1f} GFLOP/s, elementwise {bw / 1e9:.1f} GB/s per rank")
-        print(f"formulas' bandwidth + FLOP terms: adamw {adamw_s * 1e3:.2f} ms, muon {muon_s * 1e3:.2f} ms (at these sizes "
-              f"per-tensor dispatch and collective latency, which they leave out, dominate both steps)")
-        print(f"muon/adamw step time ratio {m / w:.2f} (predicted {muon_s / adamw_s:.2f})")
+        print(f"planner: adamw {predicted['adamw'] * 1e3:.2f} ms, muon {predicted['muon'] * 1e3:.2f} ms (Newton-Schulz "
+              f"{muon_parts['ns_s'] * 1e3:.2f} ms, busiest owner {muon_parts['ns_imbalance']:.2f}x the mean; gather/scatter "
+              f"{muon_parts['gather_scatter_s'] * 1e3:.2f} ms; elementwise {muon_parts['elementwise_s'] * 1e3:.2f} ms)")
+        print(f"muon/adamw step time ratio {m / w:.2f} (predicted {predicted['muon'] / predicted['adamw']:.2f})")
     dist.destroy_process_group()
 
 

@@ -40,7 +40,7 @@ from launcher.config.validate import validate as validate_config
 from launcher.gpus import visible_gpu_count
 from launcher.paths import config_dir
 from launcher.plan.present.plan import build_plan
-from launcher.plan.decide.optim_groups import render_groups, uses_groups
+from launcher.plan.decide.optim_groups import model_group_assignment, render_groups, uses_groups
 from launcher.plan.present.report import render_plan, render_search
 from launcher.plan.decide.resolve import check, resolve_all
 
@@ -290,9 +290,6 @@ def _run(spec: JobConfig, run_dir: Path) -> int:
 def _print_optimizer_groups(spec: JobConfig) -> None:
     """optim=muon / optim.groups: which parameters each group got (counts and bytes); exit 2 on a
     group that matches nothing or puts a non-matrix under Muon."""
-    # lazy: torch (the model on the meta device, ~2 s); only a plan with groups pays it
-    from launcher.engines.muon import model_group_assignment
-
     assignment = model_group_assignment(spec.model, spec.optim)
     if assignment.problems:
         _fail_config(list(assignment.problems))

@@ -6,6 +6,7 @@ layout matrix (tests/parallel_harness/matrix.py, muon_layouts)."""
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from launcher.engines.optimizers import build_optimizer
 from launcher.models import build_model
 from launcher.plan.decide.optim_groups import assign_groups, matrices
 from launcher.plan.estimate.muon import assign_owners, ns_flops, owner_loads
+from tests.parallel_harness.matrix import DEEPSEEK_V3, QWEN3_MOE
 from tests.parallel_harness.run_layouts import model_config
 
 MUON = OptimConfig(name="muon", lr=3e-3, weight_decay=0.1)
@@ -224,26 +226,86 @@ def test_muon_values_checked_before_launch():
     for key in ("optim.muon.momentum=1.5", "optim.muon.adjust_lr='rms'", "optim.muon.ns_coefficients",
                 "optim.groups[0].match", "optim.groups[0].optimizer='sgd'"):
         assert key in problems, f"{key} not reported:\n{problems}"
+    # The resolver (every action: plan, search, a launch) reports a group that matches nothing, and
+    # a pattern that is no regular expression stays validate's problem (no traceback).
+    from launcher.plan.decide.resolve import resolve_all
+
+    for match, want in (("^nothing$", "matches none"), ("(", "is not a regular expression")):
+        spec = compose_spec(["+recipe=debug", "optim=muon", f"optim.groups=[{{match: '{match}', optimizer: muon}}]"])
+        layout, found = resolve_all(spec)
+        assert layout is None and any(want in p and "Fix:" in p for p in found), found
 
 
 def test_plan_counts_one_momentum_buffer_per_muon_matrix():
-    """optim=muon: the plan's optimizer bytes drop by 4 B per Muon parameter (one momentum buffer
-    instead of AdamW's two moments); the embedding and the head keep AdamW's 8 B."""
+    """The plan's optimizer bytes (memory, checkpoint size, the search's state check) drop by 4 B per
+    Muon parameter (one momentum buffer instead of AdamW's two moments), for the parameters the
+    groups give Muon: optim=muon's defaults (the embedding and the head keep AdamW's 8 B), or an
+    optim.groups entry under optim=adamw (only its matches)."""
     from launcher.config.loader import compose_spec
     from launcher.plan.decide.resolve import resolve
+    from launcher.plan.estimate.checkpoint_time import checkpoint_bytes_per_rank
     from launcher.plan.estimate.memory import model_state_memory
     from launcher.plan.estimate.params import model_shape, stage_params
 
-    mem = {}
-    for name in ("adamw", "muon"):
-        spec = compose_spec(["+recipe=debug", f"optim={name}", "backend=native"])
+    ffn_group = "optim.groups=[{match: '\\.feed_forward\\.', optimizer: muon}]"
+    mem, ckpt = {}, {}
+    for case, overrides in (("adamw", ["optim=adamw"]), ("muon", ["optim=muon"]), ("groups", ["optim=adamw", ffn_group])):
+        spec = compose_spec(["+recipe=debug", "backend=native", *overrides])
         lay = resolve(spec)
-        assert lay.numerics.optimizer == name
         shape = model_shape(spec.model)
         stage = stage_params(shape, 1)[0]
-        mem[name] = model_state_memory(stage, lay, shape)["optimizer"]
+        mem[case] = model_state_memory(stage, lay, shape)["optimizer"]
+        ckpt[case] = checkpoint_bytes_per_rank(shape, lay)
+    shards = lay.fsdp_degree
     muon_params = _numel_by_kind("debug")["muon"]
-    assert mem["adamw"] - mem["muon"] == pytest.approx(4 * muon_params / resolve(spec).fsdp_degree, rel=1e-6)
+    ffn_params = sum(math.prod(s) for n, s in _shapes("debug") if ".feed_forward." in n)
+    assert mem["adamw"] - mem["muon"] == ckpt["adamw"] - ckpt["muon"] == pytest.approx(4 * muon_params / shards, abs=1)
+    assert mem["adamw"] - mem["groups"] == ckpt["adamw"] - ckpt["groups"] == pytest.approx(4 * ffn_params / shards, abs=1)
+
+
+def test_planner_lists_the_parameters_the_model_builds():
+    """The planner assigns groups on a torch-free parameter list (launcher/models/param_list.py):
+    the names, shapes and order of the module the engine steps, for every family's debug model
+    (shared experts, the DeepSeek-V3 router's correction bias left out as a buffer, MTP, tied tables)."""
+    from launcher.models.param_list import trainable_parameters
+
+    cases = [("debug", None), ("debug_moe", None), ("debug_moe", {**DEEPSEEK_V3, "mtp_layers": 1}),
+             ("debug", {"tie_embeddings": True}), ("debug_moe", QWEN3_MOE)]
+    for name, overrides in cases:
+        cfg = model_config(name, overrides)
+        with torch.device("meta"):
+            built = [(n, tuple(p.shape)) for n, p in build_model(cfg).named_parameters()]
+        assert trainable_parameters(cfg) == built, (name, overrides)
+
+
+def test_plan_prices_newton_schulz_on_the_owners_and_the_gathers_to_them():
+    """optim=muon's optimizer step in the plan: Newton-Schulz FLOPs of the matrices the busiest
+    owner holds (the engine's assignment, estimate/muon.py), their imbalance, and the bytes each
+    rank moves gathering matrices to their owners and scattering the results back: with 2 FSDP
+    ranks, half of every Muon matrix (fp32) per rank. AdamW has none of it; the step and the
+    search rank with it."""
+    from launcher.config.loader import compose_spec
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.present.search import candidate_spec, search_layouts
+
+    plans = {o: build_plan(compose_spec(["+recipe=debug", "backend=native", f"optim={o}"])) for o in ("adamw", "muon")}
+    assert plans["adamw"].time["muon"] is None
+    m = plans["muon"].time["muon"]
+    a = assign_groups(_shapes("debug"), MUON)
+    mats = [rc for _, s, g in a.members if a.groups[g].optimizer == "muon" for rc in matrices(s)]
+    costs = [ns_flops(r, c, 5) for r, c in mats]
+    top, mean = owner_loads(costs, assign_owners(costs, 2), 2)
+    assert m["matrices"] == len(mats) and m["ns_tflops"] * 1e12 == pytest.approx(top)
+    assert m["ns_imbalance"] == pytest.approx(top / mean) and m["ns_s"] > 0
+    assert m["gather_scatter_bytes"] == pytest.approx(sum(4 * r * c / 2 for r, c in mats))
+    assert plans["muon"].time["optimizer_s"] > plans["adamw"].time["optimizer_s"] + m["ns_s"] + m["gather_scatter_s"] / 2
+    spec = compose_spec(["+recipe=debug", "optim=muon", "action=search"])
+    cands = search_layouts(spec, limit=3)
+    assert cands
+    for c in cands:  # native layouts only (DeepSpeed's Muon is refused), timed and sized with Muon
+        plan = build_plan(candidate_spec(spec, c.layout))
+        assert plan.layout.owners.sharding_backend == "native" and plan.time["muon"]["ns_s"] > 0
+        assert c.step_s == pytest.approx(plan.time["step_s"]) and c.memory["optimizer"] == plan.memory["optimizer"]
 
 
 def _numel_by_kind(name: str):

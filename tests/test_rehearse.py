@@ -303,19 +303,25 @@ def test_real_tensor_rehearsal_holds_the_fake_rehearsals_bytes_and_times_each_pa
     optimizer bytes the fake rehearsal reports; forward, backward and optimizer are timed (> 0)
     beside the plan's compute time for that rank; the peak is MemTracker's (no allocator on a
     CPU, and the report says so); rehearsal_summary.json is read by bench/planner_accuracy.py
-    like a run's run_summary.json, on the compute basis."""
+    like a run's run_summary.json, on the compute basis. An optim.groups entry puts the FFN matrices
+    under Muon (the rest stays AdamW): both rehearsals hold the bytes the plan counts for those
+    groups (one momentum buffer per Muon element, two moments per AdamW one)."""
     from launcher.plan.estimate.params import model_shape
     from launcher.rehearse.driver import render_rehearsal
     from launcher.rehearse.real_report import REHEARSAL_SUMMARY_FILENAME
     from launcher.rehearse.ranks import predicted_time_for_rank
 
-    base = ["+recipe=debug", "action=rehearse", "rehearse.ranks=[1]"]
+    base = ["+recipe=debug", "action=rehearse", "rehearse.ranks=[1]",
+            "optim.groups=[{match: '\\.feed_forward\\.', optimizer: muon}]"]
     _, _, fake = _rehearse(base + ["rehearse.activations=false"], tmp_path / "fake")
     spec, plan, real = _rehearse(base + ["rehearse.tensors=real", "rehearse.timed_steps=1"], tmp_path / "real")
     assert fake["ok"] and real["ok"], (fake, real)
     (f_row,), (r_row,) = fake["ranks"], real["ranks"]
     held = lambda row: {k: row["memory"][k] for k in ("params", "grads", "optimizer")}  # noqa: E731
     assert held(r_row) == held(f_row) and r_row["params_numel"] == f_row["params_numel"], (r_row, f_row)
+    assert held(f_row) == {k: f_row["predicted"][k] for k in ("params", "grads", "optimizer")}, f_row
+    # the plan's Muon matrices are the groups' (3 FFN matrices in each of the 4 blocks), not optim=muon's defaults
+    assert sum((last - first + 1) * n for first, last, _, _, _, n in plan.layout.numerics.muon_matrices) == 3 * 4
     measured = r_row["real"]
     assert {"forward", "backward", "optimizer"} <= set(measured["time_s"]), measured["time_s"]
     assert all(v > 0 for v in measured["time_s"].values()) and measured["compute_s"] > 0, measured

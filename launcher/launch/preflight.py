@@ -15,7 +15,7 @@ import logging
 from launcher.config.errors import ConfigError
 from launcher.config.schema import JobConfig
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, validate_deepspeed_config
-from launcher.plan.decide.optim_groups import has_muon, uses_groups
+from launcher.plan.decide.optim_groups import has_muon, model_group_assignment, uses_groups
 from launcher.plan.present.plan import Plan
 
 
@@ -52,9 +52,6 @@ def check_optimizer(spec: JobConfig, plan: Plan) -> None:
             "optim=muon (or a Muon group in optim.groups) is served by the native engine only; this layout's "
             "model states are owned by DeepSpeed, whose Muon (runtime/zero/muon) does not compute torch.optim.Muon's "
             "update. Fix: backend=native with parallel.zero_stage=2 or 3, or optim=adamw."])
-    # lazy: torch, to build the model on the meta device; only a run with groups reaches here
-    from launcher.engines.muon import model_group_assignment
-
     problems = model_group_assignment(spec.model, spec.optim).problems
     if problems:
         raise ConfigError(list(problems))

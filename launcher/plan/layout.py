@@ -127,6 +127,12 @@ class NumericsPlan:
     # optim.name: adamw | muon (Muon keeps one fp32 momentum buffer per matrix instead of AdamW's two
     # moments: launcher/plan/estimate/memory.py model_state_memory).
     optimizer: str = "adamw"
+    # The parameters optim.groups (or optim=muon's defaults) give Muon, compact: rows (first block,
+    # last block, kind, rows, cols, matrices per block) of launcher/plan/decide/optim_groups.py
+    # muon_matrices; () when no parameter gets Muon. The estimates follow them (memory: one
+    # momentum buffer each; time: Newton-Schulz and the gathers to the owners: estimate/muon.py).
+    muon_matrices: Tuple[Tuple[int, int, str, int, int, int], ...] = ()
+    muon_ns_steps: int = 5  # optim.muon.ns_steps
 
 
 @dataclass(frozen=True)
@@ -344,6 +350,7 @@ class Layout:
         d.update(flat)
         d["pp_layers"] = list(self.pp_layers)
         d["fp8_exclude"] = list(self.numerics.fp8_exclude)
+        d["muon_matrices"] = [list(row) for row in self.numerics.muon_matrices]
         d["choices"] = {name: asdict(c) for name, c in self.owners.choices}
         d["derived"] = {
             "world_size": self.mesh.world_size,
@@ -361,6 +368,8 @@ class Layout:
         d["choices"] = tuple((name, BackendChoice(**c)) for name, c in d.get("choices", {}).items())
         if "fp8_exclude" in d:
             d["fp8_exclude"] = tuple(d["fp8_exclude"])
+        if "muon_matrices" in d:
+            d["muon_matrices"] = tuple(tuple(row) for row in d["muon_matrices"])
         for name, record in FLAT_RECORDS.items():
             d[name] = record(**{f.name: d.pop(f.name) for f in fields(record) if f.name in d})
         d["pp_layers"] = tuple(d.get("pp_layers", ()))

@@ -13,6 +13,9 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
+from launcher.models.param_list import trainable_parameters
+from launcher.plan.estimate.muon import WITH_EMBEDDING, WITH_OUTPUT
+
 # AdamW under optim=muon whatever their shape: the input embedding, the output head and the MoE
 # router's weight (Muon is for hidden matrices; the router's rows are per-expert logits).
 ADAMW_BY_DEFAULT = re.compile(r"(^|\.)(tok_embeddings|output|router)\.")
@@ -145,3 +148,77 @@ def render_groups(assignment: Assignment, bytes_per_element: int = 4) -> str:
         lines.append(f"  {g.label:<32} {g.optimizer:<5} lr={g.lr:g} wd={g.weight_decay:g}: {len(ps)} tensors, "
                      f"{numel:,} parameters, {numel * bytes_per_element / 2**20:.2f} MiB{extra}")
     return "\n".join(lines)
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def muon_matrices(params: Sequence[Tuple[str, Sequence[int]]], optim) -> Tuple[Tuple[int, int, str, int, int, int], ...]:
+    """The Muon matrices of a model (its (canonical name, full shape) list) under `optim`'s groups,
+    compact for the Layout and plan.json: rows (first block, last block, kind, rows, cols, matrices
+    per block), consecutive blocks with the same matrices in one row, in model order; block
+    WITH_EMBEDDING / WITH_OUTPUT for the tables. Empty when no parameter gets Muon (or the groups
+    have problems: those stop the launch, reported by `assign_groups`' callers)."""
+    if not uses_groups(optim):
+        return ()
+    a = assign_groups(params, optim)
+    if a.problems:
+        return ()
+    per_block: Dict[int, List[Tuple[str, int, int, int]]] = {}
+    order: List[int] = []
+    for name, shape, g in a.members:
+        if a.groups[g].optimizer != "muon":
+            continue
+        m = _LAYER.match(name)
+        block = int(m.group(1)) if m else (WITH_EMBEDDING if name.startswith("tok_embeddings.") else WITH_OUTPUT)
+        kind = ("experts" if len(shape) == 3 else
+                "whole" if (".moe.router." in name or ".moe.shared_experts." in name) else "split")
+        rows, cols = matrices(shape)[0]
+        if block not in per_block:
+            order.append(block)
+        per_block.setdefault(block, []).append((kind, rows, cols, len(matrices(shape))))
+    out: List[Tuple[int, int, str, int, int, int]] = []
+    runs: List[Tuple[int, int, List[Tuple[str, int, int, int]]]] = []
+    for block in order:
+        mats = per_block[block]
+        if runs and block >= 0 and runs[-1][0] >= 0 and runs[-1][1] == block - 1 and runs[-1][2] == mats:
+            runs[-1] = (runs[-1][0], block, mats)
+        else:
+            runs.append((block, block, mats))
+    for first, last, mats in runs:
+        out += [(first, last, kind, r, c, n) for kind, r, c, n in mats]
+    return tuple(out)
+
+
+def model_group_assignment(model, optim) -> Assignment:
+    """The groups of `optim` over the parameters of ModelConfig `model`, listed without torch
+    (launcher/models/param_list.py): what the launch checks and `action=plan` prints."""
+    return assign_groups(trainable_parameters(model), optim)
+
+
+def _patterns_compile(optim) -> bool:
+    """Whether every optim.groups pattern is a regular expression (launcher/config/validate.py
+    reports the others, exit 2, before anything runs)."""
+    try:
+        for g in optim.groups:
+            re.compile(g.match)
+    except re.error:
+        return False
+    return True
+
+
+def model_group_problems(model, optim) -> List[str]:
+    """optim.groups' problems over the parameters of ModelConfig `model` (a pattern that matches
+    nothing, Muon on a non-matrix), found before any rank starts, for every action; [] without
+    groups or while a pattern does not compile."""
+    if not uses_groups(optim) or not _patterns_compile(optim):
+        return []
+    return list(model_group_assignment(model, optim).problems)
+
+
+def model_muon_matrices(model, optim) -> Tuple[Tuple[int, int, str, int, int, int], ...]:
+    """`muon_matrices` of ModelConfig `model` (its parameters listed without torch:
+    launcher/models/param_list.py); () at once when `optim` puts nothing under Muon."""
+    if not has_muon(optim) or not _patterns_compile(optim):
+        return ()
+    return muon_matrices(trainable_parameters(model), optim)

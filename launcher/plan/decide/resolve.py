@@ -34,6 +34,7 @@ from launcher.plan.layout import (BackendPlan, DeepSpeedPlan, Layout, MemoryPlan
 from launcher.plan.estimate.memory import estimate_memory, most_loaded
 from launcher.plan.degrees import MeshPlan
 from launcher.plan.estimate.params import model_shape
+from launcher.plan.decide.optim_groups import model_group_problems, model_muon_matrices
 from launcher.plan.decide.rules import backend_conflicts, hpz_partition_size
 from launcher.plan.decide.support import Switches
 
@@ -241,6 +242,8 @@ def spec_fields(spec: JobConfig) -> Dict[str, Any]:
             fp8_min_features=int(pr.fp8.min_features),
             fp8_exclude=tuple(str(x) for x in pr.fp8.exclude),
             optimizer=str(spec.optim.name),
+            muon_matrices=model_muon_matrices(spec.model, spec.optim),
+            muon_ns_steps=int(spec.optim.muon.ns_steps),
         ),
         memory=MemoryPlan(
             ac_selective=str(spec.activation_checkpointing.selective),
@@ -340,6 +343,7 @@ def resolve_all(spec: JobConfig) -> Tuple[Optional[Layout], List[str]]:
         return None, problems  # the derivation needs valid choices and positive degrees
     problems += data_problems(spec)
     problems += eval_input_problems(spec)
+    problems += model_group_problems(spec.model, spec.optim)
     layout, derived = _layout_problems(spec)
     problems += derived
     if layout is not None:

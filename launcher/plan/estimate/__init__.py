@@ -5,6 +5,8 @@
 - memory.py: per-GPU memory by category (model states, activations, working buffers);
 - perf.py: communication volume, pipeline bubble, step time, tokens/s; with ring.py (context
   parallelism's ring attention) and elementwise.py (the memory-bound work of a step);
+- muon.py: Muon's Newton-Schulz FLOPs, the owner assignment the engine also uses, and one rank's
+  Muon work (momentum elements, FLOPs, gather bytes) from the layout's `muon_matrices`;
 - checkpoint_time.py: how long a save takes and how long a graceful stop may need;
 - bands.py: error bands from the accuracy rows, by layout kind;
 - budget.py: time and money to a token budget;

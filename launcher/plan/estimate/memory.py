@@ -36,6 +36,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from launcher.plan.layout import Layout, MemoryPlan
 from launcher.plan.estimate.cp_allgather import is_allgather
+from launcher.plan.estimate.muon import stage_muon_work
 from launcher.plan.estimate.params import ModelShape, StageParams, stage_params
 
 GiB = 1024**3
@@ -164,27 +165,13 @@ def model_state_memory(stage: StageParams, lay: Layout, shape: Optional[ModelSha
         n = lay.fsdp_degree if "grads" in sharded else 1
         out["grads"] += int(per_param["grads"] * largest_tensor(stage, lay) / n)
     out["host"] = int(host)
-    if lay.numerics.optimizer == "muon" and shape is not None and lay.owners.sharding_backend == "native":
-        # Muon keeps one fp32 momentum buffer (4 B) per matrix element instead of AdamW's two moments.
-        saving = int(4.0 * _muon_params_on_rank(stage, lay, shape, "optimizer" in sharded))
-        out["host" if "optimizer" in offloaded else "optimizer"] -= saving
+    muon = stage_muon_work(stage, lay)
+    if muon is not None:
+        # Muon keeps one fp32 momentum buffer (4 B) per matrix element instead of AdamW's two
+        # moments, for the parameters optim.groups (or optim=muon's defaults) give it.
+        out["host" if "optimizer" in offloaded else "optimizer"] -= int(4.0 * muon.elements)
     out.update(working_state_memory(stage, lay, shape))
     return out
-
-
-def _muon_params_on_rank(stage: StageParams, lay: Layout, shape: ModelShape, sharded: bool) -> float:
-    """Muon's parameters on this rank under optim=muon's defaults (launcher/plan/decide/optim_groups.py):
-    every block matrix and routed expert; not the embedding, the head, the norms or the routers."""
-    adamw = shape.block_norms * stage.n_layers + shape.router * stage.n_moe_layers
-    if stage.has_embedding:
-        adamw += shape.embedding
-    if stage.has_output:
-        adamw += (shape.output if not shape.tie_embeddings else 0) + shape.final_norm
-    muon_shared = max(0.0, stage.shared - adamw) / lay.mesh.tp
-    routed = stage.routed / lay.mesh.ep
-    if sharded:
-        return muon_shared / lay.fsdp_degree + routed / lay.expert_fsdp_degree
-    return muon_shared + routed
 
 
 def largest_tensor(stage: StageParams, lay: Layout) -> float:

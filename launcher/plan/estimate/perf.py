@@ -34,6 +34,7 @@ from launcher.plan.estimate.elementwise import HBM_EFFICIENCY, elementwise_s
 from launcher.plan.estimate.flops import attention_flops_per_token, peak_tflops
 from launcher.plan.layout import Layout
 from launcher.plan.estimate.memory import autocast_cast_elements, routed_load_factor
+from launcher.plan.estimate.muon import MUON_ELEMENTWISE_BYTES, stage_muon_work
 from launcher.plan.estimate.params import ModelShape, StageParams, attention_width, stage_params
 from launcher.plan.estimate.ring import hop_time_factor, kv_bytes_per_token, ring_bookkeeping_s
 
@@ -532,6 +533,7 @@ def estimate_time(shape: ModelShape, lay: Layout, hw: Any, model_flops_per_token
         "bubble_s": bubble_s,
         "exposed_comm_s": exposed,
         "optimizer_s": optimizer_s,
+        "muon": muon_step_s(st, lay, hw),
         "microbatch_s": t_mb[slowest_i],
         "slowest_stage": slowest,
         "tokens_per_step": tokens_per_step,
@@ -593,16 +595,61 @@ def _apply_overlap(comm: List[Collective], lay: Layout, compute_s: float, st: St
 
 
 def optimizer_step_s(st: StageParams, lay: Layout, hw: Any) -> float:
-    """AdamW over the local shard: memory-bound on the GPU, or on the host when offloaded."""
+    """The optimizer's update (`optimizer_update_s`) plus gradient clipping on the GPU (none when
+    the optimizer is offloaded: the host path prices it all)."""
+    if lay.memory.offload_optimizer != "none" or lay.memory.offload_params != "none":
+        return optimizer_update_s(st, lay, hw)
+    return optimizer_update_s(st, lay, hw) + grad_clip_s(_local_params(st, lay), hw)
+
+
+def _local_params(st: StageParams, lay: Layout) -> float:
+    """Parameters of this rank's shard (after TP, EP and ZeRO's division)."""
     shared = st.shared / lay.mesh.tp
     routed = st.routed / lay.mesh.ep  # TP leaves the routed experts whole
     n = lay.fsdp_degree if lay.memory.zero_stage >= 1 else 1
-    local = shared / n + routed / (lay.expert_fsdp_degree if lay.memory.zero_stage >= 1 else 1)
+    return shared / n + routed / (lay.expert_fsdp_degree if lay.memory.zero_stage >= 1 else 1)
+
+
+def optimizer_update_s(st: StageParams, lay: Layout, hw: Any) -> float:
+    """AdamW over the local shard: memory-bound on the GPU, or on the host when offloaded; with
+    Muon (optim=muon or a Muon group), its parameters' elementwise step instead, plus Newton-Schulz
+    and its gathers (`muon_step_s`). bench/muon.py compares this with optimizer.step()."""
+    local = _local_params(st, lay)
     if lay.memory.offload_optimizer != "none" or lay.memory.offload_params != "none":
         pcie = hw.pcie_gbps * 1e9
         return local / HOST_ADAM_PARAMS_PER_S + local * (4 + 2) / pcie  # grads down, params up
+    muon = muon_step_s(st, lay, hw)
+    adamw = max(0.0, local - (muon["elements"] if muon else 0.0))
     # Read p, g, m, v (16 B) and write p, m, v (12 B) in fp32.
-    return local * 28.0 / (hw.hbm_gbps * 1e9 * 0.7) + grad_clip_s(local, hw)
+    return adamw * 28.0 / (hw.hbm_gbps * 1e9 * 0.7) + (muon["total_s"] if muon else 0.0)
+
+
+def muon_step_s(st: StageParams, lay: Layout, hw: Any) -> Optional[Dict[str, Any]]:
+    """Muon's part of one optimizer step on the busiest rank of pipeline rank `st` (None without
+    Muon): its elementwise step (MUON_ELEMENTWISE_BYTES per local element at HBM bandwidth), the
+    Newton-Schulz iterations of the matrices it owns (bf16 at the matmul peak x
+    achievable_fraction x the small-GEMM knee of each shape) and the gathers of each matrix's shards
+    to its owner and the scatters back (at the owner group's link bandwidth; not overlapped: the
+    engine runs them on the compute stream). The owners are the engine's (estimate/muon.py)."""
+    work = stage_muon_work(st, lay)
+    if work is None:
+        return None
+    elementwise_s = work.elements * MUON_ELEMENTWISE_BYTES / (hw.hbm_gbps * 1e9 * 0.7)
+    peak = matmul_peak(hw, "bf16") * hw.achievable_fraction
+    ns_s = sum(flops / (peak * knee(min(r, c), max(r, c))) for r, c, flops in work.ns_by_shape)
+    comm_s = 0.0
+    for kind, _, nbytes in work.traffic:
+        dims = MUON_GATHER_DIMS[kind] + (("tp",) if kind == "experts" and lay.experts_folded else ())
+        comm_s += nbytes / link_bandwidth(hw, placement(lay, dims))
+    return {"elements": work.elements, "elementwise_s": elementwise_s, "ns_s": ns_s, "gather_scatter_s": comm_s,
+            "total_s": elementwise_s + ns_s + comm_s, "ns_tflops": work.ns_flops / 1e12,
+            "ns_imbalance": work.imbalance, "matrices": work.matrices,
+            "gather_scatter_bytes": sum(b for _, _, b in work.traffic)}
+
+
+# The mesh dimensions whose ranks share one Muon matrix's shards, per kind (estimate/muon.py
+# MUON_KINDS): FSDP2's (dp_shard x cp) and TP's for a TP-split matrix, FSDP2's alone otherwise.
+MUON_GATHER_DIMS = {"split": ("dp_shard", "cp", "tp"), "whole": ("dp_shard", "cp"), "experts": ("dp_shard", "cp")}
 
 
 # Gradient clipping (launcher/engines/optim.py clip_grad_norm) per fp32 gradient element: the norm

@@ -224,14 +224,36 @@ def _time_section(plan, spec) -> str:
         ("pipeline bubble", f"{t['bubble_s']:.3f}"),
         ("exposed communication", f"{t['exposed_comm_s']:.3f}"),
         ("optimizer step", f"{t['optimizer_s']:.3f}"),
+        *_muon_rows(t.get("muon")),
         ("step", f"{t['step_s']:.3f} ({_range(t.get('step_s_range'), '.3f')})"),
     ]
     return (pipe + "\n\nTime per step (seconds)\n" + _table(("part", "s"), rows)
             + f"\n  throughput: {t['tokens_per_s']:,.0f} tokens/s ({_range(t.get('tokens_per_s_range'), ',.0f')}), "
               f"{t['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU, "
               f"{t['model_tflops_per_s_per_gpu']:.0f} model TFLOP/s per GPU"
+            + _muon_line(t.get("muon"))
             + f"\n  MFU: {t['mfu']:.1%} of {t['peak_tflops']:.0f} TFLOP/s dense {spec.precision.name if spec.precision.name == 'fp8' else 'bf16'} peak"
             + _band_line(t.get("band")))
+
+
+def _muon_rows(m) -> list:
+    """The optimizer step's Muon part (launcher/plan/estimate/perf.py muon_step_s), when some
+    parameter gets Muon."""
+    if not m:
+        return []
+    return [("  of it Muon Newton-Schulz", f"{m['ns_s']:.3f}"),
+            ("  of it Muon gather/scatter", f"{m['gather_scatter_s']:.3f}"),
+            ("  of it Muon momentum + update", f"{m['elementwise_s']:.3f}")]
+
+
+def _muon_line(m) -> str:
+    """What the Muon rows are: the busiest owner's Newton-Schulz work and its imbalance, the bytes
+    each rank moves to and from the owners."""
+    if not m:
+        return ""
+    return (f"\n  Muon: {m['matrices']:,} matrices orthogonalised by their owner ranks (Newton-Schulz in bf16, "
+            f"{m['ns_tflops']:.3g} TFLOP on the busiest rank, {m['ns_imbalance']:.2f}x the mean); "
+            f"{_gb(m['gather_scatter_bytes'])} per rank gathered to the owners and scattered back")
 
 
 def _range(pair, fmt: str) -> str:

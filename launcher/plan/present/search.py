@@ -37,6 +37,7 @@ from launcher.config.errors import ConfigError
 from launcher.config.schema import replaced_dotted
 from launcher.config.validate import (PLAN_OBJECTIVES, accumulate_unsharded_value, cp_pipeline_problems,
                                       tensor_parallel_problems, tied_pipeline_problems)
+from launcher.plan.decide.optim_groups import has_muon
 from launcher.plan.estimate.eval_time import eval_estimate, eval_workload
 from launcher.plan.estimate.bands import layout_kind, memory_at_risk, memory_range, value_range
 from launcher.plan.estimate.budget import budget
@@ -296,7 +297,8 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
     tokens_per_step = gbs * seq
     base = _base_layout(spec)
     backends = _BackendCache(spec)
-    stats = {"meshes": 0, "layouts": 0, "states_too_big": 0, "timed": 0, "no_backend": 0}
+    stats = {"meshes": 0, "layouts": 0, "states_too_big": 0, "timed": 0, "no_backend": 0, "muon_needs_native": 0}
+    muon = has_muon(spec.optim)
     out: List[Candidate] = []
     # Keys candidate_spec resets: they must be in the overrides too, or the user's values clash.
     resets: Dict[str, Any] = {}
@@ -327,6 +329,10 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
                 stats["no_backend"] += 1
                 continue
             lay0 = _with_backends(lay0, choices, spec)
+            if muon and lay0.owners.sharding_backend != "native":
+                # Muon is served by the native engine only (launcher/launch/preflight.py refuses the rest).
+                stats["muon_needs_native"] += 1
+                continue
             # Pass 1: model states of the heaviest stage, before any activation.
             stages = stage_params(shape, pp, vpp, sched, ())
             ends = (stages[0], stages[-1])
