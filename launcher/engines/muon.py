@@ -26,12 +26,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP's dim 0; not a Shard
 from torch.optim._muon import EPS, _adjust_lr, _zeropower_via_newtonschulz  # torch >= 2.9: the reference maths
 
+from launcher.engines.muon_exchange import Exchange, Item, exchange_and_orthogonalise
 from launcher.engines.optim import mesh_key
 from launcher.models.init import canonical_name
 from launcher.plan.decide.optim_groups import Assignment, assign_groups
@@ -86,6 +87,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         # The matrices this rank orthogonalised in the last step: (parameter name, matrix index, NS FLOPs).
         self.ns_work: List[Tuple[str, int, float]] = []
         self._names = names or {}
+        self._exchanges: Dict[Tuple[int, Tuple[int, ...]], Exchange] = {}  # (id(param), owners) -> routes
 
     def _bind_adamw(self) -> None:
         if self._adamw is not None:
@@ -155,10 +157,24 @@ class MuonWithAdamW(torch.optim.Optimizer):
             costs = [ns_flops(*plan.matrix_shape, g["ns_steps"])] * plan.n_local_matrices
             owners.append(assign_owners(costs, plan.n_owners,
                                         loads.setdefault(plan.n_owners, [0.0] * plan.n_owners)))
+        # Newton-Schulz on whole matrices: sharded matrices go to their owner and back in bucketed,
+        # overlapped all_to_alls (launcher/engines/muon_exchange.py); the rest is done here.
+        results: List[Optional[torch.Tensor]] = [None] * len(work)
+        done_by: List[List[int]] = [[] for _ in work]
+        items: List[Tuple[int, Item]] = []
+        for k, ((g, p, update), plan, own) in enumerate(zip(work, plans, owners)):
+            if plan.exchanges(update):
+                ex = self._exchange(p, update, plan, own)
+                items.append((k, Item(update, ex, _ns_of(g))))
+                done_by[k] = ex.owned
+            else:
+                results[k], done_by[k] = plan.orthogonalise(update, own, g)
+        exchange_and_orthogonalise([it for _, it in items])
+        for k, it in items:
+            results[k] = it.result
         sq, n = torch.zeros(()), 0.0
         self.ns_work = []
-        for (g, p, update), plan, own in zip(work, plans, owners):
-            ortho, done = plan.orthogonalise(update, own, g)
+        for (g, p, update), plan, ortho, done in zip(work, plans, results, done_by):
             flops = ns_flops(*plan.matrix_shape, g["ns_steps"])
             self.ns_work += [(self._names.get(p, ""), plan.first_matrix + i, flops) for i in done]
             lr = float(g["lr"])
@@ -169,6 +185,20 @@ class MuonWithAdamW(torch.optim.Optimizer):
             part = local.float().square().sum() * adjusted ** 2
             sq, n = (part if n == 0 else sq + part.to(sq.device)), n + local.numel()
         return sq, n
+
+    def _exchange(self, p: torch.Tensor, update: DTensor, plan: "_GatherPlan", owners: List[int]) -> Exchange:
+        """The routes of `p`'s matrices to `owners` and back, built once (one all-gather of a code
+        tensor) and kept while the owners stay the same."""
+        key = (id(p), tuple(owners))
+        if key not in self._exchanges:
+            self._exchanges[key] = Exchange(update, plan.gather, plan.owner_dims, owners,
+                                            plan._my_owner_index(), plan.matrix_shape)
+        return self._exchanges[key]
+
+
+def _ns_of(group: Dict):
+    coeffs, steps, eps = group["ns_coefficients"], group["ns_steps"], group["ns_eps"]
+    return lambda m: _zeropower_via_newtonschulz(m, coeffs, steps, eps)
 
 
 class _GatherPlan:
@@ -211,6 +241,15 @@ class _GatherPlan:
             else:
                 gather.append(Replicate())
         return cls(p, gather, tuple(owner_dims))
+
+    def exchanges(self, update: torch.Tensor) -> bool:
+        """Whether the update goes to its owners by all_to_all (muon_exchange): a DTensor whose
+        matrices are split over some mesh dimensions by Shard placements (not Partial), with real
+        values. The rehearsal's fake tensors (whose collectives move nothing) take the all-gather
+        path below, as do Partial updates."""
+        return (self.gather is not None and bool(self.owner_dims)
+                and not any(pl.is_partial() for pl in update.placements)
+                and not is_fake(update.to_local()))
 
     def _my_owner_index(self) -> int:
         if not self.owner_dims:
