@@ -56,13 +56,57 @@ def owner_group(mesh, owner_dims: Sequence[int]) -> Tuple[dist.ProcessGroup, Lis
     return group, [dist.get_group_rank(group, r) for r in by_owner]
 
 
+Blocks = List[Tuple[int, int, int, int]]  # (offset, rows, row length, row stride) of a flat tensor
+
+
+def to_blocks(index: torch.Tensor) -> Blocks:
+    """A list of flat positions as strided 2-D blocks, in order: a shard's positions are runs of
+    consecutive elements (a row slice of a Shard(1) matrix, a whole Shard(0) block) at a constant
+    stride, so a matrix takes one block or a few instead of one int64 per element."""
+    if index.numel() == 0:
+        return []
+    idx = index.to("cpu", torch.int64)
+    breaks = torch.nonzero(idx[1:] - idx[:-1] != 1).reshape(-1) + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks]).tolist()
+    ends = breaks.tolist() + [idx.numel()]
+    first = idx[starts].tolist()
+    blocks: Blocks = []
+    for a, b, off in zip(starts, ends, first):
+        length = b - a
+        if blocks:
+            o, rows, ln, stride = blocks[-1]
+            if ln == length and (off - o >= ln if rows == 1 else off - (o + (rows - 1) * stride) == stride):
+                blocks[-1] = (o, rows + 1, ln, off - o if rows == 1 else stride)
+                continue
+        blocks.append((off, 1, length, length))
+    return blocks
+
+
+def _numel(blocks: Blocks) -> int:
+    return sum(rows * ln for _, rows, ln, _ in blocks)
+
+
+def _take(flat: torch.Tensor, blocks: Blocks) -> List[torch.Tensor]:
+    return [flat.as_strided((rows, ln), (stride, 1), flat.storage_offset() + o).reshape(-1)
+            for o, rows, ln, stride in blocks]
+
+
+def _put(flat: torch.Tensor, blocks: Blocks, values: torch.Tensor) -> None:
+    at = 0
+    for o, rows, ln, stride in blocks:
+        flat.as_strided((rows, ln), (stride, 1), flat.storage_offset() + o).copy_(
+            values[at:at + rows * ln].view(rows, ln))
+        at += rows * ln
+
+
 class Exchange:
     """One parameter's routes between its shards and its matrices' owners (fixed while the owners are).
 
-    send[r]: flat positions in this rank's local update of the elements owner index r needs;
-    recv[s]: flat positions in the whole matrices (the gathered local frame) of the elements
-    owner index s sends this rank, for the matrices this rank owns. Both in the same element order
-    (the frame's) on both sides, so the sender's and the receiver's lists pair up."""
+    send[r]: blocks of this rank's flat local update holding the elements owner index r needs;
+    recv[s]: blocks of the whole matrices (the gathered local frame, flat) that owner index s sends
+    this rank, for the matrices this rank owns. Both in the frame's element order on both sides, so
+    the sender's and the receiver's lists pair up. Kept as strided blocks (`to_blocks`): a few
+    integers per matrix, not one per element."""
 
     def __init__(self, update: DTensor, gather: list, owner_dims: Tuple[int, ...], owners: List[int],
                  me: int, matrix_shape: Tuple[int, int]):
@@ -83,9 +127,11 @@ class Exchange:
         owner_of = torch.tensor(owners, dtype=torch.int64, device=flat.device)[
             torch.arange(flat.numel(), device=flat.device) // per_matrix]
         mine = holder == me
-        self.send = [where[mine & (owner_of == r)] for r in range(self.n)]
+        self.send = [to_blocks(where[mine & (owner_of == r)]) for r in range(self.n)]
         owned = owner_of == me
-        self.recv = [torch.nonzero(owned & (holder == s)).reshape(-1) for s in range(self.n)]
+        self.recv = [to_blocks(torch.nonzero(owned & (holder == s)).reshape(-1)) for s in range(self.n)]
+        self.send_numel = [_numel(b) for b in self.send]
+        self.recv_numel = [_numel(b) for b in self.recv]
         self.owned = [i for i, o in enumerate(owners) if o == me]
         self.frame_numel = flat.numel()
         self.matrix_shape = matrix_shape
@@ -127,23 +173,24 @@ class _Bucket:
         self.from_holder = [0] * self.n
         for it in items:
             for k in range(self.n):
-                self.to_owner[self.order[k]] += it.ex.send[k].numel()
-                self.from_holder[self.order[k]] += it.ex.recv[k].numel()
+                self.to_owner[self.order[k]] += it.ex.send_numel[k]
+                self.from_holder[self.order[k]] += it.ex.recv_numel[k]
         self.received: Optional[torch.Tensor] = None
         self.work = None
 
-    def _by_group_rank(self, parts_by_owner: List[List[torch.Tensor]]) -> torch.Tensor:
+    def _by_group_rank(self, parts_by_owner: List[List[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
         """Concatenate, in group-rank order, the per-owner-index lists of pieces."""
         chunks: List[List[torch.Tensor]] = [[] for _ in range(self.n)]
         for k in range(self.n):
             chunks[self.order[k]] = parts_by_owner[k]
-        return torch.cat([c for per in chunks for c in per])
+        flat = [c for per in chunks for c in per]
+        return torch.cat(flat) if flat else like.new_empty(0)
 
     def start_gather(self) -> None:
         """Send this rank's shard of every matrix to its owner (bf16; asynchronous)."""
         locals_ = [it.update.to_local().reshape(-1).bfloat16() for it in self.items]
-        send = self._by_group_rank([[u[it.ex.send[k]] for it, u in zip(self.items, locals_)]
-                                    for k in range(self.n)])
+        send = self._by_group_rank([[piece for it, u in zip(self.items, locals_) for piece in _take(u, it.ex.send[k])]
+                                    for k in range(self.n)], locals_[0])
         self.received = torch.empty(sum(self.from_holder), dtype=torch.bfloat16, device=send.device)
         self.work = dist.all_to_all_single(self.received, send, self.from_holder, self.to_owner,
                                            group=self.group, async_op=True)
@@ -162,16 +209,16 @@ class _Bucket:
             ex = it.ex
             frame = torch.empty(ex.frame_numel, dtype=torch.bfloat16, device=self.received.device)
             for k in range(self.n):
-                g, m = self.order[k], ex.recv[k].numel()
-                frame[ex.recv[k]] = self.received[offsets[g]:offsets[g] + m]
+                g, m = self.order[k], ex.recv_numel[k]
+                _put(frame, ex.recv[k], self.received[offsets[g]:offsets[g] + m])
                 offsets[g] += m
             mats = frame.view(-1, *ex.matrix_shape)
             out = torch.empty_like(frame).view(-1, *ex.matrix_shape)
             for i in ex.owned:
                 out[i] = it.ns(mats[i])
             results.append(out.reshape(-1))
-        send = self._by_group_rank([[o[it.ex.recv[k]] for it, o in zip(self.items, results)]
-                                    for k in range(self.n)])
+        send = self._by_group_rank([[piece for it, o in zip(self.items, results) for piece in _take(o, it.ex.recv[k])]
+                                    for k in range(self.n)], results[0])
         self.received = torch.empty(sum(self.to_owner), dtype=torch.bfloat16, device=send.device)
         self.work = dist.all_to_all_single(self.received, send, self.to_owner, self.from_holder,
                                            group=self.group, async_op=True)
@@ -188,8 +235,8 @@ class _Bucket:
             local = torch.empty(ex.local_shape, dtype=it.update.dtype, device=self.received.device)
             flat = local.view(-1)
             for k in range(self.n):
-                g, m = self.order[k], ex.send[k].numel()
-                flat[ex.send[k]] = self.received[offsets[g]:offsets[g] + m].to(local.dtype)
+                g, m = self.order[k], ex.send_numel[k]
+                _put(flat, ex.send[k], self.received[offsets[g]:offsets[g] + m])
                 offsets[g] += m
             u = it.update
             it.result = DTensor.from_local(local, u.device_mesh, u.placements, run_check=False,
