@@ -12,8 +12,11 @@ The prediction uses the formulas the engine uses (`launcher/plan/estimate/muon.p
 FLOPs per matrix, owners balanced over the ranks) with this CPU's rates measured here: a bf16
 matmul's FLOP/s and an fp32 elementwise pass's bytes/s. AdamW's step reads and writes about 4
 fp32 tensors per parameter (p, g, m, v); Muon's elementwise part 3 (p, g, buf) plus the busiest
-rank's Newton-Schulz and the all-gather + reduce-scatter of its matrices' shards (at the measured
-elementwise rate: gloo on one machine copies memory). The planner proper does not price Muon yet
+rank's Newton-Schulz and the exchange of its matrices' shards with their owners (bf16, each matrix
+to its owner and back: (N-1)/N x T/N bytes received per rank for T fp32 bytes of Muon matrices,
+at the measured elementwise rate: gloo on one machine copies memory). It also prints the bytes
+each rank received in Muon's exchange, measured, beside what an all-gather of the updates plus a
+reduce-scatter of the results (the algorithm before the exchange) would have received. The planner proper does not price Muon yet
 (docs/optimizers.md, "Not built yet"), and these terms leave out per-tensor dispatch and
 collective latency, which dominate on the debug models (measured on 2 loaded cores, debug_moe,
 4 ranks: ratio 8.0, predicted 44: the prediction is not yet useful at this size).
@@ -110,7 +113,14 @@ def rank_main(args) -> None:
     total = numel["muon"] + numel["adamw"]
     adamw_s = 4 * 2 * 4 * total / world / bw  # p, g, m, v read and p, m, v written: ~8 passes of 4 B
     muon_s = (4 * 2 * 4 * numel["adamw"] / world + 3 * 2 * 4 * numel["muon"] / world) / bw \
-        + top / flops_rate + 2 * 4 * numel["muon"] * (world - 1) / world / bw
+        + top / flops_rate + 4 * numel["muon"] * (world - 1) / world / world / bw
+    moved = [0, 0]  # this rank's (received in the exchange, an all-gather + reduce-scatter's)
+    for opt in engines["muon"].optimizers:
+        got, allgather = getattr(opt, "exchange_bytes", (0, 0))
+        moved[0] += got
+        moved[1] += allgather
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, moved)
     if rank == 0:
         m, w = statistics.median(times["muon"]), statistics.median(times["adamw"])
         print(f"model {args.model}, {world} ranks (FSDP2{' x EP 2' if moe else ''}), {len(costs)} Muon matrices, "
@@ -119,6 +129,8 @@ def rank_main(args) -> None:
         print(f"rates: bf16 matmul {flops_rate / 1e9:.1f} GFLOP/s, elementwise {bw / 1e9:.1f} GB/s per rank")
         print(f"formulas' bandwidth + FLOP terms: adamw {adamw_s * 1e3:.2f} ms, muon {muon_s * 1e3:.2f} ms (at these sizes "
               f"per-tensor dispatch and collective latency, which they leave out, dominate both steps)")
+        print(f"muon exchange, received per rank and step: {max(r[0] for r in per_rank) / 1e3:.1f} kB at most "
+              f"(an all-gather + reduce-scatter of the same updates: {max(r[1] for r in per_rank) / 1e3:.1f} kB)")
         print(f"muon/adamw step time ratio {m / w:.2f} (predicted {muon_s / adamw_s:.2f})")
     dist.destroy_process_group()
 

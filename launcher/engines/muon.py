@@ -7,17 +7,18 @@ multiplies them all; one state dict for the checkpoint). AdamW groups are steppe
 
 1. momentum and Nesterov are elementwise, so they run on each rank's shard (the momentum buffer
    stays sharded like its parameter, and is checkpointed and resharded as AdamW's moments are);
-2. the update is all-gathered over the mesh dimensions that split its matrices (FSDP2 / HSDP's
-   shard dimension, TP); a 3-D expert weight keeps its expert-parallel Shard(0): its experts'
-   matrices are whole on their EP rank already;
-3. each matrix has one owner among the ranks that gathered it, chosen by Newton-Schulz cost
-   (`assign_owners`); the owner orthogonalises it with torch's own `_zeropower_via_newtonschulz`
-   (bf16), the others contribute zeros;
-4. a reduce-scatter of those contributions (DTensor Partial -> the parameter's placements) hands
-   every rank its shard of the owner's result, exactly (a sum with zeros).
+2. each matrix has one owner among the ranks that split it (the mesh dimensions of FSDP2 / HSDP's
+   shard dimension and TP; a 3-D expert weight keeps its expert-parallel Shard(0): its experts'
+   matrices stay on their EP rank), chosen by Newton-Schulz cost (`assign_owners`);
+3. every rank sends its shard of each matrix's update to that owner only, the owner orthogonalises
+   it with torch's own `_zeropower_via_newtonschulz` (bf16) and sends each rank its shard of the
+   result back (`launcher/engines/muon_exchange.py`: one all_to_all per bucket and direction, in
+   bf16, the next bucket's gather in flight while the current one is orthogonalised).
 
-Per matrix of M bytes (fp32) over N ranks, each rank moves (N-1)/N M in the all-gather and
-(N-1)/N M in the reduce-scatter: the traffic of one FSDP step of that parameter.
+Per rank and step, with T the fp32 bytes of the Muon matrices split over N ranks, that receives
+about (N-1)/N x T/N, where an all-gather plus a reduce-scatter receives 2 (N-1)/N x T.
+The rehearsal's fake tensors (and a Partial update) take the older path, `_GatherPlan.orthogonalise`:
+an all-gather to every rank, the owner's result reduce-scattered (a sum with zeros).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         # The matrices this rank orthogonalised in the last step: (parameter name, matrix index, NS FLOPs).
         self.ns_work: List[Tuple[str, int, float]] = []
         self._names = names or {}
+        # (bytes received from other ranks by the last step's exchange, what an all-gather +
+        # reduce-scatter of the same updates would receive): bench/muon.py reports both.
+        self.exchange_bytes: Tuple[int, int] = (0, 0)
         self._exchanges: Dict[Tuple[int, Tuple[int, ...]], Exchange] = {}  # (id(param), owners) -> routes
 
     def _bind_adamw(self) -> None:
@@ -169,7 +173,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 done_by[k] = ex.owned
             else:
                 results[k], done_by[k] = plan.orthogonalise(update, own, g)
-        exchange_and_orthogonalise([it for _, it in items])
+        self.exchange_bytes = exchange_and_orthogonalise([it for _, it in items])
         for k, it in items:
             results[k] = it.result
         sq, n = torch.zeros(()), 0.0
@@ -216,15 +220,13 @@ class _GatherPlan:
         for d in owner_dims:
             self.n_owners *= mesh.size(d)
         experts = shape[0] if self.is_stack else 1
-        if gather is not None and self.is_stack:
-            for d, pl in enumerate(gather):
-                if isinstance(pl, Shard):  # the expert dimension stays split over EP
-                    experts //= mesh.size(d)
-        self.n_local_matrices = experts
-        # Global index of the first local matrix: an expert stack split over EP holds a block of experts.
         self.first_matrix = 0
-        if gather is not None and self.is_stack and experts != shape[0]:
-            self.first_matrix = _expert_offset(p, gather)
+        if gather is not None and self.is_stack and any(isinstance(pl, Shard) for pl in gather):
+            # The expert dimension stays split (over EP, or by FSDP's Shard(0)): this rank's block of
+            # experts, uneven included (3 experts over 4 ranks: 1, 1, 1, 0), and the global index of
+            # its first one, from DTensor's own offsets.
+            experts, self.first_matrix = _expert_block(p, gather)
+        self.n_local_matrices = experts
 
     @classmethod
     def of(cls, p: torch.Tensor) -> "_GatherPlan":
@@ -288,11 +290,12 @@ def _ns(update: torch.Tensor, coeffs, steps: int, eps: float, stack: bool) -> to
     return torch.stack([_zeropower_via_newtonschulz(m, coeffs, steps, eps) for m in update.unbind(0)])
 
 
-def _expert_offset(p: DTensor, placements: list) -> int:
-    """Index of this rank's first expert in an expert stack split on dim 0 (DTensor's own offsets)."""
+def _expert_block(p: DTensor, placements: list) -> Tuple[int, int]:
+    """(experts, index of the first) of this rank's block of an expert stack split on dim 0
+    (DTensor's own shapes and offsets)."""
     with unset_fake_temporarily():  # the mesh's rank ids are real even when the rehearsal fakes tensors
-        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
-    return int(offset[0])
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+    return int(shape[0]), int(offset[0])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -175,6 +175,7 @@ class _Bucket:
             for k in range(self.n):
                 self.to_owner[self.order[k]] += it.ex.send_numel[k]
                 self.from_holder[self.order[k]] += it.ex.recv_numel[k]
+        self.self_rank = self.order[ex0.me]
         self.received: Optional[torch.Tensor] = None
         self.work = None
 
@@ -244,17 +245,20 @@ class _Bucket:
         self.received = self.work = None
 
 
-def exchange_and_orthogonalise(items: List[Item]) -> None:
+def exchange_and_orthogonalise(items: List[Item]) -> Tuple[int, int]:
     """Orthogonalise every item's matrices on their owners and set each item's `result` (placed like
     its update). Buckets per process group, in the items' order (the same on every rank of a group);
     bucket k+1's gather is started before bucket k is orthogonalised, bucket k's scatter runs while
-    bucket k+1 is."""
+    bucket k+1 is.
+
+    Returns (bytes this rank received from other ranks, bytes an all-gather of the same updates
+    plus a reduce-scatter of the results would have had it receive: 2 x (whole - local) fp32)."""
     by_group: Dict[int, List[Item]] = {}
     for it in items:
         by_group.setdefault(id(it.ex.group), []).append(it)
     buckets = [_Bucket(b) for group_items in by_group.values() for b in _buckets(group_items)]
     if not buckets:
-        return
+        return 0, 0
     buckets[0].start_gather()
     for k, b in enumerate(buckets):
         if k + 1 < len(buckets):
@@ -263,3 +267,7 @@ def exchange_and_orthogonalise(items: List[Item]) -> None:
         if k > 0:
             buckets[k - 1].finish_scatter()
     buckets[-1].finish_scatter()
+    received = sum(2 * (sum(b.from_holder) + sum(b.to_owner) - b.from_holder[b.self_rank] - b.to_owner[b.self_rank])
+                   for b in buckets)
+    allgather = sum(2 * 4 * (it.ex.frame_numel - it.update.to_local().numel()) for it in items)
+    return received, allgather
