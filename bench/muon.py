@@ -19,7 +19,9 @@ each rank received in Muon's exchange, measured, beside what an all-gather of th
 reduce-scatter of the results (the algorithm before the exchange) would have received. The planner proper does not price Muon yet
 (docs/optimizers.md, "Not built yet"), and these terms leave out per-tensor dispatch and
 collective latency, which dominate on the debug models (measured on 2 loaded cores, debug_moe,
-4 ranks: ratio 8.0, predicted 44: the prediction is not yet useful at this size).
+4 ranks, 3 runs: ratio 3.2, 3.6, 1.4, predicted 12-83 as the measured rates swing with the load;
+11.0, 10.0, 12.6 before Muon's exchange replaced the all-gather: the prediction is not yet useful
+at this size).
 The last line is `muon/adamw step time ratio R (predicted P)`.
 """
 

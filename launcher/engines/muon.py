@@ -17,8 +17,8 @@ multiplies them all; one state dict for the checkpoint). AdamW groups are steppe
 
 Per rank and step, with T the fp32 bytes of the Muon matrices split over N ranks, that receives
 about (N-1)/N x T/N, where an all-gather plus a reduce-scatter receives 2 (N-1)/N x T.
-The rehearsal's fake tensors (and a Partial update) take the older path, `_GatherPlan.orthogonalise`:
-an all-gather to every rank, the owner's result reduce-scattered (a sum with zeros).
+The rehearsals (fake tensors or a fake process group) and a Partial update take the older path,
+`_GatherPlan.orthogonalise`: an all-gather to every rank, the owner's result reduce-scattered (a sum with zeros).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -247,11 +248,13 @@ class _GatherPlan:
     def exchanges(self, update: torch.Tensor) -> bool:
         """Whether the update goes to its owners by all_to_all (muon_exchange): a DTensor whose
         matrices are split over some mesh dimensions by Shard placements (not Partial), with real
-        values. The rehearsal's fake tensors (whose collectives move nothing) take the all-gather
-        path below, as do Partial updates."""
+        values moved by a real process group. The rehearsals (fake tensors, or real tensors on
+        torch's fake process group, whose collectives leave garbage: the routes would be garbage
+        too) take the all-gather path below, as do Partial updates."""
         return (self.gather is not None and bool(self.owner_dims)
                 and not any(pl.is_partial() for pl in update.placements)
-                and not is_fake(update.to_local()))
+                and not is_fake(update.to_local())
+                and dist.get_backend(update.device_mesh.get_group(self.owner_dims[0])) != "fake")
 
     def _my_owner_index(self) -> int:
         if not self.owner_dims:
