@@ -257,3 +257,28 @@ def _numel_by_kind(name: str):
             n *= d
         out[kind] = out.get(kind, 0) + n
     return out
+
+
+def test_exchange_routes_are_strided_blocks():
+    """Muon's exchange keeps each route (the flat positions a shard sends to an owner) as strided
+    blocks: taking and putting through them equals indexing with the positions, and a column slice
+    of a matrix (TP's Shard(1)) or a row block (FSDP's Shard(0)) is one block, not one int per element."""
+    from launcher.engines.muon_exchange import _put, _take, to_blocks
+
+    full = torch.arange(2 * 8 * 6, dtype=torch.float32)
+    stack = full.view(2, 8, 6)
+    cases = [stack[:, :, 3:], stack[:, 2:5, :], stack[1, 4:, :2], stack[:, ::3, 1:]]
+    g = torch.Generator().manual_seed(0)
+    cases += [torch.sort(torch.randperm(full.numel(), generator=g)[:k]).values.to(torch.float32) for k in (0, 1, 7, 40)]
+    for pick in cases:
+        index = pick.reshape(-1).long()
+        blocks = to_blocks(index)
+        got = torch.cat(_take(full, blocks)) if blocks else full[:0]
+        assert torch.equal(got, full[index])
+        put = torch.zeros_like(full)
+        _put(put, blocks, full[index])
+        want = torch.zeros_like(full)
+        want[index] = full[index]
+        assert torch.equal(put, want)
+    assert len(to_blocks(stack[0, :, 3:].reshape(-1).long())) == 1
+    assert len(to_blocks(stack[:, 2:5, :].reshape(-1).long())) == 1
