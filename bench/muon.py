@@ -12,11 +12,16 @@ The prediction uses the formulas the engine uses (`launcher/plan/estimate/muon.p
 FLOPs per matrix, owners balanced over the ranks) with this CPU's rates measured here: a bf16
 matmul's FLOP/s and an fp32 elementwise pass's bytes/s. AdamW's step reads and writes about 4
 fp32 tensors per parameter (p, g, m, v); Muon's elementwise part 3 (p, g, buf) plus the busiest
-rank's Newton-Schulz and the all-gather + reduce-scatter of its matrices' shards (at the measured
-elementwise rate: gloo on one machine copies memory). The planner proper does not price Muon yet
+rank's Newton-Schulz and the exchange of its matrices' shards with their owners (bf16, each matrix
+to its owner and back: (N-1)/N x T/N bytes received per rank for T fp32 bytes of Muon matrices,
+at the measured elementwise rate: gloo on one machine copies memory). It also prints the bytes
+each rank received in Muon's exchange, measured, beside what an all-gather of the updates plus a
+reduce-scatter of the results (the algorithm before the exchange) would have received. The planner proper does not price Muon yet
 (docs/optimizers.md, "Not built yet"), and these terms leave out per-tensor dispatch and
 collective latency, which dominate on the debug models (measured on 2 loaded cores, debug_moe,
-4 ranks: ratio 8.0, predicted 44: the prediction is not yet useful at this size).
+4 ranks, 3 runs: ratio 3.2, 3.6, 1.4, predicted 12-83 as the measured rates swing with the load;
+11.0, 10.0, 12.6 before Muon's exchange replaced the all-gather: the prediction is not yet useful
+at this size).
 The last line is `muon/adamw step time ratio R (predicted P)`.
 """
 
@@ -109,6 +114,13 @@ def rank_main(args) -> None:
     numel = {"muon": 0, "adamw": 0}
     for _, shape, gi in a.members:
         numel[a.groups[gi].optimizer] += math.prod(shape)
+    moved = [0, 0]  # this rank's (received in the exchange, an all-gather + reduce-scatter's)
+    for opt in engines["muon"].optimizers:
+        got, allgather = getattr(opt, "exchange_bytes", (0, 0))
+        moved[0] += got
+        moved[1] += allgather
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, moved)
     if rank == 0:
         m, w = statistics.median(times["muon"]), statistics.median(times["adamw"])
         print(f"model {args.model}, {world} ranks (FSDP2{' x EP 2' if moe else ''}), {muon_parts['matrices']} Muon "
@@ -118,6 +130,8 @@ def rank_main(args) -> None:
         print(f"planner: adamw {predicted['adamw'] * 1e3:.2f} ms, muon {predicted['muon'] * 1e3:.2f} ms (Newton-Schulz "
               f"{muon_parts['ns_s'] * 1e3:.2f} ms, busiest owner {muon_parts['ns_imbalance']:.2f}x the mean; gather/scatter "
               f"{muon_parts['gather_scatter_s'] * 1e3:.2f} ms; elementwise {muon_parts['elementwise_s'] * 1e3:.2f} ms)")
+        print(f"muon exchange, received per rank and step: {max(r[0] for r in per_rank) / 1e3:.1f} kB at most "
+              f"(an all-gather + reduce-scatter of the same updates: {max(r[1] for r in per_rank) / 1e3:.1f} kB)")
         print(f"muon/adamw step time ratio {m / w:.2f} (predicted {predicted['muon'] / predicted['adamw']:.2f})")
     dist.destroy_process_group()
 

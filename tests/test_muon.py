@@ -282,7 +282,7 @@ def test_plan_prices_newton_schulz_on_the_owners_and_the_gathers_to_them():
     """optim=muon's optimizer step in the plan: Newton-Schulz FLOPs of the matrices the busiest
     owner holds (the engine's assignment, estimate/muon.py), their imbalance, and the bytes each
     rank moves gathering matrices to their owners and scattering the results back: with 2 FSDP
-    ranks, half of every Muon matrix (fp32) per rank. AdamW has none of it; the step and the
+    ranks, half of every Muon matrix (bf16) per rank. AdamW has none of it; the step and the
     search rank with it."""
     from launcher.config.loader import compose_spec
     from launcher.plan.present.plan import build_plan
@@ -297,7 +297,7 @@ def test_plan_prices_newton_schulz_on_the_owners_and_the_gathers_to_them():
     top, mean = owner_loads(costs, assign_owners(costs, 2), 2)
     assert m["matrices"] == len(mats) and m["ns_tflops"] * 1e12 == pytest.approx(top)
     assert m["ns_imbalance"] == pytest.approx(top / mean) and m["ns_s"] > 0
-    assert m["gather_scatter_bytes"] == pytest.approx(sum(4 * r * c / 2 for r, c in mats))
+    assert m["gather_scatter_bytes"] == pytest.approx(sum(2 * r * c / 2 for r, c in mats))  # bf16 on the wire
     assert plans["muon"].time["optimizer_s"] > plans["adamw"].time["optimizer_s"] + m["ns_s"] + m["gather_scatter_s"] / 2
     spec = compose_spec(["+recipe=debug", "optim=muon", "action=search"])
     cands = search_layouts(spec, limit=3)
@@ -319,3 +319,28 @@ def _numel_by_kind(name: str):
             n *= d
         out[kind] = out.get(kind, 0) + n
     return out
+
+
+def test_exchange_routes_are_strided_blocks():
+    """Muon's exchange keeps each route (the flat positions a shard sends to an owner) as strided
+    blocks: taking and putting through them equals indexing with the positions, and a column slice
+    of a matrix (TP's Shard(1)) or a row block (FSDP's Shard(0)) is one block, not one int per element."""
+    from launcher.engines.muon_exchange import _put, _take, to_blocks
+
+    full = torch.arange(2 * 8 * 6, dtype=torch.float32)
+    stack = full.view(2, 8, 6)
+    cases = [stack[:, :, 3:], stack[:, 2:5, :], stack[1, 4:, :2], stack[:, ::3, 1:]]
+    g = torch.Generator().manual_seed(0)
+    cases += [torch.sort(torch.randperm(full.numel(), generator=g)[:k]).values.to(torch.float32) for k in (0, 1, 7, 40)]
+    for pick in cases:
+        index = pick.reshape(-1).long()
+        blocks = to_blocks(index)
+        got = torch.cat(_take(full, blocks)) if blocks else full[:0]
+        assert torch.equal(got, full[index])
+        put = torch.zeros_like(full)
+        _put(put, blocks, full[index])
+        want = torch.zeros_like(full)
+        want[index] = full[index]
+        assert torch.equal(put, want)
+    assert len(to_blocks(stack[0, :, 3:].reshape(-1).long())) == 1
+    assert len(to_blocks(stack[:, 2:5, :].reshape(-1).long())) == 1

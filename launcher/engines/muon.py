@@ -7,17 +7,18 @@ multiplies them all; one state dict for the checkpoint). AdamW groups are steppe
 
 1. momentum and Nesterov are elementwise, so they run on each rank's shard (the momentum buffer
    stays sharded like its parameter, and is checkpointed and resharded as AdamW's moments are);
-2. the update is all-gathered over the mesh dimensions that split its matrices (FSDP2 / HSDP's
-   shard dimension, TP); a 3-D expert weight keeps its expert-parallel Shard(0): its experts'
-   matrices are whole on their EP rank already;
-3. each matrix has one owner among the ranks that gathered it, chosen by Newton-Schulz cost
-   (`assign_owners`); the owner orthogonalises it with torch's own `_zeropower_via_newtonschulz`
-   (bf16), the others contribute zeros;
-4. a reduce-scatter of those contributions (DTensor Partial -> the parameter's placements) hands
-   every rank its shard of the owner's result, exactly (a sum with zeros).
+2. each matrix has one owner among the ranks that split it (the mesh dimensions of FSDP2 / HSDP's
+   shard dimension and TP; a 3-D expert weight keeps its expert-parallel Shard(0): its experts'
+   matrices stay on their EP rank), chosen by Newton-Schulz cost (`assign_owners`);
+3. every rank sends its shard of each matrix's update to that owner only, the owner orthogonalises
+   it with torch's own `_zeropower_via_newtonschulz` (bf16) and sends each rank its shard of the
+   result back (`launcher/engines/muon_exchange.py`: one all_to_all per bucket and direction, in
+   bf16, the next bucket's gather in flight while the current one is orthogonalised).
 
-Per matrix of M bytes (fp32) over N ranks, each rank moves (N-1)/N M in the all-gather and
-(N-1)/N M in the reduce-scatter: the traffic of one FSDP step of that parameter.
+Per rank and step, with T the fp32 bytes of the Muon matrices split over N ranks, that receives
+about (N-1)/N x T/N, where an all-gather plus a reduce-scatter receives 2 (N-1)/N x T.
+The rehearsals (fake tensors or a fake process group) and a Partial update take the older path,
+`_GatherPlan.orthogonalise`: an all-gather to every rank, the owner's result reduce-scattered (a sum with zeros).
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP's dim 0; not a Shard
 from torch.optim._muon import EPS, _adjust_lr, _zeropower_via_newtonschulz  # torch >= 2.9: the reference maths
 
+from launcher.engines.muon_exchange import Exchange, Item, exchange_and_orthogonalise
 from launcher.engines.optim import mesh_key
 from launcher.models.init import canonical_name
 from launcher.plan.decide.optim_groups import Assignment, assign_groups
@@ -86,6 +89,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         # The matrices this rank orthogonalised in the last step: (parameter name, matrix index, NS FLOPs).
         self.ns_work: List[Tuple[str, int, float]] = []
         self._names = names or {}
+        # (bytes received from other ranks by the last step's exchange, what an all-gather +
+        # reduce-scatter of the same updates would receive): bench/muon.py reports both.
+        self.exchange_bytes: Tuple[int, int] = (0, 0)
+        self._exchanges: Dict[Tuple[int, Tuple[int, ...]], Exchange] = {}  # (id(param), owners) -> routes
 
     def _bind_adamw(self) -> None:
         if self._adamw is not None:
@@ -155,10 +162,24 @@ class MuonWithAdamW(torch.optim.Optimizer):
             costs = [ns_flops(*plan.matrix_shape, g["ns_steps"])] * plan.n_local_matrices
             owners.append(assign_owners(costs, plan.n_owners,
                                         loads.setdefault(plan.n_owners, [0.0] * plan.n_owners)))
+        # Newton-Schulz on whole matrices: sharded matrices go to their owner and back in bucketed,
+        # overlapped all_to_alls (launcher/engines/muon_exchange.py); the rest is done here.
+        results: List[Optional[torch.Tensor]] = [None] * len(work)
+        done_by: List[List[int]] = [[] for _ in work]
+        items: List[Tuple[int, Item]] = []
+        for k, ((g, p, update), plan, own) in enumerate(zip(work, plans, owners)):
+            if plan.exchanges(update):
+                ex = self._exchange(p, update, plan, own)
+                items.append((k, Item(update, ex, _ns_of(g))))
+                done_by[k] = ex.owned
+            else:
+                results[k], done_by[k] = plan.orthogonalise(update, own, g)
+        self.exchange_bytes = exchange_and_orthogonalise([it for _, it in items])
+        for k, it in items:
+            results[k] = it.result
         sq, n = torch.zeros(()), 0.0
         self.ns_work = []
-        for (g, p, update), plan, own in zip(work, plans, owners):
-            ortho, done = plan.orthogonalise(update, own, g)
+        for (g, p, update), plan, ortho, done in zip(work, plans, results, done_by):
             flops = ns_flops(*plan.matrix_shape, g["ns_steps"])
             self.ns_work += [(self._names.get(p, ""), plan.first_matrix + i, flops) for i in done]
             lr = float(g["lr"])
@@ -169,6 +190,20 @@ class MuonWithAdamW(torch.optim.Optimizer):
             part = local.float().square().sum() * adjusted ** 2
             sq, n = (part if n == 0 else sq + part.to(sq.device)), n + local.numel()
         return sq, n
+
+    def _exchange(self, p: torch.Tensor, update: DTensor, plan: "_GatherPlan", owners: List[int]) -> Exchange:
+        """The routes of `p`'s matrices to `owners` and back, built once (one all-gather of a code
+        tensor) and kept while the owners stay the same."""
+        key = (id(p), tuple(owners))
+        if key not in self._exchanges:
+            self._exchanges[key] = Exchange(update, plan.gather, plan.owner_dims, owners,
+                                            plan._my_owner_index(), plan.matrix_shape)
+        return self._exchanges[key]
+
+
+def _ns_of(group: Dict):
+    coeffs, steps, eps = group["ns_coefficients"], group["ns_steps"], group["ns_eps"]
+    return lambda m: _zeropower_via_newtonschulz(m, coeffs, steps, eps)
 
 
 class _GatherPlan:
@@ -186,15 +221,13 @@ class _GatherPlan:
         for d in owner_dims:
             self.n_owners *= mesh.size(d)
         experts = shape[0] if self.is_stack else 1
-        if gather is not None and self.is_stack:
-            for d, pl in enumerate(gather):
-                if isinstance(pl, Shard):  # the expert dimension stays split over EP
-                    experts //= mesh.size(d)
-        self.n_local_matrices = experts
-        # Global index of the first local matrix: an expert stack split over EP holds a block of experts.
         self.first_matrix = 0
-        if gather is not None and self.is_stack and experts != shape[0]:
-            self.first_matrix = _expert_offset(p, gather)
+        if gather is not None and self.is_stack and any(isinstance(pl, Shard) for pl in gather):
+            # The expert dimension stays split (over EP, or by FSDP's Shard(0)): this rank's block of
+            # experts, uneven included (3 experts over 4 ranks: 1, 1, 1, 0), and the global index of
+            # its first one, from DTensor's own offsets.
+            experts, self.first_matrix = _expert_block(p, gather)
+        self.n_local_matrices = experts
 
     @classmethod
     def of(cls, p: torch.Tensor) -> "_GatherPlan":
@@ -211,6 +244,17 @@ class _GatherPlan:
             else:
                 gather.append(Replicate())
         return cls(p, gather, tuple(owner_dims))
+
+    def exchanges(self, update: torch.Tensor) -> bool:
+        """Whether the update goes to its owners by all_to_all (muon_exchange): a DTensor whose
+        matrices are split over some mesh dimensions by Shard placements (not Partial), with real
+        values moved by a real process group. The rehearsals (fake tensors, or real tensors on
+        torch's fake process group, whose collectives leave garbage: the routes would be garbage
+        too) take the all-gather path below, as do Partial updates."""
+        return (self.gather is not None and bool(self.owner_dims)
+                and not any(pl.is_partial() for pl in update.placements)
+                and not is_fake(update.to_local())
+                and dist.get_backend(update.device_mesh.get_group(self.owner_dims[0])) != "fake")
 
     def _my_owner_index(self) -> int:
         if not self.owner_dims:
@@ -249,11 +293,17 @@ def _ns(update: torch.Tensor, coeffs, steps: int, eps: float, stack: bool) -> to
     return torch.stack([_zeropower_via_newtonschulz(m, coeffs, steps, eps) for m in update.unbind(0)])
 
 
-def _expert_offset(p: DTensor, placements: list) -> int:
-    """Index of this rank's first expert in an expert stack split on dim 0 (DTensor's own offsets)."""
+def _expert_block(p: DTensor, placements: list) -> Tuple[int, int]:
+    """(experts, index of the first) of this rank's block of an expert stack split on dim 0
+    (DTensor's own shapes and offsets)."""
     with unset_fake_temporarily():  # the mesh's rank ids are real even when the rehearsal fakes tensors
-        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
-    return int(offset[0])
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+    return int(shape[0]), int(offset[0])
+
+
+def _expert_offset(p: DTensor, placements: list) -> int:
+    """Index of this rank's first expert (the name before `_expert_block`; kept for its callers)."""
+    return _expert_block(p, placements)[1]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,10 @@ DEEPSEEK_V3_NOAUX = {**DEEPSEEK_V3, "aux_loss_alpha": 0.0}
 DSV3_MTP = {**DEEPSEEK_V3, "mtp_layers": 1}
 
 
+# Sizes that do not divide by 2: FSDP's uneven shards and layout-independent init.
+ODD = {"vocab_size": 251, "ffn_dim": 191, "moe_ffn_dim": 45, "n_experts": 3}
+
+
 def _short(model: str) -> str:
     return "moe" if model == "debug_moe" else "dense"
 
@@ -73,8 +77,7 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
         one.append({"name": f"ref_{m}", "model": model, "export": f"{ckpt_dir}/export_ref_{m}.pt"})
     one.append({"name": "ref_tied", "model": "debug", "tie": True})
     two.append({"name": "fsdp2_tied", "model": "debug", "tie": True, "mesh": {"dp_shard": 2}})
-    # Sizes that do not divide by 2: FSDP's uneven shards and layout-independent init.
-    odd = {"vocab_size": 251, "ffn_dim": 191, "moe_ffn_dim": 45, "n_experts": 3}
+    odd = ODD
     one.append({"name": "ref_odd", "model": "debug_moe", "model_overrides": odd})
     # 2 experts over ep=2 inside dp_shard=4: one expert per ep rank, FSDP-sharded over 2 ranks on
     # dim 1 (dim 0 has 1 row), the router [2, dim] too (launcher/parallel/fsdp.py).
@@ -248,7 +251,7 @@ def muon_layouts(ckpt_dir: str):
     FSDP on the MoE and DeepSeek-V3 models, HSDP; a checkpoint saved on 4 ranks resumed on 2."""
     four = [
         {"name": "fsdp2_tp2_dense_muon", "model": "debug", "mesh": {"dp_shard": 2, "tp": 2}, "sp": True,
-         "save_dir": f"{ckpt_dir}/w4_dense_muon", "save_after": 2, **MUON_TOL},
+         "save_dir": f"{ckpt_dir}/w4_dense_muon", "save_after": 2, "state_digest": True, **MUON_TOL},
         {"name": "pp2_fsdp2_dense_muon", "model": "debug", "mesh": {"pp": 2, "dp_shard": 2},
          "pp_schedule": "1f1b", **MUON_TOL},
         {"name": "ep2_fsdp4_moe_muon", "model": "debug_moe", "mesh": {"dp_shard": 4, "ep": 2}, **MUON_TOL},
@@ -256,10 +259,24 @@ def muon_layouts(ckpt_dir: str):
          "mesh": {"dp_shard": 4, "ep": 2}, **MUON_TOL},
         {"name": "hsdp2x2_dense_muon", "model": "debug", "mesh": {"dp_replicate": 2, "dp_shard": 2}, **MUON_TOL},
     ]
+    # Save on 4 ranks (FSDP2 x TP), resume on 2 (FSDP2): the 2-rank run loads bitwise the state the
+    # 4-rank run saved (state_digest: every parameter, momentum buffer and AdamW moment), matches the
+    # 1-rank run within MUON_TOL, and saves again after its step; the 2-rank run resumed from that
+    # save continues bitwise as a 2-rank run that trains on from the 4-rank checkpoint uninterrupted
+    # (continue_*: compared with the resumed pair, not with the 1-rank run: 4 steps to its 3).
+    w4, w2 = f"{ckpt_dir}/w4_dense_muon", f"{ckpt_dir}/w2_dense_muon"
     two = [{"name": "resume_w4_as_fsdp2_dense_muon", "model": "debug", "mesh": {"dp_shard": 2},
-            "load_dir": f"{ckpt_dir}/w4_dense_muon", "start_step": 2, **MUON_TOL}]
+            "load_dir": w4, "start_step": 2, "state_digest": True, "save_dir": w2, "save_after": 3, **MUON_TOL},
+           {"name": "resume_w2_as_fsdp2_dense_muon", "model": "debug", "mesh": {"dp_shard": 2},
+            "load_dir": w2, "start_step": 3, "steps": 4, "no_reference": True, **MUON_TOL},
+           {"name": "continue_w4_on_fsdp2_dense_muon", "model": "debug", "mesh": {"dp_shard": 2},
+            "load_dir": w4, "start_step": 2, "steps": 4, "no_reference": True, **MUON_TOL},
+           # Uneven shards: FSDP2's of the dense matrices (ffn_dim 191) and of an expert stack split on
+           # its expert dimension (3 experts over 2 ranks: 2 and 1).
+           {"name": "fsdp2_odd_muon", "model": "debug_moe", "model_overrides": ODD, "mesh": {"dp_shard": 2}, **MUON_TOL}]
     one = [{"name": f"ref_{tag}_muon", "model": model, "optim": "muon", **({"model_overrides": o} if o else {})}
-           for tag, model, o in (("dense", "debug", None), ("moe", "debug_moe", None), ("dsv3", "debug_moe", DEEPSEEK_V3))]
+           for tag, model, o in (("dense", "debug", None), ("moe", "debug_moe", None), ("dsv3", "debug_moe", DEEPSEEK_V3),
+                                 ("odd", "debug_moe", ODD))]
     return four, two, one
 
 

@@ -12,7 +12,9 @@ sp, pp_schedule, pp_virtual_stages, pp_layers, micro_batch_size, ac, ac_selectiv
 zero_stage, precision, offload (offload.optimizer), optim (muon), accumulate_unsharded, backend_sharding, cp_impl,
 documents (packed documents: data.document_masking and data.reset_positions), steps, save_dir +
 save_after (save after that many steps), load_dir + start_step (resume, then run steps
-start_step..steps-1), count_expert_rows (record per rank the rows routed to and computed by each
+start_step..steps-1), state_digest (record a bitwise digest of every full parameter and optimizer
+state tensor right after the save and right after the load: saved_state / loaded_state),
+count_expert_rows (record per rank the rows routed to and computed by each
 MoE expert: expert_rows_per_rank).
 
 Each layout is resolved by the real resolver (`launcher.plan.decide.resolve.resolve`, what `train`
@@ -176,6 +178,8 @@ def run_layout(spec: dict) -> dict:
     start = spec.get("start_step", 0)
     if spec.get("load_dir"):
         engine.load(Path(spec["load_dir"]))
+        if spec.get("state_digest"):
+            out["loaded_state"] = state_digest(engine)
     t0 = time.time()
     for step in range(start, steps):
         mbs = rank_microbatches(step, mcfg.vocab_size, dp_rank, dp, layout.batch.micro_batch_size)
@@ -188,6 +192,8 @@ def run_layout(spec: dict) -> dict:
             out.setdefault("mtp", []).append(stats.extra["mtp/loss"])
         if spec.get("save_dir") and step + 1 == spec.get("save_after"):
             engine.save(Path(spec["save_dir"]))
+            if spec.get("state_digest"):
+                out["saved_state"] = state_digest(engine)
         if spec.get("export") and step + 1 == steps:
             engine.export(Path(spec["export"]), "fp32")
     out["seconds"] = time.time() - t0
@@ -218,6 +224,37 @@ def run_layout(spec: dict) -> dict:
         if dist.is_initialized():
             dist.all_gather_object(per_rank, tracked)
         out["tracked_per_rank"] = per_rank
+    return out
+
+
+def state_digest(engine) -> dict:
+    """{"<parameter>" or "<parameter>/<state key>": digest} over every rank's model parts: each full
+    tensor (DTensors gathered) read as its raw bits, summed with position weights in int64, so any
+    changed bit or moved element changes it (the layouts hold the same values whatever the sharding)."""
+    from torch.distributed.tensor import DTensor
+
+    from launcher.models.init import canonical_name
+
+    def digest(t: torch.Tensor) -> str:
+        full = (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu").contiguous().reshape(-1)
+        bits = full.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[full.element_size()])
+        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64)
+        return f"{full.dtype}:{bits.numel()}:{int((bits.to(torch.int64) * weights).sum())}"
+
+    out = {}
+    states = {}
+    for opt in engine.optimizers:
+        states.update(opt.state)
+    for part in engine.model_parts:
+        for name, p in part.named_parameters():
+            key = canonical_name(name)
+            out[key] = digest(p)
+            for k, v in sorted(states.get(p, {}).items()):
+                out[f"{key}/{k}"] = digest(v) if isinstance(v, torch.Tensor) else repr(v)
+    if dist.is_initialized():
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, out)
+        out = {k: v for d in per_rank for k, v in d.items()}
     return out
 
 

@@ -28,8 +28,9 @@ WITH_EMBEDDING, WITH_OUTPUT = -1, -2
 # launcher/plan/estimate/params.py StageParams.tp_replicated counts them), "experts" (a routed
 # expert stack: EP splits its matrices).
 MUON_KINDS = ("split", "whole", "experts")
-# Bytes per fp32 element of gathered update and result (the gradients and momentum are fp32).
-UPDATE_BYTES = 4.0
+# Bytes per element of an update on its way to the owner and of the result on its way back: bf16
+# (launcher/engines/muon_exchange.py sends bf16, as torch's Newton-Schulz casts to bf16 first).
+UPDATE_BYTES = 2.0
 
 
 def ns_flops(rows: int, cols: int, steps: int) -> float:

@@ -629,8 +629,9 @@ def muon_step_s(st: StageParams, lay: Layout, hw: Any) -> Optional[Dict[str, Any
     Muon): its elementwise step (MUON_ELEMENTWISE_BYTES per local element at HBM bandwidth), the
     Newton-Schulz iterations of the matrices it owns (bf16 at the matmul peak x
     achievable_fraction x the small-GEMM knee of each shape) and the gathers of each matrix's shards
-    to its owner and the scatters back (at the owner group's link bandwidth; not overlapped: the
-    engine runs them on the compute stream). The owners are the engine's (estimate/muon.py)."""
+    to its owner and the scatters back (at the owner group's link bandwidth; the engine overlaps
+    one bucket's exchange with the next one's Newton-Schulz, which the plan leaves out, an upper
+    bound). The owners are the engine's (estimate/muon.py)."""
     work = stage_muon_work(st, lay)
     if work is None:
         return None
