@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import read_metrics, run_train
+from conftest import TRAIN, read_metrics, train_env
 from launcher.config.loader import compose_spec
 from launcher.data.eval_inputs import eval_input_problems
 from launcher.plan.decide.resolve import validate
@@ -117,18 +119,43 @@ def hflm_reference(folder: Path, tokenizer: Path, tasks: Path) -> dict:
     return metric_rows(evaluate_tasks(lm, load_tasks(["tiny_mc", "tiny_ppl"], [str(tasks)], 0), 0))
 
 
+def _break_when_saved(checkpoint: Path, proc: subprocess.Popen, timeout: float = 600) -> bool:
+    """Zero a weight file of `checkpoint` once it is saved, keeping its size (training's pruning
+    checks sizes only, so the folder stays): its evaluation job, after training, then fails at the
+    export, whose resume checks the crc32 sums."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        files = sorted((checkpoint / "engine").rglob("*.distcp")) if (checkpoint / "manifest.json").is_file() else []
+        if files:
+            files[0].write_bytes(bytes(files[0].stat().st_size))
+            return True
+        time.sleep(0.02)
+    return False
+
+
 @pytest.mark.multiprocess
 def test_in_loop_scores_equal_lm_evals_hf_backend(eval_inputs, tmp_path):
+    """Also the per-checkpoint evaluation jobs (eval.on_checkpoint, eval.job=true) of the same launch:
+    after training, the checkpoint of step 2 is exported (fp32) and scored by HFLM (the same acc as
+    in the loop); the checkpoint of step 1, broken after it was saved, fails its job, which is
+    recorded with its log, and training's exit code, checkpoints and metrics are untouched."""
     model, tasks = eval_inputs
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(WORDS[(i * 5) % len(WORDS)] for i in range(3000)))
     run = tmp_path / "run"
-    run_train(["model=hf", f"model.init_from={model}", "data=text", f"data.path={corpus}", "trainer.steps=2",
-               f"trainer.seq_len={SEQ}", "trainer.global_batch_size=4", "trainer.micro_batch_size=1",
-               "precision=fp32", "cluster.gpus_per_node=2", "eval.tasks=[tiny_mc,tiny_ppl]", "eval.every=2",
-               f"eval.include_path=[{tasks}]", "checkpoint.export=hf", "checkpoint.export_dtype=fp32",
-               "logging.progress=false", "plan.plots=false", "logging.wandb.mode=disabled"],
-              run, check=True, timeout=600)
+    args = ["model=hf", f"model.init_from={model}", "data=text", f"data.path={corpus}", "trainer.steps=2",
+            f"trainer.seq_len={SEQ}", "trainer.global_batch_size=4", "trainer.micro_batch_size=1",
+            "precision=fp32", "cluster.gpus_per_node=2", "eval.tasks=[tiny_mc,tiny_ppl]", "eval.every=2",
+            f"eval.include_path=[{tasks}]", "checkpoint.export=hf", "checkpoint.export_dtype=fp32",
+            "eval.on_checkpoint=[tiny_mc]", "eval.job=true", "checkpoint.interval=1",
+            "logging.progress=false", "plan.plots=false", "logging.wandb.mode=disabled", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen([TRAIN, *args], cwd=tmp_path, env=train_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    checkpoints = run / "checkpoints"  # hydra.run.dir given: <run dir>/checkpoints
+    broke = _break_when_saved(checkpoints / "step_00000001", proc)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert broke, out[-2000:]
     rows = {r["step"]: r for r in read_metrics(run)}
     assert not any(k.startswith("eval/") for k in rows[1]), rows[1]  # eval.every=2: step 2 only
     ours = {k: v for k, v in rows[2].items() if k.startswith("eval/")}
@@ -140,6 +167,17 @@ def test_in_loop_scores_equal_lm_evals_hf_backend(eval_inputs, tmp_path):
     assert "eval/tiny_mc/acc_stderr" in ours
     for key in ("eval/tiny_ppl/bits_per_byte", "eval/tiny_ppl/word_perplexity", "eval/tiny_ppl/byte_perplexity"):
         assert math.isclose(ours[key], theirs[key], rel_tol=1e-4), (key, ours[key], theirs[key])
+    # Per-checkpoint jobs: one record per checkpoint step; step 2's acc is the in-loop acc at step 2.
+    records = {r["step"]: r for r in map(json.loads, (run / "eval.jsonl").read_text().splitlines())}
+    assert sorted(records) == [1, 2], records
+    ok, failed = records[2], records[1]
+    assert ok["status"] == "ok" and ok["task"] == "tiny_mc" and ok["job_id"].startswith("local-"), ok
+    assert ok["metrics"]["acc"] == ours["eval/tiny_mc/acc"] and ok["metrics"]["acc_norm"] == ours["eval/tiny_mc/acc_norm"]
+    assert ok["stderr"]["acc"] == ours["eval/tiny_mc/acc_stderr"] and ok["seconds"] > 0
+    assert failed["status"] == "failed" and "export" in failed["error"] and Path(failed["log"]).is_file(), failed
+    assert not (checkpoints / "step_00000002_export").exists()  # the job's export is removed; the checkpoint stays
+    assert (checkpoints / "step_00000002" / "manifest.json").is_file()
+    assert "evaluation job for step 1: FAILED" in out, out[-3000:]
 
 
 def test_eval_inputs_are_checked_before_launch(eval_inputs, tmp_path, monkeypatch):
