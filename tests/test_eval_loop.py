@@ -121,8 +121,8 @@ def hflm_reference(folder: Path, tokenizer: Path, tasks: Path) -> dict:
 
 def _break_when_saved(checkpoint: Path, proc: subprocess.Popen, timeout: float = 600) -> bool:
     """Zero a weight file of `checkpoint` once it is saved, keeping its size (training's pruning
-    checks sizes only, so the folder stays): its evaluation job, after training, then fails at the
-    export, whose resume checks the crc32 sums."""
+    checks sizes only, so the folder stays): its evaluation job, after training, then fails on the
+    crc32 sums before it exports."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         files = sorted((checkpoint / "engine").rglob("*.distcp")) if (checkpoint / "manifest.json").is_file() else []
@@ -174,7 +174,7 @@ def test_in_loop_scores_equal_lm_evals_hf_backend(eval_inputs, tmp_path):
     assert ok["status"] == "ok" and ok["task"] == "tiny_mc" and ok["job_id"].startswith("local-"), ok
     assert ok["metrics"]["acc"] == ours["eval/tiny_mc/acc"] and ok["metrics"]["acc_norm"] == ours["eval/tiny_mc/acc_norm"]
     assert ok["stderr"]["acc"] == ours["eval/tiny_mc/acc_stderr"] and ok["seconds"] > 0
-    assert failed["status"] == "failed" and "export" in failed["error"] and Path(failed["log"]).is_file(), failed
+    assert failed["status"] == "failed" and "fails its crc32 check" in failed["error"] and Path(failed["log"]).is_file(), failed
     assert not (checkpoints / "step_00000002_export").exists()  # the job's export is removed; the checkpoint stays
     assert (checkpoints / "step_00000002" / "manifest.json").is_file()
     assert "evaluation job for step 1: FAILED" in out, out[-3000:]

@@ -6,7 +6,7 @@ is what both executors run (launcher/launch/eval_submit.py: local, a subprocess 
 SLURM, the one-node job of slurm/eval.sh.j2). It
 1. exports the checkpoint of STEP through `action=export`'s own path (the ranks load it and
    write `checkpoint.export=hf` in `checkpoint.export_dtype`, beside it: `<step>_export/hf`),
-   on this node's ranks (cluster.gpus_per_node) with the run's model and precision but a plain
+   on this node's ranks (cluster.gpus_per_node GPUs; one rank on CPUs) with the run's model and precision but a plain
    data-parallel layout (torch.distributed.checkpoint reshards), its own run dir
    `<run dir>/eval_jobs/step_N/` (config, plan, rank logs);
 2. puts the tokenizer files beside the weights (those of eval.tokenizer / the data's manifest /
@@ -36,7 +36,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from launcher.checkpoint.folder import checkpoint_root, export_dir_of, step_dir_name
+from launcher.checkpoint.folder import checkpoint_root, export_dir_of, step_dir_name, verify_checkpoint
 from launcher.config.loader import load_spec, save_spec
 from launcher.config.schema import EvalConfig, JobConfig, ParallelConfig
 from launcher.data.eval_inputs import eval_tokenizer_folder
@@ -65,13 +65,16 @@ def job_log(run_dir: Path, step: int) -> Path:
 
 
 def export_spec_for(spec: JobConfig, checkpoint: Path) -> JobConfig:
-    """The run's job as `action=export` of `checkpoint` to HF on one node of this executor's
-    ranks: the model, precision and export dtype of the run; a plain data-parallel layout; no
+    """The run's job as `action=export` of `checkpoint` to HF on one node's ranks (its GPUs, or one
+    rank on CPUs): the model, precision and export dtype of the run; a plain data-parallel layout; no
     in-loop evaluation, no W&B; a local launch inside this (job's) process."""
     device = spec.trainer.device
     if device == "auto":  # as the local launch decides it: the GPUs when there are enough
         device = "cuda" if visible_gpu_count() >= spec.cluster.gpus_per_node else "cpu"
-    cluster = dataclasses.replace(spec.cluster, name="local", nodes=1, spare_nodes=0, max_restarts=0)
+    # On CPUs one rank: more ranks share the same host memory and only add start-up time.
+    ranks = 1 if device == "cpu" else spec.cluster.gpus_per_node
+    cluster = dataclasses.replace(spec.cluster, name="local", nodes=1, gpus_per_node=ranks, spare_nodes=0,
+                                  max_restarts=0)
     return dataclasses.replace(
         spec, action="export", eval=EvalConfig(), parallel=ParallelConfig(), cluster=cluster,
         trainer=dataclasses.replace(spec.trainer, device=device, rehearse=False),
@@ -124,6 +127,10 @@ def evaluate_checkpoint(spec: JobConfig, run_dir: Path, step: int) -> List[Dict[
         raise EvalJobError(f"the checkpoint {checkpoint} does not exist (removed by checkpoint.keep="
                            f"{spec.checkpoint.keep} before its evaluation ran?). Fix: raise checkpoint.keep, or "
                            f"eval.job_every so that fewer checkpoints wait for evaluation.")
+    # Checked here, in one process, before any rank starts: a damaged checkpoint fails in seconds.
+    problem = verify_checkpoint(checkpoint, checksums=spec.checkpoint.verify_checksums)
+    if problem:
+        raise EvalJobError(f"the checkpoint {checkpoint} cannot be exported: {problem}")
     existed = export_dir_of(checkpoint).exists()
     folder = export_checkpoint(spec, checkpoint, job_dir(run_dir, step))
     try:
