@@ -200,6 +200,20 @@ def test_eval_inputs_are_checked_before_launch(eval_inputs, tmp_path, monkeypatc
     with pytest.raises(ConfigError) as err:
         check_eval_tasks(compose_spec(base + ["eval.tasks=[tiny_mc,hellaswagg]", f"eval.include_path=[{tasks}]"]))
     assert "hellaswagg" in err.value.problems[0] and "Fix:" in err.value.problems[0]
+    # Per-checkpoint jobs: asked for without tasks, tasks without the job, a task whose data is gone
+    # (named with its key), a task lm-eval cannot build offline.
+    jobs = base + ["eval.tasks=[]", "eval.every=0"]
+    assert any("eval.job=true without eval.on_checkpoint" in p and "Fix:" in p
+               for p in validate(compose_spec(jobs + ["eval.job=true"])))
+    assert any("eval.on_checkpoint=['tiny_mc']" in p and "eval.job=true" in p
+               for p in validate(compose_spec(jobs + ["eval.on_checkpoint=[tiny_mc]"])))
+    problems = eval_input_problems(compose_spec(jobs + ["eval.on_checkpoint=[gone]", "eval.job=true",
+                                                        f"eval.include_path=[{broken}]"]))
+    assert len(problems) == 1 and problems[0].startswith("eval.on_checkpoint: task gone"), problems
+    with pytest.raises(ConfigError) as err:
+        check_eval_tasks(compose_spec(jobs + ["eval.on_checkpoint=[tiny_mcc]", "eval.job=true",
+                                              f"eval.include_path=[{tasks}]"]))
+    assert err.value.problems[0].startswith("eval.on_checkpoint: no task named tiny_mcc"), err.value.problems
     monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # what `import lm_eval` meets when not installed
     with pytest.raises(ConfigError) as err:
         check_eval_tasks(compose_spec(base + ["eval.tasks=[tiny_mc]", f"eval.include_path=[{tasks}]"]))
@@ -292,3 +306,31 @@ def test_the_plan_prices_evaluation_from_the_tasks_data_and_adds_it_to_the_budge
     assert f"tiny_mc 5 docs / {mc_requests} requests / {mc_requests} rows of {seq} tokens" in text
     assert "h of training steps and evaluation" in text
     assert build_plan(compose_spec(["+recipe=debug"])).eval == {}
+
+
+def test_eval_jobs_are_planned_and_rendered_for_slurm(eval_inputs, tmp_path):
+    """eval.job_every=2 with checkpoint.interval=5: the checkpoints of steps 10, 20 and the last (23)
+    are evaluated; action=plan says so in one line; the training job's script runs the submitter
+    beside the ranks and once at exit, and the evaluation job (slurm/eval.sh.j2) is one node, one
+    task, running the job module on that step offline."""
+    from launcher.launch.eval_submit import render_eval_script
+    from launcher.launch.slurm import render_script
+    from launcher.plan.decide.eval_jobs import eval_job_steps
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.present.report import render_plan
+
+    model, tasks = eval_inputs
+    spec = compose_spec(["+recipe=debug", "cluster=slurm", "trainer.steps=23", "checkpoint.interval=5",
+                         "eval.on_checkpoint=[tiny_mc]", "eval.job=true", "eval.job_every=2",
+                         f"eval.include_path=[{tasks}]", f"eval.tokenizer={model}"])
+    assert eval_job_steps(spec) == [10, 20, 23]
+    plan = build_plan(spec)
+    text = render_plan(plan, spec)
+    assert "Evaluation jobs (eval.job): tiny_mc on the HF export (bf16) of the checkpoints of steps 10, 20, 23: " \
+           "a one-node SLURM job" in text, text
+    script = render_script(spec, plan, tmp_path)
+    assert f"-m launcher.launch.eval_submit watch {tmp_path}" in script and "trap eval_jobs_final EXIT" in script
+    job = render_eval_script(spec, tmp_path, 20, tmp_path)
+    assert '#SBATCH --nodes="1"' in job and '#SBATCH --ntasks="1"' in job and "HF_HUB_OFFLINE=1" in job
+    assert f"-m launcher.launch.eval_job {tmp_path} 20" in job
+    assert "eval_submit" not in render_script(compose_spec(["+recipe=debug", "cluster=slurm"]), plan, tmp_path)

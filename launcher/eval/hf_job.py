@@ -20,9 +20,8 @@ def evaluate_export(folder: str, tasks: Sequence[str], include_path: Sequence[st
                     max_length: int, device: str, batch_size: int = 8) -> Dict[str, Any]:
     """lm-eval's results dict for `tasks` on the HF folder `folder` (offline)."""
     set_offline_env()  # before lm-eval / datasets / transformers are imported
-    # lazy: lm-eval (the optional extra) only in an evaluation job
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
+    from lm_eval import simple_evaluate  # lazy: lm-eval, the optional extra, after the offline variables
+    from lm_eval.models.huggingface import HFLM  # lazy: as above (imports transformers and torch)
 
     lm = HFLM(pretrained=folder, tokenizer=folder, dtype="auto", device=device, batch_size=batch_size,
               max_length=max_length)

@@ -85,11 +85,10 @@ def export_spec_for(spec: JobConfig, checkpoint: Path) -> JobConfig:
 
 def export_checkpoint(spec: JobConfig, checkpoint: Path, out_dir: Path) -> Path:
     """Run action=export of `checkpoint` (ranks on this machine); the HF folder written."""
-    # lazy: the launch path of a training run, only in an evaluation job
-    from launcher.config.export_spec import export_spec
-    from launcher.launch.local import launch_local
-    from launcher.plan.decide.resolve import check
-    from launcher.plan.present.plan import build_plan
+    from launcher.config.export_spec import export_spec  # lazy: the export's launch path, in a job only
+    from launcher.launch.local import launch_local  # lazy: as above
+    from launcher.plan.decide.resolve import check  # lazy: as above
+    from launcher.plan.present.plan import build_plan  # lazy: as above
 
     exp = export_spec(export_spec_for(spec, checkpoint))
     plan = build_plan(exp, check(exp))
