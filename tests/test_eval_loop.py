@@ -9,6 +9,7 @@ weights it evaluated: acc and acc_norm exactly, log-likelihood metrics within 1e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -334,3 +335,8 @@ def test_eval_jobs_are_planned_and_rendered_for_slurm(eval_inputs, tmp_path):
     assert '#SBATCH --nodes="1"' in job and '#SBATCH --ntasks="1"' in job and "HF_HUB_OFFLINE=1" in job
     assert f"-m launcher.launch.eval_job {tmp_path} 20" in job
     assert "eval_submit" not in render_script(compose_spec(["+recipe=debug", "cluster=slurm"]), plan, tmp_path)
+    # Local jobs run after training: a due checkpoint that checkpoint.keep removes by then is named.
+    local = render_plan(plan, dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, name="local"),
+                                                  checkpoint=spec.checkpoint.with_changes(keep=2)))
+    assert "after training ends" in local and "1 due checkpoint(s) (steps 10) will be recorded as skipped. " \
+           "Fix: checkpoint.keep=4" in local, local

@@ -17,14 +17,16 @@ from launcher.eval.tasks import BOOTSTRAP_ITERS, FEWSHOT_SEED, set_offline_env, 
 
 
 def evaluate_export(folder: str, tasks: Sequence[str], include_path: Sequence[str], limit: int, num_fewshot: int,
-                    max_length: int, device: str, batch_size: int = 8) -> Dict[str, Any]:
-    """lm-eval's results dict for `tasks` on the HF folder `folder` (offline)."""
+                    max_length: int, device: str, gpus: int = 0, batch_size: int = 8) -> Dict[str, Any]:
+    """lm-eval's results dict for `tasks` on the HF folder `folder` (offline). With several GPUs
+    the model is split over them (HFLM's `parallelize`, accelerate's device map): a model that
+    trained sharded need not fit one GPU."""
     set_offline_env()  # before lm-eval / datasets / transformers are imported
     from lm_eval import simple_evaluate  # lazy: lm-eval, the optional extra, after the offline variables
     from lm_eval.models.huggingface import HFLM  # lazy: as above (imports transformers and torch)
 
     lm = HFLM(pretrained=folder, tokenizer=folder, dtype="auto", device=device, batch_size=batch_size,
-              max_length=max_length)
+              max_length=max_length, parallelize=device == "cuda" and gpus > 1)
     return simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(include_path),
                            num_fewshot=num_fewshot, limit=limit or None,
                            bootstrap_iters=BOOTSTRAP_ITERS, fewshot_random_seed=FEWSHOT_SEED, log_samples=False,

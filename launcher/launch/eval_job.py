@@ -134,10 +134,10 @@ def evaluate_checkpoint(spec: JobConfig, run_dir: Path, step: int) -> List[Dict[
     folder = export_checkpoint(spec, checkpoint, job_dir(run_dir, step))
     try:
         add_tokenizer(spec, folder)
-        device = "cuda" if spec.trainer.device != "cpu" and visible_gpu_count() > 0 else "cpu"
+        gpus = visible_gpu_count() if spec.trainer.device != "cpu" else 0
         e = spec.eval
         results = evaluate_export(str(folder), e.on_checkpoint, e.include_path, e.limit, e.num_fewshot,
-                                  max_length=spec.trainer.seq_len, device=device)
+                                  max_length=spec.trainer.seq_len, device="cuda" if gpus else "cpu", gpus=gpus)
         return task_records(results)
     finally:
         if not existed:  # ours: the checkpoint stays, action=export makes an export to keep

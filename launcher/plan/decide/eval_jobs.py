@@ -47,6 +47,22 @@ def eval_jobs_line(spec: JobConfig, executor: str) -> str:
     how = ("a one-node SLURM job (slurm/eval.sh.j2) per checkpoint, submitted as it is saved" if executor == "slurm"
            else "a subprocess per checkpoint on this machine after training ends")
     shown = ", ".join(str(s) for s in steps[:6]) + (f", ... ({len(steps)} in all)" if len(steps) > 6 else "")
-    return (f"Evaluation jobs (eval.job): {', '.join(spec.eval.on_checkpoint)} on the HF export "
+    line = (f"Evaluation jobs (eval.job): {', '.join(spec.eval.on_checkpoint)} on the HF export "
             f"({spec.checkpoint.export_dtype}) of the checkpoints of steps {shown}: {how}; results in eval.jsonl "
             f"(not in the step time or budget: they run off the training allocation)")
+    saved = saved_steps(spec)
+    kept = saved[-max(1, spec.checkpoint.keep):]
+    lost = [s for s in steps if s in saved and s not in kept]
+    if executor != "slurm" and lost:
+        needed = len(saved) - saved.index(lost[0])  # from the first due checkpoint to the end
+        line += (f"\n  ! checkpoint.keep={spec.checkpoint.keep} leaves only the newest checkpoints when training ends: "
+                 f"{len(lost)} due checkpoint(s) (steps {', '.join(map(str, lost[:4]))}{', ...' if len(lost) > 4 else ''}) will be "
+                 f"recorded as skipped. Fix: checkpoint.keep={needed} or more, or a larger eval.job_every")
+    return line
+
+
+def saved_steps(spec: JobConfig) -> List[int]:
+    """The steps a run to trainer.steps saves checkpoints at (the periodic saves and the final one)."""
+    interval, last = spec.checkpoint.interval, spec.trainer.steps
+    return sorted({*(range(interval, last + 1, interval) if interval > 0 else ()),
+                   *((last,) if spec.checkpoint.save_final else ())})
