@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -41,6 +42,7 @@ from launcher.config.loader import load_spec, save_spec
 from launcher.config.schema import EvalConfig, JobConfig, ParallelConfig
 from launcher.data.eval_inputs import eval_tokenizer_folder
 from launcher.eval.records import append_records
+from launcher.eval.tasks import set_offline_env
 from launcher.gpus import visible_gpu_count
 from launcher.hf.format import TOKENIZER_FILES
 from launcher.job_env import job_facts
@@ -90,15 +92,32 @@ def export_checkpoint(spec: JobConfig, checkpoint: Path, out_dir: Path) -> Path:
     from launcher.plan.decide.resolve import check  # lazy: as above
     from launcher.plan.present.plan import build_plan  # lazy: as above
 
+    set_offline_env()  # before lm-eval, datasets and transformers are imported (below, in a thread)
     exp = export_spec(export_spec_for(spec, checkpoint))
     plan = build_plan(exp, check(exp))
     out_dir.mkdir(parents=True, exist_ok=True)
     save_spec(exp, out_dir)
     plan.save(out_dir)
-    code = launch_local(exp, plan, out_dir)
+    # The export's ranks start (seconds: torch in a fresh interpreter) while this process loads
+    # lm-eval, transformers and torch for the evaluation that follows (another few seconds).
+    warm = threading.Thread(target=_import_lm_eval, name="import-lm-eval", daemon=True)
+    warm.start()
+    try:
+        code = launch_local(exp, plan, out_dir)
+    finally:
+        warm.join()
     if code != 0:
         raise EvalJobError(f"the export of {checkpoint} failed (exit code {code}); its rank logs: {out_dir / 'logs'}")
     return export_dir_of(checkpoint) / "hf"
+
+
+def _import_lm_eval() -> None:
+    """Import what the evaluation needs (a failure is left for the evaluation itself to report)."""
+    try:
+        from launcher.eval.hf_job import evaluate_export  # lazy: lm-eval, transformers, torch  # noqa: F401
+        from lm_eval.models.huggingface import HFLM  # lazy: as above  # noqa: F401
+    except Exception:  # noqa: BLE001 - the evaluation imports them again and reports what fails
+        pass
 
 
 def add_tokenizer(spec: JobConfig, folder: Path) -> None:
