@@ -9,14 +9,17 @@ weights it evaluated: acc and acc_norm exactly, log-likelihood metrics within 1e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import read_metrics, run_train
+from conftest import TRAIN, read_metrics, train_env
 from launcher.config.loader import compose_spec
 from launcher.data.eval_inputs import eval_input_problems
 from launcher.plan.decide.resolve import validate
@@ -117,18 +120,43 @@ def hflm_reference(folder: Path, tokenizer: Path, tasks: Path) -> dict:
     return metric_rows(evaluate_tasks(lm, load_tasks(["tiny_mc", "tiny_ppl"], [str(tasks)], 0), 0))
 
 
+def _break_when_saved(checkpoint: Path, proc: subprocess.Popen, timeout: float = 600) -> bool:
+    """Zero a weight file of `checkpoint` once it is saved, keeping its size (training's pruning
+    checks sizes only, so the folder stays): its evaluation job, after training, then fails on the
+    crc32 sums before it exports."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        files = sorted((checkpoint / "engine").rglob("*.distcp")) if (checkpoint / "manifest.json").is_file() else []
+        if files:
+            files[0].write_bytes(bytes(files[0].stat().st_size))
+            return True
+        time.sleep(0.02)
+    return False
+
+
 @pytest.mark.multiprocess
 def test_in_loop_scores_equal_lm_evals_hf_backend(eval_inputs, tmp_path):
+    """Also the per-checkpoint evaluation jobs (eval.on_checkpoint, eval.job=true) of the same launch:
+    after training, the checkpoint of step 2 is exported (fp32) and scored by HFLM (the same acc as
+    in the loop); the checkpoint of step 1, broken after it was saved, fails its job, which is
+    recorded with its log, and training's exit code, checkpoints and metrics are untouched."""
     model, tasks = eval_inputs
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(WORDS[(i * 5) % len(WORDS)] for i in range(3000)))
     run = tmp_path / "run"
-    run_train(["model=hf", f"model.init_from={model}", "data=text", f"data.path={corpus}", "trainer.steps=2",
-               f"trainer.seq_len={SEQ}", "trainer.global_batch_size=4", "trainer.micro_batch_size=1",
-               "precision=fp32", "cluster.gpus_per_node=2", "eval.tasks=[tiny_mc,tiny_ppl]", "eval.every=2",
-               f"eval.include_path=[{tasks}]", "checkpoint.export=hf", "checkpoint.export_dtype=fp32",
-               "logging.progress=false", "plan.plots=false", "logging.wandb.mode=disabled"],
-              run, check=True, timeout=600)
+    args = ["model=hf", f"model.init_from={model}", "data=text", f"data.path={corpus}", "trainer.steps=2",
+            f"trainer.seq_len={SEQ}", "trainer.global_batch_size=4", "trainer.micro_batch_size=1",
+            "precision=fp32", "cluster.gpus_per_node=2", "eval.tasks=[tiny_mc,tiny_ppl]", "eval.every=2",
+            f"eval.include_path=[{tasks}]", "checkpoint.export=hf", "checkpoint.export_dtype=fp32",
+            "eval.on_checkpoint=[tiny_mc]", "eval.job=true", "checkpoint.interval=1",
+            "logging.progress=false", "plan.plots=false", "logging.wandb.mode=disabled", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen([TRAIN, *args], cwd=tmp_path, env=train_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    checkpoints = run / "checkpoints"  # hydra.run.dir given: <run dir>/checkpoints
+    broke = _break_when_saved(checkpoints / "step_00000001", proc)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert broke, out[-2000:]
     rows = {r["step"]: r for r in read_metrics(run)}
     assert not any(k.startswith("eval/") for k in rows[1]), rows[1]  # eval.every=2: step 2 only
     ours = {k: v for k, v in rows[2].items() if k.startswith("eval/")}
@@ -140,6 +168,17 @@ def test_in_loop_scores_equal_lm_evals_hf_backend(eval_inputs, tmp_path):
     assert "eval/tiny_mc/acc_stderr" in ours
     for key in ("eval/tiny_ppl/bits_per_byte", "eval/tiny_ppl/word_perplexity", "eval/tiny_ppl/byte_perplexity"):
         assert math.isclose(ours[key], theirs[key], rel_tol=1e-4), (key, ours[key], theirs[key])
+    # Per-checkpoint jobs: one record per checkpoint step; step 2's acc is the in-loop acc at step 2.
+    records = {r["step"]: r for r in map(json.loads, (run / "eval.jsonl").read_text().splitlines())}
+    assert sorted(records) == [1, 2], records
+    ok, failed = records[2], records[1]
+    assert ok["status"] == "ok" and ok["task"] == "tiny_mc" and ok["job_id"].startswith("local-"), ok
+    assert ok["metrics"]["acc"] == ours["eval/tiny_mc/acc"] and ok["metrics"]["acc_norm"] == ours["eval/tiny_mc/acc_norm"]
+    assert ok["stderr"]["acc"] == ours["eval/tiny_mc/acc_stderr"] and ok["seconds"] > 0
+    assert failed["status"] == "failed" and "fails its crc32 check" in failed["error"] and Path(failed["log"]).is_file(), failed
+    assert not (checkpoints / "step_00000002_export").exists()  # the job's export is removed; the checkpoint stays
+    assert (checkpoints / "step_00000002" / "manifest.json").is_file()
+    assert "evaluation job for step 1: FAILED" in out, out[-3000:]
 
 
 def test_eval_inputs_are_checked_before_launch(eval_inputs, tmp_path, monkeypatch):
@@ -162,6 +201,20 @@ def test_eval_inputs_are_checked_before_launch(eval_inputs, tmp_path, monkeypatc
     with pytest.raises(ConfigError) as err:
         check_eval_tasks(compose_spec(base + ["eval.tasks=[tiny_mc,hellaswagg]", f"eval.include_path=[{tasks}]"]))
     assert "hellaswagg" in err.value.problems[0] and "Fix:" in err.value.problems[0]
+    # Per-checkpoint jobs: asked for without tasks, tasks without the job, a task whose data is gone
+    # (named with its key), a task lm-eval cannot build offline.
+    jobs = base + ["eval.tasks=[]", "eval.every=0"]
+    assert any("eval.job=true without eval.on_checkpoint" in p and "Fix:" in p
+               for p in validate(compose_spec(jobs + ["eval.job=true"])))
+    assert any("eval.on_checkpoint=['tiny_mc']" in p and "eval.job=true" in p
+               for p in validate(compose_spec(jobs + ["eval.on_checkpoint=[tiny_mc]"])))
+    problems = eval_input_problems(compose_spec(jobs + ["eval.on_checkpoint=[gone]", "eval.job=true",
+                                                        f"eval.include_path=[{broken}]"]))
+    assert len(problems) == 1 and problems[0].startswith("eval.on_checkpoint: task gone"), problems
+    with pytest.raises(ConfigError) as err:
+        check_eval_tasks(compose_spec(jobs + ["eval.on_checkpoint=[tiny_mcc]", "eval.job=true",
+                                              f"eval.include_path=[{tasks}]"]))
+    assert err.value.problems[0].startswith("eval.on_checkpoint: no task named tiny_mcc"), err.value.problems
     monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # what `import lm_eval` meets when not installed
     with pytest.raises(ConfigError) as err:
         check_eval_tasks(compose_spec(base + ["eval.tasks=[tiny_mc]", f"eval.include_path=[{tasks}]"]))
@@ -254,3 +307,36 @@ def test_the_plan_prices_evaluation_from_the_tasks_data_and_adds_it_to_the_budge
     assert f"tiny_mc 5 docs / {mc_requests} requests / {mc_requests} rows of {seq} tokens" in text
     assert "h of training steps and evaluation" in text
     assert build_plan(compose_spec(["+recipe=debug"])).eval == {}
+
+
+def test_eval_jobs_are_planned_and_rendered_for_slurm(eval_inputs, tmp_path):
+    """eval.job_every=2 with checkpoint.interval=5: the checkpoints of steps 10, 20 and the last (23)
+    are evaluated; action=plan says so in one line; the training job's script runs the submitter
+    beside the ranks and once at exit, and the evaluation job (slurm/eval.sh.j2) is one node, one
+    task, running the job module on that step offline."""
+    from launcher.launch.eval_submit import render_eval_script
+    from launcher.launch.slurm import render_script
+    from launcher.plan.decide.eval_jobs import eval_job_steps
+    from launcher.plan.present.plan import build_plan
+    from launcher.plan.present.report import render_plan
+
+    model, tasks = eval_inputs
+    spec = compose_spec(["+recipe=debug", "cluster=slurm", "trainer.steps=23", "checkpoint.interval=5",
+                         "eval.on_checkpoint=[tiny_mc]", "eval.job=true", "eval.job_every=2",
+                         f"eval.include_path=[{tasks}]", f"eval.tokenizer={model}"])
+    assert eval_job_steps(spec) == [10, 20, 23]
+    plan = build_plan(spec)
+    text = render_plan(plan, spec)
+    assert "Evaluation jobs (eval.job): tiny_mc on the HF export (bf16) of the checkpoints of steps 10, 20, 23: " \
+           "a one-node SLURM job" in text, text
+    script = render_script(spec, plan, tmp_path)
+    assert f"-m launcher.launch.eval_submit watch {tmp_path}" in script and "trap eval_jobs_final EXIT" in script
+    job = render_eval_script(spec, tmp_path, 20, tmp_path)
+    assert '#SBATCH --nodes="1"' in job and '#SBATCH --ntasks="1"' in job and "HF_HUB_OFFLINE=1" in job
+    assert f"-m launcher.launch.eval_job {tmp_path} 20" in job
+    assert "eval_submit" not in render_script(compose_spec(["+recipe=debug", "cluster=slurm"]), plan, tmp_path)
+    # Local jobs run after training: a due checkpoint that checkpoint.keep removes by then is named.
+    local = render_plan(plan, dataclasses.replace(spec, cluster=dataclasses.replace(spec.cluster, name="local"),
+                                                  checkpoint=spec.checkpoint.with_changes(keep=2)))
+    assert "after training ends" in local and "1 due checkpoint(s) (steps 10) will be recorded as skipped. " \
+           "Fix: checkpoint.keep=4" in local, local

@@ -638,6 +638,12 @@ class EvalConfig:
     # A Hugging Face tokenizer folder ('' = the tokenizer recorded in data.path's manifest.json,
     # else model.init_from's folder).
     tokenizer: str = ""
+    # Per-checkpoint evaluation jobs (launcher/launch/eval_job.py): heavy suites run by lm-eval's own
+    # HF backend on an HF export of a saved checkpoint, off the training allocation; results go
+    # to <run dir>/eval.jsonl and W&B (eval_job/<task>/<metric> at eval_job/step).
+    on_checkpoint: List[str] = field(default_factory=list)  # lm-eval task names for those jobs
+    job: bool = False  # submit them (SLURM: a one-node job per checkpoint; local: after training)
+    job_every: int = 1  # every k-th checkpoint: steps that are multiples of checkpoint.interval x k, and the last
 
 
 @dataclass

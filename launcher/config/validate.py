@@ -786,6 +786,23 @@ def _check_eval(spec: JobConfig, problems: List[str]) -> None:
         problems.append(f"eval.batch_tokens={e.batch_tokens} is less than one row of trainer.seq_len="
                         f"{spec.trainer.seq_len} tokens. Fix: eval.batch_tokens={spec.trainer.seq_len * spec.trainer.micro_batch_size} "
                         f"or more, or 0 for the training step's shape.")
+    _check_eval_jobs(spec, problems)
+
+
+def _check_eval_jobs(spec: JobConfig, problems: List[str]) -> None:
+    """eval.on_checkpoint / eval.job / eval.job_every: per-checkpoint evaluation jobs."""
+    e = spec.eval
+    if e.job_every < 1:
+        problems.append(f"eval.job_every={e.job_every} must be >= 1 (every k-th checkpoint). Fix: eval.job_every=1.")
+    if e.job and not e.on_checkpoint:
+        problems.append("eval.job=true without eval.on_checkpoint tasks: the per-checkpoint jobs would evaluate "
+                        "nothing. Fix: eval.on_checkpoint=[task,...], or eval.job=false.")
+    if e.on_checkpoint and not e.job:
+        problems.append(f"eval.on_checkpoint={list(e.on_checkpoint)} runs as per-checkpoint evaluation jobs, and "
+                        f"eval.job=false submits none. Fix: eval.job=true, or eval.on_checkpoint=[].")
+    if e.job and e.on_checkpoint and not spec.checkpoint.enabled:
+        problems.append("eval.job=true evaluates saved checkpoints, and checkpoint.enabled=false saves none. "
+                        "Fix: checkpoint.enabled=true, or eval.job=false.")
 
 
 BASIC_RULES: Iterable[Callable[[JobConfig, List[str]], None]] = (

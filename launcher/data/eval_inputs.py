@@ -72,10 +72,21 @@ def _data_files(doc: Dict[str, Any]) -> List[str]:
     return [str(f) for f in files]
 
 
+def eval_task_keys(spec: JobConfig) -> Dict[str, str]:
+    """{task name: the key that names it}: eval.tasks (in the loop), then eval.on_checkpoint (the
+    per-checkpoint jobs, when eval.job is on)."""
+    out = {name: "eval.tasks" for name in spec.eval.tasks}
+    if spec.eval.job:
+        for name in spec.eval.on_checkpoint:
+            out.setdefault(name, "eval.on_checkpoint")
+    return out
+
+
 def eval_input_problems(spec: JobConfig) -> List[str]:
     """eval.* inputs that do not exist: include_path folders, the tokenizer, local task data."""
     e = spec.eval
-    if not e.tasks:
+    named = eval_task_keys(spec)
+    if not named:
         return []
     problems: List[str] = []
     folders = []
@@ -86,13 +97,13 @@ def eval_input_problems(spec: JobConfig) -> List[str]:
             problems.append(f"eval.include_path: {folder} is not a folder. Fix: the folder holding your task YAMLs.")
     tok, key = eval_tokenizer_folder(spec)
     if not tok:
-        problems.append("eval.tasks needs a tokenizer to encode the tasks' text, and none is known. Fix: "
+        problems.append(f"{', '.join(sorted(set(named.values())))} needs a tokenizer to encode the tasks' text, and none is known. Fix: "
                         "eval.tokenizer=/path/to/hf_tokenizer_folder (or train on data prepared with one).")
     elif not any(os.path.isfile(os.path.join(tok, f)) for f in TOKENIZER_FILES):
         problems.append(f"eval.tokenizer: {tok} (from {key}) holds no {' / '.join(TOKENIZER_FILES)}. Fix: "
                         f"eval.tokenizer=<a Hugging Face tokenizer folder> (nothing is downloaded).")
     found = {doc["task"]: (path, doc) for path, doc in task_yamls(folders)}
-    for name in e.tasks:
+    for name, key in named.items():
         if name not in found:
             continue  # a group, a tag or a built-in task: the launch pre-check builds it
         path, doc = found[name]
@@ -101,11 +112,11 @@ def eval_input_problems(spec: JobConfig) -> List[str]:
         if dataset in LOCAL_BUILDERS:
             missing = [f for f in files if not (os.path.exists(f) or (path.parent / f).exists())]
             if not files or missing:
-                problems.append(f"eval.tasks: task {name} ({path}) reads dataset_path: {dataset} but its data_files "
+                problems.append(f"{key}: task {name} ({path}) reads dataset_path: {dataset} but its data_files "
                                 f"{missing or '(none given)'} do not exist. Fix: point dataset_kwargs.data_files at "
                                 f"local files.")
         elif isinstance(dataset, str) and dataset and not os.path.exists(dataset) and not _hf_cached(dataset):
-            problems.append(f"eval.tasks: task {name} ({path}) reads the Hub dataset {dataset}, which is not in this "
+            problems.append(f"{key}: task {name} ({path}) reads the Hub dataset {dataset}, which is not in this "
                             f"machine's Hugging Face cache, and the ranks never download. Fix: cache it first on a node "
                             f"with network access (docs/evaluation.md), or use dataset_path: json with local data_files.")
     return problems

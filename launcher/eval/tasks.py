@@ -39,7 +39,8 @@ def lm_eval_problem() -> Optional[str]:
         # lazy: the optional extra, asked for only when eval.tasks is set
         import lm_eval  # noqa: F401
     except ImportError as err:
-        return f"eval.tasks needs lm-eval (lm-evaluation-harness), which is not installed ({err}). {INSTALL_FIX}"
+        return (f"evaluation (eval.tasks, eval.on_checkpoint) needs lm-eval (lm-evaluation-harness), which is not "
+                f"installed ({err}). {INSTALL_FIX}")
     return None
 
 
@@ -66,16 +67,19 @@ def served_problems(name: str, task: Any) -> List[str]:
     return []
 
 
-def load_tasks(tasks: Sequence[str], include_path: Sequence[str], num_fewshot: int) -> Dict[str, Any]:
-    """lm-eval's loaded task dict for eval.tasks (datasets read once, here), few-shot set with
-    FEWSHOT_SEED. Raises TaskProblem naming the task when one cannot be built or served."""
+def load_tasks(tasks: Sequence[str], include_path: Sequence[str], num_fewshot: int, live: bool = True,
+               key: str = "eval.tasks") -> Dict[str, Any]:
+    """lm-eval's loaded task dict for `tasks` (datasets read once, here), few-shot set with
+    FEWSHOT_SEED. Raises TaskProblem naming the task (and `key`, the config key that names it)
+    when one cannot be built, or, with `live` (the in-loop model), served; lm-eval's own HF
+    backend (the per-checkpoint jobs, live=False) serves every output type."""
     manager = task_manager(include_path)
     problems: List[str] = []
     known = set(manager.all_tasks)  # tasks, groups and tags
     unknown = [t for t in tasks if t not in known]
     if unknown:
         where = f"eval.include_path={list(include_path)}" if include_path else "lm-eval's registry"
-        raise TaskProblem(f"eval.tasks: no task named {', '.join(unknown)} in {where}. Fix: check the names "
+        raise TaskProblem(f"{key}: no task named {', '.join(unknown)} in {where}. Fix: check the names "
                           f"(a YAML's `task:`), or add the folder holding its YAML to eval.include_path.")
     loaded = None
     for name in tasks:
@@ -84,12 +88,13 @@ def load_tasks(tasks: Sequence[str], include_path: Sequence[str], num_fewshot: i
         except Exception as err:  # datasets/lm-eval raise many kinds: name the task and its data
             reason = " ".join(str(err).split())[:300] or type(err).__name__
             raise TaskProblem(
-                f"eval.tasks: task {name} could not be built offline ({type(err).__name__}: {reason}). Fix: make its "
+                f"{key}: task {name} could not be built offline ({type(err).__name__}: {reason}). Fix: make its "
                 f"dataset available on this machine (cache it on a node with network access: docs/evaluation.md), "
                 f"or point its YAML at local files (dataset_path: json, dataset_kwargs.data_files).") from None
         loaded = one if loaded is None else _merge(loaded, one)
     for task_name, task in loaded["tasks"].items():
-        problems.extend(served_problems(task_name, task))
+        if live:
+            problems.extend(served_problems(task_name, task))
         if task.get_config("num_fewshot") != 0 or num_fewshot == 0:
             task.set_config(key="num_fewshot", value=num_fewshot)
         task.set_fewshot_seed(seed=FEWSHOT_SEED)

@@ -20,6 +20,7 @@ from typing import Dict, Protocol
 
 from launcher.config.schema import JobConfig
 from launcher.data.prepare import PrepareError, report_failure, run_prepare
+from launcher.launch.eval_submit import run_local_eval_jobs
 from launcher.launch.local import launch_local
 from launcher.launch.prepare_job import submit_prepare
 from launcher.launch.slurm import submit
@@ -53,6 +54,10 @@ class LocalExecutor:
             return EXIT_CHECKPOINT_DIR_IN_USE
         if code != 0:
             sys.stderr.write(f"training failed (exit code {code}); rank logs: {run_dir / 'logs'}\n")
+        if spec.action == "run":
+            # eval.job: the due checkpoints' evaluation jobs, here, now that training is done; their
+            # outcome goes to eval.jsonl and never changes training's exit code
+            run_local_eval_jobs(spec, run_dir)
         return code
 
     def prepare(self, spec: JobConfig, run_dir: Path) -> int:

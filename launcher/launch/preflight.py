@@ -67,14 +67,20 @@ def check_hf_support(spec: JobConfig, plan: Plan) -> None:
     if spec.checkpoint.export == "hf":
         problems.append("checkpoint.export=hf is not supported yet when DeepSpeed owns the model states. "
                         "Fix: backend=native, or checkpoint.export=safetensors.")
+    if spec.eval.job and spec.eval.on_checkpoint:
+        problems.append("eval.job=true evaluates an HF export of each checkpoint, and the HF export is not "
+                        "supported yet when DeepSpeed owns the model states. Fix: backend=native, or eval.job=false "
+                        "(in-loop evaluation, eval.tasks, serves DeepSpeed).")
     if problems:
         raise ConfigError(problems)
 
 
 def check_eval_tasks(spec: JobConfig) -> None:
     """eval.tasks: lm-eval is installed and every task builds offline and is served by the live
-    model (generation and is_greedy metrics are not), checked here before any rank starts."""
-    if not spec.eval.tasks:
+    model (generation and is_greedy metrics are not); eval.on_checkpoint (with eval.job): every
+    task builds offline (lm-eval's HF backend serves them all). Checked here before any rank starts."""
+    jobs = list(spec.eval.on_checkpoint) if spec.eval.job else []
+    if not spec.eval.tasks and not jobs:
         return
     # lazy: launcher.eval imports lm-eval (the optional extra) and torch; action=run with eval.tasks only
     from launcher.eval.tasks import TaskProblem, lm_eval_problem, load_tasks, set_offline_env
@@ -88,7 +94,10 @@ def check_eval_tasks(spec: JobConfig) -> None:
     level = lm_eval_log.level
     lm_eval_log.setLevel(logging.ERROR)
     try:
-        load_tasks(spec.eval.tasks, spec.eval.include_path, spec.eval.num_fewshot)
+        if spec.eval.tasks:
+            load_tasks(spec.eval.tasks, spec.eval.include_path, spec.eval.num_fewshot)
+        if jobs:
+            load_tasks(jobs, spec.eval.include_path, spec.eval.num_fewshot, live=False, key="eval.on_checkpoint")
     except TaskProblem as err:
         raise ConfigError([str(err)]) from None
     finally:

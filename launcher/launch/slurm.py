@@ -32,6 +32,7 @@ from launcher.config.schema import ClusterConfig, JobConfig
 from launcher.compat import TorchCapabilities, floor_capabilities, ranks_capabilities
 from launcher.launch.torchrun import shutdown_timeout_of, torchrun_argv, torchrun_env
 from launcher.paths import slurm_dir
+from launcher.plan.decide.eval_jobs import eval_jobs_on
 from launcher.plan.present.plan import Plan
 
 DEFAULT_TEMPLATE = "sbatch.sh.j2"
@@ -281,7 +282,20 @@ def template_context(spec: JobConfig, plan: Plan, run_dir: Path, cwd: Optional[P
         "max_requeues": int(c.max_requeues),
         "requeue_on_failure": bool(c.requeue_on_failure),
         "rdzv_host_from": str(c.rdzv_host_from),
+        "eval_watch_argv": eval_watch_argv(spec, cwd, paths.run_dir),
     }
+
+
+def eval_watch_argv(spec: JobConfig, cwd: Path, run_dir: Path) -> List[str]:
+    """The batch script's submitter of per-checkpoint evaluation jobs (eval.job;
+    launcher/launch/eval_submit.py), to which it appends `watch|scan RUN_DIR`; [] when off."""
+    if not eval_jobs_on(spec):
+        return []
+    c = spec.cluster
+    prefix: List[str] = []
+    if c.container:  # the launcher's Python lives in the image: one task beside the ranks' step
+        prefix = ["srun", "--nodes=1", "--ntasks=1", "--overlap", *container_args(c, cwd, run_dir)]
+    return [*prefix, ranks_python(c), "-m", "launcher.launch.eval_submit"]
 
 
 def _jinja_env(template_dir: Path) -> jinja2.Environment:

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Sequence
 from launcher.models.family import family_of
 from launcher.plan.estimate.bands import memory_at_risk
 from launcher.plan.estimate.memory import GiB, other_parts, own_maxima
+from launcher.plan.decide.eval_jobs import eval_jobs_line
 from launcher.plan.estimate.eval_time import eval_summary
 from launcher.plan.degrees import MESH_DIM_NAMES
 from launcher.plan.estimate.params import model_shape
@@ -100,6 +101,7 @@ def render_plan(plan, spec, fmt: str = "text") -> str:
         _time_section(plan, spec),
         _checkpoint_section(plan),
         eval_summary(getattr(plan, "eval", {})),
+        eval_jobs_line(spec, spec.cluster.name),
         _budget_section(plan, spec),
         assumptions(spec.model, spec.plan.moe_imbalance),
     ]
