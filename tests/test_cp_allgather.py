@@ -111,13 +111,58 @@ def test_auto_picks_allgather_where_ring_cannot_run_and_says_why():
     cfg = layout_model_cfg({"model": "debug"})
     assert layout_for(cfg, 2, **{"parallel.cp": 2}).owners.cp_impl == "allgather"  # CPU
     cuda = {"parallel.cp": 2, "trainer.device": "cuda"}
-    assert layout_for(cfg, 2, **cuda).owners.cp_impl == "ring"
     masked = layout_for(cfg, 2, **cuda, **{"data.document_masking": True})
     assert masked.owners.cp_impl == "allgather"
     why = dict(masked.owners.choices)["cp"].impl
     assert "allgather" in why and "document mask" in why
-    assert layout_for(cfg, 2, **cuda, **{"backend.cp_impl": "allgather"}).owners.cp_impl == "allgather"
+    assert layout_for(cfg, 2, **cuda, **{"backend.cp_impl": "ring"}).owners.cp_impl == "ring"
     assert layout_for(cfg, 1).owners.cp_impl == "off"
+
+
+def _llama8b(seq_len: int, cp: int = 8, **dotted):
+    """Llama-3-8B on one node of 8 H100s (the default hardware), cp ranks, full recompute."""
+    from tests.test_models import model_cfg
+
+    return layout_for(model_cfg("llama3_8b"), 8, **{
+        "parallel.cp": cp, "trainer.device": "cuda", "trainer.seq_len": seq_len, "model.max_seq_len": seq_len,
+        "trainer.global_batch_size": 8 // cp, "precision.name": "bf16", "activation_checkpointing.mode": "full",
+        **dotted})
+
+
+def test_auto_picks_by_memory_on_gpus_and_says_why():
+    """backend.cp_impl=auto on GPUs (h100_sxm, 80 GiB): all-gather where the plan with it fits, ring
+    where it does not and ring needs less, all-gather where ring cannot run (documents), and the
+    reason in the plan's "cp" row gives the gathered K/V per layer and the memory against the GPU.
+    Llama-3-8B, cp=8, full recompute: at 128K tokens the plan with all-gather fits; at 1M neither
+    fits and ring (K/V at seq_len/cp) needs less. At cp=2 without recompute ring (K/V repeated to
+    the 32 query heads, saved in every layer) needs more than all-gather (the 8 kv heads' K/V of
+    the whole sequence)."""
+    from launcher.plan.estimate.memory import estimate_memory, most_loaded
+    from launcher.plan.estimate.params import model_shape
+    from tests.test_models import model_cfg
+
+    def total(lay):
+        return most_loaded(estimate_memory(model_shape(model_cfg("llama3_8b")), lay, 2 * 1024**3)).total
+
+    short = _llama8b(131072)
+    why = dict(short.owners.choices)["cp"].impl
+    assert short.owners.cp_impl == "allgather", why
+    assert total(short) <= 80 * 1024**3
+    assert "the gathered K/V (0.5 GiB per layer at seq_len 131072) fit" in why and "h100_sxm" in why
+
+    long = _llama8b(1048576)
+    why = dict(long.owners.choices)["cp"].impl
+    assert long.owners.cp_impl == "ring", why
+    assert "the gathered K/V (4.0 GiB per layer at seq_len 1048576) do not fit" in why
+    assert total(long) < total(_llama8b(1048576, **{"backend.cp_impl": "allgather"}))
+
+    two = _llama8b(32768, cp=2, **{"activation_checkpointing.mode": "none"})
+    why = dict(two.owners.choices)["cp"].impl
+    assert two.owners.cp_impl == "allgather" and "do not fit" in why and "all-gather, the smaller" in why
+
+    packed = _llama8b(1048576, **{"data.document_masking": True})
+    why = dict(packed.owners.choices)["cp"].impl
+    assert packed.owners.cp_impl == "allgather" and "takes no document mask" in why and "do not fit" in why
 
 
 def test_ring_where_it_cannot_run_is_refused_with_the_fix():
