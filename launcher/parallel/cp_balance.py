@@ -52,37 +52,39 @@ def document_lengths(document_ids: torch.Tensor) -> List[List[int]]:
     return out
 
 
-def split_documents(lengths: Sequence[int], cp: int) -> List[List[int]]:
-    """The sequence positions (ascending) each of ``cp`` ranks holds of one row packed with
-    documents of ``lengths``: the per-document head-tail split (module docstring)."""
-    seq_len = sum(lengths)
+def split_documents(lengths: Sequence[int], cp: int) -> torch.Tensor:
+    """int64 [cp, seq_len // cp]: the sequence positions (ascending) each of ``cp`` ranks holds of
+    one row packed with documents of ``lengths``: the per-document head-tail split (module
+    docstring). Vectorised over the tokens; only the middle tokens go through Python."""
+    n = torch.tensor(list(lengths), dtype=torch.long)
+    seq_len = int(n.sum())
     check_context_parallel(seq_len, cp)
-    held: List[List[int]] = [[] for _ in range(cp)]
-    middle = []  # (work, position) of the tokens no pair split reached
-    start = 0
-    for n in lengths:
-        pairs = n // 2 // cp  # pairs per rank in this document
-        for r in range(cp):
-            held[r] += range(start + r * pairs, start + (r + 1) * pairs)  # from the head inwards
-            held[r] += range(start + n - (r + 1) * pairs, start + n - r * pairs)  # from the tail inwards
-        middle += [(p + 1, start + p) for p in range(cp * pairs, n - cp * pairs)]
-        start += n
-    # Every rank already holds as many tokens as every other, so each takes the same number of the
-    # middle tokens (len(middle) divides by cp since seq_len and the pairs' tokens do).
-    share = len(middle) // cp
+    doc = torch.repeat_interleave(torch.arange(len(n)), n)
+    length = n[doc]
+    p = torch.arange(seq_len) - (torch.cumsum(n, 0) - n)[doc]  # position in its document
+    pairs = length // 2 // cp  # pairs per rank in the token's document
+    mirror = torch.minimum(p, length - 1 - p)  # the pair's index, counted from both ends inwards
+    core = mirror < cp * pairs
+    owner = torch.where(core, mirror // pairs.clamp_min(1), -1)
+    # The middle tokens of each document (fewer than 2*cp): every rank already holds as many tokens
+    # as every other, so each takes the same number of them (their count divides by cp since
+    # seq_len and the pairs' tokens do), heaviest (work p+1) first to the least-loaded rank.
+    middle = torch.nonzero(~core).flatten()
+    share = middle.numel() // cp
     work, taken = [0] * cp, [0] * cp
-    for w, pos in sorted(middle, reverse=True):
+    for w, pos in sorted(zip((p[middle] + 1).tolist(), middle.tolist()), reverse=True):
         r = min((r for r in range(cp) if taken[r] < share), key=lambda r: work[r])
-        held[r].append(pos)
+        owner[pos] = r
         work[r] += w
         taken[r] += 1
-    return [sorted(h) for h in held]
+    # Grouped by rank, positions ascending within each (a stable sort keeps them in order).
+    return torch.argsort(owner, stable=True).view(cp, seq_len // cp)
 
 
 def shard_positions(seq_len: int, cp: int, rank: int) -> List[int]:
     """Sequence positions held by cp rank ``rank`` under head-tail load balancing (a row that is
     one document)."""
-    return split_documents([seq_len], cp)[rank]
+    return split_documents([seq_len], cp)[rank].tolist()
 
 
 def rank_positions(seq_len: int, cp: int, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -90,7 +92,6 @@ def rank_positions(seq_len: int, cp: int, document_ids: Optional[torch.Tensor] =
     ``document_ids`` one row, the head-tail split every row shares; with them (int [rows, s]) each
     row's per-document split."""
     if document_ids is None:
-        return torch.tensor([split_documents([seq_len], cp)], dtype=torch.long)
-    return torch.tensor([split_documents(lengths, cp) for lengths in document_lengths(document_ids)],
-                        dtype=torch.long)
+        return split_documents([seq_len], cp).unsqueeze(0)
+    return torch.stack([split_documents(lengths, cp) for lengths in document_lengths(document_ids)])
 
