@@ -102,21 +102,19 @@ def engine_logits(engine, mbs) -> Tuple[bool, torch.Tensor]:
 
 def _context_parallel_logits(engine, mb) -> torch.Tensor:
     """The whole row's logits under all-gather context parallelism: each cp rank computes its
-    head-tail slice (as the engine's forward does), the slices are gathered and put back in
-    sequence order."""
+    balanced slice (as the engine's forward does: per document when the row has documents), the
+    slices are gathered and put back in sequence order."""
     from launcher.engines.base import model_kwargs
-    from launcher.parallel.cp import key_order, shard_for_allgather
+    from launcher.parallel.cp import to_sequence_order
 
     cp = engine.world["cp"]
-    inputs, _, kwargs = shard_for_allgather(mb.inputs, mb.labels, model_kwargs(mb, torch.device("cpu")),
-                                            cp.size(), cp.get_local_rank())
+    inputs, labels, kwargs = engine.context_parallel_slice(mb.inputs, mb.labels, model_kwargs(mb, torch.device("cpu")),
+                                                           mb.document_ids)
     y = engine.parts[0](inputs, **kwargs)
     y = (y.full_tensor() if hasattr(y, "full_tensor") else y).contiguous()
     parts = [torch.empty_like(y) for _ in range(cp.size())]
     dist.all_gather(parts, y, group=cp.get_group())
-    out = torch.empty(y.shape[0], mb.inputs.shape[1], y.shape[2], dtype=y.dtype)
-    out[:, key_order(mb.inputs.shape[1], cp.size())] = torch.cat(parts, dim=1)
-    return out
+    return to_sequence_order(torch.cat(parts, dim=1), kwargs["keys"].key_index)
 
 
 def layout_model_cfg(spec: dict):

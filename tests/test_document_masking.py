@@ -212,7 +212,7 @@ LAYOUTS = [
     {"name": "pp2_moe", "model": "debug_moe", "mesh": {"pp": 2}, "pp_schedule": "gpipe"},
     # FSDP2 over 2 data-parallel ranks, experts split over ep=2 (each rank its own rows).
     {"name": "fsdp2_ep2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "ep": 2}},
-    # All-gather context parallelism (cp=2, head-tail slices of each packed row): GQA Llama,
+    # All-gather context parallelism (cp=2, each packed row split per document): GQA Llama,
     # Qwen3's QK-norm with a wide head_dim, DeepSeek-V3's MLA (gathered latent + RoPE key) and MoE.
     {"name": "cp2_dense", "model": "debug", "mesh": {"cp": 2}},
     {"name": "cp2_qk_norm", "model": "debug", "mesh": {"cp": 2},

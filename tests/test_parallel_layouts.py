@@ -150,8 +150,19 @@ def test_ring_context_parallel_refused_on_cpu(results):
 
 def test_allgather_context_parallel_is_what_auto_picks_on_cpu(results):
     """The all-gather CP layouts ran as the Layout's owners say (auto resolved to allgather)."""
-    for name in ("cp2_ag_docs", "cp2_tp2_sp_docs", "cp2_fsdp2_docs", "cp2_ag_dsv3_noaux"):
+    for name in ("cp2_ag_docs", "cp2_tp2_sp_docs", "cp2_fsdp2_docs", "cp2_ag_dsv3"):
         assert results[name]["layout"]["cp_impl"] == "allgather", (name, results[name].get("error"))
+
+
+@pytest.mark.parametrize("name", ["cp2_ag_qwen3moe", "cp2_ag_dsv3", "cp2_tp2_qwen3moe"])
+def test_moe_balance_losses_are_whole_sequences_under_context_parallelism(results, name):
+    """With one data-parallel rank, the Switch-style (Qwen3-MoE) and sequence-wise (DeepSeek-V3)
+    balance losses each CP rank reports equal the 1-rank run's: their statistics are summed over
+    the cp (x tp) ranks holding slices of one sequence, not computed over a rank's half."""
+    got, ref = results[name], results[reference_of(name)]
+    assert "error" not in got, got.get("traceback")
+    assert all(a > 0 for a in ref["aux"]), f"{reference_of(name)} has its balance loss off: {ref['aux']}"
+    assert got["aux"] == pytest.approx(ref["aux"], rel=1e-5), (got["aux"], ref["aux"])
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="checked on CPU; GPUs run cp=2 end to end")

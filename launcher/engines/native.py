@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -195,13 +195,16 @@ class NativeEngine:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def context_parallel_slice(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict[str, Any]):
+    def context_parallel_slice(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict[str, Any],
+                               document_ids: Optional[torch.Tensor] = None):
         """(inputs, labels, model kwargs) of this rank under all-gather context parallelism: its
-        head-tail slice with positions, document ids and the keys' index (launcher/parallel/cp.py);
-        unchanged otherwise (ring attention shards inside its region)."""
+        balanced slice (head-tail, or per document with document ids) with positions, document ids
+        and the keys' index (launcher/parallel/cp.py); unchanged otherwise (ring attention shards
+        inside its region). ``document_ids``: the micro-batch's ids on the host, where the
+        per-document split is computed without a device sync."""
         if self.mesh_plan.cp > 1 and self.cp_impl == "allgather":
             cp = self.world["cp"]
-            return shard_for_allgather(inputs, labels, kwargs, cp.size(), cp.get_local_rank())
+            return shard_for_allgather(inputs, labels, kwargs, cp.size(), cp.get_local_rank(), document_ids)
         return inputs, labels, kwargs
 
     def _context_parallel(self, model, inputs, labels):
@@ -254,7 +257,8 @@ class NativeEngine:
         """One micro-batch's forward and loss, and its backward when training."""
         self._check_masking_supported(mb)
         inputs, labels = mb.inputs.to(self.device), mb.labels.to(self.device)
-        inputs, labels, kwargs = self.context_parallel_slice(inputs, labels, model_kwargs(mb, self.device))
+        inputs, labels, kwargs = self.context_parallel_slice(inputs, labels, model_kwargs(mb, self.device),
+                                                             mb.document_ids)
         if self.mtp_layers and backward:
             kwargs["mtp_labels"] = labels
         with self._context_parallel(model, inputs, labels), self._loss_parallel():

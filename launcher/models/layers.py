@@ -180,8 +180,9 @@ ATTENTION_KERNELS = ("auto", "sdpa", "flex")
 @dataclass(frozen=True)
 class KeyIndex:
     """Where the keys of attention lie when they are not the forward's own tokens: the sequence
-    positions of the local queries (int [s_q]) and of the keys (int [s_k], in the order the keys
-    arrive), and the keys' document ids ([b, s_k], or None without document masking)."""
+    positions of the local queries (int [s_q], or [b, s_q] where each row has its own, as context
+    parallelism's per-document balancer gives) and of the keys (int [s_k] or [b, s_k], in the
+    order the keys arrive), and the keys' document ids ([b, s_k], or None without document masking)."""
 
     query_index: torch.Tensor
     key_index: torch.Tensor
@@ -200,7 +201,8 @@ def attention_mask(query_index: torch.Tensor, key_index: torch.Tensor, query_doc
                    key_docs: Optional[torch.Tensor] = None, kernel: str = "auto",
                    dtype: Optional[torch.dtype] = None):
     """The causal (block-causal with document ids) mask of queries at sequence positions
-    `query_index` (int [s_q]) over keys at `key_index` (int [s_k]), built once per forward and
+    `query_index` (int [s_q], or [b, s_q] per row) over keys at `key_index` (int [s_k], or
+    [b, s_k]), built once per forward and
     shared by every layer: query i may attend to key j when key_index[j] <= query_index[i] and,
     with `query_docs` [b, s_q] / `key_docs` [b, s_k], both lie in the same document. The keys
     need not be in sequence order (context parallelism's gathered K/V are in rank order).
@@ -218,30 +220,38 @@ def attention_mask(query_index: torch.Tensor, key_index: torch.Tensor, query_doc
     if kernel == "auto":
         kernel = "flex" if device.type == "cuda" else "sdpa"
     if kernel == "sdpa":
-        allowed = (key_index.unsqueeze(0) <= query_index.unsqueeze(1)).unsqueeze(0)  # [1, s_q, s_k]
+        allowed = key_index.unsqueeze(-2) <= query_index.unsqueeze(-1)  # [s_q, s_k] or [b, s_q, s_k]
+        if allowed.dim() == 2:
+            allowed = allowed.unsqueeze(0)
         if query_docs is not None:
             allowed = allowed & (query_docs.unsqueeze(2) == key_docs.unsqueeze(1))
         allowed = allowed.unsqueeze(1)
         if dtype is None:
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    b = query_docs.shape[0] if query_docs is not None else 1
+    b = query_docs.shape[0] if query_docs is not None else (query_index.shape[0] if query_index.dim() == 2 else 1)
     # H=None: one mask broadcast over the heads, so it serves any number of local heads (TP).
     return _flex_functions()[1](flex_mask_mod(query_index, key_index, query_docs, key_docs), b, None,
-                                query_index.shape[0], key_index.shape[0], device=device)
+                                query_index.shape[-1], key_index.shape[-1], device=device)
 
 
 def flex_mask_mod(query_index: torch.Tensor, key_index: torch.Tensor, query_docs: Optional[torch.Tensor] = None,
                   key_docs: Optional[torch.Tensor] = None):
     """attention_mask's rule as a FlexAttention mask_mod (bi, hi, qi, ki) -> bool, with qi/ki
     indices into the local queries and the (possibly gathered, rank-ordered) keys."""
+    if query_index.dim() == 2:  # per-row positions (context parallelism's per-document balancer)
+        def before(bi, qi, ki):
+            return key_index[bi, ki] <= query_index[bi, qi]
+    else:
+        def before(bi, qi, ki):
+            return key_index[ki] <= query_index[qi]
     if query_docs is None:
         def causal(bi, hi, qi, ki):
-            return key_index[ki] <= query_index[qi]
+            return before(bi, qi, ki)
         return causal
 
     def same_document_causal(bi, hi, qi, ki):
-        return (query_docs[bi, qi] == key_docs[bi, ki]) & (key_index[ki] <= query_index[qi])
+        return (query_docs[bi, qi] == key_docs[bi, ki]) & before(bi, qi, ki)
     return same_document_causal
 
 

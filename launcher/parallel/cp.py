@@ -2,10 +2,10 @@
 
 Two implementations (``backend.cp_impl``, resolved once into ``Layout.owners.cp_impl``):
 
-- ``allgather`` (every device): each rank keeps the tokens of its head-tail slice
-  (``shard_positions``: the sequence is cut into 2*cp chunks and rank r keeps chunks r and
-  2cp-1-r, so every rank gets the same share of the causal mask's work) and computes its own
-  queries; every attention layer all-gathers the keys and values of all cp ranks in forward and
+- ``allgather`` (every device): each rank keeps the tokens of its balanced slice
+  (launcher/parallel/cp_balance.py: head-tail for plain causal rows, so every rank gets the same
+  share of the causal mask's work; with document ids each document split head-tail over the
+  ranks, a different split per row) and computes its own queries; every attention layer all-gathers the keys and values of all cp ranks in forward and
   reduce-scatters their gradients in backward (``GatherSequence``), then attends with one mask
   built per forward from the queries' and keys' sequence positions (and document ids), so
   document masking and per-document RoPE positions (``data.reset_positions``) just work. GQA
@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor.experimental import context_parallel
 
 from launcher.models.layers import Attention, KeyIndex
+from launcher.parallel.cp_balance import check_context_parallel, rank_positions, shard_positions  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +45,6 @@ def context_parallel_unsupported_reason(device_type: str, impl: str = "ring") ->
             "CPU attention kernels; set backend.cp_impl=allgather (or auto) on CPU, or run on CUDA devices"
         )
     return None
-
-
-def check_context_parallel(seq_len: int, cp: int) -> None:
-    """The head-tail load balancer needs 2*cp equal chunks of the sequence."""
-    if seq_len % (2 * cp):
-        raise ValueError(
-            f"trainer.seq_len={seq_len} is not divisible by 2*parallel.cp={2 * cp} (context "
-            f"parallelism cuts each sequence into 2*cp chunks); use a seq_len multiple of {2 * cp}"
-        )
-
-
-def shard_positions(seq_len: int, cp: int, rank: int) -> List[int]:
-    """Sequence positions held by cp rank ``rank`` under head-tail load balancing."""
-    check_context_parallel(seq_len, cp)
-    k = seq_len // (2 * cp)
-    head = list(range(rank * k, (rank + 1) * k))
-    tail = list(range((2 * cp - 1 - rank) * k, (2 * cp - rank) * k))
-    return head + tail
 
 
 @contextmanager
@@ -135,27 +118,51 @@ def use_gathered_kv(model: nn.Module, group) -> int:
 
 
 def key_order(seq_len: int, cp: int) -> List[int]:
-    """The sequence positions of the gathered keys, in the order the all-gather returns them
-    (rank 0's slice, then rank 1's...)."""
+    """The sequence positions of the gathered keys of a plain causal row (head-tail), in the order
+    the all-gather returns them (rank 0's slice, then rank 1's...)."""
     return [i for r in range(cp) for i in shard_positions(seq_len, cp, r)]
 
 
 def shard_for_allgather(inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict[str, torch.Tensor],
-                        cp: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, object]]:
-    """This rank's slice of one micro-batch: (inputs, labels, model kwargs) with the tokens of
-    ``shard_positions``, their RoPE positions (the sequence positions, or the given per-document
-    ones), their document ids, and the ``KeyIndex`` the model builds its mask from."""
-    s = inputs.shape[1]
+                        cp: int, rank: int, document_ids: Optional[torch.Tensor] = None,
+                        ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, object]]:
+    """This rank's slice of one micro-batch: (inputs, labels, model kwargs) with the tokens the
+    balancer gives it (rank_positions: head-tail, or per document when the micro-batch has
+    document ids), their RoPE positions (the sequence positions, or the given per-document ones),
+    their document ids, and the ``KeyIndex`` the model builds its mask from. ``document_ids``: the
+    micro-batch's ids where they are on the host (the split is computed there; default: those in
+    ``kwargs``). The loss is a sum over tokens, so labels sliced the same way need no reordering;
+    outputs go back to sequence order with ``to_sequence_order``."""
+    b, s = inputs.shape
     dev = inputs.device
-    mine = torch.tensor(shard_positions(s, cp, rank), dtype=torch.long, device=dev)
-    keys = torch.tensor(key_order(s, cp), dtype=torch.long, device=dev)
+    docs = kwargs.get("document_ids")
+    host_docs = document_ids if document_ids is not None else docs
+    split = rank_positions(s, cp, host_docs).to(dev)  # [1 or b, cp, s/cp]
     out: Dict[str, object] = {}
     positions = kwargs.get("positions")
-    out["positions"] = (positions[:, mine] if positions is not None
-                        else mine.unsqueeze(0).expand(inputs.shape[0], -1))
-    docs = kwargs.get("document_ids")
+    if host_docs is None:  # one split for every row: 1-D indices, one mask for the batch
+        mine, keys = split[0, rank], split[0].reshape(-1)
+        take = lambda t: t[:, mine]  # noqa: E731
+        out["positions"] = mine.unsqueeze(0).expand(b, -1) if positions is None else take(positions)
+    else:  # per row
+        mine, keys = split[:, rank], split.reshape(b, -1)
+        take = lambda t: t.gather(1, mine)  # noqa: E731
+        out["positions"] = mine if positions is None else take(positions)
     if docs is not None:
-        out["document_ids"] = docs[:, mine]
+        out["document_ids"] = take(docs)
+        key_docs = docs[:, keys] if keys.dim() == 1 else docs.gather(1, keys)
     out["keys"] = KeyIndex(query_index=mine, key_index=keys,
-                           key_document_ids=docs[:, keys] if docs is not None else None)
-    return inputs[:, mine], labels[:, mine], out
+                           key_document_ids=key_docs if docs is not None else None)
+    return take(inputs), take(labels), out
+
+
+def to_sequence_order(gathered: torch.Tensor, key_index: torch.Tensor) -> torch.Tensor:
+    """The inverse of the balancer's permutation: ``gathered`` [b, s, ...] (every rank's outputs
+    concatenated in rank order, as the keys arrive) put back in sequence order, where
+    ``key_index`` ([s], or [b, s] per row) is the KeyIndex's key_index."""
+    out = torch.empty_like(gathered)
+    if key_index.dim() == 1:
+        out[:, key_index] = gathered
+        return out
+    index = key_index.view(key_index.shape + (1,) * (gathered.dim() - 2)).expand_as(gathered)
+    return out.scatter_(1, index, gathered)

@@ -33,9 +33,6 @@ DEEPSEEK_V3 = {"family": "deepseek_v3", "n_kv_heads": 4, "q_lora_rank": 16, "kv_
                "score_func": "sigmoid", "routed_scaling_factor": 2.5, "n_group": 2, "topk_group": 1,
                "norm_topk_prob": True, "bias_update_speed": 0.01, "aux_loss_alpha": 0.01, "aux_loss_coef": 0.0}
 
-QWEN3_MOE_NOAUX = {**QWEN3_MOE, "aux_loss_coef": 0.0}
-DEEPSEEK_V3_NOAUX = {**DEEPSEEK_V3, "aux_loss_alpha": 0.0}
-
 
 # The same with DeepSeek-V3's one multi-token-prediction depth (model.mtp_layers, launcher/models/mtp.py).
 DSV3_MTP = {**DEEPSEEK_V3, "mtp_layers": 1}
@@ -185,30 +182,27 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
              "expect_error": "no CPU kernel"},
         ]
     # All-gather context parallelism (backend.cp_impl=auto picks it on CPU and for packed
-    # documents): Llama with document masking and reset positions (its own reference), alone, with
+    # documents): Llama with document masking and reset positions (its own reference; the
+    # per-document load balancer splits each packed document over the cp ranks), alone, with
     # TP+SP and with FSDP; Qwen3-MoE (QK-norm, wide head_dim) and DeepSeek-V3 (MLA's gathered
-    # latent, MoE with EP over dp_shard*cp). A cp=2 checkpoint resumes on 1 rank.
-    # The MoE layouts turn the balance losses off (and have their own references): each CP rank
-    # holds half of every sequence, and the Switch-style and sequence-wise balance losses are
-    # still computed per rank (reducing their statistics over the CP ranks is issue 42's MoE part).
-    one += [{"name": "ref_docs", "model": "debug", "documents": True},
-            {"name": "ref_qwen3moe_noaux", "model": "debug_moe", "model_overrides": QWEN3_MOE_NOAUX},
-            {"name": "ref_dsv3_noaux", "model": "debug_moe", "model_overrides": DEEPSEEK_V3_NOAUX}]
+    # latent, MoE with EP over dp_shard*cp) with their balance losses on: the Switch-style and
+    # sequence-wise losses sum their statistics over the CP ranks holding slices of one sequence
+    # (MoE.token_group), so they equal the 1-rank run's. A cp=2 checkpoint resumes on 1 rank.
+    one += [{"name": "ref_docs", "model": "debug", "documents": True}]
     two += [
         {"name": "cp2_ag_docs", "model": "debug", "mesh": {"cp": 2}, "documents": True,
          "save_dir": f"{ckpt_dir}/cp2_docs", "save_after": 2},
-        {"name": "cp2_ag_qwen3moe_noaux", "model": "debug_moe", "model_overrides": QWEN3_MOE_NOAUX, "mesh": {"cp": 2},
+        {"name": "cp2_ag_qwen3moe", "model": "debug_moe", "model_overrides": QWEN3_MOE, "mesh": {"cp": 2},
          "cp_impl": "allgather"},
-        {"name": "cp2_ag_dsv3_noaux", "model": "debug_moe", "model_overrides": DEEPSEEK_V3_NOAUX, "mesh": {"cp": 2},
+        {"name": "cp2_ag_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3, "mesh": {"cp": 2},
          "cp_impl": "allgather"},
     ]
     four += [
         {"name": "cp2_tp2_sp_docs", "model": "debug", "mesh": {"cp": 2, "tp": 2}, "sp": True, "documents": True},
         {"name": "cp2_fsdp2_docs", "model": "debug", "mesh": {"cp": 2, "dp_shard": 2}, "documents": True},
-        {"name": "cp2_tp2_qwen3moe_noaux", "model": "debug_moe", "model_overrides": QWEN3_MOE_NOAUX,
-         "mesh": {"cp": 2, "tp": 2},
-         "cp_impl": "allgather"},
-        {"name": "cp2_ep2_fsdp2_dsv3_noaux", "model": "debug_moe", "model_overrides": DEEPSEEK_V3_NOAUX,
+        {"name": "cp2_tp2_qwen3moe", "model": "debug_moe", "model_overrides": QWEN3_MOE,
+         "mesh": {"cp": 2, "tp": 2}, "cp_impl": "allgather"},
+        {"name": "cp2_ep2_fsdp2_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3,
          "mesh": {"cp": 2, "dp_shard": 2, "ep": 2}, "cp_impl": "allgather"},
     ]
     one.append({"name": "resume_cp2_as_1rank_docs", "model": "debug", "documents": True,
@@ -283,8 +277,7 @@ def muon_layouts(ckpt_dir: str):
 def reference_of(name: str) -> str:
     if name.endswith("_muon"):  # optim=muon layouts compare with the 1-rank Muon run
         return reference_of(name[:-len("_muon")]) + "_muon"
-    for suffix in ("_tied", "_odd", "_2experts", "_qwen3moe", "_dsv3", "_dsv3mtp", "_docs", "_qwen3moe_noaux",
-                   "_dsv3_noaux"):
+    for suffix in ("_tied", "_odd", "_2experts", "_qwen3moe", "_dsv3", "_dsv3mtp", "_docs"):
         if name.endswith(suffix):
             return "ref" + suffix
     return "ref_moe" if name.endswith("_moe") else "ref_dense"

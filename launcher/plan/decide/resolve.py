@@ -10,7 +10,9 @@ to derive
 - the schedule and virtual stages, whether FSDP2 wraps the model (``Layout.fsdp_wraps``),
 - whether FSDP2 accumulates gradients unsharded (``Layout.memory.accumulate_unsharded``, from
   parallel.accumulate_unsharded: auto checks the planner's memory against hardware.memory_gb),
-- which backend and implementation owns each feature (launcher/plan/decide/rules.py).
+- which backend and implementation owns each feature (launcher/plan/decide/rules.py), and which
+  context-parallel implementation runs (``backend.cp_impl``: auto by the planner's memory,
+  launcher/plan/decide/cp_choice.py).
 
 `validate(spec)` is the full check: the config-level rules of launcher/config/validate.py
 plus the rules that need those derived values; the CLI, the search and the tests use it.
@@ -35,6 +37,7 @@ from launcher.plan.estimate.memory import estimate_memory, most_loaded
 from launcher.plan.degrees import MeshPlan
 from launcher.plan.estimate.params import model_shape
 from launcher.plan.decide.optim_groups import model_group_problems, model_muon_matrices
+from launcher.plan.decide.cp_choice import choose_cp_impl, cp_description, cp_memory
 from launcher.plan.decide.rules import backend_conflicts, hpz_partition_size
 from launcher.plan.decide.support import Switches
 
@@ -219,9 +222,31 @@ def backend_fields(choices: Dict[str, BackendChoice], offload_optimizer: str, pp
     }
 
 
-def cp_impl_of(spec: JobConfig, mesh: MeshPlan) -> str:
-    """The BackendPlan's cp_impl: off, allgather or ring (launcher/plan/decide/cp_choice.py)."""
-    return Switches.read(spec, mesh).cp_choice()[0]
+def with_cp_impl(spec: JobConfig, lay: Layout, impl: str) -> Layout:
+    """`lay` with context parallelism's implementation `impl` and the document mask it implies."""
+    return replace(lay, owners=replace(lay.owners, cp_impl=impl), document_mask=document_mask_kernel(spec, impl))
+
+
+def decide_cp(spec: JobConfig, lay: Layout) -> Layout:
+    """`lay` with backend.cp_impl resolved (launcher/plan/decide/cp_choice.py: auto by the planner's
+    memory of `lay` with each implementation) and the reason written into its "cp" choice, which
+    `action=plan` prints. Shared with the search."""
+    if lay.mesh.cp <= 1:
+        return with_cp_impl(spec, lay, "off")
+    s = Switches.read(spec, lay.mesh)
+    shape = model_shape(spec.model)
+
+    def candidate(impl: str) -> Layout:  # as it would run: parallel.accumulate_unsharded resolved on it
+        with_impl = with_cp_impl(spec, lay, impl)
+        held = resolve_accumulate_unsharded(spec, with_impl)[0]
+        return replace(with_impl, memory=replace(with_impl.memory, accumulate_unsharded=held))
+
+    impl, why = choose_cp_impl(s.cp_impl, lay.mesh.cp, s.device, s.document_masking,
+                               memory=lambda ring: cp_memory(candidate, shape, spec.hardware, ring))
+    out = with_cp_impl(spec, lay, impl)
+    text = cp_description(lay.mesh.cp, impl, why)
+    choices = tuple((name, replace(c, impl=text) if name == "cp" else c) for name, c in lay.owners.choices)
+    return replace(out, owners=replace(out.owners, choices=choices))
 
 
 def spec_fields(spec: JobConfig) -> Dict[str, Any]:
@@ -299,14 +324,12 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
     """The Layout of a spec whose mesh, accumulation and backend choices are resolved."""
     p = spec.parallel
     fixed = spec_fields(spec)
-    cp_impl = cp_impl_of(spec, mesh)
-    fixed["document_mask"] = document_mask_kernel(spec, cp_impl)
     # hpZ groups follow the mesh (HSDP maps to groups of dp_shard), so they are set here, not in spec_fields.
     fixed["deepspeed"] = replace(fixed["deepspeed"], hpz_partition_size=hpz_partition_size(
         int(spec.backend.zeropp_hierarchical_partition), mesh.dp_replicate, mesh.dp_shard))
     fixed["batch"] = replace(fixed["batch"], micro_batch_size=spec.trainer.micro_batch_size, microbatches=max(1, accum))
     fixed["memory"] = replace(fixed["memory"], zero_stage=int(p.zero_stage), ac_mode=spec.activation_checkpointing.mode)
-    return Layout(
+    return decide_cp(spec, Layout(
         **fixed,
         mesh=mesh,
         sp=bool(p.sp) and mesh.tp > 1,
@@ -315,9 +338,8 @@ def build_layout(spec: JobConfig, mesh: MeshPlan, accum: int, choices: Dict[str,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers),
         owners=BackendPlan(choices=tuple((f.name, choices[f.name]) for f in FEATURES if f.name in choices),
-                           cp_impl=cp_impl,
                            **backend_fields(choices, spec.offload.optimizer, mesh.pp)),
-    )
+    ))
 
 
 def resolve(spec: JobConfig) -> Layout:

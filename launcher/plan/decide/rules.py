@@ -29,7 +29,7 @@ from launcher.config.errors import ConfigError
 from launcher.plan.features import (DEEPSPEED, FEATURE_BY_NAME, FEATURES, FP8_IMPLS, NATIVE, REGISTRY,
                                     BackendChoice, BackendEntry)
 from launcher.plan.degrees import MeshPlan
-from launcher.plan.decide.cp_choice import cp_impl_problems
+from launcher.plan.decide.cp_choice import cp_description, cp_impl_problems
 from launcher.plan.decide.support import SUPPORT, Need, Row, Switches, needs
 
 
@@ -367,7 +367,8 @@ def _native_impls(s: Switches, rides: str) -> Dict[str, Tuple[str, Optional[str]
                                      "native torch checkpointing runs inside the {owner} engine"),
         "tp": (f"DTensor tensor parallel (tp={s.mesh.tp}{', sequence parallel' if s.sp else ''})", "exists only natively"),
         "ep": (f"native expert parallel (ep={s.mesh.ep})", "exists only natively"),
-        "cp": (f"native context parallel (cp={s.mesh.cp}, {s.cp_choice()[0]}: {s.cp_choice()[1]})", "exists only natively"),
+        # Which implementation (and why) needs the layout's memory: resolve.decide_cp fills it in.
+        "cp": (cp_description(s.mesh.cp), "exists only natively"),
         "pp": (f"torch.distributed.pipelining ({s.mesh.pp} stages, {s.pp_schedule})", None),
         "checkpoint": ("torch.distributed.checkpoint (DCP)", None),
     }

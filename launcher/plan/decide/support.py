@@ -17,17 +17,11 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from launcher.plan.features import DEEPSPEED, NATIVE
 from launcher.plan.degrees import MeshPlan
-from launcher.plan.decide.cp_choice import choose_cp_impl
 
 
 @dataclass(frozen=True)
 class Switches:
     """The config values the rules read, with the mesh degrees the resolver derived."""
-
-    def cp_choice(self) -> Tuple[str, str]:
-        """(implementation, why) of context parallelism (launcher/plan/decide/cp_choice.py)."""
-        return choose_cp_impl(self.cp_impl, self.mesh.cp, self.device, self.document_masking)
-
 
     zero: int
     mesh: MeshPlan  # the degrees (mesh.dp: the data-parallel size)

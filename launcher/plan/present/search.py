@@ -48,7 +48,7 @@ from launcher.plan.degrees import MeshPlan
 from launcher.plan.estimate.memory import estimate_memory, model_state_memory, most_loaded
 from launcher.plan.estimate.params import ModelShape, model_shape, stage_params
 from launcher.plan.estimate.perf import estimate_time
-from launcher.plan.decide.resolve import (backend_fields, cp_impl_of, document_mask_kernel, expert_parallel_problems,
+from launcher.plan.decide.resolve import (backend_fields, decide_cp, expert_parallel_problems,
                                           experts_folded, spec_fields, validate, world_size)
 from launcher.plan.decide.rules import backend_conflicts
 
@@ -259,9 +259,8 @@ def _accumulation_held(spec, shape: ModelShape, lay: Layout, reserve: int):
 
 
 def _with_backends(lay: Layout, choices: Dict[str, Any], spec) -> Layout:
-    cp_impl = cp_impl_of(spec, lay.mesh)
-    owners = dataclasses.replace(lay.owners, cp_impl=cp_impl, **backend_fields(choices, spec.offload.optimizer, lay.mesh.pp))
-    return dataclasses.replace(lay, owners=owners, document_mask=document_mask_kernel(spec, cp_impl))
+    owners = dataclasses.replace(lay.owners, **backend_fields(choices, spec.offload.optimizer, lay.mesh.pp))
+    return dataclasses.replace(lay, owners=owners)
 
 
 def node_counts(spec) -> List[int]:
@@ -348,6 +347,8 @@ def _evaluate_world(spec, with_nodes: bool) -> Tuple[List[Candidate], Dict[str, 
                     stats["layouts"] += 1
                     batch = dataclasses.replace(lay0.batch, micro_batch_size=mbs, microbatches=m)
                     lay = dataclasses.replace(lay0, batch=batch, memory=dataclasses.replace(lay0.memory, ac_mode=ac))
+                    # backend.cp_impl=auto depends on this layout's memory, as the resolver decides it.
+                    lay = decide_cp(spec, lay)
                     lay, mem = _accumulation_held(spec, shape, lay, reserve)
                     if mem.total > cap:
                         continue
