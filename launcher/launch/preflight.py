@@ -76,7 +76,7 @@ def check_hf_support(spec: JobConfig, plan: Plan) -> None:
 
 def check_eval_tasks(spec: JobConfig) -> None:
     """eval.tasks: lm-eval is installed and every task builds offline and is served by the live
-    model (generation and is_greedy metrics are not), checked here before any rank starts."""
+    model (generation is not), checked here before any rank starts."""
     if not spec.eval.tasks:
         return
     # lazy: launcher.eval imports lm-eval (the optional extra) and torch; action=run with eval.tasks only
