@@ -129,9 +129,11 @@ def test_rows_score_summed_log_likelihoods_and_leave_the_model_alone(debug_engin
     assert torch.equal(rng, torch.get_rng_state())
 
 
-def test_an_evaluation_leaves_weights_modes_and_random_states_as_they_were(debug_engine, eval_inputs):
-    """DownstreamEval.run on the live engine: eval/<task>/<metric> names, and the model's weights,
-    train mode and Python/numpy/torch random states unchanged (lm-eval seeds generators itself)."""
+def test_an_evaluation_leaves_weights_modes_and_random_states_as_they_were(debug_engine, eval_inputs, tmp_path):
+    """DownstreamEval.run on the live engine (1 rank): eval/<task>/<metric> names, the scores of
+    lm-eval's HF backend on an fp32 HF export of the same weights (1-shot, 2 documents per task),
+    and the model's weights, train mode and Python/numpy/torch random states unchanged (lm-eval
+    seeds generators itself)."""
     import random
 
     import numpy as np
@@ -141,6 +143,7 @@ def test_an_evaluation_leaves_weights_modes_and_random_states_as_they_were(debug
     from launcher.eval.loop import DownstreamEval
     from launcher.eval.rows import RowScorer, RowShape
     from launcher.eval.tasks import load_tasks, set_offline_env
+    from launcher.hf.weights import export_hf
 
     engine, _, _ = debug_engine
     model, tasks = eval_inputs
@@ -159,6 +162,9 @@ def test_an_evaluation_leaves_weights_modes_and_random_states_as_they_were(debug
     assert torch.equal(torch.get_rng_state(), states[2])
     assert all(torch.equal(before[k], v) for k, v in engine.parts[0].state_dict().items())
     assert all(part.training for part in engine.parts)
+    export_hf(engine.parts, None, tmp_path / "hf", engine.model_cfg, "fp32")
+    theirs = hflm_reference(tmp_path / "hf", model, tasks, SEQ, num_fewshot=1, limit=2)
+    assert_scores_equal(row, theirs, some_greedy=False)
 
 
 def test_the_plan_prices_evaluation_from_the_tasks_data_and_adds_it_to_the_budget(eval_inputs):

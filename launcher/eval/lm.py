@@ -75,7 +75,7 @@ class LiveModelLM(TemplateLM):
                 max_seq_len=self._max_length, context_len=1)]
             rows.extend(self._row(context, continuation) for context, continuation in windows)
             counts.append(len(windows))
-        scores = [ll for ll, _ in self.scorer.score(rows)]
+        scores = [ll for ll, _ in self.scorer.score(rows, greedy=False)]
         out, at = [], 0
         for n in counts:
             out.append(sum(scores[at:at + n]))

@@ -67,17 +67,18 @@ class RowScorer:
         self.shape = shape
         self.pad_id = pad_id
 
-    def score(self, rows: Sequence[Tuple[Sequence[int], int]]) -> List[Tuple[float, bool]]:
+    def score(self, rows: Sequence[Tuple[Sequence[int], int]], greedy: bool = True) -> List[Tuple[float, bool]]:
         """For each (tokens, n_scored): (the sum of log p(token | the tokens before it) over the
         last n_scored tokens, whether each of them is its position's argmax: lm-eval's
-        (loglikelihood, is_greedy)). Same list on every rank."""
+        (loglikelihood, is_greedy)). Same list on every rank. greedy=False skips the argmax
+        (rolling log-likelihoods need none): is_greedy is then False."""
         out: List[Tuple[float, bool]] = []
         per_call = self.shape.rows_per_call
         for start in range(0, len(rows), per_call):
-            out.extend(self._call(rows[start:start + per_call]))
+            out.extend(self._call(rows[start:start + per_call], greedy))
         return out
 
-    def _call(self, rows: Sequence[Tuple[Sequence[int], int]]) -> List[Tuple[float, bool]]:
+    def _call(self, rows: Sequence[Tuple[Sequence[int], int]], greedy: bool) -> List[Tuple[float, bool]]:
         s = self.shape
         first = s.dp_rank * s.rows_per_rank
         inputs, labels, sources = [], [], []
@@ -95,8 +96,8 @@ class RowScorer:
         for j in range(0, s.rows_per_rank, b):
             mbs.append(Microbatch(torch.stack(inputs[j:j + b]), torch.stack(labels[j:j + b]),
                                   sources=torch.tensor(sources[j:j + b], dtype=torch.int64)))
-        stats = self.engine.eval_stats(mbs, n_sources=s.rows_per_call, greedy=True)
+        stats = self.engine.eval_stats(mbs, n_sources=s.rows_per_call, greedy=greedy)
         # mean token loss x counted tokens = the row's summed loss = -(its log-likelihood); greedy
         # when every counted token was the argmax (exact integer counts in fp64)
-        return [(-stats.source_loss[i] * stats.source_tokens[i], stats.source_greedy[i] == stats.source_tokens[i])
-                for i in range(len(rows))]
+        return [(-stats.source_loss[i] * stats.source_tokens[i],
+                 greedy and stats.source_greedy[i] == stats.source_tokens[i]) for i in range(len(rows))]

@@ -240,10 +240,10 @@ def eval_row_scores(engine, layout, dp_rank: int, vocab: int) -> list:
 
 
 # Contexts whose every single-token continuation is scored (eval_candidate_scores): their argmax
-# tokens on the trained debug model (ref_dense: 199, 73, 115, each ahead of the runner-up by 0.15
+# tokens on the trained debug model (ref_dense: 199 and 73, each ahead of the runner-up by 0.15
 # or more in logit) fall in both halves of the vocabulary, so under tp=2 both shards hold a winner
 # (tests/test_parallel_layouts.py checks it).
-GREEDY_CONTEXTS = ([5, 9, 13, 17, 21], [87, 174, 88, 81, 165, 25, 77, 72], [103, 9, 211, 21])
+GREEDY_CONTEXTS = ([5, 9, 13, 17, 21], [87, 174, 88, 81, 165, 25, 77, 72])
 
 
 def eval_candidate_scores(engine, layout, dp_rank: int, vocab: int) -> list:
