@@ -108,6 +108,11 @@ def cloze_docs(vocab: int) -> List[Dict[str, str]]:
     return [{"context": c, "word": w} for c in CLOZE_CONTEXTS for w in vocabulary(vocab)[len(SPECIAL):]]
 
 
+def one_context_limit(vocab: int) -> int:
+    """eval.limit that keeps tiny_cloze to its first context (tiny_mc and tiny_ppl stay whole)."""
+    return vocab - len(SPECIAL)
+
+
 def write_tasks(folder: Path, vocab: int) -> Path:
     """tiny_mc, tiny_ppl and tiny_cloze (JSONL + task YAML) in `folder`; returns it."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -68,11 +68,13 @@ def router_biases(engine) -> dict:
 
 def downstream_scores(engine, overrides, plan, eval_dir: Path) -> dict:
     """eval/<task>/<metric> of the loop's downstream evaluation (build_downstream_eval, as a rank of
-    `train` builds it) on this engine's live model: the tasks of tests/eval_tasks.py."""
+    `train` builds it) on this engine's live model: the tasks of tests/eval_tasks.py (tiny_cloze's
+    first context only: half the forward calls)."""
     from launcher.eval.build import build_downstream_eval
-    from tests.eval_tasks import TASKS
+    from tests.eval_tasks import TASKS, one_context_limit
 
-    spec = spec_for([*overrides, f"eval.tasks=[{','.join(TASKS)}]", "eval.every=1",
+    limit = one_context_limit(spec_for(overrides).model.vocab_size)
+    spec = spec_for([*overrides, f"eval.tasks=[{','.join(TASKS)}]", "eval.every=1", f"eval.limit={limit}",
                      f"eval.include_path=[{eval_dir / 'tasks'}]", f"eval.tokenizer={eval_dir / 'tokenizer'}"])
     evaluation = build_downstream_eval(spec, plan.layout, dp_rank_of(plan, dist.get_rank()), engine)
     return evaluation.run()
