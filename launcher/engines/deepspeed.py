@@ -632,7 +632,7 @@ class DeepSpeedEngine:
                         local_loss += float(self._forward_loss_sum(mb)) / self._token_norm
             head = torch.tensor(local_loss if contributes else 0.0, dtype=torch.float64)
             total = self._reduce([head], contributes).cpu()
-        finally:
+        finally:  # even when the call fails: a training step never counts greedy tokens
             has_greedy = self._greedy_sums is not None
             self._n_sources, self._source_sums, self._greedy_sums = 0, None, None
         source_loss, source_tokens = source_means(total[1:1 + 2 * n]) if n else ({}, {})

@@ -538,7 +538,7 @@ class NativeEngine:
                 total = total.to(self.device)
                 dist.all_reduce(total)
                 total = total.cpu()
-        finally:
+        finally:  # even when the call fails: a training step never counts greedy tokens
             has_greedy = self._greedy_sums is not None
             self._n_sources, self._source_sums, self._greedy_sums = 0, None, None
         source_loss, source_tokens = source_means(total[1:1 + 2 * n]) if n else ({}, {})
