@@ -2,7 +2,9 @@
 
 One torchrun runs every case in sequence (ZeRO 1/2/3, ZeRO-2 + CPU optimizer offload, the
 ZeRO-3 save -> resume, the native FSDP2 engine on the same data, and DeepSeek-V3's router bias
-in bf16 on ZeRO-3 and on the native engine), so start-up and the JIT-built ops are paid once. The JIT cache lives in <repo>/.cache/torch_extensions.
+in bf16 on ZeRO-3 and on the native engine), so start-up and the JIT-built ops are paid once.
+The ZeRO-3 case also runs the training loop's downstream evaluation (eval.tasks) on its trained
+engine, compared with lm-eval's HF backend on the same weights. The JIT cache lives in <repo>/.cache/torch_extensions.
 """
 
 from __future__ import annotations
@@ -69,9 +71,21 @@ def _torchrun(work: Path, *args: str, timeout: int = 900) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def eval_dir(tmp_path_factory) -> Path:
+    """tokenizer/ (the debug model's 256 ids) and tasks/ of tests/eval_tasks.py."""
+    from tests.eval_tasks import write_tasks, write_tokenizer
+
+    root = tmp_path_factory.mktemp("deepspeed_eval")
+    write_tokenizer(root / "tokenizer", spec_for([]).model.vocab_size)
+    write_tasks(root / "tasks", spec_for([]).model.vocab_size)
+    return root
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, eval_dir):
     work = tmp_path_factory.mktemp("deepspeed")
-    return _torchrun(work, "--cases", ",".join(CASES), "--resume", "zero3", "--native", "--bias-bf16")
+    return _torchrun(work, "--cases", ",".join(CASES), "--resume", "zero3", "--native", "--bias-bf16",
+                     "--eval-dir", str(eval_dir), "--eval-case", "zero3")
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +161,29 @@ def _assert_built_the_layout(result: dict, case: str) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_deepspeed_built_the_resolved_layout(results, case):
     _assert_built_the_layout(results[case], case)
+
+
+def test_zero3_evaluation_equals_lm_evals_hf_backend_on_the_same_weights(results, eval_dir, tmp_path):
+    """The loop's downstream evaluation on the live ZeRO-3 engine (parameters partitioned over the
+    2 ranks, gathered for each forward) scores lm-eval's tasks as lm-eval's HF backend (HFLM) does
+    on an HF folder of the weights it evaluated (the case's fp32 export): acc, acc_norm and is_greedy's
+    acc exactly, log-likelihood metrics within 1e-4 relative."""
+    import torch
+
+    from launcher.engines.deepspeed import materialise_model
+    from launcher.hf.weights import export_hf
+    from tests.eval_tasks import assert_scores_equal, hflm_reference, one_context_limit
+
+    run = results["zero3"]
+    assert "eval" in run, sorted(run)
+    spec = spec_for(CASES["zero3"])
+    model = materialise_model(spec.model, torch.device("cpu"), spec.trainer.seed)
+    model.load_state_dict(torch.load(run["export"]))
+    export_hf([model], None, tmp_path / "hf", spec.model, "fp32")
+    theirs = hflm_reference(tmp_path / "hf", eval_dir / "tokenizer", eval_dir / "tasks", spec.trainer.seq_len,
+                            limit=one_context_limit(spec.model.vocab_size))
+    assert_scores_equal(run["eval"], theirs)
+    record_value("zero3 evaluation", "seconds", run["eval_s"])
 
 
 def test_deepspeed_matches_native_engine(results):

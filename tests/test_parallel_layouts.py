@@ -69,6 +69,8 @@ def results(tmp_path_factory) -> dict:
             spec["track_rehearsal_step"] = True
         if spec["name"] in EVAL_ROWS_COMPARED + ("ref_dense", "ref_moe"):  # downstream evaluation's rows too
             spec["eval_rows"] = True
+        if spec["name"] in ("ref_dense",) + GREEDY_COMPARED:  # is_greedy over every candidate token
+            spec["eval_greedy"] = True
     merged = {}
     for world in (4, 2, 1):  # bigger worlds first: they save checkpoints smaller ones resume
         merged.update(_launch(world, matrix[world], work))
@@ -126,10 +128,45 @@ EVAL_ROWS_COMPARED = ("fsdp2_dense", "tp2_sp_dense", "pp2_1f1b_dense", "fsdp2_tp
 @pytest.mark.parametrize("name", EVAL_ROWS_COMPARED)
 def test_downstream_eval_rows_match_single_rank(results, name):
     """eval.tasks scores through the engine's eval path: each row's summed log-likelihood on the
-    layout's trained model equals the 1-rank reference's (FSDP, TP+SP loss parallel, PP, EP)."""
+    layout's trained model equals the 1-rank reference's (FSDP, TP+SP loss parallel, PP, EP), and
+    so does its is_greedy."""
     got, ref = results[name], results[reference_of(name)]
     assert "error" not in got, f"{name} failed:\n{got.get('traceback', got.get('error'))}"
-    assert got["eval_rows"] == pytest.approx(ref["eval_rows"], rel=SPECS[name].get("rtol", RTOL)), (got["eval_rows"], ref["eval_rows"])
+    assert [ll for ll, _ in got["eval_rows"]] == pytest.approx([ll for ll, _ in ref["eval_rows"]],
+                                                               rel=SPECS[name].get("rtol", RTOL)), (got["eval_rows"], ref["eval_rows"])
+    assert [g for _, g in got["eval_rows"]] == [g for _, g in ref["eval_rows"]]
+
+
+# Layouts that also score every candidate token after a few contexts (is_greedy, lm-eval's `acc` of
+# a LAMBADA-style task): TP+SP, whose logits are sharded over the vocabulary (loss parallelism),
+# alone and inside FSDP (the rows split over the data-parallel ranks).
+GREEDY_COMPARED = ("tp2_sp_dense", "fsdp2_tp2_dense")
+
+
+@pytest.mark.parametrize("name", ("ref_dense",) + GREEDY_COMPARED)
+def test_is_greedy_is_the_argmax_of_the_full_vocabulary(results, name):
+    """After each context, exactly one candidate token is greedy: the one of largest log p (the
+    argmax of the full logits, as lm-eval's HF backend takes it), also under TP with loss parallelism
+    where the argmax is reduced across the vocabulary shards, and with winners in both shards. The
+    flags equal the 1-rank reference's; ties go to the lowest index, as torch.argmax."""
+    from tests.parallel_harness.run_layouts import GREEDY_CONTEXTS
+
+    got = results[name]
+    assert "error" not in got, f"{name} failed:\n{got.get('traceback', got.get('error'))}"
+    vocab = len(got["eval_candidates"]) // len(GREEDY_CONTEXTS)
+    winners = []
+    for c in range(len(GREEDY_CONTEXTS)):
+        scores = got["eval_candidates"][c * vocab:(c + 1) * vocab]
+        lls = [ll for ll, _ in scores]
+        assert [i for i, (_, g) in enumerate(scores) if g] == [lls.index(max(lls))], (name, c)
+        winners.append(lls.index(max(lls)))
+    ref = results["ref_dense"]["eval_candidates"]
+    assert [g for _, g in got["eval_candidates"]] == [g for _, g in ref]
+    if name != "ref_dense":  # both vocabulary shards (of vocab/2 tokens) hold a winner
+        assert min(winners) < vocab // 2 <= max(winners), winners
+        ties = got["greedy_ties"]
+        assert ties["want"] == [2, 7, 5, 0] and ties["hits_of_argmax"] == [True] * 4, ties
+        assert ties["hits_of_last_max"] == [False, True, False, False], ties
 
 
 def test_mtp_loss_equal_across_layouts(results):

@@ -1,4 +1,7 @@
-"""Real 2-rank training runs through `train`: loss falls, crash + resume is exact, bad checkpoints are skipped."""
+"""Real 2-rank training runs through `train`: loss falls, crash + resume is exact, bad checkpoints are skipped.
+
+The crash + resume run also evaluates (eval.tasks every 4 steps): its losses equal the reference
+run's, which does not, bit for bit, across the evaluation steps and the resume after one."""
 
 from __future__ import annotations
 
@@ -129,9 +132,28 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
     raise AssertionError("timed out waiting")
 
 
-def test_kill_then_resume_reproduces_uninterrupted_losses(reference_run, run_dir):
+@pytest.fixture(scope="module")
+def eval_args(tmp_path_factory) -> list:
+    """Downstream evaluation every 4 steps (steps 4, 8, 12: before each checkpoint save) on the
+    local cloze task of tests/eval_tasks.py (one task: each costs a launch about 2 s to build),
+    2 documents, with a tokenizer of the debug model's ids."""
+    from launcher.config.loader import compose_spec
+    from tests.eval_tasks import write_tasks, write_tokenizer
+
+    root = tmp_path_factory.mktemp("eval")
+    vocab = compose_spec(["+recipe=debug"]).model.vocab_size
+    write_tokenizer(root / "tokenizer", vocab)
+    return ["eval.tasks=[tiny_cloze]", "eval.every=4", "eval.limit=2",
+            f"eval.include_path=[{write_tasks(root / 'tasks', vocab)}]", f"eval.tokenizer={root / 'tokenizer'}"]
+
+
+def test_kill_then_resume_reproduces_uninterrupted_losses(reference_run, run_dir, eval_args):
+    """Killed after the checkpoint of step 4 (and the evaluation before it) and resumed, a run with
+    downstream evaluation logs the losses of the uninterrupted reference run, which has none:
+    evaluation changes no training state, sampler or random stream, and resume is exact across it."""
     run_dir.mkdir(parents=True)
-    proc = _start(BASE, run_dir)
+    args = [*BASE, *eval_args]
+    proc = _start(args, run_dir)
     _wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").is_dir(), 240, proc)
     os.killpg(proc.pid, signal.SIGKILL)  # a crash of `train`: no chance to clean up
     proc.wait()
@@ -143,7 +165,7 @@ def test_kill_then_resume_reproduces_uninterrupted_losses(reference_run, run_dir
     stopped = json.loads((run_dir / "control" / "stopped").read_text())
     assert stopped["reason"] == "signal SIGTERM" and stopped["step"] < 12  # checkpointed and stopped early
 
-    run_train(BASE, run_dir, check=True)
+    run_train(args, run_dir, check=True)
     log = (run_dir / "logs" / "rank_0.log").read_text()
     assert "resumed from" in log
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 13))  # no duplicated steps
@@ -151,6 +173,8 @@ def test_kill_then_resume_reproduces_uninterrupted_losses(reference_run, run_dir
     val = {r["step"]: r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r}
     assert val == {r["step"]: r["val_loss"] for r in read_metrics(reference_run) if "val_loss" in r}
     assert sorted(val) == [4, 8, 12]
+    evaluated = [r["step"] for r in read_metrics(run_dir) if "eval/tiny_cloze/acc" in r]
+    assert evaluated == [4, 8, 12], evaluated
 
 
 def test_corrupted_or_half_written_newest_checkpoint_is_skipped(reference_run, run_dir):

@@ -149,6 +149,9 @@ class EvalStats:
     tokens: float  # counted tokens (labels != -100) in the global batch
     source_loss: Dict[int, float] = field(default_factory=dict)  # source -> mean token loss
     source_tokens: Dict[int, float] = field(default_factory=dict)  # source -> counted tokens
+    # source -> counted tokens that were the argmax of their logits (lm-eval's is_greedy: a source
+    # is greedy when this equals source_tokens); filled when eval_stats is asked with greedy=True
+    source_greedy: Dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -184,10 +187,12 @@ class Engine(Protocol):
     def eval_step(self, microbatches: List[Microbatch]) -> float:
         """Mean token loss over the global batch, forward only; no state changes (collective)."""
 
-    def eval_stats(self, microbatches: List[Microbatch], n_sources: int = 0) -> EvalStats:
+    def eval_stats(self, microbatches: List[Microbatch], n_sources: int = 0, greedy: bool = False) -> EvalStats:
         """eval_step's loss plus token counts and, with Microbatch.sources, the per-source losses
         (collective). n_sources: how many source indices the micro-batches number (0: the run's
-        mix size, EngineOptions.n_sources); downstream evaluation numbers its rows as sources."""
+        mix size, EngineOptions.n_sources); downstream evaluation numbers its rows as sources.
+        greedy (with sources): also count per source the tokens that were the argmax of their
+        logits (EvalStats.source_greedy; launcher/engines/greedy.py)."""
 
     def save(self, directory: Path) -> None:
         """Write model, optimizer and LR-schedule state into `directory` (collective)."""

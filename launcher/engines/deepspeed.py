@@ -43,6 +43,7 @@ from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, NonFini
                                    aux_loss_scale, built_report, local_token_count, model_kwargs, source_means,
                                    source_sums, step_source_count, token_loss_sum, token_losses)
 from launcher.engines.deepspeed_config import build_deepspeed_config, data_parallel_size, write_deepspeed_config
+from launcher.engines.greedy import greedy_hits, source_greedy_sums
 from launcher.engines.optim import build_adamw, build_scheduler, param_groups
 from launcher.engines.deepspeed_universal import (UNIVERSAL, convert_to_universal, layout_record, read_layout_record,
                                                   resume_action, universal_dir, write_layout_record)
@@ -403,6 +404,7 @@ class DeepSpeedEngine:
         self._token_norm = 1.0
         self._n_sources = 0  # per-source loss sums of the running step (0: no mixture sources)
         self._source_sums = None
+        self._greedy_sums = None  # eval_stats(greedy=True) only: per-source greedy token counts
         self._pipe_losses: List[torch.Tensor] = []
         self.last_load = ""  # how the last `load` went: plain | universal (converted|reused)
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
@@ -451,7 +453,13 @@ class DeepSpeedEngine:
         """Sum of token losses / global tokens, accumulating the per-source sums on the device."""
         per = token_losses(logits, labels)
         self._source_sums += source_sums(per.detach(), labels, sources, self._n_sources)
+        self._add_greedy(logits, labels, sources)
         return self._per_token(per.sum())
+
+    def _add_greedy(self, logits: torch.Tensor, labels: torch.Tensor, sources: torch.Tensor) -> None:
+        """eval_stats(greedy=True): count per source the tokens that were their logits' argmax."""
+        if self._greedy_sums is not None:
+            self._greedy_sums += source_greedy_sums(greedy_hits(logits, labels), sources, self._n_sources)
 
     def _start_sources(self, microbatches: List[Microbatch], n_sources: int = 0) -> None:
         """Size this step's per-source sums (see NativeEngine._start_sources)."""
@@ -488,6 +496,7 @@ class DeepSpeedEngine:
         if self._n_sources:
             per = token_losses(logits, labels)
             self._source_sums += source_sums(per.detach(), labels, mb.sources, self._n_sources)
+            self._add_greedy(logits, labels, mb.sources)
             return per.sum()
         return token_loss_sum(logits, labels)
 
@@ -498,6 +507,9 @@ class DeepSpeedEngine:
         if self._n_sources:
             sums = self._source_sums if contributes else torch.zeros_like(self._source_sums)
             stats = torch.cat([stats, sums])
+        if self._greedy_sums is not None:  # eval_stats(greedy=True)
+            greedy = self._greedy_sums if contributes else torch.zeros_like(self._greedy_sums)
+            stats = torch.cat([stats, greedy])
         dist.all_reduce(stats)
         return stats
 
@@ -596,30 +608,37 @@ class DeepSpeedEngine:
         """Mean token loss over the global batch, forward only (collective); training state untouched."""
         return self.eval_stats(microbatches).loss
 
-    def eval_stats(self, microbatches: List[Microbatch], n_sources: int = 0) -> EvalStats:
+    def eval_stats(self, microbatches: List[Microbatch], n_sources: int = 0, greedy: bool = False) -> EvalStats:
         """eval_step's loss with the global token count and, with sources, per-source losses and
-        counts (n_sources: see NativeEngine.eval_stats)."""
+        counts, and with greedy the per-source greedy token counts (see NativeEngine.eval_stats)."""
         microbatches = as_microbatches(microbatches)
         # Evaluation reads its loss on the host anyway: the count is a float here.
         self._token_norm = float(self._count_tokens(microbatches))
         self._start_sources(microbatches, n_sources)
+        n = self._n_sources
+        if greedy and n:
+            self._greedy_sums = torch.zeros(n, dtype=torch.float64, device=self.device)
         local_loss = 0.0
         contributes = True
-        with torch.no_grad():
-            if self.pp > 1:
-                self._pipe_losses = []
-                self.engine.eval_batch(data_iter=iter(self._pipeline_batches(microbatches)))
-                local_loss = float(sum(self._pipe_losses))
-                contributes = self.engine.is_last_stage()
-            else:
-                for mb in microbatches:
-                    local_loss += float(self._forward_loss_sum(mb)) / self._token_norm
-        head = torch.tensor(local_loss if contributes else 0.0, dtype=torch.float64)
-        total = self._reduce([head], contributes).cpu()
-        source_loss, source_tokens = source_means(total[1:]) if self._n_sources else ({}, {})
-        self._n_sources, self._source_sums = 0, None
+        try:
+            with torch.no_grad():
+                if self.pp > 1:
+                    self._pipe_losses = []
+                    self.engine.eval_batch(data_iter=iter(self._pipeline_batches(microbatches)))
+                    local_loss = float(sum(self._pipe_losses))
+                    contributes = self.engine.is_last_stage()
+                else:
+                    for mb in microbatches:
+                        local_loss += float(self._forward_loss_sum(mb)) / self._token_norm
+            head = torch.tensor(local_loss if contributes else 0.0, dtype=torch.float64)
+            total = self._reduce([head], contributes).cpu()
+        finally:  # even when the call fails: a training step never counts greedy tokens
+            has_greedy = self._greedy_sums is not None
+            self._n_sources, self._source_sums, self._greedy_sums = 0, None, None
+        source_loss, source_tokens = source_means(total[1:1 + 2 * n]) if n else ({}, {})
+        source_greedy = ({i: float(total[1 + 2 * n + i]) for i in source_tokens} if has_greedy else {})
         return EvalStats(loss=float(total[0]), tokens=self._token_norm, source_loss=source_loss,
-                         source_tokens=source_tokens)
+                         source_tokens=source_tokens, source_greedy=source_greedy)
 
     # ------------------------------------------------------------------ state
     def save(self, directory: Path) -> None:

@@ -38,6 +38,7 @@ from launcher import compat
 from launcher.engines.base import (EngineOptions, EvalStats, Microbatch, NonFiniteStep, StepStats, as_microbatches,
                                    aux_loss_scale, built_report, local_token_count, model_kwargs, source_means,
                                    source_sums, step_source_count, token_loss_sum, token_losses)
+from launcher.engines.greedy import greedy_hits, source_greedy_sums
 from launcher.engines.optim import build_scheduler, clip_grad_norm, first_nonfinite_grad
 from launcher.engines.muon import optimizer_group_lrs, update_rms_metrics, update_square_sums
 from launcher.engines.optimizers import build_optimizer
@@ -136,6 +137,7 @@ class NativeEngine:
         # Per-source loss sums of the running step (pipeline loss function), sized per step.
         self._n_sources = 0
         self._source_sums = None
+        self._greedy_sums = None  # eval_stats(greedy=True) only: per-source greedy token counts
         self._accumulation = None  # launcher.parallel.fsdp.UnshardedAccumulation, built on first use
         self._fp8_all_gather = False
         if lay.owners.fp8_impl == "torchao":
@@ -232,6 +234,8 @@ class NativeEngine:
         """The loss (as _loss_fn), accumulating this micro-batch's per-source sums on the device."""
         per = token_losses(logits, labels)
         self._source_sums += source_sums(_plain(per.detach()), labels, sources, self._n_sources)
+        if self._greedy_sums is not None:  # eval_stats(greedy=True): lm-eval's is_greedy
+            self._greedy_sums += source_greedy_sums(greedy_hits(logits, labels), sources, self._n_sources)
         return per.sum() / self._token_norm
 
     def _start_sources(self, microbatches: List[Microbatch], n_sources: int = 0) -> None:
@@ -503,36 +507,48 @@ class NativeEngine:
         """
         return self.eval_stats(microbatches).loss
 
-    def eval_stats(self, microbatches: List[Microbatch], n_sources: int = 0) -> EvalStats:
+    def eval_stats(self, microbatches: List[Microbatch], n_sources: int = 0, greedy: bool = False) -> EvalStats:
         """eval_step's loss with the global token count and, with Microbatch.sources, the loss and
         token count per mixture source (one all-reduce, as eval_step). n_sources: how many source
-        indices the micro-batches number (0: the run's mix; downstream evaluation numbers rows)."""
+        indices the micro-batches number (0: the run's mix; downstream evaluation numbers rows).
+        greedy: also the per-source count of tokens that were their logits' argmax (across the
+        vocabulary shards under loss parallelism; the last pipeline stage's, as the loss)."""
         microbatches = as_microbatches(microbatches)
         self._token_norm = self._count_tokens(microbatches)
         self._start_sources(microbatches, n_sources)
+        n = self._n_sources
+        if greedy and n:
+            self._greedy_sums = torch.zeros(n, dtype=torch.float64, device=self.device)
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        with torch.no_grad():
-            if self.pp_schedule is None:
-                model = self.parts[0]
-                for mb in microbatches:
-                    local_loss += _plain(self._forward_loss(model, mb, backward=False))
-            else:
-                for mb_loss in self._run_pipeline("eval", microbatches)[0]:
-                    local_loss += _plain(mb_loss.detach())
-        counted = self.tp_rank == 0 and self.has_last
-        contrib = float(local_loss) if counted else 0.0
-        total = torch.tensor([contrib], dtype=torch.float64)
-        if self._n_sources:
-            sums = self._source_sums.cpu() if counted else torch.zeros(2 * self._n_sources, dtype=torch.float64)
-            total = torch.cat([total, sums])
-        if self.world is not None:
-            total = total.to(self.device)
-            dist.all_reduce(total)
-            total = total.cpu()
-        source_loss, source_tokens = source_means(total[1:]) if self._n_sources else ({}, {})
-        self._n_sources, self._source_sums = 0, None
+        try:
+            with torch.no_grad():
+                if self.pp_schedule is None:
+                    model = self.parts[0]
+                    for mb in microbatches:
+                        local_loss += _plain(self._forward_loss(model, mb, backward=False))
+                else:
+                    for mb_loss in self._run_pipeline("eval", microbatches)[0]:
+                        local_loss += _plain(mb_loss.detach())
+            counted = self.tp_rank == 0 and self.has_last
+            contrib = float(local_loss) if counted else 0.0
+            total = torch.tensor([contrib], dtype=torch.float64)
+            parts = [total]
+            if n:
+                parts.append(self._source_sums.cpu() if counted else torch.zeros(2 * n, dtype=torch.float64))
+            if self._greedy_sums is not None:
+                parts.append(self._greedy_sums.cpu() if counted else torch.zeros(n, dtype=torch.float64))
+            total = torch.cat(parts)
+            if self.world is not None:
+                total = total.to(self.device)
+                dist.all_reduce(total)
+                total = total.cpu()
+        finally:  # even when the call fails: a training step never counts greedy tokens
+            has_greedy = self._greedy_sums is not None
+            self._n_sources, self._source_sums, self._greedy_sums = 0, None, None
+        source_loss, source_tokens = source_means(total[1:1 + 2 * n]) if n else ({}, {})
+        source_greedy = ({i: float(total[1 + 2 * n + i]) for i in source_tokens} if has_greedy else {})
         return EvalStats(loss=float(total[0]), tokens=float(self._token_norm), source_loss=source_loss,
-                         source_tokens=source_tokens)
+                         source_tokens=source_tokens, source_greedy=source_greedy)
 
     # ---------------------------------------------------------------- state
     def _state(self):

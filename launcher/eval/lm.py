@@ -60,8 +60,7 @@ class LiveModelLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> List[Tuple[float, bool]]:
         rows = [self._row(context_enc, continuation_enc) for _, context_enc, continuation_enc in requests]
-        # is_greedy is not computed (tasks.py refuses the metrics that read it)
-        return [(ll, False) for ll in self.scorer.score(rows)]
+        return [(ll, greedy) for ll, greedy in self.scorer.score(rows)]  # (loglikelihood, is_greedy)
 
     def _row(self, context_enc: Sequence[int], continuation_enc: Sequence[int]) -> Tuple[List[int], int]:
         """HFLM's model input: the last max_length + 1 tokens of context + continuation."""
@@ -76,7 +75,7 @@ class LiveModelLM(TemplateLM):
                 max_seq_len=self._max_length, context_len=1)]
             rows.extend(self._row(context, continuation) for context, continuation in windows)
             counts.append(len(windows))
-        scores = self.scorer.score(rows)
+        scores = [ll for ll, _ in self.scorer.score(rows, greedy=False)]
         out, at = [], 0
         for n in counts:
             out.append(sum(scores[at:at + n]))

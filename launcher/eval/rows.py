@@ -5,7 +5,9 @@ inputs are the tokens but the last, and only the continuation's labels are count
 padded to trainer.seq_len (the shape every layout was built for; padding sits after the scored
 tokens, so causal attention never sees it) and numbered as "sources": the engine's `eval_stats`
 then returns each row's summed token loss, all-reduced over the data-parallel group, on every
-rank. So every layout the engines serve (FSDP2/HSDP, TP+SP with loss parallelism, PP, EP, CP,
+rank, and how many of its scored tokens were the argmax of their logits (lm-eval's is_greedy:
+all of them; taken across the vocabulary shards under TP's loss parallelism,
+launcher/engines/greedy.py). So every layout the engines serve (FSDP2/HSDP, TP+SP with loss parallelism, PP, EP, CP,
 DeepSpeed) scores rows with no evaluation code of its own.
 
 Every rank passes the same row list; data-parallel rank r takes the r-th slice of each call, and
@@ -22,8 +24,6 @@ import torch
 
 from launcher.data.batch import Microbatch
 from launcher.engines.base import IGNORE_INDEX
-
-
 
 
 @dataclass(frozen=True)
@@ -59,24 +59,26 @@ def row_tensors(tokens: Sequence[int], n_scored: int, seq_len: int, pad_id: int)
 
 
 class RowScorer:
-    """Summed log-probabilities of rows on the engine's live model (collective: every rank calls
-    `score` with the same rows)."""
+    """Summed log-probabilities of rows, and whether each row's scored tokens are the greedy ones,
+    on the engine's live model (collective: every rank calls `score` with the same rows)."""
 
     def __init__(self, engine, shape: RowShape, pad_id: int):
         self.engine = engine
         self.shape = shape
         self.pad_id = pad_id
 
-    def score(self, rows: Sequence[Tuple[Sequence[int], int]]) -> List[float]:
-        """For each (tokens, n_scored): the sum of log p(token | the tokens before it) over the
-        last n_scored tokens. Same list on every rank."""
-        out: List[float] = []
+    def score(self, rows: Sequence[Tuple[Sequence[int], int]], greedy: bool = True) -> List[Tuple[float, bool]]:
+        """For each (tokens, n_scored): (the sum of log p(token | the tokens before it) over the
+        last n_scored tokens, whether each of them is its position's argmax: lm-eval's
+        (loglikelihood, is_greedy)). Same list on every rank. greedy=False skips the argmax
+        (rolling log-likelihoods need none): is_greedy is then False."""
+        out: List[Tuple[float, bool]] = []
         per_call = self.shape.rows_per_call
         for start in range(0, len(rows), per_call):
-            out.extend(self._call(rows[start:start + per_call]))
+            out.extend(self._call(rows[start:start + per_call], greedy))
         return out
 
-    def _call(self, rows: Sequence[Tuple[Sequence[int], int]]) -> List[float]:
+    def _call(self, rows: Sequence[Tuple[Sequence[int], int]], greedy: bool) -> List[Tuple[float, bool]]:
         s = self.shape
         first = s.dp_rank * s.rows_per_rank
         inputs, labels, sources = [], [], []
@@ -94,6 +96,8 @@ class RowScorer:
         for j in range(0, s.rows_per_rank, b):
             mbs.append(Microbatch(torch.stack(inputs[j:j + b]), torch.stack(labels[j:j + b]),
                                   sources=torch.tensor(sources[j:j + b], dtype=torch.int64)))
-        stats = self.engine.eval_stats(mbs, n_sources=s.rows_per_call)
-        # mean token loss x counted tokens = the row's summed loss = -(its log-likelihood)
-        return [-stats.source_loss[i] * stats.source_tokens[i] for i in range(len(rows))]
+        stats = self.engine.eval_stats(mbs, n_sources=s.rows_per_call, greedy=greedy)
+        # mean token loss x counted tokens = the row's summed loss = -(its log-likelihood); greedy
+        # when every counted token was the argmax (exact integer counts in fp64)
+        return [(-stats.source_loss[i] * stats.source_tokens[i],
+                 greedy and stats.source_greedy[i] == stats.source_tokens[i]) for i in range(len(rows))]

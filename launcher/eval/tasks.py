@@ -53,17 +53,11 @@ def task_manager(include_path: Sequence[str]):
 
 
 def served_problems(name: str, task: Any) -> List[str]:
-    """What of `task` the live model cannot serve: generation, and the metrics read from is_greedy."""
-    output_type = task.get_config("output_type")
-    metrics = set(getattr(task, "_metric_fn_list", {}) or {})
-    if output_type == "generate_until":
+    """What of `task` the live model cannot serve: generation (every log-likelihood metric is
+    served, is_greedy's `acc` and `exact_match` included)."""
+    if task.get_config("output_type") == "generate_until":
         return [f"eval.tasks: task {name} generates text (output_type generate_until), which in-loop evaluation "
                 f"does not build. Fix: drop it from eval.tasks; run it with lm-eval on an HF export of a checkpoint."]
-    greedy = {"loglikelihood": "acc", "multiple_choice": "exact_match"}.get(output_type)
-    if greedy and greedy in metrics:
-        return [f"eval.tasks: task {name} scores {greedy} from is_greedy (whether greedy decoding gives the "
-                f"continuation), which in-loop evaluation does not compute. Fix: drop metric {greedy} from the "
-                f"task's metric_list (e.g. a copy of its YAML under eval.include_path), or drop the task."]
     return []
 
 

@@ -77,7 +77,7 @@ def check_hf_support(spec: JobConfig, plan: Plan) -> None:
 
 def check_eval_tasks(spec: JobConfig) -> None:
     """eval.tasks: lm-eval is installed and every task builds offline and is served by the live
-    model (generation and is_greedy metrics are not); eval.on_checkpoint (with eval.job): every
+    model (generation is not); eval.on_checkpoint (with eval.job): every
     task builds offline (lm-eval's HF backend serves them all). Checked here before any rank starts."""
     jobs = list(spec.eval.on_checkpoint) if spec.eval.job else []
     if not spec.eval.tasks and not jobs:

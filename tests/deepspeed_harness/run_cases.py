@@ -8,7 +8,9 @@ For each case: build the real DeepSpeedEngine from the composed spec and its pla
 SAVE_AT steps, rebuild a fresh engine, load and continue; with --native also run the native
 engine (FSDP2 ZeRO-3) on the same data; with --load-from CKPT --load-cases A,B build each case's
 engine at this world size, load CKPT (another layout: converted to a universal checkpoint) and
-train from SAVE_AT. Rank 0 writes DIR/results.json.
+train from SAVE_AT; with --eval-dir DIR --eval-case CASE that case's trained engine also runs the
+downstream evaluation of the training loop (eval.tasks: DIR/tasks, tokenizer DIR/tokenizer) after
+its export. Rank 0 writes DIR/results.json.
 """
 
 from __future__ import annotations
@@ -64,7 +66,21 @@ def router_biases(engine) -> dict:
             for n, b in part.named_buffers() if n.endswith("e_score_correction_bias")}
 
 
-def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False):
+def downstream_scores(engine, overrides, plan, eval_dir: Path) -> dict:
+    """eval/<task>/<metric> of the loop's downstream evaluation (build_downstream_eval, as a rank of
+    `train` builds it) on this engine's live model: the tasks of tests/eval_tasks.py (tiny_cloze's
+    first context only: half the forward calls)."""
+    from launcher.eval.build import build_downstream_eval
+    from tests.eval_tasks import TASKS, one_context_limit
+
+    limit = one_context_limit(spec_for(overrides).model.vocab_size)
+    spec = spec_for([*overrides, f"eval.tasks=[{','.join(TASKS)}]", "eval.every=1", f"eval.limit={limit}",
+                     f"eval.include_path=[{eval_dir / 'tasks'}]", f"eval.tokenizer={eval_dir / 'tokenizer'}"])
+    evaluation = build_downstream_eval(spec, plan.layout, dp_rank_of(plan, dist.get_rank()), engine)
+    return evaluation.run()
+
+
+def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False, eval_dir: Path = None):
     from launcher.engines.deepspeed import DeepSpeedEngine
     from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import check
@@ -118,7 +134,11 @@ def run_case(name, overrides, work: Path, resume: bool, save_only: bool = False)
     if not save_only:
         engine.export(run_dir / "export" / "model.pt", "fp32")
         result["export"] = str(run_dir / "export" / "model.pt")
-    result["step_s"] = (time.time() - t0 - result["build_s"]) / steps
+    if eval_dir is not None:  # on the exported weights (tests/test_deepspeed_runtime.py scores them with HFLM)
+        t_eval = time.time()
+        result["eval"] = downstream_scores(engine, overrides, plan, eval_dir)
+        result["eval_s"] = time.time() - t_eval
+    result["step_s"] = (time.time() - t0 - result["build_s"] - result.get("eval_s", 0.0)) / steps
     del engine
     gc.collect()
     if resume and not save_only:
@@ -177,6 +197,8 @@ def main() -> int:
     parser.add_argument("--save-only", action="store_true", help="the --resume case saves, but neither reloads nor exports")
     parser.add_argument("--load-from", type=Path)
     parser.add_argument("--load-cases", default="")
+    parser.add_argument("--eval-dir", type=Path, help="tasks/ and tokenizer/ of tests/eval_tasks.py")
+    parser.add_argument("--eval-case", default="", help="the case whose trained engine runs the evaluation")
     parser.add_argument("--native-pipeline-moe", action="store_true", help="first, the native engine on debug_moe, pp=2")
     parser.add_argument("--bias-bf16", action="store_true",
                         help="last, DeepSeek-V3's router bias under bf16 ZeRO-3: DeepSpeed, then the native engine")
@@ -190,7 +212,8 @@ def main() -> int:
         results["native_pipeline_moe"] = run_native(args.work, NATIVE_PIPELINE_MOE)
     for name in [c for c in args.cases.split(",") if c]:
         results[name] = run_case(name, everything[name], args.work, resume=name == args.resume,
-                                 save_only=args.save_only)
+                                 save_only=args.save_only,
+                                 eval_dir=args.eval_dir if name == args.eval_case else None)
         dist.barrier()
     for name in [c for c in args.load_cases.split(",") if c]:
         results[f"loaded_{name}"] = run_loaded(name, everything[name], args.work, args.load_from)

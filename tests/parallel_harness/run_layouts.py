@@ -199,6 +199,12 @@ def run_layout(spec: dict) -> dict:
     out["seconds"] = time.time() - t0
     if spec.get("eval_rows"):  # downstream evaluation's scoring on this layout's trained model
         out["eval_rows"] = eval_row_scores(engine, layout, dp_rank, mcfg.vocab_size)
+    if spec.get("eval_greedy"):  # is_greedy over every candidate token (layouts without PP)
+        t_eval = time.time()
+        out["eval_candidates"] = eval_candidate_scores(engine, layout, dp_rank, mcfg.vocab_size)
+        out["eval_candidates_s"] = time.time() - t_eval
+        if layout.mesh.tp > 1:
+            out["greedy_ties"] = greedy_tie_check(engine)
     if spec.get("optim") == "muon":  # who orthogonalised what, the last step (work-balance test)
         costs = [w for o in engine.optimizers for w in getattr(o, "ns_work", [])]
         per_rank = [None] * dist.get_world_size() if dist.is_initialized() else [costs]
@@ -268,6 +274,45 @@ def eval_row_scores(engine, layout, dp_rank: int, vocab: int) -> list:
     shape = RowShape(seq_len=SEQ, micro_batch_size=layout.batch.micro_batch_size, microbatches=layout.batch.microbatches,
                      dp_rank=dp_rank, dp_size=layout.mesh.dp)
     return RowScorer(engine, shape, pad_id=0).score(rows)
+
+
+# Contexts whose every single-token continuation is scored (eval_candidate_scores): their argmax
+# tokens on the trained debug model (ref_dense: 199 and 73, each ahead of the runner-up by 0.15
+# or more in logit) fall in both halves of the vocabulary, so under tp=2 both shards hold a winner
+# (tests/test_parallel_layouts.py checks it).
+GREEDY_CONTEXTS = ([5, 9, 13, 17, 21], [87, 174, 88, 81, 165, 25, 77, 72])
+
+
+def eval_candidate_scores(engine, layout, dp_rank: int, vocab: int) -> list:
+    """[(log p, is_greedy)] of every token of the vocabulary after each GREEDY_CONTEXTS context,
+    through RowScorer (lm-eval's loglikelihood requests), in calls of 64-row micro-batches: exactly
+    one candidate per context is greedy, the one with the largest log p."""
+    from launcher.eval.rows import RowScorer, RowShape
+
+    rows = [(context + [token], 1) for context in GREEDY_CONTEXTS for token in range(vocab)]
+    shape = RowShape(seq_len=SEQ, micro_batch_size=64, microbatches=2, dp_rank=dp_rank, dp_size=layout.mesh.dp)
+    return RowScorer(engine, shape, pad_id=0).score(rows)
+
+
+def greedy_tie_check(engine) -> dict:
+    """launcher/engines/greedy.py on vocabulary-sharded logits whose maxima tie within and across
+    the tp=2 shards (vocab 9: shards of 5 and 4): torch.argmax's lowest-index rule on the full logits."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from launcher.engines.greedy import greedy_hits
+
+    mesh = engine.world["tp"]
+    full = torch.zeros(1, 4, 9)
+    full[0, 0, [2, 7]] = 1.0  # one maximum in each shard: 2
+    full[0, 1, 7] = 1.0  # the second shard alone: 7
+    full[0, 2, [5, 8]] = 1.0  # two in the second shard: 5
+    # row 3: all equal: 0
+    chunk, rank = 5, mesh.get_local_rank()
+    local = full[..., rank * chunk:(rank + 1) * chunk].contiguous()
+    logits = DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=full.shape, stride=full.stride())
+    return {"want": full.argmax(-1)[0].tolist(),
+            "hits_of_argmax": greedy_hits(logits, full.argmax(-1))[0].tolist(),
+            "hits_of_last_max": greedy_hits(logits, torch.tensor([[7, 7, 8, 8]]))[0].tolist()}
 
 
 def expert_row_counters(model_parts) -> dict:
