@@ -36,10 +36,10 @@ $(TEST_STAMP): $(STAMP)
 
 # Two pytest workers: while one waits (SLURM jobs, restart and watchdog timeouts, DeepSpeed's op
 # build) the other trains. Each test module runs whole on one worker (its shared launches stay
-# shared); tests/conftest.py orders the modules and keeps the SLURM ones on one worker.
+# shared); tests/conftest.py orders the modules and keeps the SLURM ones together on one worker.
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -ra --durations=20 $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+	$(PY) -m pytest -q -ra --durations=20 $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 # Debian packages: venv support, a C++ compiler and Python headers (DeepSpeed's JIT-built ops,
 # torch.compile), libaio (DeepSpeed's NVMe offload). Installed only when missing (needs root

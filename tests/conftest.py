@@ -98,24 +98,29 @@ def _is_deepspeed_test(item) -> bool:
     return Path(str(item.fspath)).name.startswith("test_deepspeed")
 
 
+def _is_slurm_module(path: str) -> bool:
+    """The SLURM test modules (marked `slurm`, using the one dev cluster) are tests/test_slurm_*.py."""
+    return Path(path).name.startswith("test_slurm_")
+
+
 def _module_order(item) -> int:
     """Where an item's module runs: SLURM first, the layout matrix next, DeepSpeed last."""
-    if item.get_closest_marker("slurm"):
+    name = Path(str(item.fspath)).name
+    if _is_slurm_module(name):
         return 0
-    if Path(str(item.fspath)).name == "test_parallel_layouts.py":
+    if name == "test_parallel_layouts.py":
         return 1
     return 3 if _is_deepspeed_test(item) else 2
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
-    """Order the modules for two pytest workers (`make test` runs `-n 2 --dist loadgroup`), each
-    module's tests kept together and in order.
+    """Order the modules for two pytest workers (`make test` runs `-n 2`), each module's tests kept
+    together and in order (pytest_xdist_make_scheduler below sends a module whole to one worker).
 
-    - The SLURM modules first, as one group on one worker: they share the one dev cluster (two
-      of them at once would queue for its nodes), and they mostly wait on jobs, so the other
-      worker trains beside them. The layout matrix, the longest module that trains, starts at the
-      same time on the other worker.
+    - The SLURM modules first, as one unit on one worker: they share the one dev cluster (two of
+      them at once would queue for its nodes, and the node-death test needs the nodes the others
+      use), and they mostly wait on jobs, so the other worker trains beside them. The layout
+      matrix, the longest module that trains, starts at the same time on the other worker.
     - The DeepSpeed modules last. Their JIT ops build in the background at the lowest priority
       (pytest_collection_finish): the build only gets the CPU the running tests leave idle. In
       file order the DeepSpeed modules come early: in the 2026-11-26 CI runs the build finished
@@ -123,9 +128,21 @@ def pytest_collection_modifyitems(session, config, items):
       I/O took 93-102 s. Last, they find every op built.
     """
     items[:] = sorted(items, key=_module_order)  # stable: file order within each class
-    for item in items:
-        if item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler, one work unit per test module (its module-scoped launches are
+    shared by its tests), all SLURM modules in one unit; units go out in collection order.
+    (`--dist loadgroup` cannot group them: pytest 9.2 derives node ids, so xdist 3.8's group suffix
+    on the node id no longer takes.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "slurm" if _is_slurm_module(module) else module
+
+    return ModuleScheduling(config, log)
 
 
 def pytest_collection_finish(session):
