@@ -179,17 +179,33 @@ def test_planner_counts_the_mtp_depths():
     stages = stage_params(shape, 2)
     assert stages[-1].shared + stages[-1].routed - (stage_params(plain, 2)[-1].shared + stage_params(plain, 2)[-1].routed) \
         == shape.mtp_total + shape.embedding  # on the last stage, with the head it reuses and its embedding copy
+    # Activations: the last pipeline stage holds the depth's (with the head's, 1F1B: one micro-batch),
+    # the first none of them; the depth's block is at least a main MoE block's.
+    from launcher.plan.decide.resolve import resolve
+    from launcher.plan.estimate.memory import estimate_memory, layer_activation_bytes, mtp_activation_bytes
+
+    args = ["model=deepseek_v3_small", "parallel.pp=2", "cluster.gpus_per_node=2", "trainer.seq_len=4096",
+            "trainer.micro_batch_size=1", "trainer.global_batch_size=8"]
+    small, small_plain = compose_spec(args + ["model.mtp_layers=1"]), compose_spec(args)
+    lay = resolve(small)
+    got = estimate_memory(model_shape(small.model), lay)
+    want = estimate_memory(model_shape(small_plain.model), resolve(small_plain))
+    extra = mtp_activation_bytes(model_shape(small.model), lay)
+    assert extra > layer_activation_bytes(model_shape(small.model), lay, True, "none")
+    assert got[0].activations == want[0].activations
+    assert got[1].detail["activations_head"] - want[1].detail["activations_head"] == int(extra)
 
 
 def test_bad_mtp_settings_are_problems_with_a_fix():
-    """Before launch: a malformed weight schedule, another family, the parallelisms the MTP module
-    is not placed across yet and zbv's V (first and last stage on one rank), each named with its Fix."""
+    """Before launch: a malformed weight schedule, another family and zbv's V (first and last stage
+    on one rank), each named with its Fix; tensor parallelism is no problem (the MTP module is
+    sharded like a main block)."""
     from launcher.config.loader import compose_spec
     from launcher.config.validate import validate
 
     spec = compose_spec(["model=debug", "model.mtp_layers=1", "model.mtp_loss_weights=[[0,0.3],[5,inf],3]",
                          "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"])
     problems = [p for p in validate(spec) if "mtp" in p]
-    assert len(problems) == 5 and all("Fix:" in p for p in problems), problems
+    assert len(problems) == 4 and all("Fix:" in p for p in problems), problems
     assert any("[5, inf]" in p for p in problems) and any("family=llama" in p for p in problems)
-    assert any("parallel.tp=2" in p for p in problems) and any("pp_schedule=zbv" in p for p in problems)
+    assert not any("parallel.tp=2" in p for p in problems) and any("pp_schedule=zbv" in p for p in problems)

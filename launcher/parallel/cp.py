@@ -144,7 +144,9 @@ def shard_for_allgather(inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict
                         cp: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, object]]:
     """This rank's slice of one micro-batch: (inputs, labels, model kwargs) with the tokens of
     ``shard_positions``, their RoPE positions (the sequence positions, or the given per-document
-    ones), their document ids, and the ``KeyIndex`` the model builds its mask from."""
+    ones), their document ids, and the ``KeyIndex`` the model builds its mask from. Any other
+    kwarg is a per-token tensor [b, s, ...] taken on whole rows (multi-token prediction's shifted
+    tokens and targets): sliced along the sequence like the tokens."""
     s = inputs.shape[1]
     dev = inputs.device
     mine = torch.tensor(shard_positions(s, cp, rank), dtype=torch.long, device=dev)
@@ -156,6 +158,9 @@ def shard_for_allgather(inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict
     docs = kwargs.get("document_ids")
     if docs is not None:
         out["document_ids"] = docs[:, mine]
+    for name, value in kwargs.items():
+        if name not in ("positions", "document_ids"):
+            out[name] = value[:, mine]
     out["keys"] = KeyIndex(query_index=mine, key_index=keys,
                            key_document_ids=docs[:, keys] if docs is not None else None)
     return inputs[:, mine], labels[:, mine], out

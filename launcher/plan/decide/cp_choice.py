@@ -10,7 +10,9 @@
 
 ``auto`` picks ring where it can run (CUDA causal attention: it holds the least K/V and its
 passes overlap attention, and it is what the published long-context runs used), all-gather
-wherever ring cannot (the CPU; document masking or data.reset_positions). Pure Python.
+wherever ring cannot (the CPU; document masking or data.reset_positions; multi-token prediction,
+whose shifted tokens and targets the engine cuts from whole rows with the all-gather slice). Pure
+Python.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Tuple
 CP_IMPLS = ("auto", "allgather", "ring")
 
 
-def choose_cp_impl(requested: str, cp: int, device: str, document_masking: bool) -> Tuple[str, str]:
+def choose_cp_impl(requested: str, cp: int, device: str, document_masking: bool, mtp: bool = False) -> Tuple[str, str]:
     """(implementation, why): "off" for cp=1, else "allgather" or "ring" (``requested`` when
     not auto; a ring that cannot run is refused by cp_impl_problems)."""
     if cp <= 1:
@@ -31,11 +33,15 @@ def choose_cp_impl(requested: str, cp: int, device: str, document_masking: bool)
         return "allgather", "auto: ring attention has no CPU kernel"
     if document_masking:
         return "allgather", "auto: ring attention takes no document mask (data.document_masking / reset_positions)"
+    if mtp:
+        return "allgather", ("auto: multi-token prediction (model.mtp_layers) takes its shifted tokens and targets "
+                             "from whole rows, cut with the all-gather slice")
     return "ring", ("auto: causal attention on GPUs, ring keeps K/V at seq_len/cp per rank and overlaps its "
                     "passes with attention (backend.cp_impl=allgather gathers the whole sequence's K/V)")
 
 
-def cp_impl_problems(requested: str, cp: int, device: str, document_masking: bool) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+def cp_impl_problems(requested: str, cp: int, device: str, document_masking: bool,
+                     mtp: bool = False) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
     """(reason, fixes) for a backend.cp_impl that cannot serve this job (rules.py reports them)."""
     if requested not in CP_IMPLS:
         return ((f"backend.cp_impl={requested} is not one of {', '.join(CP_IMPLS)}", ("backend.cp_impl=auto",)),)
@@ -49,4 +55,8 @@ def cp_impl_problems(requested: str, cp: int, device: str, document_masking: boo
     if document_masking:
         out.append((f"backend.cp_impl=ring with parallel.cp={cp} and data.document_masking / data.reset_positions: "
                     f"ring attention takes no document mask", fixes))
+    if mtp:
+        out.append((f"backend.cp_impl=ring with parallel.cp={cp} and model.mtp_layers > 0: multi-token prediction's "
+                    f"shifted tokens and targets are cut from whole rows by the all-gather slice only",
+                    fixes + ("model.mtp_layers=0",)))
     return tuple(out)

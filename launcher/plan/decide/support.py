@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from launcher.plan.features import DEEPSPEED, NATIVE
 from launcher.plan.degrees import MeshPlan
+from launcher.models.shape import mtp_layers_of
 from launcher.plan.decide.cp_choice import choose_cp_impl
 
 
@@ -26,7 +27,7 @@ class Switches:
 
     def cp_choice(self) -> Tuple[str, str]:
         """(implementation, why) of context parallelism (launcher/plan/decide/cp_choice.py)."""
-        return choose_cp_impl(self.cp_impl, self.mesh.cp, self.device, self.document_masking)
+        return choose_cp_impl(self.cp_impl, self.mesh.cp, self.device, self.document_masking, self.mtp)
 
 
     zero: int
@@ -47,6 +48,7 @@ class Switches:
     document_masking: bool  # data.document_masking or data.reset_positions (ids/positions per token)
     cp_impl: str = "auto"  # backend.cp_impl as typed (cp_choice.choose_cp_impl resolves it)
     device: str = "auto"  # trainer.device
+    mtp: bool = False  # model.mtp_layers > 0 (multi-token prediction)
 
     @classmethod
     def read(cls, spec, mesh: MeshPlan) -> "Switches":
@@ -72,6 +74,7 @@ class Switches:
                                   or getattr(spec.data, "reset_positions", False)),
             cp_impl=str(getattr(b, "cp_impl", "auto")),
             device=str(spec.trainer.device),
+            mtp=mtp_layers_of(spec.model) > 0,
         )
 
 
