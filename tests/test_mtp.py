@@ -137,6 +137,25 @@ def test_targets_shift_and_stop_at_document_boundaries():
     assert shifted_labels(labels, 2, docs).tolist() == [[12, -100, -100, 15, -100, -100]]
 
 
+def test_context_parallel_slices_keep_the_whole_rows_shift():
+    """Under all-gather CP (cp=2, head-tail: rank 0 holds positions 0, 1, 6, 7) each rank's depth
+    tokens and targets are the whole row's at its positions: position 1 reads t(2) and position 3's
+    target from rank 1's chunk, targets stop at the document boundary and the sequence's end."""
+    from launcher.models.mtp import mtp_targets
+    from launcher.parallel.cp import shard_for_allgather
+
+    tokens = torch.arange(100, 108).unsqueeze(0)  # t(i) = 100 + i
+    labels = tokens + 1  # the main labels: t(i+1)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    shifted, targets = mtp_targets(tokens, labels, 1, docs)
+    want = {0: ([101, 102, 107], [102, 103, 108, -100]), 1: ([103, 104, 105, 106], [-100, 105, 106, 107])}
+    for rank, (want_tokens, want_targets) in want.items():
+        _, _, kw = shard_for_allgather(tokens, labels, {"document_ids": docs, "mtp_tokens": shifted,
+                                                        "mtp_labels": targets}, 2, rank)
+        assert kw["mtp_tokens"][0, :len(want_tokens), 0].tolist() == want_tokens  # rank 0's last: wrapped, ignored
+        assert kw["mtp_labels"][0, :, 0].tolist() == want_targets
+
+
 def test_mtp_gradient_rides_on_the_logits_with_the_engines_scale():
     """The loss's gradient reaches the MTP weights (and the shared embedding) through the main
     logits' backward, scaled by mtp_loss_scale: scale 0 leaves eh_proj without gradient."""

@@ -276,8 +276,11 @@ def test_refused_layouts_say_why(results, name):
 # gap: a TP embedding outside FSDP gets a replicated gradient (launcher/rehearse/rank.py).
 MOE_TRAINED = tuple(n for n in COMPARED if n.endswith(("_moe", "_2experts", "_qwen3moe", "_dsv3"))
                     and not n.startswith(("bf16_", "fp8_", "save_", "resume_")))
+# The multi-token-prediction layouts too: the last stage's embedding copy (PP), the depth's block and
+# its replicated per-token maps under TP+SP (measured, load ~15 on 2 cores: 40 s wall, 8 s CPU for both,
+# the harness's imports included).
 REHEARSED = ("fsdp2_tp2_dense", "tp2_sp_dense", "fsdp2_odd", "pp2_interleaved_1f1b_dense", "pp2_zero_bubble_dense",
-             "pp2_zbv_dense") + MOE_TRAINED
+             "pp2_zbv_dense", "pp2_ep2_fsdp2_dsv3mtp", "cp2_tp2_sp_dsv3mtp") + MOE_TRAINED
 # Rehearsed with the fake training steps (gradients from a backward; one process per rank):
 # tp2_sp_dense keeps its embedding gradient replicated, which only a backward shows;
 # pp2_interleaved_1f1b_dense runs the real pipeline schedule (static stage shapes, two chunks
