@@ -198,6 +198,9 @@ def test_planner_counts_the_mtp_depths():
     stages = stage_params(shape, 2)
     assert stages[-1].shared + stages[-1].routed - (stage_params(plain, 2)[-1].shared + stage_params(plain, 2)[-1].routed) \
         == shape.mtp_total + shape.embedding  # on the last stage, with the head it reuses and its embedding copy
+    # Under TP the depth's norms, eh_proj, router and shared expert stay whole on every rank.
+    assert stages[-1].tp_replicated - stage_params(plain, 2)[-1].tp_replicated == (
+        3 * shape.dim + 2 * shape.dim ** 2 + shape.block_norms + shape.router + shape.n_shared_experts * shape.expert)
     # Activations: the last pipeline stage holds the depth's (with the head's, 1F1B: one micro-batch),
     # the first none of them; the depth's block is at least a main MoE block's.
     from launcher.plan.decide.resolve import resolve
