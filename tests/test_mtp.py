@@ -187,8 +187,10 @@ def test_planner_counts_the_mtp_depths():
     with torch.device("meta"):
         model = build_model(cfg)
     assert model_shape(cfg).total == sum(p.numel() for p in model.parameters())
-    v3 = compose_spec(["model=deepseek_v3"]).model  # mtp_layers: 1, as released
-    no_mtp = compose_spec(["model=deepseek_v3", "model.mtp_layers=0"]).model
+    pp2 = ["parallel.pp=2", "cluster.gpus_per_node=2"]
+    v3_job = compose_spec(["model=deepseek_v3", *pp2])  # mtp_layers: 1, as released
+    plain_job = compose_spec(["model=deepseek_v3", "model.mtp_layers=0", *pp2])
+    v3, no_mtp = v3_job.model, plain_job.model
     shape, plain = model_shape(v3), model_shape(no_mtp)
     # DeepSeek-V3's README: 685B = 671B main + 14B MTP, the MTP module "11.5B unique parameters"
     # besides its copies of the 0.9B embedding and 0.9B head (which we hold once).
@@ -206,14 +208,10 @@ def test_planner_counts_the_mtp_depths():
     from launcher.plan.decide.resolve import resolve
     from launcher.plan.estimate.memory import estimate_memory, layer_activation_bytes, mtp_activation_bytes
 
-    args = ["model=deepseek_v3_small", "parallel.pp=2", "cluster.gpus_per_node=2", "trainer.seq_len=4096",
-            "trainer.micro_batch_size=1", "trainer.global_batch_size=8"]
-    small, small_plain = compose_spec(args + ["model.mtp_layers=1"]), compose_spec(args)
-    lay = resolve(small)
-    got = estimate_memory(model_shape(small.model), lay)
-    want = estimate_memory(model_shape(small_plain.model), resolve(small_plain))
-    extra = mtp_activation_bytes(model_shape(small.model), lay)
-    assert extra > layer_activation_bytes(model_shape(small.model), lay, True, "none")
+    lay = resolve(v3_job)
+    got, want = estimate_memory(shape, lay), estimate_memory(plain, resolve(plain_job))
+    extra = mtp_activation_bytes(shape, lay)
+    assert extra > layer_activation_bytes(shape, lay, True, "none")
     assert got[0].activations == want[0].activations
     assert got[1].detail["activations_head"] - want[1].detail["activations_head"] == int(extra)
 
