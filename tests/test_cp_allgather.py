@@ -117,6 +117,10 @@ def test_auto_picks_allgather_where_ring_cannot_run_and_says_why():
     assert "allgather" in why and "document mask" in why
     assert layout_for(cfg, 2, **cuda, **{"backend.cp_impl": "ring"}).owners.cp_impl == "ring"
     assert layout_for(cfg, 1).owners.cp_impl == "off"
+    # Multi-token prediction cuts its shifted tokens and targets with the all-gather slice.
+    mtp = layout_for(layout_model_cfg({"model": "debug_moe", "overrides": {"family": "deepseek_v3", "mtp_layers": 1}}),
+                     2, **cuda)
+    assert mtp.owners.cp_impl == "allgather" and "multi-token" in dict(mtp.owners.choices)["cp"].impl
 
 
 def _llama8b(seq_len: int, cp: int = 8, **dotted):
@@ -172,6 +176,9 @@ def test_ring_where_it_cannot_run_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match="takes no document mask.*Fix: backend.cp_impl=allgather"):
         layout_for(cfg, 2, **{"parallel.cp": 2, "backend.cp_impl": "ring", "trainer.device": "cuda",
                               "data.reset_positions": True})
+    mtp = layout_model_cfg({"model": "debug_moe", "overrides": {"family": "deepseek_v3", "mtp_layers": 1}})
+    with pytest.raises(ConfigError, match="model.mtp_layers > 0.*Fix: backend.cp_impl=allgather"):
+        layout_for(mtp, 2, **{"parallel.cp": 2, "backend.cp_impl": "ring", "trainer.device": "cuda"})
     with pytest.raises(ConfigError, match="backend.cp_impl=bogus is not one of auto, allgather, ring"):
         layout_for(cfg, 2, **{"parallel.cp": 2, "backend.cp_impl": "bogus"})
 

@@ -137,6 +137,25 @@ def test_targets_shift_and_stop_at_document_boundaries():
     assert shifted_labels(labels, 2, docs).tolist() == [[12, -100, -100, 15, -100, -100]]
 
 
+def test_context_parallel_slices_keep_the_whole_rows_shift():
+    """Under all-gather CP (cp=2, head-tail: rank 0 holds positions 0, 1, 6, 7) each rank's depth
+    tokens and targets are the whole row's at its positions: position 1 reads t(2) and position 3's
+    target from rank 1's chunk, targets stop at the document boundary and the sequence's end."""
+    from launcher.models.mtp import mtp_targets
+    from launcher.parallel.cp import shard_for_allgather
+
+    tokens = torch.arange(100, 108).unsqueeze(0)  # t(i) = 100 + i
+    labels = tokens + 1  # the main labels: t(i+1)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    shifted, targets = mtp_targets(tokens, labels, 1, docs)
+    want = {0: ([101, 102, 107], [102, 103, 108, -100]), 1: ([103, 104, 105, 106], [-100, 105, 106, 107])}
+    for rank, (want_tokens, want_targets) in want.items():
+        _, _, kw = shard_for_allgather(tokens, labels, {"document_ids": docs, "mtp_tokens": shifted,
+                                                        "mtp_labels": targets}, 2, rank)
+        assert kw["mtp_tokens"][0, :len(want_tokens), 0].tolist() == want_tokens  # rank 0's last: wrapped, ignored
+        assert kw["mtp_labels"][0, :, 0].tolist() == want_targets
+
+
 def test_mtp_gradient_rides_on_the_logits_with_the_engines_scale():
     """The loss's gradient reaches the MTP weights (and the shared embedding) through the main
     logits' backward, scaled by mtp_loss_scale: scale 0 leaves eh_proj without gradient."""
@@ -168,8 +187,10 @@ def test_planner_counts_the_mtp_depths():
     with torch.device("meta"):
         model = build_model(cfg)
     assert model_shape(cfg).total == sum(p.numel() for p in model.parameters())
-    v3 = compose_spec(["model=deepseek_v3"]).model  # mtp_layers: 1, as released
-    no_mtp = compose_spec(["model=deepseek_v3", "model.mtp_layers=0"]).model
+    pp2 = ["parallel.pp=2", "cluster.gpus_per_node=2"]
+    v3_job = compose_spec(["model=deepseek_v3", *pp2])  # mtp_layers: 1, as released
+    plain_job = compose_spec(["model=deepseek_v3", "model.mtp_layers=0", *pp2])
+    v3, no_mtp = v3_job.model, plain_job.model
     shape, plain = model_shape(v3), model_shape(no_mtp)
     # DeepSeek-V3's README: 685B = 671B main + 14B MTP, the MTP module "11.5B unique parameters"
     # besides its copies of the 0.9B embedding and 0.9B head (which we hold once).
@@ -179,17 +200,32 @@ def test_planner_counts_the_mtp_depths():
     stages = stage_params(shape, 2)
     assert stages[-1].shared + stages[-1].routed - (stage_params(plain, 2)[-1].shared + stage_params(plain, 2)[-1].routed) \
         == shape.mtp_total + shape.embedding  # on the last stage, with the head it reuses and its embedding copy
+    # Under TP the depth's norms, eh_proj, router and shared expert stay whole on every rank.
+    assert stages[-1].tp_replicated - stage_params(plain, 2)[-1].tp_replicated == (
+        3 * shape.dim + 2 * shape.dim ** 2 + shape.block_norms + shape.router + shape.n_shared_experts * shape.expert)
+    # Activations: the last pipeline stage holds the depth's (with the head's, 1F1B: one micro-batch),
+    # the first none of them; the depth's block is at least a main MoE block's.
+    from launcher.plan.decide.resolve import resolve
+    from launcher.plan.estimate.memory import estimate_memory, layer_activation_bytes, mtp_activation_bytes
+
+    lay = resolve(v3_job)
+    got, want = estimate_memory(shape, lay), estimate_memory(plain, resolve(plain_job))
+    extra = mtp_activation_bytes(shape, lay)
+    assert extra > layer_activation_bytes(shape, lay, True, "none")
+    assert got[0].activations == want[0].activations
+    assert got[1].detail["activations_head"] - want[1].detail["activations_head"] == int(extra)
 
 
 def test_bad_mtp_settings_are_problems_with_a_fix():
-    """Before launch: a malformed weight schedule, another family, the parallelisms the MTP module
-    is not placed across yet and zbv's V (first and last stage on one rank), each named with its Fix."""
+    """Before launch: a malformed weight schedule, another family and zbv's V (first and last stage
+    on one rank), each named with its Fix; tensor parallelism is no problem (the MTP module is
+    sharded like a main block)."""
     from launcher.config.loader import compose_spec
     from launcher.config.validate import validate
 
     spec = compose_spec(["model=debug", "model.mtp_layers=1", "model.mtp_loss_weights=[[0,0.3],[5,inf],3]",
                          "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"])
     problems = [p for p in validate(spec) if "mtp" in p]
-    assert len(problems) == 5 and all("Fix:" in p for p in problems), problems
+    assert len(problems) == 4 and all("Fix:" in p for p in problems), problems
     assert any("[5, inf]" in p for p in problems) and any("family=llama" in p for p in problems)
-    assert any("parallel.tp=2" in p for p in problems) and any("pp_schedule=zbv" in p for p in problems)
+    assert not any("parallel.tp=2" in p for p in problems) and any("pp_schedule=zbv" in p for p in problems)

@@ -240,8 +240,8 @@ def _weight_step_ok(step: object) -> bool:
 
 
 def mtp_problems(m: ModelConfig, p, backend) -> List[str]:
-    """Multi-token prediction (model.mtp_layers): DeepSeek-V3's, on the native path without
-    context or tensor parallelism (what launcher/models/mtp.py and the native engine serve today)."""
+    """Multi-token prediction (model.mtp_layers): DeepSeek-V3's, on the native path (any mesh but the
+    zbv pipeline schedule; context parallelism's ring is refused by launcher/plan/decide/cp_choice.py)."""
     if m.mtp_layers < 0:
         return [f"model.mtp_layers={m.mtp_layers} must be >= 0 (-1, model=hf's default, takes config.json's "
                 f"num_nextn_predict_layers from model.init_from). Fix: model.mtp_layers=0 (none) or 1 (DeepSeek-V3)."]
@@ -259,11 +259,6 @@ def mtp_problems(m: ModelConfig, p, backend) -> List[str]:
         problems.append(f"model.mtp_layers={m.mtp_layers} with parallel.pp_schedule=zbv: its V puts the first and "
                         f"the last stage on one rank, where the MTP module's copy of the embedding is not kept. "
                         f"Fix: parallel.pp_schedule=1f1b or interleaved_1f1b, or model.mtp_layers=0.")
-    for degree, name in ((p.cp, "cp"), (p.tp, "tp")):
-        if degree > 1:
-            problems.append(f"model.mtp_layers={m.mtp_layers} with parallel.{name}={degree}: the multi-token-prediction "
-                            f"module is not yet placed across {name} ranks. Fix: parallel.{name}=1 (use dp/ep), "
-                            f"or model.mtp_layers=0.")
     if "deepspeed" in (backend.default, backend.sharding):
         problems.append(f"model.mtp_layers={m.mtp_layers} with the DeepSpeed backend: its loss is wired in the native "
                         f"engine only. Fix: backend=native (or auto), or model.mtp_layers=0.")

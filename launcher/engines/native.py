@@ -20,6 +20,7 @@ resolver; nothing is re-decided here.
 from __future__ import annotations
 
 import logging
+import re
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -46,6 +47,7 @@ from launcher.hf.export import export_state
 from launcher.hf.weights import export_hf, load_hf_weights
 from launcher.models import build_model
 from launcher.models.moe import update_correction_bias
+from launcher.models.mtp import mtp_targets
 from launcher.models.shape import mtp_layers_of, mtp_loss_weight
 from launcher.parallel.ac import apply_activation_checkpointing
 from launcher.parallel.compile import apply_compile
@@ -96,8 +98,7 @@ class NativeEngine:
         with torch.device("meta"):
             whole = build_model(model_cfg)
         self.is_moe = model_cfg.n_experts > 0
-        # Multi-token prediction (launcher/models/mtp.py): its loss rides on the logits' backward; the
-        # validator refused it with context and tensor parallelism (validate.mtp_problems).
+        # Multi-token prediction (launcher/models/mtp.py): its loss rides on the logits' backward.
         self.mtp_layers = mtp_layers_of(model_cfg)
 
         # Pipeline split first: every later technique is applied per stage module.
@@ -209,6 +210,17 @@ class NativeEngine:
             return shard_for_allgather(inputs, labels, kwargs, cp.size(), cp.get_local_rank(), document_ids)
         return inputs, labels, kwargs
 
+    def forward_inputs(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict[str, Any], train: bool,
+                       document_ids: Optional[torch.Tensor] = None):
+        """(inputs, labels, model kwargs) of this rank's forward of one micro-batch: when training
+        with multi-token prediction, its depths' tokens and targets taken on the whole rows
+        (mtp_targets: the shifts cross the CP slices and stop at documents as on one rank), then
+        this rank's context-parallel slice of all of them (context_parallel_slice)."""
+        if self.mtp_layers and train:
+            kwargs = dict(kwargs, **dict(zip(("mtp_tokens", "mtp_labels"), mtp_targets(
+                inputs, labels, self.mtp_layers, kwargs.get("document_ids")))))
+        return self.context_parallel_slice(inputs, labels, kwargs, document_ids)
+
     def _context_parallel(self, model, inputs, labels):
         if self.mesh_plan.cp > 1 and self.cp_impl == "ring":
             return context_parallel_region(model, self.world["cp"], inputs, labels)
@@ -261,10 +273,8 @@ class NativeEngine:
         """One micro-batch's forward and loss, and its backward when training."""
         self._check_masking_supported(mb)
         inputs, labels = mb.inputs.to(self.device), mb.labels.to(self.device)
-        inputs, labels, kwargs = self.context_parallel_slice(inputs, labels, model_kwargs(mb, self.device),
-                                                             mb.document_ids)
-        if self.mtp_layers and backward:
-            kwargs["mtp_labels"] = labels
+        inputs, labels, kwargs = self.forward_inputs(inputs, labels, model_kwargs(mb, self.device), train=backward,
+                                                     document_ids=mb.document_ids)
         with self._context_parallel(model, inputs, labels), self._loss_parallel():
             with self._autocast():
                 logits = model(inputs, **kwargs)
@@ -487,7 +497,8 @@ class NativeEngine:
             kwargs["document_ids"] = torch.cat([mb.document_ids for mb in microbatches]).to(dev)
         losses: list = []
         if self.mtp_layers and method == "step":  # every stage gets them; the last one's MTP reads them
-            kwargs.update(mtp_tokens=inputs, mtp_labels=torch.cat([mb.labels for mb in microbatches]).to(dev))
+            labels = torch.cat([mb.labels for mb in microbatches]).to(dev)
+            kwargs = self.forward_inputs(inputs, labels, kwargs, train=True)[2]  # no CP with PP: no slice
         if self.has_last:
             labels = torch.cat([mb.labels for mb in microbatches]).to(dev)
             if self._n_sources:
@@ -583,9 +594,18 @@ class NativeEngine:
                               process_group=process_group, async_stager=stager)
 
     def load(self, directory: Path) -> None:
-        """Load a checkpoint written by ``save`` in any layout / world size (collective)."""
+        """Load a checkpoint written by ``save`` in any layout / world size (collective).
+
+        A pipeline's last-stage copy of the embedding (multi-token prediction's mtp_embeddings) is
+        read from the embedding's own entries, weights and optimizer states: every layout's
+        checkpoint holds those (a run without pipelining writes no copy), and the copy equals
+        them (their gradients are summed each step). A checkpoint's copy is read by no one."""
         state = self._state()
-        dcp.load(state, checkpoint_id=str(directory))
+        request = {part: _copy_read_as_original(entries) if part in ("model", "optim") else entries
+                   for part, entries in state.items()}
+        dcp.load(request, checkpoint_id=str(directory))
+        for part in ("model", "optim"):  # DCP replaces non-tensor values: take them back under our names
+            state[part] = {name: request[part][read] for name, read in _copy_names(state[part]).items()}
         self._apply_state(state)
 
     def local_state(self) -> Dict[str, Any]:
@@ -659,6 +679,25 @@ class NativeEngine:
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """A loss as a plain fp64 tensor (loss parallel returns a replicated DTensor)."""
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).double()
+
+
+_COPY_NAME = re.compile(r"(^|\.)mtp_embeddings\.")
+
+
+def _copy_names(entries: Dict[str, Any]) -> Dict[str, str]:
+    """{state name: the name to read it under}: a flat model or optimizer state's entries of the
+    embedding copy (`mtp_embeddings.`, "state.mtp_embeddings.weight.exp_avg"...) under the
+    embedding's (`tok_embeddings.`), unless this rank holds that entry too (then each reads its own)."""
+    out = {}
+    for name in entries:
+        original = _COPY_NAME.sub(lambda m: m.group(1) + "tok_embeddings.", name)
+        out[name] = original if original == name or original not in entries else name
+    return out
+
+
+def _copy_read_as_original(entries: Dict[str, Any]) -> Dict[str, Any]:
+    """`entries` under the names _copy_names reads them by (the same values: DCP loads into them)."""
+    return {read: entries[name] for name, read in _copy_names(entries).items()}
 
 
 def _local_numel(p: torch.Tensor) -> int:

@@ -16,6 +16,13 @@ depth reads h^k after head_norm (HF's `shared_head.norm`), as megatron-core's la
 The embedding and the output layer are the main model's (HF's layer-61 `embed_tokens` and
 `shared_head.head` are copies of them). Depth k's target at i is the main labels shifted left by
 k: positions whose shift leaves the sequence or, with document ids, the document, are ignored.
+Both shifts are taken on whole rows (`mtp_targets`): under context parallelism the engine takes
+them before it cuts the row into its head-tail slices, so t_{i+k} and the target of a position
+whose next tokens live on another CP rank are those one rank would use.
+
+Tensor parallelism (launcher/parallel/tp.py): each depth's block gets its family's block plan;
+enorm, hnorm, eh_proj and head_norm are per-token maps, replicated over TP (under SP each rank maps
+its own slice of the sequence, their weights' gradients summed over TP, as the main norms').
 
 The loss: lambda / D * sum_k (sum of depth k's token losses) / (the step's token count), the
 count the main loss divides by (launcher/engines/native.py sets `mtp_loss_scale` to
@@ -27,7 +34,7 @@ depths / D for logging (`mtp/loss`).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -76,18 +83,30 @@ def shifted_tokens(tokens: torch.Tensor, depth: int) -> torch.Tensor:
     return torch.roll(tokens, shifts=-depth, dims=1)
 
 
+def mtp_targets(tokens: torch.Tensor, labels: torch.Tensor, depths: int,
+                document_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, targets), each [b, s, depths]: column k-1 holds depth k's input token t_{i+k}
+    (shifted_tokens) and its target (shifted_labels), from whole rows `tokens`, `labels` [b, s]
+    (the main labels) and their document ids. The model reads these columns; a caller that splits
+    the sequence afterwards (context parallelism) slices them with the tokens."""
+    shifted = [shifted_tokens(tokens, k) for k in range(1, depths + 1)]
+    targets = [shifted_labels(labels, k, document_ids) for k in range(1, depths + 1)]
+    return torch.stack(shifted, dim=-1), torch.stack(targets, dim=-1)
+
+
 def mtp_loss_sum(model: nn.Module, embed: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor,
-                 labels: torch.Tensor, rope: torch.Tensor, mask=None,
-                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 targets: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
     """Sum over the depths of `model.mtp` of their token cross-entropies (fp32): `hidden` is h^0,
-    `embed` the shared embedding (a pipeline's last stage: its copy) and `model.output` the head."""
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for k, depth in enumerate(model.mtp.values(), start=1):
-        hidden = depth(hidden, embed(shifted_tokens(tokens, k)), rope, mask)
+    `tokens` and `targets` mtp_targets' [b, s, D] columns, `embed` the shared embedding (a
+    pipeline's last stage: its copy) and `model.output` the head. Under loss parallelism (TP) the
+    sum is a replicated DTensor, as the main loss is."""
+    total = None
+    for k, depth in enumerate(model.mtp.values()):
+        hidden = depth(hidden, embed(tokens[..., k]), rope, mask)
         logits = model.output(hidden)
-        targets = shifted_labels(labels, k, document_ids)
-        total = total + F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                        ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets[..., k].flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+        total = loss if total is None else total + loss
     return total
 
 

@@ -31,7 +31,7 @@ from launcher.models.init import init_model_weights
 from launcher.models.layers import (Attention, FeedForward, KeyIndex, RMSNorm, attention_mask,
                                     document_attention_mask, model_rope_table, rope_at_positions)
 from launcher.models.moe import AddAuxLossGrad, MoE, latest_aux_loss, set_aux_loss_scale
-from launcher.models.mtp import MTPDepth, mtp_loss_sum
+from launcher.models.mtp import MTPDepth, mtp_loss_sum, mtp_targets
 from launcher.models.shape import block_is_moe, head_dim_of, mtp_layers_of
 
 
@@ -113,10 +113,13 @@ class Transformer(nn.Module):
                 document_ids: Optional[torch.Tensor] = None, keys: Optional["KeyIndex"] = None,
                 mtp_labels: Optional[torch.Tensor] = None, mtp_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits. ``keys``: where the attention's keys lie when they are not these tokens (context
-        parallelism's gathered K/V); the mask is then built from it. With `mtp_labels` (the main
-        labels, training) and model.mtp_layers > 0 the multi-token-prediction loss is computed too
-        and its gradient rides on the logits' (launcher/models/mtp.py). `mtp_tokens`: the token
-        ids, for a pipeline stage whose input is a hidden state."""
+        parallelism's gathered K/V); the mask is then built from it. With `mtp_labels` (training)
+        and model.mtp_layers > 0 the multi-token-prediction loss is computed too and its gradient
+        rides on the logits' (launcher/models/mtp.py). `mtp_labels`: the main labels [b, s] (the
+        depths' shifts are taken here, from these rows and `document_ids`), or mtp_targets'
+        [b, s, D] targets with `mtp_tokens` its [b, s, D] tokens (what the engines pass: taken on
+        whole rows, before context parallelism splits them). `mtp_tokens` [b, s]: the token ids,
+        for a pipeline stage whose input is a hidden state."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if positions is None else rope_at_positions(self.rope, positions)
         mask = None
@@ -139,7 +142,11 @@ class Transformer(nn.Module):
         if mtp_labels is not None and self.mtp is not None:
             embed = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings
             ids = mtp_tokens if mtp_tokens is not None else tokens
-            total = mtp_loss_sum(self, embed, ids, h, mtp_labels, rope, mask, document_ids)
+            if mtp_labels.dim() == 2:  # the main labels of whole rows: shift them here
+                ids, mtp_labels = mtp_targets(ids, mtp_labels, len(self.mtp), document_ids)
+            total = mtp_loss_sum(self, embed, ids, h, mtp_labels, rope, mask)
+            if hasattr(total, "to_local"):  # loss parallelism: replicated over TP, as the main loss
+                total = total.to_local()
             self.last_mtp_loss = total.detach() / len(self.mtp)
             if self.mtp_loss_acc is not None:
                 self.mtp_loss_acc += self.last_mtp_loss

@@ -131,8 +131,10 @@ def shard_for_allgather(inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict
     document ids), their RoPE positions (the sequence positions, or the given per-document ones),
     their document ids, and the ``KeyIndex`` the model builds its mask from. ``document_ids``: the
     micro-batch's ids where they are on the host (the split is computed there; default: those in
-    ``kwargs``). The loss is a sum over tokens, so labels sliced the same way need no reordering;
-    outputs go back to sequence order with ``to_sequence_order``."""
+    ``kwargs``). Any other kwarg is a per-token tensor [b, s, ...] taken on whole rows (multi-token
+    prediction's shifted tokens and targets): sliced along the sequence like the tokens. The loss
+    is a sum over tokens, so labels sliced the same way need no reordering; outputs go back to
+    sequence order with ``to_sequence_order``."""
     b, s = inputs.shape
     dev = inputs.device
     docs = kwargs.get("document_ids")
@@ -151,6 +153,13 @@ def shard_for_allgather(inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict
     if docs is not None:
         out["document_ids"] = take(docs)
         key_docs = docs[:, keys] if keys.dim() == 1 else docs.gather(1, keys)
+    for name, value in kwargs.items():
+        if name not in ("positions", "document_ids"):
+            if mine.dim() == 1:
+                out[name] = value[:, mine]
+            else:  # per row: the row's indices, broadcast over any trailing dimensions
+                index = mine.view(mine.shape + (1,) * (value.dim() - 2)).expand(mine.shape + value.shape[2:])
+                out[name] = value.gather(1, index)
     out["keys"] = KeyIndex(query_index=mine, key_index=keys,
                            key_document_ids=key_docs if docs is not None else None)
     return take(inputs), take(labels), out

@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 
 from launcher.config.validate import tensor_parallel_problems
 from launcher.models.family import family_of
+from launcher.models.mtp import mtp_blocks
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     top = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if getattr(model, "mtp_embeddings", None) is not None:  # a pipeline's last stage: sharded as the original
+        top["mtp_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if model.norm is not None and sequence_parallel:
         top["norm"] = SequenceParallel()
     if model.output is not None:
@@ -145,10 +148,28 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
         parallelize_module(model, tp_mesh, top)
 
     block_plan = family_of(model.cfg).tp_block_plan()
-    for block in model.layers.values():
+    blocks = list(model.layers.values()) + mtp_blocks(model)
+    for block in blocks:
         parallelize_module(block, tp_mesh, block_plan(block, BlockStyles(block, fp8, fold_experts),
                                                          sequence_parallel=sequence_parallel))
-    log.info("applied tensor parallelism (tp=%d) to %d blocks, sequence_parallel=%s, loss_parallel=%s, "
-             "experts %s", tp_mesh.size(), len(model.layers), sequence_parallel, loss_parallel,
+    if sequence_parallel and getattr(model, "mtp", None) is not None:
+        for depth in model.mtp.values():
+            parallelize_module(depth, tp_mesh, mtp_depth_plan())
+    log.info("applied tensor parallelism (tp=%d) to %d blocks (%d of them multi-token prediction's), "
+             "sequence_parallel=%s, loss_parallel=%s, experts %s", tp_mesh.size(), len(blocks),
+             len(blocks) - len(model.layers), sequence_parallel, loss_parallel,
              "folded (each TP rank routes its own tokens)" if fold_experts else "replicated")
     return model
+
+
+def mtp_depth_plan() -> dict:
+    """Under SP, the plan of one multi-token-prediction depth outside its block (launcher/models/mtp.py):
+    enorm, hnorm and head_norm as the main norms, and eh_proj too: a per-token map, so it stays
+    replicated and each rank projects its own slice of the sequence (1/tp of its FLOPs, no
+    activation traffic; its weight's gradient is summed over TP like a norm's). Column/row-sharding
+    it would need the whole sequence of both halves of its input gathered and its output
+    reduce-scattered, for a [2*dim, dim] matrix that is small next to the block. Its output is a
+    local tensor, as the block's residual stream is. Without SP all four are plain replicated
+    modules on the replicated hidden state, as the main norms are."""
+    return {"enorm": SequenceParallel(), "hnorm": SequenceParallel(), "head_norm": SequenceParallel(),
+            "eh_proj": SequenceParallel(use_local_output=True)}

@@ -52,18 +52,16 @@ def step_runner(engine, layout, vocab_size: int, microbatches: int, phase=no_pha
     device = rank_device(engine)
     inputs = torch.randint(0, vocab_size, shape, device=device)
     labels = torch.randint(0, vocab_size, shape, device=device)
-    # All-gather context parallelism: the rank's slice, as the engine's forward takes it.
-    inputs, labels, kwargs = engine.context_parallel_slice(inputs, labels, {})
-
-    # Multi-token prediction runs in training steps (model.mtp_layers): its block, head and loss too.
-    mtp = {"mtp_labels": labels} if getattr(engine, "mtp_layers", 0) else {}
+    # All-gather context parallelism: the rank's slice, as the engine's forward takes it; multi-token
+    # prediction (model.mtp_layers) runs in training steps: its shifted tokens and targets too.
+    inputs, labels, kwargs = engine.forward_inputs(inputs, labels, {}, train=True)
 
     def step():
         for _ in range(microbatches):
             with engine._loss_parallel():
                 with phase("forward"):
                     with engine._autocast():
-                        logits = model(inputs, **kwargs, **mtp)
+                        logits = model(inputs, **kwargs)
                     loss = token_loss_sum(logits, labels) / float(layout.microbatch_tokens)
                 with phase("backward"):
                     loss.backward()
@@ -180,7 +178,7 @@ def pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n_micro
         kwargs = {"target": labels, "losses": []} if engine.has_last else {}
         if getattr(engine, "mtp_layers", 0):  # as the engine's step: every stage gets them, the last reads them
             engine._set_mtp_scale()
-            kwargs.update(mtp_tokens=inputs, mtp_labels=labels)
+            kwargs.update(engine.forward_inputs(inputs, labels, {}, train=True)[2])
         args = (inputs,) if engine.has_first else ()
         with phase("forward_backward"), engine._loss_parallel(), engine._autocast():
             schedule.step(*args, **kwargs)

@@ -130,12 +130,26 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
     one.append({"name": "ref_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3})
     four += _family_moe_layouts("dsv3", DEEPSEEK_V3)
     # DeepSeek-V3 with its multi-token-prediction depth: under PP x EP x FSDP it lives on the last
-    # stage with a copy of stage 0's embedding, their gradients summed; losses, grad norms and
-    # mtp/loss equal the 1-rank run's (tests/test_parallel_layouts.py). Measured (2 cores, load ~30):
-    # ref_dsv3mtp 6 s (1.1 s of it building), pp2_ep2_fsdp2_dsv3mtp 5 s (2.2 s) inside their launches.
+    # stage with a copy of stage 0's embedding, their gradients summed; under CP x TP(+SP) its block
+    # is sharded like a main block, its shifted tokens and targets cut from whole rows before the
+    # head-tail split (the shift crosses the CP slices), experts folded over the cp x tp token group;
+    # losses, grad norms and mtp/loss equal the 1-rank run's (tests/test_parallel_layouts.py). Each
+    # saves after step 2 and the other layout resumes it: a pp=2 checkpoint (with the embedding copy,
+    # mtp_embeddings) on 1 rank, a pp=1 one at pp=2 (the copy read from the embedding's entries).
+    # Measured (2 cores, load ~30): ref_dsv3mtp 6 s (1.1 s of it building), pp2_ep2_fsdp2_dsv3mtp 5 s
+    # (2.2 s) inside their launches; (load 15-26) cp2_tp2_sp_dsv3mtp 14 s for 3 steps (the comparable
+    # cp2_tp2_qwen3moe_noaux 7 s), the two resumes under 1 s each.
     one.append({"name": "ref_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP})
     four.append({"name": "pp2_ep2_fsdp2_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
-                 "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b"})
+                 "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b",
+                 "save_dir": f"{ckpt_dir}/pp2_dsv3mtp", "save_after": 2})
+    four.append({"name": "cp2_tp2_sp_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
+                 "mesh": {"cp": 2, "tp": 2}, "sp": True, "save_dir": f"{ckpt_dir}/cp2_tp2_dsv3mtp", "save_after": 2,
+                 "steps": 2})  # its third step is the pp=2 resume's
+    two.append({"name": "resume_cp2tp2_as_pp2_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
+                "mesh": {"pp": 2}, "pp_schedule": "1f1b", "load_dir": f"{ckpt_dir}/cp2_tp2_dsv3mtp", "start_step": 2})
+    one.append({"name": "resume_pp2_as_1rank_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
+                "load_dir": f"{ckpt_dir}/pp2_dsv3mtp", "start_step": 2})
     two += [
         {"name": "ep2_moe", "model": "debug_moe", "mesh": {"dp_shard": 2, "ep": 2}},
         # bf16 mixed precision: compared with the fp32 reference at a bf16 tolerance (bf16 keeps

@@ -12,7 +12,8 @@
 gathered K/V of every saved layer included, launcher/plan/estimate/memory.py) fits
 hardware.memory_gb; ring only where all-gather does not fit, ring can run (CUDA, plain causal
 attention) and needs less. Where ring cannot run (the CPU, where hardware.memory_gb is not the
-limit; document masking or data.reset_positions) auto is all-gather whatever its memory, and a
+limit; document masking or data.reset_positions; multi-token prediction, whose shifted tokens and
+targets the engine cuts from whole rows with the all-gather slice) auto is all-gather whatever its memory, and a
 layout that does not fit is the plan's usual "DOES NOT FIT" verdict (a warning, as for any other
 cause), its reason saying that the gathered K/V do not fit. The memory is estimated once per
 implementation by the caller's layouts (resolve.py, the search); this module decides.
@@ -81,7 +82,7 @@ def _fit_text(m: CpMemory) -> str:
 
 
 def choose_cp_impl(requested: str, cp: int, device: str, document_masking: bool,
-                   memory: Callable[[bool], CpMemory]) -> Tuple[str, str]:
+                   memory: Callable[[bool], CpMemory], mtp: bool = False) -> Tuple[str, str]:
     """(implementation, why): "off" for cp=1, else "allgather" or "ring" (``requested`` when not
     auto; a ring that cannot run is refused by cp_impl_problems). ``memory(ring)``: the layout's
     CpMemory (estimating ring too when asked), called only where auto runs on GPUs."""
@@ -91,9 +92,13 @@ def choose_cp_impl(requested: str, cp: int, device: str, document_masking: bool,
         return requested, f"backend.cp_impl={requested}"
     if device == "cpu":
         return "allgather", "auto: ring attention has no CPU kernel"
-    m = memory(not document_masking)
+    m = memory(not (document_masking or mtp))  # ring is estimated only where it can run
     if document_masking:
         why = "auto: ring attention takes no document mask (data.document_masking / reset_positions)"
+        return "allgather", why + ("" if m.allgather_fits else f"; {_fit_text(m)}")
+    if mtp:
+        why = ("auto: multi-token prediction (model.mtp_layers) takes its shifted tokens and targets from whole "
+               "rows, cut with the all-gather slice")
         return "allgather", why + ("" if m.allgather_fits else f"; {_fit_text(m)}")
     if m.allgather_fits:
         return "allgather", f"auto: {_fit_text(m)}"
@@ -109,7 +114,8 @@ def cp_description(cp: int, impl: str = "", why: str = "") -> str:
     return f"native context parallel (cp={cp}, {impl}: {why})" if impl else f"native context parallel (cp={cp})"
 
 
-def cp_impl_problems(requested: str, cp: int, device: str, document_masking: bool) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+def cp_impl_problems(requested: str, cp: int, device: str, document_masking: bool,
+                     mtp: bool = False) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
     """(reason, fixes) for a backend.cp_impl that cannot serve this job (rules.py reports them)."""
     if requested not in CP_IMPLS:
         return ((f"backend.cp_impl={requested} is not one of {', '.join(CP_IMPLS)}", ("backend.cp_impl=auto",)),)
@@ -123,4 +129,8 @@ def cp_impl_problems(requested: str, cp: int, device: str, document_masking: boo
     if document_masking:
         out.append((f"backend.cp_impl=ring with parallel.cp={cp} and data.document_masking / data.reset_positions: "
                     f"ring attention takes no document mask", fixes))
+    if mtp:
+        out.append((f"backend.cp_impl=ring with parallel.cp={cp} and model.mtp_layers > 0: multi-token prediction's "
+                    f"shifted tokens and targets are cut from whole rows by the all-gather slice only",
+                    fixes + ("model.mtp_layers=0",)))
     return tuple(out)

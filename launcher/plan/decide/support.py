@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from launcher.plan.features import DEEPSPEED, NATIVE
 from launcher.plan.degrees import MeshPlan
+from launcher.models.shape import mtp_layers_of
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Switches:
     document_masking: bool  # data.document_masking or data.reset_positions (ids/positions per token)
     cp_impl: str = "auto"  # backend.cp_impl as typed (cp_choice.choose_cp_impl resolves it)
     device: str = "auto"  # trainer.device
+    mtp: bool = False  # model.mtp_layers > 0 (multi-token prediction)
 
     @classmethod
     def read(cls, spec, mesh: MeshPlan) -> "Switches":
@@ -66,6 +68,7 @@ class Switches:
                                   or getattr(spec.data, "reset_positions", False)),
             cp_impl=str(getattr(b, "cp_impl", "auto")),
             device=str(spec.trainer.device),
+            mtp=mtp_layers_of(spec.model) > 0,
         )
 
 

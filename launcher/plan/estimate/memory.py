@@ -489,8 +489,11 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
         v = shape.vocab_size
         head = tokens * (8.0 * shape.dim / (t if lay.sp else 1) + a * shape.dim)
         saved_logits = tokens * 4.0 * v / t
+        # Multi-token prediction runs with the head (same chunk, same micro-batches in flight).
+        head += mtp_activation_bytes(shape, lay)
         out["head"] = int((head + saved_logits) * last_inflight)
-        # The loss's backward frees the head's saved tensors of its micro-batch before the blocks'.
+        # The loss's backward frees the head's saved tensors of its micro-batch before the blocks'
+        # (the MTP depths' too: their loss's gradient enters at the logits, their graph is the newest).
         out["head_freed_before_blocks"] = int(head + saved_logits)
         # Peak of the loss's backward, beside the saved fp32 log-softmax output: the bf16 logits
         # (kept by the engine's `logits` variable), the fp32 gradient of the log-softmax output and
@@ -507,6 +510,28 @@ def stage_activation_memory(shape: ModelShape, stage: StageParams, lay: Layout) 
     # MemTracker, count them with the backward temporaries ("other").
     out["recomputed_block"] = int(worst_layer)  # 0 without recomputation
     return out
+
+
+def mtp_activation_bytes(shape: ModelShape, lay: Layout) -> float:
+    """Bytes the multi-token-prediction depths (model.mtp_layers, launcher/models/mtp.py) save for
+    one micro-batch on the last pipeline chunk; 0 without them.
+
+    Per depth and token: enorm, hnorm and head_norm as the final norm (fp32 input and output, 8h,
+    split over TP under SP); the concatenation eh_proj reads (2 x a*h, a per-token map: split over
+    TP under SP); one block as layer_activation_bytes keeps it (never checkpointed: activation
+    checkpointing wraps the main blocks); the output layer's input (a*h, gathered under SP) and
+    the saved fp32 log-softmax of its logits (4v / tp), as the main head's.
+    """
+    if not shape.mtp_depths:
+        return 0.0
+    a, h, t = lay.act_bytes, shape.dim, lay.mesh.tp
+    sp_div = t if lay.sp else 1
+    tokens = lay.rank_microbatch_tokens
+    per_depth = tokens * (3 * 8.0 * h / sp_div + 2 * a * h / sp_div + a * h + 4.0 * shape.vocab_size / t)
+    moe = shape.mtp_moe_depths
+    blocks = (moe * layer_activation_bytes(shape, lay, True, "none")
+              + (shape.mtp_depths - moe) * layer_activation_bytes(shape, lay, False, "none"))
+    return shape.mtp_depths * per_depth + blocks
 
 
 def recomputed_block_bytes(shape: ModelShape, lay: Layout, moe: bool, mode: str) -> float:

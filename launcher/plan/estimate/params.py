@@ -82,6 +82,14 @@ class ModelShape:
                 + self.mtp_moe_depths * (self.moe_block_shared + self.moe_block_routed))
 
     @property
+    def mtp_tp_replicated(self) -> int:
+        """What TP replicates of the depths (launcher/parallel/tp.py mtp_depth_plan): the three norms
+        and eh_proj of each, and their blocks' parts replicated like the main blocks'."""
+        moe = self.mtp_moe_depths
+        return (self.mtp_depths * (3 * self.dim + 2 * self.dim * self.dim + self.block_norms)
+                + moe * (self.router + self.n_shared_experts * self.expert))
+
+    @property
     def mtp_routed(self) -> int:
         return self.mtp_moe_depths * self.moe_block_routed
 
@@ -265,6 +273,7 @@ def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b
             # first stage with its own copy of the embedding (launcher/parallel/pp.py).
             shared += shape.mtp_total - shape.mtp_routed
             routed += shape.mtp_routed
+            replicated += shape.mtp_tp_replicated
             if shape.mtp_depths and not has_emb:
                 shared += shape.embedding
         n_moe = sum(1 for i in layers if shape.is_moe_layer(i))
