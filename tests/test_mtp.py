@@ -138,22 +138,32 @@ def test_targets_shift_and_stop_at_document_boundaries():
 
 
 def test_context_parallel_slices_keep_the_whole_rows_shift():
-    """Under all-gather CP (cp=2, head-tail: rank 0 holds positions 0, 1, 6, 7) each rank's depth
-    tokens and targets are the whole row's at its positions: position 1 reads t(2) and position 3's
-    target from rank 1's chunk, targets stop at the document boundary and the sequence's end."""
+    """Under all-gather CP (cp=2, the per-document split of launcher/parallel/cp_balance.py) each
+    rank's depth tokens and targets are the whole row's at its positions: a position reads t(p + 1)
+    and its target t(p + 2) even where those tokens sit on the other rank; targets stop at the
+    document boundary and at the sequence's end."""
     from launcher.models.mtp import mtp_targets
     from launcher.parallel.cp import shard_for_allgather
+    from launcher.parallel.cp_balance import rank_positions
 
     tokens = torch.arange(100, 108).unsqueeze(0)  # t(i) = 100 + i
     labels = tokens + 1  # the main labels: t(i+1)
     docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
     shifted, targets = mtp_targets(tokens, labels, 1, docs)
-    want = {0: ([101, 102, 107], [102, 103, 108, -100]), 1: ([103, 104, 105, 106], [-100, 105, 106, 107])}
-    for rank, (want_tokens, want_targets) in want.items():
+    split = rank_positions(8, 2, docs)[0]
+    assert sorted(split.flatten().tolist()) == list(range(8))
+    crossing = 0
+    for rank in (0, 1):
+        mine = split[rank].tolist()
         _, _, kw = shard_for_allgather(tokens, labels, {"document_ids": docs, "mtp_tokens": shifted,
                                                         "mtp_labels": targets}, 2, rank)
-        assert kw["mtp_tokens"][0, :len(want_tokens), 0].tolist() == want_tokens  # rank 0's last: wrapped, ignored
-        assert kw["mtp_labels"][0, :, 0].tolist() == want_targets
+        want_targets = [100 + p + 2 if p + 1 < 8 and docs[0, p + 1] == docs[0, p] else -100 for p in mine]
+        assert kw["mtp_labels"][0, :, 0].tolist() == want_targets, (rank, mine)
+        for i, p in enumerate(mine):
+            if p + 1 < 8:  # the last position's depth token wraps and is ignored (its target is -100)
+                assert kw["mtp_tokens"][0, i, 0].item() == 101 + p, (rank, p)
+                crossing += (p + 1) not in mine
+    assert crossing > 0  # some shifts read tokens that only the other rank holds
 
 
 def test_mtp_gradient_rides_on_the_logits_with_the_engines_scale():
