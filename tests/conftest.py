@@ -73,6 +73,7 @@ def fake_two_ranks():
 # ----------------------------------------------------------------------------- DeepSpeed ops
 
 _PREBUILD = {}
+PREBUILD_FINISH_S = 1200  # the longest wait for the op build at a pytest worker's end (a cold build: ~5-10 min)
 
 
 @pytest.fixture(scope="module")
@@ -164,14 +165,25 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """A build still running when the session ends is interrupted, which releases its lock (torch
-    removes the lock file on the way out) and leaves the rest to the next build."""
+    """A build still running when a single-process session ends is interrupted, which releases its
+    lock (torch removes the lock file on the way out) and leaves the rest to the next build.
+
+    Under pytest-xdist the worker that started the build may finish while the other worker's
+    DeepSpeed ranks wait on the build's lock. torch's waiters take a released lock for a finished
+    build and import the op at once (`async_io.so: cannot open shared object file` in CI), so that
+    worker lets the build finish instead (bounded, then interrupted)."""
     proc = _PREBUILD.pop("proc", None)
     if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            try:
+                proc.wait(timeout=PREBUILD_FINISH_S)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     if "log" in _PREBUILD:
         _PREBUILD.pop("log").close()
