@@ -131,6 +131,7 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = sorted(items, key=_module_order)  # stable: file order within each class
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a plain pytest without xdist skips it
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's scheduler, one work unit per test module (its module-scoped launches are
     shared by its tests), all SLURM modules in one unit; units go out in collection order.
