@@ -56,16 +56,6 @@ def group_assignment(module: nn.Module, optim_cfg) -> Assignment:
     return assign_groups([(n, s) for n, s, _ in named_full_shapes(module)], optim_cfg)
 
 
-def model_group_assignment(model_cfg, optim_cfg) -> Assignment:
-    """The groups of `optim_cfg` over the model of `model_cfg`, built on the meta device (no
-    memory, no values): what the launch checks and `action=plan` prints."""
-    from launcher.models import build_model  # lazy: the model registry is needed only here
-
-    with torch.device("meta"):
-        model = build_model(model_cfg)
-    return group_assignment(model, optim_cfg)
-
-
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon groups (``group["optimizer"] == "muon"``) and AdamW groups in one optimizer."""
 
