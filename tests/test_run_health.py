@@ -411,3 +411,35 @@ def test_a_loss_spike_rewinds_to_the_checkpoint_before_it_and_skips_its_batches(
     per_step = final["samples_consumed"] - state["samples_consumed"]  # the global batch
     assert state["batches_skipped"] == 2 and state["rewinds_applied"] == 1, state
     assert state["samples_consumed"] == (9 + 2) * per_step, state
+
+
+def test_the_hold_aid_waits_after_its_step_until_released_or_a_stop_is_requested(tmp_path, monkeypatch):
+    """LAUNCHER_DEBUG_HOLD=S:PATH (the SLURM tests signal and kill runs with it): a rank passes
+    every other step at once, marks itself held after step S, and goes on when PATH appears or
+    when a stop request reaches it; a malformed value names the form."""
+    import threading
+
+    from launcher.resilience.debug_hooks import hold_after_step
+
+    release = tmp_path / "release"
+    monkeypatch.setenv("LAUNCHER_DEBUG_HOLD", f"3:{release}")
+    hold_after_step(rank=1, step=2, stop_requested=lambda: None)
+    assert not (tmp_path / "release.rank1").exists()
+
+    requests = []  # the stop request arrives after the rank holds
+    threading.Timer(0.3, requests.append, ("signal SIGUSR1",)).start()
+    started = time.monotonic()
+    hold_after_step(rank=1, step=3, stop_requested=lambda: requests[-1] if requests else None)
+    assert (tmp_path / "release.rank1").exists() and time.monotonic() - started >= 0.3
+
+    threading.Timer(0.3, release.touch).start()
+    started = time.monotonic()
+    hold_after_step(rank=0, step=3, stop_requested=lambda: None)
+    assert (tmp_path / "release.rank0").exists() and time.monotonic() - started >= 0.3
+    (tmp_path / "release.rank0").unlink()
+    hold_after_step(rank=0, step=3, stop_requested=lambda: None)  # released already: a resumed run passes
+    assert not (tmp_path / "release.rank0").exists()
+
+    monkeypatch.setenv("LAUNCHER_DEBUG_HOLD", str(release))
+    with pytest.raises(ValueError, match="expected STEP:PATH"):
+        hold_after_step(rank=0, step=3, stop_requested=lambda: None)

@@ -94,18 +94,37 @@ class TrainJob:
         return (self.run_dir / "logs" / f"slurm-{self.job_id}.out").read_text()
 
 
-def signal_mid_run(cluster: SlurmCluster, job_id: str, run_dir: Path) -> int:
-    """Send USR1 to the batch script once 3 steps are logged; returns the last logged step."""
+HOLD_STEP = {"preempted": 3, "restarted": 5, "restarted_zero2": 5}  # where a signalled or killed run waits
+
+
+def hold_env(run_dir: Path, name: str) -> str:
+    """The override that makes every rank of run `name` wait after its step HOLD_STEP[name]
+    (LAUNCHER_DEBUG_HOLD) until release_file(run_dir) exists or a stop is requested: the signal or
+    the kill lands at that step however loaded the machine is."""
+    return f"+cluster.env.LAUNCHER_DEBUG_HOLD={HOLD_STEP[name]}:{release_file(run_dir)}"
+
+
+def release_file(run_dir: Path) -> Path:
+    return run_dir.parent / "release"
+
+
+def wait_held(cluster: SlurmCluster, job_id: str, run_dir: Path, rank: int) -> None:
+    """Wait until global rank `rank` of the job holds after its HOLD_STEP (it touched release.rank<R>)."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    rows: List[dict] = []
-    while len(rows) < 3:
+    held = Path(f"{release_file(run_dir)}.rank{rank}")
+    while not held.exists():
         state = cluster.job(job_id).state
-        assert state in ("PENDING", "RUNNING"), f"job {job_id} {state} before it was signalled\n{job_logs(run_dir, job_id)}"
-        assert time.monotonic() < deadline, f"job {job_id} logged no steps in {JOB_TIMEOUT_S} s"
+        assert state in ("PENDING", "RUNNING"), f"job {job_id} {state} before it held\n{job_logs(run_dir, job_id)}"
+        assert time.monotonic() < deadline, f"job {job_id}: rank {rank} did not hold in {JOB_TIMEOUT_S} s"
         time.sleep(0.2)
-        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+
+
+def signal_mid_run(cluster: SlurmCluster, job_id: str, run_dir: Path) -> int:
+    """Send USR1 to the batch script while the ranks hold after step HOLD_STEP["preempted"] (they
+    go on once the stop request reaches them); returns the last logged step."""
+    wait_held(cluster, job_id, run_dir, rank=0)
     cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
-    return rows[-1]["step"]
+    return read_metrics(run_dir)[-1]["step"]
 
 
 def rank_pid(run_dir: Path, rank: int) -> int:
@@ -125,26 +144,18 @@ def rank_pid(run_dir: Path, rank: int) -> int:
 
 
 def kill_ranks_mid_run(cluster: SlurmCluster, runs: Dict[str, Tuple[str, Path]]) -> Dict[str, Tuple[Dict[int, float], int]]:
-    """SIGKILL global rank 1 of each run (name -> job id, run dir) as soon as its step-4
-    checkpoint exists and step 5 is logged (all watched at once, so that each is killed at the
-    same point); returns, by name, the losses logged by then (step -> loss; the resumed rank 0
-    rewrites metrics.jsonl from its checkpoint's step on) and the newest checkpoint's step (a
-    save is renamed to step_N when complete)."""
-    deadline = time.monotonic() + JOB_TIMEOUT_S
+    """SIGKILL global rank 1 of each run (name -> job id, run dir) while it holds after step 5
+    (its step-4 checkpoint written), then release the run's other rank, which meets the dead rank
+    in the next collective; returns, by name, the losses logged by then (step -> loss; the resumed
+    rank 0 rewrites metrics.jsonl from its checkpoint's step on) and the newest checkpoint's step
+    (a save is renamed to step_N when complete)."""
     killed = {}
-    while len(killed) < len(runs):
-        for name, (job_id, run_dir) in runs.items():
-            if name in killed:
-                continue
-            if (run_dir / "checkpoints" / "step_00000004").is_dir() and 5 in losses_by_step(run_dir):
-                os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
-                newest = max(int(p.name[len("step_"):]) for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
-                killed[name] = (losses_by_step(run_dir), newest)
-                continue
-            state = cluster.job(job_id).state
-            assert state in ("PENDING", "RUNNING"), f"job {job_id} {state} before its rank was killed\n{job_logs(run_dir, job_id)}"
-            assert time.monotonic() < deadline, f"job {job_id} reached no step 5 in {JOB_TIMEOUT_S} s"
-        time.sleep(0.2)
+    for name, (job_id, run_dir) in runs.items():
+        wait_held(cluster, job_id, run_dir, rank=1)
+        os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
+        newest = max(int(p.name[len("step_"):]) for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
+        killed[name] = (losses_by_step(run_dir), newest)
+        release_file(run_dir).touch()  # the restarted ranks pass step 5 without holding
     return killed
 
 
@@ -155,7 +166,7 @@ def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, Train
     that fails its pre-flight health check there (LAUNCHER_DEBUG_PROBE=n1:fail) before training
     a step and is requeued with n1 excluded; "preempted" runs on both nodes (1 rank each) and gets
     USR1 after its third step; "restarted" runs on both nodes (1 rank each,
-    cluster.max_restarts=1) and its rank 1 is SIGKILLed after step 5; "restarted_zero2" is
+    cluster.max_restarts=1) and its rank 1 is SIGKILLed after step 5 (both wait there: HOLD_STEP); "restarted_zero2" is
     "restarted" with DeepSpeed ZeRO-2 owning the model states, killed the same way.
 
     All are submitted with a secret in the environment (HF_TOKEN, in cluster.secret_env).
@@ -173,14 +184,15 @@ def train_jobs(slurm_cluster: SlurmCluster, tmp_path_factory) -> Dict[str, Train
         ids = {
             "reference": submit_train(dirs["reference"], "trainer.health_check=on", "cluster.requeue_on_failure=true",
                                       f"+cluster.env.LAUNCHER_DEBUG_PROBE={UNFIT_NODE}:fail"),
-            "preempted": submit_train(dirs["preempted"], f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1"),
-            "restarted": submit_train(dirs["restarted"], *restarted),
+            "preempted": submit_train(dirs["preempted"], f"cluster.nodes={JOB_NODES}", "cluster.gpus_per_node=1",
+                                      hold_env(dirs["preempted"], "preempted")),
+            "restarted": submit_train(dirs["restarted"], *restarted, hold_env(dirs["restarted"], "restarted")),
             # ZeRO-2 without offload needs one DeepSpeed JIT op, the shared-memory comm op (no CPU
             # Adam: the optimizer is torch's AdamW); the prebuild builds it first (about 95 s at
             # nice 19 on 2 loaded cores, from scratch), and a rank that finds it building waits
             # on its lock.
             "restarted_zero2": submit_train(dirs["restarted_zero2"], *restarted, "parallel.zero_stage=2",
-                                            "backend=deepspeed"),
+                                            "backend=deepspeed", hold_env(dirs["restarted_zero2"], "restarted_zero2")),
         }
     finally:
         for key, value in previous.items():
@@ -275,11 +287,12 @@ def test_secret_reaches_the_job_but_no_file_of_the_run(train_jobs: Dict[str, Tra
 def test_usr1_checkpoints_requeues_and_resumes_with_identical_losses(train_jobs: Dict[str, TrainJob]):
     job, ref = train_jobs["preempted"], train_jobs["reference"]
     log = job.main_log
-    assert job.signalled_at < STEPS - 4, f"training reached step {job.signalled_at} of {STEPS} before the signal: raise STEPS"
+    assert job.signalled_at == HOLD_STEP["preempted"], f"signalled after step {job.signalled_at}, not while the ranks held"
     assert job.info.restarts == 1, f"job was not requeued (restarts={job.info.restarts})\n{job_logs(job.run_dir, job.job_id)}"
     assert "received SIGUSR1" in log and "requeueing job" in log, log
     stopped = json.loads(log.split("the ranks checkpointed and stopped: ", 1)[1].splitlines()[0])
-    assert job.signalled_at <= stopped["step"] < STEPS, stopped
+    # The ranks agree on a stop one check after they see it (runtime/signals.py): the next step.
+    assert job.signalled_at <= stopped["step"] <= job.signalled_at + 1, stopped
     # The job spans both nodes, and every rank on every node stopped at the same step.
     rank_logs = [(job.run_dir / "logs" / f"rank_{r}.log").read_text() for r in range(JOB_NODES)]
     nodes = {re.search(r"placement: rank \d+ local_rank 0 node (\S+)", text)[1] for text in rank_logs}
@@ -298,7 +311,7 @@ def _assert_restarted_in_the_allocation_from_the_newest_checkpoint(job: TrainJob
     step it resumed from."""
     log = job.main_log
     assert job.info.state == "COMPLETED" and job.info.rc == 0, f"{job.info}\n{job_logs(job.run_dir, job.job_id)}"
-    assert job.signalled_at < STEPS - 4, f"training reached step {job.signalled_at} of {STEPS} before the kill: raise STEPS"
+    assert job.signalled_at == HOLD_STEP["restarted"], f"killed after step {job.signalled_at}, not while the ranks held"
     assert job.info.restarts == 0 and "requeueing job" not in log, log
     assert "restarting them (restart 1 of 1)" in log and "in-job restart 1 of 1: a new srun step" in log, log
     records = [json.loads(line) for line in (job.run_dir / "resilience.jsonl").read_text().splitlines()]

@@ -15,6 +15,10 @@ They let the real multi-process tests produce the failures the health tools exis
 - LAUNCHER_DEBUG_PROBE=R:fail      rank R's pre-flight health probe (launcher/resilience/preflight.py)
   gets a wrong matmul result; R:slow: its probe matmuls are repeated PROBE_SLOWDOWN times. R may
   be a node name instead (n2:fail): every rank on that node, whichever ranks a restart puts there.
+- LAUNCHER_DEBUG_HOLD=S:PATH       every rank, once step S is logged and saved and before the
+  ranks agree on a stop, touches PATH.rank<R> and waits until PATH exists or a stop is requested
+  on that rank (hold_after_step): a test signals or kills a run at a known step, however loaded
+  the machine (a poller that reads the logged steps can fall behind the training).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional, Tuple
+from pathlib import Path
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -155,3 +160,31 @@ def install_spike(modules) -> list:
         return None
 
     return [m.register_forward_hook(spike) for m in modules]
+
+
+HOLD_MAX_S = 900.0  # a test that never releases its hold fails on its own timeout, not by hanging the suite
+
+
+def hold_after_step(rank: int, step: int, stop_requested: Callable[[], object]) -> None:
+    """LAUNCHER_DEBUG_HOLD=S:PATH: after step S, mark this rank as held (PATH.rank<R>) and wait
+    until PATH exists or `stop_requested()` is true (at most HOLD_MAX_S). A run resumed past S, or
+    started again once PATH exists, does not wait."""
+    value = os.environ.get("LAUNCHER_DEBUG_HOLD", "")
+    if not value:
+        return
+    at, _, path = value.partition(":")
+    if not at.isdigit() or not path:
+        raise ValueError(f"LAUNCHER_DEBUG_HOLD={value!r}: expected STEP:PATH. "
+                         f"Fix: e.g. LAUNCHER_DEBUG_HOLD=3:/tmp/run/release.")
+    release = Path(path)
+    if int(at) != step or release.exists():
+        return
+    log.warning("LAUNCHER_DEBUG_HOLD: rank %d holds after step %d until %s exists or a stop is requested",
+                rank, step, release)
+    Path(f"{release}.rank{rank}").touch()
+    deadline = time.monotonic() + HOLD_MAX_S
+    while not release.exists() and not stop_requested():
+        if time.monotonic() > deadline:
+            log.warning("LAUNCHER_DEBUG_HOLD: rank %d released after %g s without %s", rank, HOLD_MAX_S, release)
+            return
+        time.sleep(0.05)

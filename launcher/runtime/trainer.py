@@ -33,8 +33,8 @@ from launcher.runtime.signals import StopWatcher
 from launcher.resilience.failure import StopWithoutCheckpoint
 from launcher.runtime.stop_control import write_stopped
 from launcher.resilience.debug_hooks import before_step as debug_before_step
+from launcher.resilience.debug_hooks import hold_after_step as debug_hold_after_step
 from launcher.runtime.numerics import NumericalHealth, SpikeDetector
-from launcher.observe.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,9 @@ class Trainer:
 
     def _tracked_step(self, microbatches):
         """One training step under the memory tracker; returns its stats and predicted-vs-measured."""
+        # lazy: torch.distributed._tools imports inductor (about 0.5 s per rank), for trainer.track_memory only
+        from launcher.observe.memtrack import compare_with_plan, process_peak_rss_bytes, track_step_memory
+
         result = {}
         measured = track_step_memory(
             getattr(self.engine, "model_parts", []),
@@ -340,6 +343,7 @@ class Trainer:
                 self.goodput.add("checkpoint", save_s)
                 if saved_shared:
                     self.goodput.saved(step)
+            debug_hold_after_step(self.rank, step, self.stop.local_request)
             if step < cfg.steps and self.stop.should_stop():
                 reason = self.stop.local_request() or "stop requested on another rank"
                 if not cfg.checkpoint_enabled:
