@@ -34,12 +34,11 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,eval]' $(if $(TORCH_REQUIREMENTS),-c $(TORCH_REQUIREMENTS))
 	touch $(TEST_STAMP)
 
-# TEST_WORKERS=2 runs two pytest workers: while one waits (SLURM jobs, restart and watchdog
-# timeouts, DeepSpeed's op build) the other trains. Each test module runs whole on one worker;
-# tests/conftest.py orders the modules and keeps the SLURM ones together. One process by default:
-# in the 2026-11-28 two-worker CI run one SLURM test's timing (USR1 sent after 3 logged steps)
-# failed under the doubled CPU load, so two workers stay opt-in until such tests stop racing it.
-TEST_WORKERS ?= 1
+# Two pytest workers: while one waits (SLURM jobs, restart and watchdog timeouts, DeepSpeed's op
+# build) the other trains. Each test module runs whole on one worker; tests/conftest.py orders
+# the modules and keeps the SLURM ones together. Tests that signal or kill a run mid-way hold it
+# at a known step (LAUNCHER_DEBUG_HOLD) instead of racing the doubled load. TEST_WORKERS=1: one process.
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q -ra --durations=20 $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
