@@ -211,8 +211,11 @@ def test_planner_counts_the_mtp_depths():
     assert stages[-1].shared + stages[-1].routed - (stage_params(plain, 2)[-1].shared + stage_params(plain, 2)[-1].routed) \
         == shape.mtp_total + shape.embedding  # on the last stage, with the head it reuses and its embedding copy
     # Under TP the depth's norms, eh_proj, router and shared expert stay whole on every rank.
+    # MLA's down-projections wq_a (7168 x 1536), wkv_a (7168 x 576) and their norms stay whole under TP.
+    assert shape.attention_tp_replicated == 7168 * 1536 + 7168 * 576 + 1536 + 512
     assert stages[-1].tp_replicated - stage_params(plain, 2)[-1].tp_replicated == (
-        3 * shape.dim + 2 * shape.dim ** 2 + shape.block_norms + shape.router + shape.n_shared_experts * shape.expert)
+        3 * shape.dim + 2 * shape.dim ** 2 + shape.block_norms + shape.attention_tp_replicated + shape.router
+        + shape.n_shared_experts * shape.expert)
     # Activations: the last pipeline stage holds the depth's (with the head's, 1F1B: one micro-batch),
     # the first none of them; the depth's block is at least a main MoE block's.
     from launcher.plan.decide.resolve import resolve

@@ -58,6 +58,35 @@ def test_every_recipe_rehearses_at_its_real_world_size(recipe, tmp_path):
         assert row["params_numel"] * (2 if lay.numerics.precision == "fp32" else 1) > 0
 
 
+def _tp_attention_overrides(family: str) -> list:
+    from tests.deepspeed_harness.common import model_overrides
+    from tests.parallel_harness.matrix import DEEPSEEK_V3
+
+    if family == "deepseek_v3":  # MLA: wq_a, wkv_a, q_norm, kv_norm whole on every TP rank
+        return ["model=debug_moe", *model_overrides(DEEPSEEK_V3)]
+    return ["model.family=qwen3", "model.qk_norm=true"]  # per-head QK norms
+
+
+@pytest.mark.parametrize("family,optimizer", [("deepseek_v3", "muon"), ("qwen3", "adamw")])
+def test_attention_weights_tp_leaves_whole_are_planned_whole(family, optimizer, tmp_path):
+    """Under tp=2 (FSDP over the other 2 of 4 ranks) each rank holds the attention weights its
+    family's TP plan does not split (MLA's down-projections and latent norms, Qwen3's QK norms)
+    whole: the plan's parameter, gradient and optimizer bytes for rank 0 are what the rehearsed
+    rank holds (before the planner counted them, the plan was 14,528 B short per rank for this MLA
+    and 128 B for the QK norms), with Muon on MLA's matrices (the momentum of a whole matrix is
+    not divided by tp either)."""
+    groups = ["optim.groups=[{match: '\\.attention\\.w', optimizer: muon}]"] if optimizer == "muon" else []
+    spec, plan, result = _rehearse(["+recipe=debug", *_tp_attention_overrides(family), "cluster.gpus_per_node=4",
+                                    "parallel.tp=2", "parallel.dp_shard=2", "action=rehearse", "rehearse.ranks=[0]",
+                                    "rehearse.activations=false", *groups], tmp_path)
+    assert plan.layout.mesh.tp == 2 and result["ok"], rehearsal_problems(result, plan.layout)
+    assert bool(plan.layout.numerics.muon_matrices) == (optimizer == "muon")
+    (row,) = result["ranks"]
+    held = {k: row["memory"][k] for k in ("params", "grads", "optimizer")}
+    predicted = {k: row["predicted"][k] for k in ("params", "grads", "optimizer")}
+    assert held == predicted, f"{family} {optimizer}: rehearsal {held} != plan {predicted}"
+
+
 def test_cli_rehearse_prints_rehearsal_json_with_a_measured_step(tmp_path):
     """`train +recipe=debug action=rehearse plan.format=json`: the JSON on stdout is rehearsal.json,
     with exactly the issue's keys, and the fake training step measured an activation peak."""

@@ -151,6 +151,10 @@ def render_groups(assignment: Assignment, bytes_per_element: int = 4) -> str:
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+# Matrices tensor parallelism leaves whole on every rank ("whole" below): an MoE block's router and
+# shared experts (launcher/parallel/tp.py), MLA's down-projections (launcher/models/deepseek_v3/tp.py;
+# their Linear(split=False) in launcher/models/deepseek_v3/params.py).
+TP_WHOLE = (".moe.router.", ".moe.shared_experts.", ".attention.wq_a.", ".attention.wkv_a.")
 
 
 def muon_matrices(params: Sequence[Tuple[str, Sequence[int]]], optim) -> Tuple[Tuple[int, int, str, int, int, int], ...]:
@@ -172,7 +176,7 @@ def muon_matrices(params: Sequence[Tuple[str, Sequence[int]]], optim) -> Tuple[T
         m = _LAYER.match(name)
         block = int(m.group(1)) if m else (WITH_EMBEDDING if name.startswith("tok_embeddings.") else WITH_OUTPUT)
         kind = ("experts" if len(shape) == 3 else
-                "whole" if (".moe.router." in name or ".moe.shared_experts." in name) else "split")
+                "whole" if any(part in name for part in TP_WHOLE) else "split")
         rows, cols = matrices(shape)[0]
         if block not in per_block:
             order.append(block)

@@ -86,7 +86,8 @@ class ModelShape:
         """What TP replicates of the depths (launcher/parallel/tp.py mtp_depth_plan): the three norms
         and eh_proj of each, and their blocks' parts replicated like the main blocks'."""
         moe = self.mtp_moe_depths
-        return (self.mtp_depths * (3 * self.dim + 2 * self.dim * self.dim + self.block_norms)
+        return (self.mtp_depths * (3 * self.dim + 2 * self.dim * self.dim + self.block_norms
+                                   + self.attention_tp_replicated)
                 + moe * (self.router + self.n_shared_experts * self.expert))
 
     @property
@@ -98,6 +99,15 @@ class ModelShape:
         """mtp_total with top-k routed experts, plus each depth's use of the output head."""
         routed_unused = self.mtp_moe_depths * (self.n_experts - self.top_k) * self.expert
         return self.mtp_total - routed_unused + self.mtp_depths * self.vocab_size * self.dim
+
+    @property
+    def attention_tp_replicated(self) -> int:
+        """Of `attention`: what tensor parallelism leaves whole on every rank (each family's TP plan):
+        the inner norms' weights (Qwen3's per-head QK norms, MLA's latent norms) and the matmuls
+        attention_layout marks unsplit (MLA's down-projections wq_a and wkv_a)."""
+        lay = self.attention_layout
+        return (sum(n.weight for n in lay.norms)
+                + sum(m.in_features * m.out_features for m in lay.linears if not m.split))
 
     @property
     def dense_block(self) -> int:
@@ -205,8 +215,9 @@ class StageParams:
 
     n_moe_layers: int  # how many of `layers` are MoE blocks
     largest_tensor: int = 0  # elements of the largest parameter tensor (before TP)
-    # Of `shared`: what tensor parallelism replicates instead of splitting (RMSNorm weights; in
-    # MoE blocks the router and shared experts, which launcher/parallel/tp.py leaves whole).
+    # Of `shared`: what tensor parallelism replicates instead of splitting (RMSNorm weights, the
+    # attention's inner norms and unsplit matmuls: ModelShape.attention_tp_replicated; in MoE
+    # blocks the router and shared experts, which launcher/parallel/tp.py leaves whole).
     tp_replicated: int = 0
 
     @property
@@ -256,7 +267,7 @@ def stage_params(shape: ModelShape, pp: int, vpp: int = 1, schedule: str = "1f1b
                 replicated += shape.router + shape.n_shared_experts * shape.expert
             else:
                 s, r = shape.dense_block, 0
-            replicated += shape.block_norms
+            replicated += shape.block_norms + shape.attention_tp_replicated
             shared += s
             routed += r
             largest = max(largest, s + r)
