@@ -496,11 +496,12 @@ class NativeEngine:
         if first.document_ids is not None:
             kwargs["document_ids"] = torch.cat([mb.document_ids for mb in microbatches]).to(dev)
         losses: list = []
-        if self.mtp_layers and method == "step":  # every stage gets them; the last one's MTP reads them
+        mtp = self.mtp_layers and method == "step"  # every stage gets its targets; the last one's MTP reads them
+        if mtp or self.has_last:
             labels = torch.cat([mb.labels for mb in microbatches]).to(dev)
+        if mtp:
             kwargs = self.forward_inputs(inputs, labels, kwargs, train=True)[2]  # no CP with PP: no slice
         if self.has_last:
-            labels = torch.cat([mb.labels for mb in microbatches]).to(dev)
             if self._n_sources:
                 sources = torch.cat([mb.sources for mb in microbatches]).to(dev, labels.dtype)
                 labels = torch.cat([labels, sources.unsqueeze(1)], dim=1)
