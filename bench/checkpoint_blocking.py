@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
-from bench.torchrun_workers import run_workers  # noqa: E402
+from bench.torchrun_workers import end_worker, run_workers  # noqa: E402
 
 KINDS = ("none", "sync", "async")
 
@@ -165,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
-        return 0
+        end_worker()
     r = run_workers(__file__, args.ranks, list(argv if argv is not None else sys.argv[1:]), prefix="checkpoint_blocking_")
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))

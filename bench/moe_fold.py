@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
-from bench.torchrun_workers import run_workers  # noqa: E402
+from bench.torchrun_workers import end_worker, run_workers  # noqa: E402
 
 WIDE = {"dim": 256, "n_heads": 4, "n_kv_heads": 2, "moe_ffn_dim": 512, "n_experts": 8, "top_k": 2,
         "n_layers": 2, "n_dense_layers": 1, "max_seq_len": 8192}
@@ -106,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = worker(args)
         if args.out and result is not None:
             Path(args.out).write_text(json.dumps(result))
-        return 0
+        end_worker()
     r = run_workers(__file__, args.tp, ["--tokens", str(args.tokens), "--reps", str(args.reps)], "moe_fold_")
     med = r["median_s"]
     print(f"MoE block forward+backward, tp={r['tp']}, {r['tokens']} tokens, CPU (gloo):")

@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
-from bench.torchrun_workers import run_workers  # noqa: E402
+from bench.torchrun_workers import end_worker, run_workers  # noqa: E402
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -412,7 +412,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         (data_path_worker if args.data_path else worker)(args)
-        return 0
+        end_worker()
     if args.steps % args.log_every:
         raise SystemExit(f"--steps {args.steps} must be a multiple of --log-every {args.log_every}")
     r = run_workers(__file__, args.ranks, list(argv if argv is not None else sys.argv[1:]), prefix="step_overhead_")

@@ -32,3 +32,11 @@ def run_workers(script: str, ranks: int, argv: Sequence[str], prefix: str) -> Di
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
             raise SystemExit(proc.returncode or 1)
         return json.loads(out.read_text())
+
+
+def end_worker() -> None:
+    """A worker whose result is written leaves without the interpreter's teardown of torch
+    (about 0.8 s of CPU per process)."""
+    from launcher.runtime.dist import exit_after_shutdown
+
+    exit_after_shutdown(0)

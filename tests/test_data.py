@@ -8,7 +8,7 @@ import torch
 
 from launcher.config.schema import DataConfig
 from launcher.data.dataset import BatchSlice, StepBatches, TokenWindows, check_vocab, load_token_arrays
-from launcher.data.embedded import embedded_tokens
+from launcher.data.embedded import embedded_corpus_text, embedded_tokens
 
 
 def _batches(arrays, dp_rank, dp_size, micro, accum, seed=7, global_batch=8, seq=16):
@@ -24,6 +24,22 @@ def test_layouts_see_the_same_global_batch():
     single = _rows(_batches(arrays, 0, 1, 2, 4).for_step(3))
     split = torch.cat([_rows(_batches(arrays, r, 2, 1, 4).for_step(3)) for r in range(2)])
     assert torch.equal(single, split)
+
+
+def test_embedded_corpus_is_cached_per_machine_and_read_back_exactly(tmp_path, monkeypatch):
+    """The generated corpus is written once under XDG_CACHE_HOME and read back by later calls;
+    a cached file of the wrong length (a torn copy) is generated again, and every result equals
+    the generator's own text."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    want = np.frombuffer(embedded_corpus_text(3_000, seed=5).encode("ascii"), dtype=np.uint8).astype(np.uint16)
+    first = embedded_tokens(3_000, seed=5)
+    (cached,) = (tmp_path / "launcher" / "embedded").glob("*-seed5-3000.txt")
+    assert first.dtype == np.uint16 and np.array_equal(first, want)
+    cached.write_bytes(b"x" * 3_000)  # read back, not generated again
+    assert bytes(embedded_tokens(3_000, seed=5).astype(np.uint8)) == b"x" * 3_000
+    cached.write_bytes(b"torn")
+    assert np.array_equal(embedded_tokens(3_000, seed=5), want) and cached.read_bytes() == bytes(want.astype(np.uint8))
+    assert not list(cached.parent.glob(".*"))  # no temporary file left behind
 
 
 def test_labels_are_inputs_shifted_by_one():

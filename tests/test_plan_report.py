@@ -150,6 +150,25 @@ def test_plots_are_pngs(planned, tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_charts_of_the_same_figures_are_kept_and_other_figures_redrawn(planned, tmp_path):
+    """A relaunch into the run dir (resume, restart) keeps charts drawn from the same figures;
+    another plan, or a chart gone missing, draws them again."""
+    from launcher.plan.present.plots import save_plan_plots
+
+    plan, spec = planned
+    paths = save_plan_plots(plan, spec, tmp_path)
+    for p in paths:
+        p.write_bytes(b"kept")  # a redraw would overwrite it
+    assert save_plan_plots(plan, spec, tmp_path) == paths and all(p.read_bytes() == b"kept" for p in paths)
+    other = build_plan(compose_spec(["+recipe=llama70b", "cluster.nodes=8"]))
+    save_plan_plots(other, spec, tmp_path)
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+    paths[1].write_bytes(b"kept")
+    paths[0].unlink()
+    save_plan_plots(other, spec, tmp_path)
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
 def test_pipeline_schedule_blocks_show_the_bubble():
     from launcher.plan.present.plots import schedule_blocks
 

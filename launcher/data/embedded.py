@@ -3,11 +3,20 @@
 The text is produced by a small seeded grammar (sentences about objects, simple arithmetic,
 counting), so it has real structure a model can learn: the loss of the tiny debug model
 visibly falls from ln(256) ~ 5.5 nats within a few dozen steps. Tokens are raw bytes (0-255).
+
+Generating the default 2M tokens takes about 0.6 s of CPU in every rank of every launch, so the
+bytes are cached per machine in ~/.cache/launcher/embedded/ (XDG_CACHE_HOME is honoured), under
+a key that holds this module's own source: a change to the grammar never reads an old corpus.
+An unwritable cache only costs the generation.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
+import uuid
+from pathlib import Path
 
 import numpy as np
 
@@ -51,5 +60,30 @@ def embedded_corpus_text(n_bytes: int, seed: int = 0) -> str:
 
 def embedded_tokens(n_tokens: int, seed: int = 0) -> np.ndarray:
     """The corpus as byte tokens (uint16 so it batches like any token shard)."""
-    text = embedded_corpus_text(n_tokens, seed)
-    return np.frombuffer(text.encode("ascii"), dtype=np.uint8).astype(np.uint16)
+    return np.frombuffer(_corpus_bytes(n_tokens, seed), dtype=np.uint8).astype(np.uint16)
+
+
+def _cache_file(n_bytes: int, seed: int) -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    grammar = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    return Path(base) / "launcher" / "embedded" / f"{grammar}-seed{seed}-{n_bytes}.txt"
+
+
+def _corpus_bytes(n_bytes: int, seed: int) -> bytes:
+    """embedded_corpus_text's bytes, read from the per-machine cache when an earlier process wrote them."""
+    path = _cache_file(n_bytes, seed)
+    try:
+        cached = path.read_bytes()
+        if len(cached) == n_bytes:
+            return cached
+    except OSError:
+        pass
+    data = embedded_corpus_text(n_bytes, seed).encode("ascii")
+    try:  # atomic: ranks of one launch may write the same file at once
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except OSError:
+        pass
+    return data

@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 import traceback
@@ -234,4 +233,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # The records are appended and W&B is closed: leave without the interpreter's teardown of
+    # torch and lm-eval (about a second of CPU per job; launcher/runtime/entry.py says more).
+    from launcher.runtime.dist import exit_after_shutdown  # lazy: the host imports this module torch-free
+
+    logging.shutdown()
+    exit_after_shutdown(exit_code)

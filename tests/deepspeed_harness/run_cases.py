@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 
 from common import CASES, NATIVE_PIPELINE_MOE, SAVE_AT, SLOW_CASES, dsv3_bf16, rank_microbatches, spec_for  # noqa: E402
 
-from launcher.runtime.dist import shutdown_distributed  # noqa: E402
+from launcher.runtime.dist import exit_after_shutdown  # noqa: E402
 
 
 def dp_rank_of(plan, rank: int) -> int:
@@ -226,10 +226,9 @@ def main() -> int:
         results["bias_bf16_native"] = run_native(args.work, dsv3_bf16("native"))
     if dist.get_rank() == 0:
         (args.work / "results.json").write_text(json.dumps(results, indent=1))
-    shutdown_distributed()
     return 0
 
 
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    sys.exit(main())
+    exit_after_shutdown(main())  # results written: skip the interpreter's teardown of torch and DeepSpeed

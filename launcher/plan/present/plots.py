@@ -1,11 +1,16 @@
 """PNG plots of a plan: per-GPU memory breakdown and the pipeline schedule.
 
 matplotlib is imported inside `save_plan_plots` (a bare Figure, PNG through Agg) so that importing the planner,
-and `action=plan plan.format=json`, stay fast.
+and `action=plan plan.format=json`, stay fast. Drawing costs rank 0 about a second of CPU (most
+of it matplotlib's import), so a run dir whose charts were drawn from the same figures (a resumed
+or restarted run, a run after `action=plan`) keeps them: CHARTS_KEY holds a digest of every figure
+the charts show.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import List, Tuple
 
@@ -13,6 +18,7 @@ from launcher.plan.estimate.memory import CATEGORIES, GiB
 
 MEMORY_PNG = "plan_memory.png"
 PIPELINE_PNG = "plan_pipeline.png"
+CHARTS_KEY = "plan_charts.key"
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52",
           "other": "#8172B3"}
 
@@ -78,14 +84,32 @@ def schedule_blocks(pp: int, m: int, schedule: str, vpp: int = 1) -> List[List[T
 
 def save_plan_plots(plan, spec, out_dir) -> List[Path]:
     """Write the memory bar chart and the pipeline schedule chart into out_dir; return the paths."""
+    out = Path(out_dir)
+    paths = [out / MEMORY_PNG, out / PIPELINE_PNG]
+    key = _charts_key(plan, spec)
+    try:
+        if (out / CHARTS_KEY).read_text() == key and all(p.is_file() for p in paths):
+            return paths
+    except OSError:
+        pass
     # A bare Figure, not pyplot: no display backend is chosen, no global figure registry, and
     # savefig renders PNG with Agg.
-    from matplotlib.figure import Figure  # lazy: ~0.4 s to import, only the plan's PNGs need it
+    from matplotlib.figure import Figure  # lazy: ~0.8 s to import, only the plan's PNGs need it
 
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [_memory_plot(Figure, plan, spec, out / MEMORY_PNG), _pipeline_plot(Figure, plan, out / PIPELINE_PNG)]
+    (out / CHARTS_KEY).unlink(missing_ok=True)
+    _memory_plot(Figure, plan, spec, paths[0])
+    _pipeline_plot(Figure, plan, paths[1])
+    (out / CHARTS_KEY).write_text(key)  # after both PNGs: a crash mid-way draws them again
     return paths
+
+
+def _charts_key(plan, spec) -> str:
+    """A digest of what the charts show: the plan's memory and pipeline figures, the model's and
+    the hardware's names."""
+    shown = {"memory": plan.memory, "pipeline": plan.pipeline, "model": spec.model.name,
+             "hardware": spec.hardware.name}
+    return hashlib.sha256(json.dumps(shown, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _save(fig, path: Path) -> Path:
