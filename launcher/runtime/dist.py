@@ -31,11 +31,14 @@ def resolve_device_type(requested: str) -> str:
     return requested
 
 
-def init_distributed(device_type: str, timeout_s: int = 1800, cpu_collectives: bool = False) -> RankInfo:
+def init_distributed(device_type: str, timeout_s: int = 1800, cpu_collectives: bool = False,
+                     startup_timeout_s: int = 0) -> RankInfo:
     """Join the process group torchrun prepared (gloo on CPU, nccl on GPU).
 
     cpu_collectives: on GPU, also give the groups a gloo backend for CPU tensors (FSDP2's CPU
     offload keeps gradient shards on the host, and clipping reduces their norms there).
+    startup_timeout_s: how long the ranks of a torchrun launch wait for each other to start
+    (wait_for_every_rank) before the process group, whose own wait for its peers is `timeout_s`.
     """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -48,6 +51,7 @@ def init_distributed(device_type: str, timeout_s: int = 1800, cpu_collectives: b
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
+        wait_for_every_rank(world, startup_timeout_s)
         dist.init_process_group(
             backend=backend,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -55,6 +59,35 @@ def init_distributed(device_type: str, timeout_s: int = 1800, cpu_collectives: b
         )
     use_timeout_for_new_groups(timeout_s)
     return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def wait_for_every_rank(world: int, timeout_s: int) -> None:
+    """Before the process group: wait until every rank of this torchrun launch has started.
+
+    init_process_group waits for its peers only as long as the collective timeout
+    (cluster.collective_timeout_s), which is kept short to catch hangs; ranks whose starts differ
+    by more (a node importing torch from a slow shared file system, an oversubscribed machine)
+    would fail the launch at step 0. The ranks count themselves on torchrun's own store (the
+    agent's, which every rank of a torchrun launch reaches at MASTER_ADDR:MASTER_PORT), under a
+    key of this launch and restart, and wait up to `timeout_s` (0: no wait). Outside torchrun
+    (no agent store) nothing waits.
+    """
+    if world <= 1 or timeout_s <= 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=int(timeout_s)))
+    key = "launcher/started/{}/{}".format(os.environ.get("TORCHELASTIC_RUN_ID", ""),
+                                           os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    started = store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while started < world:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"only {started} of {world} ranks started within {timeout_s} s. Fix: see the missing ranks' logs "
+                f"(their node may be down or still starting); the wait is the plan's phase timeout "
+                f"(cluster.collective_timeout_s plus the save time, at least 1800 s).")
+        time.sleep(0.05)
+        started = store.add(key, 0)
 
 
 def use_timeout_for_new_groups(timeout_s: int) -> None:

@@ -289,11 +289,13 @@ def run(run_dir: Path, bundle: FailureBundle) -> int:
     device_type = resolve_device_type(spec.trainer.device)
     for name, value in flight_recorder_env().items():  # read when the process groups are created
         os.environ.setdefault(name, value)
-    rank = init_distributed(device_type, timeout_s=spec.cluster.collective_timeout_s,
-                            cpu_collectives=plan.layout.fsdp_wraps and plan.layout.offload_to_cpu)
-    setup_logging(run_dir, rank.rank, spec.logging.level)
-    # Single-rank phases (saves, tokenizing, export) wait on their own group with a longer timeout.
+    # Single-rank phases (start-up, saves, tokenizing, export) wait with a longer timeout: the
+    # ranks' starts (before the process group) and, after it, a group of their own.
     phase_s = phase_timeout_s(spec.cluster.collective_timeout_s, int((plan.checkpoint or {}).get("shutdown_timeout_s", 0)))
+    rank = init_distributed(device_type, timeout_s=spec.cluster.collective_timeout_s,
+                            cpu_collectives=plan.layout.fsdp_wraps and plan.layout.offload_to_cpu,
+                            startup_timeout_s=phase_s)
+    setup_logging(run_dir, rank.rank, spec.logging.level)
     init_phase_group(phase_s)
     if rank.world_size != plan.world_size:
         raise RuntimeError(
