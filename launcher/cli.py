@@ -340,7 +340,7 @@ def _rehearse(spec: JobConfig, run_dir: Path) -> int:
     """Plan, then build the chosen ranks on a fake process group (launcher/rehearse/driver.py);
     exit 2 with one line per rank that cannot be built."""
     # lazy: action=rehearse / trainer.rehearse only; action=plan skips it
-    from launcher.rehearse.driver import rehearsal_problems, rehearse, render_rehearsal
+    from launcher.rehearse.driver import rehearsal_problems, rehearse, render_rehearsal, stop_rank_server
 
     plan = build_plan(spec, _resolved(spec))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -350,6 +350,8 @@ def _rehearse(spec: JobConfig, run_dir: Path) -> int:
         result = rehearse(spec, plan, run_dir)
     except ConfigError as err:
         _fail_config(err.problems)
+    finally:
+        stop_rank_server()
     if spec.plan.format == "json":
         print(json.dumps(result, indent=1), flush=True)
     else:
@@ -365,12 +367,14 @@ def _rehearse_before_launch(spec: JobConfig, plan, run_dir: Path) -> None:
     """trainer.rehearse=true: rehearse first (rehearsal.json, which rank 0 logs to W&B); exit 2
     before anything is launched when a rank cannot be built or does not fit."""
     # lazy: action=rehearse / trainer.rehearse only; action=plan skips it
-    from launcher.rehearse.driver import fit_problems, rehearsal_problems, rehearse, render_rehearsal
+    from launcher.rehearse.driver import fit_problems, rehearsal_problems, rehearse, render_rehearsal, stop_rank_server
 
     try:
         result = rehearse(spec, plan, run_dir)
     except ConfigError as err:
         _fail_config(err.problems)
+    finally:
+        stop_rank_server()  # the launch that follows needs the memory its torch holds
     log.info("rehearsal before launch:\n%s", render_rehearsal(result))
     problems = rehearsal_problems(result, plan.layout) + fit_problems(result, plan.memory, spec.hardware.name)
     if problems:

@@ -72,11 +72,18 @@ def _rank_env() -> Dict[str, str]:
 def _rank_context() -> multiprocessing.context.BaseContext:
     """The forkserver context the ranks are forked from, its server started with the rank module
     imported and the ranks' environment (the server's, which its forks inherit; this process's
-    own is restored at once: a real launch after the rehearsal must not inherit it)."""
+    own is restored at once: a real launch after the rehearsal must not inherit it).
+
+    The server outlives one rehearsal: the next rehearsal of this process (tests, bench scripts)
+    forks from it again instead of paying its start (torch and the engines imported, about 4 s
+    of CPU) and its end. stop_rank_server ends it (before a real launch, which needs the memory)."""
+    global _server
     ctx = multiprocessing.get_context("forkserver")
-    _stop_rank_server()  # one started by other code of this process has neither the module nor the environment
-    ctx.set_forkserver_preload([RANK_MODULE])
     added = _rank_env()
+    if _server is not None and _server == (_forkserver_pid(), added):
+        return ctx
+    stop_rank_server()  # one started by other code of this process has neither the module nor the environment
+    ctx.set_forkserver_preload([RANK_MODULE])
     saved = {key: os.environ.get(key) for key in added}
     os.environ.update(added)
     try:
@@ -87,16 +94,37 @@ def _rank_context() -> multiprocessing.context.BaseContext:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    _server = (_forkserver_pid(), added)
     return ctx
 
 
-def _stop_rank_server() -> None:
+# (pid, environment added) of the forkserver this module started and may fork ranks from again.
+_server: Optional[Tuple[Optional[int], Dict[str, str]]] = None
+
+
+def _forkserver_pid() -> Optional[int]:
+    """The running forkserver's pid (None when none runs). Not public API: without it every
+    rehearsal starts its own server, as a fresh process would."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return None
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return None
+    return pid
+
+
+def stop_rank_server() -> None:
     """Stop this process's forkserver, if one runs: once the ranks are done, it holds torch
     imported (about 300 MB), idle for the rest of this process (a real run may follow the
     rehearsal). Its stop is not public API; without it the server still ends with this process."""
+    global _server
+    _server = None
     stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
     if stop is not None:
         stop()
+
 
 
 def _rank_process(run_dir: str, rank: int, out: str, activations: bool, log_path: str) -> None:
@@ -150,11 +178,7 @@ def run_ranks(run_dir: Path, ranks: List[int], workers: int, activations: bool,
     one report per rank, in the order of `ranks`. Fake steps measured by an earlier rehearsal in
     this run dir are dropped first. Fake or real tensors: the run dir's config says (rehearse.tensors)."""
     shutil.rmtree(Path(run_dir) / SHARED_STEPS_DIR, ignore_errors=True)
-    ctx = _rank_context()
-    try:
-        return _run_in(ctx, run_dir, ranks, workers, activations, order)
-    finally:
-        _stop_rank_server()
+    return _run_in(_rank_context(), run_dir, ranks, workers, activations, order)
 
 
 def _run_in(ctx: multiprocessing.context.BaseContext, run_dir: Path, ranks: List[int], workers: int,
