@@ -131,7 +131,8 @@ def test_a_layout_the_runtime_cannot_build_is_refused_naming_rank_module_and_fix
 
 def test_a_rank_past_the_time_limit_is_killed_and_reported_and_no_process_is_left(tmp_path, monkeypatch):
     """A rank still running at the time limit is killed and reported (its log named, the Fix says
-    what to change); the ranks run as forks of one server process, which is stopped afterwards."""
+    what to change); the ranks run as forks of one server process, which stays for the process's
+    next rehearsal until stop_rank_server (the CLI calls it) ends it."""
     import multiprocessing.forkserver
 
     from launcher.rehearse import driver
@@ -147,7 +148,12 @@ def test_a_rank_past_the_time_limit_is_killed_and_reported_and_no_process_is_lef
         assert str(tmp_path / "rehearsal" / f"rank_{row['rank']}.log") in err["message"], err
         assert "rehearse.activations=false" in err["fix"] and "0.5 s per rank" in err["fix"], err
         assert not (tmp_path / "rehearsal" / f"rank_{row['rank']}.json").exists(), "the rank was not killed"
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert server is not None, "the rank server should stay for the next rehearsal"
+    driver.stop_rank_server()
     assert multiprocessing.forkserver._forkserver._forkserver_pid is None, "the rank server was left running"
+    with pytest.raises(ProcessLookupError):
+        os.kill(server, 0)
     assert os.environ.get("OMP_NUM_THREADS") == threads_before, "the ranks' environment leaked"
 
 
