@@ -126,7 +126,6 @@ def stop_rank_server() -> None:
         stop()
 
 
-
 def _rank_process(run_dir: str, rank: int, out: str, activations: bool, log_path: str) -> None:
     """A rank process's body: its output goes to its log, its report to `out` (rank.py's main)."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
