@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -92,7 +94,6 @@ def test_single_rank_phases_outlast_the_collective_timeout_and_other_groups_keep
     assert (results / "group_rank_1.txt").read_text() == "timed out"
 
 
-
 LATE_START_S = 3 * COLLECTIVE_TIMEOUT_S
 _LATE_RANK = '''
 import os, sys, time
@@ -102,7 +103,7 @@ from launcher.runtime.dist import exit_after_shutdown, init_distributed
 import torch.distributed as dist
 init_distributed("cpu", timeout_s=int(sys.argv[2]), startup_timeout_s=int(sys.argv[3]))
 dist.barrier()
-print("rank", os.environ["RANK"], "joined", flush=True)
+open(os.path.join(sys.argv[4], "joined_" + os.environ["RANK"]), "w").close()  # a file each: no interleaved output
 exit_after_shutdown(0)
 '''
 
@@ -113,22 +114,23 @@ def test_ranks_starting_further_apart_than_the_collective_timeout_join_under_tor
     start-up timeout, and only then does init_process_group wait with the collective timeout.
     Without that wait (start-up timeout 0) the same launch fails at init, as it did for a slow
     node of the two-node SLURM test."""
-    import subprocess
-    import sys
-
     script = tmp_path / "late_rank.py"
     script.write_text(_LATE_RANK)
     repo = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
                TMPDIR=str(tmp_path))
 
-    def launch(startup_timeout_s: int) -> subprocess.CompletedProcess:
+    def launch(startup_timeout_s: int):
+        out = tmp_path / f"startup_{startup_timeout_s}"
+        out.mkdir()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-               str(LATE_START_S), str(COLLECTIVE_TIMEOUT_S), str(startup_timeout_s)]
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+               str(LATE_START_S), str(COLLECTIVE_TIMEOUT_S), str(startup_timeout_s), str(out)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        return proc, sorted(p.name for p in out.iterdir())
 
-    joined = launch(startup_timeout_s=120)
+    joined, files = launch(startup_timeout_s=120)
     assert joined.returncode == 0, joined.stdout[-3000:] + joined.stderr[-3000:]
-    assert sorted(line for line in joined.stdout.splitlines() if "joined" in line) == ["rank 0 joined", "rank 1 joined"]
-    refused = launch(startup_timeout_s=0)
+    assert files == ["joined_0", "joined_1"]
+    refused, files = launch(startup_timeout_s=0)
     assert refused.returncode != 0 and "DistStoreError" in refused.stdout + refused.stderr, refused.stderr[-3000:]
+    assert files == []
