@@ -91,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
     from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
     from launcher.checkpoint.manager import CheckpointManager
-    from launcher.runtime.dist import init_distributed, shutdown_distributed
+    from launcher.runtime.dist import init_distributed
     from launcher.parallel.phase import init_phase_group
 
     rank = init_distributed(args.device, timeout_s=600)
@@ -158,7 +158,6 @@ def worker(args: argparse.Namespace) -> None:
             "load_avg": os.getloadavg()[0],
         }
         args.out.write_text(json.dumps(result, indent=1))
-    shutdown_distributed()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -314,7 +314,7 @@ def data_path_worker(args: argparse.Namespace) -> None:
     from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
-    from launcher.runtime.dist import init_distributed, shutdown_distributed
+    from launcher.runtime.dist import init_distributed
 
     rank = init_distributed(args.device, timeout_s=600)
     init_phase_group(1800)
@@ -358,7 +358,6 @@ def data_path_worker(args: argparse.Namespace) -> None:
             "load_avg": os.getloadavg()[0],
         }
         args.out.write_text(json.dumps(result, indent=1))
-    shutdown_distributed()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -367,7 +366,7 @@ def worker(args: argparse.Namespace) -> None:
     from launcher.plan.present.plan import build_plan
     from launcher.plan.decide.resolve import check
     from launcher.runtime import entry
-    from launcher.runtime.dist import init_distributed, shutdown_distributed
+    from launcher.runtime.dist import init_distributed
 
     rank = init_distributed(args.device, timeout_s=600)
     from launcher.parallel.phase import init_phase_group
@@ -405,7 +404,6 @@ def worker(args: argparse.Namespace) -> None:
             "load_avg": os.getloadavg()[0],
         }
         args.out.write_text(json.dumps(result, indent=1))
-    shutdown_distributed()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
