@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 
 def check_context_parallel(seq_len: int, cp: int) -> None:
@@ -91,7 +92,10 @@ def rank_positions(seq_len: int, cp: int, document_ids: Optional[torch.Tensor] =
     """int64 [rows, cp, seq_len // cp]: the sequence positions each cp rank holds, per row. Without
     ``document_ids`` one row, the head-tail split every row shares; with them (int [rows, s]) each
     row's per-document split."""
-    if document_ids is None:
-        return split_documents([seq_len], cp).unsqueeze(0)
-    return torch.stack([split_documents(lengths, cp) for lengths in document_lengths(document_ids)])
+    # Index arithmetic on the host with data-dependent sizes (repeat_interleave): never under the
+    # rehearsal's fake tensors, where those sizes are unknown; the caller moves the result.
+    with unset_fake_temporarily():
+        if document_ids is None:
+            return split_documents([seq_len], cp).unsqueeze(0)
+        return torch.stack([split_documents(lengths, cp) for lengths in document_lengths(document_ids)])
 
