@@ -87,7 +87,8 @@ RULES = [
     (["data.source=tokens"], ["data.source=tokens", "data.path"]),
     (["parallel.tp=2", "parallel.dp_shard=1", "model.vocab_size=257", "trainer.global_batch_size=4"], ["vocab_size=257", "pad", "258"]),
     (["parallel.tp=2", "parallel.dp_shard=1", "model.tie_embeddings=true", "trainer.global_batch_size=4"], ["tie_embeddings", "parallel.tp=2"]),
-    (["parallel.cp=2", "parallel.pp=2", "cluster.gpus_per_node=4", "trainer.device=cuda", "trainer.global_batch_size=4"], ["parallel.cp=2", "parallel.pp=2"]),
+    (["parallel.cp=2", "parallel.pp=2", "cluster.gpus_per_node=4", "trainer.device=cuda", "trainer.global_batch_size=4",
+      "backend.cp_impl=ring"], ["backend.cp_impl=ring", "parallel.pp=2", "backend.cp_impl=allgather"]),
     (["parallel.pp=2", "parallel.dp_shard=1", "trainer.global_batch_size=2"], ["1f1b", "at least 2 micro-batches", "= 1"]),
     # Observability keys (launcher/resilience/watchdog.py and stragglers.py, launcher/runtime/heldout_loss.py,
     # launcher/observe/profiler.py).

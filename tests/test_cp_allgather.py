@@ -121,6 +121,9 @@ def test_auto_picks_allgather_where_ring_cannot_run_and_says_why():
     mtp = layout_for(layout_model_cfg({"model": "debug_moe", "overrides": {"family": "deepseek_v3", "mtp_layers": 1}}),
                      2, **cuda)
     assert mtp.owners.cp_impl == "allgather" and "multi-token" in dict(mtp.owners.choices)["cp"].impl
+    # Under pipelining the schedule takes the all-gather slices (ring would need its region per stage).
+    piped = layout_for(cfg, 4, **cuda, **{"parallel.pp": 2})
+    assert piped.owners.cp_impl == "allgather" and "pipeline" in dict(piped.owners.choices)["cp"].impl
 
 
 def _llama8b(seq_len: int, cp: int = 8, **dotted):
@@ -179,6 +182,8 @@ def test_ring_where_it_cannot_run_is_refused_with_the_fix():
     mtp = layout_model_cfg({"model": "debug_moe", "overrides": {"family": "deepseek_v3", "mtp_layers": 1}})
     with pytest.raises(ConfigError, match="model.mtp_layers > 0.*Fix: backend.cp_impl=allgather"):
         layout_for(mtp, 2, **{"parallel.cp": 2, "backend.cp_impl": "ring", "trainer.device": "cuda"})
+    with pytest.raises(ConfigError, match="parallel.pp=2: the pipeline schedule .*Fix: backend.cp_impl=allgather"):
+        layout_for(cfg, 4, **{"parallel.cp": 2, "parallel.pp": 2, "backend.cp_impl": "ring", "trainer.device": "cuda"})
     with pytest.raises(ConfigError, match="backend.cp_impl=bogus is not one of auto, allgather, ring"):
         layout_for(cfg, 2, **{"parallel.cp": 2, "backend.cp_impl": "bogus"})
 

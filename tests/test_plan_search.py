@@ -245,3 +245,18 @@ def test_the_override_map_writes_every_layout_key_into_the_spec():
     assert {key: lay.value_at(path) for key, path in OVERRIDE_FIELDS} == lay.overrides()
     assert chosen.cluster.nodes == 7 and (chosen.parallel.pp_layers, chosen.parallel.microbatches) == ([], -1)
     assert {key: get_dotted(spec, key) for key, _ in OVERRIDE_FIELDS} == before
+
+
+def test_context_parallel_with_pipelining_is_searched_for_long_rows_only():
+    """CP x PP candidates (all-gather CP under a pipeline schedule) are in the search where each CP
+    rank keeps at least CP_WITH_PP_MIN_TOKENS of a row, and left out below it (the search's size)."""
+    from launcher.plan.present.search import CP_WITH_PP_MIN_TOKENS, mesh_options
+
+    def pairs(seq_len: int) -> set:
+        spec = compose_spec(["+recipe=llama70b", "cluster.nodes=32", "action=search", f"trainer.seq_len={seq_len}",
+                             f"model.max_seq_len={seq_len}"])
+        return {(cp, pp) for _, cp, pp, *_ in mesh_options(spec) if cp > 1 and pp > 1}
+
+    long = pairs(131072)
+    assert (16, 2) in long and all(131072 // cp >= CP_WITH_PP_MIN_TOKENS for cp, _ in long)
+    assert pairs(8192) == set()

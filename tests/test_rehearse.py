@@ -87,6 +87,21 @@ def test_attention_weights_tp_leaves_whole_are_planned_whole(family, optimizer, 
     assert held == predicted, f"{family} {optimizer}: rehearsal {held} != plan {predicted}"
 
 
+@pytest.mark.parametrize("degrees", [["parallel.cp=2", "cluster.gpus_per_node=2"],
+                                     ["parallel.cp=2", "parallel.pp=2", "cluster.gpus_per_node=4"]])
+def test_context_parallel_rehearses_a_step_alone_and_under_pipelining(degrees, tmp_path):
+    """All-gather CP's fake step: each rank's balanced slice is computed outside the fake tensors
+    (its sizes depend on the rows' values), and under PP the schedule takes the rank's slices;
+    every rank builds, steps and holds the plan's state bytes."""
+    spec, plan, result = _rehearse(["+recipe=debug", *degrees, "action=rehearse"], tmp_path)
+    assert plan.layout.owners.cp_impl == "allgather" and result["ok"], rehearsal_problems(result, plan.layout)
+    assert {row["coords"]["pp"] for row in result["ranks"]} == set(range(plan.layout.mesh.pp))
+    for row in result["ranks"]:
+        held = {k: row["memory"][k] for k in ("params", "grads", "optimizer")}
+        assert held == {k: row["predicted"][k] for k in ("params", "grads", "optimizer")}, row
+        assert row["memory"]["activations"] > 0, row
+
+
 def test_cli_rehearse_prints_rehearsal_json_with_a_measured_step(tmp_path):
     """`train +recipe=debug action=rehearse plan.format=json`: the JSON on stdout is rehearsal.json,
     with exactly the issue's keys, and the fake training step measured an activation peak."""

@@ -199,7 +199,6 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
             f"parallel.pp_schedule={p.pp_schedule} runs one chunk per rank but parallel.pp_virtual_stages={p.pp_virtual_stages}. "
             f"Fix: parallel.pp_schedule=interleaved_1f1b, or parallel.pp_virtual_stages=1."
         )
-    problems.extend(cp_pipeline_problems(p.cp, p.pp))
     if p.pp == 1 and p.pp_virtual_stages != 1:
         problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp > 1. Fix: set parallel.pp or pp_virtual_stages=1.")
 
@@ -227,7 +226,7 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
     if outside:
         problems.append(f"model.mlp_only_layers has layer ids {outside} outside 0..{m.n_layers - 1}. Fix: list layer ids of this model.")
     problems.extend(mla_and_routing_problems(m))
-    problems.extend(mtp_problems(m, p, spec.backend))
+    problems.extend(mtp_problems(m, spec.backend))
 
 
 def _weight_step_ok(step: object) -> bool:
@@ -239,9 +238,9 @@ def _weight_step_ok(step: object) -> bool:
     return len(values) == 2 and all(math.isfinite(v) and v >= 0 for v in values)
 
 
-def mtp_problems(m: ModelConfig, p, backend) -> List[str]:
-    """Multi-token prediction (model.mtp_layers): DeepSeek-V3's, on the native path (any mesh but the
-    zbv pipeline schedule; context parallelism's ring is refused by launcher/plan/decide/cp_choice.py)."""
+def mtp_problems(m: ModelConfig, backend) -> List[str]:
+    """Multi-token prediction (model.mtp_layers): DeepSeek-V3's, on the native path (any mesh and
+    pipeline schedule; context parallelism's ring is refused by launcher/plan/decide/cp_choice.py)."""
     if m.mtp_layers < 0:
         return [f"model.mtp_layers={m.mtp_layers} must be >= 0 (-1, model=hf's default, takes config.json's "
                 f"num_nextn_predict_layers from model.init_from). Fix: model.mtp_layers=0 (none) or 1 (DeepSeek-V3)."]
@@ -255,10 +254,6 @@ def mtp_problems(m: ModelConfig, p, backend) -> List[str]:
     if m.family != "deepseek_v3":
         problems.append(f"model.mtp_layers={m.mtp_layers} with model.family={m.family}: multi-token prediction is "
                         f"DeepSeek-V3's (its blocks and HF names). Fix: model.mtp_layers=0, or a deepseek_v3 model.")
-    if p.pp > 1 and p.pp_schedule == "zbv":
-        problems.append(f"model.mtp_layers={m.mtp_layers} with parallel.pp_schedule=zbv: its V puts the first and "
-                        f"the last stage on one rank, where the MTP module's copy of the embedding is not kept. "
-                        f"Fix: parallel.pp_schedule=1f1b or interleaved_1f1b, or model.mtp_layers=0.")
     if "deepspeed" in (backend.default, backend.sharding):
         problems.append(f"model.mtp_layers={m.mtp_layers} with the DeepSpeed backend: its loss is wired in the native "
                         f"engine only. Fix: backend=native (or auto), or model.mtp_layers=0.")
@@ -935,15 +930,5 @@ def tied_pipeline_problems(m: ModelConfig, pp: int) -> List[str]:
         return [
             "model.tie_embeddings=true with parallel.pp > 1: the embedding and the output layer live on different "
             "pipeline stages. Fix: parallel.pp=1 or model.tie_embeddings=false."
-        ]
-    return []
-
-
-def cp_pipeline_problems(cp: int, pp: int) -> List[str]:
-    """Context parallelism is not combined with pipelining (native only; DeepSpeed has no CP)."""
-    if cp > 1 and pp > 1:
-        return [
-            f"parallel.cp={cp} with parallel.pp={pp}: context parallelism is not combined with pipelining "
-            f"on the native path. Fix: parallel.pp=1 (use tp/dp for the rest), or parallel.cp=1."
         ]
     return []

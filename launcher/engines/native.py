@@ -51,8 +51,8 @@ from launcher.models.mtp import mtp_targets
 from launcher.models.shape import mtp_layers_of, mtp_loss_weight
 from launcher.parallel.ac import apply_activation_checkpointing
 from launcher.parallel.compile import apply_compile
-from launcher.parallel.cp import (context_parallel_region, context_parallel_unsupported_reason, shard_for_allgather,
-                                  use_expanded_kv, use_gathered_kv)
+from launcher.parallel.cp import (context_parallel_region, context_parallel_unsupported_reason, per_row_keys,
+                                  shard_for_allgather, use_expanded_kv, use_gathered_kv)
 from launcher.parallel.ep import apply_moe_parallel
 from launcher.parallel.fp8 import convert_to_float8, float8_scale_precompute_needed, precompute_float8_scales
 from launcher.parallel.fsdp import UnshardedAccumulation, apply_fsdp, mixed_precision_policy
@@ -335,13 +335,20 @@ class NativeEngine:
         exchange their gradients and both add the other's (a + b and b + a are the same float), so
         their optimizer steps, and the tables, stay equal, as Megatron's embedding group does. The
         first and the last pipeline rank of each group trade one tensor (the local FSDP shards:
-        both tables are sharded alike)."""
+        both tables are sharded alike); under zbv, whose V holds both stages on pipeline rank 0,
+        that rank adds them in place."""
         if not self.mtp_layers or self.mesh_plan.pp == 1:
             return
         tables = [p.tok_embeddings.weight for p in self.parts if p.tok_embeddings is not None]
         tables += self._mtp_embedding_copies()
         if not tables:
             return  # a middle stage
+        if len(tables) == 2:  # zbv: its V puts the first and the last stage on this rank
+            first, copy = (t.grad.to_local() if hasattr(t.grad, "to_local") else t.grad for t in tables)
+            total = first + copy
+            first.copy_(total)
+            copy.copy_(total)
+            return
         pp = self.world["pp"]
         ranks = [int(r) for r in pp.mesh.flatten().tolist()]
         me = pp.get_local_rank()
@@ -491,16 +498,16 @@ class NativeEngine:
         inputs = torch.cat([mb.inputs for mb in microbatches]).to(dev)
         kwargs = {}
         first = microbatches[0]
+        host_docs = None
         if first.positions is not None:
             kwargs["positions"] = torch.cat([mb.positions for mb in microbatches]).to(dev)
         if first.document_ids is not None:
-            kwargs["document_ids"] = torch.cat([mb.document_ids for mb in microbatches]).to(dev)
+            host_docs = torch.cat([mb.document_ids for mb in microbatches])
+            kwargs["document_ids"] = host_docs.to(dev)
         losses: list = []
-        mtp = self.mtp_layers and method == "step"  # every stage gets its targets; the last one's MTP reads them
-        if mtp or self.has_last:
-            labels = torch.cat([mb.labels for mb in microbatches]).to(dev)
-        if mtp:
-            kwargs = self.forward_inputs(inputs, labels, kwargs, train=True)[2]  # no CP with PP: no slice
+        train = method == "step"
+        labels = torch.cat([mb.labels for mb in microbatches]).to(dev)
+        inputs, labels, kwargs = self.pipeline_inputs(inputs, labels, kwargs, train, document_ids=host_docs)
         if self.has_last:
             if self._n_sources:
                 sources = torch.cat([mb.sources for mb in microbatches]).to(dev, labels.dtype)
@@ -510,6 +517,22 @@ class NativeEngine:
         with self._loss_parallel(), self._autocast():
             outputs = getattr(self.pp_schedule, method)(*args, **kwargs)
         return losses, outputs
+
+    def pipeline_inputs(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict[str, Any], train: bool,
+                        document_ids: Optional[torch.Tensor] = None):
+        """(inputs, labels, model kwargs) of one pipeline pass over the whole step's rows, before the
+        schedule cuts them into micro-batches: when training with multi-token prediction, every
+        stage gets the depths' targets (the last one's MTP reads them); under all-gather context
+        parallelism, this rank's slices (forward_inputs). Every rank of a pipeline group cuts the
+        rows alike (the split is a function of the rows alone), so the hidden states a stage sends
+        are the slices its peer stage expects; the keys' index goes per row, cut with the rows."""
+        cp_slices = self.mesh_plan.cp > 1 and self.cp_impl == "allgather"
+        if not ((self.mtp_layers and train) or cp_slices):
+            return inputs, labels, kwargs
+        inputs, labels, kwargs = self.forward_inputs(inputs, labels, kwargs, train=train, document_ids=document_ids)
+        if cp_slices:
+            kwargs["keys"] = per_row_keys(kwargs["keys"], inputs.shape[0])
+        return inputs, labels, kwargs
 
     def eval_step(self, microbatches: List[Microbatch]) -> float:
         """Mean token loss over the global batch of these micro-batches, forward only (collective).

@@ -18,6 +18,13 @@ Two implementations (``backend.cp_impl``, resolved once into ``Layout.owners.cp_
   (``context_parallel_unsupported_reason``), and it takes no document mask.
 
 Parameters are FSDP-sharded over dp_shard*cp, so CP ranks also share the model-state memory.
+
+Under pipelining (all-gather only) the engine slices the whole step's rows once, before the
+schedule, and passes the ``KeyIndex`` in its per-row form (``per_row_keys``): registered as a
+pytree node below, its index tensors are split into micro-batches with the rows, like the
+tokens and positions (torch's schedule splits every keyword tensor along dim 0). Each stage
+then builds its layers' mask from its micro-batch's own index, and the hidden states sent
+between stages are the rank's s/cp tokens.
 """
 
 from __future__ import annotations
@@ -30,11 +37,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.experimental import context_parallel
+from torch.utils._pytree import SUPPORTED_NODES, register_pytree_node
 
 from launcher.models.layers import Attention, KeyIndex
 from launcher.parallel.cp_balance import check_context_parallel, rank_positions, shard_positions  # noqa: F401
 
 log = logging.getLogger(__name__)
+
+# A pipeline schedule splits keyword arguments into micro-batches leaf by leaf (torch's pytree):
+# as a node, a KeyIndex's tensors are cut with the rows instead of handed whole to every
+# micro-batch (see per_row_keys; a 1-D index has no row dimension to cut).
+if KeyIndex not in SUPPORTED_NODES:  # once per process
+    register_pytree_node(
+        KeyIndex,
+        lambda k: ([k.query_index, k.key_index, k.key_document_ids], None),
+        lambda values, _: KeyIndex(*values),
+        serialized_type_name="launcher.models.layers.KeyIndex",
+    )
 
 
 def context_parallel_unsupported_reason(device_type: str, impl: str = "ring") -> Optional[str]:
@@ -163,6 +182,15 @@ def shard_for_allgather(inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict
     out["keys"] = KeyIndex(query_index=mine, key_index=keys,
                            key_document_ids=key_docs if docs is not None else None)
     return take(inputs), take(labels), out
+
+
+def per_row_keys(keys: KeyIndex, rows: int) -> KeyIndex:
+    """``keys`` with one index row per sequence ([rows, s_q] and [rows, s_k]; expanded views where
+    one split serves every row): the form a pipeline schedule can cut into micro-batches."""
+    def rowed(index: torch.Tensor) -> torch.Tensor:
+        return index.unsqueeze(0).expand(rows, -1) if index.dim() == 1 else index
+    return KeyIndex(query_index=rowed(keys.query_index), key_index=rowed(keys.key_index),
+                    key_document_ids=keys.key_document_ids)
 
 
 def to_sequence_order(gathered: torch.Tensor, key_index: torch.Tensor) -> torch.Tensor:

@@ -132,13 +132,14 @@ def stage_io_meta(stage: int, n_stages: int, layout: Layout, model_cfg) -> Tuple
     Given to PipelineStage so that it skips torch's shape inference (an extra forward and
     backward per stage on the first step and after each validation, plus object collectives
     that a fake process group cannot run). Rows: trainer.micro_batch_size sequences per
-    pipeline micro-batch (Layout.pp_microbatches). With TP + sequence parallelism the
-    residual stream between blocks is the rank's local 1/tp slice of the sequence. The last
+    pipeline micro-batch (Layout.pp_microbatches). Under context parallelism (all-gather) a rank
+    holds seq_len/cp tokens of each row; with TP + sequence parallelism the residual stream
+    between blocks is the rank's local 1/tp slice of those. The last
     stage's output (logits) is never sent; torch only counts it. Float tensors require grad:
     torch derives from that which gradients a stage receives and sends back.
     """
-    rows, seq = layout.batch.micro_batch_size, layout.batch.seq_len
-    tp = layout.mesh.tp
+    rows, tp = layout.batch.micro_batch_size, layout.mesh.tp
+    seq = layout.batch.seq_len // layout.mesh.cp  # all-gather context parallelism: the rank's slice
     local_seq = seq // tp if (tp > 1 and layout.sp) else seq
     hidden = (rows, local_seq, model_cfg.dim)
     dtype = activation_dtype(layout)

@@ -175,11 +175,13 @@ def pipeline_step_runner(engine, layout, vocab_size: int, schedule=None, n_micro
 
     def step():
         engine._token_norm = float(rows * layout.batch.seq_len)
-        kwargs = {"target": labels, "losses": []} if engine.has_last else {}
-        if getattr(engine, "mtp_layers", 0):  # as the engine's step: every stage gets them, the last reads them
+        if getattr(engine, "mtp_layers", 0):
             engine._set_mtp_scale()
-            kwargs.update(engine.forward_inputs(inputs, labels, {}, train=True)[2])
-        args = (inputs,) if engine.has_first else ()
+        # As the engine's step: MTP's targets for every stage, the rank's CP slices of the rows.
+        mine, targets, kwargs = engine.pipeline_inputs(inputs, labels, {}, train=True)
+        if engine.has_last:
+            kwargs.update(target=targets, losses=[])
+        args = (mine,) if engine.has_first else ()
         with phase("forward_backward"), engine._loss_parallel(), engine._autocast():
             schedule.step(*args, **kwargs)
         with phase("optimizer"):
@@ -227,7 +229,8 @@ def set_up_pipeline_stages(engine, layout, schedule, n_microbatches: int) -> Non
     _vote_static_shapes(schedule)  # the set-up runs the vote; on a fake group it must not send
     rows = layout.batch.micro_batch_size * n_microbatches
     tokens = torch.zeros((rows, layout.batch.seq_len), dtype=torch.long, device=rank_device(engine))
-    args_split, kwargs_split = schedule._split_inputs((tokens,) if engine.has_first else (), {})
+    tokens, _, kwargs = engine.pipeline_inputs(tokens, tokens, {}, train=False)  # the rank's CP slices
+    args_split, kwargs_split = schedule._split_inputs((tokens,) if engine.has_first else (), kwargs)
     # The first micro-batch's target, split along the rows as the schedule splits it.
     target = tokens.tensor_split(n_microbatches)[0] if engine.has_last else None
     for st in schedule_stages(schedule):

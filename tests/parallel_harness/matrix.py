@@ -139,15 +139,23 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
     # Measured (2 cores, load ~30): ref_dsv3mtp 6 s (1.1 s of it building), pp2_ep2_fsdp2_dsv3mtp 5 s
     # (2.2 s) inside their launches; (load 15-26) cp2_tp2_sp_dsv3mtp 14 s for 3 steps (the comparable
     # cp2_tp2_qwen3moe_noaux 7 s), the two resumes under 1 s each.
-    one.append({"name": "ref_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP})
+    # Both export to HF after step 2 (fp32; the 1-rank run goes on to step 3): the MTP depth's
+    # layer-N tensors gathered from TP shards, under their HF names, equal the 1-rank run's.
+    one.append({"name": "ref_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
+                "export": f"{ckpt_dir}/export_ref_dsv3mtp", "export_after": 2, "export_format": "hf"})
     four.append({"name": "pp2_ep2_fsdp2_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
                  "mesh": {"pp": 2, "dp_shard": 2, "ep": 2}, "pp_schedule": "1f1b",
                  "save_dir": f"{ckpt_dir}/pp2_dsv3mtp", "save_after": 2})
     four.append({"name": "cp2_tp2_sp_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
                  "mesh": {"cp": 2, "tp": 2}, "sp": True, "save_dir": f"{ckpt_dir}/cp2_tp2_dsv3mtp", "save_after": 2,
-                 "steps": 2})  # its third step is the pp=2 resume's
+                 "steps": 2,  # its third step is the pp=2 resume's
+                 "export": f"{ckpt_dir}/export_cp2_tp2_dsv3mtp", "export_format": "hf"})
     two.append({"name": "resume_cp2tp2_as_pp2_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
                 "mesh": {"pp": 2}, "pp_schedule": "1f1b", "load_dir": f"{ckpt_dir}/cp2_tp2_dsv3mtp", "start_step": 2})
+    # zbv's V holds the first and the last stage on pipeline rank 0: the embedding and its copy on
+    # one rank, their gradients added there.
+    two.append({"name": "pp2_zbv_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP, "mesh": {"pp": 2},
+                "pp_schedule": "zbv", "pp_virtual_stages": 2})
     one.append({"name": "resume_pp2_as_1rank_dsv3mtp", "model": "debug_moe", "model_overrides": DSV3_MTP,
                 "load_dir": f"{ckpt_dir}/pp2_dsv3mtp", "start_step": 2})
     two += [
@@ -218,6 +226,14 @@ def layouts(ckpt_dir: str, device: str = "cpu") -> Dict[int, List[dict]]:
          "mesh": {"cp": 2, "tp": 2}, "cp_impl": "allgather"},
         {"name": "cp2_ep2_fsdp2_dsv3", "model": "debug_moe", "model_overrides": DEEPSEEK_V3,
          "mesh": {"cp": 2, "dp_shard": 2, "ep": 2}, "cp_impl": "allgather"},
+        # CP under pipelining: each rank slices the step's rows before the schedule, which cuts the
+        # per-row key index into micro-batches with the rows; packed documents (the per-document
+        # split, a different one per row) under 1F1B, and head-tail rows of the MoE model over
+        # interleaved 1F1B's two chunks per rank (experts over dp_shard*cp = the cp pair).
+        {"name": "pp2_cp2_docs", "model": "debug", "mesh": {"pp": 2, "cp": 2}, "documents": True,
+         "pp_schedule": "1f1b"},
+        {"name": "pp2_cp2_ep2_moe", "model": "debug_moe", "mesh": {"pp": 2, "cp": 2, "ep": 2},
+         "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2},
     ]
     one.append({"name": "resume_cp2_as_1rank_docs", "model": "debug", "documents": True,
                 "load_dir": f"{ckpt_dir}/cp2_docs", "start_step": 2})

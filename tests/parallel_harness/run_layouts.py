@@ -158,7 +158,8 @@ def run_layout(spec: dict) -> dict:
     optim = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1)
     if spec.get("optim") == "muon":  # Muon's own lr (optim.muon.lr) stays its default
         optim = replace(optim, name="muon")
-    options = EngineOptions(total_steps=10, grad_clip=1.0, seed=7, compile=spec.get("compile", False))
+    options = EngineOptions(total_steps=10, grad_clip=1.0, seed=7, compile=spec.get("compile", False),
+                            export_dtype="fp32")
     device = torch.device("cuda", torch.cuda.current_device()) if DEVICE.type == "cuda" else DEVICE
     engine = NativeEngine(mcfg, optim, layout, device, options)
     dp = layout.mesh.dp
@@ -194,12 +195,12 @@ def run_layout(spec: dict) -> dict:
             engine.save(Path(spec["save_dir"]))
             if spec.get("state_digest"):
                 out["saved_state"] = state_digest(engine)
-        if spec.get("export") and step + 1 == steps:
-            engine.export(Path(spec["export"]), "fp32")
+        if spec.get("export") and step + 1 == spec.get("export_after", steps):
+            engine.export(Path(spec["export"]), spec.get("export_format", "fp32"))  # "hf": in <export>/hf
     out["seconds"] = time.time() - t0
     if spec.get("eval_rows"):  # downstream evaluation's scoring on this layout's trained model
         out["eval_rows"] = eval_row_scores(engine, layout, dp_rank, mcfg.vocab_size)
-    if spec.get("eval_greedy"):  # is_greedy over every candidate token (layouts without PP)
+    if spec.get("eval_greedy"):  # is_greedy over every candidate token
         t_eval = time.time()
         out["eval_candidates"] = eval_candidate_scores(engine, layout, dp_rank, mcfg.vocab_size)
         out["eval_candidates_s"] = time.time() - t_eval
@@ -278,19 +279,23 @@ def eval_row_scores(engine, layout, dp_rank: int, vocab: int) -> list:
 
 # Contexts whose every single-token continuation is scored (eval_candidate_scores): their argmax
 # tokens on the trained debug model (ref_dense: 199 and 73, each ahead of the runner-up by 0.15
-# or more in logit) fall in both halves of the vocabulary, so under tp=2 both shards hold a winner
-# (tests/test_parallel_layouts.py checks it).
+# or more in logit; ref_docs, trained on packed documents: the same, by 0.10 or more) fall in both
+# halves of the vocabulary, so under tp=2 both shards hold a winner (tests/test_parallel_layouts.py
+# checks it).
 GREEDY_CONTEXTS = ([5, 9, 13, 17, 21], [87, 174, 88, 81, 165, 25, 77, 72])
 
 
 def eval_candidate_scores(engine, layout, dp_rank: int, vocab: int) -> list:
     """[(log p, is_greedy)] of every token of the vocabulary after each GREEDY_CONTEXTS context,
-    through RowScorer (lm-eval's loglikelihood requests), in calls of 64-row micro-batches: exactly
-    one candidate per context is greedy, the one with the largest log p."""
+    through RowScorer (lm-eval's loglikelihood requests), in calls of 64-row micro-batches (the
+    layout's own under pipelining): exactly one candidate per context is greedy, the one with the
+    largest log p."""
     from launcher.eval.rows import RowScorer, RowShape
 
     rows = [(context + [token], 1) for context in GREEDY_CONTEXTS for token in range(vocab)]
-    shape = RowShape(seq_len=SEQ, micro_batch_size=64, microbatches=2, dp_rank=dp_rank, dp_size=layout.mesh.dp)
+    # A pipeline's stages were built for the layout's micro-batch shape; elsewhere fewer, larger calls.
+    mbs, n_micro = ((layout.batch.micro_batch_size, layout.batch.microbatches) if layout.mesh.pp > 1 else (64, 2))
+    shape = RowShape(seq_len=SEQ, micro_batch_size=mbs, microbatches=n_micro, dp_rank=dp_rank, dp_size=layout.mesh.dp)
     return RowScorer(engine, shape, pad_id=0).score(rows)
 
 

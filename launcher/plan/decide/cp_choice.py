@@ -82,16 +82,21 @@ def _fit_text(m: CpMemory) -> str:
 
 
 def choose_cp_impl(requested: str, cp: int, device: str, document_masking: bool,
-                   memory: Callable[[bool], CpMemory], mtp: bool = False) -> Tuple[str, str]:
+                   memory: Callable[[bool], CpMemory], mtp: bool = False, pipeline: bool = False) -> Tuple[str, str]:
     """(implementation, why): "off" for cp=1, else "allgather" or "ring" (``requested`` when not
     auto; a ring that cannot run is refused by cp_impl_problems). ``memory(ring)``: the layout's
-    CpMemory (estimating ring too when asked), called only where auto runs on GPUs."""
+    CpMemory (estimating ring too when asked), called only where auto runs on GPUs.
+    ``pipeline``: parallel.pp > 1 (the schedule takes the all-gather slices only)."""
     if cp <= 1:
         return "off", "parallel.cp=1"
     if requested != "auto":
         return requested, f"backend.cp_impl={requested}"
     if device == "cpu":
         return "allgather", "auto: ring attention has no CPU kernel"
+    if pipeline:
+        m = memory(False)
+        why = "auto: the pipeline schedule takes the all-gather slices (parallel.pp > 1)"
+        return "allgather", why + ("" if m.allgather_fits else f"; {_fit_text(m)}")
     m = memory(not (document_masking or mtp))  # ring is estimated only where it can run
     if document_masking:
         why = "auto: ring attention takes no document mask (data.document_masking / reset_positions)"
@@ -115,7 +120,7 @@ def cp_description(cp: int, impl: str = "", why: str = "") -> str:
 
 
 def cp_impl_problems(requested: str, cp: int, device: str, document_masking: bool,
-                     mtp: bool = False) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+                     mtp: bool = False, pp: int = 1) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
     """(reason, fixes) for a backend.cp_impl that cannot serve this job (rules.py reports them)."""
     if requested not in CP_IMPLS:
         return ((f"backend.cp_impl={requested} is not one of {', '.join(CP_IMPLS)}", ("backend.cp_impl=auto",)),)
@@ -133,4 +138,8 @@ def cp_impl_problems(requested: str, cp: int, device: str, document_masking: boo
         out.append((f"backend.cp_impl=ring with parallel.cp={cp} and model.mtp_layers > 0: multi-token prediction's "
                     f"shifted tokens and targets are cut from whole rows by the all-gather slice only",
                     fixes + ("model.mtp_layers=0",)))
+    if pp > 1:
+        out.append((f"backend.cp_impl=ring with parallel.cp={cp} and parallel.pp={pp}: the pipeline schedule "
+                    f"passes each stage the rank's sequence slices, which only the all-gather implementation cuts",
+                    fixes + ("parallel.pp=1",)))
     return tuple(out)

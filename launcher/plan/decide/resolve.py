@@ -242,7 +242,8 @@ def decide_cp(spec: JobConfig, lay: Layout) -> Layout:
         return replace(with_impl, memory=replace(with_impl.memory, accumulate_unsharded=held))
 
     impl, why = choose_cp_impl(s.cp_impl, lay.mesh.cp, s.device, s.document_masking,
-                               memory=lambda ring: cp_memory(candidate, shape, spec.hardware, ring), mtp=s.mtp)
+                               memory=lambda ring: cp_memory(candidate, shape, spec.hardware, ring), mtp=s.mtp,
+                               pipeline=lay.mesh.pp > 1)
     out = with_cp_impl(spec, lay, impl)
     text = cp_description(lay.mesh.cp, impl, why)
     choices = tuple((name, replace(c, impl=text) if name == "cp" else c) for name, c in lay.owners.choices)
