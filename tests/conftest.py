@@ -21,10 +21,15 @@ TRAIN = str(Path(sys.executable).with_name("train"))
 os.environ.setdefault("CXX", str(REPO / "tests" / "deepspeed_harness" / "g++-no-debug-info"))
 
 
-def train_env(tmp_path: Path) -> Dict[str, str]:
+def train_env(tmp_path: Path, wandb: str = "disabled") -> Dict[str, str]:
+    """The environment of a test's `train` launch. W&B (`logging.wandb.mode=auto`, which follows
+    WANDB_MODE) is off unless a test asks for it: its service and its end-of-run sync cost a 2-rank
+    debug launch about 2.6 s of CPU and of wall time (three alternating pairs of launches on a
+    quiet 2-core machine, 2026-11-28). The launches that keep it offline: tests/test_wandb_fallback.py,
+    test_train_e2e.py's reference run, crash/resume and Ctrl-C runs, and test_slurm_train.py's jobs."""
     env = dict(os.environ)
     env.update(
-        WANDB_MODE="offline",
+        WANDB_MODE=wandb,
         WANDB_DIR=str(tmp_path),
         WANDB_CACHE_DIR=str(tmp_path / ".wandb_cache"),
         WANDB_DATA_DIR=str(tmp_path / ".wandb_data"),
@@ -35,11 +40,12 @@ def train_env(tmp_path: Path) -> Dict[str, str]:
     return env
 
 
-def run_train(args: Sequence[str], run_dir: Path, timeout: int = 300, check: bool = False) -> subprocess.CompletedProcess:
-    """Run `train ARGS hydra.run.dir=RUN_DIR` and return the finished process."""
+def run_train(args: Sequence[str], run_dir: Path, timeout: int = 300, check: bool = False,
+              wandb: str = "disabled") -> subprocess.CompletedProcess:
+    """Run `train ARGS hydra.run.dir=RUN_DIR` and return the finished process (W&B: train_env)."""
     cmd = [TRAIN, *args, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(
-        cmd, cwd=run_dir.parent, env=train_env(run_dir.parent), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=run_dir.parent, env=train_env(run_dir.parent, wandb), capture_output=True, text=True, timeout=timeout
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

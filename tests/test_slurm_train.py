@@ -51,7 +51,8 @@ def submit_train(run_dir: Path, *extra: str) -> str:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     keys = {arg.split("=", 1)[0] for arg in extra}
     common = [arg for arg in COMMON if arg.split("=", 1)[0] not in keys]
-    proc = run_train([*common, *extra], run_dir, timeout=180)
+    # W&B on (offline), as a user's job has it: its files are among those the secret must stay out of.
+    proc = run_train([*common, *extra], run_dir, timeout=180, wandb="offline")
     assert proc.returncode == 0, f"train exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     info_path = run_dir / "slurm_job.json"
     assert info_path.exists(), f"train did not submit a SLURM job (cluster.name ignored?):\n{proc.stdout[-2000:]}"

@@ -30,7 +30,7 @@ BASE = ["+recipe=debug", "trainer.steps=12", "trainer.log_every=1", "checkpoint.
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    proc = run_train(BASE, run_dir, check=True)
+    proc = run_train(BASE, run_dir, check=True, wandb="offline")  # W&B on, as a user's first run has it
     assert proc.stdout.strip().splitlines()[-1] == f"run directory: {run_dir}"
     return run_dir
 
@@ -103,9 +103,9 @@ def test_ranks_built_the_layout_in_plan_json(reference_run):
         assert built["backends"]["fp8"] == layout["fp8_impl"]
 
 
-def _start(args, run_dir: Path) -> subprocess.Popen:
+def _start(args, run_dir: Path, wandb: str = "disabled") -> subprocess.Popen:
     return subprocess.Popen(
-        [TRAIN, *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=train_env(run_dir.parent),
+        [TRAIN, *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=train_env(run_dir.parent, wandb),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
 
@@ -153,7 +153,7 @@ def test_kill_then_resume_reproduces_uninterrupted_losses(reference_run, run_dir
     evaluation changes no training state, sampler or random stream, and resume is exact across it."""
     run_dir.mkdir(parents=True)
     args = [*BASE, *eval_args]
-    proc = _start(args, run_dir)
+    proc = _start(args, run_dir, wandb="offline")  # the W&B run killed with it, and resumed
     _wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").is_dir(), 240, proc)
     os.killpg(proc.pid, signal.SIGKILL)  # a crash of `train`: no chance to clean up
     proc.wait()
@@ -165,7 +165,7 @@ def test_kill_then_resume_reproduces_uninterrupted_losses(reference_run, run_dir
     stopped = json.loads((run_dir / "control" / "stopped").read_text())
     assert stopped["reason"] == "signal SIGTERM" and stopped["step"] < 12  # checkpointed and stopped early
 
-    run_train(args, run_dir, check=True)
+    run_train(args, run_dir, check=True, wandb="offline")
     log = (run_dir / "logs" / "rank_0.log").read_text()
     assert "resumed from" in log
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 13))  # no duplicated steps
@@ -217,13 +217,15 @@ def test_a_failing_rank_stops_all_ranks(run_dir):
 
 
 def _start_here(args, cwd: Path) -> subprocess.Popen:
-    """`train ARGS` as a user types it, in `cwd`: no hydra.run.dir, so a timestamped run dir."""
-    return subprocess.Popen([TRAIN, *args], cwd=cwd, env=train_env(cwd), stdout=subprocess.PIPE,
+    """`train ARGS` as a user types it, in `cwd`: no hydra.run.dir, so a timestamped run dir (W&B on,
+    offline: a user's Ctrl-C stops it too)."""
+    return subprocess.Popen([TRAIN, *args], cwd=cwd, env=train_env(cwd, "offline"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _run_here(args, cwd: Path) -> str:
-    proc = subprocess.run([TRAIN, *args], cwd=cwd, env=train_env(cwd), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([TRAIN, *args], cwd=cwd, env=train_env(cwd, "offline"), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr
 

@@ -86,7 +86,7 @@ def _rank0_log(run_dir: Path) -> str:
 def test_online_without_network_falls_back_to_offline(run_dir: Path):
     """mode=auto with an API key (as SLURM forwards it) and an unreachable server."""
     env = train_env(run_dir.parent)
-    env.pop("WANDB_MODE")  # train_env forces offline; this test needs wandb to try online
+    env.pop("WANDB_MODE")  # auto follows WANDB_MODE (train_env sets it); this test needs auto to try online
     env.pop("WANDB_SILENT")  # what a user's shell has: W&B's own console output is logging.wandb.quiet's job
     with SilentServer() as server:
         env.update(WANDB_API_KEY="0123456789abcdef" * 2 + "01234567", WANDB_BASE_URL=server.url)
@@ -109,12 +109,31 @@ def test_online_without_network_falls_back_to_offline(run_dir: Path):
     assert b"environment" in data and torch.__version__.encode() in data and b"gpu_count" in data
 
 
+@pytest.mark.parametrize("env,key,want", [("disabled", True, "disabled"), ("offline", True, "offline"),
+                                          ("dryrun", False, "offline"), ("online", False, "online"),
+                                          ("", True, "online"), ("", False, "offline")])
+def test_auto_follows_wandb_mode_then_the_api_key(env, key, want, monkeypatch, tmp_path):
+    """logging.wandb.mode=auto takes W&B's own WANDB_MODE when set, else online with an API key
+    (environment or ~/.netrc), else offline; an explicit logging.wandb.mode wins over both."""
+    from launcher.config.schema import WandbConfig
+    from launcher.runtime.metrics import wandb_mode
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("WANDB_MODE", env)
+    if key:
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    else:
+        monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_mode(WandbConfig(mode="auto")) == want
+    assert wandb_mode(WandbConfig(mode="offline")) == "offline"
+
+
 def test_missing_wandb_package_trains_and_warns(run_dir: Path, tmp_path: Path):
     """A wandb that cannot be imported (not installed, or broken) in mode=auto."""
     fake = tmp_path / "no_wandb" / "wandb"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('raise ImportError("No module named wandb (test stand-in)")\n')
-    env = train_env(run_dir.parent)
+    env = train_env(run_dir.parent, "offline")  # what auto picks without an API key
     env["PYTHONPATH"] = os.pathsep.join([str(fake.parent), str(REPO), env.get("PYTHONPATH", "")])
     _train(run_dir, ["logging.wandb.mode=auto"], env)
     _assert_trained(run_dir)

@@ -24,10 +24,18 @@ METRICS_FILE = "metrics.jsonl"
 DEFAULT_INIT_TIMEOUT_S = 30.0
 
 
+# W&B's own environment variable, as `auto` reads it ("dryrun" is W&B's older name for offline).
+WANDB_ENV_MODES = {"online": "online", "offline": "offline", "dryrun": "offline", "disabled": "disabled"}
+
+
 def wandb_mode(cfg: WandbConfig) -> str:
-    """`auto` is online only when an API key is configured (env or ~/.netrc), else offline."""
+    """`auto` follows W&B's own WANDB_MODE when it is set (online, offline, disabled); else it is
+    online only when an API key is configured (env or ~/.netrc), else offline."""
     if cfg.mode != "auto":
         return cfg.mode
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if env in WANDB_ENV_MODES:
+        return WANDB_ENV_MODES[env]
     if os.environ.get("WANDB_API_KEY"):
         return "online"
     try:
