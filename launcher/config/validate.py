@@ -201,6 +201,7 @@ def _check_model_vs_parallel(spec: JobConfig, problems: List[str]) -> None:
         )
     if p.pp == 1 and p.pp_virtual_stages != 1:
         problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp > 1. Fix: set parallel.pp or pp_virtual_stages=1.")
+    problems.extend(ring_pipeline_problems(spec.backend.cp_impl, p.cp, p.pp))
 
     if p.ep > 1:
         if m.n_experts == 0:
@@ -931,4 +932,15 @@ def tied_pipeline_problems(m: ModelConfig, pp: int) -> List[str]:
             "model.tie_embeddings=true with parallel.pp > 1: the embedding and the output layer live on different "
             "pipeline stages. Fix: parallel.pp=1 or model.tie_embeddings=false."
         ]
+    return []
+
+
+def ring_pipeline_problems(cp_impl: str, cp: int, pp: int) -> List[str]:
+    """Ring attention is not run under pipelining here: the engine cuts each stage's sequence slices
+    for the all-gather implementation only (backend.cp_impl=auto takes it under PP). The planner
+    still estimates such a layout (torchtitan's published 405B rows ran ring CP with PP)."""
+    if cp_impl == "ring" and cp > 1 and pp > 1:
+        return [f"backend.cp_impl=ring with parallel.cp={cp} and parallel.pp={pp}: the pipeline schedule passes each "
+                f"stage the rank's sequence slices, which only the all-gather implementation cuts. "
+                f"Fix: backend.cp_impl=allgather or backend.cp_impl=auto, or parallel.pp=1."]
     return []

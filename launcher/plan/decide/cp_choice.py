@@ -120,7 +120,7 @@ def cp_description(cp: int, impl: str = "", why: str = "") -> str:
 
 
 def cp_impl_problems(requested: str, cp: int, device: str, document_masking: bool,
-                     mtp: bool = False, pp: int = 1) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+                     mtp: bool = False) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
     """(reason, fixes) for a backend.cp_impl that cannot serve this job (rules.py reports them)."""
     if requested not in CP_IMPLS:
         return ((f"backend.cp_impl={requested} is not one of {', '.join(CP_IMPLS)}", ("backend.cp_impl=auto",)),)
@@ -138,8 +138,4 @@ def cp_impl_problems(requested: str, cp: int, device: str, document_masking: boo
         out.append((f"backend.cp_impl=ring with parallel.cp={cp} and model.mtp_layers > 0: multi-token prediction's "
                     f"shifted tokens and targets are cut from whole rows by the all-gather slice only",
                     fixes + ("model.mtp_layers=0",)))
-    if pp > 1:
-        out.append((f"backend.cp_impl=ring with parallel.cp={cp} and parallel.pp={pp}: the pipeline schedule "
-                    f"passes each stage the rank's sequence slices, which only the all-gather implementation cuts",
-                    fixes + ("parallel.pp=1",)))
     return tuple(out)

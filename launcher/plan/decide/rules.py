@@ -320,8 +320,7 @@ def _detail_conflicts(s: Switches, problems: List[Conflict]) -> None:
             "fp8", "backend.fp8_impl",
             "backend.fp8_impl=transformer_engine is not wired into this launcher's runtime (FP8 runs on "
             "torchao float8 only)", ("backend.fp8_impl=torchao", "backend.fp8_impl=auto")))
-    for reason, fixes in cp_impl_problems(s.cp_impl, s.mesh.cp, s.device, s.document_masking, s.mtp,
-                                          s.mesh.pp):
+    for reason, fixes in cp_impl_problems(s.cp_impl, s.mesh.cp, s.device, s.document_masking, s.mtp):
         problems.append(Conflict("cp", "backend.cp_impl", reason, fixes))
     if s.hpz > 0 and s.mesh.dp % s.hpz:
         problems.append(Conflict(
