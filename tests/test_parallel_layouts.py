@@ -67,7 +67,7 @@ def results(tmp_path_factory) -> dict:
     for spec in (s for specs in matrix.values() for s in specs):
         if spec["name"] in ACTIVATIONS_COMPARED:  # also track the rehearsal's step on the real ranks
             spec["track_rehearsal_step"] = True
-        if spec["name"] in EVAL_ROWS_COMPARED + ("ref_dense", "ref_moe"):  # downstream evaluation's rows too
+        if spec["name"] in EVAL_ROWS_COMPARED + ("ref_dense", "ref_moe", "ref_docs"):  # downstream evaluation's rows too
             spec["eval_rows"] = True
         if spec["name"] in GREEDY_REFERENCES + GREEDY_COMPARED:  # is_greedy over every candidate token
             spec["eval_greedy"] = True
@@ -122,15 +122,17 @@ def test_layout_matches_single_rank(results, name):
     _check(results, name, reference_of(name))
 
 
-# Layouts whose trained model also scores downstream evaluation's rows (eval.tasks, launcher/eval/rows.py).
-EVAL_ROWS_COMPARED = ("fsdp2_dense", "tp2_sp_dense", "pp2_1f1b_dense", "fsdp2_tp2_dense", "ep2_moe", "pp2_ep2_moe")
+# Layouts whose trained model also scores downstream evaluation's rows (eval.tasks, launcher/eval/rows.py);
+# the all-gather CP one against the 1-rank run trained on the same packed documents.
+EVAL_ROWS_COMPARED = ("fsdp2_dense", "tp2_sp_dense", "pp2_1f1b_dense", "fsdp2_tp2_dense", "ep2_moe", "pp2_ep2_moe",
+                      "cp2_ag_docs")
 
 
 @pytest.mark.parametrize("name", EVAL_ROWS_COMPARED)
 def test_downstream_eval_rows_match_single_rank(results, name):
     """eval.tasks scores through the engine's eval path: each row's summed log-likelihood on the
-    layout's trained model equals the 1-rank reference's (FSDP, TP+SP loss parallel, PP, EP), and
-    so does its is_greedy."""
+    layout's trained model equals the 1-rank reference's (FSDP, TP+SP loss parallel, PP, EP, CP),
+    and so does its is_greedy."""
     got, ref = results[name], results[reference_of(name)]
     assert "error" not in got, f"{name} failed:\n{got.get('traceback', got.get('error'))}"
     assert [ll for ll, _ in got["eval_rows"]] == pytest.approx([ll for ll, _ in ref["eval_rows"]],
@@ -417,23 +419,26 @@ def test_rehearsal_holds_what_the_real_ranks_hold(results, rehearsed, name):
 def test_rehearsal_activation_peak_is_the_real_ones(results, rehearsed, name):
     """Per rank, the rehearsal's fake step (fake tensors, fake process group) reports the
     activation peak and the total peak that the same step tracked on the real ranks reached:
-    exactly, the peak within gloo's reduce-scatter copy for FSDP2 (docs/planner.md)."""
+    exactly, but for buffers of gloo's that a loaded CPU run may still hold (docs/planner.md)."""
     real = results[name]
     assert "error" not in real, real.get("traceback")
     for rank, (tracked, rep) in enumerate(zip(real["tracked_per_rank"], rehearsed[name])):
         act, peak = rep["memory"]["activations"], rep["memory"]["peak"]
         assert tracked["activations"] > 0, f"{name} rank {rank}: the real step tracked nothing: {tracked}"
-        assert act == tracked["activations"], f"{name} rank {rank}: rehearsal activations {act} != real run {tracked}"
-        # Exact, except for two buffers of gloo's (NCCL has neither) that a real CPU run's peak may
-        # include: its copy of an FSDP2 reduce-scatter input (0 without FSDP) and, under loss
-        # parallel, a per-token all-reduce buffer its worker thread lets go of late (0 without TP;
-        # tests/parallel_harness/run_layouts.py: rehearsal_step_memory).
+        # Buffers of gloo's (NCCL has none of them) whose worker thread lets go of them a moment after
+        # the waiting rank resumed: under loss parallel a per-token all-reduce buffer (0 without TP),
+        # under sequence parallelism one of its collectives' residual-stream buffers (0 without SP);
+        # and in the peak only, its copy of an FSDP2 reduce-scatter input (0 without FSDP)
+        # (tests/parallel_harness/run_layouts.py: rehearsal_step_memory). 0 on a quiet machine.
+        late = tracked["gloo_loss_parallel_buffer"] + tracked["gloo_sequence_parallel_buffer"]
+        assert 0 <= tracked["activations"] - act <= late, (
+            f"{name} rank {rank}: rehearsal activations {act} vs real run {tracked}: allowed 0..{late} B more")
         extra = tracked["peak"] - peak
-        allowed = tracked["gloo_reduce_scatter_copy"] + tracked["gloo_loss_parallel_buffer"]
+        allowed = tracked["gloo_reduce_scatter_copy"] + late
         assert 0 <= extra <= allowed, (
             f"{name} rank {rank}: rehearsal peak {peak} vs real run {tracked['peak']}: the real run is "
             f"{extra} B higher, allowed 0..{allowed} (gloo's reduce-scatter copy "
-            f"{tracked['gloo_reduce_scatter_copy']} + loss-parallel buffer {tracked['gloo_loss_parallel_buffer']})")
+            f"{tracked['gloo_reduce_scatter_copy']} + late buffers {late})")
 
 
 MUON_4 = [s["name"] for s in layouts("x", DEVICE)[4] if s.get("optim") == "muon"]

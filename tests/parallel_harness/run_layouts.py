@@ -369,10 +369,15 @@ def rehearsal_step_memory(engine, layout, vocab_size: int) -> dict:
     # max, the sum of exponentials). Gloo's worker thread drops its reference to such a buffer a
     # moment after the waiting rank has resumed, so on a loaded machine the real peak may still
     # include one of them (seen once in CI: tp2_sp_dense rank 1, +64 B = 1 x 16 tokens x 4 B).
+    # Sequence parallelism's collectives (all-gather, reduce-scatter of the [micro-batch, seq, dim]
+    # residual stream) leave gloo buffers of at most that size the same way (seen once in CI,
+    # 2026-11-28: tp2_sp_dense rank 0, activations +1,980 B, under its 4,096 B).
     tokens = layout.batch.micro_batch_size * layout.batch.seq_len
+    sp = layout.mesh.tp > 1 and layout.sp
     return {"activations": int(measured["activations"]), "peak": int(measured["total"]),
             "gloo_reduce_scatter_copy": largest_reduce_scatter_input_bytes(engine.model_parts, 4),
-            "gloo_loss_parallel_buffer": 4 * tokens if layout.mesh.tp > 1 else 0}
+            "gloo_loss_parallel_buffer": 4 * tokens if layout.mesh.tp > 1 else 0,
+            "gloo_sequence_parallel_buffer": 4 * tokens * engine.model_cfg.dim if sp else 0}
 
 
 def largest_reduce_scatter_input_bytes(model_parts, reduce_bytes: int) -> int:
