@@ -160,7 +160,7 @@ class NativeEngine:
         expert_dp_mesh = None
         if self.is_moe and w is not None:
             expert_dp_mesh = apply_moe_parallel(part, w, ep=m.ep, folded=folded, fsdp=self.fsdp)
-        if m.cp > 1 and self.cp_impl == "allgather":
+        if self._cp_allgather:
             use_gathered_kv(part, w["cp"].get_group())
         elif m.cp > 1:
             use_expanded_kv(part)
@@ -198,6 +198,12 @@ class NativeEngine:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
+    @property
+    def _cp_allgather(self) -> bool:
+        """All-gather context parallelism (Layout.owners.cp_impl): each rank keeps its balanced slice
+        of every row, cut by the engine before the forward (or before the pipeline schedule)."""
+        return self.mesh_plan.cp > 1 and self.cp_impl == "allgather"
+
     def context_parallel_slice(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: Dict[str, Any],
                                document_ids: Optional[torch.Tensor] = None):
         """(inputs, labels, model kwargs) of this rank under all-gather context parallelism: its
@@ -205,7 +211,7 @@ class NativeEngine:
         and the keys' index (launcher/parallel/cp.py); unchanged otherwise (ring attention shards
         inside its region). ``document_ids``: the micro-batch's ids on the host, where the
         per-document split is computed without a device sync."""
-        if self.mesh_plan.cp > 1 and self.cp_impl == "allgather":
+        if self._cp_allgather:
             cp = self.world["cp"]
             return shard_for_allgather(inputs, labels, kwargs, cp.size(), cp.get_local_rank(), document_ids)
         return inputs, labels, kwargs
@@ -343,18 +349,18 @@ class NativeEngine:
         tables += self._mtp_embedding_copies()
         if not tables:
             return  # a middle stage
-        if len(tables) == 2:  # zbv: its V puts the first and the last stage on this rank
-            first, copy = (t.grad.to_local() if hasattr(t.grad, "to_local") else t.grad for t in tables)
-            total = first + copy
-            first.copy_(total)
-            copy.copy_(total)
+        # The local shards: views, added to in place.
+        grads = [t.grad.to_local() if hasattr(t.grad, "to_local") else t.grad for t in tables]
+        if len(grads) == 2:  # zbv: its V puts the first and the last stage on this rank
+            total = grads[0] + grads[1]
+            for grad in grads:
+                grad.copy_(total)
             return
         pp = self.world["pp"]
         ranks = [int(r) for r in pp.mesh.flatten().tolist()]
         me = pp.get_local_rank()
         peer = ranks[-1] if me == 0 else ranks[0]
-        grad = tables[0].grad
-        local = grad.to_local() if hasattr(grad, "to_local") else grad  # a view: added to in place
+        local = grads[0]
         received = torch.empty_like(local)
         ops = [dist.P2POp(dist.isend, local, peer), dist.P2POp(dist.irecv, received, peer)]
         for request in dist.batch_isend_irecv(ops):
@@ -526,11 +532,10 @@ class NativeEngine:
         parallelism, this rank's slices (forward_inputs). Every rank of a pipeline group cuts the
         rows alike (the split is a function of the rows alone), so the hidden states a stage sends
         are the slices its peer stage expects; the keys' index goes per row, cut with the rows."""
-        cp_slices = self.mesh_plan.cp > 1 and self.cp_impl == "allgather"
-        if not ((self.mtp_layers and train) or cp_slices):
+        if not ((self.mtp_layers and train) or self._cp_allgather):
             return inputs, labels, kwargs
         inputs, labels, kwargs = self.forward_inputs(inputs, labels, kwargs, train=train, document_ids=document_ids)
-        if cp_slices:
+        if self._cp_allgather:
             kwargs["keys"] = per_row_keys(kwargs["keys"], inputs.shape[0])
         return inputs, labels, kwargs
 
