@@ -93,18 +93,15 @@ def choose_cp_impl(requested: str, cp: int, device: str, document_masking: bool,
         return requested, f"backend.cp_impl={requested}"
     if device == "cpu":
         return "allgather", "auto: ring attention has no CPU kernel"
-    if pipeline:
-        m = memory(False)
-        why = "auto: the pipeline schedule takes the all-gather slices (parallel.pp > 1)"
-        return "allgather", why + ("" if m.allgather_fits else f"; {_fit_text(m)}")
-    m = memory(not (document_masking or mtp))  # ring is estimated only where it can run
-    if document_masking:
-        why = "auto: ring attention takes no document mask (data.document_masking / reset_positions)"
-        return "allgather", why + ("" if m.allgather_fits else f"; {_fit_text(m)}")
-    if mtp:
-        why = ("auto: multi-token prediction (model.mtp_layers) takes its shifted tokens and targets from whole "
-               "rows, cut with the all-gather slice")
-        return "allgather", why + ("" if m.allgather_fits else f"; {_fit_text(m)}")
+    # Where ring cannot serve this job, auto takes all-gather whatever its memory, saying why.
+    ring_cannot = ("auto: ring attention takes no document mask (data.document_masking / reset_positions)"
+                   if document_masking else
+                   "auto: multi-token prediction (model.mtp_layers) takes its shifted tokens and targets from whole "
+                   "rows, cut with the all-gather slice" if mtp else
+                   "auto: the pipeline schedule takes the all-gather slices (parallel.pp > 1)" if pipeline else "")
+    m = memory(not ring_cannot)  # ring is estimated only where it can run
+    if ring_cannot:
+        return "allgather", ring_cannot + ("" if m.allgather_fits else f"; {_fit_text(m)}")
     if m.allgather_fits:
         return "allgather", f"auto: {_fit_text(m)}"
     if m.ring is not None and m.ring < m.allgather:
