@@ -116,6 +116,16 @@ def test_a_straggler_for_n_checks_in_a_row_names_its_node_and_the_decision_uses_
     assert read_events(tmp_path)[-1]["cause"].startswith("straggler: 2.000 s per step, 2.0x the other ranks' median")
 
 
+def test_on_gpu_the_probe_is_judged_and_the_step_device_times_are_reported():
+    """On GPU a healthy rank waiting in NCCL for a slow one is as busy on its stream, so the probe
+    matmul's time is judged and the step's device time reported: the slowest rank is the slow probe's,
+    whatever the step times say (they are equal in lock-step)."""
+    monitor = StragglerMonitor(0, ["n1", "n2", "n3"], factor=1.5, device=torch.device("cpu"), checks=1)
+    metrics = monitor.judge(1, [0.004, 0.004, 0.009], step_times=[0.81, 0.80, 0.80])
+    assert (metrics["slowest_rank"], metrics["slowest_host"]) == (2, "n3")
+    assert (metrics["step_time_min_s"], metrics["step_time_median_s"], metrics["step_time_max_s"]) == (0.80, 0.80, 0.81)
+
+
 @pytest.mark.multiprocess
 def test_a_rank_failing_its_probe_stops_a_local_run_before_the_first_step(run_dir):
     """2 local ranks, rank 1's probe result made wrong: the run ends before step 1, naming rank 1,

@@ -103,6 +103,24 @@ def _timed_matmuls(a, b, kind: str, rank: int, clock):
     return best, out
 
 
+def straggler_probe_s(device, rank: int) -> float:
+    """The probe's MATMUL_REPEATS matmuls once on this rank's GPU, timed by CUDA events (seconds).
+    No collective and no host clock: what a rank's GPU alone takes, which the straggler check
+    judges every log step (launcher/resilience/stragglers.py). The operands are made on the device
+    (the values do not matter to the time; the pre-flight probe checks them); the 3 x 16 MiB come
+    from the allocator's cache after the first log step. LAUNCHER_DEBUG_PROBE=R:slow repeats them."""
+    n = MATMUL_N["cuda"]
+    a = torch.ones(n, n, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(MATMUL_REPEATS["cuda"] * debug_hooks.probe_slowdown(rank)):
+        out = torch.mm(a, a)
+    end.record()
+    end.synchronize()
+    del out
+    return start.elapsed_time(end) / 1000.0
+
+
 def _allreduce_gbps(device) -> float:
     """Bus bandwidth of an all-reduce over the world, GB/s (best of TIMINGS, after a warm-up)."""
     n = dist.get_world_size()
