@@ -14,12 +14,15 @@ Rows:
   a  each family, a few layers, bf16 + compile, on an indexed corpus written here, with document
      masking: loss falls; tokens/s, MFU, peak memory vs the plan for this GPU's `hardware` entry
   b  CUDA-only runtime paths: an NCCL world of one rank, the pre-flight GPU probe, a profiler
-     trace, the CUDA memory snapshot at an OOM, the hang watchdog's flight-recorder dump
+     trace, the CUDA memory snapshot at an OOM, the hang watchdog's flight-recorder dump, straggler
+     timings from CUDA events
   c  async checkpoint, kill -9 mid-run, resume: losses equal an uninterrupted run's
   d  fp8 tensorwise and rowwise + compile on the Qwen3 slice: fp8/bf16 tokens/s
-  e  HF: model=hf from a tiny random Qwen3-MoE folder written by transformers: the run's first
-     loss equals transformers' loss on the same batch
-  f  DeepSpeed ZeRO-1/2/3 and ZeRO-3 with CPU optimizer offload: losses vs the native engine
+  e  HF: model=hf from tiny random Qwen3-MoE and DeepSeek-V3 folders written by this machine's
+     transformers: the run's first loss equals transformers' loss on the same batch (fp32, on the
+     GPU), and the end-of-run export loads in transformers with the source's tensor names
+  f  DeepSpeed ZeRO-1/2/3 and ZeRO-3 with CPU optimizer offload: losses vs the native engine;
+     the build time of DeepSpeed's CPU Adam with this image's compilers
   g  activation checkpointing none / selective / full: peak memory ordered, each vs the plan
   h  the real-tensor rehearsal (rehearse.device=cuda rehearse.tensors=real) of rank 0 of llama70b and
      of deepseek_v3 at their full world sizes: forward, backward, optimizer time and peak memory vs the plan
@@ -205,7 +208,16 @@ class Acceptance:
         summary = _json(hang.dir / "failure" / "summary.json") or {}
         row.check(hang.code != 0 and summary.get("what") == "hang" and bool(fr) and fr[0].stat().st_size > 0,
                   f"hang at step 4: exit {hang.code}, summary what={summary.get('what')}, flight recorder {len(fr)} file(s)")
-        row.notes.append("not built: straggler timings from CUDA events (they are host wall time today)")
+        timing = subprocess.run([sys.executable, "-c", "import bench.gpu_acceptance as g; g.straggler_timing_check()"],
+                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                                timeout=120)
+        figures = json.loads(timing.stdout.strip().splitlines()[-1]) if timing.returncode == 0 else {}
+        row.figures["straggler timing"] = figures or timing.stderr[-800:]
+        row.check(bool(figures) and figures["step_time_median_s"] > 10 * figures["host_s_per_step"]
+                  and figures["step_time_median_s"] >= 0.5 * figures["sleep_s"] and figures["gpu_matmul_min_ms"] > 0,
+                  "straggler timings from CUDA events: a step that keeps the GPU busy while the host returns at once "
+                  f"measures {figures.get('step_time_median_s', 0) * 1e3:.1f} ms on the device (host "
+                  f"{figures.get('host_s_per_step', 0) * 1e3:.2f} ms); probe matmuls {figures.get('gpu_matmul_min_ms', 0):.2f} ms")
 
     def row_c(self, row: Row) -> None:
         """Async checkpoint, SIGKILL of every process after a checkpoint, resume: equal losses."""
@@ -253,6 +265,98 @@ class Acceptance:
             row.figures[f"fp8_{recipe}"] = fp8
             ratio = (fp8.get("tokens_per_s") or 0) / (bf16.get("tokens_per_s") or math.inf)
             row.check(ratio > 1.0, f"fp8 {recipe} / bf16 tokens/s = {ratio:.3f}")
+
+    def row_e(self, row: Row) -> None:
+        """model=hf from tiny random Qwen3-MoE and DeepSeek-V3 folders that this machine's
+        transformers writes: the run's first loss vs transformers' on the same batch, on the GPU; the
+        end-of-run export read back by transformers."""
+        folders = self.out / "hf"
+        made = subprocess.run([sys.executable, "-c", f"import bench.gpu_acceptance as g; g.write_hf_folders({str(folders)!r})"],
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                              timeout=120)
+        if not row.check(made.returncode == 0, f"tiny folders written by transformers: exit {made.returncode}"):
+            row.notes.append(made.stderr[-800:])
+            return
+        for name in ("qwen3_moe", "deepseek_v3"):
+            args = ["cluster.gpus_per_node=1", "model=hf", f"model.init_from={folders / name}", "data=indexed", f"data.path={self.corpus()}",
+                    "trainer.steps=3", "trainer.seq_len=256", "trainer.micro_batch_size=2", "trainer.global_batch_size=2",
+                    "precision=fp32", "precision.tf32=false", "checkpoint.interval=0", "checkpoint.export=hf",
+                    "checkpoint.export_dtype=fp32"]
+            run = self.train(f"e_{name}", args)
+            ours = run.losses()[0]
+            check = subprocess.run([sys.executable, "-c", "import bench.gpu_acceptance as g, json, sys; "
+                                    "print(json.dumps(g.hf_first_loss(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3])))",
+                                    json.dumps([*self.base_args(), *args]), str(folders / name),
+                                    str(run.dir / "export" / "hf")],
+                                   cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                                   timeout=180)
+            if not row.check(check.returncode == 0, f"{name}: transformers on the run's first batch: exit {check.returncode}"):
+                row.notes.append(check.stderr[-800:])
+                continue
+            theirs = json.loads(check.stdout.strip().splitlines()[-1])
+            rel = abs(ours - theirs["source_loss"]) / theirs["source_loss"]
+            row.figures[name] = {"ours": ours, **theirs, "relative": rel}
+            # fp32 weights and maths on both sides; the kernels differ (attention, the experts'
+            # grouped matmuls, reduction order), so equal to ~1e-6, not bit for bit.
+            row.check(rel <= 1e-4, f"{name}: first loss {ours:.6f} vs transformers {theirs['source_loss']:.6f} "
+                                   f"(relative {rel:.1e}, tolerance 1e-4)")
+            row.check(theirs["export_names_match"] and math.isfinite(theirs["export_loss"])
+                      and theirs["export_loss"] != theirs["source_loss"],
+                      f"{name}: the export loads in transformers with the source's tensor names; its loss on that batch "
+                      f"{theirs['export_loss']:.6f} (it trained 3 steps)")
+
+    def row_f(self, row: Row) -> None:
+        """DeepSpeed ZeRO-1, 2, 3 and ZeRO-3 with the optimizer on the CPU: each run's losses vs the
+        native engine's on the same model, data and seed; DeepSpeed's CPU Adam JIT-built first, timed."""
+        shape = (["trainer.seq_len=64", "precision=fp32"] if self.cpu else  # CPU: the debug model (a local check of the row)
+                 ["model=llama_1b", "model.n_layers=2", "trainer.seq_len=2048", "precision=bf16"])
+        common = [*shape, "cluster.gpus_per_node=1", "trainer.micro_batch_size=1", "trainer.global_batch_size=1", "trainer.steps=6",
+                  "checkpoint.interval=0", "checkpoint.save_final=false", "data=indexed", f"data.path={self.corpus()}"]
+        t0 = time.monotonic()
+        built = subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; "
+                                "CPUAdamBuilder().load(verbose=False)"], cwd=REPO, capture_output=True, text=True, timeout=600)
+        row.figures["cpu_adam_build_s"] = round(time.monotonic() - t0, 1)
+        row.check(built.returncode == 0, f"DeepSpeed's CPU Adam built with this image's compilers in "
+                                         f"{row.figures['cpu_adam_build_s']} s (exit {built.returncode})")
+        native = self.train("f_native", [*common, "backend=native"]).losses()
+        row.figures["native"] = native
+        cases = [("zero1", ["parallel.zero_stage=1"]), ("zero2", ["parallel.zero_stage=2"]),
+                 ("zero3", ["parallel.zero_stage=3"]), ("zero3_offload", ["parallel.zero_stage=3", "offload=cpu"])]
+        for name, extra in cases:
+            if self.left_s() < 40:
+                row.notes.append(f"{name}: not run (budget)")
+                continue
+            losses = self.train(f"f_{name}", [*common, "backend=deepspeed", *extra]).losses()
+            worst = max(abs(a - b) / b for a, b in zip(losses, native)) if len(losses) == len(native) else math.inf
+            row.figures[name] = losses
+            # bf16 compute on both engines, fp32 master weights and Adam: the same maths in other
+            # kernels and reduction orders, so the losses agree to bf16's resolution, not exactly.
+            row.check(worst <= 2e-2, f"{name}: losses vs native over {len(native)} steps, worst relative {worst:.1e} "
+                                     f"(tolerance 2e-2)")
+
+    def row_g(self, row: Row) -> None:
+        """Activation checkpointing none / selective / full on four Llama-3-8B layers (no compile):
+        peak memory ordered none > selective > full, each beside the plan."""
+        shape = (["trainer.seq_len=256"] if self.cpu else  # CPU: the debug model (a local check of the row)
+                 ["model=llama3_8b", "model.n_layers=4", "trainer.seq_len=4096", "precision=bf16"])
+        common = [*shape, "cluster.gpus_per_node=1", "trainer.micro_batch_size=2", "trainer.global_batch_size=2", "trainer.steps=4",
+                  "checkpoint.interval=0",
+                  "checkpoint.save_final=false", "data=indexed", f"data.path={self.corpus()}"]
+        peaks = {}
+        for policy in ("none", "selective", "full"):
+            if self.left_s() < 40:
+                row.notes.append(f"{policy}: not run (budget)")
+                continue
+            scored = self.train(f"g_{policy}", [*common, f"activation_checkpointing={policy}"]).scored()
+            row.figures[policy] = scored
+            peaks[policy] = scored.get("peak_bytes") or 0
+            ratio = scored.get("peak_bytes_ratio")
+            row.check(ratio is not None and 0.85 <= ratio <= 1.15,
+                      f"{policy}: peak {peaks[policy] / 2**30:.1f} GiB, measured/plan {ratio} (within 0.85-1.15)")
+        if len(peaks) == 3:
+            row.check(peaks["none"] > peaks["selective"] > peaks["full"],
+                      "peak memory ordered none > selective > full: "
+                      + " > ".join(f"{peaks[k] / 2**30:.1f}" for k in ("none", "selective", "full")) + " GiB")
 
     def row_i(self, row: Row) -> None:
         """The harness measurements (no `train`): each script's exit code, its JSON kept."""
@@ -367,6 +471,98 @@ class Acceptance:
             "environment": env, "hardware": self.hardware, "gpu": self.gpu,
             "rows": [{"row": r.name, "title": r.title, "ok": r.ok, "seconds": round(r.seconds, 1),
                       "notes": r.notes, "figures": r.figures} for r in rows]}, indent=1))
+
+
+def write_hf_folders(root: str) -> None:
+    """Row e's tiny random Qwen3-MoE and DeepSeek-V3 folders, written by this machine's
+    transformers (its own config classes and save_pretrained), with the corpus's vocabulary."""
+    import torch
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=5120, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 max_position_embeddings=512, tie_word_embeddings=False)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**small, num_hidden_layers=3, num_key_value_heads=2, head_dim=32,
+                                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                       mlp_only_layers=[0], norm_topk_prob=True)).save_pretrained(Path(root) / "qwen3_moe")
+    DeepseekV3ForCausalLM(DeepseekV3Config(**small, num_hidden_layers=3, num_key_value_heads=4, moe_intermediate_size=32,
+                                           n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                           topk_group=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+                                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                           initializer_range=0.1)).save_pretrained(Path(root) / "deepseek_v3")
+
+
+def hf_first_loss(overrides: List[str], source: str, export: str) -> Dict[str, object]:
+    """Row e: transformers' loss, on the GPU in fp32, on the first batch the run with these
+    overrides trained (the launcher's own data pipeline gives it), for the source folder and for
+    the run's export; and whether the export has the source's tensor names."""
+    import tempfile
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from launcher.config.loader import compose_spec
+    from launcher.plan.present.plan import build_plan
+    from launcher.runtime.entry import build_batches
+
+    spec = compose_spec(overrides)
+    batch = build_batches(spec, build_plan(spec), 0, Path(tempfile.mkdtemp()))
+    first = batch.for_step(1)
+    torch.backends.cuda.matmul.allow_tf32 = False  # as the run's precision.tf32=false
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def loss_of(folder: str) -> float:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+        total = count = 0.0
+        with torch.no_grad():
+            for mb in first:
+                logits = model(mb.inputs.to(device)).logits.float()
+                labels = mb.labels.to(device)
+                total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                                                 ignore_index=-100, reduction="sum"))
+                count += float((labels != -100).sum())
+        return total / count
+
+    def names(folder: str) -> List[str]:
+        found: List[str] = []
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as handle:
+                found += list(handle.keys())
+        return sorted(found)
+
+    return {"source_loss": loss_of(source), "export_loss": loss_of(export), "export_names_match": names(source) == names(export)}
+
+
+def straggler_timing_check() -> None:
+    """Row b's straggler timing (run in its own process, so the driver holds no CUDA context):
+    launcher/resilience/stragglers.py on one GPU, three steps that only sleep on the device
+    (torch.cuda._sleep: the host returns at once). Their device time must show the sleep, which
+    host wall time without a sync would miss. Prints one JSON line."""
+    import torch
+
+    from launcher.resilience.stragglers import StragglerMonitor
+
+    device = torch.device("cuda", 0)
+    cycles = 200_000_000  # about 0.1 s at a 2 GHz SM clock
+    torch.cuda._sleep(cycles)  # warm-up, and the sleep's own length, timed with a sync
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    sleep_s = time.perf_counter() - t0
+    monitor = StragglerMonitor(0, ["this host"], 1.5, device, checks=3)
+    host = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        monitor.step_started()
+        torch.cuda._sleep(cycles)
+        monitor.step_finished()
+        host += time.perf_counter() - t0
+    figures = monitor.observe(3)
+    print(json.dumps({"sleep_s": sleep_s, "host_s_per_step": host / 3, **{
+        k: figures[k] for k in ("step_time_median_s", "gpu_matmul_min_ms")}}))
 
 
 def row_titles() -> Dict[str, str]:
