@@ -19,6 +19,13 @@ TRAIN = str(Path(sys.executable).with_name("train"))
 # 2026-11-28). Set for the whole session, so that each process sees the same build command
 # (a changed command rebuilds the op). A CXX of your own is kept.
 os.environ.setdefault("CXX", str(REPO / "tests" / "deepspeed_harness" / "g++-no-debug-info"))
+# One intra-op thread in the pytest processes, as the ranks have (torchrun and launch/local.py set
+# it for them): with two pytest workers on two cores, each worker's tests run beside the other's,
+# and two OpenMP threads per worker spin for cores that are busy. In-process tests ran 23-28 s
+# instead of 17.5-19.5 s with two busy processes beside them (test_models, test_layers, test_gqa,
+# test_precision; 2026-11-28). Set before any test imports torch (the workers inherit it); a value
+# of your own is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def train_env(tmp_path: Path, wandb: str = "disabled") -> Dict[str, str]:
