@@ -208,10 +208,8 @@ class Acceptance:
         summary = _json(hang.dir / "failure" / "summary.json") or {}
         row.check(hang.code != 0 and summary.get("what") == "hang" and bool(fr) and fr[0].stat().st_size > 0,
                   f"hang at step 4: exit {hang.code}, summary what={summary.get('what')}, flight recorder {len(fr)} file(s)")
-        timing = subprocess.run([sys.executable, "-c", "import bench.gpu_acceptance as g; g.straggler_timing_check()"],
-                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                                timeout=120)
-        figures = json.loads(timing.stdout.strip().splitlines()[-1]) if timing.returncode == 0 else {}
+        timing, figures = _in_own_process("straggler_timing_check", timeout_s=120)
+        figures = figures or {}
         row.figures["straggler timing"] = figures or timing.stderr[-800:]
         row.check(bool(figures) and figures["step_time_median_s"] > 10 * figures["host_s_per_step"]
                   and figures["step_time_median_s"] >= 0.5 * figures["sleep_s"] and figures["gpu_matmul_min_ms"] > 0,
@@ -271,9 +269,7 @@ class Acceptance:
         transformers writes: the run's first loss vs transformers' on the same batch, on the GPU; the
         end-of-run export read back by transformers."""
         folders = self.out / "hf"
-        made = subprocess.run([sys.executable, "-c", f"import bench.gpu_acceptance as g; g.write_hf_folders({str(folders)!r})"],
-                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                              timeout=120)
+        made, _ = _in_own_process("write_hf_folders", str(folders), timeout_s=120)
         if not row.check(made.returncode == 0, f"tiny folders written by transformers: exit {made.returncode}"):
             row.notes.append(made.stderr[-800:])
             return
@@ -284,16 +280,11 @@ class Acceptance:
                     "checkpoint.export_dtype=fp32"]
             run = self.train(f"e_{name}", args)
             ours = run.losses()[0]
-            check = subprocess.run([sys.executable, "-c", "import bench.gpu_acceptance as g, json, sys; "
-                                    "print(json.dumps(g.hf_first_loss(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3])))",
-                                    json.dumps([*self.base_args(), *args]), str(folders / name),
-                                    str(run.dir / "export" / "hf")],
-                                   cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                                   timeout=180)
+            check, theirs = _in_own_process("hf_first_loss", [*self.base_args(), *args], str(folders / name),
+                                            str(run.dir / "export" / "hf"), timeout_s=180)
             if not row.check(check.returncode == 0, f"{name}: transformers on the run's first batch: exit {check.returncode}"):
                 row.notes.append(check.stderr[-800:])
                 continue
-            theirs = json.loads(check.stdout.strip().splitlines()[-1])
             rel = abs(ours - theirs["source_loss"]) / theirs["source_loss"]
             row.figures[name] = {"ours": ours, **theirs, "relative": rel}
             # fp32 weights and maths on both sides; the kernels differ (attention, the experts'
@@ -340,8 +331,7 @@ class Acceptance:
         shape = (["trainer.seq_len=256"] if self.cpu else  # CPU: the debug model (a local check of the row)
                  ["model=llama3_8b", "model.n_layers=4", "trainer.seq_len=4096", "precision=bf16"])
         common = [*shape, "cluster.gpus_per_node=1", "trainer.micro_batch_size=2", "trainer.global_batch_size=2", "trainer.steps=4",
-                  "checkpoint.interval=0",
-                  "checkpoint.save_final=false", "data=indexed", f"data.path={self.corpus()}"]
+                  "checkpoint.interval=0", "checkpoint.save_final=false", "data=indexed", f"data.path={self.corpus()}"]
         peaks = {}
         for policy in ("none", "selective", "full"):
             if self.left_s() < 40:
@@ -473,6 +463,20 @@ class Acceptance:
                       "notes": r.notes, "figures": r.figures} for r in rows]}, indent=1))
 
 
+def _in_own_process(function: str, *args, timeout_s: float):
+    """Call `function` of this module with JSON-able `args` in a new interpreter (so the driver holds
+    no CUDA context and imports neither transformers nor DeepSpeed): (the finished process, the JSON
+    its last line printed, or None). PYTHONPATH keeps what bench/gpu_acceptance.sh set (the carried
+    wheels) behind the repo."""
+    code = ("import json, sys; import bench.gpu_acceptance as g; "
+            f"print(json.dumps(g.{function}(*json.loads(sys.argv[1]))))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(list(args))], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    lines = proc.stdout.strip().splitlines()
+    return proc, json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+
+
 def write_hf_folders(root: str) -> None:
     """Row e's tiny random Qwen3-MoE and DeepSeek-V3 folders, written by this machine's
     transformers (its own config classes and save_pretrained), with the corpus's vocabulary."""
@@ -500,10 +504,10 @@ def hf_first_loss(overrides: List[str], source: str, export: str) -> Dict[str, o
     import tempfile
 
     import torch
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     from launcher.config.loader import compose_spec
+    from launcher.hf.format import weight_files
     from launcher.plan.present.plan import build_plan
     from launcher.runtime.entry import build_batches
 
@@ -525,21 +529,15 @@ def hf_first_loss(overrides: List[str], source: str, export: str) -> Dict[str, o
                 count += float((labels != -100).sum())
         return total / count
 
-    def names(folder: str) -> List[str]:
-        found: List[str] = []
-        for f in sorted(Path(folder).glob("*.safetensors")):
-            with safe_open(str(f), "pt") as handle:
-                found += list(handle.keys())
-        return sorted(found)
-
-    return {"source_loss": loss_of(source), "export_loss": loss_of(export), "export_names_match": names(source) == names(export)}
+    return {"source_loss": loss_of(source), "export_loss": loss_of(export),
+            "export_names_match": sorted(weight_files(source)) == sorted(weight_files(export))}
 
 
-def straggler_timing_check() -> None:
+def straggler_timing_check() -> Dict[str, float]:
     """Row b's straggler timing (run in its own process, so the driver holds no CUDA context):
     launcher/resilience/stragglers.py on one GPU, three steps that only sleep on the device
     (torch.cuda._sleep: the host returns at once). Their device time must show the sleep, which
-    host wall time without a sync would miss. Prints one JSON line."""
+    host wall time without a sync would miss. Returns the figures row b checks."""
     import torch
 
     from launcher.resilience.stragglers import StragglerMonitor
@@ -561,8 +559,8 @@ def straggler_timing_check() -> None:
         monitor.step_finished()
         host += time.perf_counter() - t0
     figures = monitor.observe(3)
-    print(json.dumps({"sleep_s": sleep_s, "host_s_per_step": host / 3, **{
-        k: figures[k] for k in ("step_time_median_s", "gpu_matmul_min_ms")}}))
+    return {"sleep_s": sleep_s, "host_s_per_step": host / 3,
+            **{k: figures[k] for k in ("step_time_median_s", "gpu_matmul_min_ms")}}
 
 
 def row_titles() -> Dict[str, str]:
