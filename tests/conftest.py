@@ -123,25 +123,14 @@ def _is_slurm_module(path: str) -> bool:
     return Path(path).name.startswith("test_slurm_")
 
 
-# The longest modules that train after the SLURM unit and the layout matrix, longest first (wall
-# time on one worker in two runs of the suite, 2026-11-28: 260-310 s, 128-140, 91-144, 67-140).
-# Started early, they leave the short modules to even out the two workers at the end. Last in
-# file order, test_train_e2e.py ran alone for the suite's last 65-115 s; started early, the
-# suite's idle CPU fell from 172 to 51 CPU-s and its wall time by 50 s (1,194 -> 1,144 s).
-LONG_MODULES = ("test_train_e2e.py", "test_rehearse.py", "test_document_masking.py", "test_bench_smoke.py")
-
-
-def _module_order(item) -> tuple:
-    """Where an item's module runs: SLURM first, the layout matrix next, then LONG_MODULES in their
-    order, the other modules in file order, DeepSpeed last."""
+def _module_order(item) -> int:
+    """Where an item's module runs: SLURM first, the layout matrix next, DeepSpeed last."""
     name = Path(str(item.fspath)).name
     if _is_slurm_module(name):
-        return (0, 0)
+        return 0
     if name == "test_parallel_layouts.py":
-        return (1, 0)
-    if name in LONG_MODULES:
-        return (2, LONG_MODULES.index(name))
-    return (4, 0) if _is_deepspeed_test(item) else (3, 0)
+        return 1
+    return 3 if _is_deepspeed_test(item) else 2
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -152,8 +141,6 @@ def pytest_collection_modifyitems(session, config, items):
       them at once would queue for its nodes, and the node-death test needs the nodes the others
       use), and they mostly wait on jobs, so the other worker trains beside them. The layout
       matrix, the longest module that trains, starts at the same time on the other worker.
-    - Then the other long modules (LONG_MODULES), so that the end of the suite is made of short
-      modules that even out the two workers.
     - The DeepSpeed modules last. Their JIT ops build in the background at the lowest priority
       (pytest_collection_finish): the build only gets the CPU the running tests leave idle. In
       file order the DeepSpeed modules come early: in the 2026-11-26 CI runs the build finished
