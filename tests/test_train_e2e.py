@@ -515,12 +515,20 @@ def test_a_frozen_rank_is_ended_by_the_watchdog_restarted_and_resumes_exactly(re
     SIGTERM), starts the ranks again (a hang is a fault, not a repeating bug) and they finish with the
     uninterrupted run's losses."""
     run_dir.mkdir(parents=True)
-    proc = _start([*BASE, "cluster.max_restarts=1", f"trainer.hang_timeout_s={HANG_S}"], run_dir)
-    _wait_for(lambda: (run_dir / "checkpoints" / "step_00000004").is_dir() and 5 in losses_by_step(run_dir), 240, proc)
+    # Every rank holds after step 5 (LAUNCHER_DEBUG_HOLD) until `release` exists: rank 1 is frozen
+    # there, between training steps. A freeze timed by polling the logged steps could land in step
+    # 8's checkpoint save or validation on a loaded machine: long phases, where the watchdog allows
+    # 1800 s (seen once, beside the SLURM jobs: the attempt ended 100 s later with exit code 1 and
+    # no hang summary, after the test had given up waiting).
+    release = run_dir.parent / "release"
+    proc = _start([*BASE, "cluster.max_restarts=1", f"trainer.hang_timeout_s={HANG_S}",
+                   f"+cluster.env.LAUNCHER_DEBUG_HOLD=5:{release}"], run_dir)
+    _wait_for(lambda: all(Path(f"{release}.rank{r}").exists() for r in (0, 1)), 240, proc)
     pids = _rank_pids(run_dir)
     assert len(pids) == 2, pids
     os.kill(pids[1], signal.SIGSTOP)
     frozen_at = time.monotonic()
+    release.touch()  # rank 0 goes on into step 6 and waits there for the frozen rank
     frozen_after = max(losses_by_step(run_dir))
     try:
         _wait_for(lambda: (run_dir / "resilience.jsonl").exists(), HANG_S + 90, proc)
