@@ -524,6 +524,7 @@ def test_a_frozen_rank_is_ended_by_the_watchdog_restarted_and_resumes_exactly(re
     proc = _start([*BASE, "cluster.max_restarts=1", f"trainer.hang_timeout_s={HANG_S}",
                    f"+cluster.env.LAUNCHER_DEBUG_HOLD=5:{release}"], run_dir)
     _wait_for(lambda: all(Path(f"{release}.rank{r}").exists() for r in (0, 1)), 240, proc)
+    assert (run_dir / "checkpoints" / "step_00000004").is_dir()  # the restart has a checkpoint to resume
     pids = _rank_pids(run_dir)
     assert len(pids) == 2, pids
     os.kill(pids[1], signal.SIGSTOP)
