@@ -21,6 +21,7 @@ import pytest
 
 from conftest import TRAIN, losses_by_step, read_metrics, run_train, train_env
 from slurm_cluster import JOB_NODES, JobInfo, SlurmCluster, slurm_cluster  # noqa: F401  (fixture)
+from launcher.resilience.debug_hooks import held_marker
 from launcher.resilience.restarts import read_events
 from tests.deepspeed_harness.common import deepspeed_env
 
@@ -112,7 +113,7 @@ def release_file(run_dir: Path) -> Path:
 def wait_held(cluster: SlurmCluster, job_id: str, run_dir: Path, rank: int) -> None:
     """Wait until global rank `rank` of the job holds after its HOLD_STEP (it touched release.rank<R>)."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    held = Path(f"{release_file(run_dir)}.rank{rank}")
+    held = held_marker(release_file(run_dir), rank)
     while not held.exists():
         state = cluster.job(job_id).state
         assert state in ("PENDING", "RUNNING"), f"job {job_id} {state} before it held\n{job_logs(run_dir, job_id)}"

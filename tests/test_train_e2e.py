@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from launcher.checkpoint.folder import verify_checkpoint
+from launcher.resilience.debug_hooks import held_marker
 from tests.conftest import REPO, TRAIN, losses_by_step, read_metrics, run_train, train_env
 
 pytestmark = pytest.mark.multiprocess
@@ -523,7 +524,7 @@ def test_a_frozen_rank_is_ended_by_the_watchdog_restarted_and_resumes_exactly(re
     release = run_dir.parent / "release"
     proc = _start([*BASE, "cluster.max_restarts=1", f"trainer.hang_timeout_s={HANG_S}",
                    f"+cluster.env.LAUNCHER_DEBUG_HOLD=5:{release}"], run_dir)
-    _wait_for(lambda: all(Path(f"{release}.rank{r}").exists() for r in (0, 1)), 240, proc)
+    _wait_for(lambda: all(held_marker(release, r).exists() for r in (0, 1)), 240, proc)
     assert (run_dir / "checkpoints" / "step_00000004").is_dir()  # the restart has a checkpoint to resume
     pids = _rank_pids(run_dir)
     assert len(pids) == 2, pids

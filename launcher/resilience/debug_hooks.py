@@ -165,6 +165,11 @@ def install_spike(modules) -> list:
 HOLD_MAX_S = 900.0  # a test that never releases its hold fails on its own timeout, not by hanging the suite
 
 
+def held_marker(release: Path, rank: int) -> Path:
+    """The file rank `rank` touches once it holds (LAUNCHER_DEBUG_HOLD=S:release): a test waits for it."""
+    return Path(f"{release}.rank{rank}")
+
+
 def hold_after_step(rank: int, step: int, stop_requested: Callable[[], object]) -> None:
     """LAUNCHER_DEBUG_HOLD=S:PATH: after step S, mark this rank as held (PATH.rank<R>) and wait
     until PATH exists or `stop_requested()` is true (at most HOLD_MAX_S). A run resumed past S, or
@@ -181,7 +186,7 @@ def hold_after_step(rank: int, step: int, stop_requested: Callable[[], object]) 
         return
     log.warning("LAUNCHER_DEBUG_HOLD: rank %d holds after step %d until %s exists or a stop is requested",
                 rank, step, release)
-    Path(f"{release}.rank{rank}").touch()
+    held_marker(release, rank).touch()
     deadline = time.monotonic() + HOLD_MAX_S
     while not release.exists() and not stop_requested():
         if time.monotonic() > deadline:
